@@ -1,0 +1,3 @@
+from pretuner.cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""Command-line interface: typer only. Each module registers one command group on `app`."""
+
+from pretuner.cli.app import app, main
+
+__all__ = ["app", "main"]

@@ -1,0 +1,69 @@
+"""The typer application, its global options, and the single error boundary."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+
+import typer
+
+from pretuner import __version__
+from pretuner.errors import ExitCode, PretunerError
+
+app = typer.Typer(
+    name="pretuner",
+    help="Measure an LLM server's memory and derive the largest configuration that is safe.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+@dataclass
+class _GlobalState:
+    debug: bool = False
+
+
+state = _GlobalState()
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pretuner {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks and debug logging."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    state.debug = debug
+    level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def fail(message: str, code: ExitCode) -> None:
+    typer.echo(f"pretuner: error: {message}", err=True)
+    raise SystemExit(int(code))
+
+
+def main() -> None:
+    """Console entry point: run the app, turn every known error into one line and an exit code.
+
+    Usage errors (exit 2) and --help are typer's own; a Ctrl-C that reaches here exits 130.
+    """
+    try:
+        app()
+    except PretunerError as err:
+        if state.debug:
+            raise
+        fail(str(err), err.exit_code)
+    except KeyboardInterrupt:
+        typer.echo("pretuner: interrupted", err=True)
+        raise SystemExit(int(ExitCode.INTERRUPTED)) from None

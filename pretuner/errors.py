@@ -1,0 +1,86 @@
+"""The error hierarchy and the exit codes the CLI maps it to.
+
+Every error a user can cause or meet carries a one-line message that names the offending
+value and what to do. The CLI catches `PretunerError` once and exits with `exit_code`.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Documented exit codes of the `pretuner` command (see README, "Exit codes")."""
+
+    OK = 0
+    INTERNAL = 1
+    BAD_INPUT = 2
+    NOTHING_FOUND = 3
+    INFEASIBLE = 4
+    SERVER_FAILED = 5
+    NOT_VALIDATED = 6
+    INTERRUPTED = 130
+
+
+class PretunerError(Exception):
+    """Base of every error pretuner reports to a user."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message}; {self.hint}" if self.hint else self.message
+
+
+class BadInputError(PretunerError):
+    """A value given by the user is invalid (unknown model, card < 1, util out of range...)."""
+
+    exit_code = ExitCode.BAD_INPUT
+
+
+class UnknownModelError(BadInputError):
+    """The model name matches no registry entry and no local folder."""
+
+    def __init__(self, name: str, suggestions: list[str]) -> None:
+        hint = (
+            f"did you mean {', '.join(suggestions)}?"
+            if suggestions
+            else "run `pretuner models` for the list, or pass a local model folder"
+        )
+        super().__init__(f"unknown model {name!r}", hint=hint)
+        self.name = name
+        self.suggestions = suggestions
+
+
+class NothingFoundError(PretunerError):
+    """The logs hold none of the lines the command needs."""
+
+    exit_code = ExitCode.NOTHING_FOUND
+
+
+class InfeasibleError(PretunerError):
+    """The arithmetic says the requested configuration cannot fit on the card."""
+
+    exit_code = ExitCode.INFEASIBLE
+
+
+class ServerFailedError(PretunerError):
+    """The server under test died, hung, or never became ready."""
+
+    exit_code = ExitCode.SERVER_FAILED
+
+    def __init__(
+        self, message: str, *, hint: str | None = None, log_path: str | None = None
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.log_path = log_path
+
+
+class NotValidatedError(PretunerError):
+    """No configuration could be proven under load within the launch budget."""
+
+    exit_code = ExitCode.NOT_VALIDATED

@@ -1,0 +1,92 @@
+"""The built-in model registry: one JSON file per model under `pretuner/models/data/`."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pretuner.errors import BadInputError, UnknownModelError
+from pretuner.models.spec import AttentionKind, ModelSpec, WeightsFormat
+
+_SPEC_KEYS = {
+    "name", "hf_id", "aliases", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+    "head_dim", "vocab_size", "intermediate_size", "attention", "total_params", "dtype",
+    "weights", "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
+    "sliding_window_layers", "num_experts", "active_params", "notes", "extra",
+}
+_WEIGHTS_KEYS = {"name", "total_bytes", "source"}
+
+
+def spec_from_dict(data: dict[str, Any], origin: str) -> ModelSpec:
+    """Build a spec from its JSON form, rejecting unknown keys (typos must not pass silently)."""
+    unknown = set(data) - _SPEC_KEYS
+    if unknown:
+        raise BadInputError(
+            f"{origin}: unknown key(s) {', '.join(sorted(unknown))}",
+            hint=f"valid keys: {', '.join(sorted(_SPEC_KEYS))}",
+        )
+    weights = []
+    for w in data.get("weights", []):
+        bad = set(w) - _WEIGHTS_KEYS
+        if bad:
+            raise BadInputError(f"{origin}: unknown weights key(s) {', '.join(sorted(bad))}")
+        weights.append(WeightsFormat(**w))
+    fields = dict(data)
+    fields["weights"] = tuple(weights)
+    fields["aliases"] = tuple(data.get("aliases", ()))
+    fields["attention"] = AttentionKind(data["attention"])
+    try:
+        return ModelSpec(**fields)
+    except TypeError as err:
+        raise BadInputError(f"{origin}: {err}") from None
+
+
+@cache
+def builtin_specs() -> tuple[ModelSpec, ...]:
+    """Every spec shipped with the package, sorted by name."""
+    specs = []
+    for entry in resources.files("pretuner.models").joinpath("data").iterdir():
+        if entry.name.endswith(".json"):
+            specs.append(spec_from_dict(json.loads(entry.read_text("utf-8")), entry.name))
+    return tuple(sorted(specs, key=lambda s: s.name))
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower()
+
+
+@cache
+def _alias_table() -> dict[str, ModelSpec]:
+    table: dict[str, ModelSpec] = {}
+    for spec in builtin_specs():
+        for key in (spec.name, spec.hf_id, spec.hf_id.split("/")[-1], *spec.aliases):
+            table[_norm(key)] = spec
+    return table
+
+
+def lookup(name: str) -> ModelSpec:
+    """A built-in spec by name, alias or Hugging Face id, case-insensitive."""
+    table = _alias_table()
+    spec = table.get(_norm(name))
+    if spec is not None:
+        return spec
+    names = sorted({s.name for s in builtin_specs()})
+    close = difflib.get_close_matches(_norm(name), names, n=3, cutoff=0.6)
+    if not close:
+        close = difflib.get_close_matches(_norm(name), list(table), n=3, cutoff=0.6)
+        close = sorted({table[c].name for c in close})
+    raise UnknownModelError(name, close)
+
+
+def resolve(name_or_path: str) -> ModelSpec:
+    """A registry name, or a local Hugging Face model folder (config.json + safetensors)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        from pretuner.models.hf import spec_from_folder
+
+        return spec_from_folder(path)
+    return lookup(name_or_path)

@@ -1,0 +1,86 @@
+"""What the memory math needs to know about a model: its shape and its checkpoint sizes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class AttentionKind(str, Enum):
+    """How a layer stores its KV cache."""
+
+    MHA = "mha"  # kv_heads == heads
+    GQA = "gqa"  # 1 < kv_heads < heads
+    MQA = "mqa"  # kv_heads == 1
+    MLA = "mla"  # DeepSeek latent cache: kv_lora_rank + qk_rope_head_dim per layer, not sharded
+
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "bf16": 2,
+    "fp16": 2,
+    "int8": 1,
+    "fp8": 1,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsFormat:
+    """One checkpoint format users deploy (bf16, W8A8, fp8...) and its total size on disk."""
+
+    name: str
+    total_bytes: int
+    source: str = "derived"  # "measured" (checkpoint index), "derived" (params x bytes/param)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model's dimensions, as far as the KV and weight arithmetic needs them."""
+
+    name: str
+    hf_id: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    attention: AttentionKind
+    total_params: int
+    dtype: str
+    weights: tuple[WeightsFormat, ...]
+    max_position_embeddings: int
+    aliases: tuple[str, ...] = ()
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    sliding_window: int | None = None
+    sliding_window_layers: int = 0
+    num_experts: int = 0
+    active_params: int | None = None
+    notes: str = ""
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def weights_format(self, name: str | None = None) -> WeightsFormat:
+        """The named checkpoint format, or the model's native one when `name` is None."""
+        if name is None:
+            native = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
+            for fmt in self.weights:
+                if fmt.name == native:
+                    return fmt
+            return self.weights[0]
+        for fmt in self.weights:
+            if fmt.name.lower() == name.lower():
+                return fmt
+        from pretuner.errors import BadInputError
+
+        choices = ", ".join(f.name for f in self.weights)
+        raise BadInputError(
+            f"model {self.name} has no weights format {name!r}", hint=f"choose one of: {choices}"
+        )

@@ -16,7 +16,7 @@ _SPEC_KEYS = {
     "name", "hf_id", "aliases", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
     "head_dim", "vocab_size", "intermediate_size", "attention", "total_params", "dtype",
     "weights", "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
-    "sliding_window_layers", "num_experts", "active_params", "notes", "extra",
+    "sliding_window_layers", "num_experts", "active_params", "default_weights", "notes", "extra",
 }
 _WEIGHTS_KEYS = {"name", "total_bytes", "source"}
 

@@ -60,6 +60,7 @@ class ModelSpec:
     sliding_window_layers: int = 0
     num_experts: int = 0
     active_params: int | None = None
+    default_weights: str | None = None  # the format users deploy on Ascend when not told
     notes: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -69,6 +70,8 @@ class ModelSpec:
 
     def weights_format(self, name: str | None = None) -> WeightsFormat:
         """The named checkpoint format, or the model's native one when `name` is None."""
+        if name is None and self.default_weights is not None:
+            name = self.default_weights
         if name is None:
             native = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
             for fmt in self.weights:

@@ -128,7 +128,9 @@ def derive(inp: PrerunInputs) -> Derivation:
     """Apply the method to one pre-run's measurement."""
     check_launch_settings(inp.card_gib, inp.util, inp.model_use_gib)
     if inp.max_model_len < 1:
-        raise BadInputError(f"--max-model-len {inp.max_model_len} is invalid", hint="use e.g. 16384")
+        raise BadInputError(
+            f"--max-model-len {inp.max_model_len} is invalid", hint="use e.g. 16384"
+        )
     if inp.actual_peak_mib < 1:
         raise BadInputError(f"actual peak {inp.actual_peak_mib} MiB is invalid")
     if inp.headroom_gib < 0:
@@ -215,4 +217,3 @@ def derive(inp: PrerunInputs) -> Derivation:
 
 def _largest_len(tokens: int, block_size: int) -> int:
     return (tokens // block_size) * block_size
-

@@ -3,3 +3,5 @@
 from pretuner.cli.app import app, main
 
 __all__ = ["app", "main"]
+
+from pretuner.cli import plan as _plan  # noqa: E402, F401  (registers the command)

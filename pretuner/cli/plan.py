@@ -1,0 +1,108 @@
+"""`pretuner plan`: predict the memory split without launching anything."""
+
+from __future__ import annotations
+
+import typer
+
+from pretuner.cli.app import app
+from pretuner.cli.render import echo_json, table
+from pretuner.method import DEFAULT_HEADROOM_GIB
+from pretuner.models import resolve
+from pretuner.plan import PlanConfig, PlanResult, plan
+from pretuner.units import GIB
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option(
+        ..., "--model", "-m", help="Registry name, alias, or local HF folder."
+    ),
+    card: int = typer.Option(..., "--card", help="Card memory in GiB (ASCEND_TOTAL_MEMORY_GB)."),
+    util: float = typer.Option(0.9, "--util", help="--gpu-memory-utilization."),
+    max_model_len: int = typer.Option(16384, "--max-model-len", help="Tokens per request."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor parallel size (default: chosen)."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size."),
+    nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: from TP x PP)."),
+    cards_per_node: int = typer.Option(8, "--cards-per-node", help="Cards per node."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype", help="auto|bf16|fp16|int8|fp8|int8-mla."
+    ),
+    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens (r0.1: 16)."),
+    weights_format: str | None = typer.Option(
+        None, "--weights-format", help="Checkpoint format, e.g. bf16, w8a8."
+    ),
+    headroom_gb: float = typer.Option(
+        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="GiB added to weights+activations."
+    ),
+    kv_gib: float | None = typer.Option(
+        None, "--kv-gib", help="Also say how many tokens fit in this many GiB."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Predict weights, activations, KV cache and max-num-seqs per card (no launch)."""
+    cfg = PlanConfig(
+        model=resolve(model),
+        card_gib=card,
+        util=util,
+        max_model_len=max_model_len,
+        tp=tp,
+        pp=pp,
+        nodes=nodes,
+        cards_per_node=cards_per_node,
+        kv_cache_dtype=kv_cache_dtype,
+        block_size=block_size,
+        weights_format=weights_format,
+        headroom_gib=headroom_gb,
+        kv_gib=kv_gib,
+    )
+    result = plan(cfg)
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        typer.echo(render_plan(result))
+
+
+def render_plan(r: PlanResult) -> str:
+    lines = [
+        f"{r.model} on {r.card_gib} GiB cards, util {r.util} (all figures predicted, no launch)",
+        f"layout: TP{r.tp} x PP{r.pp} on {r.nodes} node(s) - {r.layout_reason}",
+    ]
+    for tp, why in r.rejected:
+        lines.append(f"  TP{tp} rejected: {why}")
+    lines += [
+        f"weights ({r.weights_format}): {r.weights_bytes_per_card / GIB:.2f} GiB per card",
+        f"KV cache: {r.kv_bytes_per_token:,} bytes per token per card, block {r.block_size}",
+        "",
+    ]
+    rows = [
+        (
+            f"{lp.max_model_len:,}",
+            f"{lp.activation_bytes / GIB:.2f}",
+            lp.model_use_gib,
+            f"{lp.kv_bytes / GIB:.2f}",
+            f"{lp.kv_tokens:,}",
+            lp.max_num_seqs,
+        )
+        for lp in (r.requested, *r.ladder)
+    ]
+    lines.append(
+        table(
+            (
+                "max_model_len",
+                "activation GiB",
+                "model-use GiB",
+                "KV GiB",
+                "KV tokens",
+                "max-num-seqs",
+            ),
+            rows,
+        )
+    )
+    if not r.requested.fits:
+        lines.append(
+            f"\n{r.requested.max_model_len:,} tokens does not fit one sequence on this layout."
+        )
+    if r.kv_query:
+        lines.append(f"\n{r.kv_query[0]} GiB of KV cache holds {r.kv_query[1]:,} tokens (derived).")
+    lines.append("\nPredictions only: `pretuner run` measures them with a pre-run.")
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""The method's derivation as lines a person reads (used by `analyze`, `run` and report.md)."""
+
+from __future__ import annotations
+
+import shlex
+
+from pretuner.envfile import server_args
+from pretuner.method import Derivation
+from pretuner.units import GIB, MIB
+
+
+def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
+    """Every step of seed 003 §3.2.2 with its formula, value, unit and provenance."""
+    i = d.inputs
+    cap = i.card_gib * i.util
+    peak_gib = d.actual_peak_bytes / GIB
+    f = d.final
+    final_cap = i.card_gib * f.gpu_memory_utilization
+    rows = [
+        (
+            "1. KV cache in the pre-run",
+            f"{i.card_gib} GiB x {i.util} - {i.model_use_gib} GiB",
+            f"{d.kv_prerun_gib:.2f} GiB",
+        ),
+        (
+            "2. weights + activations",
+            f"{peak_gib:.2f} GiB peak - {d.kv_prerun_gib:.2f} GiB",
+            f"{d.weights_act_gib:.2f} GiB",
+        ),
+        (
+            "3. max KV cache",
+            f"{cap:.2f} GiB - {d.weights_act_gib:.2f} GiB",
+            f"{d.max_kv_gib:.2f} GiB",
+        ),
+        (
+            "4. max tokens",
+            f"{d.max_kv_gib:.2f} GiB / {i.kv_bytes_per_token:,} B/token, block {i.block_size}",
+            f"{d.max_kv_tokens:,} tokens",
+        ),
+        (
+            "5. max-num-seqs",
+            f"{d.max_kv_tokens:,} // {i.max_model_len:,}",
+            f"{d.max_num_seqs_method}",
+        ),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines = [
+        f"Derivation (seed 003 §3.2.2; card {i.card_gib} GiB {card_source}, actual peak "
+        f"{d.actual_peak_bytes // MIB:,} MiB measured, everything below derived):"
+    ]
+    lines += [f"  {a.ljust(w0)}  = {b.ljust(w1)}  = {c}" for a, b, c in rows]
+    lost_tokens = d.rounding_cost_bytes // i.kv_bytes_per_token
+    lines += [
+        "",
+        f"Final configuration (headroom {i.headroom_gib} GiB, derived):",
+        f"  vLLM_MODEL_MEMORY_USE_GB = ceil({d.weights_act_gib:.2f} + {i.headroom_gib}) = "
+        f"{f.vllm_model_memory_use_gb} GiB (an integer for r0.1; rounding up costs "
+        f"{d.rounding_cost_bytes / GIB:.2f} GiB of KV, about {lost_tokens:,} tokens)",
+        f"  KV cache per card = {final_cap:.2f} GiB - {f.vllm_model_memory_use_gb} GiB = "
+        f"{f.kv_bytes / GIB:.2f} GiB = {f.kv_tokens:,} tokens -> max-num-seqs "
+        f"{f.max_num_seqs} at {f.max_model_len:,} tokens",
+        "",
+    ]
+    lines += [f"  export {k}={v}" for k, v in f.env.items()]
+    lines.append(f"  {shlex.join(server_args(f.flags))}")
+    return lines

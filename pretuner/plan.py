@@ -1,0 +1,246 @@
+"""Zero-launch prediction: weights, activations and KV per card, and the parallel layout.
+
+Everything here is *predicted* from the model spec; a pre-run replaces the activation guess
+with a measurement. The activation heuristic is deliberately simple and documented in README
+("plan's activation estimate").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pretuner.errors import BadInputError, InfeasibleError
+from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
+from pretuner.method import DEFAULT_HEADROOM_GIB, check_launch_settings
+from pretuner.models.spec import ModelSpec
+from pretuner.units import GIB
+
+LADDER = (16384, 8192, 4096)
+TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
+# Non-weight memory a server holds whatever the length: CANN/HCCL buffers, kernel workspace,
+# the sampler. Measured runs replace it; 1 GiB matches the "non-framework < 1 GiB" of seed 003.
+WORKSPACE_BYTES = 1 * GIB
+
+
+def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
+    """Predicted activation peak of one prefill of `tokens` tokens on one card.
+
+    Hidden states and their residual/norm copies (~4 x hidden) plus the MLP's gate/up/down
+    intermediates (~3 x intermediate / tp) per token in the model dtype, plus a fixed workspace.
+    Flash attention keeps attention linear in length, so no quadratic term.
+    """
+    per_token = 4 * spec.hidden_size + 3 * spec.intermediate_size // tp
+    return tokens * per_token * spec.dtype_bytes + WORKSPACE_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    model: ModelSpec
+    card_gib: int
+    util: float = 0.9
+    max_model_len: int = 16384
+    tp: int | None = None
+    pp: int = 1
+    nodes: int | None = None
+    cards_per_node: int = 8
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    weights_format: str | None = None
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    kv_gib: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LengthPlan:
+    """The prediction for one max_model_len."""
+
+    max_model_len: int
+    activation_bytes: int
+    model_use_gib: int  # predicted vLLM_MODEL_MEMORY_USE_GB (integer, headroom included)
+    kv_bytes: int
+    kv_tokens: int
+    max_num_seqs: int
+
+    @property
+    def fits(self) -> bool:
+        return self.max_num_seqs >= 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlanResult:
+    model: str
+    card_gib: int
+    util: float
+    tp: int
+    pp: int
+    nodes: int
+    weights_format: str
+    weights_bytes_per_card: int
+    kv_bytes_per_token: int
+    block_size: int
+    requested: LengthPlan
+    ladder: tuple[LengthPlan, ...]
+    layout_reason: str
+    rejected: tuple[tuple[int, str], ...] = ()
+    kv_query: tuple[float, int] | None = None  # (GiB asked, tokens that fit)
+    notes: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        req = self.requested
+        return {
+            "model": self.model,
+            "card_gib": self.card_gib,
+            "util": self.util,
+            "tp": self.tp,
+            "pp": self.pp,
+            "nodes": self.nodes,
+            "weights_format": self.weights_format,
+            "weights_gib_per_card": round(self.weights_bytes_per_card / GIB, 3),
+            "activation_gib": round(req.activation_bytes / GIB, 3),
+            "model_use_gib": req.model_use_gib,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_size": self.block_size,
+            "max_kv_gib": round(req.kv_bytes / GIB, 3),
+            "max_kv_tokens": req.kv_tokens,
+            "max_num_seqs": req.max_num_seqs,
+            "max_model_len": req.max_model_len,
+            "ladder": [
+                {
+                    "max_model_len": lp.max_model_len,
+                    "model_use_gib": lp.model_use_gib,
+                    "max_kv_gib": round(lp.kv_bytes / GIB, 3),
+                    "max_kv_tokens": lp.kv_tokens,
+                    "max_num_seqs": lp.max_num_seqs,
+                }
+                for lp in self.ladder
+            ],
+            "layout_reason": self.layout_reason,
+            "rejected_layouts": [{"tp": tp, "reason": why} for tp, why in self.rejected],
+            "kv_query": (
+                {"kv_gib": self.kv_query[0], "tokens": self.kv_query[1]} if self.kv_query else None
+            ),
+            "provenance": "predicted",
+        }
+
+
+def _length_plan(cfg: PlanConfig, tp: int, weights: int, bpt: int, length: int) -> LengthPlan:
+    act = activation_bytes(cfg.model, length, tp)
+    model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib)
+    budget = int(cfg.card_gib * GIB * cfg.util) - model_use * GIB
+    blocks = num_kv_blocks(budget, bpt, cfg.block_size)
+    tokens = blocks * cfg.block_size
+    return LengthPlan(
+        max_model_len=length,
+        activation_bytes=act,
+        model_use_gib=model_use,
+        kv_bytes=blocks * cfg.block_size * bpt,
+        kv_tokens=tokens,
+        max_num_seqs=tokens // length,
+    )
+
+
+def _weights_per_card(cfg: PlanConfig, tp: int) -> int:
+    return cfg.model.weights_format(cfg.weights_format).total_bytes // (tp * cfg.pp)
+
+
+def _layout_error(cfg: PlanConfig, tp: int) -> str | None:
+    try:
+        kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+    except BadInputError as err:
+        return err.message
+    return None
+
+
+def _nodes_for(cfg: PlanConfig, tp: int) -> int:
+    return max(1, math.ceil(tp * cfg.pp / cfg.cards_per_node))
+
+
+def plan(cfg: PlanConfig) -> PlanResult:
+    """Predict the memory split and pick (or check) the parallel layout."""
+    check_launch_settings(cfg.card_gib, cfg.util, 1)
+    if cfg.max_model_len < 1:
+        raise BadInputError(
+            f"--max-model-len {cfg.max_model_len} is invalid", hint="use e.g. 16384"
+        )
+    if cfg.cards_per_node < 1:
+        raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
+    fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
+    rejected: list[tuple[int, str]] = []
+    if cfg.tp is not None:
+        err = _layout_error(cfg, cfg.tp)
+        if err:
+            raise BadInputError(err)
+        tp, reason = cfg.tp, f"TP{cfg.tp} as requested"
+    else:
+        tp, reason = _choose_tp(cfg, rejected)
+    nodes = _nodes_for(cfg, tp)
+    if cfg.nodes is not None:
+        if cfg.nodes * cfg.cards_per_node < tp * cfg.pp:
+            raise BadInputError(
+                f"--nodes {cfg.nodes} x {cfg.cards_per_node} cards cannot hold TP{tp} x PP{cfg.pp}",
+                hint=f"use --nodes {nodes} or a smaller --tp",
+            )
+        nodes = cfg.nodes
+    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+    weights = _weights_per_card(cfg, tp)
+    requested = _length_plan(cfg, tp, weights, bpt, cfg.max_model_len)
+    ladder = tuple(_length_plan(cfg, tp, weights, bpt, n) for n in LADDER if n < cfg.max_model_len)
+    kv_query = None
+    if cfg.kv_gib is not None:
+        if cfg.kv_gib <= 0:
+            raise BadInputError(f"--kv-gib {cfg.kv_gib} must be positive", hint="e.g. --kv-gib 36")
+        kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
+    return PlanResult(
+        model=cfg.model.name,
+        card_gib=cfg.card_gib,
+        util=cfg.util,
+        tp=tp,
+        pp=cfg.pp,
+        nodes=nodes,
+        weights_format=fmt.name,
+        weights_bytes_per_card=weights,
+        kv_bytes_per_token=bpt,
+        block_size=cfg.block_size,
+        requested=requested,
+        ladder=ladder,
+        layout_reason=reason,
+        rejected=tuple(rejected),
+        kv_query=kv_query,
+    )
+
+
+def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, str]:
+    """The smallest power-of-two TP whose weights fit with room for one max-length sequence."""
+    cap_gib = cfg.card_gib * cfg.util
+    for tp in TP_CANDIDATES:
+        err = _layout_error(cfg, tp)
+        if err:
+            rejected.append((tp, err))
+            continue
+        weights = _weights_per_card(cfg, tp)
+        bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+        lp = _length_plan(cfg, tp, weights, bpt, cfg.max_model_len)
+        if lp.fits:
+            nodes = _nodes_for(cfg, tp)
+            where = f"{nodes} node{'s' if nodes > 1 else ''}"
+            why = (
+                f"TP{tp} on {where}: the smallest power-of-two TP whose weights "
+                f"({weights / GIB:.2f} GiB/card) leave room for KV of one "
+                f"{cfg.max_model_len:,}-token sequence within card*util = {cap_gib:.2f} GiB"
+            )
+            return tp, why
+        rejected.append(
+            (
+                tp,
+                f"weights {weights / GIB:.2f} GiB + activations "
+                f"{lp.activation_bytes / GIB:.2f} GiB + headroom leave "
+                f"{lp.kv_tokens:,} KV tokens, less than one {cfg.max_model_len:,}-token sequence",
+            )
+        )
+    raise InfeasibleError(
+        f"{cfg.model.name} does not fit on {cfg.card_gib} GiB cards at any TP up to "
+        f"{TP_CANDIDATES[-1]} with --max-model-len {cfg.max_model_len:,}",
+        hint="use a quantized --weights-format, a shorter --max-model-len, or --pp",
+    )

@@ -1,0 +1,69 @@
+"""`pretuner sim`: the emulated Ascend card and vLLM-MindSpore r0.1 server (simulated figures)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from pretuner.cli.app import app
+
+sim_app = typer.Typer(
+    help="Emulated Ascend card + vLLM-MindSpore r0.1 server for tests and first runs "
+    "(all memory figures are simulated).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(sim_app, name="sim")
+
+_PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@sim_app.command(
+    "serve",
+    context_settings=_PASS,
+    add_help_option=False,
+    help="Run the emulated server; takes the vLLM-MindSpore command line "
+    "(see `pretuner sim serve --help`).",
+)
+def serve(ctx: typer.Context) -> None:
+    from pretuner.sim.serve import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@sim_app.command(
+    "launch",
+    context_settings=_PASS,
+    add_help_option=False,
+    help="r0.1 launcher: run the server as a subprocess.run child, like "
+    "`python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server ...`.",
+)
+def launch(ctx: typer.Context) -> None:
+    from pretuner.sim.launcher import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@sim_app.command(
+    "npu-smi",
+    context_settings=_PASS,
+    add_help_option=False,
+    help="Print `npu-smi info` for the emulated cards.",
+)
+def npu_smi(ctx: typer.Context) -> None:
+    from pretuner.sim.npusmi import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@sim_app.command("install-shim")
+def install_shim(
+    directory: Path = typer.Argument(..., help="Folder to write an executable `npu-smi` into."),
+) -> None:
+    """Write an `npu-smi` script that runs the emulated one; put DIR first on PATH."""
+    from pretuner.sim.npusmi import write_shim
+
+    path = write_shim(directory, sys.executable)
+    typer.echo(str(path))

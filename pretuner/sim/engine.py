@@ -1,0 +1,259 @@
+"""The emulated engine: vLLM 0.6 V0 scheduling over the card model, with pool accounting and OOM.
+
+A step is either a prefill of waiting prompts (FCFS; at most max-num-seqs running, at most
+max-num-batched-tokens prompt tokens, KV blocks reserved for prompt + max_tokens) or one decode
+token for every running sequence, as vLLM 0.6 does without chunked prefill. Each step asks every
+rank's pool for its dynamic memory; if one rank cannot find it, that rank logs the MindSpore OOM
+and its pool dump, every request in flight fails and the engine is dead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pretuner.sim.logs import PoolStats, RankLog, VllmLog
+from pretuner.sim.memory import CardModel
+
+PREFILL_BASE_S = 0.004
+PREFILL_PER_TOKEN_S = 2e-7
+DECODE_STEP_S = 0.003
+METRICS_EVERY_S = 5.0
+_POOL_CHUNK = 1 << 30  # MindSpore grows its dynamic pool in 1 GiB chunks
+
+
+class EngineDeadError(RuntimeError):
+    """The engine crashed (OOM): like vLLM's AsyncEngineDeadError."""
+
+
+@dataclass
+class Request:
+    """One completion request as the engine sees it."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    output: list[int] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    on_token: Callable[[int], None] | None = None
+
+    @property
+    def blocks_needed_tokens(self) -> int:
+        return self.prompt_len + self.max_tokens
+
+
+@dataclass
+class RankPool:
+    """One rank's MindSpore pool: static part, KV, and the running peaks."""
+
+    model: CardModel
+    log: RankLog
+    device_id: int
+    kv_bytes: int
+    peak_dynamic: int = 0  # with fragments
+    peak_dynamic_no_frag: int = 0
+
+    @property
+    def in_used(self) -> int:
+        return self.model.static_bytes + self.kv_bytes
+
+    def stats(self, extra_dynamic: int = 0, extra_no_frag: int = 0) -> PoolStats:
+        peak_dyn = max(self.peak_dynamic, extra_dynamic)
+        actual = self.in_used + peak_dyn
+        peak = self.in_used + max(self.peak_dynamic_no_frag, extra_no_frag)
+        alloc = math.ceil(actual / _POOL_CHUNK) * _POOL_CHUNK
+        return PoolStats(in_used=self.in_used, peak_used=peak, actual_peak=actual, alloc=alloc)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_blocks: int
+    pool_cap_bytes: int
+
+
+class OutOfMemory(Exception):
+    """A rank's pool could not serve an allocation."""
+
+    def __init__(self, rank: int, device_id: int, kernel: str, alloc_size: int) -> None:
+        self.rank = rank
+        self.device_id = device_id
+        self.kernel = kernel
+        self.alloc_size = alloc_size
+        super().__init__(oom_text(device_id, kernel, alloc_size))
+
+
+def oom_text(device_id: int, kernel: str, alloc_size: int) -> str:
+    return (f"Device(id:{device_id}) memory isn't enough and alloc failed, kernel name: {kernel}, "
+            f"alloc size: {alloc_size}B.")
+
+
+_KERNELS = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-Attention/"
+            "FlashAttentionScore-op0",
+            "Default/model-LlamaModel/layers-CellList/0-DecoderLayer/feed_forward-FeedForward/"
+            "MatMul-op1",
+            "Default/lm_head-Linear/MatMul-op2")
+
+
+def check_step(pools: Sequence[RankPool], cap: int, prefill_lens: Sequence[int],
+               running: int) -> None:
+    """Account one step on every rank; raise OutOfMemory on the first rank that cannot fit it."""
+    for rank, pool in enumerate(pools):
+        dyn = pool.model.dynamic_bytes(prefill_lens, running)
+        if pool.in_used + dyn > cap:
+            over = pool.in_used + dyn - cap
+            alloc = max(over, dyn // 4)
+            alloc = -(-alloc // 512) * 512
+            kernel = _KERNELS[0] if prefill_lens else _KERNELS[2]
+            pool.peak_dynamic = max(pool.peak_dynamic, cap - pool.in_used)
+            raise OutOfMemory(rank, pool.device_id, kernel, alloc)
+    for pool in pools:
+        pool.peak_dynamic = max(pool.peak_dynamic, pool.model.dynamic_bytes(prefill_lens, running))
+        pool.peak_dynamic_no_frag = max(pool.peak_dynamic_no_frag,
+                                        pool.model.dynamic_bytes_no_frag(prefill_lens, running))
+
+
+class Engine:
+    """Continuous batching over threads: requests really overlap in the same steps."""
+
+    def __init__(self, pools: Sequence[RankPool], limits: EngineLimits, log: VllmLog,
+                 on_dead: Callable[[OutOfMemory], None], *, pool_format: str = "2.5",
+                 seed: int = 0) -> None:
+        self.pools = list(pools)
+        self.pool_format = pool_format
+        self.limits = limits
+        self.log = log
+        self._on_dead = on_dead
+        self._cond = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._free_blocks = limits.num_blocks
+        self._stop = False
+        self.dead: OutOfMemory | None = None
+        self._rng = random.Random(seed)  # noqa: S311 - fake output tokens
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._last_metrics = time.monotonic()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def submit(self, req: Request) -> None:
+        with self._cond:
+            if self.dead is not None:
+                raise EngineDeadError("Background loop has errored already.")
+            self._waiting.append(req)
+            self._cond.notify_all()
+
+    def _blocks(self, req: Request) -> int:
+        return -(-req.blocks_needed_tokens // self.limits.block_size)
+
+    def _admit(self) -> list[Request]:
+        batch: list[Request] = []
+        tokens = 0
+        lim = self.limits
+        while self._waiting:
+            req = self._waiting[0]
+            if len(self._running) + len(batch) >= lim.max_num_seqs:
+                break
+            if tokens + req.prompt_len > lim.max_num_batched_tokens:
+                break
+            need = self._blocks(req)
+            if need > self._free_blocks:
+                break
+            self._waiting.popleft()
+            self._free_blocks -= need
+            tokens += req.prompt_len
+            batch.append(req)
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cond.wait(timeout=1.0)
+                if self._stop:
+                    return
+                batch = self._admit()
+                stepping = batch if batch else list(self._running)
+                prefill_lens = [r.prompt_len for r in batch]
+                running = len(self._running) + len(batch)
+            if not stepping:
+                time.sleep(DECODE_STEP_S)  # waiting for KV blocks: nothing can run
+                continue
+            try:
+                check_step(self.pools, self.limits.pool_cap_bytes, prefill_lens, running)
+            except OutOfMemory as oom:
+                self._crash(oom, batch)
+                return
+            tokens = sum(prefill_lens)
+            time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if batch else DECODE_STEP_S)
+            with self._cond:
+                self._running.extend(batch)
+                self._prompt_tokens += tokens
+                for req in stepping:
+                    tok = self._rng.randrange(100, 30000)
+                    req.output.append(tok)
+                    self._gen_tokens += 1
+                    if req.on_token is not None:
+                        req.on_token(tok)
+                done = [r for r in self._running if len(r.output) >= r.max_tokens]
+                for req in done:
+                    self._running.remove(req)
+                    self._free_blocks += self._blocks(req)
+                    req.finished.set()
+                self._maybe_metrics()
+
+    def _maybe_metrics(self) -> None:
+        now = time.monotonic()
+        span = now - self._last_metrics
+        if span < METRICS_EVERY_S:
+            return
+        used = self.limits.num_blocks - self._free_blocks
+        usage = 100.0 * used / self.limits.num_blocks if self.limits.num_blocks else 0.0
+        self.log.info(
+            "metrics.py:467",
+            f"Avg prompt throughput: {self._prompt_tokens / span:.1f} tokens/s, "
+            f"Avg generation throughput: {self._gen_tokens / span:.1f} tokens/s, "
+            f"Running: {len(self._running)} reqs, Swapped: 0 reqs, "
+            f"Pending: {len(self._waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
+            f"CPU KV cache usage: 0.0%.")
+        self._prompt_tokens = self._gen_tokens = 0
+        self._last_metrics = now
+
+    def _crash(self, oom: OutOfMemory, batch: list[Request]) -> None:
+        pool = self.pools[oom.rank]
+        pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
+                     "MallocForKernelOutput",
+                     f"#umsg#Memory not enough:#umsg#{oom}")
+        pool.log.pool_dump(pool.stats(), self.pool_format)
+        with self._cond:
+            self.dead = oom
+            victims = list(self._waiting) + self._running + batch
+            self._waiting.clear()
+            self._running.clear()
+        for req in victims:
+            req.error = str(oom)
+            req.finished.set()
+            if req.on_token is not None:
+                req.on_token(-1)
+        self._on_dead(oom)
+

@@ -1,0 +1,294 @@
+"""The emulated card's physical memory model: every coefficient of the simulator lives here.
+
+Pure: no I/O, no clocks. All figures are bytes per card (per rank) unless the name says
+otherwise. The numbers are *simulated*: plausible for a 910B running vLLM-MindSpore r0.1, not
+measurements of one.
+
+What a card holds, bottom to top (REFERENCE section 1, seed 003):
+
+1. System + driver reservation (`CardProfile.driver_reserved_mib`): visible as `HBM-Usage` in
+   `npu-smi info` on an idle card (3379 MB on a real 64 GB 910B). Nobody can use it.
+2. The non-framework CANN share (`CardProfile.cann_mib`, 0.5-1 GiB): runtime contexts, HCCL
+   buffers. It sits outside MindSpore's pool. The card's *free* memory as MindSpore sees it at
+   init is `total - driver - cann`; `max_device_memory` (= ASCEND_TOTAL_MEMORY_GB * util GiB)
+   must be strictly below it.
+3. MindSpore's pool, capped at `max_device_memory`. It holds, per rank:
+   - the weights shard: `total_bytes * (1 - replicated) / (tp * pp) + total_bytes *
+     replicated / pp`, times `1 + weights_overhead` (alignment, quantisation scales);
+   - a fixed workspace (`workspace_mib`, kernels' scratch, communication buffers);
+   - the KV cache, allocated at start by the r0.1 formula
+     `blocks = max(0, floor((TOTAL * 2^30 * util - MODEL_USE * 2^30) / block_bytes))`;
+   - the *dynamic* part of one engine step, freed after the step:
+       activation(prefill) = act_hidden * T * hidden * dtype            (linear in tokens)
+                           + act_mlp * T * (intermediate / tp) * dtype   (linear in tokens)
+                           + attn_quad * sum(S_i^2) * heads_local        (super-linear)
+       where T = prefill tokens in flight (the scheduler caps it at max-num-batched-tokens)
+       and S_i the prompt lengths batched in the step;
+       decode = decode_act * running * hidden * dtype;
+       sampler = sampler_copies * running * vocab * 4   (fp32 logits, probs, sorted copies
+       kept for every running sequence, so it grows with max-num-seqs and vocabulary);
+   - fragmentation: `frag * dynamic + frag_per_seq_mib * running` on top of the dynamic part
+     (many sequences allocating and freeing per-step buffers fragment the pool). MindSpore's
+     `peak used mem` leaves it out, `actual peak used mem` includes it, and an allocation
+     fails when the figure *with* fragments passes the pool cap.
+
+`actual peak used` (integer MiB) = weights + workspace + KV + the largest dynamic step with
+its fragments. Each rank multiplies its dynamic part by its own factor (`rank_jitter`), so the
+ranks of a TP group print slightly different peaks and the worst one decides.
+
+The hidden coefficients are perturbed by a seeded +-`PERTURBATION` factor each, so tests and
+tuners cannot rely on exact values; the default seed is fixed (0).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.models.spec import ModelSpec
+from pretuner.units import GIB, MIB
+
+PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.1]
+DEFAULT_SEED = 0
+WARMUP_TOKENS_CAP = 8192  # r0.1 runs one dummy prefill of min(8192, max_model_len) at start
+
+
+@dataclass(frozen=True, slots=True)
+class CardProfile:
+    """One kind of card: its size, what the driver and CANN take, and how npu-smi names it."""
+
+    name: str
+    chip_name: str
+    total_mib: int
+    driver_reserved_mib: int
+    cann_mib: int
+    cards_per_node: int = 8
+    power_w: float = 97.5
+    temp_c: int = 41
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_mib * MIB
+
+    @property
+    def free_bytes(self) -> int:
+        """What MindSpore finds free at init: total - driver reservation - CANN share."""
+        return (self.total_mib - self.driver_reserved_mib - self.cann_mib) * MIB
+
+
+PROFILES: dict[str, CardProfile] = {
+    p.name: p
+    for p in (
+        # 3379 MB used on an idle card is what npu-smi shows on a real 64 GB 910B3.
+        CardProfile("910b-64", "910B3", 65536, 3379, 700),
+        CardProfile("910b-32", "910B4", 32768, 2300, 500),
+        # A 64 GB card where another tenant/driver build takes more: util 0.9 no longer fits.
+        CardProfile("910b-64-busy", "910B3", 65536, 6750, 900, power_w=112.0, temp_c=47),
+    )
+}
+DEFAULT_PROFILE = "910b-64"
+
+
+@dataclass(frozen=True, slots=True)
+class Coefficients:
+    """The hidden coefficients of the model (see the module docstring for each formula)."""
+
+    weights_overhead: float = 0.02
+    replicated: float = 0.02
+    workspace_mib: float = 640.0
+    act_hidden: float = 10.0
+    act_mlp: float = 3.0
+    attn_quad: float = 0.05
+    decode_act: float = 24.0
+    sampler_copies: float = 3.0
+    frag: float = 0.06
+    frag_per_seq_mib: float = 4.0
+    rank_jitter: float = 0.015  # per-rank spread of the dynamic part (+-)
+
+
+def perturbed(seed: int, base: Coefficients | None = None) -> Coefficients:
+    """`base` with every coefficient scaled by a seeded factor in [1 - P, 1 + P]."""
+    base = base or Coefficients()
+    rng = random.Random(f"pretuner-sim-coefficients-{seed}")  # noqa: S311 - not crypto
+    changes = {
+        f.name: getattr(base, f.name) * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
+        for f in fields(base)
+    }
+    return replace(base, **changes)
+
+
+def rank_factors(seed: int, world: int, jitter: float) -> tuple[float, ...]:
+    """Each rank's multiplier on the dynamic part: ranks differ slightly, reproducibly."""
+    rng = random.Random(f"pretuner-sim-ranks-{seed}")  # noqa: S311 - not crypto
+    return tuple(1 + rng.uniform(-jitter, jitter) for _ in range(world))
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The parallel layout and the knobs of the r0.1 KV formula."""
+
+    tp: int = 1
+    pp: int = 1
+    block_size: int = 16
+    kv_dtype: str = "auto"
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+
+@dataclass(frozen=True, slots=True)
+class CardModel:
+    """The memory of one rank's card for one model, layout and seed."""
+
+    spec: ModelSpec
+    weights_total_bytes: int
+    layout: Layout
+    coeffs: Coefficients
+    rank_factor: float = 1.0
+
+    @property
+    def weights_bytes(self) -> int:
+        c, lay = self.coeffs, self.layout
+        sharded = self.weights_total_bytes * (1 - c.replicated) / (lay.tp * lay.pp)
+        replicated = self.weights_total_bytes * c.replicated / lay.pp
+        return int((sharded + replicated) * (1 + c.weights_overhead))
+
+    @property
+    def workspace_bytes(self) -> int:
+        return int(self.coeffs.workspace_mib * MIB)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        lay = self.layout
+        return kv_bytes_per_token(self.spec, tp=lay.tp, pp=lay.pp, kv_dtype=lay.kv_dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.layout.block_size
+
+    def activation_bytes(self, prefill_lens: Sequence[int]) -> int:
+        """Activation peak of one prefill step over prompts of the given lengths."""
+        if not prefill_lens:
+            return 0
+        s, c, tp = self.spec, self.coeffs, self.layout.tp
+        tokens = sum(prefill_lens)
+        linear = tokens * s.dtype_bytes * (c.act_hidden * s.hidden_size
+                                           + c.act_mlp * s.intermediate_size / tp)
+        heads_local = max(1, s.num_heads // tp)
+        quad = c.attn_quad * heads_local * sum(n * n for n in prefill_lens)
+        return int((linear + quad) * self.rank_factor)
+
+    def decode_bytes(self, running: int) -> int:
+        s = self.spec
+        return int(self.coeffs.decode_act * running * s.hidden_size * s.dtype_bytes
+                   * self.rank_factor)
+
+    def sampler_bytes(self, running: int) -> int:
+        return int(self.coeffs.sampler_copies * running * self.spec.vocab_size * 4)
+
+    def dynamic_bytes(self, prefill_lens: Sequence[int], running: int) -> int:
+        """One step's transient memory, fragments included (what the pool must find)."""
+        base = self.dynamic_bytes_no_frag(prefill_lens, running)
+        return int(base * (1 + self.coeffs.frag) + self.coeffs.frag_per_seq_mib * MIB * running)
+
+    def dynamic_bytes_no_frag(self, prefill_lens: Sequence[int], running: int) -> int:
+        return (self.activation_bytes(prefill_lens) + self.decode_bytes(running)
+                + self.sampler_bytes(running))
+
+    @property
+    def static_bytes(self) -> int:
+        """Weights + workspace: held from load to exit."""
+        return self.weights_bytes + self.workspace_bytes
+
+
+def pool_cap_bytes(total_gb: int, util: float) -> int:
+    """`max_device_memory` = TOTAL * util GiB, as r0.1 passes it to MindSpore."""
+    return int(total_gb * util * GIB)
+
+
+def r01_kv_blocks(total_gb: int, util: float, model_use_gb: int, block_bytes: int) -> int:
+    """r0.1's `calc_block_num`: may be negative (the engine then refuses to start)."""
+    return math.floor((total_gb * GIB * util - model_use_gb * GIB) / block_bytes)
+
+
+def full_load_prefill(max_model_len: int, max_num_seqs: int, batched: int) -> list[int]:
+    """The worst prefill step under full load: the longest prompts the budget lets in at once.
+
+    A probe prompt is `max_model_len - 1` tokens (vLLM needs room for one output token).
+    """
+    longest = max(1, min(max_model_len - 1, batched))
+    lens: list[int] = []
+    left = batched
+    while left > 0 and len(lens) < max_num_seqs:
+        n = min(longest, left)
+        lens.append(n)
+        left -= n
+    return lens
+
+
+@dataclass(frozen=True, slots=True)
+class Truth:
+    """What only the emulator knows; written by `--sim-truth` to score a tuner.
+
+    `safe_kv_bytes_full_load` = the card's free memory (`CardProfile.free_bytes`, i.e. the
+    largest pool MindSpore could get) minus the worst rank's true non-KV peak with max-num-seqs
+    sequences running and one full prefill step (`full_load_prefill`) in flight, fragments
+    included. `safe_kv_bytes_in_pool` is the same against the configured pool cap
+    (TOTAL * util): the largest KV this util could hold without an OOM under full load.
+    """
+
+    profile: str
+    seed: int
+    card_total_bytes: int
+    card_free_bytes: int
+    pool_cap_bytes: int
+    weights_bytes_per_card: int
+    workspace_bytes: int
+    kv_bytes_per_token: int
+    activation_peak_bytes_at_batched_budget: int
+    non_kv_peak_bytes_full_load: int
+    non_kv_peak_bytes_per_rank: tuple[int, ...]
+    safe_kv_bytes_full_load: int
+    safe_kv_bytes_in_pool: int
+    kv_bytes_allocated: int
+    coefficients: Coefficients
+
+
+def truth(
+    models: Sequence[CardModel],
+    profile: CardProfile,
+    seed: int,
+    *,
+    total_gb: int,
+    util: float,
+    kv_blocks: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    batched: int,
+) -> Truth:
+    lens = full_load_prefill(max_model_len, max_num_seqs, batched)
+    per_rank = tuple(m.static_bytes + m.dynamic_bytes(lens, max_num_seqs) for m in models)
+    worst = max(per_rank)
+    first = models[0]
+    cap = pool_cap_bytes(total_gb, util)
+    return Truth(
+        profile=profile.name,
+        seed=seed,
+        card_total_bytes=profile.total_bytes,
+        card_free_bytes=profile.free_bytes,
+        pool_cap_bytes=cap,
+        weights_bytes_per_card=first.weights_bytes,
+        workspace_bytes=first.workspace_bytes,
+        kv_bytes_per_token=first.kv_bytes_per_token,
+        activation_peak_bytes_at_batched_budget=max(m.activation_bytes(lens) for m in models),
+        non_kv_peak_bytes_full_load=worst,
+        non_kv_peak_bytes_per_rank=per_rank,
+        safe_kv_bytes_full_load=profile.free_bytes - worst,
+        safe_kv_bytes_in_pool=cap - worst,
+        kv_bytes_allocated=max(0, kv_blocks) * first.block_bytes,
+        coefficients=first.coeffs,
+    )

@@ -1,0 +1,141 @@
+"""`npu-smi info` for the emulated cards, in the real 910B layout (two rows per NPU).
+
+HBM-Usage is the driver reservation of the profile plus, for a card a running emulated server
+uses, its CANN share and its whole MindSpore pool (the MindFormers backend runs with
+`enable_vmm:False`, so MindSpore takes `max_device_memory` from the card at init).
+Servers publish that in `$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`; entries of dead
+processes are ignored. `PRETUNER_SIM_NODE` selects which emulated node this npu-smi runs on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
+
+VERSION = "23.0.6"
+_BUS = ("C1", "01", "41", "81", "C2", "02", "42", "82")
+_BORDER = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
+_DOUBLE = "+" + "=" * 27 + "+" + "=" * 15 + "+" + "=" * 52 + "+"
+
+
+@dataclass(frozen=True, slots=True)
+class CardUse:
+    npu: int
+    hbm_used_mib: int
+    pid: int | None = None
+    process_mib: int = 0
+
+
+def _usage(used: int, total: int) -> str:
+    return f"{used:<5}/ {total}"  # a 5-digit figure touches the slash, as on a real card
+
+
+def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
+    """The full `npu-smi info` text."""
+    width = len(_BORDER) - 2
+    lines = [
+        "+" + "-" * width + "+",
+        "| " + f"npu-smi {VERSION}".ljust(33) + f"Version: {VERSION}".ljust(width - 34) + "|",
+        _BORDER,
+        "| NPU   Name                | Health        | Power(W)    Temp(C)           "
+        "Hugepages-Usage(page)|",
+        "| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  "
+        "HBM-Usage(MB)        |",
+        _DOUBLE,
+    ]
+    for card in cards:
+        bus = f"0000:{_BUS[card.npu % len(_BUS)]}:00.0"
+        busy = card.pid is not None
+        power = f"{profile.power_w + (95.0 if busy else 0.0):.1f}"
+        lines.append(f"| {card.npu:<6}{profile.chip_name:<20}| {'OK':<14}| {power:<12}"
+                     f"{profile.temp_c + (6 if busy else 0):<18}{_usage(0, 0):<21}|")
+        lines.append(f"| {0:<26}| {bus:<14}| {0:<12}{_usage(0, 0):<18}"
+                     f"{_usage(card.hbm_used_mib, profile.total_mib):<21}|")
+        lines.append(_DOUBLE)
+    lines += [
+        _BORDER,
+        "| NPU     Chip              | Process id    | Process name             | Process "
+        "memory(MB)      |",
+        _DOUBLE,
+    ]
+    for card in cards:
+        if card.pid is None:
+            lines.append("| " + f"No running processes found in NPU {card.npu}".ljust(width - 1)
+                         + "|")
+        else:
+            lines.append(f"| {card.npu:<8}{0:<18}| {card.pid:<14}| {'python3':<25}| "
+                         f"{card.process_mib:<24}|")
+        lines.append(_DOUBLE)
+    return "\n".join(lines) + "\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_cards(profile: CardProfile, state: Path, node: int) -> list[CardUse]:
+    """Every card of the node: idle ones show the driver reservation only."""
+    cards = []
+    for npu in range(profile.cards_per_node):
+        path = state / f"node{node}-npu{npu}.json"
+        use = CardUse(npu, profile.driver_reserved_mib)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            data = None
+        if isinstance(data, dict) and _alive(int(data.get("pid", 0)) or -1):
+            used = int(data["used_mib"])
+            use = CardUse(npu, used, int(data.get("rank_pid") or data["pid"]),
+                          used - profile.driver_reserved_mib)
+        cards.append(use)
+    return cards
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        sys.stdout.write("usage: npu-smi info   (emulated by pretuner; figures are simulated)\n")
+        return 0
+    if args[:1] not in ([], ["info"]):
+        sys.stderr.write(f"Error: unsupported command {' '.join(args)!r} (the emulated npu-smi "
+                         "knows `info`)\n")
+        return 1
+    from pretuner.sim.serve import state_dir
+
+    env = dict(os.environ)
+    profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
+                           PROFILES[DEFAULT_PROFILE])
+    node = int(env.get("PRETUNER_SIM_NODE", "0") or 0)
+    sys.stdout.write(render(profile, read_cards(profile, state_dir(env), node)))
+    return 0
+
+
+SHIM = """#!/bin/sh
+# npu-smi shim written by `pretuner sim install-shim`: the emulated card (simulated figures).
+exec {python} -m pretuner.sim npu-smi "$@"
+"""
+
+
+def write_shim(directory: Path, python: str) -> Path:
+    """Write an executable `npu-smi` in `directory` that runs the emulated one."""
+    import shlex
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "npu-smi"
+    tmp = directory / ".npu-smi.tmp"
+    tmp.write_text(SHIM.format(python=shlex.quote(python)), encoding="utf-8")
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,653 @@
+"""`pretuner sim serve`: an emulated vLLM-MindSpore r0.1 OpenAI server on an emulated Ascend card.
+
+Same command line as `python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server`
+(unknown flags are accepted and ignored), same environment variables, same HTTP API, same log
+lines at the same moments and the same failure modes. Its memory figures are *simulated* by
+`pretuner.sim.memory`.
+
+Sim-only knobs never change the real command line: each is a `--sim-*` option and an env var
+(`PRETUNER_SIM_*`), the option winning. Multi-node TP (`--sim-nodes N`): ranks are split evenly
+over N emulated nodes; node k's MindSpore logs go to `$GLOG_log_dir/node<k>` (or to the k-th
+entry of `PRETUNER_SIM_NODE_LOG_DIRS`, an os.pathsep-separated list), each rank in
+`rank_<RANK_ID>/logs/`.
+
+Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an engine crash
+(OOM during a request), -9 (killed) prints nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from pretuner.errors import PretunerError
+from pretuner.models import ModelSpec, resolve
+from pretuner.sim import memory as mem
+from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
+from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.logs import POOL_FORMATS, RankLog, VllmLog
+from pretuner.units import GIB, MIB
+
+VLLM_VERSION = "0.6.6.post1"
+DEFAULT_STARTUP_S = 1.0
+DEFAULT_TEARDOWN_S = 0.5
+_KV_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
+              "int8": "int8", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
+
+SIM_ENV = {
+    "profile": "PRETUNER_SIM_PROFILE",
+    "seed": "PRETUNER_SIM_SEED",
+    "truth": "PRETUNER_SIM_TRUTH",
+    "pool_format": "PRETUNER_SIM_POOL_FORMAT",
+    "startup_s": "PRETUNER_SIM_STARTUP_S",
+    "teardown_s": "PRETUNER_SIM_TEARDOWN_S",
+    "weights_format": "PRETUNER_SIM_WEIGHTS_FORMAT",
+    "nodes": "PRETUNER_SIM_NODES",
+}
+STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
+NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
+
+
+def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Emulated vLLM-MindSpore r0.1 (vLLM 0.6.6) OpenAI server on an emulated Ascend "
+            "card. Takes the real command line and environment (ASCEND_TOTAL_MEMORY_GB, "
+            "vLLM_MODEL_MEMORY_USE_GB, GLOG_v, GLOG_logtostderr, GLOG_log_dir, "
+            "ASCEND_RT_VISIBLE_DEVICES) and prints the real log lines, including the memory "
+            "pool dump with `actual peak used mem` at a graceful stop. All memory figures are "
+            "SIMULATED. Unknown flags are ignored."),
+        epilog=(
+            "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
+            "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
+            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES; "
+            "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
+            "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node."),
+    )
+    p.add_argument("model_tag", nargs="?", help="model (registry name or local HF folder)")
+    p.add_argument("--model", help="model (registry name or local HF folder)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--distributed-executor-backend", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    sim = p.add_argument_group("emulator (not part of the real command line)")
+    sim.add_argument("--sim-profile", default=None,
+                     help=f"card profile: {', '.join(mem.PROFILES)} (default "
+                          f"{mem.DEFAULT_PROFILE})")
+    sim.add_argument("--sim-seed", type=int, default=None,
+                     help=f"perturbs the hidden coefficients (default {mem.DEFAULT_SEED})")
+    sim.add_argument("--sim-truth", "--truth", dest="sim_truth", default=None,
+                     help="write what only the emulator knows (JSON) to this file")
+    sim.add_argument("--sim-pool-format", choices=POOL_FORMATS, default=None,
+                     help="MindSpore pool dump format (default 2.5)")
+    sim.add_argument("--sim-startup-s", type=float, default=None,
+                     help=f"startup duration (default {DEFAULT_STARTUP_S})")
+    sim.add_argument("--sim-teardown-s", type=float, default=None,
+                     help=f"device release time at a graceful stop (default "
+                          f"{DEFAULT_TEARDOWN_S})")
+    sim.add_argument("--sim-weights-format", default=None,
+                     help="checkpoint format from the model spec (default: native dtype)")
+    sim.add_argument("--sim-nodes", type=int, default=None,
+                     help="nodes the TP group spans (default 1)")
+    return p
+
+
+def normalize_argv(argv: Sequence[str]) -> list[str]:
+    """vLLM's FlexibleArgumentParser: `--max_model_len` is `--max-model-len`."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything the emulated server needs, from the command line and the environment."""
+
+    model: str
+    host: str | None
+    port: int
+    max_model_len: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    util: float
+    tp: int
+    pp: int
+    block_size: int
+    served_names: tuple[str, ...]
+    kv_dtype: str
+    profile: str
+    seed: int
+    truth: str | None
+    pool_format: str
+    startup_s: float
+    teardown_s: float
+    weights_format: str | None
+    nodes: int
+    env: dict[str, str] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
+    """Command line + environment -> config. Raises UsageError for sim options out of range."""
+    ns, unknown = build_parser().parse_known_args(normalize_argv(argv))
+    model = ns.model or ns.model_tag
+    if not model:
+        raise UsageError("a model is required: pass it as --model M (or positionally)")
+
+    def pick(opt: object, key: str, default: str) -> str:
+        return str(opt) if opt is not None else env.get(SIM_ENV[key]) or default
+
+    try:
+        seed = int(pick(ns.sim_seed, "seed", str(mem.DEFAULT_SEED)))
+        startup = float(pick(ns.sim_startup_s, "startup_s", str(DEFAULT_STARTUP_S)))
+        teardown = float(pick(ns.sim_teardown_s, "teardown_s", str(DEFAULT_TEARDOWN_S)))
+        nodes = int(pick(ns.sim_nodes, "nodes", "1"))
+    except ValueError as err:
+        raise UsageError(f"bad emulator setting: {err}") from None
+    profile = pick(ns.sim_profile, "profile", mem.DEFAULT_PROFILE)
+    if profile not in mem.PROFILES:
+        raise UsageError(f"unknown card profile {profile!r}; choose one of: "
+                         f"{', '.join(mem.PROFILES)}")
+    pool_format = pick(ns.sim_pool_format, "pool_format", "2.5")
+    if pool_format not in POOL_FORMATS:
+        raise UsageError(f"unknown pool format {pool_format!r}; choose one of: "
+                         f"{', '.join(POOL_FORMATS)}")
+    truth = ns.sim_truth or env.get(SIM_ENV["truth"]) or None
+    weights = ns.sim_weights_format or env.get(SIM_ENV["weights_format"]) or None
+    return ServeConfig(
+        model=model, host=ns.host, port=ns.port, max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        util=ns.gpu_memory_utilization, tp=ns.tensor_parallel_size,
+        pp=ns.pipeline_parallel_size, block_size=ns.block_size,
+        served_names=tuple(ns.served_model_name or (model,)),
+        kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=profile, seed=seed,
+        truth=truth, pool_format=pool_format, startup_s=max(0.0, startup),
+        teardown_s=max(0.0, teardown), weights_format=weights, nodes=max(1, nodes),
+        env=dict(env), ignored=tuple(unknown),
+    )
+
+
+class StartupFailed(Exception):
+    """Startup ended in a Python exception the real server would print as a traceback."""
+
+    def __init__(self, exc_type: str, message: str, where: str) -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.message = message
+        self.where = where
+
+
+_TRACE_HEAD = (
+    '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+    '  File "<frozen runpy>", line 88, in _run_code\n'
+    '  File "/usr/local/lib/python3.10/site-packages/vllm/entrypoints/openai/api_server.py", '
+    "line 774, in <module>\n"
+    "    uvloop.run(run_server(args))\n"
+)
+
+
+def traceback_text(exc_type: str, message: str, where: str) -> str:
+    return f"Traceback (most recent call last):\n{_TRACE_HEAD}{where}{exc_type}: {message}\n"
+
+
+_WHERE_PLATFORM = ('  File "/usr/local/lib/python3.10/site-packages/vllm_mindspore/platforms/'
+                   'ascend.py", line 104, in check_and_update_config\n'
+                   '    total_device_memory = int(os.environ["ASCEND_TOTAL_MEMORY_GB"])\n')
+_WHERE_BLOCKS = ('  File "/usr/local/lib/python3.10/site-packages/vllm_mindspore/utils.py", '
+                 "line 238, in calc_block_num\n"
+                 '    model_use_memory_b = int(os.getenv("vLLM_MODEL_MEMORY_USE_GB")) * 1024 * '
+                 "1024 * 1024\n")
+_WHERE_CACHE = ('  File "/usr/local/lib/python3.10/site-packages/vllm/worker/worker.py", '
+                "line 494, in raise_if_cache_size_invalid\n")
+_WHERE_CONFIG = ('  File "/usr/local/lib/python3.10/site-packages/vllm/config.py", line 1141, '
+                 "in _verify_args\n")
+_WHERE_MS = ('  File "/usr/local/lib/python3.10/site-packages/mindspore/common/api.py", '
+             "line 1031, in __call__\n")
+_WHERE_MODEL = ('  File "/usr/local/lib/python3.10/site-packages/transformers/utils/hub.py", '
+                "line 426, in cached_file\n")
+
+
+def _int_env(env: dict[str, str], name: str) -> int:
+    """`int(os.environ[name])` as r0.1 does it, including its failure."""
+    raw = env.get(name)
+    where = _WHERE_PLATFORM if name == "ASCEND_TOTAL_MEMORY_GB" else _WHERE_BLOCKS
+    if raw is None:
+        raise StartupFailed("TypeError", "int() argument must be a string, a bytes-like object "
+                            "or a real number, not 'NoneType'", where)
+    try:
+        return int(raw)
+    except ValueError:
+        raise StartupFailed("ValueError", f"invalid literal for int() with base 10: {raw!r}",
+                            where) from None
+
+
+def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
+    """vLLM 0.6's own argument checks; returns (max_model_len, max_num_batched_tokens)."""
+    derived = spec.max_position_embeddings
+    mml = cfg.max_model_len or derived
+    if mml > derived:
+        raise StartupFailed(
+            "ValueError",
+            f"User-specified max_model_len ({mml}) is greater than the derived max_model_len "
+            f"(max_position_embeddings={derived} or model_max_length=None in model's "
+            "config.json). This may lead to incorrect model outputs or CUDA errors. To allow "
+            "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+            _WHERE_CONFIG)
+    if not 0 < cfg.util <= 1:
+        raise StartupFailed("ValueError", "GPU memory utilization must be less than 1.0. Got "
+                            f"{cfg.util}.", _WHERE_CONFIG)
+    if spec.num_heads % cfg.tp:
+        raise StartupFailed("ValueError", f"Total number of attention heads ({spec.num_heads}) "
+                            "must be divisible by tensor parallel size "
+                            f"({cfg.tp}).", _WHERE_CONFIG)
+    batched = cfg.max_num_batched_tokens or max(mml, 2048)
+    if batched < mml:
+        raise StartupFailed(
+            "ValueError",
+            f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({mml}). This "
+            "effectively limits the maximum sequence length to max_num_batched_tokens and "
+            "makes vLLM reject longer sequences. Please increase max_num_batched_tokens or "
+            "decrease max_model_len.", _WHERE_CONFIG)
+    if batched < cfg.max_num_seqs:
+        raise StartupFailed("ValueError", f"max_num_batched_tokens ({batched}) must be greater "
+                            f"than or equal to max_num_seqs ({cfg.max_num_seqs}).",
+                            _WHERE_CONFIG)
+    return mml, batched
+
+
+@dataclass
+class _Rank:
+    rank: int
+    node: int
+    device_id: int
+    pid: int
+    log: RankLog
+    model: mem.CardModel
+
+
+class Server:
+    """One emulated server process: startup phases, HTTP, graceful stop, crash."""
+
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.vlog = VllmLog()
+        self.stop = threading.Event()
+        self.profile = mem.PROFILES[cfg.profile]
+        self.ranks: list[_Rank] = []
+        self.pools: list[RankPool] = []
+        self.pool_cap = 0
+        self.state_files: list[Path] = []
+        self.dead: OutOfMemory | None = None
+        self.crashed = threading.Event()
+        self._phase_s = cfg.startup_s / 5
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _sleep(self, seconds: float) -> bool:
+        """Sleep unless a stop signal comes; True when stopped."""
+        return self.stop.wait(seconds)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop.set()
+
+    def _node_log_dir(self, node: int) -> Path | None:
+        env = self.cfg.env
+        if env.get("GLOG_logtostderr", "1") != "0":
+            return None
+        listed = env.get(NODE_LOG_DIRS_ENV)
+        if listed:
+            dirs = listed.split(os.pathsep)
+            if node < len(dirs):
+                return Path(dirs[node])
+        base = env.get("GLOG_log_dir")
+        if not base:
+            return None
+        return Path(base) / f"node{node}" if self.cfg.nodes > 1 else Path(base)
+
+    def _visible_devices(self, per_node: int) -> list[int]:
+        raw = self.cfg.env.get("ASCEND_RT_VISIBLE_DEVICES")
+        if not raw:
+            return list(range(self.profile.cards_per_node))
+        try:
+            return [int(x) for x in raw.split(",") if x.strip()]
+        except ValueError:
+            raise StartupFailed("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
+                                _WHERE_MS) from None
+
+    def _publish(self, used_bytes: int) -> None:
+        state = state_dir(self.cfg.env)
+        state.mkdir(parents=True, exist_ok=True)
+        for r in self.ranks:
+            path = state / f"node{r.node}-npu{r.device_id}.json"
+            data = {"pid": os.getpid(), "rank_pid": r.pid, "profile": self.profile.name,
+                    "used_mib": used_bytes // MIB, "process_name": "python3"}
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data), encoding="utf-8")
+            os.replace(tmp, path)
+            if path not in self.state_files:
+                self.state_files.append(path)
+
+    def _unpublish(self) -> None:
+        for path in self.state_files:
+            path.unlink(missing_ok=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            server = self._start()
+        except StartupFailed as err:
+            self._unpublish()
+            sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
+            sys.stderr.flush()
+            return 1
+        except OutOfMemory as oom:
+            self._unpublish()
+            sys.stderr.write(traceback_text("RuntimeError", str(oom), _WHERE_MS))
+            sys.stderr.flush()
+            return 1
+        if server is None:  # stopped during startup
+            return self._graceful()
+        while not self.stop.wait(0.1):
+            if self.crashed.is_set():
+                return self._crash_exit(server)
+        return self._graceful(server)
+
+    def _start(self) -> SimHTTPServer | None:
+        cfg, log = self.cfg, self.vlog
+        log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION}")
+        log.info("api_server.py:713", f"args: Namespace(model={cfg.model!r}, host={cfg.host!r}, "
+                 f"port={cfg.port}, max_model_len={cfg.max_model_len}, "
+                 f"max_num_seqs={cfg.max_num_seqs}, "
+                 f"max_num_batched_tokens={cfg.max_num_batched_tokens}, "
+                 f"gpu_memory_utilization={cfg.util}, tensor_parallel_size={cfg.tp}, "
+                 f"pipeline_parallel_size={cfg.pp}, block_size={cfg.block_size}, "
+                 f"served_model_name={list(cfg.served_names)!r})")
+        try:
+            spec = resolve(cfg.model)
+            weights_fmt = spec.weights_format(cfg.weights_format)
+        except PretunerError as err:
+            raise StartupFailed("OSError", f"{cfg.model} is not a local folder and is not a valid "
+                                f"model identifier ({err})", _WHERE_MODEL) from None
+        mml, batched = verify_vllm_config(cfg, spec)
+        env = cfg.env
+        if env.get("ASCEND_TOTAL_MEMORY_GB"):
+            total_gb = _int_env(env, "ASCEND_TOTAL_MEMORY_GB")
+        else:
+            total_gb = 64
+            log.warning("ascend.py:110", "Total device memory should be set by environ "
+                        "'ASCEND_TOTAL_MEMORY_GB', please check size by cmd(npu-smi info). For "
+                        "now, we will try default size(64GB) which might not be correct exactly.")
+        self.pool_cap = cap = mem.pool_cap_bytes(total_gb, cfg.util)
+        log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
+        log.info("config.py:510", "This model supports multiple tasks: {'generate', 'embed'}. "
+                 "Defaulting to 'generate'.")
+        log.info("llm_engine.py:234", f"Initializing an LLM engine (v{VLLM_VERSION}) with config: "
+                 f"model={cfg.model!r}, dtype=torch.{spec.dtype}, max_seq_len={mml}, "
+                 f"download_dir=None, load_format=LoadFormat.AUTO, "
+                 f"tensor_parallel_size={cfg.tp}, pipeline_parallel_size={cfg.pp}, "
+                 f"kv_cache_dtype={cfg.kv_dtype}, device_config=npu, seed=0, "
+                 f"served_model_name={cfg.served_names[0]}, enable_prefix_caching=False, "
+                 "chunked_prefill_enabled=False, use_async_output_proc=True")
+
+        # Ranks, nodes, devices.
+        layout = mem.Layout(tp=cfg.tp, pp=cfg.pp, block_size=cfg.block_size,
+                            kv_dtype=cfg.kv_dtype)
+        world = layout.world
+        if world % cfg.nodes:
+            raise StartupFailed("ValueError", f"world size {world} cannot be split evenly over "
+                                f"{cfg.nodes} nodes", _WHERE_CONFIG)
+        per_node = world // cfg.nodes
+        devices = self._visible_devices(per_node)
+        if len(devices) < per_node:
+            raise StartupFailed(
+                "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
+                f"less than the {per_node} ranks this node must run", _WHERE_MS)
+        coeffs = mem.perturbed(cfg.seed)
+        factors = mem.rank_factors(cfg.seed, world, coeffs.rank_jitter)
+        try:
+            models = [mem.CardModel(spec, weights_fmt.total_bytes, layout, coeffs, f)
+                      for f in factors]
+            block_bytes = models[0].block_bytes
+        except PretunerError as err:
+            raise StartupFailed("ValueError", str(err), _WHERE_CONFIG) from None
+        rng = random.Random(os.getpid())  # noqa: S311 - fake thread ids
+        pid = os.getpid()
+        for idx, model in enumerate(models):
+            node = idx // per_node
+            log_dir = self._node_log_dir(node)
+            rank_pid = pid if idx == 0 else pid + 7 * idx  # real ranks are separate processes
+            tid = 0x7F0000000000 + rng.randrange(1 << 36) * 0x40
+            self.ranks.append(_Rank(idx, node, devices[idx % per_node], rank_pid,
+                                    RankLog(idx, rank_pid, tid, log_dir), model))
+
+        model_use: int | None = None
+        if env.get("vLLM_MODEL_MEMORY_USE_GB") is not None:
+            try:
+                model_use = int(env["vLLM_MODEL_MEMORY_USE_GB"])
+            except ValueError:
+                model_use = None
+        blocks = (mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
+                  if model_use is not None else 0)
+        self._write_truth(models, total_gb, blocks, mml, batched)
+
+        # MindSpore device init: the pool cap must fit in the card's free memory.
+        free = self.profile.free_bytes
+        if cap >= free:
+            msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
+                   f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
+                   "context key max_device_memory in valid range.")
+            for r in self.ranks:
+                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/device/"
+                          "ascend_memory_adapter.cc:142", "Initialize",
+                          f"#umsg#Framework Error Message:#umsg#{msg}")
+            raise StartupFailed("RuntimeError", msg, _WHERE_MS)
+        for r in self.ranks:
+            r.log.py("WARNING", "For 'context.set_context', the parameter 'max_device_memory' "
+                     "will be deprecated and removed in a future version. Please use the api "
+                     "mindspore.set_device() instead.")
+            r.log.adapter_init(self.profile.total_mib, free, cap, total_gb * cfg.util)
+        self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
+        self._publish(self.profile.driver_reserved_mib * MIB + self.profile.cann_mib * MIB + cap)
+        if self._sleep(self._phase_s):
+            return None
+
+        # Weights.
+        for r, pool in zip(self.ranks, self.pools, strict=True):
+            if r.model.static_bytes > cap:
+                oom = OutOfMemory(r.rank, r.device_id, "Default/model/embedding-Embedding/"
+                                  "Gather-op0", r.model.weights_bytes // 61 + 512)
+                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/device/res_manager/"
+                          "memory_manager.cc:312", "MallocWorkSpaceDynamicMem",
+                          f"#umsg#Memory not enough:#umsg#{oom}")
+                pool.peak_dynamic = cap - r.model.static_bytes
+                r.log.pool_dump(pool.stats(), cfg.pool_format)
+                raise oom
+        if self._sleep(2 * self._phase_s):
+            return None
+        weights_gb = self.ranks[0].model.weights_bytes / GIB
+        log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
+
+        # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
+        model_use = _int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
+        if blocks <= 0:
+            raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
+                                "increasing `gpu_memory_utilization` when initializing the "
+                                "engine.", _WHERE_CACHE)
+        max_seq = blocks * cfg.block_size
+        if mml > max_seq:
+            raise StartupFailed(
+                "ValueError",
+                f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
+                f"that can be stored in KV cache ({max_seq}). Try increasing "
+                "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
+                "engine.", _WHERE_CACHE)
+        log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
+                 f"{(4 * GIB) // block_bytes}")
+        log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
+                 f"{max_seq / mml:.2f}x")
+        kv = blocks * block_bytes
+        for r, pool in zip(self.ranks, self.pools, strict=True):
+            if r.model.static_bytes + kv > cap:
+                oom = OutOfMemory(r.rank, r.device_id, "kv_cache", kv // max(1, r.model.spec
+                                                                             .num_layers))
+                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/device/res_manager/"
+                          "memory_manager.cc:312", "MallocWorkSpaceDynamicMem",
+                          f"#umsg#Memory not enough:#umsg#{oom}")
+                r.log.pool_dump(pool.stats(extra_dynamic=cap - r.model.static_bytes),
+                                cfg.pool_format)
+                raise oom
+            pool.kv_bytes = kv
+        if self._sleep(self._phase_s):
+            return None
+
+        # r0.1 warm-up prefill.
+        warm = min(mem.WARMUP_TOKENS_CAP, mml)
+        log.info("model_runner.py:1415", f"Capturing the model for warm-up with a dummy prefill "
+                 f"of {warm} tokens.")
+        try:
+            check_step(self.pools, cap, [warm], 1)
+        except OutOfMemory as oom:
+            pool = self.pools[oom.rank]
+            pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
+                         "MallocForKernelOutput", f"#umsg#Memory not enough:#umsg#{oom}")
+            pool.log.pool_dump(pool.stats(), cfg.pool_format)
+            raise
+        if self._sleep(self._phase_s):
+            return None
+
+        # Engine + HTTP. The socket opens only now, like the real server after its warm-up.
+        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap)
+        self.engine = Engine(self.pools, limits, log, self._on_dead, pool_format=cfg.pool_format,
+                             seed=cfg.seed)
+        self.engine.start()
+        api = ApiConfig(cfg.served_names, cfg.model, mml)
+        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        try:
+            server = SimHTTPServer((host, cfg.port), self.engine, api, log)
+        except OSError as err:
+            log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
+                      f"address ({host!r}, {cfg.port}): {err.strerror}")
+            raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}",
+                                _WHERE_MS) from None
+        port = server.server_address[1]
+        log.info("api_server.py:640", "Using supplied chat template:\nNone")
+        log.info("launcher.py:19", "Available routes are:")
+        for route, methods in (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"),
+                               ("/health", "GET"), ("/tokenize", "POST"),
+                               ("/detokenize", "POST"), ("/v1/models", "GET"),
+                               ("/version", "GET"), ("/v1/chat/completions", "POST"),
+                               ("/v1/completions", "POST"), ("/v1/embeddings", "POST")):
+            log.info("launcher.py:27", f"Route: {route}, Methods: {methods}")
+        serve_in_thread(server)
+        log.uvicorn(f"Started server process [{os.getpid()}]")
+        log.uvicorn("Waiting for application startup.")
+        log.uvicorn("Application startup complete.")
+        log.uvicorn(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
+        return server
+
+    def _on_dead(self, oom: OutOfMemory) -> None:
+        self.dead = oom
+        self.crashed.set()
+
+    def _write_truth(self, models: list[mem.CardModel], total_gb: int, blocks: int, mml: int,
+                     batched: int) -> None:
+        if not self.cfg.truth:
+            return
+        t = mem.truth(models, self.profile, self.cfg.seed, total_gb=total_gb, util=self.cfg.util,
+                      kv_blocks=blocks, max_model_len=mml, max_num_seqs=self.cfg.max_num_seqs,
+                      batched=batched)
+        data = asdict(t)
+        data["max_model_len"] = mml
+        data["max_num_seqs"] = self.cfg.max_num_seqs
+        data["max_num_batched_tokens"] = batched
+        data["kv_blocks"] = blocks
+        path = Path(self.cfg.truth)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    def _shutdown_http(self, server: SimHTTPServer | None) -> None:
+        self.vlog.uvicorn("Shutting down")
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self.engine.stop()
+        self.vlog.uvicorn("Waiting for application shutdown.")
+        self.vlog.uvicorn("Application shutdown complete.")
+        self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
+
+    def _graceful(self, server: SimHTTPServer | None = None) -> int:
+        """SIGINT/SIGTERM: stop serving, release the devices, every rank dumps its pool."""
+        self._shutdown_http(server)
+        time.sleep(self.cfg.teardown_s)  # device release takes seconds on a real card
+        for r, pool in zip(self.ranks, self.pools, strict=False):
+            stats = pool.stats()
+            r.log.pool_dump(stats, self.cfg.pool_format)
+            r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
+            r.log.close()
+        self._unpublish()
+        return 0
+
+    def _crash_exit(self, server: SimHTTPServer) -> int:
+        oom = self.dead
+        self.vlog.error("engine.py:135", f"RuntimeError('{oom}')")
+        self.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server process")
+        time.sleep(0.2)  # let the handlers send their 500s
+        server.shutdown()
+        server.server_close()
+        self.vlog.uvicorn("Shutting down")
+        self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
+        self._unpublish()
+        return 1
+
+
+def state_dir(env: dict[str, str]) -> Path:
+    """Where servers publish per-card HBM use for the emulated npu-smi."""
+    raw = env.get(STATE_DIR_ENV)
+    if raw:
+        return Path(raw)
+    return Path(tempfile.gettempdir()) / f"pretuner-sim-{os.getuid()}"
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "pretuner sim serve") -> int:
+    """Run the emulated server until a signal or a crash; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        build_parser(prog).print_help()
+        return 0
+    try:
+        cfg = parse(args, dict(os.environ))
+    except UsageError as err:
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        return 2
+    return Server(cfg).run()

@@ -216,18 +216,13 @@ def r01_kv_blocks(total_gb: int, util: float, model_use_gb: int, block_bytes: in
 
 
 def full_load_prefill(max_model_len: int, max_num_seqs: int, batched: int) -> list[int]:
-    """The worst prefill step under full load: the longest prompts the budget lets in at once.
+    """The worst prefill step under full load: as many max-length prompts as the budget admits.
 
-    A probe prompt is `max_model_len - 1` tokens (vLLM needs room for one output token).
+    A full-load prompt is `max_model_len - 1` tokens (vLLM needs room for one output token);
+    the scheduler admits whole prompts only, at least one.
     """
     longest = max(1, min(max_model_len - 1, batched))
-    lens: list[int] = []
-    left = batched
-    while left > 0 and len(lens) < max_num_seqs:
-        n = min(longest, left)
-        lens.append(n)
-        left -= n
-    return lens
+    return [longest] * max(1, min(max_num_seqs, batched // longest))
 
 
 @dataclass(frozen=True, slots=True)

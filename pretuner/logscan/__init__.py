@@ -1,0 +1,49 @@
+"""Log scanning: find every memory line of MindSpore, vLLM and vllm-ascend in any log.
+
+`lines` parses one line, `scanner` finds candidate lines fast, `summary` aggregates per rank,
+`follow` tails a log that is still being written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from pretuner.errors import BadInputError
+from pretuner.logscan.follow import LogFollower
+from pretuner.logscan.lines import Located, LogEvent, OomEvent, OomKind, parse_line, parse_origin
+from pretuner.logscan.scanner import Unreadable, iter_log_files, scan_files
+from pretuner.logscan.summary import OomPhase, OomRecord, RankSummary, ScanResult, summarize
+
+
+def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResult:
+    """Scan log files and folders (recursively, `.gz` included) and summarise per rank."""
+    for path in paths:
+        if not Path(path).exists() and not Path(path).is_symlink():
+            raise BadInputError(
+                f"log path {str(path)!r} does not exist", hint="pass a log file or a folder"
+            )
+    files: list[str] = []
+    unreadable: list[Unreadable] = []
+    for file, problem in iter_log_files(paths):
+        if problem is None:
+            files.append(file)
+        else:
+            unreadable.append(Unreadable(file, problem))
+    return summarize(scan_files(files, workers=workers), unreadable)
+
+
+__all__ = [
+    "LogEvent",
+    "LogFollower",
+    "Located",
+    "OomEvent",
+    "OomKind",
+    "OomPhase",
+    "OomRecord",
+    "RankSummary",
+    "ScanResult",
+    "parse_line",
+    "parse_origin",
+    "scan_paths",
+]

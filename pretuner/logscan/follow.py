@@ -1,0 +1,93 @@
+"""Live mode: follow a log that is still being written and report events as they appear."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pretuner.logscan.lines import ANCHORS, Located, parse_line, parse_origin
+from pretuner.logscan.scanner import MAX_HIT_LINE_BYTES, rank_from_path
+
+READ_BYTES = 4 * 2**20  # at most this much is read per poll: memory stays bounded
+MAX_PENDING_BYTES = 2**20  # a partial line longer than this is dropped (kept: its head)
+
+
+class LogFollower:
+    """Tail one log file: each `poll()` reads only the bytes added since the last one.
+
+    Tolerates a file that does not exist yet, a last line still being written (kept until its
+    newline arrives), and a file replaced or truncated under it (read again from the start).
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = str(path)
+        self.rank = rank_from_path(self.path)
+        self.offset = 0
+        self.line = 0  # complete lines consumed so far
+        self._pending = b""
+        self._identity: tuple[int, int] | None = None
+
+    def poll(self, *, final: bool = False) -> list[Located]:
+        """Events in the lines completed since the last call (and the partial one if final)."""
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return []
+        identity = (info.st_dev, info.st_ino)
+        if self._identity != identity or info.st_size < self.offset:
+            self._identity = identity
+            self.offset = 0
+            self.line = 0
+            self._pending = b""
+        events: list[Located] = []
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                while True:
+                    data = handle.read(READ_BYTES)
+                    if not data:
+                        break
+                    self.offset += len(data)
+                    events.extend(self._feed(data))
+        except OSError:
+            return events
+        if final and self._pending:
+            events.extend(self._lines([self._pending]))
+            self._pending = b""
+        return events
+
+    def _feed(self, data: bytes) -> list[Located]:
+        chunk = self._pending + data
+        cut = chunk.rfind(b"\n") + 1
+        self._pending = chunk[cut:]
+        if len(self._pending) > MAX_PENDING_BYTES:
+            self._pending = self._pending[:MAX_HIT_LINE_BYTES]
+        if not cut:
+            return []
+        complete = chunk[:cut]
+        if not any(anchor in complete for anchor in ANCHORS):
+            self.line += complete.count(b"\n")
+            return []
+        return self._lines(complete.split(b"\n")[:-1])
+
+    def _lines(self, lines: list[bytes]) -> list[Located]:
+        events: list[Located] = []
+        for raw in lines:
+            self.line += 1
+            if not any(anchor in raw for anchor in ANCHORS):
+                continue
+            event = parse_line(raw)
+            if event is None:
+                continue
+            origin = parse_origin(raw)
+            events.append(
+                Located(
+                    event=event,
+                    file=self.path,
+                    line=self.line,
+                    pid=origin.pid,
+                    rank=self.rank if self.rank is not None else origin.rank,
+                    text=raw[:MAX_HIT_LINE_BYTES].decode("utf-8", errors="replace").rstrip("\r"),
+                )
+            )
+        return events

@@ -1,0 +1,493 @@
+"""Pure per-line parser for the memory lines of MindSpore, vLLM and vllm-ascend.
+
+`parse_line` turns one log line (bytes or str, any garbage) into a typed event or None, and
+`parse_origin` reads the process that wrote it. Nothing here touches files: the scanner finds
+candidate lines with `ANCHORS` and hands them over one by one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+# Literal texts of which every recognised line contains at least one. Each is at least 15
+# bytes long: the scanner relies on that to find them through aligned 8-byte words.
+ANCHORS: tuple[bytes, ...] = (
+    b"actual peak used",  # every pool dump format, [MS_RUNTIME_PROF] and debug alloc details
+    b"Device MOC Size:",
+    b"Device HBM Size:",
+    b"MOC memory size: ",
+    b"HBM memory size: ",
+    b"Used memory size: ",
+    b"memory usage (with",  # both "(without fragments)" and "(with fragments)"
+    b"isn't enough and alloc",
+    b"Out of Memory!!!",
+    b"Memory not enough:",
+    b"max_device_memory should",
+    b" out of memory. Tried",
+    b"No available memory for",
+    b"stored in KV cache",
+    b"estimated maximum model",
+    b"Starting to load model",
+    b"Model loading took",
+    b"Loading model weights took",
+    b"Available KV cache memory",
+    b"Available memory: ",
+    b" KV cache size: ",
+    b"Maximum concurrency for",
+    b"reserved for KV Cache",
+    b", # CPU blocks: ",
+)
+
+MAX_PARSED_CHARS = 16384  # a longer "line" is garbage around a real hit: keep its head only
+
+
+class PoolFormat(str, Enum):
+    """Which MindSpore memory-pool dump a `PoolDump` came from."""
+
+    STAT_JSON = "stat_json"  # 2.4-2.5: `The dynamic memory pool stat info : {...}`
+    NAMED_POOL = "named_pool"  # 2.6+: `The dynamic memory pool[Name] stat info : {...}`
+    BEST_FIT = "best_fit"  # `The dynamic memory pool total allocated mem:...`
+    ALLOC_DETAIL = "alloc_detail"  # GLOG_v=0 per-allocation lines, figures in bytes
+
+
+class OomKind(str, Enum):
+    """What ran out, which decides the tuner's fallback."""
+
+    DEVICE_OOM = "device_oom"  # an allocation failed on the card (weights or activations)
+    KV_BLOCKS_EXHAUSTED = "kv_blocks_exhausted"  # nothing left for KV cache blocks
+    MAX_DEVICE_MEMORY_RANGE = "max_device_memory_range"  # max_device_memory above free memory
+    MAX_MODEL_LEN_TOO_LARGE = "max_model_len_too_large"  # one sequence does not fit the KV cache
+
+
+class MemoryStatKind(str, Enum):
+    """The figures of MindSpore's deinit statistics block."""
+
+    DEVICE = "device"
+    MINDSPORE_USED = "mindspore_used"
+    USED_PEAK = "used_peak"  # without fragments
+    ACTUAL_PEAK = "actual_peak"  # with fragments
+
+
+@dataclass(frozen=True, slots=True)
+class PoolDump:
+    """A MindSpore memory-pool dump; `actual_peak_mib` includes the KV cache."""
+
+    actual_peak_mib: int
+    peak_used_mib: float | None
+    in_use_mib: float | None
+    alloc_mib: float | None
+    idle_mib: float | None
+    used_by_event_mib: float | None
+    eager_free_mib: float | None
+    weight_mib: float | None
+    constant_mib: float | None
+    kernel_output_mib: float | None
+    other_mib: float | None
+    pool_name: str | None
+    format: PoolFormat
+    profiled: bool  # printed to stdout with the [MS_RUNTIME_PROF] tag
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemoryInit:
+    """MindSpore's memory-adapter init line (`Device MOC Size:...`; HBM on <= 2.4)."""
+
+    memory_kind: str  # "MOC" or "HBM"
+    device_mib: int | None
+    device_free_mib: int | None
+    reserved_other_mib: int | None
+    user_define_mib: int | None
+    mindspore_used_mib: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStat:
+    """One figure of the deinit statistics block."""
+
+    stat: MemoryStatKind
+    value_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class OomEvent:
+    """An out-of-memory or KV-exhaustion report, with whatever figures the text carries."""
+
+    kind: OomKind
+    message: str
+    alloc_bytes: int | None = None
+    kernel: str | None = None
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    estimated_max_model_len: int | None = None
+    free_device_gib: float | None = None
+    max_device_memory_limit_mib: float | None = None
+    max_device_memory_requested_mib: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadingStarted:
+    """vLLM announces that it starts loading weights."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoaded:
+    """vLLM / vllm-ascend weight loading figures (vllm-ascend's "GB" are GiB)."""
+
+    weights_gib: float
+    seconds: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class AvailableKvMemory:
+    """`Available KV cache memory: X GiB` (may be negative)."""
+
+    gib: float
+
+
+@dataclass(frozen=True, slots=True)
+class AvailableMemory:
+    """vllm-ascend <= 0.13: `Available memory: B, total memory: T` in raw bytes."""
+
+    available_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheSize:
+    """`GPU KV cache size: 645,120 tokens`."""
+
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class MaxConcurrency:
+    """`Maximum concurrency for 4,096 tokens per request: 265.25x`."""
+
+    tokens_per_request: int
+    concurrency: float
+
+
+@dataclass(frozen=True, slots=True)
+class KvReserved:
+    """vLLM V0: `the rest of the memory reserved for KV Cache is 1.57GiB.`"""
+
+    gib: float
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCounts:
+    """vLLM V0: `# GPU blocks: N, # CPU blocks: M` (`# npu blocks` on Ascend)."""
+
+    device_blocks: int
+    cpu_blocks: int
+
+
+LogEvent = (
+    PoolDump
+    | DeviceMemoryInit
+    | MemoryStat
+    | OomEvent
+    | LoadingStarted
+    | ModelLoaded
+    | AvailableKvMemory
+    | AvailableMemory
+    | KvCacheSize
+    | MaxConcurrency
+    | KvReserved
+    | BlockCounts
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Who wrote a line: the process id, and the rank when the line says so."""
+
+    pid: int | None
+    rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """An event with where it was found."""
+
+    event: LogEvent
+    file: str
+    line: int  # 1-based
+    pid: int | None
+    rank: int | None
+    text: str
+
+
+# `[INFO] PRE_ACT(pid,tid,python):` (C++) or `[INFO] ME(pid:tid,MainProcess):` (Python side)
+_MS_PREFIX = re.compile(r"\[[A-Z]+\] [A-Z_]+\((\d+)[,:]")
+# `(VllmWorker rank=0 pid=5361)`, `(EngineCore_DP0 pid=1102)`, `(VllmWorkerProcess pid=507)`
+_VLLM_TAG = re.compile(r"\([A-Za-z_]\w*(?: rank=(\d+))?(?: TP(\d+))?[^()]{0,40}? pid=(\d+)\)")
+
+_NUM = r"-?\d+(?:\.\d+)?"
+# A "key: number+unit" pair of the pool dumps: JSON keys are quoted, the rest are not.
+_POOL_PAIR = re.compile(r'"?([A-Za-z][A-Za-z ]{0,60}?)"?\s?:\s?(' + _NUM + r")(MB|M|B)(?![A-Za-z])")
+_POOL_KEYS: tuple[tuple[str, str], ...] = (
+    ("actual peak used mem", "actual_peak"),
+    ("peak used mem", "peak_used"),
+    ("in used mem", "in_use"),
+    ("total allocated mem", "alloc"),
+    ("alloc mem", "alloc"),
+    ("idle mem", "idle"),
+    ("used by event mem", "used_by_event"),
+    ("eager free mem", "eager_free"),
+    ("weight used size", "weight"),
+    ("constant value used size", "constant"),
+    ("kernel output used size", "kernel_output"),
+    ("other used size", "other"),
+)
+_POOL_NAME = re.compile(r"memory pool\[([^\]]{1,80})\]")
+
+_INIT_PAIR = re.compile(r"([A-Za-z][\w ()/.&,-]{0,80}?)\s?:\s?(\d+)([MG])\b")
+_INIT_KEYS: tuple[tuple[str, str], ...] = (
+    ("device free x size", "device_free"),
+    ("user define mindspore x size", "user_define"),
+    ("mindspore used x size", "mindspore_used"),
+    ("device x size", "device"),
+)
+_RESERVED = re.compile(r"Reserved (?:MOC|HBM) size for Other Components[^:]{0,40}:(\d+)([MG])")
+
+_STAT = re.compile(
+    r"(Device (?:MOC|HBM) memory size|MindSpore Used memory size"
+    r"|Used peak memory usage \(without fragments\)|Actual peak memory usage \(with fragments\))"
+    r"\s?:\s?(\d+)M"
+)
+_STAT_KINDS = {
+    "Device": MemoryStatKind.DEVICE,
+    "MindSpore": MemoryStatKind.MINDSPORE_USED,
+    "Used": MemoryStatKind.USED_PEAK,
+    "Actual": MemoryStatKind.ACTUAL_PEAK,
+}
+
+_ALLOC_FAILED = re.compile(
+    r"[Mm]emory isn't enough and alloc failed(?: in output actor)?, kernel name: ?(.{0,400}?),"
+    r" alloc size: ?(\d+)B"
+)
+_OUT_OF_MEMORY = re.compile(r"Out of Memory!!! Request memory size: ?(\d+)B")
+_NOT_ENOUGH = re.compile(
+    r"Memory not enough: (?:current free memory size|alloc size)\[(\d+)\]"
+    r" is smaller than required size\[(\d+)\]"
+)
+_MAX_DEVICE_MEMORY = re.compile(
+    r"max_device_memory should be in range \(0-(" + _NUM + r")\]MB, but got (" + _NUM + r")MB"
+)
+_FREE_DEVICE = re.compile(r"Free Device Memory Size is (" + _NUM + r") ?GB")
+_TORCH_OOM = re.compile(
+    r"(?:NPU|CUDA|XPU|HPU) out of memory\. Tried to allocate (" + _NUM + r") ?(GiB|MiB|KiB|B)"
+)
+_SEQ_TOO_LONG = re.compile(
+    r"max seq len \((\d+)\) is larger than the maximum number of tokens that can be stored"
+    r" in KV cache \((\d+)\)"
+)
+_MAX_SEQ_LEN = re.compile(r"max seq len \((\d+)\)")
+_ESTIMATED = re.compile(r"estimated maximum model length is (\d+)")
+
+_MODEL_LOADING = re.compile(r"Model loading took (" + _NUM + r") ?(GiB|GB) and (" + _NUM + r") ?s")
+_WEIGHTS_LOADING = re.compile(r"Loading model weights took (" + _NUM + r") ?(GiB|GB)")
+_AVAILABLE_KV = re.compile(r"Available KV cache memory: (" + _NUM + r") ?GiB")
+_AVAILABLE_MEMORY = re.compile(r"Available memory: (-?\d+), total memory: (\d+)")
+_KV_SIZE = re.compile(r" KV cache size: ([\d,]+) tokens")
+_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: (" + _NUM + r")x")
+_KV_RESERVED = re.compile(r"reserved for KV Cache is (" + _NUM + r") ?GiB")
+_BLOCKS = re.compile(r"# (?:GPU|NPU|npu|gpu) blocks: (\d+), # CPU blocks: (\d+)")
+
+_UNIT_MIB = {"B": 1.0 / 2**20, "M": 1.0, "MB": 1.0, "G": 1024.0}
+_UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _text(line: bytes | str) -> str:
+    if isinstance(line, bytes):
+        line = line[:MAX_PARSED_CHARS].decode("utf-8", errors="replace")
+    else:
+        line = line[:MAX_PARSED_CHARS]
+    return line.rstrip("\r\n")
+
+
+def _int(digits: str) -> int:
+    return int(digits.replace(",", ""))
+
+
+def parse_origin(line: bytes | str) -> Origin:
+    """The writer of a line: MindSpore's `(pid,tid,...)` prefix or vLLM's process tag."""
+    head = _text(line[:512])
+    tag = _VLLM_TAG.search(head)
+    if tag:
+        rank = tag.group(1) or tag.group(2)
+        return Origin(pid=int(tag.group(3)), rank=int(rank) if rank else None)
+    ms = _MS_PREFIX.search(head)
+    if ms:
+        return Origin(pid=int(ms.group(1)), rank=None)
+    return Origin(pid=None, rank=None)
+
+
+def parse_line(line: bytes | str) -> LogEvent | None:
+    """The memory event a single log line carries, or None. Never raises on any input."""
+    text = _text(line)
+    if "actual peak used" in text:
+        return _pool_dump(text)
+    if " Size:" in text and ("Device MOC Size" in text or "Device HBM Size" in text):
+        return _device_init(text)
+    stat = _STAT.search(text)
+    if stat:
+        return MemoryStat(_STAT_KINDS[stat.group(1).split(" ", 1)[0]], int(stat.group(2)))
+    oom = _oom(text)
+    if oom is not None:
+        return oom
+    return _vllm(text)
+
+
+def _pool_dump(text: str) -> PoolDump | None:
+    start = text.find("The dynamic memory pool")
+    if start < 0:
+        start = text.find("memory details")
+        if start < 0:
+            return None
+    figures: dict[str, float] = {}
+    for match in _POOL_PAIR.finditer(text, start):
+        key = match.group(1).strip().lower()
+        for suffix, field in _POOL_KEYS:
+            if key.endswith(suffix):
+                if field not in figures:
+                    figures[field] = float(match.group(2)) * _UNIT_MIB[match.group(3)]
+                break
+    if "actual_peak" not in figures:
+        return None
+    name = _POOL_NAME.search(text, start)
+    if "memory details" in text[start : start + 16]:
+        fmt = PoolFormat.ALLOC_DETAIL
+    elif name:
+        fmt = PoolFormat.NAMED_POOL
+    elif "stat info" in text:
+        fmt = PoolFormat.STAT_JSON
+    else:
+        fmt = PoolFormat.BEST_FIT
+    return PoolDump(
+        actual_peak_mib=math.ceil(figures["actual_peak"]),
+        peak_used_mib=figures.get("peak_used"),
+        in_use_mib=figures.get("in_use"),
+        alloc_mib=figures.get("alloc"),
+        idle_mib=figures.get("idle"),
+        used_by_event_mib=figures.get("used_by_event"),
+        eager_free_mib=figures.get("eager_free"),
+        weight_mib=figures.get("weight"),
+        constant_mib=figures.get("constant"),
+        kernel_output_mib=figures.get("kernel_output"),
+        other_mib=figures.get("other"),
+        pool_name=name.group(1) if name else None,
+        format=fmt,
+        profiled="[MS_RUNTIME_PROF]" in text[: start + 1],
+    )
+
+
+def _device_init(text: str) -> DeviceMemoryInit | None:
+    kind = "MOC" if "Device MOC Size" in text else "HBM"
+    figures: dict[str, int] = {}
+    for match in _INIT_PAIR.finditer(text):
+        key = match.group(1).strip().lower().replace(kind.lower(), "x")
+        for suffix, name in _INIT_KEYS:
+            if key.endswith(suffix) and name not in figures:
+                figures[name] = int(match.group(2)) * (1024 if match.group(3) == "G" else 1)
+                break
+    reserved = _RESERVED.search(text)
+    if "device" not in figures:
+        return None
+    return DeviceMemoryInit(
+        memory_kind=kind,
+        device_mib=figures.get("device"),
+        device_free_mib=figures.get("device_free"),
+        reserved_other_mib=(
+            int(reserved.group(1)) * (1024 if reserved.group(2) == "G" else 1) if reserved else None
+        ),
+        user_define_mib=figures.get("user_define"),
+        mindspore_used_mib=figures.get("mindspore_used"),
+    )
+
+
+def _oom(text: str) -> OomEvent | None:
+    found = _ALLOC_FAILED.search(text)
+    if found:
+        return OomEvent(
+            OomKind.DEVICE_OOM,
+            found.group(0),
+            alloc_bytes=int(found.group(2)),
+            kernel=found.group(1).strip() or None,
+        )
+    found = _OUT_OF_MEMORY.search(text)
+    if found:
+        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(found.group(1)))
+    found = _NOT_ENOUGH.search(text)
+    if found:
+        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(found.group(2)))
+    found = _TORCH_OOM.search(text)
+    if found:
+        size = float(found.group(1)) * _UNIT_BYTES[found.group(2)]
+        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(size))
+    found = _MAX_DEVICE_MEMORY.search(text)
+    if found:
+        free = _FREE_DEVICE.search(text)
+        return OomEvent(
+            OomKind.MAX_DEVICE_MEMORY_RANGE,
+            text[free.start() if free else found.start() : found.end()],
+            free_device_gib=float(free.group(1)) if free else None,
+            max_device_memory_limit_mib=float(found.group(1)),
+            max_device_memory_requested_mib=float(found.group(2)),
+        )
+    if "No available memory for the cache blocks" in text:
+        start = text.find("No available memory")
+        return OomEvent(OomKind.KV_BLOCKS_EXHAUSTED, text[start:].strip())
+    found = _SEQ_TOO_LONG.search(text)
+    if found:
+        return OomEvent(
+            OomKind.MAX_MODEL_LEN_TOO_LARGE,
+            found.group(0),
+            max_model_len=int(found.group(1)),
+            kv_cache_tokens=int(found.group(2)),
+        )
+    found = _ESTIMATED.search(text)
+    if found:
+        seq = _MAX_SEQ_LEN.search(text)
+        start = seq.start() if seq else found.start()
+        return OomEvent(
+            OomKind.MAX_MODEL_LEN_TOO_LARGE,
+            text[start : found.end()],
+            max_model_len=int(seq.group(1)) if seq else None,
+            estimated_max_model_len=int(found.group(1)),
+        )
+    return None
+
+
+def _vllm(text: str) -> LogEvent | None:
+    if "Starting to load model" in text:
+        return LoadingStarted()
+    found = _MODEL_LOADING.search(text)
+    if found:
+        return ModelLoaded(float(found.group(1)), float(found.group(3)))
+    found = _WEIGHTS_LOADING.search(text)
+    if found:
+        return ModelLoaded(float(found.group(1)), None)
+    found = _AVAILABLE_KV.search(text)
+    if found:
+        return AvailableKvMemory(float(found.group(1)))
+    found = _AVAILABLE_MEMORY.search(text)
+    if found:
+        return AvailableMemory(max(0, int(found.group(1))), int(found.group(2)))
+    found = _KV_SIZE.search(text)
+    if found:
+        return KvCacheSize(_int(found.group(1)))
+    found = _CONCURRENCY.search(text)
+    if found:
+        return MaxConcurrency(_int(found.group(1)), float(found.group(2)))
+    found = _KV_RESERVED.search(text)
+    if found:
+        return KvReserved(float(found.group(1)))
+    found = _BLOCKS.search(text)
+    if found:
+        return BlockCounts(int(found.group(1)), int(found.group(2)))
+    return None

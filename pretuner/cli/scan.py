@@ -1,0 +1,79 @@
+"""`pretuner scan`: show every memory line found in logs, per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pretuner.cli.app import app
+from pretuner.cli.render import echo_json, table
+from pretuner.errors import NothingFoundError
+from pretuner.logscan import ScanResult, scan_paths
+
+
+@app.command("scan")
+def scan_cmd(
+    paths: list[Path] = typer.Argument(..., help="Log files or folders (searched recursively)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Find pool dumps, OOM reports and engine KV figures in MindSpore / vLLM logs."""
+    result = scan_paths(paths)
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        typer.echo(render(result))
+    for item in result.unreadable:
+        typer.echo(f"pretuner: warning: could not read {item.file}: {item.reason}", err=True)
+    if not result.found_anything:
+        raise NothingFoundError(
+            f"no memory line in {len(result.files)} file(s), {result.lines_scanned:,} lines",
+            hint=(
+                "run the server with GLOG_v=1 (the pool dump is an INFO line), stop it "
+                "gracefully (a SIGKILLed server prints nothing at exit), and pass its stderr "
+                "log or its GLOG_log_dir folder"
+            ),
+        )
+
+
+def render(result: ScanResult) -> str:
+    """The human-readable report."""
+    out = [
+        f"scanned {len(result.files)} file(s), {result.lines_scanned:,} lines, "
+        f"{result.bytes_scanned / 2**20:,.1f} MiB"
+    ]
+    if result.ranks:
+        rows = [
+            [
+                "-" if r.rank is None else r.rank,
+                "-" if r.pid is None else r.pid,
+                "-" if r.actual_peak_mib is None else f"{r.actual_peak_mib:,}",
+                "-" if r.peak_used_mib is None else f"{r.peak_used_mib:,.0f}",
+                r.dumps,
+                r.oom_count,
+                f"{r.file}:{r.line}",
+            ]
+            for r in result.ranks
+        ]
+        headers = ["rank", "pid", "actual peak MiB", "peak used MiB", "dumps", "OOMs", "where"]
+        out += ["", table(headers, rows)]
+    if result.worst is not None and result.worst.actual_peak_mib is not None:
+        worst = result.worst
+        who = f"rank {worst.rank}" if worst.rank is not None else f"pid {worst.pid}"
+        out.append(f"\nworst actual peak: {result.worst.actual_peak_mib:,} MiB ({who})")
+    if result.card_mib is not None:
+        out.append(f"card: {result.card_mib:,} MiB")
+    if result.weights_gib is not None:
+        out.append(f"weights (engine): {result.weights_gib:.2f} GiB")
+    if result.available_kv_gib is not None:
+        out.append(f"available KV cache (engine): {result.available_kv_gib:.2f} GiB")
+    if result.kv_cache_tokens is not None:
+        out.append(f"KV cache size (engine): {result.kv_cache_tokens:,} tokens")
+    if result.max_concurrency is not None:
+        out.append(f"maximum concurrency (engine): {result.max_concurrency:.2f}x")
+    if result.kv_blocks is not None:
+        out.append(f"KV blocks (engine): {result.kv_blocks:,}")
+    for o in result.oom:
+        phase = "" if o.phase.value == "unknown" else f", {o.phase.value}"
+        out.append(f"OOM ({o.kind.value}{phase}) at {o.file}:{o.line}: {o.event.message}")
+    return "\n".join(out)

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -193,10 +194,13 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
         t = json.loads(truth.read_text())
         assert t["kv_bytes_allocated"] <= t["safe_kv_bytes_in_pool"]
 
-        # The same derivation with 10% less room for weights+activations+headroom.
+        # The same derivation with 10% less headroom: the non-KV budget (weights+activations
+        # + headroom, before rounding up) cut by 10%; the KV cache gets the difference.
         tight = dict(env)
         tight["vLLM_MODEL_MEMORY_USE_GB"] = str(math.ceil(d.model_use_exact_gib * 0.9))
-        bad = sim(*args, env=tight, seed=seed)  # type: ignore[operator]
+        tight_truth = tmp_path / f"tight-{seed}.json"
+        bad = sim(*args, "--sim-truth", str(tight_truth), env=tight,  # type: ignore[operator]
+                  seed=seed)
         deadline = time.monotonic() + 15
         while not READY_RE.search(bad.log) and bad.proc.poll() is None:
             assert time.monotonic() < deadline
@@ -205,7 +209,11 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
             bad.wait_ready()
             full_load(bad, seqs, 16384)
             bad.wait_exit()
-        ooms.append("memory isn't enough and alloc failed" in bad.log)
+        oom = "memory isn't enough and alloc failed" in bad.log
+        ooms.append(oom)
+        if oom:
+            t = json.loads(tight_truth.read_text())
+            assert t["kv_bytes_allocated"] > t["safe_kv_bytes_in_pool"]
     assert any(ooms)
 
 
@@ -232,9 +240,13 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
         ({"ASCEND_TOTAL_MEMORY_GB": "64", "vLLM_MODEL_MEMORY_USE_GB": "10", "GLOG_v": "1"},
          ["--max-model-len", "4096"],
          "memory isn't enough and alloc failed, kernel name: kv_cache"),
+        ({"ASCEND_TOTAL_MEMORY_GB": "64", "vLLM_MODEL_MEMORY_USE_GB": "17"},
+         ["--max-model-len", "16384"],
+         "memory isn't enough and alloc failed, kernel name: Default/model-LlamaModel/layers-"
+         "CellList/0-DecoderLayer/attention-Attention/FlashAttentionScore-op0"),
     ],
     ids=["total-not-int", "model-use-not-int", "util-over-free", "no-kv-blocks",
-         "max-len-over-kv", "oom-kv-alloc"],
+         "max-len-over-kv", "oom-kv-alloc", "oom-warmup"],
 )
 def test_startup_failures(sim: object, env: dict[str, str], args: list[str], text: str) -> None:
     code, log = run_to_exit(sim, *args, env=env)
@@ -276,7 +288,7 @@ def test_oom_during_request_gives_500_and_kills_the_server(sim: object) -> None:
 
 def test_sigkill_prints_nothing_and_glog_hides_info(sim: object) -> None:
     quiet = sim(*PRERUN, env={"ASCEND_TOTAL_MEMORY_GB": "64",  # type: ignore[operator]
-                              "vLLM_MODEL_MEMORY_USE_GB": "50"})
+                              "vLLM_MODEL_MEMORY_USE_GB": "50", "ASCEND_RT_VISIBLE_DEVICES": "1"})
     killed = sim(*PRERUN, env=PRERUN_ENV)  # type: ignore[operator]
     quiet.wait_ready()
     killed.wait_ready()
@@ -289,12 +301,26 @@ def test_sigkill_prints_nothing_and_glog_hides_info(sim: object) -> None:
     assert "Finished server process" in quiet.log
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def test_api_models_stream_text_and_unknown_flags(sim: object) -> None:
+    port = _free_port()
     s = sim("--max_model_len", "4096", "--enforce-eager", "--swap-space", "4",  # type: ignore
+            "--port", str(port), "--sim-startup-s", "0.8",
             "--served-model-name", MODEL, "other-name", "--trust-remote-code",
             "--distributed-executor-backend", "mp", "--tensor-parallel-size", "1",
             env={"ASCEND_TOTAL_MEMORY_GB": "64", "vLLM_MODEL_MEMORY_USE_GB": "40"})
+    time.sleep(0.3)
+    assert not READY_RE.search(s.log)
+    with pytest.raises(requests.ConnectionError):  # the socket opens only when ready
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
     s.wait_ready()
+    assert s.port == port
+    assert requests.get(f"{s.url}/health", timeout=5).status_code == 200
     models = requests.get(f"{s.url}/v1/models", timeout=5).json()
     assert [m["id"] for m in models["data"]] == [MODEL, "other-name"]
     assert models["data"][0]["max_model_len"] == 4096
@@ -347,6 +373,7 @@ def test_tp_across_nodes_writes_rank_logs_per_node(sim: object, tmp_path: Path) 
 def test_launcher_sigint_loses_the_dump_sigterm_to_group_keeps_it(sim: object) -> None:
     env = {**PRERUN_ENV, "PRETUNER_SIM_TEARDOWN_S": "0.6"}
     lost = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)  # type: ignore
+    env["ASCEND_RT_VISIBLE_DEVICES"] = "1"
     kept = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)  # type: ignore
     lost.wait_ready()
     kept.wait_ready()
@@ -393,5 +420,10 @@ def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
     busy = hbm()
     assert busy[3] == (3379 + 700 + 58982, 65536)
     assert busy[0] == (3379, 65536)
+    second = sim(env={"ASCEND_TOTAL_MEMORY_GB": "64",  # type: ignore[operator]
+                      "vLLM_MODEL_MEMORY_USE_GB": "50", "ASCEND_RT_VISIBLE_DEVICES": "3"})
+    assert second.wait_exit() == 1
+    assert "free memory size is less than half of total memory size" in second.log
+    assert "may be other processes occupying this card" in second.log
     s.stop_group()
     assert hbm()[3] == (3379, 65536)

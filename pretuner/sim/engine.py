@@ -205,6 +205,9 @@ class Engine:
                 self._crash(oom, batch)
                 return
             tokens = sum(prefill_lens)
+            if batch:
+                for pool in self.pools:
+                    pool.log.noise("step", 2)
             time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if batch else DECODE_STEP_S)
             with self._cond:
                 self._running.extend(batch)

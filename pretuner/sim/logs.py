@@ -174,6 +174,13 @@ class RankLog:
                 f"[{level}] ME({self.pid}:{self.tid},MainProcess):{stamp} [{src}] {msg}\n")
             self._py.flush()
 
+    def noise(self, phase: str, count: int) -> None:
+        """INFO chatter like a real GLOG_v=1 run prints, for parsers to wade through."""
+        lines = _NOISE[phase]
+        for i in range(count):
+            module, src, func, text = lines[i % len(lines)]
+            self.log("INFO", module, src, func, text.format(i=i, size=(i + 1) * 2097152))
+
     def adapter_init(self, total_mib: int, free_bytes: int, cap_bytes: int, user_gb: float) -> None:
         others = total_mib * 2**20 - cap_bytes
         recommend = int(free_bytes * 0.05)
@@ -196,6 +203,28 @@ class RankLog:
         for f in self._own:
             f.close()
         self._own = []
+
+
+_NOISE: dict[str, tuple[tuple[str, str, str, str], ...]] = {
+    "start": (
+        ("ME", "mindspore/ccsrc/pipeline/jit/ps/pipeline.cc:1274", "CompileInner",
+         "Start compiling, phase: predict.{i}"),
+        ("KERNEL", "mindspore/ccsrc/plugin/device/ascend/kernel/opapi/aclnn_kernel_mod.cc:96",
+         "Init", "Kernel MatMul-op{i} use aclnn, workspace size: {size}"),
+        ("PRE_ACT", "mindspore/ccsrc/memory/mem_pool/mem_dynamic_allocator.cc:412",
+         "AllocTensorMem", "Malloc Memory: Size {size}, used by event false, stream id 0"),
+        ("DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/hardware/ge_graph_executor.cc:688",
+         "CompileGraph", "Graph predict.{i} compile end, cost 12 ms"),
+        ("ME", "mindspore/ccsrc/backend/graph_compiler/backend.cc:590", "CompileGraph",
+         "Status record: end compile graph predict.{i}"),
+    ),
+    "step": (
+        ("RUNTIME_FRAMEWORK", "mindspore/ccsrc/runtime/graph_scheduler/graph_scheduler.cc:722",
+         "Run", "Start run graph: predict.{i}"),
+        ("PRE_ACT", "mindspore/ccsrc/memory/mem_pool/mem_dynamic_allocator.cc:412",
+         "AllocTensorMem", "Malloc Memory: Size {size}, used by event false, stream id 0"),
+    ),
+}
 
 
 def _user() -> str:

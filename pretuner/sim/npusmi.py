@@ -76,13 +76,20 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
 
 
 def _alive(pid: int) -> bool:
+    """A running process (an unreaped zombie holds no card memory)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
         return True
-    return True
+    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def read_cards(profile: CardProfile, state: Path, node: int) -> list[CardUse]:
@@ -95,7 +102,7 @@ def read_cards(profile: CardProfile, state: Path, node: int) -> list[CardUse]:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             data = None
-        if isinstance(data, dict) and _alive(int(data.get("pid", 0)) or -1):
+        if isinstance(data, dict) and _alive(int(data.get("pid", 0))):
             used = int(data["used_mib"])
             use = CardUse(npu, used, int(data.get("rank_pid") or data["pid"]),
                           used - profile.driver_reserved_mib)

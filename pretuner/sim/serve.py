@@ -355,6 +355,19 @@ class Server:
             if path not in self.state_files:
                 self.state_files.append(path)
 
+    def _occupied_bytes(self) -> int:
+        """The most any other live emulated server holds on one of this server's cards."""
+        from pretuner.sim.npusmi import read_cards
+
+        worst = 0
+        for node in {r.node for r in self.ranks}:
+            cards = read_cards(self.profile, state_dir(self.cfg.env), node)
+            for r in (r for r in self.ranks if r.node == node):
+                use = next((c for c in cards if c.npu == r.device_id), None)
+                if use is not None and use.pid is not None:
+                    worst = max(worst, use.process_mib * MIB)
+        return worst
+
     def _unpublish(self) -> None:
         for path in self.state_files:
             path.unlink(missing_ok=True)
@@ -460,8 +473,16 @@ class Server:
                   if model_use is not None else 0)
         self._write_truth(models, total_gb, blocks, mml, batched)
 
-        # MindSpore device init: the pool cap must fit in the card's free memory.
-        free = self.profile.free_bytes
+        # MindSpore device init: the pool cap must fit in the card's free memory, which another
+        # live server on the same card (a leftover pre-run, say) has taken its share of.
+        free = self.profile.free_bytes - self._occupied_bytes()
+        total = self.profile.total_bytes
+        if free < total // 2:
+            msg = ("Malloc device memory failed, free memory size is less than half of total "
+                   f"memory size.Device {self.ranks[0].device_id} Device HBM total size:{total} "
+                   f"Device HBM free size:{free} may be other processes occupying this card, "
+                   "check as: ps -ef|grep python")
+            raise StartupFailed("RuntimeError", msg, _WHERE_MS)
         if cap >= free:
             msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
                    f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
@@ -476,6 +497,7 @@ class Server:
                      "will be deprecated and removed in a future version. Please use the api "
                      "mindspore.set_device() instead.")
             r.log.adapter_init(self.profile.total_mib, free, cap, total_gb * cfg.util)
+            r.log.noise("start", 24)
         self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
         self._publish(self.profile.driver_reserved_mib * MIB + self.profile.cann_mib * MIB + cap)
         if self._sleep(self._phase_s):

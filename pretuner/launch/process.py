@@ -1,0 +1,371 @@
+"""Own a server's whole process tree: start it in its own session, wait until it answers,
+stop every process of its group.
+
+Why SIGTERM and not SIGINT: r0.1's `vllm_mindspore.entrypoints` runs the real server under
+`subprocess.run`, which on SIGINT (KeyboardInterrupt) gives its child only 0.25 s before
+killing it, and a killed server never prints MindSpore's memory-pool dump. SIGTERM is not
+caught by that wrapper: it dies at once while the real server, in the same process group,
+gets its own SIGTERM and shuts down cleanly. So `stop` signals the whole group and then
+waits for every member, not only the process we started.
+
+The server runs in a new session, so a Ctrl-C in the terminal reaches pretuner only; pretuner
+then stops the group itself (context manager, `atexit`, `install_signal_handlers`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+
+from pretuner.errors import ServerFailedError
+from pretuner.launch.probe import get_ok
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_KILL_WAIT_S = 10.0
+_ATEXIT_GRACE_S = 10.0
+_HEALTH_TIMEOUT_S = 2.0
+_TAIL_LINES = 40
+_TAIL_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StopResult:
+    """How a server's process group ended.
+
+    `exit_code` is the started process's return code (negative: killed by that signal), None
+    only if it survived even SIGKILL. `graceful`: the group ended without SIGKILL (only then
+    can MindSpore have printed its pool dump). `killed`: SIGKILL was sent.
+    """
+
+    exit_code: int | None
+    graceful: bool
+    killed: bool
+    seconds: float
+
+
+def _proc_available() -> bool:
+    return os.path.exists("/proc/self/stat")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes whose process group is `pgid`, from /proc."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue  # gone meanwhile
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) < 3:
+            continue
+        state, pgrp = fields[0], fields[2]
+        # A zombie holds no memory; an orphaned one waits for init, which may never reap it.
+        if state in (b"Z", b"X"):
+            continue
+        if pgrp.isdigit() and int(pgrp) == pgid:
+            members.append(int(entry))
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    if _proc_available():
+        return bool(group_members(pgid))
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+_live: set[ServerProcess] = set()
+_live_lock = threading.Lock()
+
+
+class ServerProcess:
+    """A server started in its own session, its output in a log file."""
+
+    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, started: float) -> None:
+        self._popen = popen
+        self._log_path = log_path
+        self._started = started
+        # start_new_session makes the child a session and group leader before exec.
+        self._pgid = popen.pid
+        self._stop_lock = threading.RLock()
+        self._stop_result: StopResult | None = None
+
+    @classmethod
+    def start(
+        cls, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None
+    ) -> ServerProcess:
+        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`."""
+        if not argv:
+            raise ValueError("empty server command")
+        log_path = Path(log_path)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Append: an earlier run's log is never overwritten.
+        with open(log_path, "ab") as log_file:
+            try:
+                popen = subprocess.Popen(
+                    argv,
+                    env=env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as exc:
+                raise ServerFailedError(
+                    f"cannot start server {argv[0]!r}: {exc}",
+                    hint="check the executable and the working folder",
+                    log_path=str(log_path),
+                ) from exc
+        started = time.monotonic()
+        proc = cls(popen, log_path, started)
+        with _live_lock:
+            _live.add(proc)
+        log.info("started server pid %d (log %s): %s", popen.pid, log_path, shlex.join(argv))
+        return proc
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def pgid(self) -> int:
+        return self._pgid
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path
+
+    @property
+    def alive(self) -> bool:
+        """True while the process we started runs (its children may outlive it)."""
+        return self.poll() is None
+
+    @property
+    def seconds_since_start(self) -> float:
+        return time.monotonic() - self._started
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def log_tail(self, n_lines: int = _TAIL_LINES) -> str:
+        """The last `n_lines` lines of the log, read from the end of the file."""
+        return read_tail(self._log_path, n_lines)
+
+    def _failure(self, what: str) -> ServerFailedError:
+        tail = self.log_tail()
+        message = f"server {what}; log: {self._log_path}"
+        message += f"\nlast log lines:\n{tail}" if tail else "\n(the log is empty)"
+        return ServerFailedError(message, log_path=str(self._log_path))
+
+    def wait_ready(
+        self,
+        url: str,
+        timeout_s: float,
+        *,
+        check: Callable[[], None] | None = None,
+        interval_s: float = 0.2,
+    ) -> float:
+        """Wait until `GET url` answers 200; return the seconds since the server started.
+
+        Every round first checks that the process lives, then runs `check` (which may raise,
+        e.g. when a live log scan saw an OOM), then asks `url`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.poll()
+            if code is not None:
+                raise self._failure(f"{_describe_exit(code)} before {url} answered")
+            if check is not None:
+                check()
+            remaining = deadline - time.monotonic()
+            if get_ok(url, max(0.05, min(_HEALTH_TIMEOUT_S, remaining))):
+                ready = self.seconds_since_start
+                log.info("server pid %d ready after %.1f s", self.pid, ready)
+                return ready
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._failure(f"not ready after {timeout_s:g} s ({url} never answered 200)")
+            time.sleep(min(interval_s, remaining))
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # every member is already gone
+            os.killpg(self._pgid, sig)
+
+    def _wait_group(self, deadline: float) -> bool:
+        """Reap our child and wait until no process of the group is left; False at deadline."""
+        while True:
+            self._popen.poll()
+            if not _group_alive(self._pgid):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+
+    def _kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+        if not self._wait_group(time.monotonic() + _KILL_WAIT_S):
+            log.error(
+                "processes of group %d survive SIGKILL (uninterruptible?): %s",
+                self._pgid,
+                group_members(self._pgid) if _proc_available() else "unknown",
+            )
+
+    def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> StopResult:
+        """Send `sig` to the whole group, wait up to `grace_s` for every member, then SIGKILL.
+
+        Idempotent: later calls return the first result. A KeyboardInterrupt during the
+        grace period kills the group at once and propagates.
+        """
+        with self._stop_lock:
+            if self._stop_result is not None:
+                return self._stop_result
+            started = time.monotonic()
+            killed = False
+            if _group_alive(self._pgid):
+                log.info("stopping server group %d with %s", self._pgid, signal.Signals(sig).name)
+                self._signal_group(sig)
+                try:
+                    gone = self._wait_group(started + grace_s)
+                except KeyboardInterrupt:
+                    self._kill()
+                    self._finish(killed=True, started=started)
+                    raise
+                if not gone:
+                    log.warning(
+                        "server group %d still running %g s after %s; sending SIGKILL",
+                        self._pgid,
+                        grace_s,
+                        signal.Signals(sig).name,
+                    )
+                    killed = True
+                    self._kill()
+            return self._finish(killed=killed, started=started)
+
+    def _finish(self, *, killed: bool, started: float) -> StopResult:
+        try:
+            exit_code: int | None = self._popen.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            exit_code = None
+        result = StopResult(
+            exit_code=exit_code,
+            graceful=not killed,
+            killed=killed,
+            seconds=time.monotonic() - started,
+        )
+        self._stop_result = result
+        with _live_lock:
+            _live.discard(self)
+        log.info("server group %d stopped: %s", self._pgid, result)
+        return result
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerProcess(pid={self.pid}, log_path={str(self._log_path)!r})"
+
+
+def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
+    """The last `n_lines` lines of a text file, reading at most 1 MiB from its end."""
+    if n_lines <= 0:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            chunk = 8192
+            while True:
+                start = max(0, size - chunk)
+                fh.seek(start)
+                data = fh.read(size - start)
+                if start == 0 or data.count(b"\n") > n_lines or chunk >= _TAIL_MAX_BYTES:
+                    break
+                chunk *= 4
+    except OSError:
+        return ""
+    lines = data.decode("utf-8", errors="replace").replace("\r", "").splitlines()
+    if start > 0 and lines:
+        lines = lines[1:]  # the first line is cut
+    return "\n".join(lines[-n_lines:])
+
+
+def stop_all(grace_s: float = _ATEXIT_GRACE_S) -> None:
+    """Stop every server this process started and has not stopped yet."""
+    with _live_lock:
+        procs = list(_live)
+    for proc in procs:
+        try:
+            proc.stop(grace_s=grace_s)
+        except Exception:  # a safety net must not stop at the first failure
+            log.exception("could not stop %r", proc)
+
+
+atexit.register(stop_all)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+
+
+def install_signal_handlers() -> Callable[[], None]:
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt in the main thread; return a restorer.
+
+    Python dies on SIGTERM without running `finally` blocks or `atexit`; as an exception it
+    unwinds through every `with ServerProcess...` so no server outlives pretuner.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("install_signal_handlers must be called from the main thread")
+    previous = {
+        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+    }
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore

@@ -97,7 +97,9 @@ class Coefficients:
     """The hidden coefficients of the model (see the module docstring for each formula)."""
 
     weights_overhead: float = 0.02
-    replicated: float = 0.02
+    # Norms, MoE routers and biases stay whole on every rank; embeddings and lm_head are split
+    # by vocabulary in vLLM, so the replicated share of a large model is a fraction of a percent.
+    replicated: float = 0.002
     workspace_mib: float = 640.0
     act_hidden: float = 10.0
     act_mlp: float = 3.0

@@ -330,6 +330,9 @@ def parse_origin(line: bytes | str) -> Origin:
 def parse_line(line: bytes | str) -> LogEvent | None:
     """The memory event a single log line carries, or None. Never raises on any input."""
     text = _text(line)
+    oom = _oom(text)  # first: an OOM report may quote the pool statistics
+    if oom is not None:
+        return oom
     if "actual peak used" in text:
         return _pool_dump(text)
     if " Size:" in text and ("Device MOC Size" in text or "Device HBM Size" in text):
@@ -337,9 +340,6 @@ def parse_line(line: bytes | str) -> LogEvent | None:
     stat = _STAT.search(text)
     if stat:
         return MemoryStat(_STAT_KINDS[stat.group(1).split(" ", 1)[0]], int(stat.group(2)))
-    oom = _oom(text)
-    if oom is not None:
-        return oom
     return _vllm(text)
 
 

@@ -246,40 +246,39 @@ def _scan_segment(segment: _Segment) -> _SegmentHits:
 
 
 def _scan_stream(path: str) -> _SegmentHits:
-    """Scan a compressed file through a fixed buffer; keeps what was read before an error."""
-    chunk = 4 * 2**20
+    """Scan a compressed file through a bounded buffer; keeps what was read before an error."""
+    piece = 256 * 2**10  # small reads: a truncated stream loses at most one piece
+    batch = 4 * 2**20
     buf = bytearray()
     found: list[tuple[int, bytes]] = []
     newlines = 0
     total = 0
     error: str | None = None
+
+    def flush(last: int) -> None:
+        nonlocal newlines
+        hits, count = find_anchor_lines(buf, 0, last)
+        for line_start, line_end, hit, before in hits:
+            found.append((newlines + before, _hit_bytes(buf, line_start, line_end, hit)))
+        newlines += count
+        del buf[:last]
+
     try:
         with gzip.open(path, "rb") as stream:
             while True:
-                data = stream.read(chunk)
+                data = stream.read(piece)
                 total += len(data)
                 buf += data
                 if not data:
-                    last = len(buf)
-                else:
-                    last = buf.rfind(b"\n") + 1
-                    if last == 0:
-                        if len(buf) < 4 * chunk:
-                            continue
-                        last = len(buf)
-                hits, count = find_anchor_lines(buf, 0, last)
-                for line_start, line_end, hit, before in hits:
-                    found.append((newlines + before, _hit_bytes(buf, line_start, line_end, hit)))
-                newlines += count
-                del buf[:last]
-                if not data:
                     break
+                if len(buf) >= batch:
+                    last = buf.rfind(b"\n") + 1
+                    # A line longer than four batches is cut rather than held.
+                    flush(last if last else len(buf) if len(buf) >= 4 * batch else 0)
     except (OSError, EOFError, zlib.error) as err:
-        error = f"decompression stopped after {total} bytes: {err}"
-        if buf:
-            hits, _ = find_anchor_lines(buf, 0, len(buf))
-            for line_start, line_end, hit, before in hits:
-                found.append((newlines + before, _hit_bytes(buf, line_start, line_end, hit)))
+        error = f"decompression stopped after {total:,} bytes: {err}"
+    if buf:
+        flush(len(buf))
     return _SegmentHits(tuple(found), newlines, total, error)
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,6 +172,25 @@ def test_context_manager_stops_on_keyboard_interrupt(fake: Fake) -> None:
         interrupted()
     assert members(seen[0].pgid) == []
     assert not seen[0].alive
+
+
+@needs_proc
+def test_interrupt_during_grace_kills_at_once(fake: Fake) -> None:
+    proc = fake.start("--wrapper", "--ignore-term")
+    proc.wait_ready(fake.url, timeout_s=20)
+    restore = install_signal_handlers()
+    timer = threading.Timer(0.5, os.kill, args=(os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            proc.stop(grace_s=60)
+    finally:
+        timer.cancel()
+        restore()
+    assert members(proc.pgid) == []
+    result = proc.stop()
+    assert result.killed
+    assert result.seconds < 30
 
 
 def test_missing_executable_is_a_server_error(tmp_path: Path) -> None:

@@ -1,0 +1,150 @@
+"""`analyze`: the manual pre-run method applied to logs a user already has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.logscan import RankSummary, ScanResult, scan_paths
+from pretuner.method import DEFAULT_HEADROOM_GIB, Derivation, PrerunInputs, derive
+from pretuner.models.spec import ModelSpec
+from pretuner.units import GIB, MIB
+
+NO_PEAK_HINT = (
+    "likely causes: the server ran without GLOG_v=1 (MindSpore prints the pool dump at INFO "
+    "level only), it was killed with SIGKILL or crashed before exit (the dump is printed at "
+    "teardown), or this is not the MindSpore log (with GLOG_logtostderr=0 look in "
+    "GLOG_log_dir/rank_*/logs/)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyzeConfig:
+    paths: tuple[Path, ...]
+    model: ModelSpec
+    card_gib: int | None = None  # default: the card size the log printed
+    util: float = 0.9
+    model_use_gib: int = 50
+    max_model_len: int = 16384
+    tp: int | None = None  # default: the number of ranks found in the logs
+    pp: int = 1
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    max_num_batched_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyzeResult:
+    model: str
+    scan: ScanResult
+    worst: RankSummary  # the rank whose peak decides
+    card_gib: int
+    card_source: str  # "given" or "measured"
+    tp: int
+    tp_source: str  # "given" or "derived"
+    kv_bytes_per_token: int
+    derivation: Derivation
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.derivation
+        worst = self.worst
+        return {
+            "model": self.model,
+            "card_gib": self.card_gib,
+            "card_source": self.card_source,
+            "tp": self.tp,
+            "tp_source": self.tp_source,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "actual_peak_mib": worst.actual_peak_mib,
+            "worst_rank": {
+                "rank": worst.rank,
+                "pid": worst.pid,
+                "file": worst.file,
+                "line": worst.line,
+                "actual_peak_mib": worst.actual_peak_mib,
+            },
+            "ranks": [
+                {"rank": r.rank, "pid": r.pid, "actual_peak_mib": r.actual_peak_mib, "file": r.file}
+                for r in self.scan.ranks
+                if r.actual_peak_mib is not None
+            ],
+            "kv_prerun_gib": round(d.kv_prerun_gib, 4),
+            "weights_act_gib": round(d.weights_act_gib, 4),
+            "max_kv_gib": round(d.max_kv_gib, 4),
+            "max_kv_tokens": d.max_kv_tokens,
+            "max_num_seqs_method": d.max_num_seqs_method,
+            "max_num_seqs": d.final.max_num_seqs,
+            "headroom_gib": d.inputs.headroom_gib,
+            "model_use_exact_gib": round(d.model_use_exact_gib, 4),
+            "rounding_cost_gib": round(d.rounding_cost_bytes / GIB, 4),
+            "final_kv_gib": round(d.final.kv_bytes / GIB, 4),
+            "final_kv_tokens": d.final.kv_tokens,
+            "env": d.final.env,
+            "flags": d.final.flags,
+            "provenance": {"actual_peak_mib": "measured", "derivation": "derived"},
+        }
+
+
+def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
+    """Scan the logs, take the worst rank's peak, and apply the method."""
+    for path in cfg.paths:
+        if not path.exists():
+            raise BadInputError(f"log path {str(path)!r} does not exist", hint="check the path")
+    scan = scan_paths(cfg.paths)
+    if scan.oom:
+        first = scan.oom[0]
+        raise InfeasibleError(
+            f"the log records {len(scan.oom)} out-of-memory event(s), first {first.kind.value} "
+            f"at {first.file}:{first.line}: the pre-run did not complete, so its peak is not "
+            "the requirement",
+            hint="follow the method: raise vLLM_MODEL_MEMORY_USE_GB, lower --util if the device "
+            "refused, or shorten --max-model-len, then pre-run again (pretuner run does this)",
+        )
+    worst = scan.worst
+    if worst is None or worst.actual_peak_mib is None:
+        raise NothingFoundError(
+            f"no `actual peak used` line in {', '.join(str(p) for p in cfg.paths)}",
+            hint=NO_PEAK_HINT,
+        )
+    if cfg.card_gib is not None:
+        card, card_source = cfg.card_gib, "given"
+    elif scan.card_mib:
+        card, card_source = round(scan.card_mib * MIB / GIB), "measured"
+    else:
+        raise BadInputError(
+            "the log does not say the card size", hint="pass --card (e.g. --card 64)"
+        )
+    peaks = [r for r in scan.ranks if r.actual_peak_mib is not None]
+    if cfg.tp is not None:
+        tp, tp_source = cfg.tp, "given"
+    else:
+        tp, tp_source = max(1, len(peaks)), "derived"
+    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+    derivation = derive(
+        PrerunInputs(
+            card_gib=card,
+            util=cfg.util,
+            model_use_gib=cfg.model_use_gib,
+            actual_peak_mib=worst.actual_peak_mib,
+            kv_bytes_per_token=bpt,
+            block_size=cfg.block_size,
+            max_model_len=cfg.max_model_len,
+            headroom_gib=cfg.headroom_gib,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+    )
+    return AnalyzeResult(
+        model=cfg.model.name,
+        scan=scan,
+        worst=worst,
+        card_gib=card,
+        card_source=card_source,
+        tp=tp,
+        tp_source=tp_source,
+        kv_bytes_per_token=bpt,
+        derivation=derivation,
+    )

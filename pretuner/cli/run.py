@@ -1,0 +1,202 @@
+"""`pretuner run`: the automated pre-run, fallbacks, validation under load, and the run record."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from pretuner.cli.app import app
+from pretuner.cli.render import echo_json, table
+from pretuner.launch.process import install_signal_handlers
+from pretuner.method import DEFAULT_HEADROOM_GIB
+from pretuner.tune.entry import DryRun, RunOptions, RunOutcome, dry_run, run_tuning
+from pretuner.units import GIB
+
+SIM_BANNER = (
+    "*** EMULATED CARD: no Ascend stack here, so pretuner drives its emulated vLLM-MindSpore "
+    "server. Every figure below is SIMULATED, not measured. ***"
+)
+
+
+class Progress:
+    """One line per phase on stderr, with the time since the run started."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.t0 = time.monotonic()
+        self.launch = 0
+
+    def __call__(self, phase: str, detail: str) -> None:
+        if phase == "launch":
+            self.launch += 1
+        if self.quiet:
+            return
+        elapsed = time.monotonic() - self.t0
+        tag = f"#{self.launch}" if self.launch else "  "
+        typer.echo(f"[{elapsed:7.1f}s] {tag:>3} {phase:<7} {detail}", err=True)
+
+
+@app.command("run")
+def run_cmd(
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Registry name, alias, or model path the server loads."
+    ),
+    card: int | None = typer.Option(None, "--card", help="Card GiB (default: from npu-smi)."),
+    backend: str = typer.Option(
+        "auto", "--backend", help="auto | vllm-mindspore | sim | mindspore-cpu."
+    ),
+    max_model_len: int = typer.Option(16384, "--max-model-len", help="Longest request to support."),
+    min_model_len: int = typer.Option(
+        4096, "--min-model-len", help="Shortest length the fallback may go to."
+    ),
+    util: float = typer.Option(
+        0.9, "--util", help="Pre-run --gpu-memory-utilization (the method's 0.9)."
+    ),
+    tp: int | None = typer.Option(
+        None, "--tp", help="Tensor parallel size (default: chosen by plan)."
+    ),
+    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size."),
+    nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: from the layout)."),
+    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens (r0.1: 16)."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype", help="auto|bf16|fp16|int8|fp8|int8-mla."
+    ),
+    weights_format: str | None = typer.Option(
+        None, "--weights-format", help="Checkpoint format (bf16, w8a8...)."
+    ),
+    headroom_gb: float = typer.Option(
+        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="GiB added to measured weights+activations."
+    ),
+    reserve_gb: float | None = typer.Option(
+        None, "--reserve-gb", help="GiB kept free below the card's free memory."
+    ),
+    model_use_gb: int | None = typer.Option(
+        None,
+        "--model-use-gb",
+        help="Pin the pre-run's vLLM_MODEL_MEMORY_USE_GB (default: the most the length allows).",
+    ),
+    max_launches: int = typer.Option(8, "--max-launches", help="Most server launches to spend."),
+    validate: bool = typer.Option(
+        True, "--validate/--no-validate", help="Prove the result under full load."
+    ),
+    serve_cmd: str | None = typer.Option(
+        None, "--serve-cmd", help="Server command to use instead of the backend's."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", help="Run folder (default: a new one under runs/)."
+    ),
+    resume: Path | None = typer.Option(
+        None, "--resume", help="Continue an interrupted run folder."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Probe prompt seed (and the emulated card's seed)."),
+    ready_timeout: float = typer.Option(
+        1800.0, "--ready-timeout", help="Seconds to wait for /health."
+    ),
+    stop_grace: float = typer.Option(
+        120.0, "--stop-grace", help="Seconds between SIGTERM and SIGKILL."
+    ),
+    dry: bool = typer.Option(False, "--dry-run", help="Print the first launch and exit."),
+    as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
+) -> None:
+    """Pre-run, derive, fall back, validate under load, and write tuned.env / serve.sh."""
+    if model is None and resume is None:
+        raise typer.BadParameter("--model is required (or --resume RUN)", param_hint="--model")
+    opts = RunOptions(
+        model=model or "",
+        backend=backend,
+        card_gib=card,
+        util=util,
+        max_model_len=max_model_len,
+        min_model_len=min_model_len,
+        tp=tp,
+        pp=pp,
+        nodes=nodes,
+        block_size=block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        weights_format=weights_format,
+        headroom_gib=headroom_gb,
+        reserve_gib=reserve_gb,
+        max_launches=max_launches,
+        validate=validate,
+        model_use_gib=model_use_gb,
+        serve_cmd=serve_cmd,
+        out=str(out) if out else None,
+        seed=seed,
+        ready_timeout_s=ready_timeout,
+        stop_grace_s=stop_grace,
+    )
+    if dry:
+        typer.echo(render_dry_run(dry_run(opts)))
+        return
+    restore = install_signal_handlers()
+    try:
+        progress = Progress(quiet=as_json)
+        outcome = run_tuning(opts, progress, resume=resume)
+    finally:
+        restore()
+    if as_json:
+        echo_json(outcome.report)
+    else:
+        typer.echo(render_summary(outcome))
+    if not outcome.result.validated and opts.validate:
+        raise typer.Exit(6)
+
+
+def render_dry_run(d: DryRun) -> str:
+    lines = []
+    if d.backend.simulated:
+        lines.append(SIM_BANNER)
+    lines += [
+        f"backend: {d.backend.backend.value} ({d.backend.reason})",
+        f"card: {d.card.card_gib} GiB ({d.card.source}), free "
+        + (f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"),
+        f"layout: {d.layout_reason}",
+        "launch 1 (pre-run) would be:",
+        f"  {d.command.shell_line()}",
+        "then: read every rank's `actual peak used` after a graceful stop, derive, and validate "
+        "with max-num-seqs concurrent max-length requests (launch 2).",
+    ]
+    return "\n".join(lines)
+
+
+def render_summary(o: RunOutcome) -> str:
+    rep = o.report
+    f = o.result.derivation.final
+    lines = []
+    if rep["simulated"]:
+        lines.append(SIM_BANNER)
+    status = "VALIDATED under full load" if rep["validated"] else "NOT VALIDATED"
+    tag = "simulated" if rep["simulated"] else "measured"
+    rows = [
+        (s["n"], s["purpose"], s["settings"]["util"], s["settings"]["model_use_gib"],
+         f"{s['settings']['max_model_len']:,}", s["settings"]["max_num_seqs"], s["outcome"],
+         f"{s['worst_peak_mib']:,}" if s["worst_peak_mib"] else "-", f"{s['seconds']:.1f}")
+        for s in rep["steps"]
+    ]  # fmt: skip
+    lines += [
+        f"{rep['model']} on {rep['card_gib']} GiB cards, TP{rep['tp']} x PP{rep['pp']}, "
+        f"{rep['nodes']} node(s): {status} after {rep['launches']} launch(es)",
+        "",
+        table(
+            (
+                "#",
+                "purpose",
+                "util",
+                "model-use GiB",
+                "max_model_len",
+                "seqs",
+                "outcome",
+                f"worst peak MiB ({tag})",
+                "s",
+            ),
+            rows,
+        ),  # fmt: skip
+        "",
+        f"KV cache per card: {f.kv_bytes / GIB:.2f} GiB = {f.kv_tokens:,} tokens (derived)",
+    ]
+    lines += [f"export {k}={v}" for k, v in f.env.items()]
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep["final"]["flags"].items())
+    lines += [flags, "", f"run record: {o.record}  (report.md, tuned.env, serve.sh)"]
+    return "\n".join(lines)

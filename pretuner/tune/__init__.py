@@ -1,0 +1,1 @@
+"""The tuning loop behind `pretuner run`: pre-run, derive, fall back, validate, record."""

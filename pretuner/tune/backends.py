@@ -1,0 +1,121 @@
+"""Which server pretuner drives, which engine version is installed, and what card it runs on."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from pretuner.errors import BadInputError
+from pretuner.launch.device import NpuCard, parse_npu_smi
+from pretuner.tune.loop import CardInfo
+from pretuner.tune.settings import Backend
+
+log = logging.getLogger(__name__)
+
+SIM_PROFILES = {64: "910b-64", 32: "910b-32"}
+
+
+@dataclass(frozen=True, slots=True)
+class BackendChoice:
+    backend: Backend
+    simulated: bool
+    engine_version: str | None
+    reason: str
+
+
+def engine_version() -> str | None:
+    for name in ("vllm-mindspore", "vllm_mindspore"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def choose_backend(requested: str) -> BackendChoice:
+    """`auto`: vLLM-MindSpore when installed and npu-smi shows cards, else the emulated card."""
+    try:
+        wanted = Backend(requested) if requested != "auto" else None
+    except ValueError:
+        choices = ", ".join(["auto", *(b.value for b in Backend)])
+        raise BadInputError(
+            f"unknown backend {requested!r}", hint=f"choose one of: {choices}"
+        ) from None
+    version = engine_version()
+    if wanted is Backend.VLLM_MINDSPORE:
+        return BackendChoice(wanted, False, version, "--backend vllm-mindspore")
+    if wanted is Backend.SIM:
+        return BackendChoice(wanted, True, None, "--backend sim")
+    if wanted is Backend.MINDSPORE_CPU:
+        if importlib.util.find_spec("mindspore") is None:
+            raise BadInputError(
+                "--backend mindspore-cpu needs MindSpore", hint="pip install 'pretuner[mindspore]'"
+            )
+        return BackendChoice(wanted, False, None, "--backend mindspore-cpu")
+    cards = read_cards([shutil.which("npu-smi") or "npu-smi", "info"])
+    if version is not None and cards:
+        return BackendChoice(
+            Backend.VLLM_MINDSPORE,
+            False,
+            version,
+            f"vllm-mindspore {version} and {len(cards)} NPU(s)",
+        )
+    why = "vLLM-MindSpore is not installed" if version is None else "npu-smi shows no card"
+    return BackendChoice(Backend.SIM, True, None, f"{why}: using the emulated card")
+
+
+def read_cards(argv: list[str], env: dict[str, str] | None = None) -> tuple[NpuCard, ...]:
+    """Run an `npu-smi info` command and parse it; nothing when it is missing or fails."""
+    try:
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=30, env=env, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        log.debug("npu-smi not usable: %s", err)
+        return ()
+    if proc.returncode != 0:
+        return ()
+    return parse_npu_smi(proc.stdout)
+
+
+def sim_profile(card_gib: int | None) -> str:
+    if card_gib is None:
+        return SIM_PROFILES[64]
+    if card_gib not in SIM_PROFILES:
+        sizes = ", ".join(str(k) for k in SIM_PROFILES)
+        raise BadInputError(
+            f"the emulated card has no {card_gib} GiB profile", hint=f"use --card {sizes}"
+        )
+    return SIM_PROFILES[card_gib]
+
+
+def detect_card(choice: BackendChoice, card_gib: int | None, sim_env: dict[str, str]) -> CardInfo:
+    """Card size and free memory: from npu-smi (the emulated one for the sim) unless given."""
+    if card_gib is not None and card_gib < 1:
+        raise BadInputError(f"card size {card_gib} GiB is invalid", hint="e.g. --card 64")
+    if choice.backend is Backend.SIM:
+        argv = [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
+        cards = read_cards(argv, env=sim_env)
+        source = "emulated npu-smi"
+    elif choice.backend is Backend.VLLM_MINDSPORE:
+        cards = read_cards([shutil.which("npu-smi") or "npu-smi", "info"])
+        source = "npu-smi"
+    else:
+        cards, source = (), "given"
+    if cards:
+        total = min(c.hbm_total_mib for c in cards)
+        free = min(c.hbm_total_mib - c.hbm_used_mib for c in cards)
+        measured = round(total / 1024)
+        if card_gib is not None and card_gib != measured:
+            log.warning("--card %d differs from the %d GiB npu-smi reports", card_gib, measured)
+        return CardInfo(card_gib or measured, free, source)
+    if card_gib is None:
+        raise BadInputError(
+            "no card size: npu-smi is not available here", hint="pass --card (e.g. --card 64)"
+        )
+    return CardInfo(card_gib, None, "given")

@@ -1,0 +1,287 @@
+"""`run_tuning(opts)`: the entrypoint behind `pretuner run` (typed config in, result out)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pretuner.errors import BadInputError
+from pretuner.method import check_launch_settings
+from pretuner.models import resolve
+from pretuner.tune.backends import BackendChoice, choose_backend, detect_card, sim_profile
+from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.loop import (
+    CardInfo,
+    TuneConfig,
+    Tuner,
+    TuneResult,
+    plan_for,
+    prerun_model_use,
+    prerun_util,
+    recorded_executor,
+)
+from pretuner.tune.record import RunRecord
+from pretuner.tune.report import report_json, report_md, serve_sh, tuned_env
+from pretuner.tune.settings import (
+    Backend,
+    LaunchCommand,
+    LaunchSettings,
+    Purpose,
+    build_launch,
+    default_serve_command,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """Everything `pretuner run` was asked; journaled so that --resume rebuilds the same run."""
+
+    model: str
+    backend: str = "auto"
+    card_gib: int | None = None
+    util: float = 0.9
+    max_model_len: int = 16384
+    min_model_len: int = 4096
+    tp: int | None = None
+    pp: int = 1
+    nodes: int | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    weights_format: str | None = None
+    headroom_gib: float = 0.5
+    reserve_gib: float | None = None
+    max_launches: int = 8
+    validate: bool = True
+    model_use_gib: int | None = None
+    serve_cmd: str | None = None
+    runs_dir: str = "runs"
+    out: str | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    ready_timeout_s: float = 1800.0
+    request_timeout_s: float = 900.0
+    stop_grace_s: float = 120.0
+    sim_env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOutcome:
+    record: Path
+    report: dict[str, Any]
+    result: TuneResult
+    backend: BackendChoice
+
+
+@dataclass(frozen=True, slots=True)
+class DryRun:
+    backend: BackendChoice
+    card: CardInfo
+    prerun: LaunchSettings
+    command: LaunchCommand
+    layout_reason: str
+
+
+def _validate(opts: RunOptions) -> None:
+    if opts.card_gib is not None and opts.card_gib < 1:
+        raise BadInputError(
+            f"card size {opts.card_gib} GiB is invalid", hint="pass the card's GiB, e.g. --card 64"
+        )
+    if not 0 < opts.util <= 1:
+        raise BadInputError(
+            f"--util {opts.util} is outside (0, 1]", hint="use the fraction of the card, e.g. 0.9"
+        )
+    if opts.max_launches < 2 and opts.validate:
+        raise BadInputError(
+            f"--max-launches {opts.max_launches} leaves no launch for validation",
+            hint="use 2 or more, or --no-validate",
+        )
+    if opts.min_model_len < 1 or opts.min_model_len > opts.max_model_len:
+        raise BadInputError(
+            f"--min-model-len {opts.min_model_len} must be between 1 and --max-model-len "
+            f"{opts.max_model_len}",
+            hint="e.g. --min-model-len 4096",
+        )
+
+
+def _sim_env(
+    opts: RunOptions, choice: BackendChoice, weights_format: str, nodes: int
+) -> dict[str, str]:
+    if choice.backend is not Backend.SIM:
+        return dict(opts.sim_env)
+    env = {
+        "PRETUNER_SIM_PROFILE": sim_profile(opts.card_gib),
+        "PRETUNER_SIM_SEED": str(opts.seed),
+        "PRETUNER_SIM_WEIGHTS_FORMAT": weights_format,
+    }
+    if nodes > 1:
+        env["PRETUNER_SIM_NODES"] = str(nodes)
+    # Emulator knobs the user exported (another profile, a truth file...) win.
+    env.update({k: v for k, v in os.environ.items() if k.startswith("PRETUNER_SIM_")})
+    env.update(opts.sim_env)
+    return env
+
+
+def _setup(
+    opts: RunOptions,
+) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
+    _validate(opts)
+    spec = resolve(opts.model)
+    choice = choose_backend(opts.backend)
+    base_env = _sim_env(opts, choice, spec.weights_format(opts.weights_format).name, 1)
+    card = detect_card(choice, opts.card_gib, {**os.environ, **base_env})
+    cfg = TuneConfig(
+        model=spec,
+        card=card,
+        util=opts.util,
+        max_model_len=opts.max_model_len,
+        min_model_len=opts.min_model_len,
+        tp=opts.tp,
+        pp=opts.pp,
+        nodes=opts.nodes,
+        block_size=opts.block_size,
+        kv_cache_dtype=opts.kv_cache_dtype,
+        weights_format=opts.weights_format,
+        headroom_gib=opts.headroom_gib,
+        reserve_gib=opts.reserve_gib,
+        max_launches=opts.max_launches,
+        validate=opts.validate,
+        model_use_gib=opts.model_use_gib,
+    )
+    if opts.model_use_gib is not None:
+        check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
+    p = plan_for(cfg)
+    extra_env = _sim_env(opts, choice, p.weights_format, p.nodes)
+    if opts.serve_cmd:
+        base_cmd, model_as_flag = shlex.split(opts.serve_cmd), True
+        if not base_cmd:
+            raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
+    else:
+        base_cmd, model_as_flag = default_serve_command(choice.backend, choice.engine_version)
+    served = spec.name
+
+    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
+        return build_launch(
+            settings,
+            base_command=base_cmd,
+            model_as_flag=model_as_flag,
+            model=opts.model,
+            served_name=served,
+            host=opts.host,
+            port=port,
+            nodes=p.nodes,
+            extra_env=extra_env,
+        )
+
+    ctx = LaunchContext(
+        build=build,
+        served_name=served,
+        host=opts.host,
+        ready_timeout_s=opts.ready_timeout_s,
+        request_timeout_s=opts.request_timeout_s,
+        stop_grace_s=opts.stop_grace_s,
+        seed=opts.seed,
+    )
+    model_args = ["--model", opts.model] if model_as_flag else [opts.model]
+    return cfg, choice, ctx, base_cmd + model_args, extra_env
+
+
+def dry_run(opts: RunOptions) -> DryRun:
+    """What the first launch would be, without launching anything or writing a record."""
+    cfg, choice, ctx, _, _ = _setup(opts)
+    p = plan_for(cfg)
+    util = prerun_util(cfg)
+    from pretuner.kvmath import kv_bytes_per_token
+
+    bpt = kv_bytes_per_token(cfg.model, tp=p.tp, pp=p.pp, kv_dtype=cfg.kv_cache_dtype)
+    settings = LaunchSettings(
+        purpose=Purpose.PRERUN,
+        card_gib=cfg.card.card_gib,
+        util=util,
+        model_use_gib=prerun_model_use(
+            cfg.card.card_gib, util, cfg.max_model_len, bpt, cfg.block_size
+        ),
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=1,
+        max_num_batched_tokens=cfg.max_model_len,
+        block_size=cfg.block_size,
+        tp=p.tp,
+        pp=p.pp,
+    )
+    return DryRun(choice, cfg.card, settings, ctx.build(settings, 0), p.layout_reason)
+
+
+def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunOptions]:
+    if resume is not None:
+        record = RunRecord.open(resume)
+        started = next(record.of_kind("run_started"), None)
+        if started is None:
+            raise BadInputError(f"{str(resume)!r} has no run_started entry", hint="start a new run")
+        if next(record.of_kind("run_finished"), None) is not None:
+            raise BadInputError(
+                f"run {str(resume)!r} already finished", hint="start a new run instead"
+            )
+        return record, RunOptions(**started["options"])
+    if opts.out is not None:
+        out = Path(opts.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise BadInputError(
+                f"--out {str(out)!r} exists and is not empty; pretuner never overwrites a run",
+                hint="choose a new folder",
+            )
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise BadInputError(
+                f"cannot create --out {str(out)!r}: {err.strerror}", hint="choose a writable folder"
+            ) from None
+        if not os.access(out, os.W_OK):
+            raise BadInputError(f"--out {str(out)!r} is not writable", hint="choose another folder")
+        record = RunRecord(path=out)
+    else:
+        record = RunRecord.create(Path(opts.runs_dir), opts.model, opts.card_gib)
+    record.append("run_started", options=opts.to_json())
+    return record, opts
+
+
+def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> RunOutcome:
+    """Tune, journal every launch and decision, and write the result files."""
+    if resume is None:
+        _setup(opts)  # refuse bad input before a run folder exists
+    record, opts = _open_record(opts, resume)
+    cfg, choice, ctx, serve_argv, _ = _setup(opts)
+    phase("record", str(record.path))
+    tuner = Tuner(
+        cfg,
+        recorded_executor(record, ctx, phase),
+        phase,
+        on_decision=lambda d: record.append("decision", **d),
+    )
+    try:
+        result = tuner.run()
+    except BaseException as err:
+        record.append("run_stopped", error=f"{type(err).__name__}: {err}")
+        raise
+    rep = report_json(
+        result,
+        run_id=record.path.name,
+        backend=choice.backend.value,
+        simulated=choice.simulated,
+        card_source=cfg.card.source,
+        serve_command=serve_argv,
+        model_arg=opts.model,
+    )
+    record.write_json("report.json", rep)
+    record.write("report.md", report_md(rep, result))
+    record.write("tuned.env", tuned_env(rep, result))
+    record.write("serve.sh", serve_sh(rep, result), executable=True)
+    record.append("run_finished", validated=result.validated)
+    return RunOutcome(record.path, rep, result, choice)

@@ -1,0 +1,167 @@
+"""The files a run leaves for people: report.json, report.md, tuned.env and serve.sh."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from pretuner import __version__
+from pretuner.derivation_text import derivation_lines
+from pretuner.envfile import env_file_text, server_args
+from pretuner.tune.loop import TuneResult
+from pretuner.units import GIB
+
+
+def report_json(
+    result: TuneResult,
+    *,
+    run_id: str,
+    backend: str,
+    simulated: bool,
+    card_source: str,
+    serve_command: list[str],
+    model_arg: str,
+) -> dict[str, Any]:
+    d, p = result.derivation, result.plan
+    f = d.final
+    flags: dict[str, Any] = {**f.flags, "tensor_parallel_size": p.tp}
+    if p.pp > 1:
+        flags["pipeline_parallel_size"] = p.pp
+    return {
+        "pretuner_version": __version__,
+        "run_id": run_id,
+        "backend": backend,
+        "simulated": simulated,
+        "model": p.model,
+        "model_arg": model_arg,
+        "card_gib": f.ascend_total_memory_gb,
+        "card_source": card_source,
+        "tp": p.tp,
+        "pp": p.pp,
+        "nodes": p.nodes,
+        "weights_format": p.weights_format,
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "launches": len(result.outcomes),
+        "steps": [
+            {
+                "n": o.n,
+                "purpose": o.settings.purpose.value,
+                "settings": o.settings.to_json(),
+                "outcome": o.kind.value,
+                "worst_peak_mib": o.worst_peak_mib,
+                "rank_peaks_mib": o.rank_peaks_mib,
+                "requests_ok": o.requests_ok,
+                "requests_total": o.requests_total,
+                "oom_text": o.oom_text,
+                "seconds": o.total_s,
+                "overhead_s": o.overhead_s,
+                "log": o.log_path,
+            }
+            for o in result.outcomes
+        ],
+        "decisions": list(result.decisions),
+        "validated": result.validated,
+        "derivation": {
+            "kv_prerun_gib": round(d.kv_prerun_gib, 4),
+            "actual_peak_mib": d.actual_peak_bytes // 2**20,
+            "weights_act_gib": round(d.weights_act_gib, 4),
+            "headroom_gib": d.inputs.headroom_gib,
+            "rounding_cost_gib": round(d.rounding_cost_bytes / GIB, 4),
+            "final_util_source": result.final_util_source,
+        },
+        "final": {
+            "env": f.env,
+            "flags": flags,
+            "serve_command": serve_command,
+        },
+        "max_kv_tokens": f.kv_tokens,
+        "max_kv_gib": round(f.kv_bytes / GIB, 4),
+        "provenance": {
+            "actual_peak_mib": "simulated" if simulated else "measured",
+            "final": "derived",
+        },
+    }
+
+
+def report_md(rep: dict[str, Any], result: TuneResult) -> str:
+    d = result.derivation
+    tag = "SIMULATED (emulated card)" if rep["simulated"] else "measured"
+    status = "validated under full load" if rep["validated"] else "NOT validated"
+    lines = [
+        f"# pretuner run {rep['run_id']}",
+        "",
+        f"- model: {rep['model']} ({rep['weights_format']}), TP{rep['tp']} x PP{rep['pp']} on "
+        f"{rep['nodes']} node(s)",
+        f"- card: {rep['card_gib']} GiB ({rep['card_source']}); backend {rep['backend']}; "
+        f"figures {tag}",
+        f"- result: {status} after {rep['launches']} launch(es)",
+        f"- KV cache per card: {rep['max_kv_gib']:.2f} GiB = {rep['max_kv_tokens']:,} tokens",
+        "",
+        "## Launches",
+        "",
+        "| # | purpose | util | model-use GiB | max_model_len | max-num-seqs | outcome | "
+        "worst peak MiB | seconds |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in rep["steps"]:
+        st = s["settings"]
+        peak = f"{s['worst_peak_mib']:,}" if s["worst_peak_mib"] else "-"
+        lines.append(
+            f"| {s['n']} | {s['purpose']} | {st['util']} | {st['model_use_gib']} | "
+            f"{st['max_model_len']:,} | {st['max_num_seqs']} | {s['outcome']} | {peak} | "
+            f"{s['seconds']:.1f} |"
+        )
+    lines += ["", "## Decisions", ""]
+    lines += [f"- **{x['decision']}**: {x['reason']}" for x in rep["decisions"]]
+    lines += ["", "## Derivation", "", "```"]
+    lines += derivation_lines(d, card_source=rep["card_source"])
+    lines += ["```", "", "## Memory per card (worst rank)", ""]
+    f = d.final
+    lines += [
+        "| part | GiB | provenance |",
+        "|---|---|---|",
+        f"| weights + activations (pre-run) | {d.weights_act_gib:.2f} | derived from the peak |",
+        f"| headroom | {d.inputs.headroom_gib:.2f} | given |",
+        f"| rounding to integer model-use | {d.rounding_cost_bytes / GIB:.2f} | derived |",
+        f"| KV cache | {f.kv_bytes / GIB:.2f} | derived |",
+        f"| pool cap (card x util) | {f.ascend_total_memory_gb * f.gpu_memory_utilization:.2f} "
+        "| derived |",
+        "",
+        "## Start the server",
+        "",
+        "```sh",
+        "./serve.sh   # or: set -a; . ./tuned.env; set +a",
+        "```",
+        "",
+        f"Re-tune: `pretuner run --model {rep['model_arg']} --card {rep['card_gib']}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def tuned_env(rep: dict[str, Any], result: TuneResult) -> str:
+    header = _header(rep)
+    return env_file_text(result.derivation.final, header)
+
+
+def serve_sh(rep: dict[str, Any], result: TuneResult) -> str:
+    f = result.derivation.final
+    flags = {**f.flags, "tensor_parallel_size": rep["tp"]}
+    argv = list(rep["final"]["serve_command"]) + server_args(flags)
+    lines = ["#!/usr/bin/env bash"]
+    lines += [f"# {h}" for h in _header(rep)]
+    lines += ["set -euo pipefail", "export GLOG_v=${GLOG_v:-2}"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in f.env.items()]
+    lines.append(f'exec {shlex.join(argv)} "$@"')
+    return "\n".join(lines) + "\n"
+
+
+def _header(rep: dict[str, Any]) -> list[str]:
+    tag = "SIMULATED on the emulated card" if rep["simulated"] else "measured"
+    status = "validated under full load" if rep["validated"] else "NOT validated"
+    return [
+        f"pretuner {rep['pretuner_version']} run {rep['run_id']} ({tag}, {status})",
+        f"model {rep['model']} ({rep['weights_format']}), card {rep['card_gib']} GiB, "
+        f"TP{rep['tp']} x PP{rep['pp']}, {rep['nodes']} node(s)",
+        f"KV cache {rep['max_kv_gib']:.2f} GiB/card = {rep['max_kv_tokens']:,} tokens; "
+        f"re-tune: pretuner run --model {rep['model_arg']} --card {rep['card_gib']}",
+    ]

@@ -1,0 +1,51 @@
+"""Shared helpers for tests that run the real console script and inspect processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1"}
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
+    env.update(FAST_SIM)
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pretuner", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env if env is not None else cli_env(),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def processes_holding(path: Path) -> list[int]:
+    """Pids of processes that have `path` open (a server still writing its log)."""
+    target = str(path.resolve())
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in (entry / "fd").iterdir():
+                try:
+                    if os.readlink(fd) == target:
+                        pids.append(int(entry.name))
+                        break
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return pids

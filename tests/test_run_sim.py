@@ -1,0 +1,222 @@
+"""`pretuner run` end to end against the emulated card: real subprocesses, HTTP, signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cli_env, processes_holding, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+def report(run_dir: Path) -> dict[str, object]:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def test_run_validates_in_two_launches(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep == report(out)
+    assert rep["backend"] == "sim"
+    assert rep["simulated"] is True
+    assert rep["validated"] is True
+    assert rep["launches"] == 2
+    steps = rep["steps"]
+    assert [s["purpose"] for s in steps] == ["prerun", "validate"]
+    assert steps[0]["settings"]["max_num_seqs"] == 1
+    assert (
+        steps[1]["requests_ok"]
+        == steps[1]["requests_total"]
+        == rep["final"]["flags"]["max_num_seqs"]
+    )
+    env = rep["final"]["env"]
+    assert env["ASCEND_TOTAL_MEMORY_GB"] == "64"
+    assert int(env["vLLM_MODEL_MEMORY_USE_GB"]) >= 1
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                "gpu_memory_utilization", "block_size", "tensor_parallel_size"):  # fmt: skip
+        assert key in rep["final"]["flags"]
+    assert rep["max_kv_tokens"] >= rep["final"]["flags"]["max_num_seqs"] * 16384
+    for name in ("tuned.env", "serve.sh", "report.md", "journal.jsonl"):
+        assert (out / name).is_file()
+    assert (out / "serve.sh").stat().st_mode & stat.S_IXUSR
+    assert "SIMULATED" in (out / "serve.sh").read_text()
+    assert (out / "launch-1" / "server.log").is_file()
+    cmd = json.loads((out / "launch-1" / "command.json").read_text())
+    assert cmd["env"]["GLOG_v"] == "1"
+    assert "--max-num-seqs" in cmd["argv"]
+
+
+def test_default_command_deepseek_v3(tmp_path: Path) -> None:
+    proc = run_cli("run", "--model", "deepseek-v3", "--card", "64", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "SIMULATED" in proc.stdout
+    assert "VALIDATED" in proc.stdout
+    runs = list((tmp_path / "runs").iterdir())
+    assert len(runs) == 1
+    rep = report(runs[0])
+    assert (rep["tp"], rep["nodes"]) == (16, 2)
+    assert len(rep["steps"][0]["rank_peaks_mib"]) == 16
+
+
+def test_two_runs_never_share_a_folder(tmp_path: Path) -> None:
+    for _ in range(2):
+        proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--no-validate", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def test_dry_run_launches_nothing(tmp_path: Path) -> None:
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "GLOG_v=1" in proc.stdout
+    assert "--max-num-seqs 1" in proc.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def test_busy_card_lowers_util(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = cli_env(PRETUNER_SIM_PROFILE="910b-64-busy")
+    proc = run_cli(
+        "run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), "--json", env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["validated"]
+    assert rep["steps"][0]["settings"]["util"] < 0.9
+    assert any(d["decision"] == "lower pre-run util" for d in rep["decisions"])
+
+
+def test_device_refusal_is_learned_from(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = cli_env(PRETUNER_SIM_PROFILE="910b-64-busy")
+    proc = run_cli(
+        "run", "--model", "qwen3-8b", "--card", "64", "--reserve-gb", "0", "--out", str(out),
+        "--json", env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    kinds = [s["outcome"] for s in rep["steps"]]
+    assert kinds[0] == "device_memory_refused"
+    assert rep["validated"]
+    assert any(d["decision"] == "lower util" for d in rep["decisions"])
+
+
+def test_server_dies_at_start(tmp_path: Path) -> None:
+    cmd = f"{sys.executable} -c 'import sys; print(\"boom\"); sys.exit(3)'"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
+                   "--out", str(tmp_path / "r"))  # fmt: skip
+    assert proc.returncode == 5, proc.stderr
+    assert "exit code 3" in proc.stderr or "exited with 3" in proc.stderr or "3" in proc.stderr
+    assert "server.log" in proc.stderr
+
+
+def test_server_hangs(tmp_path: Path) -> None:
+    cmd = f"{sys.executable} -c 'import time; time.sleep(120)'"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
+                   "--ready-timeout", "2", "--out", str(tmp_path / "r"))  # fmt: skip
+    assert proc.returncode == 5
+    assert "not ready after 2 s" in proc.stderr
+    assert processes_holding(tmp_path / "r" / "launch-1" / "server.log") == []
+
+
+def test_server_without_dump(tmp_path: Path) -> None:
+    cmd = f"env GLOG_v=3 {sys.executable} -m pretuner.sim serve"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
+                   "--out", str(tmp_path / "r"))  # fmt: skip
+    assert proc.returncode == 5
+    assert "without a memory-pool dump" in proc.stderr
+    assert "GLOG_v=1" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--model", "deepseek-v4", "--card", "64"], "did you mean deepseek-v3"),
+        (["--model", "qwen3-8b", "--card", "0"], "card size 0 GiB is invalid"),
+        (["--model", "qwen3-8b", "--card", "64", "--util", "1.2"], "outside (0, 1]"),
+        (["--model", "qwen3-8b", "--card", "64", "--util", "0"], "outside (0, 1]"),
+        (["--model", "qwen3-8b", "--card", "64", "--model-use-gb", "58"], "leaves no KV"),
+        (["--model", "qwen3-8b", "--card", "64", "--out", "/proc/pretuner-run"], "cannot create"),
+        (["--model", "qwen3-8b", "--card", "64", "--backend", "tpu"], "unknown backend 'tpu'"),
+    ],
+)
+def test_bad_input(args: list[str], fragment: str, tmp_path: Path) -> None:
+    proc = run_cli("run", *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_out_folder_is_never_overwritten(tmp_path: Path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out))
+    assert proc.returncode == 2
+    assert "never overwrites" in proc.stderr
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+@pytest.mark.parametrize("phase", ["loading", "probe", "validate"])
+def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None:
+    out = tmp_path / "run"
+    env = cli_env(PRETUNER_SIM_STARTUP_S="1.5", PRETUNER_SIM_TEARDOWN_S="0.2")
+    argv = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--card", "64",
+            "--out", str(out)]  # fmt: skip
+    stderr_path = tmp_path / "stderr.txt"
+    with open(stderr_path, "w") as err:
+        pt = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+        try:
+            marker = {"loading": " loading ", "probe": " probe ", "validate": " load "}[phase]
+            _wait_for(stderr_path, marker)
+            pt.send_signal(signal.SIGINT)
+            code = pt.wait(timeout=60)
+        finally:
+            if pt.poll() is None:
+                pt.kill()
+    assert code == 130, stderr_path.read_text()
+    for log in out.glob("launch-*/server.log"):
+        assert processes_holding(log) == [], f"a server of {log} survived pretuner"
+    journal = (out / "journal.jsonl").read_text()
+    assert "run_stopped" in journal
+    resumed = run_cli("run", "--resume", str(out), "--json", env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    rep = json.loads(resumed.stdout)
+    assert rep["validated"]
+    if phase == "validate":  # the finished pre-run is replayed, not launched again
+        assert not (out / "launch-3").exists()
+        assert "replay" in resumed.stderr or rep["launches"] == 2
+
+
+def test_serve_cmd_points_at_any_compatible_server(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    cmd = f"{sys.executable} -m pretuner.sim serve"  # the plain server, no r0.1 wrapper
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
+                   "--out", str(out), "--json")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["validated"]
+    assert rep["launches"] == 2
+    assert rep["final"]["serve_command"][:3] == [sys.executable, "-m", "pretuner.sim"]
+    assert os.access(out / "serve.sh", os.X_OK)

@@ -81,9 +81,24 @@ class _AnchorTable:
         self.table[((self.words * _HASH_MULT) >> _HASH_SHIFT).astype(np.int64)] = True
 
 
+# Words frequent in MindSpore and vLLM INFO noise: a hash word holding one is a poor filter.
+_COMMON = (
+    b"memory ",
+    b"memory(",
+    b"mem ",
+    b"Availab",
+    b"alloc",
+    b"size",
+    b"total",
+    b"model",
+    b"cache",
+)
+
+
 def _rarity(word: bytes) -> int:
-    """Rough rarity of a word in log noise: capitals, digits and symbols beat lower case."""
-    return sum(0 if 97 <= c <= 122 else 2 if c == 32 else 3 for c in word)
+    """Rough rarity of a word in log noise: capitals, digits and symbols beat common words."""
+    score = sum(0 if 97 <= c <= 122 else 2 if c == 32 else 3 for c in word)
+    return score - 6 * sum(common in word for common in _COMMON)
 
 
 _TABLE = _AnchorTable(ANCHORS)

@@ -164,6 +164,13 @@ def plan(cfg: PlanConfig) -> PlanResult:
         raise BadInputError(
             f"--max-model-len {cfg.max_model_len} is invalid", hint="use e.g. 16384"
         )
+    limit = cfg.model.max_position_embeddings
+    if cfg.max_model_len > limit:
+        raise BadInputError(
+            f"--max-model-len {cfg.max_model_len:,} exceeds {cfg.model.name}'s "
+            f"max_position_embeddings {limit:,}",
+            hint=f"use --max-model-len {limit} or less",
+        )
     if cfg.cards_per_node < 1:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name

@@ -220,3 +220,33 @@ def test_serve_cmd_points_at_any_compatible_server(tmp_path: Path) -> None:
     assert rep["launches"] == 2
     assert rep["final"]["serve_command"][:3] == [sys.executable, "-m", "pretuner.sim"]
     assert os.access(out / "serve.sh", os.X_OK)
+
+
+def test_length_fallback_jumps_and_confirms(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(
+        "run", "--model", "qwen3-8b", "--card", "32", "--tp", "1", "--max-model-len", "40960",
+        "--out", str(out), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["validated"]
+    assert rep["launches"] <= 4
+    outcomes = [s["outcome"] for s in rep["steps"]]
+    assert outcomes[0] in ("oom_in_request", "oom_at_start")
+    lens = [s["settings"]["max_model_len"] for s in rep["steps"]]
+    assert lens[1] == 16384  # the ladder's next rung
+    decisions = [d["decision"] for d in rep["decisions"]]
+    assert "shorten max_model_len" in decisions
+    final_len = rep["final"]["flags"]["max_model_len"]
+    assert 16384 <= final_len < 40960
+    assert rep["steps"][-1]["purpose"] == "validate"
+    assert rep["steps"][-1]["settings"]["max_model_len"] == final_len
+
+
+def test_length_above_model_limit_is_refused(tmp_path: Path) -> None:
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "32", "--max-model-len", "65536",
+                   cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert "exceeds qwen3-8b's max_position_embeddings 40,960" in proc.stderr
+    assert not (tmp_path / "runs").exists()

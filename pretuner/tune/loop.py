@@ -38,7 +38,7 @@ MEASURED_RESERVE_GIB = 0.25
 UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
 LEN_LADDER = (16384, 8192, 4096)
 JUMP_STEP = 1024  # a jumped-to length is a multiple of this
-JUMP_MARGIN = 0.02  # the fit's prediction is inflated by this before trusting it
+JUMP_MARGIN = 0.03  # the fit's prediction is inflated by this before trusting it
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +223,7 @@ class Tuner:
         cfg = self.cfg
         length = cfg.max_model_len
         fits: dict[int, LaunchOutcome] = {}
-        fails: set[int] = set()
+        fails: dict[int, LaunchOutcome | None] = {}
         jumped = False
         util_steps = iter(UTIL_LADDER)
         pinned = cfg.model_use_gib
@@ -231,7 +231,7 @@ class Tuner:
             most = prerun_model_use(cfg.card.card_gib, util, length, self.bpt, cfg.block_size)
             mu = most if pinned is None else min(pinned, most)
             if mu < 1:
-                fails.add(length)
+                fails[length] = None
                 self.decide(
                     "shorten max_model_len",
                     f"{length:,} tokens of KV do not fit in card*util = "
@@ -254,7 +254,12 @@ class Tuner:
             outcome = self.launch(settings)
             if outcome.kind is OutcomeKind.OK:
                 fits[length] = outcome
-                target = None if jumped or not fails else self.jump_target(fits, min(fails))
+                shortest = min(fails) if fails else None
+                target = (
+                    None
+                    if jumped or shortest is None
+                    else self.jump_target(fits, shortest, fails[shortest])
+                )
                 if target is None:
                     return outcome
                 jumped = True
@@ -282,7 +287,7 @@ class Tuner:
                     model_use_gib=most,
                 )
                 continue
-            fails.add(length)
+            fails[length] = outcome
             if fits:  # a jump that did not hold: the longest length that fitted stands
                 best = max(fits)
                 self.decide(
@@ -329,36 +334,49 @@ class Tuner:
         self.decide("lower util", why, util=new)
         return new
 
-    def jump_target(self, fits: dict[int, LaunchOutcome], fail: int) -> int | None:
+    def jump_target(
+        self, fits: dict[int, LaunchOutcome], fail: int, failed: LaunchOutcome | None
+    ) -> int | None:
         """The largest multiple of JUMP_STEP between the longest fit and `fail` that the
-        measured weights+activations (fitted against length) say would fit, or None."""
+        measured weights+activations, fitted against length, say would fit; or None.
+
+        The slope is at least the plan's activation slope and at least the chord to the
+        failed length, whose pool dump at the OOM bounds what that length needs from below.
+        """
         cfg = self.cfg
         lo = max(fits)
-        points = sorted((n, self.weights_act_bytes(o)) for n, o in fits.items() if o.worst_peak_mib)
-        if not points:
-            return None
+        points = sorted((n, self.weights_act_bytes(o)) for n, o in fits.items())
         lens = np.array([p[0] for p in points], dtype=float)
         was = np.array([p[1] for p in points], dtype=float)
+        tp = self.plan.tp
+        slope = float(activation_bytes(cfg.model, 2, tp) - activation_bytes(cfg.model, 1, tp))
         if len(points) >= 2:
-            coef = np.polyfit(lens, was, 1)
-            predict: Callable[[float], float] = lambda n: float(np.polyval(coef, n))  # noqa: E731
-        else:  # one point: the plan's activation slope anchored on the measurement
-            slope = activation_bytes(cfg.model, 2, self.plan.tp) - activation_bytes(
-                cfg.model, 1, self.plan.tp
-            )
-            predict = lambda n: float(was[0] + slope * (n - lens[0]))  # noqa: E731
+            slope = max(slope, float(np.polyfit(lens, was, 1)[0]))
+        anchor_len, anchor_wa = float(lens[-1]), float(was[-1])
+        if failed is not None and failed.worst_peak_mib:
+            s = failed.settings
+            kv = int(s.card_gib * GIB * s.util) - s.model_use_gib * GIB
+            kv = kv_tokens(kv, self.bpt, s.block_size) * self.bpt
+            bound = failed.worst_peak_mib * MIB - kv
+            slope = max(slope, (bound - anchor_wa) / (fail - anchor_len))
         util = fits[lo].settings.util
         futil, _ = final_util(cfg, fits[lo])
         best = None
         n = (lo // JUMP_STEP + 1) * JUMP_STEP
         while n < fail:
-            wa = predict(n) * (1 + JUMP_MARGIN)
+            wa = (anchor_wa + slope * (n - anchor_len)) * (1 + JUMP_MARGIN)
             pre_mu = prerun_model_use(cfg.card.card_gib, util, n, self.bpt, cfg.block_size)
             final_mu = math.ceil(wa / GIB + cfg.headroom_gib)
             kv_final = int(cfg.card.card_gib * GIB * futil) - final_mu * GIB
             if wa <= pre_mu * GIB and kv_tokens(kv_final, self.bpt, cfg.block_size) >= n:
                 best = n
             n += JUMP_STEP
+        if best is not None and len(points) < 2:
+            # One measured point cannot show how fast activations grow (attention can be
+            # super-linear); go halfway. A jump that fails costs no extra launch: the measured
+            # shorter length stands and the run still ends with one validation.
+            best = (lo + (best - lo) // 2) // JUMP_STEP * JUMP_STEP
+            best = best if best > lo else None
         return best
 
     def weights_act_bytes(self, o: LaunchOutcome) -> int:

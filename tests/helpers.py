@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1"}
@@ -13,6 +14,8 @@ FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1"}
 def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
     env.update(FAST_SIM)
+    # Each call its own emulated card: servers of concurrent test runs must not share one.
+    env["PRETUNER_SIM_STATE_DIR"] = tempfile.mkdtemp(prefix="pretuner-card-")
     env.update(extra)
     return env
 

@@ -9,6 +9,7 @@ from pretuner.cli.render import echo_json, table
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models import resolve
 from pretuner.plan import PlanConfig, PlanResult, plan
+from pretuner.presets.compare import preset_line
 from pretuner.units import GIB
 
 
@@ -104,5 +105,6 @@ def render_plan(r: PlanResult) -> str:
         )
     if r.kv_query:
         lines.append(f"\n{r.kv_query[0]} GiB of KV cache holds {r.kv_query[1]:,} tokens (derived).")
+    lines.append(preset_line(r.model, r.card_gib, r.tp, r.requested.kv_tokens, "predicted"))
     lines.append("\nPredictions only: `pretuner run` measures them with a pre-run.")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.launch.process import install_signal_handlers
 from pretuner.method import DEFAULT_HEADROOM_GIB
+from pretuner.presets.compare import preset_line
 from pretuner.tune.entry import DryRun, RunOptions, RunOutcome, dry_run, run_tuning
 from pretuner.units import GIB
 
@@ -198,5 +199,6 @@ def render_summary(o: RunOutcome) -> str:
     ]
     lines += [f"export {k}={v}" for k, v in f.env.items()]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep["final"]["flags"].items())
-    lines += [flags, "", f"run record: {o.record}  (report.md, tuned.env, serve.sh)"]
+    lines += [flags, preset_line(rep["model"], rep["card_gib"], rep["tp"], f.kv_tokens, tag)]
+    lines += ["", f"run record: {o.record}  (report.md, tuned.env, serve.sh)"]
     return "\n".join(lines)

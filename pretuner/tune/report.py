@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 from pretuner import __version__
 from pretuner.derivation_text import derivation_lines
-from pretuner.envfile import env_file_text, server_args
+from pretuner.presets.model import preset_from_report
+from pretuner.scripts.context import ScriptOptions, Target
+from pretuner.scripts.render import render_scripts
 from pretuner.tune.loop import TuneResult
 from pretuner.units import GIB
 
@@ -139,29 +140,18 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
 
 
 def tuned_env(rep: dict[str, Any], result: TuneResult) -> str:
-    header = _header(rep)
-    return env_file_text(result.derivation.final, header)
+    """The run's environment alone, rendered from templates/tuned.env.j2."""
+    return _render(rep, Target.ENV, "tuned.env")
 
 
 def serve_sh(rep: dict[str, Any], result: TuneResult) -> str:
-    f = result.derivation.final
-    flags = {**f.flags, "tensor_parallel_size": rep["tp"]}
-    argv = list(rep["final"]["serve_command"]) + server_args(flags)
-    lines = ["#!/usr/bin/env bash"]
-    lines += [f"# {h}" for h in _header(rep)]
-    lines += ["set -euo pipefail", "export GLOG_v=${GLOG_v:-2}"]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in f.env.items()]
-    lines.append(f'exec {shlex.join(argv)} "$@"')
-    return "\n".join(lines) + "\n"
+    """The run's own server command (the emulated one on a simulated run) with the tuned values."""
+    return _render(rep, Target.SERVE, "serve.sh")
 
 
-def _header(rep: dict[str, Any]) -> list[str]:
-    tag = "SIMULATED on the emulated card" if rep["simulated"] else "measured"
+def _render(rep: dict[str, Any], target: Target, name: str) -> str:
+    preset = preset_from_report(rep, date="-")
     status = "validated under full load" if rep["validated"] else "NOT validated"
-    return [
-        f"pretuner {rep['pretuner_version']} run {rep['run_id']} ({tag}, {status})",
-        f"model {rep['model']} ({rep['weights_format']}), card {rep['card_gib']} GiB, "
-        f"TP{rep['tp']} x PP{rep['pp']}, {rep['nodes']} node(s)",
-        f"KV cache {rep['max_kv_gib']:.2f} GiB/card = {rep['max_kv_tokens']:,} tokens; "
-        f"re-tune: pretuner run --model {rep['model_arg']} --card {rep['card_gib']}",
-    ]
+    opts = ScriptOptions(command=tuple(rep["final"]["serve_command"]))
+    text = render_scripts(preset, opts, [target])[name]
+    return text.replace("\n# model ", f"\n# run {rep['run_id']}: {status}\n# model ", 1)

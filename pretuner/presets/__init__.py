@@ -1,0 +1,27 @@
+"""Tuned configurations with their provenance: one JSON file per preset under `data/`."""
+
+from pretuner.presets.model import (
+    KvBasis,
+    Preset,
+    PresetKind,
+    builtin_presets,
+    check_preset,
+    find_preset,
+    get_preset,
+    load_preset_file,
+    preset_from_report,
+    preset_to_json,
+)
+
+__all__ = [
+    "KvBasis",
+    "Preset",
+    "PresetKind",
+    "builtin_presets",
+    "check_preset",
+    "find_preset",
+    "get_preset",
+    "load_preset_file",
+    "preset_from_report",
+    "preset_to_json",
+]

@@ -1,0 +1,295 @@
+"""The preset record, its JSON form (unknown keys rejected), and its check against the KV math.
+
+Pure apart from reading the package's own data files.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pretuner.errors import BadInputError
+from pretuner.kvmath import kv_bytes_per_token, kv_tokens
+from pretuner.models import resolve
+from pretuner.units import GIB
+
+
+class PresetKind(str, Enum):
+    """Where a preset's figures come from."""
+
+    MEASURED = "measured"  # a run record on real hardware
+    PUBLISHED = "published"  # a public source, cited in `source`
+    SIMULATED = "simulated"  # a run record on the emulated card
+
+
+class KvBasis(str, Enum):
+    """How the KV cache size follows from the configuration."""
+
+    # r0.1: card*util - vLLM_MODEL_MEMORY_USE_GB, block-floored (seed 003).
+    MODEL_USE = "model-use"
+    # The engine profiled and logged its KV memory; `kv_gib` is that figure (2 decimals).
+    ENGINE_LOG = "engine-log"
+
+
+_KEYS = {
+    "name", "kind", "model", "model_path", "card_gib", "tp", "pp", "nodes", "cards_per_node",
+    "weights_format", "kv_cache_dtype", "engine", "engine_version", "env", "flags",
+    "kv_bytes_per_token", "kv_basis", "kv_gib", "kv_tokens", "date", "source", "notes", "run_id",
+    "figures",
+}  # fmt: skip
+_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A tuned configuration for one model, card size and parallel layout, with its source."""
+
+    name: str
+    kind: PresetKind
+    model: str  # registry name
+    model_path: str  # what the server loads (HF id or folder)
+    card_gib: int
+    tp: int
+    pp: int
+    nodes: int
+    cards_per_node: int
+    weights_format: str
+    kv_cache_dtype: str
+    engine: str
+    engine_version: str | None  # None: the source does not say
+    env: dict[str, str]
+    flags: dict[str, int | float]
+    kv_bytes_per_token: int
+    kv_basis: KvBasis
+    kv_gib: float
+    kv_tokens: int
+    date: str
+    source: str
+    notes: str = ""
+    run_id: str | None = None
+    # Named figures the preset rests on (units in the names), e.g. actual_peak_mib.
+    figures: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def block_size(self) -> int:
+        return int(self.flags["block_size"])
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.flags["max_model_len"])
+
+    @property
+    def util(self) -> float:
+        return float(self.flags["gpu_memory_utilization"])
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes per card the tokens occupy (whole blocks)."""
+        return self.kv_tokens * self.kv_bytes_per_token
+
+
+def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
+    """Build a preset from its JSON form, rejecting unknown or missing keys."""
+    unknown = set(data) - _KEYS
+    if unknown:
+        raise BadInputError(
+            f"{origin}: unknown preset key(s) {', '.join(sorted(unknown))}",
+            hint=f"valid keys: {', '.join(sorted(_KEYS))}",
+        )
+    fields = dict(data)
+    try:
+        fields["kind"] = PresetKind(data["kind"])
+        fields["kv_basis"] = KvBasis(data["kv_basis"])
+        preset = Preset(**fields)
+    except (KeyError, TypeError, ValueError) as err:
+        raise BadInputError(f"{origin}: invalid preset: {err}") from None
+    if not _NAME.match(preset.name):
+        raise BadInputError(
+            f"{origin}: preset name {preset.name!r} is invalid",
+            hint="use lower-case letters, digits, dots and dashes",
+        )
+    for key in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "block_size"):
+        if key not in preset.flags:
+            raise BadInputError(f"{origin}: flags lack {key!r}")
+    return preset
+
+
+def preset_to_json(p: Preset) -> dict[str, Any]:
+    return {
+        "name": p.name,
+        "kind": p.kind.value,
+        "model": p.model,
+        "model_path": p.model_path,
+        "card_gib": p.card_gib,
+        "tp": p.tp,
+        "pp": p.pp,
+        "nodes": p.nodes,
+        "cards_per_node": p.cards_per_node,
+        "weights_format": p.weights_format,
+        "kv_cache_dtype": p.kv_cache_dtype,
+        "engine": p.engine,
+        "engine_version": p.engine_version,
+        "env": dict(p.env),
+        "flags": dict(p.flags),
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "kv_basis": p.kv_basis.value,
+        "kv_gib": p.kv_gib,
+        "kv_tokens": p.kv_tokens,
+        "date": p.date,
+        "source": p.source,
+        "notes": p.notes,
+        "run_id": p.run_id,
+        "figures": dict(p.figures),
+    }
+
+
+def load_preset_file(path: Path) -> Preset:
+    try:
+        data = json.loads(Path(path).read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInputError(f"cannot read preset {str(path)!r}: {err}") from None
+    if not isinstance(data, dict):
+        raise BadInputError(f"{str(path)!r} is not a preset (a JSON object)")
+    return preset_from_dict(data, str(path))
+
+
+@cache
+def builtin_presets() -> tuple[Preset, ...]:
+    """Every preset shipped with the package, sorted by name."""
+    found = []
+    for entry in resources.files("pretuner.presets").joinpath("data").iterdir():
+        if entry.name.endswith(".json"):
+            found.append(preset_from_dict(json.loads(entry.read_text("utf-8")), entry.name))
+    return tuple(sorted(found, key=lambda p: p.name))
+
+
+def get_preset(name: str) -> Preset:
+    presets = {p.name: p for p in builtin_presets()}
+    if name in presets:
+        return presets[name]
+    close = difflib.get_close_matches(name, list(presets), n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else "run `pretuner presets list`"
+    raise BadInputError(f"unknown preset {name!r}", hint=hint)
+
+
+_KIND_ORDER = {PresetKind.MEASURED: 0, PresetKind.PUBLISHED: 1, PresetKind.SIMULATED: 2}
+
+
+def find_preset(
+    model: str, card_gib: int, tp: int, presets: tuple[Preset, ...] | None = None
+) -> Preset | None:
+    """The preset for this model, card size and TP (measured first, then published, simulated)."""
+    name = _model_name(model)
+    hits = [
+        p
+        for p in (builtin_presets() if presets is None else presets)
+        if p.model == name and p.card_gib == card_gib and p.tp == tp
+    ]
+    return min(hits, key=lambda p: (_KIND_ORDER[p.kind], p.name)) if hits else None
+
+
+def _model_name(model: str) -> str:
+    try:
+        return resolve(model).name
+    except BadInputError:
+        return model
+
+
+def model_use_budget_bytes(card_gib: int, util: float, model_use_gib: int) -> int:
+    """r0.1's KV budget: card*util - model-use, in bytes (before block flooring)."""
+    return int(card_gib * GIB * util) - model_use_gib * GIB
+
+
+def check_preset(p: Preset) -> list[str]:
+    """Where a preset disagrees with pretuner's KV math; empty when it agrees."""
+    problems = []
+    bpt = kv_bytes_per_token(resolve(p.model), tp=p.tp, pp=p.pp, kv_dtype=p.kv_cache_dtype)
+    if bpt != p.kv_bytes_per_token:
+        problems.append(f"kv_bytes_per_token {p.kv_bytes_per_token:,} B but the math gives {bpt:,}")
+    block = p.block_size
+    if p.kv_tokens % block:
+        problems.append(f"kv_tokens {p.kv_tokens:,} is not whole blocks of {block}")
+    if p.kv_basis is KvBasis.MODEL_USE:
+        budget = model_use_budget_bytes(p.card_gib, p.util, int(p.env["vLLM_MODEL_MEMORY_USE_GB"]))
+        want = kv_tokens(budget, bpt, block)
+        if want != p.kv_tokens:
+            problems.append(f"kv_tokens {p.kv_tokens:,} but card*util - model-use gives {want:,}")
+        if abs(budget / GIB - p.kv_gib) > 0.01:
+            problems.append(f"kv_gib {p.kv_gib} but card*util - model-use is {budget / GIB:.4f}")
+    else:
+        # kv_gib is printed with 2 decimals: the tokens must lie within that rounding.
+        lo = kv_tokens(int((p.kv_gib - 0.005) * GIB), bpt, block)
+        hi = kv_tokens(int((p.kv_gib + 0.005) * GIB), bpt, block)
+        if not lo <= p.kv_tokens <= hi:
+            problems.append(
+                f"kv_tokens {p.kv_tokens:,} is outside {lo:,}..{hi:,}, what {p.kv_gib} GiB holds"
+            )
+    logged_bytes = p.figures.get("kv_bytes_logged")
+    if logged_bytes is not None and kv_tokens(int(logged_bytes), bpt, block) != p.kv_tokens:
+        problems.append(f"kv_tokens {p.kv_tokens:,} disagree with the logged {logged_bytes:.0f} B")
+    conc = p.figures.get("max_concurrency_x")
+    if conc is not None and round(p.kv_tokens / p.max_model_len, 2) != conc:
+        problems.append(
+            f"concurrency {p.kv_tokens / p.max_model_len:.2f}x but the source says {conc}x"
+        )
+    return problems
+
+
+def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: str) -> Preset:
+    """A run record's report.json as a preset (measured, or simulated on the emulated card)."""
+    try:
+        flags = {k: v for k, v in rep["final"]["flags"].items() if not k.endswith("parallel_size")}
+        d = rep["derivation"]
+        kind = PresetKind.SIMULATED if rep["simulated"] else PresetKind.MEASURED
+        default = f"{rep['model']}-tp{rep['tp']}-{rep['card_gib']}g-{kind.value}-{rep['run_id']}"
+        return Preset(
+            name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
+            kind=kind,
+            model=rep["model"],
+            model_path=rep["model_arg"],
+            card_gib=int(rep["card_gib"]),
+            tp=int(rep["tp"]),
+            pp=int(rep["pp"]),
+            nodes=int(rep["nodes"]),
+            cards_per_node=8 if int(rep["nodes"]) > 1 else int(rep["tp"]) * int(rep["pp"]),
+            weights_format=rep["weights_format"],
+            kv_cache_dtype=rep.get("kv_cache_dtype", "auto"),
+            engine="emulated vllm-mindspore" if rep["simulated"] else "vllm-mindspore",
+            engine_version="0.1",
+            env=dict(rep["final"]["env"]),
+            flags=flags,
+            kv_bytes_per_token=int(rep["kv_bytes_per_token"]),
+            kv_basis=KvBasis.MODEL_USE,
+            kv_gib=round(
+                model_use_budget_bytes(
+                    int(rep["card_gib"]),
+                    float(flags["gpu_memory_utilization"]),
+                    int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"]),
+                )
+                / GIB,
+                2,
+            ),
+            kv_tokens=int(rep["max_kv_tokens"]),
+            date=date,
+            source=f"pretuner {rep['pretuner_version']} run {rep['run_id']} "
+            f"({'emulated card' if rep['simulated'] else rep['backend']})",
+            notes="validated under full load" if rep["validated"] else "NOT validated",
+            run_id=rep["run_id"],
+            figures={
+                "actual_peak_mib": d["actual_peak_mib"],
+                "kv_prerun_gib": d["kv_prerun_gib"],
+                "weights_act_gib": d["weights_act_gib"],
+                "headroom_gib": d["headroom_gib"],
+            },
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise BadInputError(
+            f"the run record lacks {err} in report.json", hint="pass a finished run folder"
+        ) from None

@@ -1,0 +1,216 @@
+"""What the startup scripts say, decided in pure Python; the templates only lay it out."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pretuner import __version__
+from pretuner.envfile import server_args
+from pretuner.errors import BadInputError
+from pretuner.presets.model import KvBasis, Preset, PresetKind
+from pretuner.tune.settings import R01_COMMAND, V03_COMMAND
+from pretuner.units import GIB
+
+
+class Target(str, Enum):
+    ALL = "all"
+    SERVE = "serve"
+    ENV = "env"
+    CONFIG = "config"
+    RAY = "ray"
+    SYSTEMD = "systemd"
+
+
+# Target -> (file name, template, executable)
+_FILES: dict[Target, tuple[tuple[str, str, bool], ...]] = {
+    Target.SERVE: (("serve.sh", "serve.sh.j2", True),),
+    Target.ENV: (("tuned.env", "tuned.env.j2", False),),
+    Target.CONFIG: (("vllm-config.yaml", "vllm-config.yaml.j2", False),),
+    Target.RAY: (
+        ("ray-head.sh", "ray-head.sh.j2", True),
+        ("ray-worker.sh", "ray-worker.sh.j2", True),
+    ),
+    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2", False),),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptOptions:
+    """How to render: for which vLLM-MindSpore version, and the site's own values."""
+
+    engine_version: str = "0.1"
+    model_path: str | None = None  # default: the preset's model_path
+    nic: str = "eth0"  # multi-node: the NIC the nodes talk over
+    head_ip: str | None = None  # multi-node: baked into ray-worker.sh as the default
+    ray_port: int = 6379
+    install_dir: str = "/etc/pretuner"  # where the systemd unit finds tuned.env
+    extra_env: dict[str, str] = field(default_factory=dict)
+    command: tuple[str, ...] | None = None  # a server command to use instead of the version's
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BACKEND_VARS = ("vLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND")
+_MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")
+
+
+def engine_tuple(version: str) -> tuple[int, int]:
+    nums = [int(x) for x in re.findall(r"\d+", version)[:2]]
+    if len(nums) < 2:
+        raise BadInputError(
+            f"vLLM-MindSpore version {version!r} is not understood",
+            hint="use e.g. 0.1, 0.3, 0.4 or 0.5",
+        )
+    return nums[0], nums[1]
+
+
+def files_for(targets: list[Target], nodes: int) -> list[tuple[str, str, bool]]:
+    """The files to render; `all` adds the Ray scripts only for a multi-node layout."""
+    chosen: list[Target] = []
+    for t in targets:
+        if t is Target.ALL:
+            chosen += [Target.SERVE, Target.ENV, Target.CONFIG, Target.SYSTEMD]
+            if nodes > 1:
+                chosen.append(Target.RAY)
+        else:
+            chosen.append(t)
+    out: list[tuple[str, str, bool]] = []
+    for t in dict.fromkeys(chosen):
+        out += _FILES[t]
+    return out
+
+
+def _model_use_gib(p: Preset) -> tuple[int, str | None]:
+    """The r0.1 model-use budget: the preset's own, or one re-expressed from its KV figure."""
+    if "vLLM_MODEL_MEMORY_USE_GB" in p.env:
+        return int(p.env["vLLM_MODEL_MEMORY_USE_GB"]), None
+    # Rounded up, so the KV cache is at most what the source measured.
+    use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
+    why = (
+        f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x {p.util:g} - "
+        f"{p.kv_gib:.2f}) = {use} GiB"
+    )
+    return use, why
+
+
+def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
+    """Every value the templates print, for one preset (or run record) and one engine version."""
+    ver = engine_tuple(opts.engine_version)
+    model_path = opts.model_path or p.model_path
+    notes: list[str] = []
+    env: dict[str, str] = {"GLOG_v": "2"}  # MindSpore WARNING; 0.3+ would set 3 otherwise
+    model_use, why = _model_use_gib(p)
+    if ver < (0, 2):
+        env["ASCEND_TOTAL_MEMORY_GB"] = str(p.card_gib)
+        env["vLLM_MODEL_MEMORY_USE_GB"] = str(model_use)
+        if why:
+            notes.append(why)
+    else:
+        notes.append(
+            f"vLLM-MindSpore {opts.engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
+            "vLLM_MODEL_MEMORY_USE_GB; they are not set"
+        )
+    backend = next((p.env[k] for k in _BACKEND_VARS if k in p.env), None)
+    if backend is not None:
+        env["VLLM_MS_MODEL_BACKEND" if ver >= (0, 4) else "vLLM_MODEL_BACKEND"] = backend
+    for key, value in p.env.items():
+        if key not in _BACKEND_VARS and key not in _MEMORY_VARS:
+            env[key] = value
+    if p.nodes > 1:
+        env.update(
+            {
+                "GLOO_SOCKET_IFNAME": opts.nic,
+                "HCCL_SOCKET_IFNAME": opts.nic,
+                "TP_SOCKET_IFNAME": opts.nic,
+                "MS_ENABLE_LCCL": "off",
+                "HCCL_OP_EXPANSION_MODE": "AIV",
+                "MS_ALLOC_CONF": "enable_vmm:true",
+                "ASCEND_RT_VISIBLE_DEVICES": ",".join(str(i) for i in range(p.cards_per_node)),
+            }
+        )
+    for key, value in opts.extra_env.items():
+        if not _ENV_NAME.match(key):
+            raise BadInputError(f"environment name {key!r} is invalid", hint="use e.g. FOO_BAR=1")
+        env[key] = value
+
+    bad = [k for k in env if not _ENV_NAME.match(k)]
+    if bad:
+        raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
+
+    flags: dict[str, int | float | str] = {**p.flags, "tensor_parallel_size": p.tp}
+    if p.pp > 1:
+        flags["pipeline_parallel_size"] = p.pp
+    if p.nodes > 1:
+        flags["distributed_executor_backend"] = "ray"
+    if ver >= (0, 5):
+        flags["kv_cache_memory_bytes"] = p.kv_bytes
+        notes.append(
+            f"KV cache pinned with --kv-cache-memory-bytes {p.kv_bytes} "
+            f"({p.kv_bytes / GIB:.2f} GiB = {p.kv_tokens:,} tokens per card)"
+        )
+    elif ver >= (0, 2):
+        notes.append(
+            f"vLLM-MindSpore {opts.engine_version} sizes the KV cache by profiling and has no "
+            "--kv-cache-memory-bytes: the tuned KV figure is not enforced; "
+            "--gpu-memory-utilization is the only lever"
+        )
+
+    if opts.command is not None:
+        base = list(opts.command)
+    elif ver < (0, 3):
+        base = [*R01_COMMAND, "--model", model_path]
+    else:
+        base = [*V03_COMMAND, model_path]
+    argv = base + server_args(flags)
+
+    tag = {
+        PresetKind.MEASURED: "measured on real hardware",
+        PresetKind.PUBLISHED: "published",
+        PresetKind.SIMULATED: "SIMULATED on the emulated card",
+    }[p.kind]
+    basis = (
+        "card x util - model-use"
+        if p.kv_basis is KvBasis.MODEL_USE
+        else "the engine's own KV log line"
+    )
+    figures = ", ".join(f"{k} {v:g}" for k, v in p.figures.items())
+    header = [
+        f"model {p.model} ({p.weights_format}) from {model_path}",
+        f"card {p.card_gib} GiB; layout TP{p.tp} x PP{p.pp} on {p.nodes} node(s), "
+        f"{p.cards_per_node} card(s) per node",
+        f"KV cache {p.kv_gib:.2f} GiB/card = {p.kv_tokens:,} tokens at "
+        f"{p.kv_bytes_per_token:,} B/token, block {p.block_size} (from {basis})",
+        f"figures ({tag}): {figures or 'none beyond the KV cache'}",
+        f"source: {p.source}",
+        f"preset {p.name}; run {p.run_id or '-'}; rendered by pretuner {__version__} "
+        f"for vLLM-MindSpore {opts.engine_version}",
+        f"re-tune: pretuner run --model {p.model} --card {p.card_gib} --tp {p.tp} "
+        f"--max-model-len {p.max_model_len}, then pretuner script RUN_DIR",
+        *notes,
+    ]
+    head_argv = list(argv)
+    if "distributed_executor_backend" not in flags:
+        head_argv += ["--distributed-executor-backend", "ray"]
+    return {
+        "header": [_comment_safe(h) for h in header],
+        "simulated": p.kind is PresetKind.SIMULATED,
+        "env": env,
+        "argv": argv,
+        "head_argv": head_argv,
+        "config": {k.replace("_", "-"): v for k, v in flags.items()},
+        "model_path": model_path,
+        "nodes": p.nodes,
+        "expected_npus": p.nodes * p.cards_per_node,
+        "ray_port": opts.ray_port,
+        "head_ip": opts.head_ip or "",
+        "env_path": f"{opts.install_dir.rstrip('/')}/tuned.env",
+        "unit_description": _comment_safe(f"vLLM-MindSpore serving {p.model} (preset {p.name})"),
+    }
+
+
+def _comment_safe(text: str) -> str:
+    """One printable line: a newline in a model path must not end a `#` comment."""
+    return "".join(c if c.isprintable() else "?" for c in text)

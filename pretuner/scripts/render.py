@@ -1,0 +1,124 @@
+"""One strict jinja2 environment over the packaged templates; quoting filters; atomic writes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Iterable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from pretuner.errors import BadInputError
+from pretuner.files import write_atomic
+from pretuner.presets.model import Preset
+from pretuner.scripts.context import ScriptOptions, Target, build_context, files_for
+
+_SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
+
+
+def shell_quote(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def shell_join(values: Iterable[object]) -> str:
+    return " ".join(shlex.quote(str(v)) for v in values)
+
+
+def yaml_scalar(value: object) -> str:
+    """A YAML scalar: numbers as they are, strings double-quoted (JSON strings are valid YAML)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return json.dumps(str(value))
+    return json.dumps(value)
+
+
+def systemd_word(value: object) -> str:
+    """One ExecStart= word: specifiers (%) and variables ($) made literal, quoted if needed."""
+    text = str(value)
+    if _SYSTEMD_SAFE.match(text):
+        return text
+    out = []
+    for c in text:
+        if c in '\\"':
+            out.append("\\" + c)
+        elif c == "%":
+            out.append("%%")
+        elif c == "$":
+            out.append("$$")
+        elif not c.isprintable():
+            out.append("".join(f"\\x{b:02x}" for b in c.encode()))
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
+def systemd_argv(argv: list[str]) -> str:
+    words = list(argv)
+    if not words[0].startswith("/"):
+        words.insert(0, "/usr/bin/env")  # ExecStart= wants an absolute path
+    return " ".join(systemd_word(w) for w in words)
+
+
+def systemd_text(value: object) -> str:
+    return str(value).replace("%", "%%")
+
+
+@cache
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("pretuner.scripts", "templates"),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,  # noqa: S701  (shell scripts, not HTML; every value is shell-quoted)
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    env.filters.update(
+        q=shell_quote,
+        qargs=shell_join,
+        yaml=yaml_scalar,
+        sdargv=systemd_argv,
+        sdtext=systemd_text,
+    )
+    return env
+
+
+def render_template(name: str, ctx: dict[str, Any]) -> str:
+    return _env().get_template(name).render(**ctx)
+
+
+def render_scripts(p: Preset, opts: ScriptOptions, targets: list[Target]) -> dict[str, str]:
+    """File name -> text for every requested target."""
+    if re.search(r"[\s\"'%\\]", opts.install_dir) or not opts.install_dir.startswith("/"):
+        raise BadInputError(
+            f"--install-dir {opts.install_dir!r} must be an absolute path without spaces, "
+            "quotes or %",
+            hint="e.g. /etc/pretuner",
+        )
+    ctx = build_context(p, opts)
+    return {name: render_template(tpl, ctx) for name, tpl, _ in files_for(targets, p.nodes)}
+
+
+def executable(name: str) -> bool:
+    return name.endswith(".sh")
+
+
+def write_scripts(files: dict[str, str], out: Path) -> list[Path]:
+    """Write every file atomically into `out` (created if missing); never overwrite."""
+    out = Path(out)
+    clash = [n for n in files if (out / n).exists()]
+    if clash:
+        raise BadInputError(
+            f"{str(out / clash[0])!r} already exists and pretuner never overwrites a file",
+            hint="choose another --out folder",
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BadInputError(f"cannot create {str(out)!r}: {err.strerror}") from None
+    return [
+        write_atomic(out / name, text, executable=executable(name)) for name, text in files.items()
+    ]

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# model qwen3-8b (bf16) from Qwen/Qwen3-8B
+# card 20 GiB; layout TP2 x PP1 on 1 node(s), 2 card(s) per node
+# KV cache 5.43 GiB/card = 79,040 tokens at 73,728 B/token, block 32 (from the engine's own KV log line)
+# figures (published): max_concurrency_x 19.3, weights_gib_logged 2.6077
+# source: seed 002 (public blog, Qwen3-8B TP2 on 2 x 20 GB cards, vLLM 0.8.5.post1): `GPU KV cache size: 79,040 tokens`, `Maximum concurrency for 4,096 tokens per request: 19.30x`
+# preset qwen3-8b-tp2-20g-vllm; run -; rendered by pretuner 0.1.0 for vLLM-MindSpore 0.1
+# re-tune: pretuner run --model qwen3-8b --card 20 --tp 2 --max-model-len 4096, then pretuner script RUN_DIR
+# model-use re-expressed from the source's KV figure: ceil(20 x 0.5 - 5.43) = 5 GiB
+# Start: ./serve.sh [more server flags]. The environment alone is in tuned.env.
+set -euo pipefail
+export GLOG_v=2
+export ASCEND_TOTAL_MEMORY_GB=20
+export vLLM_MODEL_MEMORY_USE_GB=5
+exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model Qwen/Qwen3-8B --max-model-len 4096 --max-num-seqs 256 --max-num-batched-tokens 4096 --gpu-memory-utilization 0.5 --block-size 32 --tensor-parallel-size 2 "$@"

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# model qwen3-vl-32b-instruct (bf16) from Qwen/Qwen3-VL-32B-Instruct
+# card 64 GiB; layout TP2 x PP1 on 1 node(s), 2 card(s) per node
+# KV cache 20.06 GiB/card = 164,224 tokens at 131,072 B/token, block 128 (from the engine's own KV log line)
+# figures (published): kv_bytes_logged 2.15405e+10, weights_gib_logged 31.4592
+# source: seed 001 (field notes, Qwen3-VL-32B TP2 on 64 GB Ascend cards): `Loading model weights took 31.4592 GB`, `Available memory: 21540531712`, total memory 65452113920
+# preset qwen3-vl-32b-tp2-64g-vllm-ascend; run -; rendered by pretuner 0.1.0 for vLLM-MindSpore 0.5
+# re-tune: pretuner run --model qwen3-vl-32b-instruct --card 64 --tp 2 --max-model-len 16384, then pretuner script RUN_DIR
+# vLLM-MindSpore 0.5 ignores ASCEND_TOTAL_MEMORY_GB and vLLM_MODEL_MEMORY_USE_GB; they are not set
+# KV cache pinned with --kv-cache-memory-bytes 21525168128 (20.05 GiB = 164,224 tokens per card)
+# Multi-node, worker node: ./ray-worker.sh HEAD_IP (after ray-head.sh has started ray).
+# The environment is exported before `ray start` so that every Ray worker inherits it.
+set -euo pipefail
+export GLOG_v=2
+expected_npus=2
+default_head=''
+head_ip=${1:-${HEAD_IP:-$default_head}}
+if [ -z "$head_ip" ]; then
+  echo "usage: $0 HEAD_IP (or set HEAD_IP)" >&2
+  exit 2
+fi
+wait_s=${PRETUNER_RAY_WAIT_S:-600}
+
+count_npus() {
+  ray status --address="$head_ip:"6379 2>/dev/null | grep -oE '[0-9]+(\.[0-9]+)? NPU' | head -n 1 | awk '{print int($1)}' || true
+}
+
+ray start --address="$head_ip:"6379
+waited=0
+until [ "$(count_npus)" = "$expected_npus" ]; do
+  if [ "$waited" -ge "$wait_s" ]; then
+    echo "ray status shows $(count_npus) NPU, expected $expected_npus after ${wait_s}s" >&2
+    exit 1
+  fi
+  sleep 5
+  waited=$((waited + 5))
+done
+echo "ray status: $expected_npus NPU; the head node starts the server"

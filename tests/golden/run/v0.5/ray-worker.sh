@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# model qwen3-8b (bf16) from Qwen/Qwen3-8B
+# card 64 GiB; layout TP1 x PP1 on 1 node(s), 1 card(s) per node
+# KV cache 39.71 GiB/card = 289,168 tokens at 147,456 B/token, block 16 (from card x util - model-use)
+# figures (SIMULATED on the emulated card): actual_peak_mib 22329, kv_prerun_gib 2.5994, weights_act_gib 19.2063, headroom_gib 0.5
+# source: pretuner 0.1.0 run 20260101-000000-qwen3-8b-64g (emulated card)
+# preset qwen3-8b-tp1-64g-simulated-20260101-000000-qwen3-8b-64g; run 20260101-000000-qwen3-8b-64g; rendered by pretuner 0.1.0 for vLLM-MindSpore 0.5
+# re-tune: pretuner run --model qwen3-8b --card 64 --tp 1 --max-model-len 16384, then pretuner script RUN_DIR
+# vLLM-MindSpore 0.5 ignores ASCEND_TOTAL_MEMORY_GB and vLLM_MODEL_MEMORY_USE_GB; they are not set
+# KV cache pinned with --kv-cache-memory-bytes 42639556608 (39.71 GiB = 289,168 tokens per card)
+# Multi-node, worker node: ./ray-worker.sh HEAD_IP (after ray-head.sh has started ray).
+# The environment is exported before `ray start` so that every Ray worker inherits it.
+set -euo pipefail
+export GLOG_v=2
+expected_npus=1
+default_head=''
+head_ip=${1:-${HEAD_IP:-$default_head}}
+if [ -z "$head_ip" ]; then
+  echo "usage: $0 HEAD_IP (or set HEAD_IP)" >&2
+  exit 2
+fi
+wait_s=${PRETUNER_RAY_WAIT_S:-600}
+
+count_npus() {
+  ray status --address="$head_ip:"6379 2>/dev/null | grep -oE '[0-9]+(\.[0-9]+)? NPU' | head -n 1 | awk '{print int($1)}' || true
+}
+
+ray start --address="$head_ip:"6379
+waited=0
+until [ "$(count_npus)" = "$expected_npus" ]; do
+  if [ "$waited" -ge "$wait_s" ]; then
+    echo "ray status shows $(count_npus) NPU, expected $expected_npus after ${wait_s}s" >&2
+    exit 1
+  fi
+  sleep 5
+  waited=$((waited + 5))
+done
+echo "ray status: $expected_npus NPU; the head node starts the server"

@@ -1,0 +1,16 @@
+"""CI check: the committed docs/presets.md is what `pretuner presets docs` renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pretuner.presets import builtin_presets
+from pretuner.presets.catalog import CATALOG_COMMAND, catalog_markdown
+
+DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
+
+
+def test_docs_presets_md_is_current():
+    want = catalog_markdown(builtin_presets())
+    have = DOCS.read_text("utf-8") if DOCS.exists() else ""
+    assert have == want, f"docs/presets.md is stale; refresh it with: {CATALOG_COMMAND}"

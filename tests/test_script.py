@@ -1,0 +1,165 @@
+"""Startup scripts: golden files for every target and preset, bash -n, and inert injection.
+
+Refresh the golden files with PRETUNER_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+
+from pretuner.errors import BadInputError
+from pretuner.presets import builtin_presets, get_preset, preset_from_report
+from pretuner.scripts import ScriptOptions, Target, render_scripts, write_scripts
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("PRETUNER_UPDATE_GOLDEN") == "1"
+ALL = [Target.SERVE, Target.ENV, Target.CONFIG, Target.RAY, Target.SYSTEMD]
+
+
+def _run_preset():
+    rep = json.loads((GOLDEN / "run" / "report.json").read_text())
+    return preset_from_report(rep, date="-")
+
+
+CASES = [(p.name, p, v) for p in builtin_presets() for v in ("0.1", "0.5")]
+CASES += [("run", _run_preset(), "0.1"), ("run", _run_preset(), "0.5")]
+
+
+def _check_golden(folder: Path, files: dict[str, str]) -> None:
+    if UPDATE:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    for name, text in files.items():
+        path = folder / name
+        assert path.exists(), f"missing golden {path}; run with PRETUNER_UPDATE_GOLDEN=1"
+        assert path.read_text() == text, f"{path} differs; refresh with PRETUNER_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize(("name", "preset", "version"), CASES, ids=lambda x: str(x)[:40])
+def test_golden_every_target(name, preset, version):
+    files = render_scripts(preset, ScriptOptions(engine_version=version), ALL)
+    assert set(files) == {
+        "serve.sh", "tuned.env", "vllm-config.yaml", "ray-head.sh", "ray-worker.sh",
+        "pretuner-serve.service",
+    }  # fmt: skip
+    _check_golden(GOLDEN / name / f"v{version}", files)
+    for fname, text in files.items():
+        if fname.endswith(".sh") or fname == "tuned.env":
+            subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+            if shutil.which("shellcheck") and fname.endswith(".sh"):
+                subprocess.run(["shellcheck", "-"], input=text, text=True, check=True)
+
+
+def test_versions_differ_as_documented():
+    p = get_preset("qwen3-vl-8b-tp2-64g-vllm-ascend")
+    r01 = render_scripts(p, ScriptOptions(engine_version="0.1"), [Target.SERVE])["serve.sh"]
+    v04 = render_scripts(p, ScriptOptions(engine_version="0.4"), [Target.SERVE])["serve.sh"]
+    v05 = render_scripts(p, ScriptOptions(engine_version="0.5"), [Target.SERVE])["serve.sh"]
+    assert "vllm_mindspore.entrypoints" in r01
+    assert "export vLLM_MODEL_MEMORY_USE_GB=17" in r01
+    exec04 = next(x for x in v04.splitlines() if x.startswith("exec "))
+    assert "vllm-mindspore serve" in exec04
+    assert "--kv-cache-memory-bytes" not in exec04
+    assert "not enforced" in v04
+    assert "MODEL_MEMORY_USE_GB=" not in v04
+    assert f"--kv-cache-memory-bytes {645_120 * 73_728}" in v05
+
+
+def test_all_adds_ray_only_for_multi_node():
+    single = render_scripts(get_preset("qwen3-8b-tp2-20g-vllm"), ScriptOptions(), [Target.ALL])
+    multi = render_scripts(
+        get_preset("deepseek-r1-w8a8-tp16-2x8x64g"), ScriptOptions(), [Target.ALL]
+    )
+    assert "ray-head.sh" not in single
+    head = multi["ray-head.sh"]
+    assert head.index("export HCCL_SOCKET_IFNAME") < head.index("ray start --head")
+    assert "expected_npus=16" in head
+    assert "--distributed-executor-backend ray" in head
+
+
+EVIL = "/models/my model/'q\"$(touch PWNED)`touch PWNED2`;$HOME\nx %n"
+
+
+def test_injection_is_inert(tmp_path):
+    p = get_preset("qwen3-8b-tp2-20g-vllm")
+    stub_dir = tmp_path / "bin"
+    stub_dir.mkdir()
+    stub = stub_dir / "vllm-mindspore"
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(0o755)
+    opts = ScriptOptions(engine_version="0.5", model_path=EVIL, extra_env={"X_EVIL": EVIL})
+    files = render_scripts(p, opts, ALL)
+    written = write_scripts(files, tmp_path / "out")
+    assert all(os.stat(w).st_mode & stat.S_IXUSR for w in written if w.suffix == ".sh")
+    env = {**os.environ, "PATH": f"{stub_dir}:{os.environ['PATH']}"}
+    res = subprocess.run(
+        ["bash", str(tmp_path / "out" / "serve.sh"), "--extra"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, check=True,
+    )  # fmt: skip
+    argv = json.loads(res.stdout)
+    assert argv[:2] == ["serve", EVIL]
+    assert argv[-1] == "--extra"
+    src = subprocess.run(
+        ["bash", "-c", 'set -a; . ./out/tuned.env; printf %s "$X_EVIL"'],
+        capture_output=True, text=True, cwd=tmp_path, check=True,
+    )  # fmt: skip
+    assert src.stdout == EVIL
+    assert not list(tmp_path.glob("PWNED*"))
+    unit = files["pretuner-serve.service"]
+    exec_line = next(x for x in unit.splitlines() if x.startswith("ExecStart="))
+    assert "$$(touch" in exec_line
+    assert "%%n" in exec_line
+    assert "\\x0a" in exec_line
+    # a newline in the path never ends a `#` comment
+    assert "# model qwen3-8b (bf16) from " + EVIL.replace("\n", "?") in files["serve.sh"]
+
+
+def test_write_never_overwrites(tmp_path):
+    files = render_scripts(get_preset("qwen3-8b-tp2-20g-vllm"), ScriptOptions(), [Target.ENV])
+    write_scripts(files, tmp_path)
+    with pytest.raises(BadInputError, match="never overwrites"):
+        write_scripts(files, tmp_path)
+
+
+def test_bad_values_rejected():
+    p = get_preset("qwen3-8b-tp2-20g-vllm")
+    with pytest.raises(BadInputError):
+        render_scripts(p, ScriptOptions(extra_env={"BAD NAME": "1"}), [Target.ENV])
+    with pytest.raises(BadInputError):
+        render_scripts(p, ScriptOptions(install_dir="relative dir"), [Target.SYSTEMD])
+    with pytest.raises(BadInputError):
+        render_scripts(p, ScriptOptions(engine_version="latest"), [Target.SERVE])
+
+
+def test_cli_script_and_presets(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(GOLDEN / "run" / "report.json", run_dir / "report.json")
+    res = run_cli("script", str(run_dir), "--target", "serve")
+    assert res.returncode == 0, res.stderr
+    assert "==> serve.sh <==" in res.stdout
+    assert "vllm_mindspore.entrypoints" in res.stdout
+    res = run_cli(
+        "script", "--preset", "deepseek-r1-w8a8-tp16-2x8x64g", "--out", str(tmp_path / "o")
+    )
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "o" / "ray-worker.sh").exists()
+    res = run_cli("script", "--preset", "nope")
+    assert res.returncode == 2
+    assert "unknown preset" in res.stderr
+    res = run_cli("presets", "add", str(run_dir), "--name", "my-run", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "my-run.json").read_text())["kind"] == "simulated"
+    res = run_cli("presets", "show", "qwen3-8b-tp2-20g-vllm")
+    assert res.returncode == 0
+    assert "79,040" in res.stdout

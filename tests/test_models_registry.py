@@ -48,11 +48,12 @@ def _data_files() -> list[Any]:
 
 def test_every_data_file_loads_and_is_named_after_its_model() -> None:
     files = _data_files()
-    assert len(files) == len(CONFIG_DIMS)
     for entry in files:
         spec = spec_from_dict(json.loads(entry.read_text("utf-8")), entry.name)
         assert entry.name == f"{spec.name}.json"
-    assert {s.name for s in builtin_specs()} == set(CONFIG_DIMS)
+    names = {s.name for s in builtin_specs()}
+    assert len(names) == len(files)
+    assert set(CONFIG_DIMS) <= names  # the models the brief requires; others may be added
 
 
 @pytest.mark.parametrize("name", sorted(CONFIG_DIMS))

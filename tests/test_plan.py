@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.models import builtin_specs, lookup
+from pretuner.models import ModelSpec, builtin_specs, lookup
 from pretuner.plan import PlanConfig, plan
 from pretuner.units import GIB
 
@@ -59,9 +59,13 @@ def test_ladder_below_requested_length() -> None:
     card=st.sampled_from([32, 64]),
     length=st.sampled_from([4096, 16384, 32768]),
 )
-def test_every_model_plans_or_says_why(spec: object, card: int, length: int) -> None:
+def test_every_model_plans_or_says_why(spec: ModelSpec, card: int, length: int) -> None:
+    if length > spec.max_position_embeddings:
+        with pytest.raises(BadInputError, match="exceeds .* max_position_embeddings"):
+            plan(PlanConfig(model=spec, card_gib=card, max_model_len=length))
+        return
     try:
-        r = plan(PlanConfig(model=spec, card_gib=card, max_model_len=length))  # type: ignore[arg-type]
+        r = plan(PlanConfig(model=spec, card_gib=card, max_model_len=length))
     except InfeasibleError as err:
         message = str(err)
     else:

@@ -46,7 +46,7 @@ def run_cmd(
     ),
     card: int | None = typer.Option(None, "--card", help="Card GiB (default: from npu-smi)."),
     backend: str = typer.Option(
-        "auto", "--backend", help="auto | vllm-mindspore | sim | mindspore-cpu."
+        "auto", "--backend", help="auto | vllm-mindspore | sim."
     ),
     max_model_len: int = typer.Option(16384, "--max-model-len", help="Longest request to support."),
     min_model_len: int = typer.Option(

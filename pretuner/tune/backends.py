@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import logging
 import shutil
 import subprocess
@@ -52,11 +51,11 @@ def choose_backend(requested: str) -> BackendChoice:
     if wanted is Backend.SIM:
         return BackendChoice(wanted, True, None, "--backend sim")
     if wanted is Backend.MINDSPORE_CPU:
-        if importlib.util.find_spec("mindspore") is None:
-            raise BadInputError(
-                "--backend mindspore-cpu needs MindSpore", hint="pip install 'pretuner[mindspore]'"
-            )
-        return BackendChoice(wanted, False, None, "--backend mindspore-cpu")
+        # The reference server on real MindSpore (CPU) is not in this version yet.
+        raise BadInputError(
+            "--backend mindspore-cpu is not available in this version of pretuner",
+            hint="use --backend sim (the emulated card) or vllm-mindspore",
+        )
     cards = read_cards([shutil.which("npu-smi") or "npu-smi", "info"])
     if version is not None and cards:
         return BackendChoice(

@@ -13,14 +13,13 @@ from pretuner.errors import BadInputError
 from pretuner.method import check_launch_settings
 from pretuner.models import resolve
 from pretuner.tune.backends import BackendChoice, choose_backend, detect_card, sim_profile
-from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.execute import LaunchContext, LaunchOutcome, Phase
 from pretuner.tune.loop import (
     CardInfo,
     TuneConfig,
     Tuner,
     TuneResult,
     plan_for,
-    prerun_model_use,
     prerun_util,
     recorded_executor,
 )
@@ -30,7 +29,6 @@ from pretuner.tune.settings import (
     Backend,
     LaunchCommand,
     LaunchSettings,
-    Purpose,
     build_launch,
     default_serve_command,
 )
@@ -197,26 +195,13 @@ def _setup(
 def dry_run(opts: RunOptions) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
     cfg, choice, ctx, _, _ = _setup(opts)
-    p = plan_for(cfg)
-    util = prerun_util(cfg)
-    from pretuner.kvmath import kv_bytes_per_token
+    tuner = Tuner(cfg, _no_launch, lambda phase, detail: None)
+    settings = tuner.prerun_settings(prerun_util(cfg), cfg.max_model_len)
+    return DryRun(choice, cfg.card, settings, ctx.build(settings, 0), tuner.plan.layout_reason)
 
-    bpt = kv_bytes_per_token(cfg.model, tp=p.tp, pp=p.pp, kv_dtype=cfg.kv_cache_dtype)
-    settings = LaunchSettings(
-        purpose=Purpose.PRERUN,
-        card_gib=cfg.card.card_gib,
-        util=util,
-        model_use_gib=prerun_model_use(
-            cfg.card.card_gib, util, cfg.max_model_len, bpt, cfg.block_size
-        ),
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=1,
-        max_num_batched_tokens=cfg.max_model_len,
-        block_size=cfg.block_size,
-        tp=p.tp,
-        pp=p.pp,
-    )
-    return DryRun(choice, cfg.card, settings, ctx.build(settings, 0), p.layout_reason)
+
+def _no_launch(settings: LaunchSettings) -> LaunchOutcome:
+    raise AssertionError("a dry run launches nothing")
 
 
 def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunOptions]:

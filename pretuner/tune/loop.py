@@ -239,18 +239,7 @@ class Tuner:
                 )
                 length = self.shorter(length, None)
                 continue
-            settings = LaunchSettings(
-                purpose=Purpose.PRERUN,
-                card_gib=cfg.card.card_gib,
-                util=util,
-                model_use_gib=mu,
-                max_model_len=length,
-                max_num_seqs=1,
-                max_num_batched_tokens=length,
-                block_size=cfg.block_size,
-                tp=self.plan.tp,
-                pp=self.plan.pp,
-            )
+            settings = self.prerun_settings(util, length, mu)
             outcome = self.launch(settings)
             if outcome.kind is OutcomeKind.OK:
                 fits[length] = outcome
@@ -301,6 +290,28 @@ class Tuner:
                 "length allows (raising it further would leave no KV for one sequence)",
             )
             length = self.shorter(length, outcome.estimated_max_len)
+
+    def prerun_settings(
+        self, util: float, length: int, model_use: int | None = None
+    ) -> LaunchSettings:
+        """The method's pre-run: max-num-seqs 1, batched = max_model_len, one long request."""
+        cfg = self.cfg
+        if model_use is None:
+            model_use = prerun_model_use(cfg.card.card_gib, util, length, self.bpt, cfg.block_size)
+            if cfg.model_use_gib is not None:
+                model_use = min(cfg.model_use_gib, model_use)
+        return LaunchSettings(
+            purpose=Purpose.PRERUN,
+            card_gib=cfg.card.card_gib,
+            util=util,
+            model_use_gib=model_use,
+            max_model_len=length,
+            max_num_seqs=1,
+            max_num_batched_tokens=length,
+            block_size=cfg.block_size,
+            tp=self.plan.tp,
+            pp=self.plan.pp,
+        )
 
     def shorter(self, length: int, estimated: int | None) -> int:
         cfg = self.cfg

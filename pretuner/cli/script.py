@@ -1,4 +1,4 @@
-"""`pretuner script`: startup scripts from a run record or a preset."""
+"""`pretuner script`: startup scripts from a run record, a preset, or values tuned by hand."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pretuner.errors import BadInputError
 from pretuner.presets import get_preset, preset_from_report
 from pretuner.presets.model import Preset
 from pretuner.scripts import ScriptOptions, Target, render_scripts, write_scripts
+from pretuner.scripts.given import GivenValues, preset_from_values
 
 
 def preset_from_run_dir(run_dir: Path) -> Preset:
@@ -35,6 +36,40 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
     return out
 
 
+def values_from_flags(
+    model: str,
+    given: dict[str, int | float | None],
+    *,
+    pp: int,
+    nodes: int,
+    kv_cache_dtype: str,
+    weights_format: str | None,
+) -> GivenValues:
+    """The hand-tuned values, once every required flag is there (`given`: flag -> value)."""
+    missing = [flag for flag, value in given.items() if value is None]
+    if missing:
+        raise BadInputError(
+            f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
+        )
+    # `or 0` only narrows the type: nothing is None past the check above.
+    names = {flag.lstrip("-").replace("-", "_"): value for flag, value in given.items()}
+    return GivenValues(
+        model=model,
+        card_gib=int(names["card"] or 0),
+        tp=int(names["tp"] or 0),
+        util=float(names["util"] or 0),
+        model_use_gib=int(names["model_use_gb"] or 0),
+        max_model_len=int(names["max_model_len"] or 0),
+        max_num_seqs=int(names["max_num_seqs"] or 0),
+        max_num_batched_tokens=int(names["max_num_batched_tokens"] or 0),
+        block_size=int(names["block_size"] or 0),
+        pp=pp,
+        nodes=nodes,
+        kv_cache_dtype=kv_cache_dtype,
+        weights_format=weights_format,
+    )
+
+
 @app.command("script")
 def script_cmd(
     run_dir: Path | None = typer.Argument(None, help="A run folder with report.json."),
@@ -53,11 +88,78 @@ def script_cmd(
     ),
     env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE to export (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Write the files here (default: print)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Values tuned by hand instead of a run: the model (with --card...)."
+    ),
+    card: int | None = typer.Option(None, "--card", help="With --model: card memory in GiB."),
+    tp: int | None = typer.Option(None, "--tp", help="With --model: tensor parallel size."),
+    pp: int = typer.Option(1, "--pp", help="With --model: pipeline parallel size."),
+    nodes: int = typer.Option(1, "--nodes", help="With --model: number of nodes."),
+    util: float | None = typer.Option(
+        None, "--util", help="With --model: --gpu-memory-utilization."
+    ),
+    model_use_gb: int | None = typer.Option(
+        None, "--model-use-gb", help="With --model: vLLM_MODEL_MEMORY_USE_GB (whole GiB)."
+    ),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="With --model."),
+    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="With --model."),
+    max_num_batched_tokens: int | None = typer.Option(
+        None, "--max-num-batched-tokens", help="With --model."
+    ),
+    block_size: int | None = typer.Option(None, "--block-size", help="With --model."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype", help="With --model: auto|bf16|fp16|int8|fp8|int8-mla."
+    ),
+    weights_format: str | None = typer.Option(
+        None, "--weights-format", help="With --model: checkpoint format (bf16, w8a8...)."
+    ),
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
-    if (run_dir is None) == (preset is None):
-        raise BadInputError("give a RUN_DIR or --preset NAME (one of them)")
-    p = get_preset(preset) if preset is not None else preset_from_run_dir(Path(str(run_dir)))
+    given = {
+        "--card": card,
+        "--tp": tp,
+        "--util": util,
+        "--model-use-gb": model_use_gb,
+        "--max-model-len": max_model_len,
+        "--max-num-seqs": max_num_seqs,
+        "--max-num-batched-tokens": max_num_batched_tokens,
+        "--block-size": block_size,
+    }
+    sources = [run_dir is not None, preset is not None, model is not None]
+    if sum(sources) != 1:
+        raise BadInputError(
+            "give exactly one of RUN_DIR, --preset NAME or --model M (with the tuned values)",
+            hint=f"{sum(sources)} given",
+        )
+    if model is None:
+        extra = [flag for flag, value in given.items() if value is not None]
+        extra += [
+            flag
+            for flag, changed in (
+                ("--pp", pp != 1),
+                ("--nodes", nodes != 1),
+                ("--kv-cache-dtype", kv_cache_dtype != "auto"),
+                ("--weights-format", weights_format is not None),
+            )
+            if changed
+        ]
+        if extra:
+            raise BadInputError(f"{', '.join(extra)} only go with --model", hint="drop them")
+    if model is not None:
+        p = preset_from_values(
+            values_from_flags(
+                model,
+                given,
+                pp=pp,
+                nodes=nodes,
+                kv_cache_dtype=kv_cache_dtype,
+                weights_format=weights_format,
+            )
+        )
+    elif preset is not None:
+        p = get_preset(preset)
+    else:
+        p = preset_from_run_dir(Path(str(run_dir)))
     opts = ScriptOptions(
         engine_version=engine_version,
         model_path=model_path,

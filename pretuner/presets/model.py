@@ -27,6 +27,7 @@ class PresetKind(str, Enum):
     MEASURED = "measured"  # a run record on real hardware
     PUBLISHED = "published"  # a public source, cited in `source`
     SIMULATED = "simulated"  # a run record on the emulated card
+    GIVEN = "given"  # values a user tuned by hand, typed on the command line (never shipped)
 
 
 class KvBasis(str, Enum):
@@ -179,7 +180,12 @@ def get_preset(name: str) -> Preset:
     raise BadInputError(f"unknown preset {name!r}", hint=hint)
 
 
-_KIND_ORDER = {PresetKind.MEASURED: 0, PresetKind.PUBLISHED: 1, PresetKind.SIMULATED: 2}
+_KIND_ORDER = {
+    PresetKind.MEASURED: 0,
+    PresetKind.PUBLISHED: 1,
+    PresetKind.SIMULATED: 2,
+    PresetKind.GIVEN: 3,
+}
 
 
 def find_preset(

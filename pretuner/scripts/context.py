@@ -170,7 +170,10 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         PresetKind.MEASURED: "measured on real hardware",
         PresetKind.PUBLISHED: "published",
         PresetKind.SIMULATED: "SIMULATED on the emulated card",
+        PresetKind.GIVEN: "given by hand, NOT measured by pretuner",
     }[p.kind]
+    if p.kind is PresetKind.GIVEN and p.notes:
+        notes.append(p.notes)  # the checks on hand-given values, e.g. an oversubscribed KV cache
     basis = (
         "card x util - model-use"
         if p.kv_basis is KvBasis.MODEL_USE

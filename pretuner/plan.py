@@ -22,6 +22,10 @@ TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 # Non-weight memory a server holds whatever the length: CANN/HCCL buffers, kernel workspace,
 # the sampler. Measured runs replace it; 1 GiB matches the "non-framework < 1 GiB" of seed 003.
 WORKSPACE_BYTES = 1 * GIB
+# "Room for KV" when plan picks the layout: at least this share of card*util left for the KV
+# cache. A layout that predicts room for a single sequence sits inside the prediction's error
+# (gpt-oss-120b bf16 at TP4: 54 of 57.6 GiB in weights) and serves almost nobody.
+MIN_KV_SHARE = 0.10
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
@@ -229,21 +233,21 @@ def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, s
         weights = _weights_per_card(cfg, tp)
         bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
         lp = _length_plan(cfg, tp, weights, bpt, cfg.max_model_len)
-        if lp.fits:
+        if lp.fits and lp.kv_bytes >= MIN_KV_SHARE * cap_gib * GIB:
             nodes = _nodes_for(cfg, tp)
             where = f"{nodes} node{'s' if nodes > 1 else ''}"
             why = (
                 f"TP{tp} on {where}: the smallest power-of-two TP whose weights "
-                f"({weights / GIB:.2f} GiB/card) leave room for KV of one "
-                f"{cfg.max_model_len:,}-token sequence within card*util = {cap_gib:.2f} GiB"
+                f"({weights / GIB:.2f} GiB/card) leave at least {MIN_KV_SHARE:.0%} of card*util = "
+                f"{cap_gib:.2f} GiB for KV ({lp.kv_bytes / GIB:.2f} GiB predicted)"
             )
             return tp, why
         rejected.append(
             (
                 tp,
                 f"weights {weights / GIB:.2f} GiB + activations "
-                f"{lp.activation_bytes / GIB:.2f} GiB + headroom leave "
-                f"{lp.kv_tokens:,} KV tokens, less than one {cfg.max_model_len:,}-token sequence",
+                f"{lp.activation_bytes / GIB:.2f} GiB + headroom leave {lp.kv_bytes / GIB:.2f} "
+                f"GiB of KV ({lp.kv_tokens:,} tokens), under {MIN_KV_SHARE:.0%} of card*util",
             )
         )
     raise InfeasibleError(

@@ -54,6 +54,9 @@ def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
 class SimHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    # uvicorn's listen backlog; the standard library's 5 resets connections when a full load
+    # of max-num-seqs clients connects at once, which the real server never does.
+    request_queue_size = 2048
 
     def __init__(self, addr: tuple[str, int], engine: Engine, api: ApiConfig, log: VllmLog,
                  on_request_done: Callable[[], None] | None = None) -> None:

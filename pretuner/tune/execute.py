@@ -56,6 +56,7 @@ class LaunchOutcome:
     log_path: str
     device_free_mib: int | None = None
     estimated_max_len: int | None = None
+    request_error: str | None = None  # the first failed request's error, as the client saw it
     notes: tuple[str, ...] = field(default=())
 
     def to_json(self) -> dict[str, Any]:
@@ -141,6 +142,7 @@ def run_launch(
     base = f"http://{ctx.host}:{port}"
     ready_s = request_s = 0.0
     ok = total = 0
+    first_error: str | None = None
     failure: ServerFailedError | None = None
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
     proc = ServerProcess.start(cmd.argv, {**os.environ, **cmd.env}, log_path)
@@ -152,7 +154,7 @@ def run_launch(
             ready_s = time.monotonic() - w0
             phase("ready", f"after {ready_s:.1f} s")
             r0 = time.monotonic()
-            ok, total = _exercise(settings, ctx, base, phase)
+            ok, total, first_error = _exercise(settings, ctx, base, phase)
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()
@@ -197,6 +199,7 @@ def run_launch(
         log_path=str(log_path),
         device_free_mib=_device_free_mib(scan, free),
         estimated_max_len=_estimated_max_len(scan),
+        request_error=first_error,
     )
 
 
@@ -207,20 +210,30 @@ def _describe(s: LaunchSettings) -> str:
     )
 
 
-def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> tuple[int, int]:
+def _exercise(
+    s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase
+) -> tuple[int, int, str | None]:
     """The pre-run's one max-length request, or the validation's full concurrent load."""
     if s.purpose is Purpose.PRERUN:
         prompt = probe.probe_prompt(probe.max_length_prompt_len(s.max_model_len, 1), ctx.seed)
         phase("probe", f"one request of {len(prompt) + 1:,} tokens")
         out = probe.complete(base, ctx.served_name, prompt, 1, ctx.request_timeout_s)
-        return int(out.ok), 1
+        return int(out.ok), 1, _describe_failure(out)
     decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
     plen = probe.max_length_prompt_len(s.max_model_len, decode)
     phase("load", f"{s.max_num_seqs} concurrent requests of {plen + decode:,} tokens")
     res = probe.load(
         base, ctx.served_name, s.max_num_seqs, plen, decode, ctx.seed, ctx.request_timeout_s
     )
-    return sum(1 for o in res.outcomes if o.ok), len(res.outcomes)
+    failed = [o for o in res.outcomes if not o.ok]
+    return len(res.outcomes) - len(failed), len(res.outcomes), _describe_failure(*failed[:1])
+
+
+def _describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:
+    for o in outcomes:
+        if not o.ok:
+            return f"HTTP {o.status}: {o.error}" if o.status else str(o.error)
+    return None
 
 
 def _classify(

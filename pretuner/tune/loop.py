@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pretuner.errors import InfeasibleError, NotValidatedError
+from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.method import Derivation, PrerunInputs, derive
 from pretuner.models.spec import ModelSpec
@@ -448,6 +448,15 @@ class Tuner:
                         f"{peak:,} MiB within card*util = {cap_mib:,.0f} MiB",
                     )
                     return self.result(d, True, source)
+            if outcome.kind is OutcomeKind.REQUESTS_FAILED:
+                # Requests failed but no OOM was logged: more headroom would not help.
+                raise ServerFailedError(
+                    f"validation: {outcome.requests_total - outcome.requests_ok} of "
+                    f"{outcome.requests_total} requests failed without any OOM in the log "
+                    f"({outcome.request_error or 'no error text'})",
+                    hint=f"check the server log {outcome.log_path} and --request-timeout",
+                    log_path=outcome.log_path,
+                )
             headroom += 1.0
             self.decide(
                 "raise headroom",

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE_GIB = 1.0
 # When MindSpore's own init line measured the free memory (CANN already counted), less will do.
 MEASURED_RESERVE_GIB = 0.25
+# The pool cap never comes closer than this to the card's measured free memory.
+HARD_MARGIN_GIB = 1 / 16
 UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
 LEN_LADDER = (16384, 8192, 4096)
 JUMP_STEP = 1024  # a jumped-to length is a multiple of this
@@ -133,8 +135,15 @@ def prerun_model_use(card_gib: int, util: float, length: int, bpt: int, block: i
     return math.floor((card_gib * util * GIB - need) / GIB)
 
 
-def final_util(cfg: TuneConfig, outcome: LaunchOutcome) -> tuple[float, str]:
-    """The util to run with: all the card's measured free memory less a documented reserve."""
+def final_util(
+    cfg: TuneConfig, outcome: LaunchOutcome, rounding_gib: float = 0.0
+) -> tuple[float, str]:
+    """The util to run with: all the card's measured free memory less a documented reserve.
+
+    `rounding_gib` is what rounding vLLM_MODEL_MEMORY_USE_GB up to an integer left unused in
+    the pool: the util rises by that much to give it back to the KV cache, eating into the
+    reserve but never closer than HARD_MARGIN_GIB to the free memory MindSpore checks against.
+    """
     if outcome.device_free_mib:
         free, source = outcome.device_free_mib, "MindSpore init line (measured)"
         reserve = cfg.reserve_gib if cfg.reserve_gib is not None else MEASURED_RESERVE_GIB
@@ -143,8 +152,15 @@ def final_util(cfg: TuneConfig, outcome: LaunchOutcome) -> tuple[float, str]:
         reserve = cfg.reserve_gib if cfg.reserve_gib is not None else DEFAULT_RESERVE_GIB
     else:
         return outcome.settings.util, "the pre-run's util (no free-memory reading)"
-    util = floor_to((free * MIB / GIB - reserve) / cfg.card.card_gib, 3)
-    return min(1.0, util), f"{source}: {free:,} MiB free - {reserve} GiB reserve"
+    free_gib, card = free * MIB / GIB, cfg.card.card_gib
+    util = floor_to((free_gib - reserve) / card, 3)
+    if rounding_gib > 0:
+        recovered = floor_to((free_gib - reserve + rounding_gib) / card, 3)
+        util = max(util, min(recovered, floor_to((free_gib - HARD_MARGIN_GIB) / card, 3)))
+    why = f"{source}: {free:,} MiB free - {reserve} GiB reserve"
+    if rounding_gib > 0:
+        why += f" + {rounding_gib:.2f} GiB of integer rounding given back to the KV cache"
+    return min(1.0, util), why
 
 
 class Tuner:
@@ -413,6 +429,11 @@ class Tuner:
     def derive(self, prerun: LaunchOutcome, headroom: float) -> tuple[Derivation, str]:
         util, source = final_util(self.cfg, prerun)
         d = derive(self.prerun_inputs(prerun, headroom, util))
+        # The integer model-use does not depend on util: give its rounding back through util.
+        recovered, why = final_util(self.cfg, prerun, d.rounding_cost_bytes / GIB)
+        if recovered > util:
+            util, source = recovered, why
+            d = derive(self.prerun_inputs(prerun, headroom, util))
         self.decide(
             "derive",
             f"worst-rank peak {prerun.worst_peak_mib:,} MiB -> weights+activations "
@@ -464,7 +485,7 @@ class Tuner:
                 f"{outcome.requests_total} requests ok); learning: +1 GiB headroom",
                 headroom_gib=headroom,
             )
-            d = derive(self.prerun_inputs(prerun, headroom, f.gpu_memory_utilization))
+            d, source = self.derive(prerun, headroom)
 
     def result(self, d: Derivation, validated: bool, source: str) -> TuneResult:
         return TuneResult(

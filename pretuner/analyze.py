@@ -9,7 +9,13 @@ from typing import Any
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult, scan_paths
-from pretuner.method import DEFAULT_HEADROOM_GIB, Derivation, PrerunInputs, derive
+from pretuner.method import (
+    DEFAULT_HEADROOM_GIB,
+    Derivation,
+    PrerunInputs,
+    derive,
+    per_sequence_bytes,
+)
 from pretuner.models.spec import ModelSpec
 from pretuner.units import GIB, MIB
 
@@ -79,6 +85,7 @@ class AnalyzeResult:
             "max_num_seqs_method": d.max_num_seqs_method,
             "max_num_seqs": d.final.max_num_seqs,
             "headroom_gib": d.inputs.headroom_gib,
+            "headroom_total_gib": round(d.headroom_total_gib, 4),
             "model_use_exact_gib": round(d.model_use_exact_gib, 4),
             "rounding_cost_gib": round(d.rounding_cost_bytes / GIB, 4),
             "final_kv_gib": round(d.final.kv_bytes / GIB, 4),
@@ -135,6 +142,7 @@ def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
             max_model_len=cfg.max_model_len,
             headroom_gib=cfg.headroom_gib,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
+            per_seq_bytes=per_sequence_bytes(cfg.model.vocab_size),
         )
     )
     return AnalyzeResult(

@@ -53,8 +53,9 @@ def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
     lost_tokens = d.rounding_cost_bytes // i.kv_bytes_per_token
     lines += [
         "",
-        f"Final configuration (headroom {i.headroom_gib} GiB, derived):",
-        f"  vLLM_MODEL_MEMORY_USE_GB = ceil({d.weights_act_gib:.2f} + {i.headroom_gib}) = "
+        f"Final configuration (headroom {_headroom(d)}, derived):",
+        f"  vLLM_MODEL_MEMORY_USE_GB = ceil({d.weights_act_gib:.2f} + {d.headroom_total_gib:.2f})"
+        " = "
         f"{f.vllm_model_memory_use_gb} GiB (an integer for r0.1; rounding up costs "
         f"{d.rounding_cost_bytes / GIB:.2f} GiB of KV, about {lost_tokens:,} tokens)",
         f"  KV cache per card = {final_cap:.2f} GiB - {f.vllm_model_memory_use_gb} GiB = "
@@ -65,3 +66,13 @@ def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
     lines += [f"  export {k}={v}" for k, v in f.env.items()]
     lines.append(f"  {shlex.join(server_args(f.flags))}")
     return lines
+
+
+def _headroom(d: Derivation) -> str:
+    i = d.inputs
+    if not i.per_seq_bytes:
+        return f"{i.headroom_gib} GiB"
+    return (
+        f"{i.headroom_gib} GiB + {i.per_seq_bytes / MIB:.1f} MiB per running sequence = "
+        f"{d.headroom_total_gib:.2f} GiB"
+    )

@@ -22,6 +22,16 @@ from pretuner.units import GIB, MIB
 # freeing blocks at once. 0.5 GiB covers those on a 64 GB card while costing under 1.5% of a
 # typical 36 GiB KV cache. README "Headroom" says more; `--headroom-gb` changes it.
 DEFAULT_HEADROOM_GIB = 0.5
+# What each running sequence adds that a one-request pre-run cannot show: the sampler's fp32
+# logits, probabilities and log-probabilities over the vocabulary, plus block tables and the
+# pool's per-allocation fragments (an estimate: 2 MiB).
+SAMPLER_COPIES = 3
+PER_SEQ_FIXED_BYTES = 2 * MIB
+
+
+def per_sequence_bytes(vocab_size: int) -> int:
+    """Headroom each running sequence needs on top of the measured pre-run (see above)."""
+    return SAMPLER_COPIES * vocab_size * 4 + PER_SEQ_FIXED_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +48,7 @@ class PrerunInputs:
     headroom_gib: float = DEFAULT_HEADROOM_GIB
     max_num_batched_tokens: int | None = None  # default: max_model_len, what the pre-run used
     final_util: float | None = None  # default: util; issue the tuned config at another util
+    per_seq_bytes: int = 0  # headroom per running sequence (per_sequence_bytes(vocab))
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +94,7 @@ class Derivation:
     max_kv_bytes: int  # step 3: card*util - weights+act
     max_kv_tokens: int  # step 4: block-floored tokens in max_kv
     max_num_seqs_method: int  # step 5: max_kv_tokens // max_model_len
+    headroom_total_gib: float  # headroom_gib + per_seq_bytes x max-num-seqs
     model_use_exact_gib: float  # weights+act + headroom, before rounding up
     rounding_cost_bytes: int  # KV lost by rounding the model-use budget up to an integer
     final: FinalConfig
@@ -164,8 +176,15 @@ def derive(inp: PrerunInputs) -> Derivation:
     max_tokens = kv_tokens(max_kv, bpt, block)
     seqs_method = max_tokens // inp.max_model_len
 
-    # Final: the model-use budget must be an integer (r0.1 parses it with int()).
-    exact = weights_act / GIB + inp.headroom_gib
+    # Final: the model-use budget must be an integer (r0.1 parses it with int()). The
+    # per-sequence headroom is sized for the sequence count the base headroom would allow,
+    # which is at least the final count: conservative.
+    headroom = inp.headroom_gib
+    if inp.per_seq_bytes:
+        base_use = math.ceil(weights_act / GIB + headroom - 1e-9)
+        seqs = kv_tokens(cap - base_use * GIB, bpt, block) // inp.max_model_len
+        headroom += seqs * inp.per_seq_bytes / GIB
+    exact = weights_act / GIB + headroom
     model_use = math.ceil(exact - 1e-9)
     rounding_cost = int((model_use - exact) * GIB)
     final_kv_budget = cap - model_use * GIB
@@ -175,7 +194,7 @@ def derive(inp: PrerunInputs) -> Derivation:
         fit = _largest_len(final_tokens, block)
         raise InfeasibleError(
             f"at --max-model-len {inp.max_model_len:,} the KV cache left after weights+activations "
-            f"({weights_act / GIB:.2f} GiB + {inp.headroom_gib} GiB headroom) holds "
+            f"({weights_act / GIB:.2f} GiB + {headroom:.2f} GiB headroom) holds "
             f"{final_tokens:,} tokens, not one sequence",
             hint=(
                 f"a max-model-len of at most {fit:,} would fit one sequence; or add cards"
@@ -209,6 +228,7 @@ def derive(inp: PrerunInputs) -> Derivation:
         max_kv_bytes=max_kv,
         max_kv_tokens=max_tokens,
         max_num_seqs_method=seqs_method,
+        headroom_total_gib=headroom,
         model_use_exact_gib=exact,
         rounding_cost_bytes=rounding_cost,
         final=final,

@@ -20,7 +20,7 @@ import numpy as np
 
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
-from pretuner.method import Derivation, PrerunInputs, derive
+from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, PlanResult, activation_bytes, plan
 from pretuner.tune.execute import LaunchContext, LaunchOutcome, OutcomeKind, Phase, run_launch
@@ -424,6 +424,7 @@ class Tuner:
             max_model_len=s.max_model_len,
             headroom_gib=headroom,
             final_util=util,
+            per_seq_bytes=per_sequence_bytes(self.cfg.model.vocab_size),
         )
 
     def derive(self, prerun: LaunchOutcome, headroom: float) -> tuple[Derivation, str]:

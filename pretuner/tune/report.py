@@ -67,6 +67,7 @@ def report_json(
             "actual_peak_mib": d.actual_peak_bytes // 2**20,
             "weights_act_gib": round(d.weights_act_gib, 4),
             "headroom_gib": d.inputs.headroom_gib,
+            "headroom_total_gib": round(d.headroom_total_gib, 4),
             "rounding_cost_gib": round(d.rounding_cost_bytes / GIB, 4),
             "final_util_source": result.final_util_source,
         },
@@ -122,7 +123,7 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
         "| part | GiB | provenance |",
         "|---|---|---|",
         f"| weights + activations (pre-run) | {d.weights_act_gib:.2f} | derived from the peak |",
-        f"| headroom | {d.inputs.headroom_gib:.2f} | given |",
+        f"| headroom (base + per sequence) | {d.headroom_total_gib:.2f} | given + derived |",
         f"| rounding to integer model-use | {d.rounding_cost_bytes / GIB:.2f} | derived |",
         f"| KV cache | {f.kv_bytes / GIB:.2f} | derived |",
         f"| pool cap (card x util) | {f.ascend_total_memory_gb * f.gpu_memory_utilization:.2f} "

@@ -33,10 +33,16 @@ def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
 
     Hidden states and their residual/norm copies (~4 x hidden) plus the MLP's gate/up/down
     intermediates (~3 x intermediate / tp) per token in the model dtype, plus a fixed workspace.
-    Flash attention keeps attention linear in length, so no quadratic term.
+    Flash attention keeps attention linear in length, so no quadratic term, except for models
+    declared with eager attention (the CPU reference models): their score matrix, its masked
+    copy and its softmax, (heads / tp) x tokens^2 each, are alive together.
     """
     per_token = 4 * spec.hidden_size + 3 * spec.intermediate_size // tp
-    return tokens * per_token * spec.dtype_bytes + WORKSPACE_BYTES
+    act = tokens * per_token * spec.dtype_bytes
+    if spec.eager_attention:
+        act += 3 * max(1, spec.num_heads // tp) * tokens * tokens * spec.dtype_bytes
+    workspace = WORKSPACE_BYTES if spec.workspace_bytes is None else spec.workspace_bytes
+    return act + workspace
 
 
 @dataclass(frozen=True, slots=True)

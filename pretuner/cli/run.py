@@ -46,11 +46,19 @@ def run_cmd(
     ),
     card: int | None = typer.Option(None, "--card", help="Card GiB (default: from npu-smi)."),
     backend: str = typer.Option(
-        "auto", "--backend", help="auto | vllm-mindspore | sim."
+        "auto",
+        "--backend",
+        help="auto | vllm-mindspore | sim | mindspore-cpu (real MindSpore on CPU; never auto).",
     ),
-    max_model_len: int = typer.Option(16384, "--max-model-len", help="Longest request to support."),
-    min_model_len: int = typer.Option(
-        4096, "--min-model-len", help="Shortest length the fallback may go to."
+    max_model_len: int | None = typer.Option(
+        None,
+        "--max-model-len",
+        help="Longest request to support (default 16384; 1024 on mindspore-cpu).",
+    ),
+    min_model_len: int | None = typer.Option(
+        None,
+        "--min-model-len",
+        help="Shortest length the fallback may go to (default 4096; 256 on mindspore-cpu).",
     ),
     util: float = typer.Option(
         0.9, "--util", help="Pre-run --gpu-memory-utilization (the method's 0.9)."

@@ -17,6 +17,7 @@ _SPEC_KEYS = {
     "head_dim", "vocab_size", "intermediate_size", "attention", "total_params", "dtype",
     "weights", "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
     "sliding_window_layers", "num_experts", "active_params", "default_weights", "notes", "extra",
+    "eager_attention", "workspace_bytes",
 }
 _WEIGHTS_KEYS = {"name", "total_bytes", "source"}
 

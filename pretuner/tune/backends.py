@@ -11,12 +11,42 @@ from dataclasses import dataclass
 
 from pretuner.errors import BadInputError
 from pretuner.launch.device import NpuCard, parse_npu_smi
-from pretuner.tune.loop import CardInfo
+from pretuner.tune.loop import LEN_LADDER, CardInfo
 from pretuner.tune.settings import Backend
 
 log = logging.getLogger(__name__)
 
 SIM_PROFILES = {64: "910b-64", 32: "910b-32"}
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """A backend's default --max-model-len / --min-model-len, its fallback ladder, and how many
+    tokens each validation request decodes after its prompt (prompt + decode = max_model_len)."""
+
+    max_model_len: int
+    min_model_len: int
+    ladder: tuple[int, ...]
+    decode_tokens: int = 16
+
+
+# The CPU reference server's models prefill on 2 cores: its ladder starts where a validation
+# under full load still takes well under a minute per launch there.
+LENGTHS = {
+    Backend.MINDSPORE_CPU: Lengths(1024, 256, (1024, 512, 256), decode_tokens=4),
+}
+DEFAULT_LENGTHS = Lengths(16384, 4096, LEN_LADDER)
+
+
+def lengths_for(backend: Backend) -> Lengths:
+    return LENGTHS.get(backend, DEFAULT_LENGTHS)
+
+
+def mindspore_version() -> str | None:
+    try:
+        return importlib.metadata.version("mindspore")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +81,13 @@ def choose_backend(requested: str) -> BackendChoice:
     if wanted is Backend.SIM:
         return BackendChoice(wanted, True, None, "--backend sim")
     if wanted is Backend.MINDSPORE_CPU:
-        # The reference server on real MindSpore (CPU) is not in this version yet.
-        raise BadInputError(
-            "--backend mindspore-cpu is not available in this version of pretuner",
-            hint="use --backend sim (the emulated card) or vllm-mindspore",
-        )
+        ms_version = mindspore_version()
+        if ms_version is None:
+            raise BadInputError(
+                "--backend mindspore-cpu needs MindSpore, which is not installed",
+                hint="pip install 'pretuner[mindspore]' (MindSpore runs on CPU), or --backend sim",
+            )
+        return BackendChoice(wanted, False, ms_version, f"MindSpore {ms_version} on CPU")
     cards = read_cards([shutil.which("npu-smi") or "npu-smi", "info"])
     if version is not None and cards:
         return BackendChoice(

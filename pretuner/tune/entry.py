@@ -11,8 +11,14 @@ from typing import Any
 
 from pretuner.errors import BadInputError
 from pretuner.method import check_launch_settings
-from pretuner.models import resolve
-from pretuner.tune.backends import BackendChoice, choose_backend, detect_card, sim_profile
+from pretuner.models import builtin_specs, resolve
+from pretuner.tune.backends import (
+    BackendChoice,
+    choose_backend,
+    detect_card,
+    lengths_for,
+    sim_profile,
+)
 from pretuner.tune.execute import LaunchContext, LaunchOutcome, Phase
 from pretuner.tune.loop import (
     CardInfo,
@@ -44,8 +50,8 @@ class RunOptions:
     backend: str = "auto"
     card_gib: int | None = None
     util: float = 0.9
-    max_model_len: int = 16384
-    min_model_len: int = 4096
+    max_model_len: int | None = None  # default: the backend's (lengths_for)
+    min_model_len: int | None = None
     tp: int | None = None
     pp: int = 1
     nodes: int | None = None
@@ -102,11 +108,18 @@ def _validate(opts: RunOptions) -> None:
             f"--max-launches {opts.max_launches} leaves no launch for validation",
             hint="use 2 or more, or --no-validate",
         )
-    if opts.min_model_len < 1 or opts.min_model_len > opts.max_model_len:
+
+
+
+def _check_lengths(max_len: int, min_len: int) -> None:
+    if max_len < 1:
         raise BadInputError(
-            f"--min-model-len {opts.min_model_len} must be between 1 and --max-model-len "
-            f"{opts.max_model_len}",
-            hint="e.g. --min-model-len 4096",
+            f"--max-model-len {max_len} is invalid", hint="e.g. --max-model-len 16384"
+        )
+    if min_len < 1 or min_len > max_len:
+        raise BadInputError(
+            f"--min-model-len {min_len} must be between 1 and --max-model-len {max_len}",
+            hint=f"e.g. --min-model-len {max(1, max_len // 4)}",
         )
 
 
@@ -133,15 +146,27 @@ def _setup(
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
     _validate(opts)
     spec = resolve(opts.model)
+    if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
+        names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)
+        raise BadInputError(
+            f"--backend mindspore-cpu serves the CPU reference models, not {spec.name}",
+            hint=f"use --model {names}, or --backend sim",
+        )
     choice = choose_backend(opts.backend)
+    lengths = lengths_for(choice.backend)
+    max_len = lengths.max_model_len if opts.max_model_len is None else opts.max_model_len
+    min_len = (
+        min(lengths.min_model_len, max_len) if opts.min_model_len is None else opts.min_model_len
+    )
+    _check_lengths(max_len, min_len)
     base_env = _sim_env(opts, choice, spec.weights_format(opts.weights_format).name, 1)
     card = detect_card(choice, opts.card_gib, {**os.environ, **base_env})
     cfg = TuneConfig(
         model=spec,
         card=card,
         util=opts.util,
-        max_model_len=opts.max_model_len,
-        min_model_len=opts.min_model_len,
+        max_model_len=max_len,
+        min_model_len=min_len,
         tp=opts.tp,
         pp=opts.pp,
         nodes=opts.nodes,
@@ -153,6 +178,7 @@ def _setup(
         max_launches=opts.max_launches,
         validate=opts.validate,
         model_use_gib=opts.model_use_gib,
+        len_ladder=lengths.ladder,
     )
     if opts.model_use_gib is not None:
         check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
@@ -187,6 +213,7 @@ def _setup(
         request_timeout_s=opts.request_timeout_s,
         stop_grace_s=opts.stop_grace_s,
         seed=opts.seed,
+        decode_tokens=lengths.decode_tokens,
     )
     model_args = ["--model", opts.model] if model_as_flag else [opts.model]
     return cfg, choice, ctx, base_cmd + model_args, extra_env

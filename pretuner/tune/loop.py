@@ -68,6 +68,7 @@ class TuneConfig:
     max_launches: int = 8
     validate: bool = True
     model_use_gib: int | None = None  # pin the pre-run's model-use (the seed's 50); default: max
+    len_ladder: tuple[int, ...] = LEN_LADDER  # the backend's lengths to fall back through
 
 
 @dataclass
@@ -337,7 +338,7 @@ class Tuner:
                 f"cards even at --min-model-len {cfg.min_model_len:,} (measured)",
                 hint="add cards (--tp), use a quantized checkpoint, or lower --min-model-len",
             )
-        lower = [n for n in LEN_LADDER if n < length]
+        lower = [n for n in cfg.len_ladder if n < length]
         nxt = lower[0] if lower else length // 2
         if estimated is not None and cfg.min_model_len <= estimated < length:
             nxt = max(nxt, (estimated // cfg.block_size) * cfg.block_size)

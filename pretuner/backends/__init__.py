@@ -1,0 +1,1 @@
+"""Servers pretuner can drive besides vLLM-MindSpore and the emulated card."""

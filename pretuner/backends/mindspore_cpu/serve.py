@@ -1,0 +1,204 @@
+"""The reference server: the emulated server's interface over a real MindSpore network on CPU.
+
+Same command line (parsed by `pretuner.sim.serve.parse`; emulator-only options are accepted and
+ignored), same environment (`ASCEND_TOTAL_MEMORY_GB`, `vLLM_MODEL_MEMORY_USE_GB` through int()
+as r0.1 does, `GLOG_v`), same HTTP API (`pretuner.sim.http`). What differs is that every memory
+figure is MindSpore's own: the pool dump with `actual peak used mem` is printed by MindSpore when
+the process exits normally after SIGINT/SIGTERM, and an allocation beyond the card fails in
+MindSpore's allocator (see `card.py`).
+
+Exit codes: 0 after a graceful stop, 1 on a startup error or an engine crash (OOM), 2 on usage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from pretuner.backends.mindspore_cpu import card
+from pretuner.errors import PretunerError
+from pretuner.models import resolve
+from pretuner.sim import memory as mem
+from pretuner.sim.engine import EngineLimits
+from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.logs import VllmLog
+from pretuner.sim.serve import (
+    ServeConfig,
+    StartupFailed,
+    UsageError,
+    build_parser,
+    parse,
+    traceback_text,
+    verify_vllm_config,
+)
+
+if TYPE_CHECKING:
+    from pretuner.backends.mindspore_cpu.engine import MsEngine
+
+VLLM_VERSION = "0.6.6.post1"
+WARMUP_TOKENS_CAP = 8192  # r0.1 warms up with one prefill of min(8192, max_model_len) tokens
+POOL_GROWTH = "1GB"
+_WHERE = ('  File "pretuner/backends/mindspore_cpu/serve.py", in start\n')
+
+
+def _int_env(env: dict[str, str], name: str) -> int:
+    raw = env.get(name)
+    if raw is None:
+        raise StartupFailed("TypeError", "int() argument must be a string, a bytes-like object "
+                            "or a real number, not 'NoneType'", _WHERE)
+    try:
+        return int(raw)
+    except ValueError:
+        raise StartupFailed("ValueError", f"invalid literal for int() with base 10: {raw!r}",
+                            _WHERE) from None
+
+
+class Server:
+    def __init__(self, cfg: ServeConfig) -> None:
+        self.cfg = cfg
+        self.vlog = VllmLog()
+        self.stop = threading.Event()
+        self.crashed = threading.Event()
+        self.engine: MsEngine | None = None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop.set()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            server = self._start()
+        except StartupFailed as err:
+            sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
+            return 1
+        except (RuntimeError, MemoryError):  # MindSpore's allocation failures
+            sys.stderr.write(traceback.format_exc())
+            return 1
+        while not self.stop.wait(0.1):
+            if self.crashed.is_set():
+                self.vlog.error("launcher.py:101",
+                                "AsyncLLMEngine has failed, terminating server process")
+                time.sleep(0.2)  # let the handlers send their 500s
+                self._shutdown(server)
+                return 1
+        self._shutdown(server)
+        return 0  # MindSpore prints its pool dump as the interpreter exits
+
+    def _shutdown(self, server: SimHTTPServer) -> None:
+        self.vlog.uvicorn("Shutting down")
+        server.shutdown()
+        server.server_close()
+        if self.engine is not None:
+            self.engine.stop()
+        self.vlog.uvicorn("Application shutdown complete.")
+        self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
+
+    def _start(self) -> SimHTTPServer:
+        cfg, log = self.cfg, self.vlog
+        log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION} "
+                 "(pretuner mindspore-cpu reference server)")
+        try:
+            spec = resolve(cfg.model)
+        except PretunerError as err:
+            raise StartupFailed("OSError", f"{cfg.model} is not a valid model identifier "
+                                f"({err})", _WHERE) from None
+        mml, batched = verify_vllm_config(cfg, spec)
+        env = cfg.env
+        if env.get("ASCEND_TOTAL_MEMORY_GB"):
+            total_gb = _int_env(env, "ASCEND_TOTAL_MEMORY_GB")
+        else:
+            total_gb = 64
+            log.warning("ascend.py:110", "Total device memory should be set by environ "
+                        "'ASCEND_TOTAL_MEMORY_GB'; using the default size (64GB).")
+        model_use = _int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
+        log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
+
+        card.keep_reservations_small()
+        import mindspore as ms  # late: `--help` and usage errors do not pay for the import
+        from mindspore import ops
+
+        from pretuner.backends.mindspore_cpu.engine import MsEngine
+        from pretuner.backends.mindspore_cpu.network import Dims, Seq, TinyLM
+
+        ms.set_device("CPU")
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        cap_bytes = mem.pool_cap_bytes(total_gb, cfg.util)
+        # MindSpore splits init_size evenly between its persistent and common pools: twice the
+        # cap gives the common pool (where tensors live) one block of TOTAL x util, as
+        # max_device_memory would on a card. The persistent half stays unused and is not
+        # counted in the card.
+        ms.runtime.set_memory(init_size=f"{2 * cap_bytes / card.GIB:.3f}GB",
+                              increase_size=POOL_GROWTH)
+        ops.add(ops.ones((8, 8), ms.float32), 1.0).asnumpy()  # pool and thread pools now exist
+        dims = Dims.of(spec)
+        net = TinyLM(dims, seed=cfg.seed)
+        weights_gb = spec.weights_format(None).total_bytes / card.GIB
+        log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
+
+        block_bytes = cfg.block_size * dims.layers * dims.slot_elems * 4
+        blocks = mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
+        if blocks <= 0:
+            raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
+                                "increasing `gpu_memory_utilization` when initializing the "
+                                "engine.", _WHERE)
+        max_seq = blocks * cfg.block_size
+        if mml > max_seq:
+            raise StartupFailed(
+                "ValueError",
+                f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
+                f"that can be stored in KV cache ({max_seq}). Try increasing "
+                "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
+                "engine.", _WHERE)
+        log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: 0")
+        log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
+                 f"{max_seq / mml:.2f}x")
+        net.allocate_cache(blocks, cfg.block_size)
+        # The limit comes after weights and cache: both are in the pool, which the limit
+        # counts once; what they left on the host side is part of the baseline.
+        baseline = card.vm_size_bytes() - cap_bytes
+        limit = card.limit_address_space(baseline, cap_bytes)
+        log.info("card.py:60", f"pool capped at {cap_bytes >> 20} MiB (TOTAL x util) by "
+                 f"RLIMIT_AS {limit >> 20} MiB = baseline {baseline >> 20} MiB + pool "
+                 f"{cap_bytes >> 20} MiB + host allowance {card.HOST_ALLOWANCE_BYTES >> 20} MiB")
+
+        warm = min(WARMUP_TOKENS_CAP, mml)
+        log.info("model_runner.py:1415", f"Warm-up with a dummy prefill of {warm} tokens.")
+        net.forward([Seq([1] * warm, list(range(-(-warm // cfg.block_size))), 0)])
+
+        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap_bytes)
+        self.engine = MsEngine(net, limits, log, lambda _err: self.crashed.set(), seed=cfg.seed)
+        self.engine.start()
+        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        try:
+            server = SimHTTPServer((host, cfg.port), self.engine,
+                                   ApiConfig(cfg.served_names, cfg.model, mml), log)
+        except OSError as err:
+            raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}", _WHERE) from None
+        serve_in_thread(server)
+        log.uvicorn(f"Started server process [{os.getpid()}]")
+        log.uvicorn("Application startup complete.")
+        log.uvicorn(f"Uvicorn running on http://{host}:{server.server_address[1]} "
+                    "(Press CTRL+C to quit)")
+        return server
+
+
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m pretuner.backends.mindspore_cpu serve") -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        build_parser(prog).print_help()
+        return 0
+    try:
+        cfg = parse(args, dict(os.environ))
+    except UsageError as err:
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        return 2
+    return Server(cfg).run()

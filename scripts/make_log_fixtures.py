@@ -6,6 +6,11 @@ address-space limit (RLIMIT_AS) so that a large allocation fails with MindSpore'
 text. The noise is trimmed; target lines, their neighbours and every prefix stay verbatim.
 
     python scripts/make_log_fixtures.py [--out tests/fixtures/logs]
+
+With `--from-run RUN_DIR --name NAME` it trims instead the server logs of a `pretuner run`
+record (the mindspore-cpu backend's): `NAME-launch-<n>.log` per launch. There every line the
+server itself wrote (vLLM-format lines, tracebacks) stays, and MindSpore's own `[LEVEL] ...`
+lines are trimmed as above.
 """
 
 from __future__ import annotations
@@ -58,6 +63,29 @@ def trim(data: bytes) -> bytes:
     return b"".join(lines[i] for i in sorted(keep))
 
 
+def trim_server_log(data: bytes) -> bytes:
+    """The server's own lines all stay; MindSpore's prefixed lines are trimmed like `trim`."""
+    lines = data.splitlines(keepends=True)
+    keep = set(range(min(HEAD, len(lines))))
+    for i, line in enumerate(lines):
+        if not line.startswith(b"["):
+            keep.add(i)
+        elif any(a in line for a in ANCHORS + EXTRA):
+            keep.update(range(max(0, i - CONTEXT), min(len(lines), i + CONTEXT + 1)))
+    return b"".join(lines[i] for i in sorted(keep))
+
+
+def from_run(run_dir: Path, name: str, out: Path) -> None:
+    logs = sorted(run_dir.glob("launch-*/server.log"))
+    if not logs:
+        raise SystemExit(f"no launch-*/server.log under {run_dir}")
+    out.mkdir(parents=True, exist_ok=True)
+    for log in logs:
+        target = out / f"{name}-{log.parent.name}.log"
+        target.write_bytes(trim_server_log(log.read_bytes()))
+        print(f"{target} ({target.stat().st_size:,} bytes)")
+
+
 def run(script: Path, args: list[str], env: dict[str, str]) -> bytes:
     full = {**os.environ, "GLOG_v": "1", **env}
     done = subprocess.run(
@@ -69,7 +97,13 @@ def run(script: Path, args: list[str], env: dict[str, str]) -> bytes:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures/logs"))
-    out: Path = parser.parse_args().out
+    parser.add_argument("--from-run", type=Path, default=None, help="a pretuner run record")
+    parser.add_argument("--name", default="mscpu", help="file prefix with --from-run")
+    args = parser.parse_args()
+    out: Path = args.out
+    if args.from_run is not None:
+        from_run(args.from_run, args.name, out)
+        return
     import mindspore  # noqa: PLC0415  (only this script needs it)
 
     version = mindspore.__version__

@@ -152,6 +152,11 @@ def _setup(
             f"--backend mindspore-cpu serves the CPU reference models, not {spec.name}",
             hint=f"use --model {names}, or --backend sim",
         )
+    if opts.backend == Backend.MINDSPORE_CPU.value and (opts.tp or 1) * opts.pp != 1:
+        raise BadInputError(
+            f"--backend mindspore-cpu runs one card; TP{opts.tp or 1} x PP{opts.pp} needs several",
+            hint="drop --tp/--pp (the reference server is a single process)",
+        )
     choice = choose_backend(opts.backend)
     lengths = lengths_for(choice.backend)
     max_len = lengths.max_model_len if opts.max_model_len is None else opts.max_model_len
@@ -167,7 +172,7 @@ def _setup(
         util=opts.util,
         max_model_len=max_len,
         min_model_len=min_len,
-        tp=opts.tp,
+        tp=1 if choice.backend is Backend.MINDSPORE_CPU else opts.tp,
         pp=opts.pp,
         nodes=opts.nodes,
         block_size=opts.block_size,

@@ -125,8 +125,9 @@ class Server:
         import mindspore as ms  # late: `--help` and usage errors do not pay for the import
         from mindspore import ops
 
+        from pretuner.backends.mindspore_cpu.dims import Dims
         from pretuner.backends.mindspore_cpu.engine import MsEngine
-        from pretuner.backends.mindspore_cpu.network import Dims, Seq, TinyLM
+        from pretuner.backends.mindspore_cpu.network import Seq, TinyLM
 
         ms.set_device("CPU")
         ms.set_context(mode=ms.PYNATIVE_MODE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -98,6 +99,12 @@ def run_cmd(
     stop_grace: float = typer.Option(
         120.0, "--stop-grace", help="Seconds between SIGTERM and SIGKILL."
     ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        help="Multi-node: the Ray cluster (HOST:PORT or auto) to place the ranks on and "
+        "gather every node's logs from (needs the `ray` extra).",
+    ),
     dry: bool = typer.Option(False, "--dry-run", help="Print the first launch and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
@@ -127,6 +134,7 @@ def run_cmd(
         seed=seed,
         ready_timeout_s=ready_timeout,
         stop_grace_s=stop_grace,
+        ray_address=ray_address,
     )
     if dry:
         typer.echo(render_dry_run(dry_run(opts)))
@@ -200,5 +208,17 @@ def render_summary(o: RunOutcome) -> str:
     lines += [f"export {k}={v}" for k, v in f.env.items()]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep["final"]["flags"].items())
     lines += [flags, preset_line(rep["model"], rep["card_gib"], rep["tp"], f.kv_tokens, tag)]
+    if "cluster" in rep:
+        lines.append(cluster_line(rep))
     lines += ["", f"run record: {o.record}  (report.md, tuned.env, serve.sh)"]
     return "\n".join(lines)
+
+
+def cluster_line(rep: dict[str, Any]) -> str:
+    """Where the ranks ran and where each launch's worst rank was."""
+    c = rep["cluster"]
+    where = ", ".join(f"{n['node']} {n['ranks']} ranks" for n in c["nodes"])
+    worst = "; ".join(
+        f"#{s['n']} {s['worst_node']}" for s in rep["steps"] if s.get("worst_node")
+    )
+    return f"Ray cluster {c['ray_address']}: {where}; worst rank on: {worst or '-'}"

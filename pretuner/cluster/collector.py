@@ -106,12 +106,13 @@ class RayCollector:
             self.cluster.gather(self._pending, self.nodes, "the OOM poll", TASK_TIMEOUT_S)
             self._pending = []
         nodes = self.scan().nodes
-        # The server's own output (vLLM's lines, the driver's errors) is on this machine.
+        # The server's own output (vLLM's lines, the driver's echo of a rank's error) is on
+        # this machine; after the ranks, so that a rank's own OOM line comes first.
         here = self.nodes[0]
         server_log = Path(self.follower.path)
-        server = scan_paths([server_log]) if server_log.exists() else None
-        if server is not None:
-            nodes = (NodeScan(here.node_id, here.label, str(server_log), True, server, ()), *nodes)
+        if server_log.exists():
+            server = scan_paths([server_log])
+            nodes = (*nodes, NodeScan(here.node_id, here.label, str(server_log), True, server, ()))
         merged = merge_node_scans(nodes)
         return CollectedScan(
             scan=merged.scan,

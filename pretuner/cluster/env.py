@@ -96,10 +96,23 @@ class NodeProbe:
 class EnvProblem:
     node: NodeFacts
     name: str
-    what: str  # "missing", "names no interface of the node", ...
+    what: str  # "is missing", or "=VALUE" and what is wrong with it
 
-    def text(self) -> str:
-        return f"{self.name} {self.what} on {self.node.label}"
+
+def describe_problems(problems: Sequence[EnvProblem]) -> str:
+    """`10.0.0.1 (33c30b62) lacks A, B; 10.0.0.2 (6ae8ef24) C=eth9 names no network ...`."""
+    by_node: dict[str, tuple[list[str], list[str]]] = {}
+    for e in problems:
+        missing, other = by_node.setdefault(e.node.label, ([], []))
+        if e.what == "is missing":
+            missing.append(e.name)
+        else:
+            other.append(f"{e.name}{e.what}")
+    parts = []
+    for label, (missing, other) in by_node.items():
+        said = ([f"lacks {', '.join(missing)}"] if missing else []) + other
+        parts.append(f"{label} {'; '.join(said)}")
+    return "; ".join(parts)
 
 
 def _device_count(raw: str) -> int | None:
@@ -123,14 +136,14 @@ def env_problems(probes: Sequence[NodeProbe], placement: Placement) -> list[EnvP
                 continue
             if var.interface and value not in p.interfaces:
                 problems.append(
-                    EnvProblem(p.node, var.name, f"={value} names no network interface")
+                    EnvProblem(p.node, var.name, f"={value} names no network interface of it")
                 )
             if var.devices:
                 count = _device_count(value)
                 need = ranks.get(p.node.node_id, 0)
                 if count is None or count < need:
                     problems.append(
-                        EnvProblem(p.node, var.name, f"={value} lists fewer than {need} cards")
+                        EnvProblem(p.node, var.name, f"={value} lists fewer than its {need} ranks")
                     )
         present = {v for v in values.values() if v is not None}
         if var.same_on_every_node and len(present) > 1:
@@ -138,7 +151,7 @@ def env_problems(probes: Sequence[NodeProbe], placement: Placement) -> list[EnvP
                 value = values[p.node.node_id]
                 if value is not None:
                     problems.append(
-                        EnvProblem(p.node, var.name, f"={value} differs from another node")
+                        EnvProblem(p.node, var.name, f"={value} differs from another node's")
                     )
     return problems
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.collector import RayCollectors
-from pretuner.cluster.env import env_problems, proposed_envs
+from pretuner.cluster.env import describe_problems, env_problems, proposed_envs
 from pretuner.cluster.nodes import Placement, check_versions, place, survey
 from pretuner.cluster.ray_api import RayCluster
 from pretuner.cluster.restart import restart_commands
@@ -41,10 +41,16 @@ class ClusterCheck:
             "gcs_address": self.gcs_address,
             "world": p.world,
             "nodes": [
-                {"node": n.label, "node_id": n.node_id, "npus": n.npus, "ranks": c,
-                 "local": n.local, "head": n.head}
+                {
+                    "node": n.label,
+                    "node_id": n.node_id,
+                    "npus": n.npus,
+                    "ranks": c,
+                    "local": n.local,
+                    "head": n.head,
+                }
                 for n, c in zip(p.nodes, p.ranks_per_node, strict=True)
-            ],  # fmt: skip
+            ],
             "pretuner_versions": dict(self.versions),
         }
 
@@ -71,12 +77,10 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> ClusterCheck:
             probes, proposed_envs(probes, placement), head_host=host, port=int(port),
             extra_args=extra,
         )  # fmt: skip
-        shown = "; ".join(p.text() for p in problems[:6])
-        more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
         raise ClusterError(
-            f"the Ray workers' environment is not ready: {shown}{more}. Ray workers inherit "
-            "these from the shell that ran `ray start`, so pretuner cannot set them for a "
-            "launch",
+            f"node variables not set before `ray start`: {describe_problems(problems)}. Ray "
+            "workers inherit them from the shell that ran `ray start`, so pretuner cannot set "
+            "them for a launch",
             hint="restart Ray with them on every node, then run pretuner again:\n" + commands,
         )
     return ClusterCheck(

@@ -33,6 +33,14 @@ HEALTH_EVERY_S = 1.0
 CLOSE_TIMEOUT_S = 30.0
 
 
+NAMESPACE = "pretuner-sim"
+
+
+def agent_name(server_pid: int, node_index: int) -> str:
+    """The Ray name of a server's actor on its `node_index`-th node (tests kill one by it)."""
+    return f"server-{server_pid}-node{node_index}"
+
+
 class PlacementFailed(Exception):
     """The ranks cannot be placed; the text is what vLLM would raise."""
 
@@ -128,10 +136,14 @@ class RayRanks:
         self.agents: list[Any] = []
         self.logs: list[RemoteRankLog] = []
         first = 0
-        for node, count in zip(self.placement.nodes, self.placement.ranks_per_node, strict=True):
+        for k, (node, count) in enumerate(
+            zip(self.placement.nodes, self.placement.ranks_per_node, strict=True)
+        ):
             mine = list(ranks[first : first + count])
             first += count
             agent = actor.options(
+                name=agent_name(os.getpid(), k),
+                namespace=NAMESPACE,
                 resources={"NPU": count},
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
             ).remote(mine)

@@ -217,8 +217,11 @@ def render_summary(o: RunOutcome) -> str:
 def cluster_line(rep: dict[str, Any]) -> str:
     """Where the ranks ran and where each launch's worst rank was."""
     c = rep["cluster"]
-    where = ", ".join(f"{n['node']} {n['ranks']} ranks" for n in c["nodes"])
+    where = ", ".join(
+        f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
+        for n in c["nodes"]
+    )
     worst = "; ".join(
         f"#{s['n']} {s['worst_node']}" for s in rep["steps"] if s.get("worst_node")
     )
-    return f"Ray cluster {c['ray_address']}: {where}; worst rank on: {worst or '-'}"
+    return f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}"

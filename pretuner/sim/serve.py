@@ -9,7 +9,9 @@ Sim-only knobs never change the real command line: each is a `--sim-*` option an
 (`PRETUNER_SIM_*`), the option winning. Multi-node TP (`--sim-nodes N`): ranks are split evenly
 over N emulated nodes; node k's MindSpore logs go to `$GLOG_log_dir/node<k>` (or to the k-th
 entry of `PRETUNER_SIM_NODE_LOG_DIRS`, an os.pathsep-separated list), each rank in
-`rank_<RANK_ID>/logs/`.
+`rank_<RANK_ID>/logs/`. With a Ray address (`--distributed-executor-backend ray` and
+`RAY_ADDRESS`, or `--sim-ray-address`) the ranks are placed on the Ray cluster's nodes instead
+and each rank's log is written on its own node (`pretuner.sim.raynodes`).
 
 Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an engine crash
 (OOM during a request), -9 (killed) prints nothing.
@@ -78,7 +80,8 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
         epilog=(
             "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
             "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
-            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES; "
+            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
+            "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
             "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
             "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node."),
     )

@@ -7,6 +7,7 @@ affinity, so what it reads is what that node has.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -42,6 +43,7 @@ class RayCluster:
         self.address = address
         self.gcs_address: str = ray.get_runtime_context().gcs_address
         self.local_node_id: str = ray.get_runtime_context().get_node_id()
+        self._remote: dict[Callable[..., Any], Any] = {}
 
     @classmethod
     def connect(cls, address: str) -> RayCluster:
@@ -56,7 +58,7 @@ class RayCluster:
                 logging_level=logging.WARNING,
                 namespace="pretuner",
             )
-        except Exception as err:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError...
+        except Exception as err:  # Ray raises ConnectionError, RuntimeError...
             raise ClusterError(
                 f"cannot connect to the Ray cluster at {address!r}: {_one_line(err)}",
                 hint="start Ray first (`ray start --head --port=6379` on the head, `ray start "
@@ -91,7 +93,9 @@ class RayCluster:
         """Start `fn(*args)` on `node`; returns the Ray object ref."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        task = self._ray.remote(num_cpus=0, max_retries=0)(fn)
+        task = self._remote.get(fn)
+        if task is None:
+            task = self._remote[fn] = self._ray.remote(num_cpus=0, max_retries=0)(fn)
         strategy = NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False)
         return task.options(scheduling_strategy=strategy).remote(*args)
 
@@ -109,7 +113,7 @@ class RayCluster:
                     hint="check the node with `ray status`; a node without a free CPU slot for "
                     "a worker process, or a dead raylet, blocks it",
                 ) from None
-            except Exception as err:  # noqa: BLE001 - a task error wraps whatever it raised
+            except Exception as err:  # a task error wraps whatever it raised
                 raise ClusterError(
                     f"{what} failed on node {node.label}: {_one_line(err)}",
                     hint="check that pretuner (same version, `ray` extra) is installed in the "
@@ -121,10 +125,20 @@ class RayCluster:
         done, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=0)
         return len(done) == len(refs)
 
-    def probe(self, nodes: Sequence[NodeFacts]) -> list[NodeProbe]:
-        """What each node's Ray workers see: pretuner's version, the node variables, NICs."""
-        refs = [self.submit(n, probe_node, n.address) for n in nodes]
-        results = self.gather(refs, nodes, "the node check", TASK_TIMEOUT_S)
+    def probe(
+        self, nodes: Sequence[NodeFacts], others: Sequence[NodeFacts] = ()
+    ) -> list[NodeProbe]:
+        """What each node's Ray workers see: pretuner's version, the node variables, NICs.
+
+        A failure on one of `nodes` is a ClusterError; `others` (nodes the ranks do not use,
+        probed for the restart commands) are left out when their probe fails.
+        """
+        refs = [self.submit(n, probe_node, n.address) for n in (*nodes, *others)]
+        results = self.gather(refs[: len(nodes)], nodes, "the node check", TASK_TIMEOUT_S)
+        probed = list(zip(nodes, results, strict=True))
+        for ref, node in zip(refs[len(nodes) :], others, strict=True):
+            with contextlib.suppress(ClusterError):
+                probed += [(node, self.gather([ref], [node], "the node check", TASK_TIMEOUT_S)[0])]
         return [
             NodeProbe(
                 node=n,
@@ -133,7 +147,7 @@ class RayCluster:
                 interfaces=tuple(r["interfaces"]),
                 address_nic=r["address_nic"],
             )
-            for n, r in zip(nodes, results, strict=True)
+            for n, r in probed
         ]
 
 

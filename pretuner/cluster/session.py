@@ -61,10 +61,10 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> ClusterCheck:
     nodes = cluster.nodes()
     placement = place(nodes, plan.world, cluster.free_npus())
     alive = [n for n in nodes if n.alive]
-    probes = cluster.probe(alive)
-    versions = {p.node.label: p.version for p in probes if p.node in placement.nodes}
-    check_versions(__version__, versions)
+    probes = cluster.probe(placement.nodes, [n for n in alive if n not in placement.nodes])
     used = [p for p in probes if p.node in placement.nodes]
+    versions = {p.node.label: p.version for p in used}
+    check_versions(__version__, versions)
     problems = env_problems(used, placement)
     if problems:
         host, _, port = cluster.gcs_address.rpartition(":")

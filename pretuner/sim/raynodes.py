@@ -151,7 +151,7 @@ class RayRanks:
             self.logs += [RemoteRankLog(agent, r, pid, tid) for r, pid, tid in mine]
         try:
             self._ray.get([a.ping.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
-        except Exception as err:  # noqa: BLE001 - a timeout or a failed actor
+        except Exception as err:  # a timeout or a failed actor
             self.close()
             raise PlacementFailed(
                 f"Cannot provide a placement group of {len(ranks)} NPU bundles within "
@@ -170,7 +170,7 @@ class RayRanks:
                 for agent, node in zip(self.agents, self.placement.nodes, strict=True):
                     try:
                         self._ray.get(agent.ping.remote(), timeout=10)
-                    except Exception as err:  # noqa: BLE001 - RayActorError, timeouts
+                    except Exception as err:  # RayActorError, timeouts
                         if self._stop.is_set():
                             return
                         self.lost = (

@@ -370,3 +370,36 @@ def test_sim_server_health_fails_when_a_node_actor_dies(
     assert "At least one Worker is dead. Dead Workers: node " + cluster.worker_label in (
         log_path.read_text()
     )
+
+
+def test_live_poll_reports_an_oom_written_on_the_second_node(
+    cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pretuner.cluster import collector as collector_module
+    from pretuner.cluster.session import ClusterPlan, ray_cluster
+    from pretuner.logscan import OomEvent
+    from pretuner.sim.logs import RankLog
+
+    monkeypatch.setattr(collector_module, "POLL_EVERY_S", 0.2)
+    monkeypatch.setenv("GLOG_v", "1")
+    folder = tmp_path / "launch-1"
+    folder.mkdir()
+    plan = ClusterPlan(world=16, nodes_planned=2, emulated=True)
+    with ray_cluster(cluster.address, plan, lambda p, d: None) as collectors:
+        collector = collectors(folder, folder / "server.log")
+        log = RankLog(12, 4242, 0x7F0000000040, cluster.on_worker(collector.log_dir))
+        log.log(
+            "ERROR", "DEVICE", "op_runner.cc:585", "MallocForKernelOutput",
+            "#umsg#Memory not enough:#umsg#Device(id:4) memory isn't enough and alloc failed, "
+            "kernel name: FlashAttentionScore-op0, alloc size: 4160306688B.",
+        )  # fmt: skip
+        log.close()
+        events = []
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:
+            events = collector.poll()
+            time.sleep(0.1)
+        assert [(e.rank, type(e.event)) for e in events] == [(12, OomEvent)]
+        assert events[0].file.startswith(str(cluster.worker_root))
+        time.sleep(1)
+        assert collector.poll() + collector.poll() == []  # reported once

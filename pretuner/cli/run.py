@@ -21,6 +21,13 @@ SIM_BANNER = (
     "server. Every figure below is SIMULATED, not measured. ***"
 )
 
+RAY_DRY_RUN = (
+    "with --ray-address {address}: pretuner first checks the cluster (nodes, NPUs, versions, "
+    "node variables), then runs each launch with --distributed-executor-backend ray, "
+    "RAY_ADDRESS, GLOG_logtostderr=0, GLOG_log_dir=<launch>/glog and these variables in the "
+    "launch's Ray job runtime env, and reads every node's logs on that node."
+)
+
 
 class Progress:
     """One line per phase on stderr, with the time since the run started."""
@@ -138,6 +145,8 @@ def run_cmd(
     )
     if dry:
         typer.echo(render_dry_run(dry_run(opts)))
+        if ray_address:
+            typer.echo(RAY_DRY_RUN.format(address=ray_address))
         return
     restore = install_signal_handlers()
     try:

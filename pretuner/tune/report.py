@@ -150,7 +150,7 @@ def _cluster_lines(rep: dict[str, Any]) -> list[str]:
     c = rep["cluster"]
     nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])
     return [
-        f"- Ray cluster {c['ray_address']}: {nodes}; every node's logs scanned on that node"
+        f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's logs scanned on that node"
     ]
 
 

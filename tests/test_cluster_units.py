@@ -357,3 +357,23 @@ def test_sim_rank_skew() -> None:
     for bad in ("12", "x=1", "3=0", "3=-1"):
         with pytest.raises(UsageError, match="rank skew"):
             parse(["--model", "m", "--sim-rank-skew", bad], {})
+
+
+def test_ray_address_is_checked_before_ray_waits_on_it() -> None:
+    import socket
+
+    from pretuner.cluster.ray_api import check_address
+    from pretuner.errors import BadInputError
+
+    check_address("auto")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        check_address(f"127.0.0.1:{port}")
+    with pytest.raises(ClusterError, match=f"cannot reach the Ray head at 127.0.0.1:{port}"):
+        check_address(f"127.0.0.1:{port}")  # nobody listens there any more
+    with pytest.raises(BadInputError, match="Ray Client addresses are not supported"):
+        check_address("ray://10.0.0.1:10001")
+    with pytest.raises(BadInputError, match="is not HOST:PORT"):
+        check_address("10.0.0.1")

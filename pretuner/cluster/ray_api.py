@@ -21,6 +21,7 @@ from pretuner.errors import BadInputError, ClusterError
 log = logging.getLogger(__name__)
 
 TASK_TIMEOUT_S = 120.0
+CONNECT_TIMEOUT_S = 5.0
 HEAD_RESOURCE = "node:__internal_head__"
 
 
@@ -47,6 +48,7 @@ class RayCluster:
 
     @classmethod
     def connect(cls, address: str) -> RayCluster:
+        check_address(address)
         ray = _ray()
         if ray.is_initialized():
             ray.shutdown()
@@ -149,6 +151,32 @@ class RayCluster:
             )
             for n, r in probed
         ]
+
+
+def check_address(address: str) -> None:
+    """`auto` or a reachable HOST:PORT: `ray.init` waits for minutes on an unreachable head."""
+    if address == "auto":
+        return  # Ray finds the local head itself, and says so at once when there is none
+    if "://" in address:
+        raise BadInputError(
+            f"--ray-address {address!r}: Ray Client addresses are not supported",
+            hint="run pretuner on a node of the cluster and pass the head's HOST:PORT "
+            "(the GCS port, 6379 by default) or auto",
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise BadInputError(
+            f"--ray-address {address!r} is not HOST:PORT", hint="e.g. --ray-address 10.0.0.1:6379"
+        )
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as err:
+        raise ClusterError(
+            f"cannot reach the Ray head at {address}: {err.strerror or err}",
+            hint="start it with `ray start --head --port=6379` (or check the address and the "
+            "firewall), then run pretuner on a node of that cluster",
+        ) from None
 
 
 def probe_node(address: str) -> dict[str, Any]:

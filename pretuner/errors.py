@@ -19,6 +19,7 @@ class ExitCode(IntEnum):
     INFEASIBLE = 4
     SERVER_FAILED = 5
     NOT_VALIDATED = 6
+    CLUSTER = 7
     INTERRUPTED = 130
 
 
@@ -84,3 +85,10 @@ class NotValidatedError(PretunerError):
     """No configuration could be proven under load within the launch budget."""
 
     exit_code = ExitCode.NOT_VALIDATED
+
+
+class ClusterError(PretunerError):
+    """The Ray cluster cannot run the launch: unreachable, too few NPUs, a node with another
+    pretuner or without the environment its ranks need."""
+
+    exit_code = ExitCode.CLUSTER

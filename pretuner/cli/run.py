@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -18,6 +19,13 @@ from pretuner.units import GIB
 SIM_BANNER = (
     "*** EMULATED CARD: no Ascend stack here, so pretuner drives its emulated vLLM-MindSpore "
     "server. Every figure below is SIMULATED, not measured. ***"
+)
+
+RAY_DRY_RUN = (
+    "with --ray-address {address}: pretuner first checks the cluster (nodes, NPUs, versions, "
+    "node variables), then runs each launch with --distributed-executor-backend ray, "
+    "RAY_ADDRESS, GLOG_logtostderr=0, GLOG_log_dir=<launch>/glog and these variables in the "
+    "launch's Ray job runtime env, and reads every node's logs on that node."
 )
 
 
@@ -106,6 +114,12 @@ def run_cmd(
     stop_grace: float = typer.Option(
         120.0, "--stop-grace", help="Seconds between SIGTERM and SIGKILL."
     ),
+    ray_address: str | None = typer.Option(
+        None,
+        "--ray-address",
+        help="Multi-node: the Ray cluster (HOST:PORT or auto) to place the ranks on and "
+        "gather every node's logs from (needs the `ray` extra).",
+    ),
     dry: bool = typer.Option(False, "--dry-run", help="Print the first launch and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
@@ -135,9 +149,12 @@ def run_cmd(
         seed=seed,
         ready_timeout_s=ready_timeout,
         stop_grace_s=stop_grace,
+        ray_address=ray_address,
     )
     if dry:
         typer.echo(render_dry_run(dry_run(opts)))
+        if ray_address:
+            typer.echo(RAY_DRY_RUN.format(address=ray_address))
         return
     restore = install_signal_handlers()
     try:
@@ -208,5 +225,20 @@ def render_summary(o: RunOutcome) -> str:
     lines += [f"export {k}={v}" for k, v in f.env.items()]
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep["final"]["flags"].items())
     lines += [flags, preset_line(rep["model"], rep["card_gib"], rep["tp"], f.kv_tokens, tag)]
+    if "cluster" in rep:
+        lines.append(cluster_line(rep))
     lines += ["", f"run record: {o.record}  (report.md, tuned.env, serve.sh)"]
     return "\n".join(lines)
+
+
+def cluster_line(rep: dict[str, Any]) -> str:
+    """Where the ranks ran and where each launch's worst rank was."""
+    c = rep["cluster"]
+    where = ", ".join(
+        f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
+        for n in c["nodes"]
+    )
+    worst = "; ".join(
+        f"#{s['n']} {s['worst_node']}" for s in rep["steps"] if s.get("worst_node")
+    )
+    return f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}"

@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any
 
 from pretuner import __version__
+from pretuner.cluster.env import node_exports
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
 from pretuner.presets.model import KvBasis, Preset, PresetKind
@@ -120,17 +121,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         if key not in _BACKEND_VARS and key not in _MEMORY_VARS:
             env[key] = value
     if p.nodes > 1:
-        env.update(
-            {
-                "GLOO_SOCKET_IFNAME": opts.nic,
-                "HCCL_SOCKET_IFNAME": opts.nic,
-                "TP_SOCKET_IFNAME": opts.nic,
-                "MS_ENABLE_LCCL": "off",
-                "HCCL_OP_EXPANSION_MODE": "AIV",
-                "MS_ALLOC_CONF": "enable_vmm:true",
-                "ASCEND_RT_VISIBLE_DEVICES": ",".join(str(i) for i in range(p.cards_per_node)),
-            }
-        )
+        env.update(node_exports(opts.nic, p.cards_per_node))
     for key, value in opts.extra_env.items():
         if not _ENV_NAME.match(key):
             raise BadInputError(f"environment name {key!r} is invalid", hint="use e.g. FOO_BAR=1")

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pretuner.sim.logs import PoolStats, RankLog, VllmLog
+from pretuner.sim.logs import PoolStats, RankWriter, VllmLog
 from pretuner.sim.memory import CardModel
 
 PREFILL_BASE_S = 0.004
@@ -54,7 +54,7 @@ class RankPool:
     """One rank's MindSpore pool: static part, KV, and the running peaks."""
 
     model: CardModel
-    log: RankLog
+    log: RankWriter
     device_id: int
     kv_bytes: int
     peak_dynamic: int = 0  # with fragments

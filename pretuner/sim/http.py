@@ -65,6 +65,8 @@ class SimHTTPServer(ThreadingHTTPServer):
         self.api = api
         self.log = log
         self.on_request_done = on_request_done
+        # A failing rank elsewhere (a dead Ray worker): vLLM's /health asks every worker.
+        self.health: Callable[[], str | None] | None = None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -94,7 +96,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
         if self.path == "/health":
-            if self.server.engine.dead is not None:
+            health = self.server.health
+            if self.server.engine.dead is not None or (health is not None and health()):
                 self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
             else:
                 self._send(200, b"")

@@ -9,7 +9,9 @@ Sim-only knobs never change the real command line: each is a `--sim-*` option an
 (`PRETUNER_SIM_*`), the option winning. Multi-node TP (`--sim-nodes N`): ranks are split evenly
 over N emulated nodes; node k's MindSpore logs go to `$GLOG_log_dir/node<k>` (or to the k-th
 entry of `PRETUNER_SIM_NODE_LOG_DIRS`, an os.pathsep-separated list), each rank in
-`rank_<RANK_ID>/logs/`.
+`rank_<RANK_ID>/logs/`. With a Ray address (`--distributed-executor-backend ray` and
+`RAY_ADDRESS`, or `--sim-ray-address`) the ranks are placed on the Ray cluster's nodes instead
+and each rank's log is written on its own node (`pretuner.sim.raynodes`).
 
 Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an engine crash
 (OOM during a request), -9 (killed) prints nothing.
@@ -30,14 +32,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
-from pretuner.sim.logs import POOL_FORMATS, RankLog, VllmLog
+from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog
 from pretuner.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from pretuner.sim.raynodes import RayRanks
 
 VLLM_VERSION = "0.6.6.post1"
 DEFAULT_STARTUP_S = 1.0
@@ -54,6 +60,8 @@ SIM_ENV = {
     "teardown_s": "PRETUNER_SIM_TEARDOWN_S",
     "weights_format": "PRETUNER_SIM_WEIGHTS_FORMAT",
     "nodes": "PRETUNER_SIM_NODES",
+    "rank_skew": "PRETUNER_SIM_RANK_SKEW",
+    "ray_address": "PRETUNER_SIM_RAY_ADDRESS",
 }
 STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
 NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
@@ -72,7 +80,8 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
         epilog=(
             "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
             "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
-            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES; "
+            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
+            "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
             "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
             "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node."),
     )
@@ -110,6 +119,12 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
                      help="checkpoint format from the model spec (default: native dtype)")
     sim.add_argument("--sim-nodes", type=int, default=None,
                      help="nodes the TP group spans (default 1)")
+    sim.add_argument("--sim-rank-skew", default=None,
+                     help="RANK=FACTOR[,...]: multiply these ranks' activations (the worst or "
+                          "an OOMing rank where a test wants it)")
+    sim.add_argument("--sim-ray-address", default=None,
+                     help="place the ranks on this Ray cluster (default: RAY_ADDRESS with "
+                          "--distributed-executor-backend ray, as vLLM does)")
     return p
 
 
@@ -150,6 +165,8 @@ class ServeConfig:
     nodes: int
     env: dict[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    rank_skew: dict[int, float] = field(default_factory=dict)
+    ray_address: str | None = None  # ranks placed on this Ray cluster's nodes
 
 
 class UsageError(Exception):
@@ -182,6 +199,10 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
         raise UsageError(f"unknown pool format {pool_format!r}; choose one of: "
                          f"{', '.join(POOL_FORMATS)}")
     truth = ns.sim_truth or env.get(SIM_ENV["truth"]) or None
+    skew = _rank_skew(ns.sim_rank_skew or env.get(SIM_ENV["rank_skew"]) or "")
+    ray_address = ns.sim_ray_address or env.get(SIM_ENV["ray_address"]) or (
+        env.get("RAY_ADDRESS") if ns.distributed_executor_backend == "ray" else None
+    ) or None
     weights = ns.sim_weights_format or env.get(SIM_ENV["weights_format"]) or None
     return ServeConfig(
         model=model, host=ns.host, port=ns.port, max_model_len=ns.max_model_len,
@@ -192,8 +213,21 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
         kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=profile, seed=seed,
         truth=truth, pool_format=pool_format, startup_s=max(0.0, startup),
         teardown_s=max(0.0, teardown), weights_format=weights, nodes=max(1, nodes),
-        env=dict(env), ignored=tuple(unknown),
+        env=dict(env), ignored=tuple(unknown), rank_skew=skew, ray_address=ray_address,
     )
+
+
+def _rank_skew(raw: str) -> dict[int, float]:
+    out = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        rank, _, factor = part.partition("=")
+        try:
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise UsageError(f"bad rank skew {part!r}; use RANK=FACTOR, e.g. 12=1.5") from None
+        if not out[int(rank)] > 0:
+            raise UsageError(f"bad rank skew {part!r}; the factor must be > 0")
+    return out
 
 
 class StartupFailed(Exception):
@@ -232,6 +266,8 @@ _WHERE_CONFIG = ('  File "/usr/local/lib/python3.10/site-packages/vllm/config.py
                  "in _verify_args\n")
 _WHERE_MS = ('  File "/usr/local/lib/python3.10/site-packages/mindspore/common/api.py", '
              "line 1031, in __call__\n")
+_WHERE_RAY = ('  File "/usr/local/lib/python3.10/site-packages/vllm/executor/ray_utils.py", '
+              "line 286, in initialize_ray_cluster\n")
 _WHERE_MODEL = ('  File "/usr/local/lib/python3.10/site-packages/transformers/utils/hub.py", '
                 "line 426, in cached_file\n")
 
@@ -290,7 +326,7 @@ class _Rank:
     node: int
     device_id: int
     pid: int
-    log: RankLog
+    log: RankWriter
     model: mem.CardModel
 
 
@@ -309,6 +345,7 @@ class Server:
         self.dead: OutOfMemory | None = None
         self.crashed = threading.Event()
         self._phase_s = cfg.startup_s / 5
+        self.remote: RayRanks | None = None  # ranks on a Ray cluster's nodes
 
     # -- helpers -----------------------------------------------------------------------------
     def _sleep(self, seconds: float) -> bool:
@@ -377,6 +414,13 @@ class Server:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
+            return self._run()
+        finally:
+            if self.remote is not None:  # what the ranks were sent lands on their nodes
+                self.remote.close()
+
+    def _run(self) -> int:
+        try:
             server = self._start()
         except StartupFailed as err:
             self._unpublish()
@@ -436,32 +480,41 @@ class Server:
         layout = mem.Layout(tp=cfg.tp, pp=cfg.pp, block_size=cfg.block_size,
                             kv_dtype=cfg.kv_dtype)
         world = layout.world
-        if world % cfg.nodes:
+        rng = random.Random(os.getpid())  # noqa: S311 - fake thread ids
+        pid = os.getpid()
+        # Real ranks are separate processes: made-up pids and thread ids, rank 0 the server's.
+        idents = [(i, pid if i == 0 else pid + 7 * i,
+                   0x7F0000000000 + rng.randrange(1 << 36) * 0x40) for i in range(world)]
+        if cfg.ray_address:
+            self.remote = self._place_on_ray(cfg.ray_address, idents)
+            counts = list(self.remote.placement.ranks_per_node)
+        elif world % cfg.nodes:
             raise StartupFailed("ValueError", f"world size {world} cannot be split evenly over "
                                 f"{cfg.nodes} nodes", _WHERE_CONFIG)
-        per_node = world // cfg.nodes
+        else:
+            counts = [world // cfg.nodes] * cfg.nodes
+        per_node = max(counts)
         devices = self._visible_devices(per_node)
         if len(devices) < per_node:
             raise StartupFailed(
                 "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
                 f"less than the {per_node} ranks this node must run", _WHERE_MS)
         coeffs = mem.perturbed(cfg.seed)
-        factors = mem.rank_factors(cfg.seed, world, coeffs.rank_jitter)
+        factors = [f * cfg.rank_skew.get(i, 1.0)
+                   for i, f in enumerate(mem.rank_factors(cfg.seed, world, coeffs.rank_jitter))]
         try:
             models = [mem.CardModel(spec, weights_fmt.total_bytes, layout, coeffs, f)
                       for f in factors]
             block_bytes = models[0].block_bytes
         except PretunerError as err:
             raise StartupFailed("ValueError", str(err), _WHERE_CONFIG) from None
-        rng = random.Random(os.getpid())  # noqa: S311 - fake thread ids
-        pid = os.getpid()
-        for idx, model in enumerate(models):
-            node = idx // per_node
-            log_dir = self._node_log_dir(node)
-            rank_pid = pid if idx == 0 else pid + 7 * idx  # real ranks are separate processes
-            tid = 0x7F0000000000 + rng.randrange(1 << 36) * 0x40
-            self.ranks.append(_Rank(idx, node, devices[idx % per_node], rank_pid,
-                                    RankLog(idx, rank_pid, tid, log_dir), model))
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
+            node = max(k for k, first in enumerate(starts) if first <= idx)
+            writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
+                                  RankLog(idx, rank_pid, tid, self._node_log_dir(node)))
+            self.ranks.append(_Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
+                                    model))
 
         model_use: int | None = None
         if env.get("vLLM_MODEL_MEMORY_USE_GB") is not None:
@@ -576,6 +629,7 @@ class Server:
         host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
         try:
             server = SimHTTPServer((host, cfg.port), self.engine, api, log)
+            server.health = self._health
         except OSError as err:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
@@ -600,6 +654,29 @@ class Server:
     def _on_dead(self, oom: OutOfMemory) -> None:
         self.dead = oom
         self.crashed.set()
+
+    def _place_on_ray(self, address: str, idents: list[tuple[int, int, int]]) -> RayRanks:
+        """vLLM's Ray executor: one NPU per rank on the cluster, this node first."""
+        try:
+            from pretuner.sim.raynodes import PlacementFailed, RayRanks
+        except ImportError as err:
+            raise StartupFailed("ModuleNotFoundError", str(err), _WHERE_RAY) from None
+        try:
+            remote = RayRanks(address, idents)
+        except PlacementFailed as err:
+            raise StartupFailed("ValueError", str(err), _WHERE_RAY) from None
+        except PretunerError as err:  # Ray missing or the cluster unreachable
+            raise StartupFailed("ConnectionError", err.message, _WHERE_RAY) from None
+        # Ray's core installs its own SIGTERM handler (it dies at once, printing nothing);
+        # vLLM's uvicorn installs its handlers after Ray starts, and so does the emulator.
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        remote.watch(lambda why: self.crashed.set())
+        self.vlog.info("ray_gpu_executor.py:221", "Ray ranks: " + remote.placement.describe())
+        return remote
+
+    def _health(self) -> str | None:
+        return self.remote.lost if self.remote is not None else None
 
     def _write_truth(self, models: list[mem.CardModel], total_gb: int, blocks: int, mml: int,
                      batched: int) -> None:
@@ -641,8 +718,8 @@ class Server:
         return 0
 
     def _crash_exit(self, server: SimHTTPServer) -> int:
-        oom = self.dead
-        self.vlog.error("engine.py:135", f"RuntimeError('{oom}')")
+        why = self.dead or self._health()
+        self.vlog.error("engine.py:135", f"RuntimeError('{why}')")
         self.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server process")
         time.sleep(0.2)  # let the handlers send their 500s
         server.shutdown()

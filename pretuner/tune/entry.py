@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pretuner.errors import BadInputError
+from pretuner.errors import BadInputError, PretunerError
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
 from pretuner.tune.backends import (
@@ -38,6 +38,9 @@ from pretuner.tune.settings import (
     build_launch,
     default_serve_command,
 )
+
+if TYPE_CHECKING:
+    from pretuner.cluster.collector import RayCollectors
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class RunOptions:
     request_timeout_s: float = 900.0
     stop_grace_s: float = 120.0
     sim_env: dict[str, str] = field(default_factory=dict)
+    ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,8 +277,35 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
     """Tune, journal every launch and decision, and write the result files."""
     if resume is None:
         _setup(opts)  # refuse bad input before a run folder exists
+    asked = opts if resume is None else _recorded_options(resume)
+    if asked is None or not asked.ray_address:
+        return _tune(opts, phase, resume, None)
+    # Multi-node: the cluster is checked before a run folder exists, and stays connected.
+    from pretuner.cluster.session import ClusterPlan, ray_cluster
+
+    cfg, choice, *_ = _setup(asked)
+    p = plan_for(cfg)
+    plan = ClusterPlan(p.tp * p.pp, p.nodes, emulated=choice.backend is Backend.SIM)
+    with ray_cluster(asked.ray_address, plan, phase) as collectors:
+        return _tune(opts, phase, resume, collectors)
+
+
+def _recorded_options(resume: Path) -> RunOptions | None:
+    try:
+        started = next(RunRecord.open(resume).of_kind("run_started"), None)
+    except PretunerError:
+        return None  # _open_record says what is wrong with it
+    return RunOptions(**started["options"]) if started else None
+
+
+def _tune(
+    opts: RunOptions, phase: Phase, resume: Path | None, collectors: RayCollectors | None
+) -> RunOutcome:
     record, opts = _open_record(opts, resume)
     cfg, choice, ctx, serve_argv, _ = _setup(opts)
+    if collectors is not None:
+        ctx = replace(ctx, collector=collectors)
+        record.append("cluster", **collectors.info)
     phase("record", str(record.path))
     tuner = Tuner(
         cfg,
@@ -296,6 +327,8 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
         serve_command=serve_argv,
         model_arg=opts.model,
     )
+    if collectors is not None:
+        rep["cluster"] = collectors.info
     record.write_json("report.json", rep)
     record.write("report.md", report_md(rep, result))
     record.write("tuned.env", tuned_env(rep, result))

@@ -18,8 +18,9 @@ from typing import Any
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.process import ServerProcess, read_tail
-from pretuner.logscan import Located, LogFollower, OomEvent, OomKind, ScanResult, scan_paths
+from pretuner.logscan import Located, OomEvent, OomKind, ScanResult
 from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.tune.collect import CollectorFactory, LocalCollector
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose, redact_env
 
@@ -58,6 +59,7 @@ class LaunchOutcome:
     estimated_max_len: int | None = None
     request_error: str | None = None  # the first failed request's error, as the client saw it
     notes: tuple[str, ...] = field(default=())
+    worst_node: str | None = None  # the node the worst rank ran on (multi-node via Ray)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -87,6 +89,7 @@ class LaunchContext:
     stop_grace_s: float = 120.0
     decode_tokens: int = 16
     seed: int = 0
+    collector: CollectorFactory | None = None  # where logs are read; default: this machine
 
 
 class _OomSeen(Exception):
@@ -113,7 +116,9 @@ def run_launch(
     t0 = time.monotonic()
     folder = record.launch_dir(n)
     port = free_port(ctx.host)
-    cmd = ctx.build(settings, port)
+    log_path = folder / "server.log"
+    collector = (ctx.collector or LocalCollector)(folder, log_path)
+    cmd = collector.prepare(ctx.build(settings, port))
     (folder / "command.json").write_text(
         json.dumps(
             {"argv": cmd.argv, "env": redact_env(cmd.env), "shell": cmd.shell_line()}, indent=2
@@ -121,8 +126,6 @@ def run_launch(
         + "\n",
         encoding="utf-8",
     )
-    log_path = folder / "server.log"
-    follower = LogFollower(log_path)
     seen: list[OomKind] = []
     free: list[int] = []
 
@@ -135,7 +138,7 @@ def run_launch(
                 free.append(event.device_free_mib)
 
     def check() -> None:
-        consume(follower.poll())
+        consume(collector.poll())
         if seen:
             raise _OomSeen
 
@@ -168,18 +171,17 @@ def run_launch(
         stop_s = time.monotonic() - s0
     finally:
         proc.stop(ctx.stop_grace_s)  # idempotent; runs on Ctrl-C too
-    consume(follower.poll(final=True))
-    phase("scan", str(folder))
-    scan = scan_paths([folder])
-    (folder / "scan.json").write_text(json.dumps(scan.to_json(), indent=2) + "\n", "utf-8")
+    consume(collector.poll(final=True))
+    phase("scan", collector.where())
+    collected = collector.collect()
+    scan = collected.scan
+    (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
     kind = _classify(scan, settings, failure, ok, total)
     if kind is None:
         raise _fatal(failure, stop.graceful, log_path)
-    peaks = {
-        (f"rank{r.rank}" if r.rank is not None else f"pid{r.pid}"): r.actual_peak_mib
-        for r in scan.ranks
-        if r.actual_peak_mib is not None
-    }
+    if kind is OutcomeKind.OK and collected.problem:
+        raise ServerFailedError(collected.problem, log_path=str(log_path))
+    free += collected.init_free_mib
     total_s = time.monotonic() - t0
     first_oom = scan.oom[0].text if scan.oom else None
     return LaunchOutcome(
@@ -187,7 +189,7 @@ def run_launch(
         settings=settings,
         kind=kind,
         worst_peak_mib=scan.worst.actual_peak_mib if scan.worst else None,
-        rank_peaks_mib=peaks,
+        rank_peaks_mib=collected.rank_peaks_mib,
         oom_text=first_oom,
         requests_ok=ok,
         requests_total=total,
@@ -200,6 +202,7 @@ def run_launch(
         device_free_mib=_device_free_mib(scan, free),
         estimated_max_len=_estimated_max_len(scan),
         request_error=first_error,
+        worst_node=collected.worst_node,
     )
 
 

@@ -50,6 +50,7 @@ def report_json(
                 "settings": o.settings.to_json(),
                 "outcome": o.kind.value,
                 "worst_peak_mib": o.worst_peak_mib,
+                "worst_node": o.worst_node,
                 "rank_peaks_mib": o.rank_peaks_mib,
                 "requests_ok": o.requests_ok,
                 "requests_total": o.requests_total,
@@ -98,6 +99,7 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
         f"figures {tag}",
         f"- result: {status} after {rep['launches']} launch(es)",
         f"- KV cache per card: {rep['max_kv_gib']:.2f} GiB = {rep['max_kv_tokens']:,} tokens",
+        *_cluster_lines(rep),
         "",
         "## Launches",
         "",
@@ -108,6 +110,8 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
     for s in rep["steps"]:
         st = s["settings"]
         peak = f"{s['worst_peak_mib']:,}" if s["worst_peak_mib"] else "-"
+        if s.get("worst_node"):
+            peak += f" on {s['worst_node']}"
         lines.append(
             f"| {s['n']} | {s['purpose']} | {st['util']} | {st['model_use_gib']} | "
             f"{st['max_model_len']:,} | {st['max_num_seqs']} | {s['outcome']} | {peak} | "
@@ -138,6 +142,16 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
         f"Re-tune: `pretuner run --model {rep['model_arg']} --card {rep['card_gib']}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _cluster_lines(rep: dict[str, Any]) -> list[str]:
+    if "cluster" not in rep:
+        return []
+    c = rep["cluster"]
+    nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])
+    return [
+        f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's logs scanned on that node"
+    ]
 
 
 def tuned_env(rep: dict[str, Any], result: TuneResult) -> str:

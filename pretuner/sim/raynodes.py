@@ -1,0 +1,193 @@
+"""The emulated server's ranks on a Ray cluster: one actor per node writes its ranks' logs there.
+
+Like vLLM's Ray executor, the server process is the driver: it places the ranks on the
+cluster's nodes (one NPU each, its own node first: `pretuner.cluster.nodes.place`) and keeps
+the engine, here with the emulated card's memory model. What a rank prints goes to the actor
+on the rank's node, which writes it to that node's own disk with the environment that node's
+Ray workers have: `GLOG_v`, `GLOG_logtostderr` and `GLOG_log_dir` from the launch (a job
+runtime env, or the node's `ray start`), `PRETUNER_SIM_NODE_ROOT` from the node's
+`ray start`. So a rank's `actual peak used` and OOM lines appear only where the rank lives, and
+a launch whose variables do not reach a node leaves no dump there, as on a real cluster.
+
+The actors hold their node's `NPU` resources while the server runs. Health is aggregated: a
+dead actor fails `/health` and the server exits like vLLM when a worker dies. At a graceful stop
+the actors write the teardown dumps, then the driver kills them: Ray workers are not in the
+server's process group, so the stop goes through Ray (and Ray kills them if the driver dies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import astuple
+from typing import Any
+
+from pretuner.cluster.nodefs import node_local
+from pretuner.cluster.nodes import Placement, place
+from pretuner.sim.logs import PoolStats, RankLog
+
+PLACEMENT_TIMEOUT_S = 60.0  # vLLM waits 1800 s for its placement group; tests cannot
+HEALTH_EVERY_S = 1.0
+CLOSE_TIMEOUT_S = 30.0
+
+
+NAMESPACE = "pretuner-sim"
+
+
+def agent_name(server_pid: int, node_index: int) -> str:
+    """The Ray name of a server's actor on its `node_index`-th node (tests kill one by it)."""
+    return f"server-{server_pid}-node{node_index}"
+
+
+class PlacementFailed(Exception):
+    """The ranks cannot be placed; the text is what vLLM would raise."""
+
+
+class NodeAgent:
+    """Runs in a Ray actor on one node: the logs of the ranks placed there."""
+
+    def __init__(self, ranks: Sequence[tuple[int, int, int]]) -> None:
+        env = os.environ  # this worker's: the node's `ray start` plus the launch's runtime env
+        log_dir = None
+        if env.get("GLOG_logtostderr", "1") == "0" and env.get("GLOG_log_dir"):  # noqa: SIM112
+            log_dir = node_local(env["GLOG_log_dir"])  # noqa: SIM112 - MindSpore spells it so
+        # Without a log folder MindSpore writes to stderr: Ray's worker log on this node.
+        self.logs = {rank: RankLog(rank, pid, tid, log_dir) for rank, pid, tid in ranks}
+
+    def call(self, rank: int, method: str, args: tuple[Any, ...]) -> None:
+        getattr(self.logs[rank], method)(*args)
+
+    def pool_dump(self, rank: int, stats: tuple[int, int, int, int], fmt: str) -> None:
+        self.logs[rank].pool_dump(PoolStats(*stats), fmt)
+
+    def deinit(self, rank: int, total_mib: int, cap: int, stats: tuple[int, int, int, int]) -> None:
+        self.logs[rank].deinit(total_mib, cap, PoolStats(*stats))
+
+    def close(self) -> None:
+        for log in self.logs.values():
+            log.close()
+
+    def ping(self) -> bool:
+        return True
+
+
+class RemoteRankLog:
+    """A rank's MindSpore log on its own node: RankLog's calls, forwarded to the node's actor.
+
+    Calls are fire-and-forget; Ray runs one caller's calls on an actor in order, and
+    `RayRanks.close` waits for all of them before the process exits.
+    """
+
+    def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:
+        self.agent = agent
+        self.rank = rank
+        self.pid = pid
+        self.tid = tid
+
+    def _send(self, method: str, *args: Any) -> None:
+        self.agent.call.remote(self.rank, method, args)
+
+    def log(self, level: str, module: str, src: str, func: str, msg: str) -> None:
+        self._send("log", level, module, src, func, msg)
+
+    def py(self, level: str, msg: str, src: str = "mindspore/context.py:1052") -> None:
+        self._send("py", level, msg, src)
+
+    def noise(self, phase: str, count: int) -> None:
+        self._send("noise", phase, count)
+
+    def adapter_init(self, total_mib: int, free_bytes: int, cap_bytes: int, user_gb: float) -> None:
+        self._send("adapter_init", total_mib, free_bytes, cap_bytes, user_gb)
+
+    def pool_dump(self, stats: PoolStats, fmt: str) -> None:
+        self.agent.pool_dump.remote(self.rank, astuple(stats), fmt)
+
+    def deinit(self, total_mib: int, cap: int, stats: PoolStats) -> None:
+        self.agent.deinit.remote(self.rank, total_mib, cap, astuple(stats))
+
+    def close(self) -> None:
+        """Files are closed by the actor at `RayRanks.close`."""
+
+
+class RayRanks:
+    """The driver's side: placement, one actor per node, health, and the stop."""
+
+    def __init__(self, address: str, ranks: Sequence[tuple[int, int, int]]) -> None:
+        from pretuner.cluster.ray_api import RayCluster
+        from pretuner.errors import ClusterError
+
+        self.cluster = RayCluster.connect(address)  # the launch's job runtime env applies
+        self._ray = self.cluster._ray
+        self.lost: str | None = None
+        self._stop = threading.Event()
+        try:
+            self.placement: Placement = place(self.cluster.nodes(), len(ranks))
+        except ClusterError as err:
+            self.cluster.close()
+            raise PlacementFailed(
+                "The number of required NPUs exceeds the total number of available NPUs in "
+                f"the placement group ({err.message})"
+            ) from None
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor = self._ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+        self.agents: list[Any] = []
+        self.logs: list[RemoteRankLog] = []
+        first = 0
+        for k, (node, count) in enumerate(
+            zip(self.placement.nodes, self.placement.ranks_per_node, strict=True)
+        ):
+            mine = list(ranks[first : first + count])
+            first += count
+            agent = actor.options(
+                name=agent_name(os.getpid(), k),
+                namespace=NAMESPACE,
+                resources={"NPU": count},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+            ).remote(mine)
+            self.agents.append(agent)
+            self.logs += [RemoteRankLog(agent, r, pid, tid) for r, pid, tid in mine]
+        try:
+            self._ray.get([a.ping.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
+        except Exception as err:  # a timeout or a failed actor
+            self.close()
+            raise PlacementFailed(
+                f"Cannot provide a placement group of {len(ranks)} NPU bundles within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} seconds ({type(err).__name__}). Check `ray status` "
+                "to see if you have enough resources."
+            ) from None
+
+    def node_of(self, rank: int) -> int:
+        return self.placement.nodes.index(self.placement.node_of_rank(rank))
+
+    def watch(self, on_lost: Callable[[str], None]) -> None:
+        """Ping every actor in the background; report the first one that died."""
+
+        def loop() -> None:
+            while not self._stop.wait(HEALTH_EVERY_S):
+                for agent, node in zip(self.agents, self.placement.nodes, strict=True):
+                    try:
+                        self._ray.get(agent.ping.remote(), timeout=10)
+                    except Exception as err:  # RayActorError, timeouts
+                        if self._stop.is_set():
+                            return
+                        self.lost = (
+                            f"At least one Worker is dead. Dead Workers: node {node.label} "
+                            f"({type(err).__name__})"
+                        )
+                        on_lost(self.lost)
+                        return
+
+        threading.Thread(target=loop, name="ray-health", daemon=True).start()
+
+    def close(self) -> None:
+        """Let every actor write what it was sent and close its files, then kill them."""
+        self._stop.set()
+        with contextlib.suppress(Exception):  # a dead actor has nothing left to write
+            self._ray.get([a.close.remote() for a in self.agents], timeout=CLOSE_TIMEOUT_S)
+        for agent in self.agents:
+            self._ray.kill(agent)
+        self.agents = []
+        self.cluster.close()

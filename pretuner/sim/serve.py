@@ -272,10 +272,11 @@ _WHERE_MODEL = ('  File "/usr/local/lib/python3.10/site-packages/transformers/ut
                 "line 426, in cached_file\n")
 
 
-def _int_env(env: dict[str, str], name: str) -> int:
+def int_env(env: dict[str, str], name: str, where: str | None = None) -> int:
     """`int(os.environ[name])` as r0.1 does it, including its failure."""
     raw = env.get(name)
-    where = _WHERE_PLATFORM if name == "ASCEND_TOTAL_MEMORY_GB" else _WHERE_BLOCKS
+    if where is None:
+        where = _WHERE_PLATFORM if name == "ASCEND_TOTAL_MEMORY_GB" else _WHERE_BLOCKS
     if raw is None:
         raise StartupFailed("TypeError", "int() argument must be a string, a bytes-like object "
                             "or a real number, not 'NoneType'", where)
@@ -284,6 +285,23 @@ def _int_env(env: dict[str, str], name: str) -> int:
     except ValueError:
         raise StartupFailed("ValueError", f"invalid literal for int() with base 10: {raw!r}",
                             where) from None
+
+
+def check_kv_blocks(blocks: int, block_size: int, mml: int, where: str) -> int:
+    """vLLM's checks on the KV blocks r0.1 computed; returns the tokens they hold."""
+    if blocks <= 0:
+        raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
+                            "increasing `gpu_memory_utilization` when initializing the "
+                            "engine.", where)
+    max_seq = blocks * block_size
+    if mml > max_seq:
+        raise StartupFailed(
+            "ValueError",
+            f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
+            f"that can be stored in KV cache ({max_seq}). Try increasing "
+            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
+            "engine.", where)
+    return max_seq
 
 
 def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
@@ -458,7 +476,7 @@ class Server:
         mml, batched = verify_vllm_config(cfg, spec)
         env = cfg.env
         if env.get("ASCEND_TOTAL_MEMORY_GB"):
-            total_gb = _int_env(env, "ASCEND_TOTAL_MEMORY_GB")
+            total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB")
         else:
             total_gb = 64
             log.warning("ascend.py:110", "Total device memory should be set by environ "
@@ -573,19 +591,8 @@ class Server:
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
-        model_use = _int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
-        if blocks <= 0:
-            raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
-                                "increasing `gpu_memory_utilization` when initializing the "
-                                "engine.", _WHERE_CACHE)
-        max_seq = blocks * cfg.block_size
-        if mml > max_seq:
-            raise StartupFailed(
-                "ValueError",
-                f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
-                f"that can be stored in KV cache ({max_seq}). Try increasing "
-                "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
-                "engine.", _WHERE_CACHE)
+        model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
+        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, _WHERE_CACHE)
         log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
                  f"{(4 * GIB) // block_bytes}")
         log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "

@@ -42,13 +42,6 @@ def lengths_for(backend: Backend) -> Lengths:
     return LENGTHS.get(backend, DEFAULT_LENGTHS)
 
 
-def mindspore_version() -> str | None:
-    try:
-        return importlib.metadata.version("mindspore")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 @dataclass(frozen=True, slots=True)
 class BackendChoice:
     backend: Backend
@@ -57,13 +50,18 @@ class BackendChoice:
     reason: str
 
 
-def engine_version() -> str | None:
-    for name in ("vllm-mindspore", "vllm_mindspore"):
+def installed_version(*names: str) -> str | None:
+    """The version of the first of these distributions that is installed."""
+    for name in names:
         try:
             return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+def engine_version() -> str | None:
+    return installed_version("vllm-mindspore", "vllm_mindspore")
 
 
 def choose_backend(requested: str) -> BackendChoice:
@@ -81,13 +79,14 @@ def choose_backend(requested: str) -> BackendChoice:
     if wanted is Backend.SIM:
         return BackendChoice(wanted, True, None, "--backend sim")
     if wanted is Backend.MINDSPORE_CPU:
-        ms_version = mindspore_version()
+        ms_version = installed_version("mindspore")
         if ms_version is None:
             raise BadInputError(
                 "--backend mindspore-cpu needs MindSpore, which is not installed",
                 hint="pip install 'pretuner[mindspore]' (MindSpore runs on CPU), or --backend sim",
             )
-        return BackendChoice(wanted, False, ms_version, f"MindSpore {ms_version} on CPU")
+        # The reference server speaks r0.1: no vLLM-MindSpore version to adapt to.
+        return BackendChoice(wanted, False, None, f"MindSpore {ms_version} on CPU")
     cards = read_cards([shutil.which("npu-smi") or "npu-smi", "info"])
     if version is not None and cards:
         return BackendChoice(

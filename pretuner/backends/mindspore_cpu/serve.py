@@ -34,6 +34,8 @@ from pretuner.sim.serve import (
     StartupFailed,
     UsageError,
     build_parser,
+    check_kv_blocks,
+    int_env,
     parse,
     traceback_text,
     verify_vllm_config,
@@ -46,18 +48,6 @@ VLLM_VERSION = "0.6.6.post1"
 WARMUP_TOKENS_CAP = 8192  # r0.1 warms up with one prefill of min(8192, max_model_len) tokens
 POOL_GROWTH = "1GB"
 _WHERE = ('  File "pretuner/backends/mindspore_cpu/serve.py", in start\n')
-
-
-def _int_env(env: dict[str, str], name: str) -> int:
-    raw = env.get(name)
-    if raw is None:
-        raise StartupFailed("TypeError", "int() argument must be a string, a bytes-like object "
-                            "or a real number, not 'NoneType'", _WHERE)
-    try:
-        return int(raw)
-    except ValueError:
-        raise StartupFailed("ValueError", f"invalid literal for int() with base 10: {raw!r}",
-                            _WHERE) from None
 
 
 class Server:
@@ -113,12 +103,12 @@ class Server:
         mml, batched = verify_vllm_config(cfg, spec)
         env = cfg.env
         if env.get("ASCEND_TOTAL_MEMORY_GB"):
-            total_gb = _int_env(env, "ASCEND_TOTAL_MEMORY_GB")
+            total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB", _WHERE)
         else:
             total_gb = 64
             log.warning("ascend.py:110", "Total device memory should be set by environ "
                         "'ASCEND_TOTAL_MEMORY_GB'; using the default size (64GB).")
-        model_use = _int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
+        model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB", _WHERE)
         log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
 
         card.keep_reservations_small()
@@ -146,18 +136,7 @@ class Server:
 
         block_bytes = cfg.block_size * dims.layers * dims.slot_elems * 4
         blocks = mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
-        if blocks <= 0:
-            raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
-                                "increasing `gpu_memory_utilization` when initializing the "
-                                "engine.", _WHERE)
-        max_seq = blocks * cfg.block_size
-        if mml > max_seq:
-            raise StartupFailed(
-                "ValueError",
-                f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
-                f"that can be stored in KV cache ({max_seq}). Try increasing "
-                "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
-                "engine.", _WHERE)
+        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, _WHERE)
         log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: 0")
         log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
                  f"{max_seq / mml:.2f}x")

@@ -427,3 +427,44 @@ def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
     assert "may be other processes occupying this card" in second.log
     s.stop_group()
     assert hbm()[3] == (3379, 65536)
+
+
+def test_prompt_inside_the_watermark_is_dropped_with_an_empty_200(sim: object) -> None:
+    # 0.9 x 64 GiB - 55 GiB = 2.6 GiB of KV = 1,183 blocks of 16 x 147,456 B: a 16,383-token
+    # prompt needs 1,024 of them beside the 1 % watermark (11). At util 0.8947 the cache has
+    # 1,028 blocks: the prompt fits it, but would leave 4 < 10 watermark blocks: never admitted.
+    for util, dropped in (("0.9", False), ("0.8947", True)):
+        env = {**PRERUN_ENV, "vLLM_MODEL_MEMORY_USE_GB": "55"}
+        s = sim(*PRERUN, "--gpu-memory-utilization", util, env=env)  # type: ignore[operator]
+        s.wait_ready()
+        r = s.complete(list(range(16383)), max_tokens=1)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == (0 if dropped else 1)
+        warned = "Input prompt (16383 tokens) is too long and exceeds the capacity of block_manager"
+        assert (warned in s.log) is dropped
+        s.stop_group(signal.SIGTERM)
+
+
+def test_chunked_prefill_is_on_by_default_above_32k(sim: object) -> None:
+    env = {**PRERUN_ENV, "vLLM_MODEL_MEMORY_USE_GB": "40"}
+    s = sim("--max-model-len", "40960", "--max-num-seqs", "1", env=env)  # type: ignore[operator]
+    s.wait_ready()
+    assert "Chunked prefill is enabled with max_num_batched_tokens=2048." in s.log
+    r = s.complete(list(range(40000)), max_tokens=1)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+    s.stop_group(signal.SIGTERM)
+
+
+def test_another_tenant_takes_free_memory_and_shows_in_npu_smi(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
+    env.update(PRETUNER_SIM_OCCUPIED_MIB="20000", PRETUNER_SIM_STATE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "pretuner.sim", "npu-smi", "info"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert "23379/ 65536" in out
+    assert "| 4242" in out
+    from pretuner.launch.device import parse_npu_smi
+
+    assert parse_npu_smi(out)[0].hbm_used_mib == 23379

@@ -53,10 +53,14 @@ def test_perturbation_is_seeded_and_bounded() -> None:
 @given(n=st.integers(1, 60_000), extra=st.integers(1, 10_000), running=st.integers(0, 512))
 def test_activation_monotone_and_superlinear(n: int, extra: int, running: int) -> None:
     m = card()
-    assert m.activation_bytes([n + extra]) > m.activation_bytes([n])
-    assert m.activation_bytes([2 * n]) > 2 * m.activation_bytes([n]) - 2  # attention is quadratic
-    assert m.activation_bytes([n, n]) < m.activation_bytes([2 * n])  # two short < one long
-    assert m.dynamic_bytes([n], running) >= m.dynamic_bytes_no_frag([n], running) >= 0
+    w = mem.whole
+    assert m.activation_bytes(w([n + extra])) > m.activation_bytes(w([n]))
+    assert m.activation_bytes(w([2 * n])) > 2 * m.activation_bytes(w([n])) - 2  # quadratic
+    assert m.activation_bytes(w([n, n])) < m.activation_bytes(w([2 * n]))  # two short < one long
+    # A chunk of a long prompt costs less than the whole prompt, more than a short prompt.
+    assert m.activation_bytes([(n, 2 * n)]) < m.activation_bytes(w([2 * n]))
+    assert m.activation_bytes([(n, 2 * n)]) > m.activation_bytes(w([n]))
+    assert m.dynamic_bytes(w([n]), running) >= m.dynamic_bytes_no_frag(w([n]), running) >= 0
     assert m.sampler_bytes(running + 1) > m.sampler_bytes(running)
 
 
@@ -71,9 +75,10 @@ def test_weights_shard_with_tp_and_kv_formula() -> None:
 
 
 def test_full_load_prefill_and_truth() -> None:
-    assert mem.full_load_prefill(16384, 16, 16384) == [16383]
-    assert mem.full_load_prefill(4096, 256, 16384) == [4095] * 4
-    assert mem.full_load_prefill(4096, 2, 16384) == [4095, 4095]
+    assert mem.full_load_prefill(16384, 16, 16384) == [(16383, 16383)]
+    assert mem.full_load_prefill(4096, 256, 16384) == [(4095, 4095)] * 4
+    assert mem.full_load_prefill(4096, 2, 16384) == [(4095, 4095)] * 2
+    assert mem.full_load_prefill(65536, 8, 2048, chunked=True) == [(2048, 65535)]
     prof = mem.PROFILES["910b-64"]
     models = [card(3, tp=2, factor=f) for f in (0.99, 1.01)]
     t = mem.truth(models, prof, 3, total_gb=64, util=0.9, kv_blocks=100, max_model_len=16384,
@@ -193,7 +198,10 @@ def test_vllm_config_checks(argv: list[str], text: str) -> None:
 
 
 def test_defaults_follow_vllm() -> None:
-    assert verify_vllm_config(parse(["m"], {}), SPEC) == (40960, 40960)
+    # Above 32K vLLM 0.6.6 turns chunked prefill on, with a 2048-token budget.
+    assert verify_vllm_config(parse(["m"], {}), SPEC) == (40960, 2048)
+    whole = parse(["m", "--enable-chunked-prefill", "false"], {})
+    assert verify_vllm_config(whole, SPEC) == (40960, 40960)
     assert verify_vllm_config(parse(["m", "--max-model-len", "1024"], {}), SPEC) == (1024, 2048)
 
 
@@ -237,15 +245,15 @@ def test_concurrent_prefill_shares_a_step_and_raises_the_peak() -> None:
         assert len(r.output) == 2
     eng.stop()
     m = eng.pools[0].model
-    assert eng.pools[0].peak_dynamic == m.dynamic_bytes([16000, 16000], 2)
-    assert eng.pools[0].peak_dynamic > m.dynamic_bytes([16000], 2)
+    assert eng.pools[0].peak_dynamic == m.dynamic_bytes(mem.whole([16000, 16000]), 2)
+    assert eng.pools[0].peak_dynamic > m.dynamic_bytes(mem.whole([16000]), 2)
     assert not dead
 
 
 def test_engine_oom_fails_every_request_and_reports_dead() -> None:
     dead: list[OutOfMemory] = []
     m = card()
-    cap = m.static_bytes + 100 * m.block_bytes * 16 + m.dynamic_bytes([100], 1) + MIB
+    cap = m.static_bytes + 100 * m.block_bytes * 16 + m.dynamic_bytes(mem.whole([100]), 1) + MIB
     eng = _engine(cap, seqs=4, batched=16384, dead=dead)
     reqs = [Request("small", 100, 1), Request("big", 16000, 1)]
     eng.submit(reqs[0])

@@ -1,10 +1,10 @@
 """The emulated engine: vLLM 0.6 V0 scheduling over the card model, with pool accounting and OOM.
 
-A step is either a prefill of waiting prompts (FCFS; at most max-num-seqs running, at most
-max-num-batched-tokens prompt tokens, KV blocks reserved for prompt + max_tokens) or one decode
-token for every running sequence, as vLLM 0.6 does without chunked prefill. Each step asks every
-rank's pool for its dynamic memory; if one rank cannot find it, that rank logs the MindSpore OOM
-and its pool dump, every request in flight fails and the engine is dead.
+The decisions (admission, watermark, chunked prefill, preemption) are `pretuner.sim.scheduler`'s;
+this module runs them on a thread with step times and accounts each step in every rank's pool.
+If one rank cannot find a step's dynamic memory, that rank logs the MindSpore OOM and its pool
+dump, every request in flight fails and the engine is dead. A prompt the scheduler ignores
+(too long for the KV cache beside the watermark) finishes at once with no output, as in vLLM.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import math
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim.logs import PoolStats, RankWriter, VllmLog
-from pretuner.sim.memory import CardModel
+from pretuner.sim.memory import CardModel, Prefill
+from pretuner.sim.scheduler import Scheduler, SchedulerLimits, Seq, StepPlan
 
 PREFILL_BASE_S = 0.004
 PREFILL_PER_TOKEN_S = 2e-7
@@ -42,11 +42,8 @@ class Request:
     output: list[int] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    ignored: str | None = None  # the scheduler's warning when it dropped the prompt
     on_token: Callable[[int], None] | None = None
-
-    @property
-    def blocks_needed_tokens(self) -> int:
-        return self.prompt_len + self.max_tokens
 
 
 @dataclass
@@ -80,6 +77,12 @@ class EngineLimits:
     block_size: int
     num_blocks: int
     pool_cap_bytes: int
+    chunked_prefill: bool = False
+
+    def scheduler(self) -> SchedulerLimits:
+        return SchedulerLimits(self.max_model_len, self.max_num_seqs,
+                               self.max_num_batched_tokens, self.block_size, self.num_blocks,
+                               self.chunked_prefill)
 
 
 class OutOfMemory(Exception):
@@ -105,22 +108,21 @@ _KERNELS = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-A
             "Default/lm_head-Linear/MatMul-op2")
 
 
-def check_step(pools: Sequence[RankPool], cap: int, prefill_lens: Sequence[int],
-               running: int) -> None:
+def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: int) -> None:
     """Account one step on every rank; raise OutOfMemory on the first rank that cannot fit it."""
     for rank, pool in enumerate(pools):
-        dyn = pool.model.dynamic_bytes(prefill_lens, running)
+        dyn = pool.model.dynamic_bytes(prefill, running)
         if pool.in_used + dyn > cap:
             over = pool.in_used + dyn - cap
             alloc = max(over, dyn // 4)
             alloc = -(-alloc // 512) * 512
-            kernel = _KERNELS[0] if prefill_lens else _KERNELS[2]
+            kernel = _KERNELS[0] if prefill else _KERNELS[2]
             pool.peak_dynamic = max(pool.peak_dynamic, cap - pool.in_used)
             raise OutOfMemory(rank, pool.device_id, kernel, alloc)
     for pool in pools:
-        pool.peak_dynamic = max(pool.peak_dynamic, pool.model.dynamic_bytes(prefill_lens, running))
+        pool.peak_dynamic = max(pool.peak_dynamic, pool.model.dynamic_bytes(prefill, running))
         pool.peak_dynamic_no_frag = max(pool.peak_dynamic_no_frag,
-                                        pool.model.dynamic_bytes_no_frag(prefill_lens, running))
+                                        pool.model.dynamic_bytes_no_frag(prefill, running))
 
 
 class Engine:
@@ -135,9 +137,8 @@ class Engine:
         self.log = log
         self._on_dead = on_dead
         self._cond = threading.Condition()
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
-        self._free_blocks = limits.num_blocks
+        self.sched = Scheduler(limits.scheduler())
+        self._requests: dict[str, Request] = {}
         self._stop = False
         self.dead: OutOfMemory | None = None
         self._rng = random.Random(seed)  # noqa: S311 - fake output tokens
@@ -160,89 +161,80 @@ class Engine:
         with self._cond:
             if self.dead is not None:
                 raise EngineDeadError("Background loop has errored already.")
-            self._waiting.append(req)
+            self._requests[req.request_id] = req
+            self.sched.add(Seq(req.request_id, req.prompt_len, req.max_tokens))
             self._cond.notify_all()
-
-    def _blocks(self, req: Request) -> int:
-        return -(-req.blocks_needed_tokens // self.limits.block_size)
-
-    def _admit(self) -> list[Request]:
-        batch: list[Request] = []
-        tokens = 0
-        lim = self.limits
-        while self._waiting:
-            req = self._waiting[0]
-            if len(self._running) + len(batch) >= lim.max_num_seqs:
-                break
-            if tokens + req.prompt_len > lim.max_num_batched_tokens:
-                break
-            need = self._blocks(req)
-            if need > self._free_blocks:
-                break
-            self._waiting.popleft()
-            self._free_blocks -= need
-            tokens += req.prompt_len
-            batch.append(req)
-        return batch
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and self.sched.idle:
                     self._cond.wait(timeout=1.0)
                 if self._stop:
                     return
-                batch = self._admit()
-                stepping = batch if batch else list(self._running)
-                prefill_lens = [r.prompt_len for r in batch]
-                running = len(self._running) + len(batch)
-            if not stepping:
+                plan = self.sched.plan()
+                self._drop_ignored(plan)
+            if plan.empty:
                 time.sleep(DECODE_STEP_S)  # waiting for KV blocks: nothing can run
                 continue
             try:
-                check_step(self.pools, self.limits.pool_cap_bytes, prefill_lens, running)
+                check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
+                           plan.running)
             except OutOfMemory as oom:
-                self._crash(oom, batch)
+                self._crash(oom)
                 return
-            tokens = sum(prefill_lens)
-            if batch:
+            tokens = plan.prefill_tokens
+            if plan.chunks:
                 for pool in self.pools:
                     pool.log.noise("step", 2)
-            time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if batch else DECODE_STEP_S)
+            time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if plan.chunks
+                       else DECODE_STEP_S)
             with self._cond:
-                self._running.extend(batch)
+                self._advance(plan)
                 self._prompt_tokens += tokens
-                for req in stepping:
-                    tok = self._rng.randrange(100, 30000)
-                    req.output.append(tok)
-                    self._gen_tokens += 1
-                    if req.on_token is not None:
-                        req.on_token(tok)
-                done = [r for r in self._running if len(r.output) >= r.max_tokens]
-                for req in done:
-                    self._running.remove(req)
-                    self._free_blocks += self._blocks(req)
-                    req.finished.set()
                 self._maybe_metrics()
+
+    def _drop_ignored(self, plan: StepPlan) -> None:
+        for ignored in plan.ignored:
+            self.log.warning("scheduler.py:1097", ignored.warning)
+            req = self._requests.pop(ignored.seq.request_id)
+            req.ignored = ignored.warning
+            req.finished.set()
+            if req.on_token is not None:
+                req.on_token(-2)
+
+    def _advance(self, plan: StepPlan) -> None:
+        before = {s.request_id: s.generated for s in self.sched.running + plan.admitted}
+        done = self.sched.commit(plan)
+        for seq in self.sched.running + done:
+            req = self._requests[seq.request_id]
+            for _ in range(seq.generated - before.get(seq.request_id, 0)):
+                tok = self._rng.randrange(100, 30000)
+                req.output.append(tok)
+                self._gen_tokens += 1
+                if req.on_token is not None:
+                    req.on_token(tok)
+        for seq in done:
+            self._requests.pop(seq.request_id).finished.set()
 
     def _maybe_metrics(self) -> None:
         now = time.monotonic()
         span = now - self._last_metrics
         if span < METRICS_EVERY_S:
             return
-        used = self.limits.num_blocks - self._free_blocks
+        used = self.sched.used_blocks
         usage = 100.0 * used / self.limits.num_blocks if self.limits.num_blocks else 0.0
         self.log.info(
             "metrics.py:467",
             f"Avg prompt throughput: {self._prompt_tokens / span:.1f} tokens/s, "
             f"Avg generation throughput: {self._gen_tokens / span:.1f} tokens/s, "
-            f"Running: {len(self._running)} reqs, Swapped: 0 reqs, "
-            f"Pending: {len(self._waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
+            f"Running: {len(self.sched.running)} reqs, Swapped: 0 reqs, "
+            f"Pending: {len(self.sched.waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
             f"CPU KV cache usage: 0.0%.")
         self._prompt_tokens = self._gen_tokens = 0
         self._last_metrics = now
 
-    def _crash(self, oom: OutOfMemory, batch: list[Request]) -> None:
+    def _crash(self, oom: OutOfMemory) -> None:
         pool = self.pools[oom.rank]
         pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
                      "MallocForKernelOutput",
@@ -250,13 +242,12 @@ class Engine:
         pool.log.pool_dump(pool.stats(), self.pool_format)
         with self._cond:
             self.dead = oom
-            victims = list(self._waiting) + self._running + batch
-            self._waiting.clear()
-            self._running.clear()
+            self.sched.abort_all()
+            victims = list(self._requests.values())
+            self._requests.clear()
         for req in victims:
             req.error = str(oom)
             req.finished.set()
             if req.on_token is not None:
                 req.on_token(-1)
         self._on_dead(oom)
-

@@ -170,6 +170,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._stream(req, tokens, model)
             else:
                 req.finished.wait()
+                # A prompt the scheduler ignored is answered 200 with no output, as vLLM does.
                 if req.error is not None:
                     self._send(500, b"Internal Server Error", "text/plain; charset=utf-8")
                     return
@@ -203,6 +204,13 @@ class _Handler(BaseHTTPRequestHandler):
         sent = 0
         while sent < req.max_tokens:
             tok = tokens.get()
+            if tok == -2:  # ignored by the scheduler: an empty, finished choice
+                chunk(json.dumps({"id": req.request_id, "object": "text_completion",
+                                  "created": created, "model": model,
+                                  "choices": [{"index": 0, "text": "", "logprobs": None,
+                                               "finish_reason": "length",
+                                               "stop_reason": None}]}))
+                break
             if tok < 0:
                 chunk(json.dumps(error_body("Internal Server Error", "InternalServerError",
                                             500)))

@@ -51,9 +51,13 @@ from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models.spec import ModelSpec
 from pretuner.units import GIB, MIB
 
+Prefill = Sequence[tuple[int, int]]  # (new tokens, context tokens) per prompt chunk in a step
+
 PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.1]
 DEFAULT_SEED = 0
 WARMUP_TOKENS_CAP = 8192  # r0.1 runs one dummy prefill of min(8192, max_model_len) at start
+CHUNKED_PREFILL_ABOVE = 32768  # vLLM 0.6 turns chunked prefill on by default above 32K
+DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's max_num_batched_tokens when chunked prefill is on
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,9 @@ PROFILES: dict[str, CardProfile] = {
         # 3379 MB used on an idle card is what npu-smi shows on a real 64 GB 910B3.
         CardProfile("910b-64", "910B3", 65536, 3379, 700),
         CardProfile("910b-32", "910B4", 32768, 2300, 500),
+        # A 24 GB inference card (Atlas 300I Pro class): small cards are where every reserve
+        # and rounding shows.
+        CardProfile("310p-24", "310P3", 24576, 1700, 450, power_w=62.0, temp_c=38),
         # A 64 GB card where another tenant/driver build takes more: util 0.9 no longer fits.
         CardProfile("910b-64-busy", "910B3", 65536, 6750, 900, power_w=112.0, temp_c=47),
     )
@@ -172,16 +179,19 @@ class CardModel:
     def block_bytes(self) -> int:
         return self.kv_bytes_per_token * self.layout.block_size
 
-    def activation_bytes(self, prefill_lens: Sequence[int]) -> int:
-        """Activation peak of one prefill step over prompts of the given lengths."""
-        if not prefill_lens:
+    def activation_bytes(self, prefill: Prefill) -> int:
+        """Activation peak of one step prefilling these chunks: (new tokens, context) each.
+
+        A whole prompt of S tokens is (S, S); a chunk attends over its whole context.
+        """
+        if not prefill:
             return 0
         s, c, tp = self.spec, self.coeffs, self.layout.tp
-        tokens = sum(prefill_lens)
+        tokens = sum(n for n, _ in prefill)
         linear = tokens * s.dtype_bytes * (c.act_hidden * s.hidden_size
                                            + c.act_mlp * s.intermediate_size / tp)
         heads_local = max(1, s.num_heads // tp)
-        quad = c.attn_quad * heads_local * sum(n * n for n in prefill_lens)
+        quad = c.attn_quad * heads_local * sum(n * ctx for n, ctx in prefill)
         return int((linear + quad) * self.rank_factor)
 
     def decode_bytes(self, running: int) -> int:
@@ -192,19 +202,29 @@ class CardModel:
     def sampler_bytes(self, running: int) -> int:
         return int(self.coeffs.sampler_copies * running * self.spec.vocab_size * 4)
 
-    def dynamic_bytes(self, prefill_lens: Sequence[int], running: int) -> int:
+    def dynamic_bytes(self, prefill: Prefill, running: int) -> int:
         """One step's transient memory, fragments included (what the pool must find)."""
-        base = self.dynamic_bytes_no_frag(prefill_lens, running)
+        base = self.dynamic_bytes_no_frag(prefill, running)
         return int(base * (1 + self.coeffs.frag) + self.coeffs.frag_per_seq_mib * MIB * running)
 
-    def dynamic_bytes_no_frag(self, prefill_lens: Sequence[int], running: int) -> int:
-        return (self.activation_bytes(prefill_lens) + self.decode_bytes(running)
+    def dynamic_bytes_no_frag(self, prefill: Prefill, running: int) -> int:
+        return (self.activation_bytes(prefill) + self.decode_bytes(running)
                 + self.sampler_bytes(running))
 
     @property
     def static_bytes(self) -> int:
         """Weights + workspace: held from load to exit."""
         return self.weights_bytes + self.workspace_bytes
+
+
+def card_models(spec: ModelSpec, weights_total_bytes: int, layout: Layout, seed: int,
+                rank_skew: dict[int, float] | None = None) -> list[CardModel]:
+    """One memory model per rank, each with its seeded (and optionally skewed) factor."""
+    coeffs = perturbed(seed)
+    factors = rank_factors(seed, layout.world, coeffs.rank_jitter)
+    skew = rank_skew or {}
+    return [CardModel(spec, weights_total_bytes, layout, coeffs, f * skew.get(i, 1.0))
+            for i, f in enumerate(factors)]
 
 
 def pool_cap_bytes(total_gb: int, util: float) -> int:
@@ -217,14 +237,25 @@ def r01_kv_blocks(total_gb: int, util: float, model_use_gb: int, block_bytes: in
     return math.floor((total_gb * GIB * util - model_use_gb * GIB) / block_bytes)
 
 
-def full_load_prefill(max_model_len: int, max_num_seqs: int, batched: int) -> list[int]:
-    """The worst prefill step under full load: as many max-length prompts as the budget admits.
+def whole(lens: Sequence[int]) -> list[tuple[int, int]]:
+    """Whole prompts as prefill chunks."""
+    return [(n, n) for n in lens]
 
-    A full-load prompt is `max_model_len - 1` tokens (vLLM needs room for one output token);
-    the scheduler admits whole prompts only, at least one.
+
+def full_load_prefill(
+    max_model_len: int, max_num_seqs: int, batched: int, chunked: bool = False
+) -> list[tuple[int, int]]:
+    """The worst prefill step under full load.
+
+    Whole prompts: as many max-length prompts (`max_model_len - 1` tokens: vLLM needs room for
+    one output token) as the budget admits, at least one. Chunked prefill: one chunk of the
+    whole budget at the end of a max-length prompt, where its attention spans the most context.
     """
-    longest = max(1, min(max_model_len - 1, batched))
-    return [longest] * max(1, min(max_num_seqs, batched // longest))
+    longest = max(1, max_model_len - 1)
+    if chunked:
+        return [(max(1, min(batched, longest)), longest)]
+    longest = max(1, min(longest, batched))
+    return whole([longest] * max(1, min(max_num_seqs, batched // longest)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,8 +297,9 @@ def truth(
     max_model_len: int,
     max_num_seqs: int,
     batched: int,
+    chunked: bool = False,
 ) -> Truth:
-    lens = full_load_prefill(max_model_len, max_num_seqs, batched)
+    lens = full_load_prefill(max_model_len, max_num_seqs, batched, chunked)
     per_rank = tuple(m.static_bytes + m.dynamic_bytes(lens, max_num_seqs) for m in models)
     worst = max(per_rank)
     first = models[0]

@@ -24,12 +24,17 @@ _BORDER = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 _DOUBLE = "+" + "=" * 27 + "+" + "=" * 15 + "+" + "=" * 52 + "+"
 
 
+# The pid npu-smi shows for the emulated other tenant (PRETUNER_SIM_OCCUPIED_MIB).
+TENANT_PID = 4242
+
+
 @dataclass(frozen=True, slots=True)
 class CardUse:
     npu: int
     hbm_used_mib: int
-    pid: int | None = None
+    pid: int | None = None  # the emulated server's rank on this card
     process_mib: int = 0
+    tenant_mib: int = 0  # another tenant's process (TENANT_PID) on this card
 
 
 def _usage(used: int, total: int) -> str:
@@ -51,7 +56,7 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
     ]
     for card in cards:
         bus = f"0000:{_BUS[card.npu % len(_BUS)]}:00.0"
-        busy = card.pid is not None
+        busy = card.pid is not None or card.tenant_mib > 0
         power = f"{profile.power_w + (95.0 if busy else 0.0):.1f}"
         lines.append(f"| {card.npu:<6}{profile.chip_name:<20}| {'OK':<14}| {power:<12}"
                      f"{profile.temp_c + (6 if busy else 0):<18}{_usage(0, 0):<21}|")
@@ -65,12 +70,13 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
         _DOUBLE,
     ]
     for card in cards:
-        if card.pid is None:
+        procs = [(p, m) for p, m in ((TENANT_PID, card.tenant_mib), (card.pid, card.process_mib))
+                 if p is not None and m]
+        if not procs:
             lines.append("| " + f"No running processes found in NPU {card.npu}".ljust(width - 1)
                          + "|")
-        else:
-            lines.append(f"| {card.npu:<8}{0:<18}| {card.pid:<14}| {'python3':<25}| "
-                         f"{card.process_mib:<24}|")
+        for pid, mib in procs:
+            lines.append(f"| {card.npu:<8}{0:<18}| {pid:<14}| {'python3':<25}| {mib:<24}|")
         lines.append(_DOUBLE)
     return "\n".join(lines) + "\n"
 
@@ -92,20 +98,21 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
-def read_cards(profile: CardProfile, state: Path, node: int) -> list[CardUse]:
-    """Every card of the node: idle ones show the driver reservation only."""
+def read_cards(profile: CardProfile, state: Path, node: int,
+               tenant_mib: int = 0) -> list[CardUse]:
+    """Every card of the node: idle ones show the driver reservation (and the tenant) only."""
     cards = []
     for npu in range(profile.cards_per_node):
         path = state / f"node{node}-npu{npu}.json"
-        use = CardUse(npu, profile.driver_reserved_mib)
+        use = CardUse(npu, profile.driver_reserved_mib + tenant_mib, tenant_mib=tenant_mib)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             data = None
         if isinstance(data, dict) and _alive(int(data.get("pid", 0))):
             used = int(data["used_mib"])
-            use = CardUse(npu, used, int(data.get("rank_pid") or data["pid"]),
-                          used - profile.driver_reserved_mib)
+            use = CardUse(npu, used + tenant_mib, int(data.get("rank_pid") or data["pid"]),
+                          used - profile.driver_reserved_mib, tenant_mib)
         cards.append(use)
     return cards
 
@@ -125,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
                            PROFILES[DEFAULT_PROFILE])
     node = int(env.get("PRETUNER_SIM_NODE", "0") or 0)
-    sys.stdout.write(render(profile, read_cards(profile, state_dir(env), node)))
+    tenant = int(env.get("PRETUNER_SIM_OCCUPIED_MIB", "0") or 0)
+    sys.stdout.write(render(profile, read_cards(profile, state_dir(env), node, tenant)))
     return 0
 
 

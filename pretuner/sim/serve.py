@@ -40,6 +40,7 @@ from pretuner.sim import memory as mem
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog
+from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ SIM_ENV = {
     "nodes": "PRETUNER_SIM_NODES",
     "rank_skew": "PRETUNER_SIM_RANK_SKEW",
     "ray_address": "PRETUNER_SIM_RAY_ADDRESS",
+    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
 }
 STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
 NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
@@ -100,6 +102,8 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--distributed-executor-backend", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--enable-chunked-prefill", nargs="?", const="true", default=None,
+                   type=_bool_arg)
     sim = p.add_argument_group("emulator (not part of the real command line)")
     sim.add_argument("--sim-profile", default=None,
                      help=f"card profile: {', '.join(mem.PROFILES)} (default "
@@ -122,10 +126,22 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
     sim.add_argument("--sim-rank-skew", default=None,
                      help="RANK=FACTOR[,...]: multiply these ranks' activations (the worst or "
                           "an OOMing rank where a test wants it)")
+    sim.add_argument("--sim-occupied-mib", type=int, default=None,
+                     help="another tenant's process holds this much of every card (MiB)")
     sim.add_argument("--sim-ray-address", default=None,
                      help="place the ranks on this Ray cluster (default: RAY_ADDRESS with "
                           "--distributed-executor-backend ray, as vLLM does)")
     return p
+
+
+def _bool_arg(raw: str) -> bool:
+    """vLLM's `--enable-chunked-prefill [BOOL]`."""
+    lowered = raw.lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
@@ -167,6 +183,8 @@ class ServeConfig:
     ignored: tuple[str, ...] = ()
     rank_skew: dict[int, float] = field(default_factory=dict)
     ray_address: str | None = None  # ranks placed on this Ray cluster's nodes
+    chunked_prefill: bool | None = None  # None: vLLM's default (on above 32K)
+    occupied_mib: int = 0  # another tenant's share of every card
 
 
 class UsageError(Exception):
@@ -188,6 +206,7 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
         startup = float(pick(ns.sim_startup_s, "startup_s", str(DEFAULT_STARTUP_S)))
         teardown = float(pick(ns.sim_teardown_s, "teardown_s", str(DEFAULT_TEARDOWN_S)))
         nodes = int(pick(ns.sim_nodes, "nodes", "1"))
+        occupied = int(pick(ns.sim_occupied_mib, "occupied_mib", "0"))
     except ValueError as err:
         raise UsageError(f"bad emulator setting: {err}") from None
     profile = pick(ns.sim_profile, "profile", mem.DEFAULT_PROFILE)
@@ -214,6 +233,7 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
         truth=truth, pool_format=pool_format, startup_s=max(0.0, startup),
         teardown_s=max(0.0, teardown), weights_format=weights, nodes=max(1, nodes),
         env=dict(env), ignored=tuple(unknown), rank_skew=skew, ray_address=ray_address,
+        chunked_prefill=ns.enable_chunked_prefill, occupied_mib=max(0, occupied),
     )
 
 
@@ -304,6 +324,13 @@ def check_kv_blocks(blocks: int, block_size: int, mml: int, where: str) -> int:
     return max_seq
 
 
+def chunked_prefill(cfg: ServeConfig, max_model_len: int) -> bool:
+    """vLLM 0.6.6 turns chunked prefill on by default for max_model_len above 32K."""
+    if cfg.chunked_prefill is not None:
+        return cfg.chunked_prefill
+    return max_model_len > mem.CHUNKED_PREFILL_ABOVE
+
+
 def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
     """vLLM 0.6's own argument checks; returns (max_model_len, max_num_batched_tokens)."""
     derived = spec.max_position_embeddings
@@ -323,8 +350,10 @@ def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
         raise StartupFailed("ValueError", f"Total number of attention heads ({spec.num_heads}) "
                             "must be divisible by tensor parallel size "
                             f"({cfg.tp}).", _WHERE_CONFIG)
-    batched = cfg.max_num_batched_tokens or max(mml, 2048)
-    if batched < mml:
+    chunked = chunked_prefill(cfg, mml)
+    default = mem.DEFAULT_CHUNK_TOKENS if chunked else max(mml, 2048)
+    batched = cfg.max_num_batched_tokens or default
+    if batched < mml and not chunked:
         raise StartupFailed(
             "ValueError",
             f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({mml}). This "
@@ -474,6 +503,15 @@ class Server:
             raise StartupFailed("OSError", f"{cfg.model} is not a local folder and is not a valid "
                                 f"model identifier ({err})", _WHERE_MODEL) from None
         mml, batched = verify_vllm_config(cfg, spec)
+        chunked = chunked_prefill(cfg, mml)
+        if chunked and cfg.chunked_prefill is None:
+            log.warning("arg_utils.py:1099", "Chunked prefill is enabled by default for models "
+                        "with max_model_len > 32K. Currently, chunked prefill might not work "
+                        "with some features or models. If you encounter any issues, please "
+                        "disable chunked prefill by setting --enable-chunked-prefill=False.")
+        if chunked:
+            log.info("config.py:1020", "Chunked prefill is enabled with "
+                     f"max_num_batched_tokens={batched}.")
         env = cfg.env
         if env.get("ASCEND_TOTAL_MEMORY_GB"):
             total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB")
@@ -492,11 +530,12 @@ class Server:
                  f"tensor_parallel_size={cfg.tp}, pipeline_parallel_size={cfg.pp}, "
                  f"kv_cache_dtype={cfg.kv_dtype}, device_config=npu, seed=0, "
                  f"served_model_name={cfg.served_names[0]}, enable_prefix_caching=False, "
-                 "chunked_prefill_enabled=False, use_async_output_proc=True")
+                 f"chunked_prefill_enabled={chunked}, use_async_output_proc=True")
 
         # Ranks, nodes, devices.
-        layout = mem.Layout(tp=cfg.tp, pp=cfg.pp, block_size=cfg.block_size,
-                            kv_dtype=cfg.kv_dtype)
+        # MindSpore stores an int8 MLA cache as int8 latent + bf16 rope (pretuner's int8-mla).
+        kv_dtype = "int8-mla" if cfg.kv_dtype == "int8" and spec.kv_lora_rank else cfg.kv_dtype
+        layout = mem.Layout(tp=cfg.tp, pp=cfg.pp, block_size=cfg.block_size, kv_dtype=kv_dtype)
         world = layout.world
         rng = random.Random(os.getpid())  # noqa: S311 - fake thread ids
         pid = os.getpid()
@@ -517,12 +556,9 @@ class Server:
             raise StartupFailed(
                 "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
                 f"less than the {per_node} ranks this node must run", _WHERE_MS)
-        coeffs = mem.perturbed(cfg.seed)
-        factors = [f * cfg.rank_skew.get(i, 1.0)
-                   for i, f in enumerate(mem.rank_factors(cfg.seed, world, coeffs.rank_jitter))]
         try:
-            models = [mem.CardModel(spec, weights_fmt.total_bytes, layout, coeffs, f)
-                      for f in factors]
+            models = mem.card_models(spec, weights_fmt.total_bytes, layout, cfg.seed,
+                                     cfg.rank_skew)
             block_bytes = models[0].block_bytes
         except PretunerError as err:
             raise StartupFailed("ValueError", str(err), _WHERE_CONFIG) from None
@@ -542,11 +578,11 @@ class Server:
                 model_use = None
         blocks = (mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
                   if model_use is not None else 0)
-        self._write_truth(models, total_gb, blocks, mml, batched)
+        self._write_truth(models, total_gb, blocks, mml, batched, chunked)
 
         # MindSpore device init: the pool cap must fit in the card's free memory, which another
         # live server on the same card (a leftover pre-run, say) has taken its share of.
-        free = self.profile.free_bytes - self._occupied_bytes()
+        free = self.profile.free_bytes - cfg.occupied_mib * MIB - self._occupied_bytes()
         total = self.profile.total_bytes
         if free < total // 2:
             msg = ("Malloc device memory failed, free memory size is less than half of total "
@@ -613,11 +649,11 @@ class Server:
             return None
 
         # r0.1 warm-up prefill.
-        warm = min(mem.WARMUP_TOKENS_CAP, mml)
+        warm = min(mem.WARMUP_TOKENS_CAP, mml, batched)
         log.info("model_runner.py:1415", f"Capturing the model for warm-up with a dummy prefill "
                  f"of {warm} tokens.")
         try:
-            check_step(self.pools, cap, [warm], 1)
+            check_step(self.pools, cap, mem.whole([warm]), 1)
         except OutOfMemory as oom:
             pool = self.pools[oom.rank]
             pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
@@ -628,7 +664,8 @@ class Server:
             return None
 
         # Engine + HTTP. The socket opens only now, like the real server after its warm-up.
-        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap)
+        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap,
+                              chunked)
         self.engine = Engine(self.pools, limits, log, self._on_dead, pool_format=cfg.pool_format,
                              seed=cfg.seed)
         self.engine.start()
@@ -686,13 +723,18 @@ class Server:
         return self.remote.lost if self.remote is not None else None
 
     def _write_truth(self, models: list[mem.CardModel], total_gb: int, blocks: int, mml: int,
-                     batched: int) -> None:
+                     batched: int, chunked: bool) -> None:
         if not self.cfg.truth:
             return
         t = mem.truth(models, self.profile, self.cfg.seed, total_gb=total_gb, util=self.cfg.util,
                       kv_blocks=blocks, max_model_len=mml, max_num_seqs=self.cfg.max_num_seqs,
-                      batched=batched)
+                      batched=batched, chunked=chunked)
         data = asdict(t)
+        free = self.profile.free_bytes - self.cfg.occupied_mib * MIB
+        for name, integer in (("r01", True), ("physical", False)):
+            fit = max_safe_kv(models, free, mml, batched=batched, chunked=chunked,
+                              integer_model_use=integer)
+            data[f"max_safe_kv_{name}"] = asdict(fit) if fit else None
         data["max_model_len"] = mml
         data["max_num_seqs"] = self.cfg.max_num_seqs
         data["max_num_batched_tokens"] = batched

@@ -23,10 +23,11 @@ from pretuner.units import GIB, MIB
 # typical 36 GiB KV cache. README "Headroom" says more; `--headroom-gb` changes it.
 DEFAULT_HEADROOM_GIB = 0.5
 # What each running sequence adds that a one-request pre-run cannot show: the sampler's fp32
-# logits, probabilities and log-probabilities over the vocabulary, plus block tables and the
-# pool's per-allocation fragments (an estimate: 2 MiB).
+# logits, probabilities and log-probabilities over the vocabulary, plus block tables, decode
+# buffers and the pool's per-allocation fragments (an estimate: 4 MiB; a validation that
+# runs out of memory replaces the whole per-sequence figure by what it measured).
 SAMPLER_COPIES = 3
-PER_SEQ_FIXED_BYTES = 2 * MIB
+PER_SEQ_FIXED_BYTES = 4 * MIB
 
 
 def per_sequence_bytes(vocab_size: int) -> int:
@@ -49,6 +50,9 @@ class PrerunInputs:
     max_num_batched_tokens: int | None = None  # default: max_model_len, what the pre-run used
     final_util: float | None = None  # default: util; issue the tuned config at another util
     per_seq_bytes: int = 0  # headroom per running sequence (per_sequence_bytes(vocab))
+    # vLLM V0 keeps int(watermark x blocks) KV blocks free: a max-length sequence is admitted
+    # only beside them, so max-num-seqs counts the blocks above the watermark.
+    watermark: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,10 @@ class FinalConfig:
     block_size: int
     kv_bytes: int
     kv_tokens: int
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.max_num_batched_tokens < self.max_model_len
 
     @property
     def env(self) -> dict[str, str]:
@@ -176,26 +184,32 @@ def derive(inp: PrerunInputs) -> Derivation:
     max_tokens = kv_tokens(max_kv, bpt, block)
     seqs_method = max_tokens // inp.max_model_len
 
+    def seqs_in(budget: int) -> int:
+        return max_num_seqs(num_kv_blocks(budget, bpt, block), block, inp.max_model_len,
+                            inp.watermark)
+
     # Final: the model-use budget must be an integer (r0.1 parses it with int()). The
     # per-sequence headroom is sized for the sequence count the base headroom would allow,
     # which is at least the final count: conservative.
     headroom = inp.headroom_gib
     if inp.per_seq_bytes:
         base_use = math.ceil(weights_act / GIB + headroom - 1e-9)
-        seqs = kv_tokens(cap - base_use * GIB, bpt, block) // inp.max_model_len
-        headroom += seqs * inp.per_seq_bytes / GIB
+        headroom += seqs_in(cap - base_use * GIB) * inp.per_seq_bytes / GIB
     exact = weights_act / GIB + headroom
     model_use = math.ceil(exact - 1e-9)
     rounding_cost = int((model_use - exact) * GIB)
     final_kv_budget = cap - model_use * GIB
     final_tokens = kv_tokens(final_kv_budget, bpt, block)
     final_kv = num_kv_blocks(final_kv_budget, bpt, block) * block * bpt
-    if model_use >= inp.card_gib * final_util or final_tokens < inp.max_model_len:
+    final_seqs = seqs_in(final_kv_budget)
+    if model_use >= inp.card_gib * final_util or final_seqs < 1:
         fit = _largest_len(final_tokens, block)
         raise InfeasibleError(
             f"at --max-model-len {inp.max_model_len:,} the KV cache left after weights+activations "
             f"({weights_act / GIB:.2f} GiB + {headroom:.2f} GiB headroom) holds "
-            f"{final_tokens:,} tokens, not one sequence",
+            f"{final_tokens:,} tokens, not one sequence"
+            + (f" beside the engine's {inp.watermark:.0%} block watermark" if inp.watermark
+               else ""),
             hint=(
                 f"a max-model-len of at most {fit:,} would fit one sequence; or add cards"
                 if fit
@@ -214,7 +228,7 @@ def derive(inp: PrerunInputs) -> Derivation:
         vllm_model_memory_use_gb=model_use,
         gpu_memory_utilization=final_util,
         max_model_len=inp.max_model_len,
-        max_num_seqs=final_tokens // inp.max_model_len,
+        max_num_seqs=final_seqs,
         max_num_batched_tokens=batched,
         block_size=block,
         kv_bytes=final_kv,
@@ -233,6 +247,12 @@ def derive(inp: PrerunInputs) -> Derivation:
         rounding_cost_bytes=rounding_cost,
         final=final,
     )
+
+
+def max_num_seqs(blocks: int, block_size: int, max_model_len: int, watermark: float) -> int:
+    """Max-length sequences `blocks` KV blocks serve at once beside the engine's watermark."""
+    usable = blocks - int(watermark * blocks)
+    return max(0, usable // -(-max_model_len // block_size))
 
 
 def _largest_len(tokens: int, block_size: int) -> int:

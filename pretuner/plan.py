@@ -26,6 +26,11 @@ WORKSPACE_BYTES = 1 * GIB
 # cache. A layout that predicts room for a single sequence sits inside the prediction's error
 # (gpt-oss-120b bf16 at TP4: 54 of 57.6 GiB in weights) and serves almost nobody.
 MIN_KV_SHARE = 0.10
+# Twice the TP is proposed when it serves this many times more max-length sequences per card
+# (the weights it spreads free KV cache on every card: Qwen3-8B on a 24 GB card serves one
+# 16k sequence at TP1, about nine at TP2); step by step, so the proposal stops where the next
+# doubling of cards no longer doubles what each card serves.
+BETTER_PER_CARD = 2.0
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
@@ -128,6 +133,7 @@ class PlanResult:
             ],
             "layout_reason": self.layout_reason,
             "rejected_layouts": [{"tp": tp, "reason": why} for tp, why in self.rejected],
+            "notes": list(self.notes),
             "kv_query": (
                 {"kv_gib": self.kv_query[0], "tokens": self.kv_query[1]} if self.kv_query else None
             ),
@@ -185,11 +191,16 @@ def plan(cfg: PlanConfig) -> PlanResult:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
     rejected: list[tuple[int, str]] = []
+    notes: list[str] = []
     if cfg.tp is not None:
         err = _layout_error(cfg, cfg.tp)
         if err:
             raise BadInputError(err)
         tp, reason = cfg.tp, f"TP{cfg.tp} as requested"
+        _check_weights_fit(cfg, tp)
+        better = _better_tp(cfg, tp)
+        if better:
+            notes.append(better[1])
     else:
         tp, reason = _choose_tp(cfg, rejected)
     nodes = _nodes_for(cfg, tp)
@@ -225,11 +236,83 @@ def plan(cfg: PlanConfig) -> PlanResult:
         layout_reason=reason,
         rejected=tuple(rejected),
         kv_query=kv_query,
+        notes=tuple(notes),
+    )
+
+
+def _fits_one_node(cfg: PlanConfig, tp: int, base_tp: int) -> bool:
+    return tp * cfg.pp <= max(cfg.cards_per_node, base_tp * cfg.pp)
+
+
+def _seqs(cfg: PlanConfig, tp: int) -> LengthPlan | None:
+    if _layout_error(cfg, tp):
+        return None
+    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+    return _length_plan(cfg, tp, _weights_per_card(cfg, tp), bpt, cfg.max_model_len)
+
+
+def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
+    """Doubling TP (on the same node(s)) while each doubling serves BETTER_PER_CARD times more
+    max-length sequences per card; the TP reached and the sentence that says so, or None."""
+    base = _seqs(cfg, tp)
+    if base is None:
+        return None
+    cur, cur_lp = tp, base
+    while True:
+        nxt = cur * 2
+        if nxt not in TP_CANDIDATES or not _fits_one_node(cfg, nxt, tp):
+            break
+        lp = _seqs(cfg, nxt)
+        if lp is None or not lp.fits:
+            break
+        if lp.max_num_seqs / nxt < BETTER_PER_CARD * max(cur_lp.max_num_seqs, 1e-9) / cur:
+            break
+        cur, cur_lp = nxt, lp
+    if cur == tp:
+        return None
+    per_card = cur_lp.max_num_seqs / (cur * cfg.pp)
+    base_per_card = base.max_num_seqs / (tp * cfg.pp)
+    return cur, (
+        f"TP{cur} serves {cur_lp.max_num_seqs} sequences of {cfg.max_model_len:,} tokens on "
+        f"{cur * cfg.pp} cards ({per_card:.1f} per card), TP{tp} {base.max_num_seqs} on "
+        f"{tp * cfg.pp} ({base_per_card:.1f} per card; predicted)"
+    )
+
+
+def smallest_weights_layout(cfg: PlanConfig) -> int | None:
+    """The smallest TP whose weights leave room for KV on this card, by the checkpoint size."""
+    cap = cfg.card_gib * cfg.util * GIB
+    for tp in TP_CANDIDATES:
+        if _layout_error(cfg, tp) is None and _weights_per_card(cfg, tp) < cap:
+            lp = _seqs(cfg, tp)
+            if lp is not None and lp.fits:
+                return tp
+    return None
+
+
+def _check_weights_fit(cfg: PlanConfig, tp: int) -> None:
+    """Refuse a layout whose weights alone fill the pool: no launch can change that."""
+    weights = _weights_per_card(cfg, tp)
+    cap = cfg.card_gib * cfg.util * GIB
+    if weights < cap:
+        return
+    smallest = smallest_weights_layout(cfg)
+    hint = (
+        f"use --tp {smallest} (the smallest TP whose weights leave room for KV), or a "
+        "quantized --weights-format"
+        if smallest
+        else "use --pp, a quantized --weights-format, or larger cards"
+    )
+    raise InfeasibleError(
+        f"TP{tp} x PP{cfg.pp}: {cfg.model.name}'s weights take {weights / GIB:.2f} GiB per card, "
+        f"more than card*util = {cap / GIB:.2f} GiB (from the checkpoint size)",
+        hint=hint,
     )
 
 
 def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, str]:
-    """The smallest power-of-two TP whose weights fit with room for one max-length sequence."""
+    """The smallest power-of-two TP whose weights fit with room for KV, or a larger one on the
+    same node when it serves BETTER_PER_CARD times more sequences per card."""
     cap_gib = cfg.card_gib * cfg.util
     for tp in TP_CANDIDATES:
         err = _layout_error(cfg, tp)
@@ -240,6 +323,10 @@ def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, s
         bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
         lp = _length_plan(cfg, tp, weights, bpt, cfg.max_model_len)
         if lp.fits and lp.kv_bytes >= MIN_KV_SHARE * cap_gib * GIB:
+            better = _better_tp(cfg, tp)
+            if better is not None:
+                rejected.append((tp, f"fits, but {better[1]}"))
+                return better[0], better[1]
             nodes = _nodes_for(cfg, tp)
             where = f"{nodes} node{'s' if nodes > 1 else ''}"
             why = (

@@ -22,6 +22,7 @@ from pretuner.logscan.lines import (
     Origin,
     PoolDump,
     PoolFormat,
+    PromptIgnored,
     parse_line,
     parse_origin,
 )
@@ -312,6 +313,18 @@ VLLM_CASES = [
         "INFO 05-16 23:06:54 executor_base.py:110] # npu blocks: 1200, # CPU blocks: 256",
         BlockCounts(1200, 256),
         id="v0-npu-blocks",
+    ),
+    pytest.param(
+        "WARNING 05-16 23:06:54 scheduler.py:1097] Input prompt (16383 tokens) is too long and "
+        "exceeds the capacity of block_manager",
+        PromptIgnored(16383, None),
+        id="v0-prompt-ignored-capacity",
+    ),
+    pytest.param(
+        "WARNING 05-16 23:06:54 scheduler.py:1060] Input prompt (5000 tokens) is too long and "
+        "exceeds limit of 4096",
+        PromptIgnored(5000, 4096),
+        id="v0-prompt-ignored-limit",
     ),
 ]
 

@@ -223,7 +223,7 @@ def test_serve_cmd_points_at_any_compatible_server(tmp_path: Path) -> None:
     assert os.access(out / "serve.sh", os.X_OK)
 
 
-def test_length_fallback_jumps_and_confirms(tmp_path: Path) -> None:
+def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli(
         "run", "--model", "qwen3-8b", "--card", "32", "--tp", "1", "--max-model-len", "40960",
@@ -233,14 +233,38 @@ def test_length_fallback_jumps_and_confirms(tmp_path: Path) -> None:
     rep = json.loads(proc.stdout)
     assert rep["validated"]
     assert rep["launches"] <= 4
-    outcomes = [s["outcome"] for s in rep["steps"]]
-    assert outcomes[0] in ("oom_in_request", "oom_at_start")
-    lens = [s["settings"]["max_model_len"] for s in rep["steps"]]
-    assert lens[1] == 16384  # the ladder's next rung
+    steps = rep["steps"]
+    assert steps[0]["outcome"] in ("oom_in_request", "oom_at_start")
+    assert not steps[0]["settings"]["chunked_prefill"]
+    chunked = [s for s in steps if s["settings"]["chunked_prefill"]]
+    assert chunked
+    assert all(s["settings"]["max_model_len"] == 40960 for s in chunked)
+    assert "prefill in chunks" in [d["decision"] for d in rep["decisions"]]
+    flags = rep["final"]["flags"]
+    assert flags["max_model_len"] == 40960
+    assert flags["max_num_batched_tokens"] < 40960
+    assert flags["enable_chunked_prefill"] is True
+    argv = json.loads((out / f"launch-{len(steps)}" / "command.json").read_text())["argv"]
+    assert "--enable-chunked-prefill" in argv
+    assert "--enable-chunked-prefill" in (out / "serve.sh").read_text()
+
+
+def test_length_fallback_narrows_to_the_longest_that_fits(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(
+        "run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len", "40960",
+        "--out", str(out), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["validated"]
+    assert rep["launches"] <= 6
     decisions = [d["decision"] for d in rep["decisions"]]
-    assert "shorten max_model_len" in decisions
+    assert "keep max_model_len" in decisions
     final_len = rep["final"]["flags"]["max_model_len"]
     assert 16384 <= final_len < 40960
+    failed = [s["settings"]["max_model_len"] for s in rep["steps"] if s["outcome"] != "ok"]
+    assert min(failed) > final_len
     assert rep["steps"][-1]["purpose"] == "validate"
     assert rep["steps"][-1]["settings"]["max_model_len"] == final_len
 

@@ -70,6 +70,8 @@ def render_plan(r: PlanResult) -> str:
     ]
     for tp, why in r.rejected:
         lines.append(f"  TP{tp} rejected: {why}")
+    for note in r.notes:
+        lines.append(f"  note: {note}")
     lines += [
         f"weights ({r.weights_format}): {r.weights_bytes_per_card / GIB:.2f} GiB per card",
         f"KV cache: {r.kv_bytes_per_token:,} bytes per token per card, block {r.block_size}",

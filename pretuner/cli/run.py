@@ -11,7 +11,6 @@ import typer
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.launch.process import install_signal_handlers
-from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.presets.compare import preset_line
 from pretuner.tune.entry import DryRun, RunOptions, RunOutcome, dry_run, run_tuning
 from pretuner.units import GIB
@@ -83,8 +82,11 @@ def run_cmd(
     weights_format: str | None = typer.Option(
         None, "--weights-format", help="Checkpoint format (bf16, w8a8...)."
     ),
-    headroom_gb: float = typer.Option(
-        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="GiB added to measured weights+activations."
+    headroom_gb: float | None = typer.Option(
+        None,
+        "--headroom-gb",
+        help="Base GiB added to measured weights+activations (default: 64 MiB + 2% of the "
+        "measured activations + the spread between ranks; per-sequence headroom on top).",
     ),
     reserve_gb: float | None = typer.Option(
         None, "--reserve-gb", help="GiB kept free below the card's free memory."

@@ -39,6 +39,7 @@ ANCHORS: tuple[bytes, ...] = (
     b"Maximum concurrency for",
     b"reserved for KV Cache",
     b", # CPU blocks: ",
+    b"is too long and exceeds",  # vLLM V0 ignored a prompt (block manager capacity or limit)
 )
 
 MAX_PARSED_CHARS = 16384  # a longer "line" is garbage around a real hit: keep its head only
@@ -185,6 +186,18 @@ class BlockCounts:
     cpu_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class PromptIgnored:
+    """vLLM V0's scheduler dropped a prompt: it never ran, and its reply is empty.
+
+    `limit` is None for `exceeds the capacity of block_manager` (the KV cache cannot hold it
+    beside the 1 % block watermark), else the prompt limit it exceeded.
+    """
+
+    prompt_tokens: int
+    limit: int | None
+
+
 LogEvent = (
     PoolDump
     | DeviceMemoryInit
@@ -198,6 +211,7 @@ LogEvent = (
     | MaxConcurrency
     | KvReserved
     | BlockCounts
+    | PromptIgnored
 )
 
 
@@ -296,6 +310,10 @@ _AVAILABLE_MEMORY = re.compile(r"Available memory: (-?\d+), total memory: (\d+)"
 _KV_SIZE = re.compile(r" KV cache size: ([\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: (" + _NUM + r")x")
 _KV_RESERVED = re.compile(r"reserved for KV Cache is (" + _NUM + r") ?GiB")
+_IGNORED = re.compile(
+    r"Input prompt \((\d+) tokens\) is too long and exceeds (?:the capacity of block_manager"
+    r"|limit of (\d+))"
+)
 _BLOCKS = re.compile(r"# (?:GPU|NPU|npu|gpu) blocks: (\d+), # CPU blocks: (\d+)")
 
 _UNIT_MIB = {"B": 1.0 / 2**20, "M": 1.0, "MB": 1.0, "G": 1024.0}
@@ -490,4 +508,7 @@ def _vllm(text: str) -> LogEvent | None:
     found = _BLOCKS.search(text)
     if found:
         return BlockCounts(int(found.group(1)), int(found.group(2)))
+    found = _IGNORED.search(text)
+    if found:
+        return PromptIgnored(int(found.group(1)), int(found.group(2)) if found.group(2) else None)
     return None

@@ -22,6 +22,7 @@ from pretuner.logscan.lines import (
     OomEvent,
     OomKind,
     PoolDump,
+    PromptIgnored,
 )
 from pretuner.logscan.scanner import FileScan, Unreadable
 
@@ -85,6 +86,7 @@ class ScanResult:
     lines_scanned: int
     bytes_scanned: int
     events: int
+    prompts_ignored: tuple[PromptIgnored, ...] = ()  # prompts the scheduler never ran
 
     @property
     def found_anything(self) -> bool:
@@ -123,6 +125,10 @@ class ScanResult:
             "max_concurrency": self.max_concurrency,
             "weights_gib": self.weights_gib,
             "kv_blocks": self.kv_blocks,
+            "prompts_ignored": (
+                [{"prompt_tokens": p.prompt_tokens, "limit": p.limit} for p in self.prompts_ignored]
+                or None
+            ),
         }
         doc.update({k: v for k, v in optional.items() if v is not None})
         return doc
@@ -172,6 +178,7 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
     oom: list[OomRecord] = []
     seen_oom: dict[tuple[object, ...], int] = {}  # one failure, echoed by several layers
     figures: dict[str, list[float]] = {}
+    ignored: list[PromptIgnored] = []
     for scan in scans:
         loading = False
         loaded = False
@@ -204,6 +211,9 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
                 continue
             if isinstance(event, AvailableMemory):
                 figures.setdefault("total_bytes", []).append(event.total_bytes)
+                continue
+            if isinstance(event, PromptIgnored):
+                ignored.append(event)
                 continue
             if not isinstance(event, PoolDump | DeviceMemoryInit | MemoryStat | OomEvent):
                 figures.setdefault("blocks", []).append(event.device_blocks)
@@ -281,6 +291,7 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
         lines_scanned=sum(s.lines for s in scans),
         bytes_scanned=sum(s.bytes_read for s in scans),
         events=sum(len(s.events) for s in scans),
+        prompts_ignored=tuple(ignored),
     )
 
 

@@ -251,7 +251,11 @@ def check_preset(p: Preset) -> list[str]:
 def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: str) -> Preset:
     """A run record's report.json as a preset (measured, or simulated on the emulated card)."""
     try:
-        flags = {k: v for k, v in rep["final"]["flags"].items() if not k.endswith("parallel_size")}
+        flags = {
+            k: v
+            for k, v in rep["final"]["flags"].items()
+            if not k.endswith("parallel_size") and type(v) in (int, float)
+        }
         d = rep["derivation"]
         kind = PresetKind.SIMULATED if rep["simulated"] else PresetKind.MEASURED
         default = f"{rep['model']}-tp{rep['tp']}-{rep['card_gib']}g-{kind.value}-{rep['run_id']}"

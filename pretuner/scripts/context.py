@@ -13,7 +13,12 @@ from pretuner.cluster.env import node_exports
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
 from pretuner.presets.model import KvBasis, Preset, PresetKind
-from pretuner.tune.settings import R01_COMMAND, V03_COMMAND
+from pretuner.tune.settings import (
+    R01_COMMAND,
+    V03_COMMAND,
+    chunked_prefill_flag,
+    server_kv_cache_dtype,
+)
 from pretuner.units import GIB
 
 
@@ -132,6 +137,17 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
 
     flags: dict[str, int | float | str] = {**p.flags, "tensor_parallel_size": p.tp}
+    # vLLM V0 (vLLM-MindSpore r0.1) refuses a batched budget below max_model_len unless
+    # chunked prefill is on; V1 engines always chunk.
+    chunk_flag = chunked_prefill_flag(
+        int(p.flags["max_model_len"]),
+        p.flags.get("max_num_batched_tokens", p.flags["max_model_len"]) < p.flags["max_model_len"],
+    )
+    if chunk_flag is not None and ver < (0, 2):
+        flags["enable_chunked_prefill"] = str(chunk_flag)
+    server_dtype = server_kv_cache_dtype(p.kv_cache_dtype)
+    if server_dtype is not None:
+        flags["kv_cache_dtype"] = server_dtype
     if p.pp > 1:
         flags["pipeline_parallel_size"] = p.pp
     if p.nodes > 1:

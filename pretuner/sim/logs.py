@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TextIO
@@ -86,9 +87,9 @@ def deinit_statistics(total_mib: int, pool_cap: int, stats: PoolStats) -> str:
             f"Actual peak memory usage (with fragments): {_m(stats.actual_peak)}")
 
 
-def glog_level() -> int:
+def glog_level(env: Mapping[str, str] | None = None) -> int:
     """GLOG_v as MindSpore reads it; the emulator defaults to 3 (ERROR) like vllm-mindspore."""
-    raw = os.environ.get("GLOG_v", "3")  # noqa: SIM112 - MindSpore spells it so
+    raw = (os.environ if env is None else env).get("GLOG_v", "3")
     try:
         return int(raw)
     except ValueError:
@@ -148,11 +149,11 @@ class RankLog:
     """One emulated rank's MindSpore C++ log (and its Python-side log when writing files)."""
 
     def __init__(self, rank: int, pid: int, tid: int, log_dir: Path | None,
-                 stderr: TextIO | None = None) -> None:
+                 stderr: TextIO | None = None, level: int | None = None) -> None:
         self.rank = rank
         self.pid = pid
         self.tid = tid
-        self.level = glog_level()
+        self.level = glog_level() if level is None else level
         self._lock = threading.Lock()
         self._own: list[TextIO] = []
         self._stream: TextIO

@@ -32,14 +32,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
-from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog
+from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
@@ -380,9 +380,10 @@ class _Rank:
 class Server:
     """One emulated server process: startup phases, HTTP, graceful stop, crash."""
 
-    def __init__(self, cfg: ServeConfig) -> None:
+    def __init__(self, cfg: ServeConfig, stream: TextIO | None = None) -> None:
         self.cfg = cfg
-        self.vlog = VllmLog()
+        self.stream = stream  # where every line goes (stderr unless run in-process)
+        self.vlog = VllmLog(stream)
         self.stop = threading.Event()
         self.profile = mem.PROFILES[cfg.profile]
         self.ranks: list[_Rank] = []
@@ -487,6 +488,15 @@ class Server:
         return self._graceful(server)
 
     def _start(self) -> SimHTTPServer | None:
+        limits = self.boot()
+        return None if limits is None else self._serve(limits)
+
+    def boot(self) -> EngineLimits | None:
+        """Everything before the socket opens: checks, devices, weights, KV cache, warm-up.
+
+        Returns the engine's limits, or None when a stop signal came during startup; raises
+        StartupFailed or OutOfMemory as the real server dies.
+        """
         cfg, log = self.cfg, self.vlog
         log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION}")
         log.info("api_server.py:713", f"args: Namespace(model={cfg.model!r}, host={cfg.host!r}, "
@@ -566,7 +576,8 @@ class Server:
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)
             writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
-                                  RankLog(idx, rank_pid, tid, self._node_log_dir(node)))
+                                  RankLog(idx, rank_pid, tid, self._node_log_dir(node),
+                                          self.stream, glog_level(cfg.env)))
             self.ranks.append(_Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
                                     model))
 
@@ -663,9 +674,11 @@ class Server:
         if self._sleep(self._phase_s):
             return None
 
-        # Engine + HTTP. The socket opens only now, like the real server after its warm-up.
-        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap,
-                              chunked)
+        return EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap, chunked)
+
+    def _serve(self, limits: EngineLimits) -> SimHTTPServer:
+        """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
+        cfg, log, mml = self.cfg, self.vlog, limits.max_model_len
         self.engine = Engine(self.pools, limits, log, self._on_dead, pool_format=cfg.pool_format,
                              seed=cfg.seed)
         self.engine.start()

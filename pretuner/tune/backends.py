@@ -16,7 +16,7 @@ from pretuner.tune.settings import Backend
 
 log = logging.getLogger(__name__)
 
-SIM_PROFILES = {64: "910b-64", 32: "910b-32"}
+SIM_PROFILES = {64: "910b-64", 32: "910b-32", 24: "310p-24"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ class RunOptions:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None
-    headroom_gib: float = 0.5
+    headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
     reserve_gib: float | None = None
     max_launches: int = 8
     validate: bool = True
@@ -146,7 +146,7 @@ def _sim_env(
 
 
 def _setup(
-    opts: RunOptions,
+    opts: RunOptions, card: CardInfo | None = None
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
     _validate(opts)
     spec = resolve(opts.model)
@@ -169,7 +169,8 @@ def _setup(
     )
     _check_lengths(max_len, min_len)
     base_env = _sim_env(opts, choice, spec.weights_format(opts.weights_format).name, 1)
-    card = detect_card(choice, opts.card_gib, {**os.environ, **base_env})
+    if card is None:
+        card = detect_card(choice, opts.card_gib, {**os.environ, **base_env})
     cfg = TuneConfig(
         model=spec,
         card=card,
@@ -226,6 +227,17 @@ def _setup(
     )
     model_args = ["--model", opts.model] if model_as_flag else [opts.model]
     return cfg, choice, ctx, base_cmd + model_args, extra_env
+
+
+def tune_in_process(
+    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
+) -> TuneResult:
+    """The whole loop against the emulated server run in this process (benchmarks, tests)."""
+    from pretuner.tune.emulated import inprocess_executor
+
+    cfg, _, ctx, _, _ = _setup(opts, card)
+    execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)
+    return Tuner(cfg, execute, phase or (lambda p, d: None)).run()
 
 
 def dry_run(opts: RunOptions) -> DryRun:
@@ -326,6 +338,7 @@ def _tune(
         card_source=cfg.card.source,
         serve_command=serve_argv,
         model_arg=opts.model,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
     if collectors is not None:
         rep["cluster"] = collectors.info

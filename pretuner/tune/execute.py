@@ -9,8 +9,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,19 @@ class OutcomeKind(str, Enum):
     DEVICE_REFUSED = "device_memory_refused"  # card*util above the card's free memory
     LEN_TOO_LARGE = "max_model_len_too_large"  # max_model_len above the KV token count
     REQUESTS_FAILED = "requests_failed"  # requests failed without any OOM line
+    # The probe never ran: the scheduler dropped it (KV too small for one max-length sequence
+    # beside vLLM's block watermark) and answered with an empty completion.
+    PROMPT_DROPPED = "prompt_dropped"
+    OOM_WEIGHTS = "oom_loading_weights"  # out of memory before the weights finished loading
+
+    @property
+    def is_oom(self) -> bool:
+        return self in _OOM_KINDS
+
+
+_OOM_KINDS = frozenset(
+    (OutcomeKind.OOM_AT_START, OutcomeKind.OOM_IN_REQUEST, OutcomeKind.OOM_WEIGHTS)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +73,9 @@ class LaunchOutcome:
     request_error: str | None = None  # the first failed request's error, as the client saw it
     notes: tuple[str, ...] = field(default=())
     worst_node: str | None = None  # the node the worst rank ran on (multi-node via Ray)
+    weights_gib: float | None = None  # "Loading model weights took X GB" (GiB), when printed
+    oom_alloc_bytes: int | None = None  # the allocation that failed, when an OOM says
+    requests_dropped: int = 0  # requests answered without running (empty completion)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -74,7 +90,8 @@ class LaunchOutcome:
         fields_["settings"] = LaunchSettings.from_json(fields_["settings"])
         fields_["kind"] = OutcomeKind(fields_["kind"])
         fields_["notes"] = tuple(fields_.get("notes", ()))
-        return cls(**fields_)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in fields_.items() if k in known})
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +161,7 @@ def run_launch(
 
     base = f"http://{ctx.host}:{port}"
     ready_s = request_s = 0.0
-    ok = total = 0
+    ok = total = dropped = 0
     first_error: str | None = None
     failure: ServerFailedError | None = None
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
@@ -157,7 +174,8 @@ def run_launch(
             ready_s = time.monotonic() - w0
             phase("ready", f"after {ready_s:.1f} s")
             r0 = time.monotonic()
-            ok, total, first_error = _exercise(settings, ctx, base, phase)
+            ran = _exercise(settings, ctx, base, phase)
+            ok, total, dropped, first_error = ran.ok, ran.total, ran.dropped, ran.error
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()
@@ -174,35 +192,68 @@ def run_launch(
     consume(collector.poll(final=True))
     phase("scan", collector.where())
     collected = collector.collect()
-    scan = collected.scan
     (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
-    kind = _classify(scan, settings, failure, ok, total)
+    return outcome_of(
+        n,
+        settings,
+        collected.scan,
+        Exercised(ok, total, dropped, first_error),
+        failure=failure,
+        graceful=stop.graceful,
+        init_free_mib=[*free, *collected.init_free_mib],
+        log_path=log_path,
+        problem=collected.problem,
+        worst_node=collected.worst_node,
+        rank_peaks_mib=collected.rank_peaks_mib,
+        times=(ready_s, request_s, stop_s, time.monotonic() - t0),
+    )
+
+
+def outcome_of(
+    n: int,
+    settings: LaunchSettings,
+    scan: ScanResult,
+    done: Exercised,
+    *,
+    failure: ServerFailedError | None,
+    graceful: bool,
+    init_free_mib: list[int],
+    log_path: Path,
+    problem: str | None,
+    worst_node: str | None,
+    rank_peaks_mib: dict[str, int],
+    times: tuple[float, float, float, float],
+) -> LaunchOutcome:
+    """Classify a finished launch from its scanned logs and what its requests got."""
+    kind = _classify(scan, settings, failure, done.ok, done.total, done.dropped)
     if kind is None:
-        raise _fatal(failure, stop.graceful, log_path)
-    if kind is OutcomeKind.OK and collected.problem:
-        raise ServerFailedError(collected.problem, log_path=str(log_path))
-    free += collected.init_free_mib
-    total_s = time.monotonic() - t0
+        raise _fatal(failure, graceful, log_path)
+    if kind is OutcomeKind.OK and problem:
+        raise ServerFailedError(problem, log_path=str(log_path))
+    ready_s, request_s, stop_s, total_s = times
     first_oom = scan.oom[0].text if scan.oom else None
     return LaunchOutcome(
         n=n,
         settings=settings,
         kind=kind,
         worst_peak_mib=scan.worst.actual_peak_mib if scan.worst else None,
-        rank_peaks_mib=collected.rank_peaks_mib,
+        rank_peaks_mib=rank_peaks_mib,
         oom_text=first_oom,
-        requests_ok=ok,
-        requests_total=total,
+        requests_ok=done.ok,
+        requests_total=done.total,
         ready_s=round(ready_s, 3),
         request_s=round(request_s, 3),
         stop_s=round(stop_s, 3),
         total_s=round(total_s, 3),
         overhead_s=round(max(0.0, total_s - ready_s - request_s - stop_s), 3),
         log_path=str(log_path),
-        device_free_mib=_device_free_mib(scan, free),
+        device_free_mib=_device_free_mib(scan, init_free_mib),
         estimated_max_len=_estimated_max_len(scan),
-        request_error=first_error,
-        worst_node=collected.worst_node,
+        request_error=done.error,
+        worst_node=worst_node,
+        weights_gib=scan.weights_gib,
+        oom_alloc_bytes=max((o.event.alloc_bytes or 0 for o in scan.oom), default=0) or None,
+        requests_dropped=max(done.dropped, len(scan.prompts_ignored)),
     )
 
 
@@ -213,23 +264,60 @@ def _describe(s: LaunchSettings) -> str:
     )
 
 
-def _exercise(
-    s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase
-) -> tuple[int, int, str | None]:
-    """The pre-run's one max-length request, or the validation's full concurrent load."""
+@dataclass(frozen=True, slots=True)
+class _Exercised:
+    ok: int
+    total: int
+    dropped: int  # answered 200 without generating a token: the prompt never ran
+    error: str | None
+
+
+def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
+    """(requests, prompt tokens each, tokens to generate each) of a launch's exercise."""
     if s.purpose is Purpose.PRERUN:
-        prompt = probe.probe_prompt(probe.max_length_prompt_len(s.max_model_len, 1), ctx.seed)
-        phase("probe", f"one request of {len(prompt) + 1:,} tokens")
-        out = probe.complete(base, ctx.served_name, prompt, 1, ctx.request_timeout_s)
-        return int(out.ok), 1, _describe_failure(out)
-    decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
-    plen = probe.max_length_prompt_len(s.max_model_len, decode)
-    phase("load", f"{s.max_num_seqs} concurrent requests of {plen + decode:,} tokens")
-    res = probe.load(
-        base, ctx.served_name, s.max_num_seqs, plen, decode, ctx.seed, ctx.request_timeout_s
-    )
-    failed = [o for o in res.outcomes if not o.ok]
-    return len(res.outcomes) - len(failed), len(res.outcomes), _describe_failure(*failed[:1])
+        return 1, probe.max_length_prompt_len(s.max_model_len, 1), 1
+    decode = min(decode_tokens, max(1, s.max_model_len // 2))
+    return s.max_num_seqs, probe.max_length_prompt_len(s.max_model_len, decode), decode
+
+
+def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int) -> Exercised:
+    """Count what really ran: a reply must carry a generated token for a prompt of the length
+    sent (`usage`): vLLM drops a prompt its KV cache cannot admit and still answers 200."""
+    dropped = [o for o in outs if o.ok and o.completion_tokens == 0]
+    short = [o for o in outs if o.ok and o.completion_tokens != 0 and o.prompt_tokens is not None
+             and o.prompt_tokens != prompt_len]
+    failed = [o for o in outs if not o.ok]
+    error = _describe_failure(*failed[:1])
+    if short and error is None:
+        error = (f"the server counted {short[0].prompt_tokens:,} prompt tokens, not the "
+                 f"{prompt_len:,} sent")
+    ok = len(outs) - len(failed) - len(dropped) - len(short)
+    return Exercised(ok, len(outs), len(dropped), error)
+
+
+@dataclass(frozen=True, slots=True)
+class Exercised:
+    ok: int
+    total: int
+    dropped: int  # answered 200 without generating a token: the prompt never ran
+    error: str | None
+
+
+def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:
+    """The pre-run's one max-length request, or the validation's full concurrent load."""
+    count, plen, gen = workload(s, ctx.decode_tokens)
+    if s.purpose is Purpose.PRERUN:
+        prompt = probe.probe_prompt(plen, ctx.seed)
+        phase("probe", f"one request of {plen + 1:,} tokens")
+        outs: tuple[probe.CompletionOutcome, ...] = (
+            probe.complete(base, ctx.served_name, prompt, 1, ctx.request_timeout_s),
+        )
+    else:
+        phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
+        outs = probe.load(
+            base, ctx.served_name, count, plen, gen, ctx.seed, ctx.request_timeout_s
+        ).outcomes
+    return tally(outs, plen)
 
 
 def _describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:
@@ -240,7 +328,12 @@ def _describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:
 
 
 def _classify(
-    scan: ScanResult, s: LaunchSettings, failure: ServerFailedError | None, ok: int, total: int
+    scan: ScanResult,
+    s: LaunchSettings,
+    failure: ServerFailedError | None,
+    ok: int,
+    total: int,
+    dropped: int = 0,
 ) -> OutcomeKind | None:
     """The outcome's kind, or None when nothing explains a failure (fatal for the run)."""
     kinds = [o.kind.name for o in scan.oom]
@@ -248,9 +341,15 @@ def _classify(
         if name in kinds:
             return outcome
     if kinds:  # a device OOM: at start if the server never answered, else in a request
-        return OutcomeKind.OOM_AT_START if total == 0 else OutcomeKind.OOM_IN_REQUEST
+        if total:
+            return OutcomeKind.OOM_IN_REQUEST
+        # vLLM prints how long the weights took once they are in: before that line, the
+        # weights themselves did not fit.
+        return OutcomeKind.OOM_AT_START if scan.weights_gib else OutcomeKind.OOM_WEIGHTS
     if failure is not None:
         return None
+    if dropped or (s.purpose is Purpose.PRERUN and scan.prompts_ignored):
+        return OutcomeKind.PROMPT_DROPPED
     if total and ok < total:
         return OutcomeKind.REQUESTS_FAILED
     if scan.worst is None or scan.worst.actual_peak_mib is None:

@@ -1,11 +1,16 @@
-"""`tune(cfg) -> TuneResult`: the automated pre-run method with fallbacks and validation.
+"""`Tuner.run() -> TuneResult`: the automated pre-run method with fallbacks and validation.
 
-1. plan: pick or check the layout; impossible layouts are refused before any launch.
-2. pre-run: GLOG_v=1, max-num-seqs 1, batched = max_model_len, one max-length request.
-3. derive from the worst rank's peak (pretuner.method), final util from the card's free memory.
+1. plan: pick or check the layout; a layout whose weights cannot fit is refused before launch.
+2. pre-run: GLOG_v=1, max-num-seqs 1, one max-length request that must really run.
+3. every decision at the memory the final configuration will have: once a launch measured the
+   card's free memory, later pre-runs use the largest pool it allows and every fit is judged
+   with the final headroom and integer rounding (`pretuner.tune.search.Budget`).
 4. fall back by cause; between the longest length that fits and the shortest that does not,
-   jump to the largest length the measured peaks say should fit, then confirm it.
-5. validate: max-num-seqs concurrent max-length requests; never report an unproven config.
+   narrow with the measured peaks (`pretuner.tune.search`) until they are within 1024 tokens;
+   when a whole-prompt prefill step is what does not fit, prefill in chunks instead.
+5. validate: max-num-seqs concurrent max-length requests. A validation that runs out of memory
+   teaches the per-sequence cost from its own pool dump; one that passes with room to spare is
+   tightened once with what it measured. Never report an unproven configuration.
 """
 
 from __future__ import annotations
@@ -16,31 +21,41 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
-from pretuner.kvmath import kv_bytes_per_token, kv_tokens
+from pretuner.errors import (
+    InfeasibleError,
+    NotValidatedError,
+    PretunerError,
+    ServerFailedError,
+)
+from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
 from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.models.spec import ModelSpec
-from pretuner.plan import PlanConfig, PlanResult, activation_bytes, plan
+from pretuner.plan import PlanConfig, PlanResult, activation_bytes, plan, smallest_weights_layout
+from pretuner.tune import budget as bud
 from pretuner.tune.execute import LaunchContext, LaunchOutcome, OutcomeKind, Phase, run_launch
 from pretuner.tune.record import RunRecord
+from pretuner.tune.search import (
+    Bound,
+    Budget,
+    Measured,
+    WaModel,
+    kv_blocks_for_one,
+    next_length,
+)
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 
 log = logging.getLogger(__name__)
 
-# Kept free below the card's measured free memory when choosing the final util: CANN and HCCL
-# allocate outside MindSpore's pool after npu-smi was read (seed 003: "non-framework < 1 GB").
-DEFAULT_RESERVE_GIB = 1.0
-# When MindSpore's own init line measured the free memory (CANN already counted), less will do.
-MEASURED_RESERVE_GIB = 0.25
-# The pool cap never comes closer than this to the card's measured free memory.
-HARD_MARGIN_GIB = 1 / 16
 UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
 LEN_LADDER = (16384, 8192, 4096)
-JUMP_STEP = 1024  # a jumped-to length is a multiple of this
-JUMP_MARGIN = 0.03  # the fit's prediction is inflated by this before trusting it
+VLLM_V0_WATERMARK = 0.01  # vLLM 0.6's block manager keeps 1 % of the KV blocks free
+DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's budget when chunked prefill is on
+CHUNK_GRID = 1024  # a larger chunk budget is a multiple of this
+TIGHTEN_MIN_GAIN = 0.02  # a validated config is tightened when that buys 2 % more KV
+TIGHTEN_MARGIN_SHARE = 0.01  # of the measured full-load activations, on top of the measured
+LEARN_MARGIN = 0.10  # a validation OOM's per-sequence cost is inflated by this
+CHUNKED_GROWING_SHARE = 0.5  # see WaModel.growing_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +78,14 @@ class TuneConfig:
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None
-    headroom_gib: float = 0.5
-    reserve_gib: float | None = None  # default: DEFAULT_RESERVE_GIB or MEASURED_RESERVE_GIB
+    headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
+    reserve_gib: float | None = None  # default: scaled to the card (pretuner.tune.budget)
     max_launches: int = 8
     validate: bool = True
     model_use_gib: int | None = None  # pin the pre-run's model-use (the seed's 50); default: max
     len_ladder: tuple[int, ...] = LEN_LADDER  # the backend's lengths to fall back through
+    watermark: float = VLLM_V0_WATERMARK
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
 
 
 @dataclass
@@ -87,6 +104,8 @@ class TuneResult:
     outcomes: tuple[LaunchOutcome, ...]
     decisions: tuple[dict[str, Any], ...]
     final_util_source: str
+    prerun: LaunchOutcome | None = None  # the pre-run the derivation rests on
+    validation: LaunchOutcome | None = None  # the launch that proved it
 
 
 Executor = Callable[[LaunchSettings], LaunchOutcome]
@@ -105,63 +124,27 @@ def plan_for(cfg: TuneConfig) -> PlanResult:
             kv_cache_dtype=cfg.kv_cache_dtype,
             block_size=cfg.block_size,
             weights_format=cfg.weights_format,
-            headroom_gib=cfg.headroom_gib,
+            headroom_gib=0.5 if cfg.headroom_gib is None else cfg.headroom_gib,
         )
     )
 
 
-def floor_to(value: float, digits: int) -> float:
-    scale = 10.0**digits
-    return float(math.floor(value * scale + 1e-9)) / scale
+floor_to = bud.floor_to
 
 
 def prerun_util(cfg: TuneConfig) -> float:
     """The method's 0.9, lowered when the card's free memory cannot give that much."""
     if cfg.card.free_mib is None:
         return cfg.util
-    reserve = cfg.reserve_gib if cfg.reserve_gib is not None else DEFAULT_RESERVE_GIB
+    reserve = bud.reserve_gib(cfg.card.card_gib, measured_by_engine=False, given=cfg.reserve_gib)
     cap = floor_to((cfg.card.free_mib * MIB / GIB - reserve) / cfg.card.card_gib, 2)
     return min(cfg.util, cap)
 
 
-def prerun_model_use(card_gib: int, util: float, length: int, bpt: int, block: int) -> int:
-    """The largest integer model-use that still leaves KV for one `length`-token sequence.
-
-    The seed starts at 50 GiB; any value works for the measurement (the peak minus the KV the
-    pre-run allocated is weights+activations whatever the split), so pretuner gives the
-    weights and activations all the room it can: a pre-run then OOMs only when the model
-    truly does not fit at this length.
-    """
-    need = (-(-length // block) + 1) * block * bpt
-    return math.floor((card_gib * util * GIB - need) / GIB)
-
-
-def final_util(
-    cfg: TuneConfig, outcome: LaunchOutcome, rounding_gib: float = 0.0
-) -> tuple[float, str]:
-    """The util to run with: all the card's measured free memory less a documented reserve.
-
-    `rounding_gib` is what rounding vLLM_MODEL_MEMORY_USE_GB up to an integer left unused in
-    the pool: the util rises by that much to give it back to the KV cache, eating into the
-    reserve but never closer than HARD_MARGIN_GIB to the free memory MindSpore checks against.
-    """
-    if outcome.device_free_mib:
-        free, source = outcome.device_free_mib, "MindSpore init line (measured)"
-        reserve = cfg.reserve_gib if cfg.reserve_gib is not None else MEASURED_RESERVE_GIB
-    elif cfg.card.free_mib is not None:
-        free, source = cfg.card.free_mib, f"{cfg.card.source} (measured)"
-        reserve = cfg.reserve_gib if cfg.reserve_gib is not None else DEFAULT_RESERVE_GIB
-    else:
-        return outcome.settings.util, "the pre-run's util (no free-memory reading)"
-    free_gib, card = free * MIB / GIB, cfg.card.card_gib
-    util = floor_to((free_gib - reserve) / card, 3)
-    if rounding_gib > 0:
-        recovered = floor_to((free_gib - reserve + rounding_gib) / card, 3)
-        util = max(util, min(recovered, floor_to((free_gib - HARD_MARGIN_GIB) / card, 3)))
-    why = f"{source}: {free:,} MiB free - {reserve} GiB reserve"
-    if rounding_gib > 0:
-        why += f" + {rounding_gib:.2f} GiB of integer rounding given back to the KV cache"
-    return min(1.0, util), why
+def kv_prerun_bytes(s: LaunchSettings, bpt: int) -> int:
+    """The KV cache r0.1 allocated for a launch: whole blocks of card*util - model-use."""
+    budget = int(s.card_gib * GIB * s.util) - s.model_use_gib * GIB
+    return num_kv_blocks(budget, bpt, s.block_size) * s.block_size * bpt
 
 
 class Tuner:
@@ -183,6 +166,23 @@ class Tuner:
         self.bpt = kv_bytes_per_token(
             cfg.model, tp=self.plan.tp, pp=self.plan.pp, kv_dtype=cfg.kv_cache_dtype
         )
+        self.weights_bytes = self.plan.weights_bytes_per_card
+        self.free: bud.FreeMemory | None = (
+            bud.FreeMemory(cfg.card.free_mib, f"{cfg.card.source} (measured)", False)
+            if cfg.card.free_mib is not None
+            else None
+        )
+        self.util_cap = 1.0  # lowered when the device refuses a pool
+        tp = self.plan.tp
+        slope = float(activation_bytes(cfg.model, 2, tp) - activation_bytes(cfg.model, 1, tp))
+        self.models = {
+            False: WaModel(self.weights_bytes, min_slope=slope),
+            True: WaModel(self.weights_bytes, growing_share=CHUNKED_GROWING_SHARE),
+        }
+        self.fits: dict[bool, dict[int, LaunchOutcome]] = {False: {}, True: {}}
+        self.fails: dict[bool, set[int]] = {False: set(), True: set()}
+        self.per_seq = per_sequence_bytes(cfg.model.vocab_size)
+        self.base_headroom = bud.BASE_HEADROOM_FLOOR_BYTES
 
     # -- bookkeeping ------------------------------------------------------------------------
     def decide(self, what: str, why: str, **data: Any) -> None:
@@ -193,8 +193,11 @@ class Tuner:
         log.info("decision: %s (%s)", what, why)
         self.phase("decide", f"{what}: {why}")
 
+    def launches_left(self) -> int:
+        return self.cfg.max_launches - len(self.state.outcomes)
+
     def launch(self, settings: LaunchSettings) -> LaunchOutcome:
-        if len(self.state.outcomes) >= self.cfg.max_launches:
+        if self.launches_left() <= 0:
             raise NotValidatedError(
                 f"launch budget of {self.cfg.max_launches} used up before a configuration was "
                 "validated",
@@ -202,7 +205,60 @@ class Tuner:
             )
         outcome = self.execute(settings)
         self.state.outcomes.append(outcome)
+        self.learn_card(outcome)
         return outcome
+
+    def learn_card(self, o: LaunchOutcome) -> None:
+        """Keep what a launch measured of the card: free memory and the weights."""
+        if o.device_free_mib:
+            self.free = bud.FreeMemory(o.device_free_mib, "MindSpore init line (measured)", True)
+        if o.weights_gib:
+            self.weights_bytes = int(o.weights_gib * GIB)
+            for m in self.models.values():
+                m.weights_bytes = self.weights_bytes
+
+    # -- memory the final configuration will have -------------------------------------------
+    def reserve(self) -> float:
+        measured = self.free is not None and self.free.measured_by_engine
+        return bud.reserve_gib(
+            self.cfg.card.card_gib, measured_by_engine=measured, given=self.cfg.reserve_gib
+        )
+
+    def max_util(self, current: float) -> float:
+        """The util later pre-runs use: the largest pool the measured free memory allows."""
+        if self.free is None or not self.free.measured_by_engine:
+            return current
+        return min(self.util_cap, bud.max_pool_util(self.cfg.card.card_gib, self.free))
+
+    def budget(self, util: float) -> Budget:
+        card = self.cfg.card.card_gib
+        if self.free is not None:
+            free = self.free.mib * MIB
+            pool = int(min(free - bud.HARD_MARGIN_GIB * GIB, card * self.util_cap * GIB))
+            used = int(min(free - self.reserve() * GIB, pool))
+        else:
+            pool = used = int(card * util * GIB)
+        return Budget(
+            pool_bytes=pool,
+            used_bytes=used,
+            kv_bytes_per_token=self.bpt,
+            block_size=self.cfg.block_size,
+            watermark=self.cfg.watermark,
+            headroom_one_seq_bytes=self.base_headroom + self.per_seq,
+        )
+
+    def wa_bytes(self, o: LaunchOutcome) -> int:
+        """Weights + activations a pre-run measured: worst rank's peak - the KV it allocated."""
+        assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
+        return o.worst_peak_mib * MIB - kv_prerun_bytes(o.settings, self.bpt)
+
+    def oom_bound(self, o: LaunchOutcome) -> int:
+        """What an out-of-memory pre-run proves: weights + activations exceed the pool it had
+        besides the KV cache, and at least the dump's peak plus the allocation that failed."""
+        kv = kv_prerun_bytes(o.settings, self.bpt)
+        room = int(o.settings.card_gib * GIB * o.settings.util) - kv
+        seen = (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
+        return max(room + 1, seen)
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> TuneResult:
@@ -214,12 +270,8 @@ class Tuner:
             pp=self.plan.pp,
             nodes=self.plan.nodes,
         )
-        if not self.plan.requested.fits and cfg.max_model_len <= cfg.min_model_len:
-            raise InfeasibleError(
-                f"{cfg.model.name} at --max-model-len {cfg.max_model_len:,} does not fit TP"
-                f"{self.plan.tp} on {cfg.card.card_gib} GiB cards (predicted)",
-                hint="add cards with --tp, or use a quantized --weights-format",
-            )
+        for note in self.plan.notes:
+            self.decide("layout note", note)
         util = prerun_util(cfg)
         if util < cfg.util:
             self.decide(
@@ -228,93 +280,28 @@ class Tuner:
                 f"util {cfg.util} would ask more",
                 util=util,
             )
-        best = self.prerun(util)
-        derivation, source = self.derive(best, cfg.headroom_gib)
+        best = self.search(util)
+        derivation, source = self.derive(best)
         if not cfg.validate:
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
-            return self.result(derivation, False, source)
+            return self.result(derivation, False, source, best, None)
         return self.validate(best, derivation, source)
 
-    def prerun(self, util: float) -> LaunchOutcome:
-        """Pre-run at the longest length that fits; returns the outcome to derive from."""
-        cfg = self.cfg
-        length = cfg.max_model_len
-        fits: dict[int, LaunchOutcome] = {}
-        fails: dict[int, LaunchOutcome | None] = {}
-        jumped = False
-        util_steps = iter(UTIL_LADDER)
-        pinned = cfg.model_use_gib
-        while True:
-            most = prerun_model_use(cfg.card.card_gib, util, length, self.bpt, cfg.block_size)
-            mu = most if pinned is None else min(pinned, most)
-            if mu < 1:
-                fails[length] = None
-                self.decide(
-                    "shorten max_model_len",
-                    f"{length:,} tokens of KV do not fit in card*util = "
-                    f"{cfg.card.card_gib * util:.2f} GiB",
-                )
-                length = self.shorter(length, None)
-                continue
-            settings = self.prerun_settings(util, length, mu)
-            outcome = self.launch(settings)
-            if outcome.kind is OutcomeKind.OK:
-                fits[length] = outcome
-                shortest = min(fails) if fails else None
-                target = (
-                    None
-                    if jumped or shortest is None
-                    else self.jump_target(fits, shortest, fails[shortest])
-                )
-                if target is None:
-                    return outcome
-                jumped = True
-                self.decide(
-                    "jump to max_model_len",
-                    f"measured peaks at {sorted(fits)} and a failure at {min(fails):,} predict "
-                    f"that {target:,} fits",
-                    max_model_len=target,
-                )
-                length = target
-                continue
-            if outcome.kind is OutcomeKind.DEVICE_REFUSED:
-                util = self.lower_util(util, outcome, util_steps)
-                continue
-            if mu < most and outcome.kind in (
-                OutcomeKind.OOM_AT_START,
-                OutcomeKind.KV_EXHAUSTED,
-                OutcomeKind.OOM_IN_REQUEST,
-            ):
-                pinned = None
-                self.decide(
-                    "raise model-use",
-                    f"{outcome.kind.value} with model-use {mu} GiB; the most {length:,} tokens "
-                    f"allow is {most} GiB (below card*util)",
-                    model_use_gib=most,
-                )
-                continue
-            fails[length] = outcome
-            if fits:  # a jump that did not hold: the longest length that fitted stands
-                best = max(fits)
-                self.decide(
-                    "keep max_model_len",
-                    f"{length:,} failed ({outcome.kind.value}); {best:,} was measured to fit",
-                )
-                return fits[best]
-            self.decide(
-                "shorten max_model_len",
-                f"{outcome.kind.value} at {length:,} with model-use {mu} GiB, the most this "
-                "length allows (raising it further would leave no KV for one sequence)",
-            )
-            length = self.shorter(length, outcome.estimated_max_len)
+    # -- pre-runs ---------------------------------------------------------------------------
+    def prerun_most(self, util: float, length: int) -> int:
+        """The largest integer model-use leaving KV for one sequence beside the watermark."""
+        blocks = kv_blocks_for_one(length, self.cfg.block_size, self.cfg.watermark)
+        need = (blocks + 1) * self.cfg.block_size * self.bpt
+        return math.floor((self.cfg.card.card_gib * util * GIB - need) / GIB)
 
     def prerun_settings(
-        self, util: float, length: int, model_use: int | None = None
+        self, util: float, length: int, model_use: int | None = None, chunked: bool = False
     ) -> LaunchSettings:
-        """The method's pre-run: max-num-seqs 1, batched = max_model_len, one long request."""
+        """The method's pre-run: max-num-seqs 1, one long request; whole-prompt steps unless
+        chunked."""
         cfg = self.cfg
         if model_use is None:
-            model_use = prerun_model_use(cfg.card.card_gib, util, length, self.bpt, cfg.block_size)
+            model_use = self.prerun_most(util, length)
             if cfg.model_use_gib is not None:
                 model_use = min(cfg.model_use_gib, model_use)
         return LaunchSettings(
@@ -324,32 +311,284 @@ class Tuner:
             model_use_gib=model_use,
             max_model_len=length,
             max_num_seqs=1,
-            max_num_batched_tokens=length,
+            max_num_batched_tokens=min(length, cfg.chunk_tokens) if chunked else length,
             block_size=cfg.block_size,
             tp=self.plan.tp,
             pp=self.plan.pp,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            chunked_prefill=chunked,
         )
 
-    def shorter(self, length: int, estimated: int | None) -> int:
+    def search(self, util: float) -> LaunchOutcome:
+        """Pre-run until the longest length that fits is known; returns its pre-run."""
         cfg = self.cfg
-        if length <= cfg.min_model_len:
+        length, chunked = cfg.max_model_len, False
+        pinned = cfg.model_use_gib
+        kv_extra = 0  # GiB more KV than computed, after the engine dropped the probe
+        retried: set[tuple[int, bool]] = set()
+        util_steps = iter(UTIL_LADDER)
+        reserve_for_validation = 1 if cfg.validate else 0
+        while True:
+            if self.launches_left() <= reserve_for_validation and self.any_fit():
+                self.decide("stop narrowing", "the launch budget is kept for the validation")
+                break
+            most = self.prerun_most(util, length) - kv_extra
+            mu = most if pinned is None else min(pinned, most)
+            if mu < 1:
+                bigger = self.max_util(util)
+                if bigger > util + 1e-4:
+                    util = bigger
+                    continue
+                self.fails[chunked].add(length)
+                self.decide(
+                    "shorten max_model_len",
+                    f"the KV cache of one {length:,}-token sequence beside the block watermark "
+                    f"does not fit in card*util = {cfg.card.card_gib * util:.2f} GiB",
+                )
+            else:
+                o = self.launch(self.prerun_settings(util, length, mu, chunked))
+                k = o.kind
+                if k is OutcomeKind.DEVICE_REFUSED:
+                    util = self.lower_util(util, o, util_steps)
+                    continue
+                if k in (OutcomeKind.PROMPT_DROPPED, OutcomeKind.KV_EXHAUSTED,
+                         OutcomeKind.LEN_TOO_LARGE):
+                    kv_extra += 1
+                    self.decide(
+                        "give the pre-run more KV",
+                        f"{k.value} at {length:,} with model-use {mu} GiB: the probe did not run, "
+                        "so nothing was measured; 1 GiB more KV for one max-length sequence "
+                        "beside the engine's block watermark",
+                        model_use_gib=mu - 1,
+                    )
+                    continue
+                if k is OutcomeKind.REQUESTS_FAILED:
+                    raise ServerFailedError(
+                        f"the pre-run's probe failed without any out-of-memory line "
+                        f"({o.request_error or 'no error text'})",
+                        hint=f"check the server log {o.log_path}",
+                        log_path=o.log_path,
+                    )
+                if pinned is not None and mu < most and k.is_oom:
+                    pinned = None
+                    self.decide(
+                        "raise model-use",
+                        f"{k.value} with model-use {mu} GiB; the most {length:,} tokens allow is "
+                        f"{most} GiB (below card*util)",
+                        model_use_gib=most,
+                    )
+                    continue
+                if k is OutcomeKind.OOM_WEIGHTS:
+                    self.weights_do_not_fit(o)
+                kv_extra = 0
+                if k is OutcomeKind.OK:
+                    self.measured(o, length, chunked)
+                else:
+                    bound = self.oom_bound(o)
+                    bigger = self.max_util(util)
+                    if (
+                        bigger > util + 1e-4
+                        and (length, chunked) not in retried
+                        and self.budget(util).fits(length, bound)
+                    ):
+                        retried.add((length, chunked))
+                        self.decide(
+                            "retry at the card's free memory",
+                            f"{k.value} at util {util:g}; the card has {self.free_desc()}, so "
+                            f"the final configuration gets util {bigger:g}: the same length is "
+                            "tried there before anything is shortened",
+                            util=bigger,
+                        )
+                        util = bigger
+                        continue
+                    self.fails[chunked].add(length)
+                    self.models[chunked].bounds.append(Bound(length, bound))
+                    if not chunked and length > 4 * cfg.chunk_tokens and not self.fits[False]:
+                        chunked = True
+                        self.decide(
+                            "prefill in chunks",
+                            f"{k.value} at {length:,} tokens in one prefill step (weights + "
+                            f"activations over {bound / GIB:.2f} GiB); chunked prefill with "
+                            f"{cfg.chunk_tokens:,}-token steps keeps the length",
+                            max_num_batched_tokens=cfg.chunk_tokens,
+                        )
+                        util = self.max_util(util)
+                        continue
+                util = self.max_util(util)
+            nxt = self.next_length(chunked)
+            if nxt is None:
+                break
+            self.decide(
+                "try max_model_len",
+                self.why_length(chunked, nxt),
+                max_model_len=nxt,
+            )
+            length = nxt
+        return self.finish_search(chunked, util)
+
+    def any_fit(self) -> bool:
+        return bool(self.fits[False] or self.fits[True])
+
+    def free_desc(self) -> str:
+        if self.free is None:
+            return "no free-memory reading"
+        return f"{self.free.mib:,} MiB free ({self.free.source})"
+
+    def measured(self, o: LaunchOutcome, length: int, chunked: bool) -> None:
+        wa = self.wa_bytes(o)
+        self.base_headroom = bud.base_headroom_bytes(
+            wa, self.weights_bytes, o.rank_peaks_mib, self.cfg.headroom_gib
+        )
+        self.models[chunked].measured.append(Measured(length, wa))
+        if self.budget(o.settings.util).fits(length, wa):
+            self.fits[chunked][length] = o
+            return
+        self.fails[chunked].add(length)
+        self.decide(
+            "measured, but too long",
+            f"{length:,} tokens ran with weights+activations {wa / GIB:.2f} GiB, but the final "
+            f"headroom and integer model-use leave no KV for one sequence within "
+            f"{self.free_desc()}",
+        )
+
+    def bracket(self, chunked: bool) -> tuple[int | None, int | None]:
+        fits = self.fits[chunked]
+        lo = max(fits) if fits else None
+        above = [n for n in self.fails[chunked] if lo is None or n > lo]
+        return lo, (min(above) if above else None)
+
+    def next_length(self, chunked: bool) -> int | None:
+        lo, hi = self.bracket(chunked)
+        return next_length(
+            self.models[chunked],
+            self.budget(self.cfg.util),
+            requested=self.cfg.max_model_len,
+            longest_fit=lo,
+            shortest_fail=hi,
+            minimum=self.cfg.min_model_len,
+        )
+
+    def why_length(self, chunked: bool, nxt: int) -> str:
+        lo, hi = self.bracket(chunked)
+        known = []
+        if lo is not None:
+            known.append(f"{lo:,} fits (measured)")
+        if hi is not None:
+            known.append(f"{hi:,} does not")
+        wa = self.models[chunked].predict(nxt)
+        return (
+            f"{'; '.join(known) or 'nothing measured yet'}; the measured peaks predict "
+            f"weights+activations of {wa / GIB:.2f} GiB at {nxt:,}, which the final configuration "
+            "holds"
+        )
+
+    def finish_search(self, chunked: bool, util: float) -> LaunchOutcome:
+        cfg = self.cfg
+        fits = self.fits[chunked]
+        if not fits:
+            return self.nothing_fits(chunked)
+        length = max(fits)
+        best = fits[length]
+        if chunked:
+            best = self.widen_chunks(best, util)
+        if length < cfg.max_model_len:
+            _, hi = self.bracket(chunked)
+            self.decide(
+                "keep max_model_len",
+                f"{length:,} tokens is the longest measured to fit"
+                + (f"; {hi:,} did not" if hi else "")
+                + f" (asked: {cfg.max_model_len:,})",
+                max_model_len=length,
+            )
+        return best
+
+    def nothing_fits(self, chunked: bool) -> LaunchOutcome:
+        cfg = self.cfg
+        _, hi = self.bracket(chunked)
+        if hi is not None and hi <= cfg.min_model_len:
             raise InfeasibleError(
                 f"{cfg.model.name} does not fit TP{self.plan.tp} on {cfg.card.card_gib} GiB "
-                f"cards even at --min-model-len {cfg.min_model_len:,} (measured)",
-                hint="add cards (--tp), use a quantized checkpoint, or lower --min-model-len",
+                f"cards even at --min-model-len {cfg.min_model_len:,} (measured at the card's "
+                f"free memory: {self.free_desc()})",
+                hint=self.layout_hint("add cards (--tp)")
+                + ", use a quantized checkpoint, or lower --min-model-len",
             )
-        lower = [n for n in cfg.len_ladder if n < length]
-        nxt = lower[0] if lower else length // 2
-        if estimated is not None and cfg.min_model_len <= estimated < length:
-            nxt = max(nxt, (estimated // cfg.block_size) * cfg.block_size)
-        return max(cfg.min_model_len, nxt)
+        raise NotValidatedError(
+            f"no length from {cfg.min_model_len:,} to {cfg.max_model_len:,} was measured to fit "
+            f"within {cfg.max_launches} launches",
+            hint="raise --max-launches, or read the run record's decisions",
+        )
+
+    def layout_hint(self, default: str) -> str:
+        cfg = PlanConfig(
+            model=self.cfg.model,
+            card_gib=self.cfg.card.card_gib,
+            util=self.cfg.util,
+            max_model_len=self.cfg.min_model_len,
+            pp=self.cfg.pp,
+            kv_cache_dtype=self.cfg.kv_cache_dtype,
+            block_size=self.cfg.block_size,
+            weights_format=self.cfg.weights_format,
+        )
+        tp = smallest_weights_layout(cfg)
+        if tp is not None and tp > self.plan.tp:
+            return f"use --tp {tp} or more"
+        return default
+
+    def weights_do_not_fit(self, o: LaunchOutcome) -> None:
+        cfg = self.cfg
+        raise InfeasibleError(
+            f"TP{self.plan.tp} x PP{self.plan.pp}: the weights of {cfg.model.name} did not fit "
+            f"on a {cfg.card.card_gib} GiB card: out of memory before they finished loading "
+            f"({o.oom_text or 'see the log'}; measured, log {o.log_path})",
+            hint=self.layout_hint("add cards (--tp/--pp)") + ", or a quantized --weights-format",
+        )
+
+    def widen_chunks(self, best: LaunchOutcome, util: float) -> LaunchOutcome:
+        """The largest chunk budget that costs no KV cache: the measured peaks say its
+        activations stay within the integer model-use budget the default chunk rounds up to.
+        Confirmed by one pre-run; the default chunk stands if that fails."""
+        cfg, s = self.cfg, best.settings
+        length, chunk = s.max_model_len, s.max_num_batched_tokens
+        wa_chunk = self.wa_bytes(best)
+        whole = self.models[False]
+        bound = max((b.wa_min_bytes for b in whole.bounds if b.length <= length), default=0)
+        if not bound or self.launches_left() <= (2 if cfg.validate else 1):
+            return best
+        budget = self.budget(util)
+        room = budget.model_use_bytes(wa_chunk) - budget.headroom_one_seq_bytes
+        slope = max(0.0, (bound - wa_chunk) / max(1, length - chunk))
+        target = 0
+        b = (length - 1) // CHUNK_GRID * CHUNK_GRID
+        while b >= 2 * chunk:
+            if wa_chunk + slope * (b - chunk) * (1 + 0.05) <= room:
+                target = b
+                break
+            b -= CHUNK_GRID
+        if not target:
+            return best
+        self.decide(
+            "try a larger chunk",
+            f"{chunk:,}-token prefill steps fit with weights+activations {wa_chunk / GIB:.2f} "
+            f"GiB and whole {length:,}-token steps do not; the measured peaks predict "
+            f"{target:,}-token steps stay within the same {room / GIB:.2f} GiB (no KV lost, "
+            "fewer steps per long prompt)",
+            max_num_batched_tokens=target,
+        )
+        top = self.max_util(util)
+        settings = replace(s, util=top, max_num_batched_tokens=target,
+                           model_use_gib=self.prerun_most(top, length))
+        o = self.launch(settings)
+        if o.kind is OutcomeKind.OK and self.wa_bytes(o) <= room:
+            return o
+        self.decide("keep the chunk", f"{target:,}-token steps did not fit ({o.kind.value})")
+        return best
 
     def lower_util(self, util: float, outcome: LaunchOutcome, steps: Any) -> float:
         if outcome.device_free_mib:
-            reserve = self.cfg.reserve_gib or MEASURED_RESERVE_GIB
-            new = floor_to(
-                (outcome.device_free_mib * MIB / GIB - reserve) / self.cfg.card.card_gib, 2
-            )
+            free = bud.FreeMemory(outcome.device_free_mib, "the device's refusal (measured)", True)
+            self.free = free
+            new = bud.max_pool_util(self.cfg.card.card_gib, free)
             why = f"MindSpore reports {outcome.device_free_mib:,} MiB free"
         else:
             new = next((u for u in steps if u < util), 0.0)
@@ -359,60 +598,14 @@ class Tuner:
                 f"the card refuses util {util} and no lower util is left to try",
                 hint="check `npu-smi info` for other processes on the card",
             )
+        self.util_cap = new
         self.decide("lower util", why, util=new)
         return new
 
-    def jump_target(
-        self, fits: dict[int, LaunchOutcome], fail: int, failed: LaunchOutcome | None
-    ) -> int | None:
-        """The largest multiple of JUMP_STEP between the longest fit and `fail` that the
-        measured weights+activations, fitted against length, say would fit; or None.
-
-        The slope is at least the plan's activation slope and at least the chord to the
-        failed length, whose pool dump at the OOM bounds what that length needs from below.
-        """
-        cfg = self.cfg
-        lo = max(fits)
-        points = sorted((n, self.weights_act_bytes(o)) for n, o in fits.items())
-        lens = np.array([p[0] for p in points], dtype=float)
-        was = np.array([p[1] for p in points], dtype=float)
-        tp = self.plan.tp
-        slope = float(activation_bytes(cfg.model, 2, tp) - activation_bytes(cfg.model, 1, tp))
-        if len(points) >= 2:
-            slope = max(slope, float(np.polyfit(lens, was, 1)[0]))
-        anchor_len, anchor_wa = float(lens[-1]), float(was[-1])
-        if failed is not None and failed.worst_peak_mib:
-            s = failed.settings
-            kv = int(s.card_gib * GIB * s.util) - s.model_use_gib * GIB
-            kv = kv_tokens(kv, self.bpt, s.block_size) * self.bpt
-            bound = failed.worst_peak_mib * MIB - kv
-            slope = max(slope, (bound - anchor_wa) / (fail - anchor_len))
-        util = fits[lo].settings.util
-        futil, _ = final_util(cfg, fits[lo])
-        best = None
-        n = (lo // JUMP_STEP + 1) * JUMP_STEP
-        while n < fail:
-            wa = (anchor_wa + slope * (n - anchor_len)) * (1 + JUMP_MARGIN)
-            pre_mu = prerun_model_use(cfg.card.card_gib, util, n, self.bpt, cfg.block_size)
-            final_mu = math.ceil(wa / GIB + cfg.headroom_gib)
-            kv_final = int(cfg.card.card_gib * GIB * futil) - final_mu * GIB
-            if wa <= pre_mu * GIB and kv_tokens(kv_final, self.bpt, cfg.block_size) >= n:
-                best = n
-            n += JUMP_STEP
-        if best is not None and len(points) < 2:
-            # One measured point cannot show how fast activations grow (attention can be
-            # super-linear); go halfway. A jump that fails costs no extra launch: the measured
-            # shorter length stands and the run still ends with one validation.
-            best = (lo + (best - lo) // 2) // JUMP_STEP * JUMP_STEP
-            best = best if best > lo else None
-        return best
-
-    def weights_act_bytes(self, o: LaunchOutcome) -> int:
-        s = o.settings
-        d = derive(self.prerun_inputs(o, self.cfg.headroom_gib, s.util))
-        return d.weights_act_bytes
-
-    def prerun_inputs(self, o: LaunchOutcome, headroom: float, util: float) -> PrerunInputs:
+    # -- derivation -------------------------------------------------------------------------
+    def prerun_inputs(
+        self, o: LaunchOutcome, util: float, per_seq: int, base: int
+    ) -> PrerunInputs:
         s = o.settings
         assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
         return PrerunInputs(
@@ -423,19 +616,52 @@ class Tuner:
             kv_bytes_per_token=self.bpt,
             block_size=s.block_size,
             max_model_len=s.max_model_len,
-            headroom_gib=headroom,
+            headroom_gib=base / GIB,
+            max_num_batched_tokens=s.max_num_batched_tokens,
             final_util=util,
-            per_seq_bytes=per_sequence_bytes(self.cfg.model.vocab_size),
+            per_seq_bytes=per_seq,
+            watermark=self.cfg.watermark,
         )
 
-    def derive(self, prerun: LaunchOutcome, headroom: float) -> tuple[Derivation, str]:
-        util, source = final_util(self.cfg, prerun)
-        d = derive(self.prerun_inputs(prerun, headroom, util))
-        # The integer model-use does not depend on util: give its rounding back through util.
-        recovered, why = final_util(self.cfg, prerun, d.rounding_cost_bytes / GIB)
-        if recovered > util:
-            util, source = recovered, why
-            d = derive(self.prerun_inputs(prerun, headroom, util))
+    def derive(
+        self,
+        prerun: LaunchOutcome,
+        per_seq: int | None = None,
+        base: int | None = None,
+        announce: bool = True,
+    ) -> tuple[Derivation, str]:
+        """The method at the final util: the card's free memory less the reserve, raised by
+        the integer rounding of the model-use budget."""
+        per_seq = self.per_seq if per_seq is None else per_seq
+        if base is None:
+            wa = self.wa_bytes(prerun)
+            base = self.base_headroom = max(
+                self.base_headroom,
+                bud.base_headroom_bytes(
+                    wa, self.weights_bytes, prerun.rank_peaks_mib, self.cfg.headroom_gib
+                ),
+            )
+        card = self.cfg.card.card_gib
+        if self.free is None:
+            util = prerun.settings.util
+            source = "the pre-run's util (no free-memory reading)"
+            d = derive(self.prerun_inputs(prerun, util, per_seq, base))
+        else:
+            reserve = self.reserve()
+            # The rounding does not depend on util (the model-use budget is weights+activations
+            # plus headroom): learn it at the largest pool, then give it back within reach.
+            top = min(self.util_cap, bud.max_pool_util(card, self.free))
+            rounding = derive(self.prerun_inputs(prerun, top, per_seq, base)).rounding_cost_bytes
+            util = min(self.util_cap, bud.pool_util(card, self.free, reserve, rounding / GIB))
+            d = derive(self.prerun_inputs(prerun, util, per_seq, base))
+            source = f"{self.free.source}: {self.free.mib:,} MiB free - {reserve:.3g} GiB reserve"
+            if util > bud.pool_util(card, self.free, reserve):
+                source += (
+                    f" + {d.rounding_cost_bytes / GIB:.2f} GiB of integer rounding given back to "
+                    "the KV cache"
+                )
+        if not announce:
+            return d, source
         self.decide(
             "derive",
             f"worst-rank peak {prerun.worst_peak_mib:,} MiB -> weights+activations "
@@ -447,30 +673,60 @@ class Tuner:
         )
         return d, source
 
+    # -- validation -------------------------------------------------------------------------
+    def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
+        f = d.final
+        return replace(
+            prerun.settings,
+            purpose=Purpose.VALIDATE,
+            util=f.gpu_memory_utilization,
+            model_use_gib=f.vllm_model_memory_use_gb,
+            max_num_seqs=f.max_num_seqs,
+            max_num_batched_tokens=f.max_num_batched_tokens,
+        )
+
     def validate(self, prerun: LaunchOutcome, d: Derivation, source: str) -> TuneResult:
-        headroom = self.cfg.headroom_gib
+        proven: tuple[Derivation, str, LaunchOutcome] | None = None
+        tightened = False
+        per_seq = self.per_seq
         while True:
-            f = d.final
-            settings = replace(
-                prerun.settings,
-                purpose=Purpose.VALIDATE,
-                util=f.gpu_memory_utilization,
-                model_use_gib=f.vllm_model_memory_use_gb,
-                max_num_seqs=f.max_num_seqs,
-                max_num_batched_tokens=f.max_num_batched_tokens,
-            )
+            settings = self.final_settings(prerun, d)
+            if proven is not None and self.launches_left() <= 0:
+                break
             outcome = self.launch(settings)
             cap_mib = settings.card_gib * settings.util * 1024
-            if outcome.kind is OutcomeKind.OK and outcome.requests_ok == outcome.requests_total:
-                peak = outcome.worst_peak_mib or 0
-                if peak <= cap_mib:
-                    self.decide(
-                        "validated",
-                        f"{outcome.requests_total} concurrent requests of "
-                        f"{settings.max_model_len:,} tokens, no OOM, worst-rank peak "
-                        f"{peak:,} MiB within card*util = {cap_mib:,.0f} MiB",
-                    )
-                    return self.result(d, True, source)
+            peak = outcome.worst_peak_mib or 0
+            if (
+                outcome.kind is OutcomeKind.OK
+                and outcome.requests_ok == outcome.requests_total
+                and peak <= cap_mib
+            ):
+                self.decide(
+                    "validated",
+                    f"{outcome.requests_total} concurrent requests of "
+                    f"{settings.max_model_len:,} tokens, no OOM, worst-rank peak "
+                    f"{peak:,} MiB within card*util = {cap_mib:,.0f} MiB",
+                )
+                proven = (d, source, outcome)
+                if tightened:
+                    break
+                tightened = True
+                tighter = self.tighten(prerun, d, outcome)
+                if tighter is None:
+                    break
+                d, source = tighter
+                continue
+            if proven is not None:
+                self.decide(
+                    "keep the validated configuration",
+                    f"the tightened one failed ({outcome.kind.value}); the one proven before "
+                    "stands",
+                )
+                break
+            if outcome.kind is OutcomeKind.DEVICE_REFUSED:
+                self.lower_util(settings.util, outcome, iter(UTIL_LADDER))
+                d, source = self.derive(prerun, per_seq=per_seq)
+                continue
             if outcome.kind is OutcomeKind.REQUESTS_FAILED:
                 # Requests failed but no OOM was logged: more headroom would not help.
                 raise ServerFailedError(
@@ -480,16 +736,118 @@ class Tuner:
                     hint=f"check the server log {outcome.log_path} and --request-timeout",
                     log_path=outcome.log_path,
                 )
-            headroom += 1.0
-            self.decide(
-                "raise headroom",
-                f"validation failed ({outcome.kind.value}, {outcome.requests_ok}/"
-                f"{outcome.requests_total} requests ok); learning: +1 GiB headroom",
-                headroom_gib=headroom,
-            )
-            d, source = self.derive(prerun, headroom)
+            prerun, d, source, per_seq = self.learn(prerun, d, outcome, per_seq)
+        assert proven is not None  # noqa: S101 - the loop leaves only with a proven config
+        d, source, outcome = proven
+        return self.result(d, True, source, prerun, outcome)
 
-    def result(self, d: Derivation, validated: bool, source: str) -> TuneResult:
+    def full_load_non_kv(self, o: LaunchOutcome) -> int:
+        """What a validation's worst rank held besides the KV cache (its pool dump), plus the
+        allocation that failed when it ran out."""
+        kv = kv_prerun_bytes(o.settings, self.bpt)
+        return (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
+
+    def tighten(
+        self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome
+    ) -> tuple[Derivation, str] | None:
+        """A configuration with more KV, from what the passed validation measured under full
+        load; None when that buys less than TIGHTEN_MIN_GAIN or no launch is left."""
+        if self.launches_left() <= 0 or self.cfg.headroom_gib is not None:
+            return None
+        wa = d.weights_act_bytes
+        seqs = val.settings.max_num_seqs
+        full = self.full_load_non_kv(val)
+        per_seq = (
+            max(0, (full - wa) // max(1, seqs - 1)) if seqs > 1 else self.per_seq
+        )
+        margin = bud.BASE_HEADROOM_FLOOR_BYTES // 2 + int(
+            TIGHTEN_MARGIN_SHARE * max(0, full - self.weights_bytes)
+        )
+        try:
+            cand, source = self.derive(
+                prerun, per_seq=int(per_seq * 1.02), base=margin, announce=False
+            )
+        except PretunerError:
+            return None
+        gain = cand.final.kv_bytes - d.final.kv_bytes
+        if gain < TIGHTEN_MIN_GAIN * d.final.kv_bytes and (
+            cand.final.max_num_seqs <= d.final.max_num_seqs
+        ):
+            self.decide(
+                "no tightening",
+                f"under full load the worst rank held {full / GIB:.2f} GiB besides the KV cache; "
+                f"a tighter budget would add {gain / GIB:.2f} GiB of KV, under "
+                f"{TIGHTEN_MIN_GAIN:.0%}",
+            )
+            return None
+        self.decide(
+            "tighten",
+            f"under full load ({seqs} sequences) the worst rank held {full / GIB:.2f} GiB besides "
+            f"the KV cache (measured: {(full - wa) / MIB:,.0f} MiB above the pre-run); with that "
+            f"and a {margin / MIB:,.0f} MiB margin the KV cache grows by {gain / GIB:.2f} GiB to "
+            f"{cand.final.max_num_seqs} sequences: validating it",
+            vllm_model_memory_use_gb=cand.final.vllm_model_memory_use_gb,
+            max_num_seqs=cand.final.max_num_seqs,
+        )
+        return cand, source
+
+    def learn(
+        self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome, per_seq: int
+    ) -> tuple[LaunchOutcome, Derivation, str, int]:
+        """Re-derive from a validation that ran out of memory: its own dump says what the full
+        load needed; shrink what caused it."""
+        seqs = val.settings.max_num_seqs
+        need = self.full_load_non_kv(val)
+        wa = d.weights_act_bytes
+        before = per_seq
+        if seqs > 1:
+            per_seq = max(
+                per_seq, int((need - wa - self.base_headroom) / seqs * (1 + LEARN_MARGIN))
+            )
+            cause = (
+                f"per-sequence headroom {before / MIB:.1f} -> {per_seq / MIB:.1f} MiB"
+            )
+        else:
+            self.base_headroom += int(max(0, need - wa - self.base_headroom - per_seq)
+                                      * (1 + LEARN_MARGIN)) + bud.BASE_HEADROOM_FLOOR_BYTES
+            cause = f"base headroom -> {self.base_headroom / MIB:,.0f} MiB"
+        why = (
+            f"validation ran out of memory ({val.kind.value}, {val.oom_text or 'no text'}); its "
+            f"pool dump says the worst rank needed at least {need / GIB:.2f} GiB besides the KV "
+            f"cache with {seqs} sequences (pre-run: {wa / GIB:.2f} GiB): {cause}"
+        )
+        try:
+            new, source = self.derive(prerun, per_seq=per_seq)
+        except InfeasibleError:
+            shorter = [n for n in self.fits[prerun.settings.chunked_prefill]
+                       if n < prerun.settings.max_model_len]
+            if not shorter:
+                raise NotValidatedError(
+                    f"validation at {prerun.settings.max_model_len:,} tokens ran out of memory "
+                    "and no shorter length was measured to fit",
+                    hint="pass a shorter --max-model-len",
+                ) from None
+            prerun = self.fits[prerun.settings.chunked_prefill][max(shorter)]
+            self.decide("learn from the validation", why + "; one sequence no longer fits: "
+                        f"max_model_len -> {prerun.settings.max_model_len:,}")
+            new, source = self.derive(prerun, per_seq=per_seq)
+            return prerun, new, source, per_seq
+        self.decide(
+            "learn from the validation",
+            why + f"; max-num-seqs {seqs} -> {new.final.max_num_seqs}, model-use "
+            f"{d.final.vllm_model_memory_use_gb} -> {new.final.vllm_model_memory_use_gb} GiB",
+            max_num_seqs=new.final.max_num_seqs,
+        )
+        return prerun, new, source, per_seq
+
+    def result(
+        self,
+        d: Derivation,
+        validated: bool,
+        source: str,
+        prerun: LaunchOutcome | None,
+        validation: LaunchOutcome | None,
+    ) -> TuneResult:
         return TuneResult(
             plan=self.plan,
             derivation=d,
@@ -497,6 +855,8 @@ class Tuner:
             outcomes=tuple(self.state.outcomes),
             decisions=tuple(self.state.decisions),
             final_util_source=source,
+            prerun=prerun,
+            validation=validation,
         )
 
 

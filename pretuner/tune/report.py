@@ -10,6 +10,7 @@ from pretuner.presets.model import preset_from_report
 from pretuner.scripts.context import ScriptOptions, Target
 from pretuner.scripts.render import render_scripts
 from pretuner.tune.loop import TuneResult
+from pretuner.tune.settings import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.units import GIB
 
 
@@ -22,12 +23,19 @@ def report_json(
     card_source: str,
     serve_command: list[str],
     model_arg: str,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     d, p = result.derivation, result.plan
     f = d.final
     flags: dict[str, Any] = {**f.flags, "tensor_parallel_size": p.tp}
     if p.pp > 1:
         flags["pipeline_parallel_size"] = p.pp
+    chunk_flag = chunked_prefill_flag(f.max_model_len, f.chunked_prefill)
+    if chunk_flag is not None:
+        flags["enable_chunked_prefill"] = chunk_flag
+    server_dtype = server_kv_cache_dtype(kv_cache_dtype)
+    if server_dtype is not None:
+        flags["kv_cache_dtype"] = server_dtype
     return {
         "pretuner_version": __version__,
         "run_id": run_id,
@@ -41,6 +49,7 @@ def report_json(
         "pp": p.pp,
         "nodes": p.nodes,
         "weights_format": p.weights_format,
+        "kv_cache_dtype": kv_cache_dtype,
         "kv_bytes_per_token": p.kv_bytes_per_token,
         "launches": len(result.outcomes),
         "steps": [

@@ -38,11 +38,19 @@ class LaunchSettings:
     block_size: int
     tp: int
     pp: int = 1
+    kv_cache_dtype: str = "auto"  # pretuner's name (kvmath.KV_DTYPES)
+    chunked_prefill: bool = False  # prefill in chunks of max_num_batched_tokens
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["purpose"] = self.purpose.value
         return data
+
+    @property
+    def batched_policy(self) -> str:
+        if self.chunked_prefill:
+            return f"chunked prefill, {self.max_num_batched_tokens:,}-token steps"
+        return "whole-prompt prefill steps"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LaunchSettings:
@@ -111,6 +119,10 @@ def build_launch(
     ]  # fmt: skip
     if s.pp > 1:
         argv += ["--pipeline-parallel-size", str(s.pp)]
+    argv += engine_prefill_flags(s.max_model_len, s.chunked_prefill)
+    dtype = server_kv_cache_dtype(s.kv_cache_dtype)
+    if dtype is not None:
+        argv += ["--kv-cache-dtype", dtype]
     if nodes > 1:
         argv += ["--distributed-executor-backend", "ray"]
     env = {
@@ -120,6 +132,38 @@ def build_launch(
     }
     env.update(extra_env or {})
     return LaunchCommand(argv=argv, env=env)
+
+
+# vLLM 0.6 turns chunked prefill on by default above this max_model_len.
+CHUNKED_BY_DEFAULT_ABOVE = 32768
+# pretuner's KV dtype names -> the server's `--kv-cache-dtype` (None: the model's own dtype).
+# MindSpore's int8 MLA layout (int8 latent, bf16 rope) is what vLLM-MindSpore's int8 means for
+# an MLA model.
+_SERVER_KV_DTYPE: dict[str, str | None] = {
+    "auto": None, "bf16": None, "fp16": None, "int8": "int8", "int8-mla": "int8", "fp8": "fp8",
+}
+
+
+def server_kv_cache_dtype(kv_cache_dtype: str) -> str | None:
+    """The `--kv-cache-dtype` value the server takes, or None to leave the flag out."""
+    return _SERVER_KV_DTYPE.get(kv_cache_dtype, kv_cache_dtype)
+
+
+def chunked_prefill_flag(max_model_len: int, chunked: bool) -> bool | None:
+    """`--enable-chunked-prefill`'s value whenever the engine's default differs from the
+    policy, else None (leave the flag out)."""
+    if chunked:
+        return True
+    if max_model_len > CHUNKED_BY_DEFAULT_ABOVE:
+        return False
+    return None
+
+
+def engine_prefill_flags(max_model_len: int, chunked: bool) -> list[str]:
+    flag = chunked_prefill_flag(max_model_len, chunked)
+    if flag is None:
+        return []
+    return ["--enable-chunked-prefill"] if flag else ["--enable-chunked-prefill", "False"]
 
 
 _SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL)", re.I)

@@ -73,6 +73,7 @@ def _headroom(d: Derivation) -> str:
     if not i.per_seq_bytes:
         return f"{i.headroom_gib} GiB"
     return (
-        f"{i.headroom_gib} GiB + {i.per_seq_bytes / MIB:.1f} MiB per running sequence = "
+        f"{i.headroom_gib:.3g} GiB + {i.per_seq_bytes / MIB:.1f} MiB per running sequence "
+        "beyond the first = "
         f"{d.headroom_total_gib:.2f} GiB"
     )

@@ -102,7 +102,7 @@ class Derivation:
     max_kv_bytes: int  # step 3: card*util - weights+act
     max_kv_tokens: int  # step 4: block-floored tokens in max_kv
     max_num_seqs_method: int  # step 5: max_kv_tokens // max_model_len
-    headroom_total_gib: float  # headroom_gib + per_seq_bytes x max-num-seqs
+    headroom_total_gib: float  # headroom_gib + per_seq_bytes x (max-num-seqs - 1)
     model_use_exact_gib: float  # weights+act + headroom, before rounding up
     rounding_cost_bytes: int  # KV lost by rounding the model-use budget up to an integer
     final: FinalConfig
@@ -188,20 +188,28 @@ def derive(inp: PrerunInputs) -> Derivation:
         return max_num_seqs(num_kv_blocks(budget, bpt, block), block, inp.max_model_len,
                             inp.watermark)
 
-    # Final: the model-use budget must be an integer (r0.1 parses it with int()). The
-    # per-sequence headroom is sized for the sequence count the base headroom would allow,
-    # which is at least the final count: conservative.
-    headroom = inp.headroom_gib
-    if inp.per_seq_bytes:
-        base_use = math.ceil(weights_act / GIB + headroom - 1e-9)
-        headroom += seqs_in(cap - base_use * GIB) * inp.per_seq_bytes / GIB
+    # Final: the model-use budget must be an integer (r0.1 parses it with int()), and it holds
+    # the per-sequence headroom of every sequence served. The smallest integer that holds
+    # weights+activations and the base headroom leaves the most KV; when its room cannot hold
+    # the per-sequence headroom of every sequence that KV serves, max-num-seqs is capped there,
+    # unless one more GiB of room serves more sequences.
+    base_use = math.ceil(weights_act / GIB + inp.headroom_gib - 1e-9)
+    best: tuple[int, int, int] | None = None  # (seqs, -model_use, model_use)
+    for use in range(base_use, base_use + 3):
+        kv_seqs = seqs_in(cap - use * GIB)
+        if inp.per_seq_bytes:  # the pre-run ran one sequence: the others add headroom
+            room = use * GIB - weights_act - int(inp.headroom_gib * GIB)
+            kv_seqs = min(kv_seqs, 1 + room // inp.per_seq_bytes) if room >= 0 else 0
+        if kv_seqs >= 1 and (best is None or kv_seqs > best[0]):
+            best = (kv_seqs, -use, use)
+    model_use = best[2] if best else base_use
+    final_seqs = best[0] if best else 0
+    headroom = inp.headroom_gib + max(0, final_seqs - 1) * inp.per_seq_bytes / GIB
     exact = weights_act / GIB + headroom
-    model_use = math.ceil(exact - 1e-9)
-    rounding_cost = int((model_use - exact) * GIB)
+    rounding_cost = max(0, int((model_use - exact) * GIB))
     final_kv_budget = cap - model_use * GIB
     final_tokens = kv_tokens(final_kv_budget, bpt, block)
     final_kv = num_kv_blocks(final_kv_budget, bpt, block) * block * bpt
-    final_seqs = seqs_in(final_kv_budget)
     if model_use >= inp.card_gib * final_util or final_seqs < 1:
         fit = _largest_len(final_tokens, block)
         raise InfeasibleError(

@@ -160,7 +160,7 @@ def test_deepseek_v3_tp16_two_nodes_worst_rank_on_the_second_node(
     assert f"on {cluster.worker_label}" in report_md
 
 
-def test_a_rank_on_the_second_node_ooms_and_the_tuner_shortens(
+def test_a_rank_on_the_second_node_ooms_and_the_tuner_falls_back(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
@@ -172,9 +172,12 @@ def test_a_rank_on_the_second_node_ooms_and_the_tuner_shortens(
     assert (oom[0]["rank"], oom[0]["kind"]) == (12, "device_oom")
     assert {o["rank"] for o in oom} <= {12, None}  # the server may echo it without a rank
     assert oom[0]["file"].startswith(str(cluster.worker_root))
-    assert any(d["decision"] == "shorten max_model_len" for d in rep["decisions"])
+    # The whole-prompt step does not fit on rank 12: shorter prompts or smaller prefill steps.
+    fallback = {d["decision"] for d in rep["decisions"]}
+    assert fallback & {"shorten max_model_len", "prefill in chunks"}
     assert rep["validated"] is True
-    assert rep["final"]["flags"]["max_model_len"] < 16384
+    flags = rep["final"]["flags"]
+    assert min(flags["max_model_len"], flags["max_num_batched_tokens"]) < 16384
     assert {s["worst_node"] for s in steps} == {cluster.worker_label}
     assert all(_scan(out, s["n"])["worst_rank"] == 12 for s in steps)
 

@@ -18,8 +18,13 @@ from dataclasses import dataclass
 
 from pretuner.units import GIB, MIB
 
-# The pool cap never comes closer than this to the card's free memory.
-HARD_MARGIN_GIB = 1 / 16
+# The pool cap never comes closer than this to the card's free memory, per GiB of card: 64 MiB
+# on a 64 GB card, 24 MiB on a 24 GB one (MindSpore accepts a pool up to the free memory).
+HARD_MARGIN_SHARE = 1 / 1024
+
+
+def hard_margin_gib(card_gib: int) -> float:
+    return card_gib * HARD_MARGIN_SHARE
 # Reserve below the free memory, per GiB of card: 0.25 GiB on a 64 GB card when the engine's
 # init line measured the free memory (CANN already counted), 1 GiB when only npu-smi was read.
 RESERVE_SHARE_MEASURED = 0.25 / 64
@@ -33,7 +38,7 @@ def reserve_gib(card_gib: int, *, measured_by_engine: bool, given: float | None)
     if given is not None:
         return given
     share = RESERVE_SHARE_MEASURED if measured_by_engine else RESERVE_SHARE_DEVICE_TOOL
-    return max(HARD_MARGIN_GIB, card_gib * share)
+    return max(hard_margin_gib(card_gib), card_gib * share)
 
 
 def rank_spread_bytes(rank_peaks_mib: Mapping[str, int]) -> int:
@@ -75,16 +80,17 @@ class FreeMemory:
 def pool_util(card_gib: int, free: FreeMemory, reserve: float, rounding_gib: float = 0.0) -> float:
     """The util whose pool leaves `reserve` GiB of the free memory unused, raised by the
     integer rounding of the model-use budget (which the pool holds but nothing uses), never
-    closer than HARD_MARGIN_GIB to the free memory."""
+    closer than the hard margin to the free memory."""
     free_gib = free.mib * MIB / GIB
     util = floor_to((free_gib - reserve) / card_gib, UTIL_DIGITS)
     if rounding_gib > 0:
         recovered = floor_to((free_gib - reserve + rounding_gib) / card_gib, UTIL_DIGITS)
-        ceiling = floor_to((free_gib - HARD_MARGIN_GIB) / card_gib, UTIL_DIGITS)
+        ceiling = floor_to((free_gib - hard_margin_gib(card_gib)) / card_gib, UTIL_DIGITS)
         util = max(util, min(recovered, ceiling))
     return min(1.0, util)
 
 
 def max_pool_util(card_gib: int, free: FreeMemory) -> float:
     """The largest util a launch may use: the free memory less the hard margin."""
-    return min(1.0, floor_to((free.mib * MIB / GIB - HARD_MARGIN_GIB) / card_gib, UTIL_DIGITS))
+    margin = hard_margin_gib(card_gib)
+    return min(1.0, floor_to((free.mib * MIB / GIB - margin) / card_gib, UTIL_DIGITS))

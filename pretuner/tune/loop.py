@@ -53,9 +53,13 @@ VLLM_V0_WATERMARK = 0.01  # vLLM 0.6's block manager keeps 1 % of the KV blocks 
 DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's budget when chunked prefill is on
 CHUNK_GRID = 1024  # a larger chunk budget is a multiple of this
 TIGHTEN_MIN_GAIN = 0.02  # a validated config is tightened when that buys 2 % more KV
-TIGHTEN_MARGIN_SHARE = 0.01  # of the measured full-load activations, on top of the measured
+# A tightened configuration keeps this much above what the validation measured under full
+# load (a floor plus a share of the activations): small, because it is validated in turn and
+# the configuration proven before stands if it fails.
+TIGHTEN_MARGIN_FLOOR_BYTES = 8 * MIB
+TIGHTEN_MARGIN_SHARE = 0.001
 LEARN_MARGIN = 0.10  # a validation OOM's per-sequence cost is inflated by this
-CHUNKED_GROWING_SHARE = 0.5  # see WaModel.growing_share
+CHUNKED_GROWING_SHARE = 0.1  # see WaModel.growing_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,10 +178,17 @@ class Tuner:
         )
         self.util_cap = 1.0  # lowered when the device refuses a pool
         tp = self.plan.tp
+        # Before anything is measured, the plan's prediction: a workspace plus activations
+        # growing with the prompt (whole steps) or those of one chunk (chunked prefill).
         slope = float(activation_bytes(cfg.model, 2, tp) - activation_bytes(cfg.model, 1, tp))
+        workspace = activation_bytes(cfg.model, 0, tp)
         self.models = {
-            False: WaModel(self.weights_bytes, min_slope=slope),
-            True: WaModel(self.weights_bytes, growing_share=CHUNKED_GROWING_SHARE),
+            False: WaModel(self.weights_bytes, prior_bytes=workspace, min_slope=slope),
+            True: WaModel(
+                self.weights_bytes,
+                prior_bytes=activation_bytes(cfg.model, cfg.chunk_tokens, tp),
+                growing_share=CHUNKED_GROWING_SHARE,
+            ),
         }
         self.fits: dict[bool, dict[int, LaunchOutcome]] = {False: {}, True: {}}
         self.fails: dict[bool, set[int]] = {False: set(), True: set()}
@@ -234,7 +245,7 @@ class Tuner:
         card = self.cfg.card.card_gib
         if self.free is not None:
             free = self.free.mib * MIB
-            pool = int(min(free - bud.HARD_MARGIN_GIB * GIB, card * self.util_cap * GIB))
+            pool = int(min(free - bud.hard_margin_gib(card) * GIB, card * self.util_cap * GIB))
             used = int(min(free - self.reserve() * GIB, pool))
         else:
             pool = used = int(card * util * GIB)
@@ -244,8 +255,16 @@ class Tuner:
             kv_bytes_per_token=self.bpt,
             block_size=self.cfg.block_size,
             watermark=self.cfg.watermark,
-            headroom_one_seq_bytes=self.base_headroom + self.per_seq,
+            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES,
+            headroom_share=TIGHTEN_MARGIN_SHARE,
+            weights_bytes=self.weights_bytes,
         )
+
+    def one_sequence_margin(self, wa_bytes: int | None = None) -> int:
+        """Headroom of a configuration that serves one sequence: the pre-run measured exactly
+        that load, so only the tightening margin is added."""
+        act = max(0, (wa_bytes or 0) - self.weights_bytes)
+        return TIGHTEN_MARGIN_FLOOR_BYTES + int(TIGHTEN_MARGIN_SHARE * act)
 
     def wa_bytes(self, o: LaunchOutcome) -> int:
         """Weights + activations a pre-run measured: worst rank's peak - the KV it allocated."""
@@ -379,6 +398,17 @@ class Tuner:
                     )
                     continue
                 if k is OutcomeKind.OOM_WEIGHTS:
+                    bigger = self.max_util(util)
+                    if bigger > util + 1e-4 and (length, chunked) not in retried:
+                        retried.add((length, chunked))
+                        self.decide(
+                            "retry at the card's free memory",
+                            f"the weights did not fit at util {util:g}; the card has "
+                            f"{self.free_desc()}: util {bigger:g} before the layout is given up",
+                            util=bigger,
+                        )
+                        util = bigger
+                        continue
                     self.weights_do_not_fit(o)
                 kv_extra = 0
                 if k is OutcomeKind.OK:
@@ -419,7 +449,7 @@ class Tuner:
             if nxt is None:
                 break
             self.decide(
-                "try max_model_len",
+                "shorten max_model_len" if nxt < length else "lengthen max_model_len",
                 self.why_length(chunked, nxt),
                 max_model_len=nxt,
             )
@@ -556,7 +586,7 @@ class Tuner:
         if not bound or self.launches_left() <= (2 if cfg.validate else 1):
             return best
         budget = self.budget(util)
-        room = budget.model_use_bytes(wa_chunk) - budget.headroom_one_seq_bytes
+        room = budget.model_use_bytes(wa_chunk) - budget.headroom(wa_chunk)
         slope = max(0.0, (bound - wa_chunk) / max(1, length - chunk))
         target = 0
         b = (length - 1) // CHUNK_GRID * CHUNK_GRID
@@ -641,6 +671,23 @@ class Tuner:
                     wa, self.weights_bytes, prerun.rank_peaks_mib, self.cfg.headroom_gib
                 ),
             )
+        try:
+            return self._derive(prerun, per_seq, base, announce)
+        except InfeasibleError:
+            tight = self.one_sequence_margin(self.wa_bytes(prerun))
+            if base <= tight:
+                raise
+        self.decide(
+            "one sequence",
+            f"with {base / MIB:,.0f} MiB of headroom no sequence of "
+            f"{prerun.settings.max_model_len:,} tokens fits; the pre-run measured exactly one "
+            f"such sequence, so {tight / MIB:,.0f} MiB above it is kept",
+        )
+        return self._derive(prerun, per_seq, tight, announce)
+
+    def _derive(
+        self, prerun: LaunchOutcome, per_seq: int, base: int, announce: bool
+    ) -> tuple[Derivation, str]:
         card = self.cfg.card.card_gib
         if self.free is None:
             util = prerun.settings.util
@@ -757,16 +804,17 @@ class Tuner:
         wa = d.weights_act_bytes
         seqs = val.settings.max_num_seqs
         full = self.full_load_non_kv(val)
-        per_seq = (
-            max(0, (full - wa) // max(1, seqs - 1)) if seqs > 1 else self.per_seq
-        )
-        margin = bud.BASE_HEADROOM_FLOOR_BYTES // 2 + int(
+        # Measured: `full` at `seqs` sequences. Each sequence more costs the slope between the
+        # pre-run (one) and the validation, or the model's per-sequence figure.
+        slope = max(0, (full - wa) // (seqs - 1)) if seqs > 1 else self.per_seq
+        slope = int(slope * 1.02)
+        margin = TIGHTEN_MARGIN_FLOOR_BYTES + int(
             TIGHTEN_MARGIN_SHARE * max(0, full - self.weights_bytes)
         )
+        # derive() adds base + slope x (sequences - 1): at `seqs` that is full - wa + margin.
+        base = max(0, full - wa + margin - slope * (seqs - 1))
         try:
-            cand, source = self.derive(
-                prerun, per_seq=int(per_seq * 1.02), base=margin, announce=False
-            )
+            cand, source = self.derive(prerun, per_seq=slope, base=base, announce=False)
         except PretunerError:
             return None
         gain = cand.final.kv_bytes - d.final.kv_bytes
@@ -802,7 +850,8 @@ class Tuner:
         before = per_seq
         if seqs > 1:
             per_seq = max(
-                per_seq, int((need - wa - self.base_headroom) / seqs * (1 + LEARN_MARGIN))
+                per_seq,
+                int((need - wa - self.base_headroom) / (seqs - 1) * (1 + LEARN_MARGIN)),
             )
             cause = (
                 f"per-sequence headroom {before / MIB:.1f} -> {per_seq / MIB:.1f} MiB"

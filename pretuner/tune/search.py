@@ -48,6 +48,7 @@ class WaModel:
     """Weights+activations against max_model_len for one batched-token policy."""
 
     weights_bytes: int
+    prior_bytes: int = 0  # what a prefill needs besides the weights at length 0 (the plan's)
     measured: list[Measured] = field(default_factory=list)
     bounds: list[Bound] = field(default_factory=list)
     min_slope: float = 0.0  # bytes per token: a floor from the model's shape
@@ -67,7 +68,7 @@ class WaModel:
             p = pts[0]
             slope = self.growing_share * (p.wa_bytes - self.weights_bytes) / max(1, p.length)
             return float(p.length), float(p.wa_bytes), max(slope, self.min_slope)
-        return 0.0, float(self.weights_bytes), self.min_slope
+        return 0.0, float(self.weights_bytes + self.prior_bytes), self.min_slope
 
     def slope_and_anchor(self) -> tuple[float, float, float]:
         anchor_len, anchor_wa, slope = self._line()
@@ -117,32 +118,40 @@ class Budget:
     kv_bytes_per_token: int
     block_size: int
     watermark: float
-    headroom_one_seq_bytes: int  # headroom of a configuration that serves one sequence
+    headroom_one_seq_bytes: int  # headroom of a configuration that serves one sequence,
+    headroom_share: float = 0.0  # plus this share of the activations (WA - weights)
+    weights_bytes: int = 0
     integer_model_use: bool = True  # r0.1: vLLM_MODEL_MEMORY_USE_GB is an integer of GiB
+
+    def headroom(self, wa_bytes: int) -> int:
+        act = max(0, wa_bytes - self.weights_bytes)
+        return self.headroom_one_seq_bytes + int(self.headroom_share * act)
 
     def kv_one_bytes(self, length: int) -> int:
         blocks = kv_blocks_for_one(length, self.block_size, self.watermark)
         return blocks * self.block_size * self.kv_bytes_per_token
 
     def model_use_bytes(self, wa_bytes: int) -> int:
-        need = wa_bytes + self.headroom_one_seq_bytes
+        need = wa_bytes + self.headroom(wa_bytes)
         return math.ceil(need / GIB - 1e-9) * GIB if self.integer_model_use else need
 
     def fits(self, length: int, wa_bytes: int) -> bool:
         """One sequence of `length` fits beside this WA (headroom and rounding included)."""
         kv = self.kv_one_bytes(length)
-        used = wa_bytes + self.headroom_one_seq_bytes + kv
+        used = wa_bytes + self.headroom(wa_bytes) + kv
         return used <= self.used_bytes and self.model_use_bytes(wa_bytes) + kv <= self.pool_bytes
 
 
-def edge(model: WaModel, budget: Budget, upto: int, grid: int = LENGTH_GRID) -> int:
-    """The longest multiple of `grid` up to `upto` that the model predicts fits; 0 if none."""
+def edge(model: WaModel, budget: Budget, upto: int, grid: int = LENGTH_GRID,
+         exact: bool = False) -> int:
+    """The longest multiple of `grid` up to `upto` (or `upto` itself when `exact`: the
+    requested length) that the model predicts fits; 0 if none."""
     best, n = 0, grid
     while n <= upto:
         if budget.fits(n, model.predict(n)):
             best = n
         n += grid
-    if upto % grid and budget.fits(upto, model.predict(upto)):
+    if exact and upto % grid and budget.fits(upto, model.predict(upto)):
         best = upto
     return best
 
@@ -161,7 +170,7 @@ def next_length(model: WaModel, budget: Budget, *, requested: int, longest_fit: 
             return None
         if shortest_fail is not None and shortest_fail - longest_fit <= CONVERGED_TOKENS:
             return None
-    target = edge(model, budget, hi)
+    target = edge(model, budget, hi, exact=shortest_fail is None)
     lo = longest_fit or 0
     if longest_fit is not None and target < longest_fit + CONVERGED_TOKENS:
         return None

@@ -1,0 +1,120 @@
+"""What a tuning run is asked for and what it returns: `TuneConfig`, `TuneResult`, the loop's
+constants and the small pure helpers the decision modules share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pretuner.kvmath import num_kv_blocks
+from pretuner.method import Derivation
+from pretuner.models.spec import ModelSpec
+from pretuner.plan import PlanConfig, PlanResult, plan
+from pretuner.tune import budget as bud
+from pretuner.tune.execute import LaunchOutcome
+from pretuner.tune.settings import LaunchSettings
+from pretuner.units import GIB, MIB
+
+UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
+LEN_LADDER = (16384, 8192, 4096)
+VLLM_V0_WATERMARK = 0.01  # vLLM 0.6's block manager keeps 1 % of the KV blocks free
+DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's budget when chunked prefill is on
+CHUNK_GRID = 1024  # a larger chunk budget is a multiple of this
+TIGHTEN_MIN_GAIN = 0.02  # a validated config is tightened when that buys 2 % more KV
+# A tightened configuration keeps this much above what the validation measured under full
+# load (a floor plus a share of the activations): small, because it is validated in turn and
+# the configuration proven before stands if it fails.
+TIGHTEN_MARGIN_FLOOR_BYTES = 8 * MIB
+TIGHTEN_MARGIN_SHARE = 0.001
+LEARN_MARGIN = 0.10  # a validation OOM's per-sequence cost is inflated by this
+CHUNKED_GROWING_SHARE = 0.1  # see WaModel.growing_share
+
+
+@dataclass(frozen=True, slots=True)
+class CardInfo:
+    card_gib: int
+    free_mib: int | None
+    source: str  # "given", "npu-smi", "sim npu-smi"
+
+
+@dataclass(frozen=True, slots=True)
+class TuneConfig:
+    model: ModelSpec
+    card: CardInfo
+    util: float = 0.9
+    max_model_len: int = 16384
+    min_model_len: int = 4096
+    tp: int | None = None
+    pp: int = 1
+    nodes: int | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    weights_format: str | None = None
+    headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
+    reserve_gib: float | None = None  # default: scaled to the card (pretuner.tune.budget)
+    max_launches: int = 8
+    validate: bool = True
+    model_use_gib: int | None = None  # pin the pre-run's model-use (the seed's 50); default: max
+    len_ladder: tuple[int, ...] = LEN_LADDER  # the backend's lengths to fall back through
+    watermark: float = VLLM_V0_WATERMARK
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+
+@dataclass
+class TuneState:
+    """Everything the loop learned so far (rebuilt by replay on --resume)."""
+
+    outcomes: list[LaunchOutcome] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class TuneResult:
+    plan: PlanResult
+    derivation: Derivation
+    validated: bool
+    outcomes: tuple[LaunchOutcome, ...]
+    decisions: tuple[dict[str, Any], ...]
+    final_util_source: str
+    prerun: LaunchOutcome | None = None  # the pre-run the derivation rests on
+    validation: LaunchOutcome | None = None  # the launch that proved it
+
+
+Executor = Callable[[LaunchSettings], LaunchOutcome]
+
+
+def plan_for(cfg: TuneConfig) -> PlanResult:
+    return plan(
+        PlanConfig(
+            model=cfg.model,
+            card_gib=cfg.card.card_gib,
+            util=cfg.util,
+            max_model_len=cfg.max_model_len,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            nodes=cfg.nodes,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            block_size=cfg.block_size,
+            weights_format=cfg.weights_format,
+            headroom_gib=0.5 if cfg.headroom_gib is None else cfg.headroom_gib,
+        )
+    )
+
+
+floor_to = bud.floor_to
+
+
+def prerun_util(cfg: TuneConfig) -> float:
+    """The method's 0.9, lowered when the card's free memory cannot give that much."""
+    if cfg.card.free_mib is None:
+        return cfg.util
+    reserve = bud.reserve_gib(cfg.card.card_gib, measured_by_engine=False, given=cfg.reserve_gib)
+    cap = floor_to((cfg.card.free_mib * MIB / GIB - reserve) / cfg.card.card_gib, 2)
+    return min(cfg.util, cap)
+
+
+def kv_prerun_bytes(s: LaunchSettings, bpt: int) -> int:
+    """The KV cache r0.1 allocated for a launch: whole blocks of card*util - model-use."""
+    budget = int(s.card_gib * GIB * s.util) - s.model_use_gib * GIB
+    return num_kv_blocks(budget, bpt, s.block_size) * s.block_size * bpt

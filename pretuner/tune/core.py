@@ -1,0 +1,323 @@
+"""`TunerCore`: the state every decision reads (the card, the measured peaks, the budget the
+final configuration will have) and the method's derivation at the final util."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from pretuner.errors import (
+    InfeasibleError,
+    NotValidatedError,
+)
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
+from pretuner.plan import PlanConfig, activation_bytes, smallest_weights_layout
+from pretuner.tune import budget as bud
+from pretuner.tune.config import (
+    CHUNKED_GROWING_SHARE,
+    TIGHTEN_MARGIN_FLOOR_BYTES,
+    TIGHTEN_MARGIN_SHARE,
+    Executor,
+    TuneConfig,
+    TuneResult,
+    TuneState,
+    kv_prerun_bytes,
+    plan_for,
+)
+from pretuner.tune.execute import LaunchOutcome, Phase
+from pretuner.tune.search import (
+    Budget,
+    WaModel,
+)
+from pretuner.tune.settings import LaunchSettings
+from pretuner.units import GIB, MIB
+
+log = logging.getLogger(__name__)
+
+
+class TunerCore:
+    """The decision procedure's state; launches go through `execute` so tests and --resume can
+    replay."""
+
+
+    def __init__(
+        self,
+        cfg: TuneConfig,
+        execute: Executor,
+        phase: Phase,
+        on_decision: Callable[[dict[str, Any]], object] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.execute = execute
+        self.phase = phase
+        self.on_decision = on_decision
+        self.state = TuneState()
+        self.plan = plan_for(cfg)
+        self.bpt = kv_bytes_per_token(
+            cfg.model, tp=self.plan.tp, pp=self.plan.pp, kv_dtype=cfg.kv_cache_dtype
+        )
+        self.weights_bytes = self.plan.weights_bytes_per_card
+        self.free: bud.FreeMemory | None = (
+            bud.FreeMemory(cfg.card.free_mib, f"{cfg.card.source} (measured)", False)
+            if cfg.card.free_mib is not None
+            else None
+        )
+        self.util_cap = 1.0  # lowered when the device refuses a pool
+        tp = self.plan.tp
+        # Before anything is measured, the plan's prediction: a workspace plus activations
+        # growing with the prompt (whole steps) or those of one chunk (chunked prefill).
+        slope = float(activation_bytes(cfg.model, 2, tp) - activation_bytes(cfg.model, 1, tp))
+        workspace = activation_bytes(cfg.model, 0, tp)
+        self.models = {
+            False: WaModel(self.weights_bytes, prior_bytes=workspace, min_slope=slope),
+            True: WaModel(
+                self.weights_bytes,
+                prior_bytes=activation_bytes(cfg.model, cfg.chunk_tokens, tp),
+                growing_share=CHUNKED_GROWING_SHARE,
+            ),
+        }
+        self.fits: dict[bool, dict[int, LaunchOutcome]] = {False: {}, True: {}}
+        self.fails: dict[bool, set[int]] = {False: set(), True: set()}
+        self.per_seq = per_sequence_bytes(cfg.model.vocab_size)
+        self.base_headroom = bud.BASE_HEADROOM_FLOOR_BYTES
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def decide(self, what: str, why: str, **data: Any) -> None:
+        entry = {"decision": what, "reason": why, **data}
+        self.state.decisions.append(entry)
+        if self.on_decision is not None:
+            self.on_decision(entry)
+        log.info("decision: %s (%s)", what, why)
+        self.phase("decide", f"{what}: {why}")
+
+    def launches_left(self) -> int:
+        return self.cfg.max_launches - len(self.state.outcomes)
+
+    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        if self.launches_left() <= 0:
+            raise NotValidatedError(
+                f"launch budget of {self.cfg.max_launches} used up before a configuration was "
+                "validated",
+                hint="raise --max-launches, or read the run record's decisions",
+            )
+        outcome = self.execute(settings)
+        self.state.outcomes.append(outcome)
+        self.learn_card(outcome)
+        return outcome
+
+    def learn_card(self, o: LaunchOutcome) -> None:
+        """Keep what a launch measured of the card: free memory and the weights."""
+        if o.device_free_mib:
+            self.free = bud.FreeMemory(o.device_free_mib, "MindSpore init line (measured)", True)
+        if o.weights_gib:
+            self.weights_bytes = int(o.weights_gib * GIB)
+            for m in self.models.values():
+                m.weights_bytes = self.weights_bytes
+
+    # -- memory the final configuration will have -------------------------------------------
+    def reserve(self) -> float:
+        measured = self.free is not None and self.free.measured_by_engine
+        return bud.reserve_gib(
+            self.cfg.card.card_gib, measured_by_engine=measured, given=self.cfg.reserve_gib
+        )
+
+    def max_util(self, current: float) -> float:
+        """The util later pre-runs use: the largest pool the measured free memory allows."""
+        if self.free is None or not self.free.measured_by_engine:
+            return current
+        return min(self.util_cap, bud.max_pool_util(self.cfg.card.card_gib, self.free))
+
+    def budget(self, util: float) -> Budget:
+        card = self.cfg.card.card_gib
+        if self.free is not None:
+            free = self.free.mib * MIB
+            pool = int(min(free - bud.hard_margin_gib(card) * GIB, card * self.util_cap * GIB))
+            used = int(min(free - self.reserve() * GIB, pool))
+        else:
+            pool = used = int(card * util * GIB)
+        return Budget(
+            pool_bytes=pool,
+            used_bytes=used,
+            kv_bytes_per_token=self.bpt,
+            block_size=self.cfg.block_size,
+            watermark=self.cfg.watermark,
+            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES,
+            headroom_share=TIGHTEN_MARGIN_SHARE,
+            weights_bytes=self.weights_bytes,
+        )
+
+    def one_sequence_margin(self, wa_bytes: int | None = None) -> int:
+        """Headroom of a configuration that serves one sequence: the pre-run measured exactly
+        that load, so only the tightening margin is added."""
+        act = max(0, (wa_bytes or 0) - self.weights_bytes)
+        return TIGHTEN_MARGIN_FLOOR_BYTES + int(TIGHTEN_MARGIN_SHARE * act)
+
+    def wa_bytes(self, o: LaunchOutcome) -> int:
+        """Weights + activations a pre-run measured: worst rank's peak - the KV it allocated."""
+        assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
+        return o.worst_peak_mib * MIB - kv_prerun_bytes(o.settings, self.bpt)
+
+    def oom_bound(self, o: LaunchOutcome) -> int:
+        """What an out-of-memory pre-run proves: weights + activations exceed the pool it had
+        besides the KV cache, and at least the dump's peak plus the allocation that failed."""
+        kv = kv_prerun_bytes(o.settings, self.bpt)
+        room = int(o.settings.card_gib * GIB * o.settings.util) - kv
+        seen = (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
+        return max(room + 1, seen)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def any_fit(self) -> bool:
+        return bool(self.fits[False] or self.fits[True])
+
+    def free_desc(self) -> str:
+        if self.free is None:
+            return "no free-memory reading"
+        return f"{self.free.mib:,} MiB free ({self.free.source})"
+
+
+    def layout_hint(self, default: str) -> str:
+        cfg = PlanConfig(
+            model=self.cfg.model,
+            card_gib=self.cfg.card.card_gib,
+            util=self.cfg.util,
+            max_model_len=self.cfg.min_model_len,
+            pp=self.cfg.pp,
+            kv_cache_dtype=self.cfg.kv_cache_dtype,
+            block_size=self.cfg.block_size,
+            weights_format=self.cfg.weights_format,
+        )
+        tp = smallest_weights_layout(cfg)
+        if tp is not None and tp > self.plan.tp:
+            return f"use --tp {tp} or more"
+        return default
+
+
+    def lower_util(self, util: float, outcome: LaunchOutcome, steps: Any) -> float:
+        if outcome.device_free_mib:
+            free = bud.FreeMemory(outcome.device_free_mib, "the device's refusal (measured)", True)
+            self.free = free
+            new = bud.max_pool_util(self.cfg.card.card_gib, free)
+            why = f"MindSpore reports {outcome.device_free_mib:,} MiB free"
+        else:
+            new = next((u for u in steps if u < util), 0.0)
+            why = "the device refused the pool size; next step of the method's util ladder"
+        if new <= 0 or new >= util:
+            raise InfeasibleError(
+                f"the card refuses util {util} and no lower util is left to try",
+                hint="check `npu-smi info` for other processes on the card",
+            )
+        self.util_cap = new
+        self.decide("lower util", why, util=new)
+        return new
+
+    # -- derivation -------------------------------------------------------------------------
+    def prerun_inputs(
+        self, o: LaunchOutcome, util: float, per_seq: int, base: int
+    ) -> PrerunInputs:
+        s = o.settings
+        assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
+        return PrerunInputs(
+            card_gib=s.card_gib,
+            util=s.util,
+            model_use_gib=s.model_use_gib,
+            actual_peak_mib=o.worst_peak_mib,
+            kv_bytes_per_token=self.bpt,
+            block_size=s.block_size,
+            max_model_len=s.max_model_len,
+            headroom_gib=base / GIB,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            final_util=util,
+            per_seq_bytes=per_seq,
+            watermark=self.cfg.watermark,
+        )
+
+    def derive(
+        self,
+        prerun: LaunchOutcome,
+        per_seq: int | None = None,
+        base: int | None = None,
+        announce: bool = True,
+    ) -> tuple[Derivation, str]:
+        """The method at the final util: the card's free memory less the reserve, raised by
+        the integer rounding of the model-use budget."""
+        per_seq = self.per_seq if per_seq is None else per_seq
+        if base is None:
+            wa = self.wa_bytes(prerun)
+            base = self.base_headroom = max(
+                self.base_headroom,
+                bud.base_headroom_bytes(
+                    wa, self.weights_bytes, prerun.rank_peaks_mib, self.cfg.headroom_gib
+                ),
+            )
+        try:
+            return self._derive(prerun, per_seq, base, announce)
+        except InfeasibleError:
+            tight = self.one_sequence_margin(self.wa_bytes(prerun))
+            if base <= tight:
+                raise
+        self.decide(
+            "one sequence",
+            f"with {base / MIB:,.0f} MiB of headroom no sequence of "
+            f"{prerun.settings.max_model_len:,} tokens fits; the pre-run measured exactly one "
+            f"such sequence, so {tight / MIB:,.0f} MiB above it is kept",
+        )
+        return self._derive(prerun, per_seq, tight, announce)
+
+    def _derive(
+        self, prerun: LaunchOutcome, per_seq: int, base: int, announce: bool
+    ) -> tuple[Derivation, str]:
+        card = self.cfg.card.card_gib
+        if self.free is None:
+            util = prerun.settings.util
+            source = "the pre-run's util (no free-memory reading)"
+            d = derive(self.prerun_inputs(prerun, util, per_seq, base))
+        else:
+            reserve = self.reserve()
+            # The rounding does not depend on util (the model-use budget is weights+activations
+            # plus headroom): learn it at the largest pool, then give it back within reach.
+            top = min(self.util_cap, bud.max_pool_util(card, self.free))
+            rounding = derive(self.prerun_inputs(prerun, top, per_seq, base)).rounding_cost_bytes
+            util = min(self.util_cap, bud.pool_util(card, self.free, reserve, rounding / GIB))
+            d = derive(self.prerun_inputs(prerun, util, per_seq, base))
+            source = f"{self.free.source}: {self.free.mib:,} MiB free - {reserve:.3g} GiB reserve"
+            if util > bud.pool_util(card, self.free, reserve):
+                source += (
+                    f" + {d.rounding_cost_bytes / GIB:.2f} GiB of integer rounding given back to "
+                    "the KV cache"
+                )
+        if not announce:
+            return d, source
+        self.decide(
+            "derive",
+            f"worst-rank peak {prerun.worst_peak_mib:,} MiB -> weights+activations "
+            f"{d.weights_act_gib:.2f} GiB; final util {util} from {source}",
+            vllm_model_memory_use_gb=d.final.vllm_model_memory_use_gb,
+            gpu_memory_utilization=util,
+            max_num_seqs=d.final.max_num_seqs,
+            kv_gib=round(d.final.kv_bytes / GIB, 3),
+        )
+        return d, source
+
+
+    def result(
+        self,
+        d: Derivation,
+        validated: bool,
+        source: str,
+        prerun: LaunchOutcome | None,
+        validation: LaunchOutcome | None,
+    ) -> TuneResult:
+        return TuneResult(
+            plan=self.plan,
+            derivation=d,
+            validated=validated,
+            outcomes=tuple(self.state.outcomes),
+            decisions=tuple(self.state.decisions),
+            final_util_source=source,
+            prerun=prerun,
+            validation=validation,
+        )
+

@@ -1,0 +1,199 @@
+"""`Validation`: max-num-seqs concurrent max-length requests; learn from a validation that ran
+out of memory, tighten one that passed with room to spare, never report an unproven one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pretuner.errors import (
+    InfeasibleError,
+    NotValidatedError,
+    PretunerError,
+    ServerFailedError,
+)
+from pretuner.method import Derivation
+from pretuner.tune import budget as bud
+from pretuner.tune.config import (
+    LEARN_MARGIN,
+    TIGHTEN_MARGIN_FLOOR_BYTES,
+    TIGHTEN_MARGIN_SHARE,
+    TIGHTEN_MIN_GAIN,
+    UTIL_LADDER,
+    TuneResult,
+    kv_prerun_bytes,
+)
+from pretuner.tune.core import TunerCore
+from pretuner.tune.execute import LaunchOutcome, OutcomeKind
+from pretuner.tune.settings import LaunchSettings, Purpose
+from pretuner.units import GIB, MIB
+
+
+class Validation(TunerCore):
+
+    def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
+        f = d.final
+        return replace(
+            prerun.settings,
+            purpose=Purpose.VALIDATE,
+            util=f.gpu_memory_utilization,
+            model_use_gib=f.vllm_model_memory_use_gb,
+            max_num_seqs=f.max_num_seqs,
+            max_num_batched_tokens=f.max_num_batched_tokens,
+        )
+
+    def validate(self, prerun: LaunchOutcome, d: Derivation, source: str) -> TuneResult:
+        proven: tuple[Derivation, str, LaunchOutcome] | None = None
+        tightened = False
+        per_seq = self.per_seq
+        while True:
+            settings = self.final_settings(prerun, d)
+            if proven is not None and self.launches_left() <= 0:
+                break
+            outcome = self.launch(settings)
+            cap_mib = settings.card_gib * settings.util * 1024
+            peak = outcome.worst_peak_mib or 0
+            if (
+                outcome.kind is OutcomeKind.OK
+                and outcome.requests_ok == outcome.requests_total
+                and peak <= cap_mib
+            ):
+                self.decide(
+                    "validated",
+                    f"{outcome.requests_total} concurrent requests of "
+                    f"{settings.max_model_len:,} tokens, no OOM, worst-rank peak "
+                    f"{peak:,} MiB within card*util = {cap_mib:,.0f} MiB",
+                )
+                proven = (d, source, outcome)
+                if tightened:
+                    break
+                tightened = True
+                tighter = self.tighten(prerun, d, outcome)
+                if tighter is None:
+                    break
+                d, source = tighter
+                continue
+            if proven is not None:
+                self.decide(
+                    "keep the validated configuration",
+                    f"the tightened one failed ({outcome.kind.value}); the one proven before "
+                    "stands",
+                )
+                break
+            if outcome.kind is OutcomeKind.DEVICE_REFUSED:
+                self.lower_util(settings.util, outcome, iter(UTIL_LADDER))
+                d, source = self.derive(prerun, per_seq=per_seq)
+                continue
+            if outcome.kind is OutcomeKind.REQUESTS_FAILED:
+                # Requests failed but no OOM was logged: more headroom would not help.
+                raise ServerFailedError(
+                    f"validation: {outcome.requests_total - outcome.requests_ok} of "
+                    f"{outcome.requests_total} requests failed without any OOM in the log "
+                    f"({outcome.request_error or 'no error text'})",
+                    hint=f"check the server log {outcome.log_path} and --request-timeout",
+                    log_path=outcome.log_path,
+                )
+            prerun, d, source, per_seq = self.learn(prerun, d, outcome, per_seq)
+        assert proven is not None  # noqa: S101 - the loop leaves only with a proven config
+        d, source, outcome = proven
+        return self.result(d, True, source, prerun, outcome)
+
+    def full_load_non_kv(self, o: LaunchOutcome) -> int:
+        """What a validation's worst rank held besides the KV cache (its pool dump), plus the
+        allocation that failed when it ran out."""
+        kv = kv_prerun_bytes(o.settings, self.bpt)
+        return (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
+
+    def tighten(
+        self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome
+    ) -> tuple[Derivation, str] | None:
+        """A configuration with more KV, from what the passed validation measured under full
+        load; None when that buys less than TIGHTEN_MIN_GAIN or no launch is left."""
+        if self.launches_left() <= 0 or self.cfg.headroom_gib is not None:
+            return None
+        wa = d.weights_act_bytes
+        seqs = val.settings.max_num_seqs
+        full = self.full_load_non_kv(val)
+        # Measured: `full` at `seqs` sequences. Each sequence more costs the slope between the
+        # pre-run (one) and the validation, or the model's per-sequence figure.
+        slope = max(0, (full - wa) // (seqs - 1)) if seqs > 1 else self.per_seq
+        slope = int(slope * 1.02)
+        margin = TIGHTEN_MARGIN_FLOOR_BYTES + int(
+            TIGHTEN_MARGIN_SHARE * max(0, full - self.weights_bytes)
+        )
+        # derive() adds base + slope x (sequences - 1): at `seqs` that is full - wa + margin.
+        base = max(0, full - wa + margin - slope * (seqs - 1))
+        try:
+            cand, source = self.derive(prerun, per_seq=slope, base=base, announce=False)
+        except PretunerError:
+            return None
+        gain = cand.final.kv_bytes - d.final.kv_bytes
+        if gain < TIGHTEN_MIN_GAIN * d.final.kv_bytes and (
+            cand.final.max_num_seqs <= d.final.max_num_seqs
+        ):
+            self.decide(
+                "no tightening",
+                f"under full load the worst rank held {full / GIB:.2f} GiB besides the KV cache; "
+                f"a tighter budget would add {gain / GIB:.2f} GiB of KV, under "
+                f"{TIGHTEN_MIN_GAIN:.0%}",
+            )
+            return None
+        self.decide(
+            "tighten",
+            f"under full load ({seqs} sequences) the worst rank held {full / GIB:.2f} GiB besides "
+            f"the KV cache (measured: {(full - wa) / MIB:,.0f} MiB above the pre-run); with that "
+            f"and a {margin / MIB:,.0f} MiB margin the KV cache grows by {gain / GIB:.2f} GiB to "
+            f"{cand.final.max_num_seqs} sequences: validating it",
+            vllm_model_memory_use_gb=cand.final.vllm_model_memory_use_gb,
+            max_num_seqs=cand.final.max_num_seqs,
+        )
+        return cand, source
+
+    def learn(
+        self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome, per_seq: int
+    ) -> tuple[LaunchOutcome, Derivation, str, int]:
+        """Re-derive from a validation that ran out of memory: its own dump says what the full
+        load needed; shrink what caused it."""
+        seqs = val.settings.max_num_seqs
+        need = self.full_load_non_kv(val)
+        wa = d.weights_act_bytes
+        before = per_seq
+        if seqs > 1:
+            per_seq = max(
+                per_seq,
+                int((need - wa - self.base_headroom) / (seqs - 1) * (1 + LEARN_MARGIN)),
+            )
+            cause = (
+                f"per-sequence headroom {before / MIB:.1f} -> {per_seq / MIB:.1f} MiB"
+            )
+        else:
+            self.base_headroom += int(max(0, need - wa - self.base_headroom - per_seq)
+                                      * (1 + LEARN_MARGIN)) + bud.BASE_HEADROOM_FLOOR_BYTES
+            cause = f"base headroom -> {self.base_headroom / MIB:,.0f} MiB"
+        why = (
+            f"validation ran out of memory ({val.kind.value}, {val.oom_text or 'no text'}); its "
+            f"pool dump says the worst rank needed at least {need / GIB:.2f} GiB besides the KV "
+            f"cache with {seqs} sequences (pre-run: {wa / GIB:.2f} GiB): {cause}"
+        )
+        try:
+            new, source = self.derive(prerun, per_seq=per_seq)
+        except InfeasibleError:
+            shorter = [n for n in self.fits[prerun.settings.chunked_prefill]
+                       if n < prerun.settings.max_model_len]
+            if not shorter:
+                raise NotValidatedError(
+                    f"validation at {prerun.settings.max_model_len:,} tokens ran out of memory "
+                    "and no shorter length was measured to fit",
+                    hint="pass a shorter --max-model-len",
+                ) from None
+            prerun = self.fits[prerun.settings.chunked_prefill][max(shorter)]
+            self.decide("learn from the validation", why + "; one sequence no longer fits: "
+                        f"max_model_len -> {prerun.settings.max_model_len:,}")
+            new, source = self.derive(prerun, per_seq=per_seq)
+            return prerun, new, source, per_seq
+        self.decide(
+            "learn from the validation",
+            why + f"; max-num-seqs {seqs} -> {new.final.max_num_seqs}, model-use "
+            f"{d.final.vllm_model_memory_use_gb} -> {new.final.vllm_model_memory_use_gb} GiB",
+            max_num_seqs=new.final.max_num_seqs,
+        )
+        return prerun, new, source, per_seq

@@ -9,6 +9,7 @@ from typing import Any
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult, scan_paths
+from pretuner.logscan.summary import truncated_json
 from pretuner.method import (
     DEFAULT_HEADROOM_GIB,
     Derivation,
@@ -51,7 +52,7 @@ class AnalyzeResult:
     card_gib: int
     card_source: str  # "given" or "measured"
     tp: int
-    tp_source: str  # "given" or "derived"
+    tp_source: str  # "given" or "derived" (ranks with a pool dump, truncated ones included)
     kv_bytes_per_token: int
     derivation: Derivation
 
@@ -74,10 +75,16 @@ class AnalyzeResult:
                 "actual_peak_mib": worst.actual_peak_mib,
             },
             "ranks": [
-                {"rank": r.rank, "pid": r.pid, "actual_peak_mib": r.actual_peak_mib, "file": r.file}
-                for r in self.scan.ranks
-                if r.actual_peak_mib is not None
+                {
+                    "rank": r.rank,
+                    "pid": r.pid,
+                    "actual_peak_mib": r.actual_peak_mib,
+                    "truncated_dumps": r.truncated_dumps,
+                    "file": r.file,
+                }
+                for r in dumped_ranks(self.scan)
             ],
+            "truncated": [truncated_json(t) for t in self.scan.truncated],
             "kv_prerun_gib": round(d.kv_prerun_gib, 4),
             "weights_act_gib": round(d.weights_act_gib, 4),
             "max_kv_gib": round(d.max_kv_gib, 4),
@@ -92,8 +99,18 @@ class AnalyzeResult:
             "final_kv_tokens": d.final.kv_tokens,
             "env": d.final.env,
             "flags": d.final.flags,
-            "provenance": {"actual_peak_mib": "measured", "derivation": "derived"},
+            "provenance": {
+                "actual_peak_mib": (
+                    "measured, without the truncated dumps" if self.scan.truncated else "measured"
+                ),
+                "derivation": "derived",
+            },
         }
+
+
+def dumped_ranks(scan: ScanResult) -> list[RankSummary]:
+    """The ranks that wrote a pool dump, complete or truncated: each is one rank of the TP."""
+    return [r for r in scan.ranks if r.actual_peak_mib is not None or r.truncated_dumps]
 
 
 def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
@@ -112,10 +129,25 @@ def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
             "refused, or shorten --max-model-len, then pre-run again (pretuner run does this)",
         )
     worst = scan.worst
+    if (worst is None or worst.actual_peak_mib is None) and scan.truncated:
+        raise NothingFoundError(
+            f"no complete pool dump in {', '.join(str(p) for p in cfg.paths)}: "
+            f"{len(scan.truncated)} truncated, first: {scan.truncated[0].describe()}",
+            hint="stop the server gracefully (SIGTERM to its process group, then wait for it to "
+            "exit) so that every rank finishes its dump, and analyze that run's logs",
+        )
     if worst is None or worst.actual_peak_mib is None:
         raise NothingFoundError(
             f"no `actual peak used` line in {', '.join(str(p) for p in cfg.paths)}",
             hint=NO_PEAK_HINT,
+        )
+    above = [t for t in scan.truncated if (t.peak_used_mib or 0) > worst.actual_peak_mib]
+    if above:
+        raise InfeasibleError(
+            f"the worst complete pool dump says {worst.actual_peak_mib:,} MiB, but "
+            f"{above[0].describe()}: the worst rank's peak is unknown and higher",
+            hint="pre-run again and stop the server gracefully (SIGTERM to its process group, "
+            "then wait) so that every rank finishes its dump",
         )
     if cfg.card_gib is not None:
         card, card_source = cfg.card_gib, "given"
@@ -125,11 +157,10 @@ def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
         raise BadInputError(
             "the log does not say the card size", hint="pass --card (e.g. --card 64)"
         )
-    peaks = [r for r in scan.ranks if r.actual_peak_mib is not None]
     if cfg.tp is not None:
         tp, tp_source = cfg.tp, "given"
     else:
-        tp, tp_source = max(1, len(peaks)), "derived"
+        tp, tp_source = max(1, len(dumped_ranks(scan))), "derived"
     bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
     derivation = derive(
         PrerunInputs(

@@ -374,8 +374,8 @@ def test_origin(text: str, expected: Origin) -> None:
     "text",
     [
         "",
-        PREFIX
-        + "Common mem pool info: Total allocated mem:1024M, peak used mem:32M, in used mem:4M",
+        PREFIX + "The dynamic memory pool total size is: 1024M, total used size is 4M",
+        PREFIX + f"The dynamic memory pool stat info : {STAT}",  # the debug dump: no peak
         "- Memory not enough:",
         "actual peak used mem:",
         "Available KV cache memory: lots",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze
+from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze, dumped_ranks
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
 from pretuner.derivation_text import derivation_lines
@@ -67,12 +67,15 @@ def analyze_cmd(
             f"pretuner analyze {shlex.join(str(p) for p in logs)}",
             f"model {result.model}, card {result.card_gib} GiB, TP{result.tp}; worst-rank actual "
             f"peak {result.derivation.actual_peak_bytes // 2**20:,} MiB (measured)",
+            *(f"warning: {cut.describe()}" for cut in result.scan.truncated),
         ]
         write_atomic(out, env_file_text(result.derivation.final, header))
     if as_json:
         data = result.to_json()
         data["out"] = str(out) if out else None
         echo_json(data)
+        for cut in result.scan.truncated:
+            typer.echo(f"pretuner: warning: {cut.describe()}", err=True)
         return
     typer.echo(render_analysis(result))
     if out is not None:
@@ -83,12 +86,20 @@ def render_analysis(r: AnalyzeResult) -> str:
     worst = r.worst
     lines = [f"{r.model}, TP{r.tp} ({r.tp_source}), {r.kv_bytes_per_token:,} B/token KV per card"]
     lines.append("actual peak used per rank (measured):")
-    for rank in r.scan.ranks:
-        if rank.actual_peak_mib is None:
-            continue
+    for rank in dumped_ranks(r.scan):
         who = f"rank {rank.rank}" if rank.rank is not None else f"pid {rank.pid}"
         mark = "  <- worst" if rank is worst else ""
-        lines.append(f"  {who}: {rank.actual_peak_mib:,} MiB  ({rank.file}:{rank.line}){mark}")
+        if rank.truncated_dumps:
+            mark += f"  ({rank.truncated_dumps} truncated dump(s))"
+        peak = "unknown" if rank.actual_peak_mib is None else f"{rank.actual_peak_mib:,} MiB"
+        lines.append(f"  {who}: {peak}  ({rank.file}:{rank.line}){mark}")
+    for cut in r.scan.truncated:
+        lines.append(f"warning: {cut.describe()}")
+    if r.scan.truncated:
+        lines.append(
+            "warning: the worst peak above comes from the complete dumps only and may be too "
+            "low; for a sure figure, pre-run again and stop the server gracefully"
+        )
     lines.append("")
     lines += derivation_lines(r.derivation, card_source=r.card_source)
     return "\n".join(lines)

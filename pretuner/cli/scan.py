@@ -9,7 +9,7 @@ import typer
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.errors import NothingFoundError
-from pretuner.logscan import ScanResult, scan_paths
+from pretuner.logscan import RankSummary, ScanResult, scan_paths
 
 
 @app.command("scan")
@@ -21,6 +21,8 @@ def scan_cmd(
     result = scan_paths(paths)
     if as_json:
         echo_json(result.to_json())
+        for cut in result.truncated:
+            typer.echo(f"pretuner: warning: {cut.describe()}", err=True)
     else:
         typer.echo(render(result))
     for item in result.unreadable:
@@ -36,6 +38,12 @@ def scan_cmd(
         )
 
 
+def _peak_cell(rank: RankSummary) -> str:
+    if rank.actual_peak_mib is not None:
+        return f"{rank.actual_peak_mib:,}"
+    return "unknown (cut)" if rank.truncated_dumps else "-"
+
+
 def render(result: ScanResult) -> str:
     """The human-readable report."""
     out = [
@@ -47,9 +55,9 @@ def render(result: ScanResult) -> str:
             [
                 "-" if r.rank is None else r.rank,
                 "-" if r.pid is None else r.pid,
-                "-" if r.actual_peak_mib is None else f"{r.actual_peak_mib:,}",
+                _peak_cell(r),
                 "-" if r.peak_used_mib is None else f"{r.peak_used_mib:,.0f}",
-                r.dumps,
+                r.dumps if not r.truncated_dumps else f"{r.dumps} + {r.truncated_dumps} cut",
                 r.oom_count,
                 f"{r.file}:{r.line}",
             ]
@@ -61,6 +69,13 @@ def render(result: ScanResult) -> str:
         worst = result.worst
         who = f"rank {worst.rank}" if worst.rank is not None else f"pid {worst.pid}"
         out.append(f"\nworst actual peak: {result.worst.actual_peak_mib:,} MiB ({who})")
+        if result.truncated:
+            out.append(
+                f"  from the complete dumps only: {len(result.truncated)} truncated, so the "
+                "worst may be higher"
+            )
+    for cut in result.truncated:
+        out.append(f"TRUNCATED: {cut.describe()}")
     if result.card_mib is not None:
         out.append(f"card: {result.card_mib:,} MiB")
     if result.weights_gib is not None:

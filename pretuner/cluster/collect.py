@@ -14,7 +14,15 @@ from typing import Any
 from pretuner.cluster.nodefs import node_local
 from pretuner.logscan.lines import DeviceMemoryInit, OomEvent, OomKind
 from pretuner.logscan.scanner import Unreadable, iter_log_files, scan_files
-from pretuner.logscan.summary import OomPhase, OomRecord, RankSummary, ScanResult, summarize
+from pretuner.logscan.summary import (
+    OomPhase,
+    OomRecord,
+    RankSummary,
+    ScanResult,
+    TruncatedRecord,
+    Truncation,
+    summarize,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +47,7 @@ class NodeScan:
             "files": list(s.files),
             "ranks": [asdict(r) for r in s.ranks],
             "oom": [_oom_wire(o) for o in s.oom],
+            "truncated": [{**asdict(t), "how": t.how.value} for t in s.truncated],
             "figures": {
                 "card_mib": s.card_mib,
                 "kv_cache_tokens": s.kv_cache_tokens,
@@ -57,6 +66,9 @@ class NodeScan:
     def from_wire(cls, data: dict[str, Any]) -> NodeScan:
         ranks = tuple(RankSummary(**r) for r in data["ranks"])
         oom = tuple(_oom_from_wire(o) for o in data["oom"])
+        truncated = tuple(
+            TruncatedRecord(**{**t, "how": Truncation(t["how"])}) for t in data.get("truncated", ())
+        )
         figures = data["figures"]
         scan = ScanResult(
             files=tuple(data["files"]),
@@ -67,6 +79,7 @@ class NodeScan:
             lines_scanned=data["lines_scanned"],
             bytes_scanned=data["bytes_scanned"],
             events=data["events"],
+            truncated=truncated,
             **figures,
         )
         return cls(
@@ -200,6 +213,13 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
             if where not in oom_seen:
                 oom_seen.add(where)
                 oom.append(o)
+    truncated: list[TruncatedRecord] = []
+    cut_seen: set[tuple[object, ...]] = set()
+    for node in nodes:
+        for t in node.scan.truncated:
+            if (t.file, t.line, t.pid) not in cut_seen:
+                cut_seen.add((t.file, t.line, t.pid))
+                truncated.append(t)
     scans = [n.scan for n in nodes]
     worst = _worst(ranks)
     worst_node = owner[ranks.index(worst)] if worst is not None else None
@@ -220,6 +240,7 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
         lines_scanned=sum(s.lines_scanned for s in scans),
         bytes_scanned=sum(s.bytes_scanned for s in scans),
         events=sum(s.events for s in scans),
+        truncated=tuple(truncated),
     )
     peaks = {
         name: r.actual_peak_mib

@@ -131,9 +131,12 @@ class RayCollector:
             return None
         where = sorted({self.placement.node_of_rank(r).label for r in missing})
         shown = ", ".join(str(r) for r in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        cut = [t for t in merged.scan.truncated if t.rank in missing]
         return (
-            f"{len(missing)} of {self.placement.world} ranks left no memory-pool dump in "
-            f"{self.log_dir} (ranks {shown}, expected on {', '.join(where)}): the worst rank "
+            f"{len(missing)} of {self.placement.world} ranks left no complete memory-pool dump "
+            f"in {self.log_dir} (ranks {shown}, expected on {', '.join(where)}"
+            + (f"; {len(cut)} truncated, first: {cut[0].describe()}" if cut else "")
+            + "): the worst rank "
             "may be among them; check that GLOG_v=1 and GLOG_log_dir reach every node "
             "(pretuner passes them in the launch's Ray job runtime env) and that the server "
             "stops gracefully"

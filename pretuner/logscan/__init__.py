@@ -13,7 +13,15 @@ from pretuner.errors import BadInputError
 from pretuner.logscan.follow import LogFollower
 from pretuner.logscan.lines import Located, LogEvent, OomEvent, OomKind, parse_line, parse_origin
 from pretuner.logscan.scanner import Unreadable, iter_log_files, scan_files
-from pretuner.logscan.summary import OomPhase, OomRecord, RankSummary, ScanResult, summarize
+from pretuner.logscan.summary import (
+    OomPhase,
+    OomRecord,
+    RankSummary,
+    ScanResult,
+    TruncatedRecord,
+    Truncation,
+    summarize,
+)
 
 
 def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResult:
@@ -43,6 +51,8 @@ __all__ = [
     "OomRecord",
     "RankSummary",
     "ScanResult",
+    "TruncatedRecord",
+    "Truncation",
     "parse_line",
     "parse_origin",
     "scan_paths",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pretuner.logscan.lines import ANCHORS, Located, parse_line, parse_origin
+from pretuner.logscan.lines import ANCHORS, Located, locate_line
 from pretuner.logscan.scanner import MAX_HIT_LINE_BYTES, rank_from_path
 
 READ_BYTES = 4 * 2**20  # at most this much is read per poll: memory stays bounded
@@ -76,18 +76,5 @@ class LogFollower:
             self.line += 1
             if not any(anchor in raw for anchor in ANCHORS):
                 continue
-            event = parse_line(raw)
-            if event is None:
-                continue
-            origin = parse_origin(raw)
-            events.append(
-                Located(
-                    event=event,
-                    file=self.path,
-                    line=self.line,
-                    pid=origin.pid,
-                    rank=self.rank if self.rank is not None else origin.rank,
-                    text=raw[:MAX_HIT_LINE_BYTES].decode("utf-8", errors="replace").rstrip("\r"),
-                )
-            )
+            events += locate_line(raw, self.path, self.line, self.rank)
         return events

@@ -7,15 +7,27 @@ candidate lines with `ANCHORS` and hands them over one by one.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from enum import Enum
+
+from pretuner.logscan.pooldump import (
+    HEADER_TEXT,
+    SUMMARY_START,
+    PartialPoolDump,
+    PoolDump,
+    PoolDumpHeader,
+    PoolFormat,
+    parse_pool_dump,
+    parse_pool_header,
+)
 
 # Literal texts of which every recognised line contains at least one. Each is at least 15
 # bytes long: the scanner relies on that to find them through aligned 8-byte words.
 ANCHORS: tuple[bytes, ...] = (
     b"actual peak used",  # every pool dump format, [MS_RUNTIME_PROF] and debug alloc details
+    SUMMARY_START.encode(),  # a pool dump's summary line, even one cut before its peak
+    HEADER_TEXT.encode(),  # the per-pool lines that open a best-fit pool dump
     b"Device MOC Size:",
     b"Device HBM Size:",
     b"Device MOC memory size: ",
@@ -43,15 +55,7 @@ ANCHORS: tuple[bytes, ...] = (
 )
 
 MAX_PARSED_CHARS = 16384  # a longer "line" is garbage around a real hit: keep its head only
-
-
-class PoolFormat(str, Enum):
-    """Which MindSpore memory-pool dump a `PoolDump` came from."""
-
-    STAT_JSON = "stat_json"  # 2.4-2.5: `The dynamic memory pool stat info : {...}`
-    NAMED_POOL = "named_pool"  # 2.6+: `The dynamic memory pool[Name] stat info : {...}`
-    BEST_FIT = "best_fit"  # `The dynamic memory pool total allocated mem:...`
-    ALLOC_DETAIL = "alloc_detail"  # GLOG_v=0 per-allocation lines, figures in bytes
+MAX_TEXT_BYTES = 32 * 2**10  # of a line kept as an event's text
 
 
 class OomKind(str, Enum):
@@ -70,26 +74,6 @@ class MemoryStatKind(str, Enum):
     MINDSPORE_USED = "mindspore_used"
     USED_PEAK = "used_peak"  # without fragments
     ACTUAL_PEAK = "actual_peak"  # with fragments
-
-
-@dataclass(frozen=True, slots=True)
-class PoolDump:
-    """A MindSpore memory-pool dump; `actual_peak_mib` includes the KV cache."""
-
-    actual_peak_mib: int
-    peak_used_mib: float | None
-    in_use_mib: float | None
-    alloc_mib: float | None
-    idle_mib: float | None
-    used_by_event_mib: float | None
-    eager_free_mib: float | None
-    weight_mib: float | None
-    constant_mib: float | None
-    kernel_output_mib: float | None
-    other_mib: float | None
-    pool_name: str | None
-    format: PoolFormat
-    profiled: bool  # printed to stdout with the [MS_RUNTIME_PROF] tag
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +184,8 @@ class PromptIgnored:
 
 LogEvent = (
     PoolDump
+    | PartialPoolDump
+    | PoolDumpHeader
     | DeviceMemoryInit
     | MemoryStat
     | OomEvent
@@ -237,28 +223,14 @@ class Located:
 
 # `[INFO] PRE_ACT(pid,tid,python):` (C++) or `[INFO] ME(pid:tid,MainProcess):` (Python side)
 _MS_PREFIX = re.compile(r"\[[A-Z]+\] [A-Z_]+\((\d+)[,:]")
+# Where a writer's line starts: its MindSpore prefix, with the vLLM worker tag before it if any.
+_LINE_START = re.compile(
+    rb"(?:\([A-Za-z_]\w*[^()\n]{0,60}? pid=\d+\) )?\[[A-Z]+\] [A-Z_]+\(\d+[,:]"
+)
 # `(VllmWorker rank=0 pid=5361)`, `(EngineCore_DP0 pid=1102)`, `(VllmWorkerProcess pid=507)`
 _VLLM_TAG = re.compile(r"\([A-Za-z_]\w*(?: rank=(\d+))?(?: TP(\d+))?[^()]{0,40}? pid=(\d+)\)")
 
 _NUM = r"-?\d+(?:\.\d+)?"
-# A "key: number+unit" pair of the pool dumps: JSON keys are quoted, the rest are not.
-_POOL_PAIR = re.compile(r'"?([A-Za-z][A-Za-z ]{0,60}?)"?\s?:\s?(' + _NUM + r")(MB|M|B)(?![A-Za-z])")
-_POOL_KEYS: tuple[tuple[str, str], ...] = (
-    ("actual peak used mem", "actual_peak"),
-    ("peak used mem", "peak_used"),
-    ("in used mem", "in_use"),
-    ("total allocated mem", "alloc"),
-    ("alloc mem", "alloc"),
-    ("idle mem", "idle"),
-    ("used by event mem", "used_by_event"),
-    ("eager free mem", "eager_free"),
-    ("weight used size", "weight"),
-    ("constant value used size", "constant"),
-    ("kernel output used size", "kernel_output"),
-    ("other used size", "other"),
-)
-_POOL_NAME = re.compile(r"memory pool\[([^\]]{1,80})\]")
-
 _INIT_PAIR = re.compile(r"([A-Za-z][\w ()/.&,-]{0,80}?)\s?:\s?(\d+)([MG])\b")
 _INIT_KEYS: tuple[tuple[str, str], ...] = (
     ("device free x size", "device_free"),
@@ -316,7 +288,6 @@ _IGNORED = re.compile(
 )
 _BLOCKS = re.compile(r"# (?:GPU|NPU|npu|gpu) blocks: (\d+), # CPU blocks: (\d+)")
 
-_UNIT_MIB = {"B": 1.0 / 2**20, "M": 1.0, "MB": 1.0, "G": 1024.0}
 _UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
@@ -345,63 +316,51 @@ def parse_origin(line: bytes | str) -> Origin:
     return Origin(pid=None, rank=None)
 
 
+def split_writers(raw: bytes) -> list[bytes]:
+    """One piece per writer of a raw line.
+
+    A process killed mid-line (its buffered log cut at a buffer boundary) leaves no newline,
+    so the next process's line runs on in the same line: without the split, the first
+    writer's cut pool dump would take the second writer's figures as its own.
+    """
+    starts = [m.start() for m in _LINE_START.finditer(raw)][1:]
+    if not starts:
+        return [raw]
+    bounds = [0, *starts, len(raw)]
+    return [raw[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
+
+def locate_line(raw: bytes, file: str, line: int, rank: int | None) -> list[Located]:
+    """The events of one raw line (1-based `line`), each with its writer."""
+    found: list[Located] = []
+    for piece in split_writers(raw):
+        event = parse_line(piece)
+        if event is None:
+            continue
+        origin = parse_origin(piece)
+        text = piece[:MAX_TEXT_BYTES].decode("utf-8", errors="replace").rstrip("\r\n")
+        found.append(
+            Located(event, file, line, origin.pid, rank if rank is not None else origin.rank, text)
+        )
+    return found
+
+
 def parse_line(line: bytes | str) -> LogEvent | None:
     """The memory event a single log line carries, or None. Never raises on any input."""
     text = _text(line)
     oom = _oom(text)  # first: an OOM report may quote the pool statistics
     if oom is not None:
         return oom
-    if "actual peak used" in text:
-        return _pool_dump(text)
+    if "actual peak used" in text or SUMMARY_START in text:
+        return parse_pool_dump(text)
+    if HEADER_TEXT in text:
+        return parse_pool_header(text)
     if " Size:" in text and ("Device MOC Size" in text or "Device HBM Size" in text):
         return _device_init(text)
     stat = _STAT.search(text)
     if stat:
         return MemoryStat(_STAT_KINDS[stat.group(1).split(" ", 1)[0]], int(stat.group(2)))
     return _vllm(text)
-
-
-def _pool_dump(text: str) -> PoolDump | None:
-    start = text.find("The dynamic memory pool")
-    if start < 0:
-        start = text.find("memory details")
-        if start < 0:
-            return None
-    figures: dict[str, float] = {}
-    for match in _POOL_PAIR.finditer(text, start):
-        key = match.group(1).strip().lower()
-        for suffix, field in _POOL_KEYS:
-            if key.endswith(suffix):
-                if field not in figures:
-                    figures[field] = float(match.group(2)) * _UNIT_MIB[match.group(3)]
-                break
-    if "actual_peak" not in figures:
-        return None
-    name = _POOL_NAME.search(text, start)
-    if "memory details" in text[start : start + 16]:
-        fmt = PoolFormat.ALLOC_DETAIL
-    elif name:
-        fmt = PoolFormat.NAMED_POOL
-    elif "stat info" in text:
-        fmt = PoolFormat.STAT_JSON
-    else:
-        fmt = PoolFormat.BEST_FIT
-    return PoolDump(
-        actual_peak_mib=math.ceil(figures["actual_peak"]),
-        peak_used_mib=figures.get("peak_used"),
-        in_use_mib=figures.get("in_use"),
-        alloc_mib=figures.get("alloc"),
-        idle_mib=figures.get("idle"),
-        used_by_event_mib=figures.get("used_by_event"),
-        eager_free_mib=figures.get("eager_free"),
-        weight_mib=figures.get("weight"),
-        constant_mib=figures.get("constant"),
-        kernel_output_mib=figures.get("kernel_output"),
-        other_mib=figures.get("other"),
-        pool_name=name.group(1) if name else None,
-        format=fmt,
-        profiled="[MS_RUNTIME_PROF]" in text[: start + 1],
-    )
 
 
 def _device_init(text: str) -> DeviceMemoryInit | None:
@@ -512,3 +471,33 @@ def _vllm(text: str) -> LogEvent | None:
     if found:
         return PromptIgnored(int(found.group(1)), int(found.group(2)) if found.group(2) else None)
     return None
+
+
+__all__ = [
+    "ANCHORS",
+    "AvailableKvMemory",
+    "AvailableMemory",
+    "BlockCounts",
+    "DeviceMemoryInit",
+    "KvCacheSize",
+    "KvReserved",
+    "LoadingStarted",
+    "Located",
+    "LogEvent",
+    "MaxConcurrency",
+    "MemoryStat",
+    "MemoryStatKind",
+    "ModelLoaded",
+    "OomEvent",
+    "OomKind",
+    "Origin",
+    "PartialPoolDump",
+    "PoolDump",
+    "PoolDumpHeader",
+    "PoolFormat",
+    "PromptIgnored",
+    "locate_line",
+    "parse_line",
+    "parse_origin",
+    "split_writers",
+]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from pretuner.logscan.lines import ANCHORS, Located, parse_line, parse_origin
+from pretuner.logscan.lines import ANCHORS, Located, locate_line
 
 log = logging.getLogger(__name__)
 
@@ -194,22 +194,6 @@ def rank_from_path(path: str) -> int | None:
             return int(found.group(1))
     found = _RANK_FILE.search(parts[-1]) if parts else None
     return int(found.group(1)) if found else None
-
-
-def _locate(file: str, rank: int | None, line_no: int, raw: bytes) -> Located | None:
-    event = parse_line(raw)
-    if event is None:
-        return None
-    origin = parse_origin(raw)
-    text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-    return Located(
-        event=event,
-        file=file,
-        line=line_no,
-        pid=origin.pid,
-        rank=rank if rank is not None else origin.rank,
-        text=text,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,9 +371,7 @@ def _assemble(
     errors: list[str] = []
     for part in parts:
         for index, raw in part.lines:
-            located = _locate(file, rank, line_base + index, raw)
-            if located is not None:
-                events.append(located)
+            events += locate_line(raw, file, line_base + index, rank)
         line_base += part.newlines
         bytes_read += part.bytes_read
         if part.error:

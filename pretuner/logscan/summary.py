@@ -10,6 +10,7 @@ from typing import Any
 from pretuner.logscan.lines import (
     AvailableKvMemory,
     AvailableMemory,
+    BlockCounts,
     DeviceMemoryInit,
     KvCacheSize,
     KvReserved,
@@ -21,7 +22,10 @@ from pretuner.logscan.lines import (
     ModelLoaded,
     OomEvent,
     OomKind,
+    PartialPoolDump,
     PoolDump,
+    PoolDumpHeader,
+    PoolFormat,
     PromptIgnored,
 )
 from pretuner.logscan.scanner import FileScan, Unreadable
@@ -49,6 +53,49 @@ class OomRecord:
     event: OomEvent
 
 
+class Truncation(str, Enum):
+    """How a memory-pool dump was cut short (its writer killed, or its log never flushed)."""
+
+    SUMMARY_CUT = "summary_cut"  # the summary line stops before `actual peak used`
+    SUMMARY_MISSING = "summary_missing"  # the per-pool header lines, then no summary line
+
+
+@dataclass(frozen=True, slots=True)
+class TruncatedRecord:
+    """A pool dump cut short: its writer's actual peak is unknown."""
+
+    how: Truncation
+    file: str
+    line: int
+    pid: int | None
+    rank: int | None
+    peak_used_mib: float | None  # `peak used mem` printed before the cut: the peak is at least this
+    text: str
+
+    def describe(self) -> str:
+        """One line for a person."""
+        if self.how is Truncation.SUMMARY_CUT:
+            what = "its summary line stops before `actual peak used`"
+        else:
+            what = "its per-pool lines are there, the summary line with `actual peak used` is not"
+        floor = (
+            ""
+            if self.peak_used_mib is None
+            else f" (at least {self.peak_used_mib:,.0f} MiB, the `peak used mem` before the cut)"
+        )
+        return (
+            f"{writer(self.rank, self.pid)} wrote a truncated memory-pool dump at "
+            f"{self.file}:{self.line}: {what}; its actual peak is unknown{floor}"
+        )
+
+
+def writer(rank: int | None, pid: int | None) -> str:
+    """`rank 1 (pid 10559)`, `pid 10559`, `rank 1` or `an unknown process`."""
+    if rank is not None:
+        return f"rank {rank}" + (f" (pid {pid})" if pid is not None else "")
+    return f"pid {pid}" if pid is not None else "an unknown process"
+
+
 @dataclass(frozen=True, slots=True)
 class RankSummary:
     """The memory figures of one rank (or one process when no rank is known)."""
@@ -57,7 +104,7 @@ class RankSummary:
     pid: int | None
     actual_peak_mib: int | None  # the largest pool dump of this rank
     file: str
-    line: int  # where that largest dump is (or the first event, without a dump)
+    line: int  # where that largest dump is (else its cut dump, else its first event)
     peak_used_mib: float | None
     in_use_mib: float | None
     alloc_mib: float | None
@@ -66,6 +113,7 @@ class RankSummary:
     user_define_mib: int | None
     deinit_actual_peak_mib: int | None
     oom_count: int
+    truncated_dumps: int = 0  # dumps cut short: with no complete one, the peak is unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +135,7 @@ class ScanResult:
     bytes_scanned: int
     events: int
     prompts_ignored: tuple[PromptIgnored, ...] = ()  # prompts the scheduler never ran
+    truncated: tuple[TruncatedRecord, ...] = ()  # pool dumps cut short, in file order
 
     @property
     def found_anything(self) -> bool:
@@ -114,6 +163,7 @@ class ScanResult:
                 }
                 for o in self.oom
             ],
+            "truncated": [truncated_json(t) for t in self.truncated],
             "unreadable": [{"file": u.file, "reason": u.reason} for u in self.unreadable],
             "lines_scanned": self.lines_scanned,
             "bytes_scanned": self.bytes_scanned,
@@ -134,6 +184,18 @@ class ScanResult:
         return doc
 
 
+def truncated_json(t: TruncatedRecord) -> dict[str, Any]:
+    return {
+        "how": t.how.value,
+        "file": t.file,
+        "line": t.line,
+        "rank": t.rank,
+        "pid": t.pid,
+        "peak_used_mib": t.peak_used_mib,
+        "message": t.describe(),
+    }
+
+
 def _rank_json(rank: RankSummary) -> dict[str, Any]:
     return {
         "rank": rank.rank,
@@ -147,6 +209,7 @@ def _rank_json(rank: RankSummary) -> dict[str, Any]:
         "user_define_mib": rank.user_define_mib,
         "deinit_actual_peak_mib": rank.deinit_actual_peak_mib,
         "oom_count": rank.oom_count,
+        "truncated_dumps": rank.truncated_dumps,
         "file": rank.file,
         "line": rank.line,
     }
@@ -164,7 +227,17 @@ class _RankAcc:
     user_define_mib: int | None = None
     deinit_peak_mib: int | None = None
     oom_count: int = 0
+    truncated: int = 0
     pids: set[int] = field(default_factory=set)
+
+    def cut(
+        self, how: Truncation, ev: Located, pid: int | None, peak_used_mib: float | None
+    ) -> TruncatedRecord:
+        """Count a dump cut short; without a complete dump, it is where this rank is."""
+        self.truncated += 1
+        if self.best is None:
+            self.file, self.line = ev.file, ev.line
+        return TruncatedRecord(how, ev.file, ev.line, pid, self.rank, peak_used_mib, ev.text)
 
 
 def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) -> ScanResult:
@@ -179,10 +252,14 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
     seen_oom: dict[tuple[object, ...], int] = {}  # one failure, echoed by several layers
     figures: dict[str, list[float]] = {}
     ignored: list[PromptIgnored] = []
+    truncated: list[TruncatedRecord] = []
     for scan in scans:
         loading = False
         loaded = False
         last_pid: int | None = None
+        # Dumps whose header lines were seen and whose summary line was not (yet), per writer.
+        opened: dict[tuple[int | None, bool], tuple[Located, int | None, _RankAcc]] = {}
+        cut: list[TruncatedRecord] = []
         for ev in scan.events:
             # A line without a writer (exception text, a traceback) belongs to the process
             # that wrote the previous memory line of the same file.
@@ -215,7 +292,7 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
             if isinstance(event, PromptIgnored):
                 ignored.append(event)
                 continue
-            if not isinstance(event, PoolDump | DeviceMemoryInit | MemoryStat | OomEvent):
+            if isinstance(event, BlockCounts):
                 figures.setdefault("blocks", []).append(event.device_blocks)
                 continue
             if rank is not None:
@@ -229,7 +306,14 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
                 acc = accs[key] = _RankAcc(rank=rank, pid=pid, file=ev.file, line=ev.line)
             if pid is not None:
                 acc.pids.add(pid)
-            if isinstance(event, PoolDump):
+            if isinstance(event, PoolDumpHeader):
+                opened.setdefault((pid, event.profiled), (ev, pid, acc))
+            elif isinstance(event, PartialPoolDump):
+                opened.pop((pid, event.profiled), None)
+                cut.append(acc.cut(Truncation.SUMMARY_CUT, ev, pid, event.peak_used_mib))
+            elif isinstance(event, PoolDump):
+                if event.format is not PoolFormat.ALLOC_DETAIL:
+                    opened.pop((pid, event.profiled), None)
                 acc.dumps += 1
                 if acc.best is None or event.actual_peak_mib > acc.best.actual_peak_mib:
                     acc.best = event
@@ -267,6 +351,9 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
                 seen_oom[dedup] = len(oom)
                 acc.oom_count += 1
                 oom.append(record)
+        for header, header_pid, header_acc in opened.values():
+            cut.append(header_acc.cut(Truncation.SUMMARY_MISSING, header, header_pid, None))
+        truncated += sorted(cut, key=lambda t: t.line)
     ranks = tuple(
         sorted(
             (_freeze(a) for a in accs.values()),
@@ -292,6 +379,7 @@ def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) 
         bytes_scanned=sum(s.bytes_read for s in scans),
         events=sum(len(s.events) for s in scans),
         prompts_ignored=tuple(ignored),
+        truncated=tuple(truncated),
     )
 
 
@@ -311,7 +399,18 @@ def _freeze(acc: _RankAcc) -> RankSummary:
         user_define_mib=acc.user_define_mib,
         deinit_actual_peak_mib=acc.deinit_peak_mib,
         oom_count=acc.oom_count,
+        truncated_dumps=acc.truncated,
     )
 
 
-__all__ = ["OomPhase", "OomRecord", "RankSummary", "ScanResult", "Located", "summarize"]
+__all__ = [
+    "Located",
+    "OomPhase",
+    "OomRecord",
+    "RankSummary",
+    "ScanResult",
+    "TruncatedRecord",
+    "Truncation",
+    "summarize",
+    "writer",
+]

@@ -227,7 +227,7 @@ def outcome_of(
     """Classify a finished launch from its scanned logs and what its requests got."""
     kind = _classify(scan, settings, failure, done.ok, done.total, done.dropped)
     if kind is None:
-        raise _fatal(failure, graceful, log_path)
+        raise _fatal(failure, graceful, log_path, scan)
     if kind is OutcomeKind.OK and problem:
         raise ServerFailedError(problem, log_path=str(log_path))
     ready_s, request_s, stop_s, total_s = times
@@ -254,6 +254,7 @@ def outcome_of(
         weights_gib=scan.weights_gib,
         oom_alloc_bytes=max((o.event.alloc_bytes or 0 for o in scan.oom), default=0) or None,
         requests_dropped=max(done.dropped, len(scan.prompts_ignored)),
+        notes=tuple(t.describe() for t in scan.truncated),  # also in scan.json's "truncated"
     )
 
 
@@ -357,7 +358,9 @@ def _classify(
     return OutcomeKind.OK
 
 
-def _fatal(failure: ServerFailedError | None, graceful: bool, log_path: Path) -> ServerFailedError:
+def _fatal(
+    failure: ServerFailedError | None, graceful: bool, log_path: Path, scan: ScanResult
+) -> ServerFailedError:
     if failure is not None:
         return failure
     tail = read_tail(log_path, 15)
@@ -366,8 +369,12 @@ def _fatal(failure: ServerFailedError | None, graceful: bool, log_path: Path) ->
         if not graceful
         else "its log has no `actual peak used` line"
     )
+    if scan.truncated:
+        killed = ", killed after the grace period" if not graceful else ""
+        why = f"{len(scan.truncated)} cut short{killed}; first: {scan.truncated[0].describe()}"
     return ServerFailedError(
-        f"the server stopped without a memory-pool dump: {why}",
+        f"the server stopped without a {'complete ' if scan.truncated else ''}memory-pool "
+        f"dump: {why}",
         hint=f"check that GLOG_v=1 reaches the server; log {log_path}"
         + (f"\nlast log lines:\n{tail}" if tail else ""),
         log_path=str(log_path),

@@ -12,7 +12,6 @@ from pretuner.units import GIB, MIB
 def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
     """Every step of seed 003 §3.2.2 with its formula, value, unit and provenance."""
     i = d.inputs
-    cap = i.card_gib * i.util
     peak_gib = d.actual_peak_bytes / GIB
     f = d.final
     final_cap = i.card_gib * f.gpu_memory_utilization
@@ -28,8 +27,8 @@ def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
             f"{d.weights_act_gib:.2f} GiB",
         ),
         (
-            "3. max KV cache",
-            f"{cap:.2f} GiB - {d.weights_act_gib:.2f} GiB",
+            f"3. max KV cache (card x final util {f.gpu_memory_utilization})",
+            f"{final_cap:.2f} GiB - {d.weights_act_gib:.2f} GiB",
             f"{d.max_kv_gib:.2f} GiB",
         ),
         (

@@ -7,6 +7,8 @@ value and what to do. The CLI catches `PretunerError` once and exits with `exit_
 from __future__ import annotations
 
 from enum import IntEnum
+from pathlib import Path
+from typing import Any
 
 
 class ExitCode(IntEnum):
@@ -32,6 +34,10 @@ class PretunerError(Exception):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        # Set by `pretuner run` once the failure is written to its run folder: the folder, and
+        # the report.json written there (what `run --json` prints).
+        self.run_record: Path | None = None
+        self.report: dict[str, Any] | None = None
 
     def __str__(self) -> str:
         return f"{self.message}; {self.hint}" if self.hint else self.message

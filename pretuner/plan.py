@@ -185,7 +185,9 @@ def plan(cfg: PlanConfig) -> PlanResult:
         raise BadInputError(
             f"--max-model-len {cfg.max_model_len:,} exceeds {cfg.model.name}'s "
             f"max_position_embeddings {limit:,}",
-            hint=f"use --max-model-len {limit} or less",
+            hint=f"use --max-model-len {limit} or less; pretuner will not tune past it (vLLM's "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 override risks wrong outputs); for more, pass a "
+            "model folder whose config.json sets a larger max_position_embeddings",
         )
     if cfg.cards_per_node < 1:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")

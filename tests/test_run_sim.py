@@ -201,6 +201,7 @@ def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None
         assert processes_holding(log) == [], f"a server of {log} survived pretuner"
     journal = (out / "journal.jsonl").read_text()
     assert "run_stopped" in journal
+    assert not (out / "report.json").exists()  # no failure report: the run is resumable
     resumed = run_cli("run", "--resume", str(out), "--json", env=env)
     assert resumed.returncode == 0, resumed.stderr
     rep = json.loads(resumed.stdout)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 from dataclasses import dataclass
 
 import typer
@@ -59,12 +60,13 @@ def main() -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code.
 
     Usage errors (exit 2) and --help are typer's own; a Ctrl-C that reaches here exits 130.
+    With --debug a `PretunerError` prints its traceback first and keeps its exit code.
     """
     try:
         app()
     except PretunerError as err:
-        if state.debug:
-            raise
+        if state.debug:  # the traceback, and still the documented exit code
+            traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
         fail(str(err), err.exit_code)
     except KeyboardInterrupt:
         typer.echo("pretuner: interrupted", err=True)

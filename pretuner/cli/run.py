@@ -10,6 +10,7 @@ import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
+from pretuner.errors import PretunerError
 from pretuner.launch.process import install_signal_handlers
 from pretuner.presets.compare import preset_line
 from pretuner.tune.entry import DryRun, RunOptions, RunOutcome, dry_run, run_tuning
@@ -162,6 +163,10 @@ def run_cmd(
     try:
         progress = Progress(quiet=as_json)
         outcome = run_tuning(opts, progress, resume=resume)
+    except PretunerError as err:
+        if as_json:
+            echo_json(error_json(err))
+        raise  # the error boundary prints the one-line error and exits with its code
     finally:
         restore()
     if as_json:
@@ -170,6 +175,19 @@ def run_cmd(
         typer.echo(render_summary(outcome))
     if not outcome.result.validated and opts.validate:
         raise typer.Exit(6)
+
+
+def error_json(err: PretunerError) -> dict[str, Any]:
+    """What `run --json` prints on a failure: the error, and the failure report when the run
+    got as far as its run folder."""
+    head = {
+        "error": err.message,
+        "hint": err.hint,
+        "exit_code": int(err.exit_code),
+        "error_type": type(err).__name__,
+        "run_record": str(err.run_record) if err.run_record is not None else None,
+    }
+    return {**head, **{k: v for k, v in (err.report or {}).items() if k not in head}}
 
 
 def render_dry_run(d: DryRun) -> str:

@@ -23,6 +23,12 @@ def preset_from_run_dir(run_dir: Path) -> Preset:
         raise BadInputError(
             f"cannot read {str(path)!r}: {err}", hint="pass a finished run folder"
         ) from None
+    if "error" in rep:  # a failed run's report: the reason, no configuration
+        reason = str(rep["error"]).partition("\n")[0]
+        raise BadInputError(
+            f"run {str(run_dir)!r} failed (exit {rep.get('exit_code')}): {reason}",
+            hint="a failed run has no configuration; see its report.md",
+        )
     return preset_from_report(rep, date="-")
 
 

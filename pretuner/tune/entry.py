@@ -20,6 +20,7 @@ from pretuner.tune.backends import (
     sim_profile,
 )
 from pretuner.tune.execute import LaunchContext, LaunchOutcome, Phase
+from pretuner.tune.failure import record_failure
 from pretuner.tune.loop import (
     CardInfo,
     TuneConfig,
@@ -30,7 +31,7 @@ from pretuner.tune.loop import (
     recorded_executor,
 )
 from pretuner.tune.record import RunRecord
-from pretuner.tune.report import report_json, report_md, serve_sh, tuned_env
+from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
 from pretuner.tune.settings import (
     Backend,
     LaunchCommand,
@@ -314,6 +315,16 @@ def _tune(
     opts: RunOptions, phase: Phase, resume: Path | None, collectors: RayCollectors | None
 ) -> RunOutcome:
     record, opts = _open_record(opts, resume)
+    try:
+        return _tune_recorded(record, opts, phase, collectors)
+    except PretunerError as err:
+        err.run_record = record.path  # `run --json` names it
+        raise
+
+
+def _tune_recorded(
+    record: RunRecord, opts: RunOptions, phase: Phase, collectors: RayCollectors | None
+) -> RunOutcome:
     cfg, choice, ctx, serve_argv, _ = _setup(opts)
     if collectors is not None:
         ctx = replace(ctx, collector=collectors)
@@ -325,23 +336,23 @@ def _tune(
         phase,
         on_decision=lambda d: record.append("decision", **d),
     )
-    try:
-        result = tuner.run()
-    except BaseException as err:
-        record.append("run_stopped", error=f"{type(err).__name__}: {err}")
-        raise
-    rep = report_json(
-        result,
+    meta = RunMeta(
         run_id=record.path.name,
         backend=choice.backend.value,
         simulated=choice.simulated,
         card_source=cfg.card.source,
-        serve_command=serve_argv,
         model_arg=opts.model,
         kv_cache_dtype=cfg.kv_cache_dtype,
+        cluster=collectors.info if collectors is not None else None,
     )
-    if collectors is not None:
-        rep["cluster"] = collectors.info
+    try:
+        result = tuner.run()
+    except BaseException as err:
+        record.append("run_stopped", error=f"{type(err).__name__}: {err}")
+        if isinstance(err, PretunerError):  # not on Ctrl-C: that run stays resumable
+            record_failure(record, tuner, err, meta)
+        raise
+    rep = report_json(result, meta, serve_argv)
     record.write_json("report.json", rep)
     record.write("report.md", report_md(rep, result))
     record.write("tuned.env", tuned_env(rep, result))

@@ -5,7 +5,8 @@ Layout of a run folder:
   launch-<n>/command.json  the exact argv and environment (secrets redacted)
   launch-<n>/server.log    everything the server printed
   launch-<n>/scan.json     what the log scanner found
-  tuned.env, serve.sh, report.md, report.json   the results (validated runs only)
+  report.md, report.json   the result, or why the run failed (a PretunerError)
+  tuned.env, serve.sh      the tuned configuration (finished runs only)
 """
 
 from __future__ import annotations

@@ -1,30 +1,115 @@
-"""The files a run leaves for people: report.json, report.md, tuned.env and serve.sh."""
+"""The files a run leaves for people: report.json, report.md, tuned.env and serve.sh.
+
+A run that fails (a `PretunerError`) leaves report.json and report.md too, with the reason, the
+fix, every launch and every decision; never tuned.env or serve.sh.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pretuner import __version__
 from pretuner.derivation_text import derivation_lines
+from pretuner.errors import ExitCode, PretunerError, ServerFailedError
+from pretuner.plan import PlanResult
 from pretuner.presets.model import preset_from_report
 from pretuner.scripts.context import ScriptOptions, Target
 from pretuner.scripts.render import render_scripts
+from pretuner.tune.execute import LaunchOutcome
 from pretuner.tune.loop import TuneResult
 from pretuner.tune.settings import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.units import GIB
 
+# The outcome of a launch that raised before it had one (the server died at start, hung...).
+UNFINISHED = "failed"
 
-def report_json(
-    result: TuneResult,
-    *,
-    run_id: str,
-    backend: str,
-    simulated: bool,
-    card_source: str,
-    serve_command: list[str],
-    model_arg: str,
-    kv_cache_dtype: str = "auto",
+
+@dataclass(frozen=True, slots=True)
+class RunMeta:
+    """What a report says about the run besides the tuning: where and how it ran."""
+
+    run_id: str
+    backend: str
+    simulated: bool
+    card_source: str
+    model_arg: str
+    kv_cache_dtype: str = "auto"
+    cluster: dict[str, Any] | None = None  # multi-node via Ray: the nodes and their ranks
+
+
+def step_json(o: LaunchOutcome) -> dict[str, Any]:
+    """One launch as report.json's `steps[]` shows it."""
+    return {
+        "n": o.n,
+        "purpose": o.settings.purpose.value,
+        "settings": o.settings.to_json(),
+        "outcome": o.kind.value,
+        "worst_peak_mib": o.worst_peak_mib,
+        "worst_node": o.worst_node,
+        "rank_peaks_mib": o.rank_peaks_mib,
+        "requests_ok": o.requests_ok,
+        "requests_total": o.requests_total,
+        "oom_text": o.oom_text,
+        "seconds": o.total_s,
+        "overhead_s": o.overhead_s,
+        "log": o.log_path,
+    }
+
+
+def unfinished_step(n: int, settings: dict[str, Any], log: str | None) -> dict[str, Any]:
+    """A launch that raised before it had an outcome: its settings; nothing was measured."""
+    return {
+        "n": n,
+        "purpose": settings["purpose"],
+        "settings": settings,
+        "outcome": UNFINISHED,
+        "worst_peak_mib": None,
+        "worst_node": None,
+        "rank_peaks_mib": {},
+        "requests_ok": None,
+        "requests_total": None,
+        "oom_text": None,
+        "seconds": None,
+        "overhead_s": None,
+        "log": log,
+    }
+
+
+def _run_fields(
+    meta: RunMeta,
+    p: PlanResult,
+    steps: Sequence[dict[str, Any]],
+    decisions: Iterable[dict[str, Any]],
 ) -> dict[str, Any]:
+    """The keys a success and a failure report share, in report.json's order."""
+    return {
+        "pretuner_version": __version__,
+        "run_id": meta.run_id,
+        "backend": meta.backend,
+        "simulated": meta.simulated,
+        "model": p.model,
+        "model_arg": meta.model_arg,
+        "card_gib": p.card_gib,
+        "card_source": meta.card_source,
+        "tp": p.tp,
+        "pp": p.pp,
+        "nodes": p.nodes,
+        "weights_format": p.weights_format,
+        "kv_cache_dtype": meta.kv_cache_dtype,
+        "kv_bytes_per_token": p.kv_bytes_per_token,
+        "launches": len(steps),
+        "steps": list(steps),
+        "decisions": list(decisions),
+    }
+
+
+def _cluster(meta: RunMeta) -> dict[str, Any]:
+    return {} if meta.cluster is None else {"cluster": meta.cluster}
+
+
+def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> dict[str, Any]:
     d, p = result.derivation, result.plan
     f = d.final
     flags: dict[str, Any] = {**f.flags, "tensor_parallel_size": p.tp}
@@ -33,44 +118,11 @@ def report_json(
     chunk_flag = chunked_prefill_flag(f.max_model_len, f.chunked_prefill)
     if chunk_flag is not None:
         flags["enable_chunked_prefill"] = chunk_flag
-    server_dtype = server_kv_cache_dtype(kv_cache_dtype)
+    server_dtype = server_kv_cache_dtype(meta.kv_cache_dtype)
     if server_dtype is not None:
         flags["kv_cache_dtype"] = server_dtype
     return {
-        "pretuner_version": __version__,
-        "run_id": run_id,
-        "backend": backend,
-        "simulated": simulated,
-        "model": p.model,
-        "model_arg": model_arg,
-        "card_gib": f.ascend_total_memory_gb,
-        "card_source": card_source,
-        "tp": p.tp,
-        "pp": p.pp,
-        "nodes": p.nodes,
-        "weights_format": p.weights_format,
-        "kv_cache_dtype": kv_cache_dtype,
-        "kv_bytes_per_token": p.kv_bytes_per_token,
-        "launches": len(result.outcomes),
-        "steps": [
-            {
-                "n": o.n,
-                "purpose": o.settings.purpose.value,
-                "settings": o.settings.to_json(),
-                "outcome": o.kind.value,
-                "worst_peak_mib": o.worst_peak_mib,
-                "worst_node": o.worst_node,
-                "rank_peaks_mib": o.rank_peaks_mib,
-                "requests_ok": o.requests_ok,
-                "requests_total": o.requests_total,
-                "oom_text": o.oom_text,
-                "seconds": o.total_s,
-                "overhead_s": o.overhead_s,
-                "log": o.log_path,
-            }
-            for o in result.outcomes
-        ],
-        "decisions": list(result.decisions),
+        **_run_fields(meta, p, [step_json(o) for o in result.outcomes], result.decisions),
         "validated": result.validated,
         "derivation": {
             "kv_prerun_gib": round(d.kv_prerun_gib, 4),
@@ -89,46 +141,49 @@ def report_json(
         "max_kv_tokens": f.kv_tokens,
         "max_kv_gib": round(f.kv_bytes / GIB, 4),
         "provenance": {
-            "actual_peak_mib": "simulated" if simulated else "measured",
+            "actual_peak_mib": "simulated" if meta.simulated else "measured",
             "final": "derived",
         },
+        **_cluster(meta),
+    }
+
+
+def failure_json(
+    err: PretunerError,
+    meta: RunMeta,
+    p: PlanResult,
+    steps: Sequence[dict[str, Any]],
+    decisions: Iterable[dict[str, Any]],
+) -> dict[str, Any]:
+    """report.json of a run stopped by `err`: why, the fix, and everything done until then."""
+    return {
+        **_run_fields(meta, p, steps, decisions),
+        "validated": False,
+        "error": err.message,
+        "hint": err.hint,
+        "exit_code": int(err.exit_code),
+        "error_type": type(err).__name__,
+        "server_log": err.log_path if isinstance(err, ServerFailedError) else None,
+        **_cluster(meta),
     }
 
 
 def report_md(rep: dict[str, Any], result: TuneResult) -> str:
     d = result.derivation
-    tag = "SIMULATED (emulated card)" if rep["simulated"] else "measured"
     status = "validated under full load" if rep["validated"] else "NOT validated"
     lines = [
         f"# pretuner run {rep['run_id']}",
         "",
-        f"- model: {rep['model']} ({rep['weights_format']}), TP{rep['tp']} x PP{rep['pp']} on "
-        f"{rep['nodes']} node(s)",
-        f"- card: {rep['card_gib']} GiB ({rep['card_source']}); backend {rep['backend']}; "
-        f"figures {tag}",
+        *_run_lines(rep),
         f"- result: {status} after {rep['launches']} launch(es)",
         f"- KV cache per card: {rep['max_kv_gib']:.2f} GiB = {rep['max_kv_tokens']:,} tokens",
         *_cluster_lines(rep),
+        *_launch_lines(rep),
         "",
-        "## Launches",
+        "## Derivation",
         "",
-        "| # | purpose | util | model-use GiB | max_model_len | max-num-seqs | outcome | "
-        "worst peak MiB | seconds |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "```",
     ]
-    for s in rep["steps"]:
-        st = s["settings"]
-        peak = f"{s['worst_peak_mib']:,}" if s["worst_peak_mib"] else "-"
-        if s.get("worst_node"):
-            peak += f" on {s['worst_node']}"
-        lines.append(
-            f"| {s['n']} | {s['purpose']} | {st['util']} | {st['model_use_gib']} | "
-            f"{st['max_model_len']:,} | {st['max_num_seqs']} | {s['outcome']} | {peak} | "
-            f"{s['seconds']:.1f} |"
-        )
-    lines += ["", "## Decisions", ""]
-    lines += [f"- **{x['decision']}**: {x['reason']}" for x in rep["decisions"]]
-    lines += ["", "## Derivation", "", "```"]
     lines += derivation_lines(d, card_source=rep["card_source"])
     lines += ["```", "", "## Memory per card (worst rank)", ""]
     f = d.final
@@ -151,6 +206,80 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
         f"Re-tune: `pretuner run --model {rep['model_arg']} --card {rep['card_gib']}`",
     ]
     return "\n".join(lines) + "\n"
+
+
+def failure_md(rep: dict[str, Any]) -> str:
+    """report.md of a failed run (`failure_json`): the reason and the fix first."""
+    code = rep["exit_code"]
+    reason, _, details = rep["error"].partition("\n")  # a server failure adds its log tail
+    lines = [
+        f"# pretuner run {rep['run_id']}: FAILED (exit {code}, {_exit_name(code)})",
+        "",
+        f"- reason: {reason}",
+        f"- fix: {rep['hint'] or 'read the server log and the decisions below'}",
+    ]
+    if rep["server_log"]:
+        lines.append(f"- server log: {rep['server_log']}")
+    lines += [
+        "",
+        *_run_lines(rep),
+        f"- result: NOT validated, stopped after {rep['launches']} launch(es); no tuned.env or "
+        "serve.sh was written",
+        *_cluster_lines(rep),
+        *_launch_lines(rep),
+    ]
+    if details:
+        lines += ["", "## Details", "", "```", details.rstrip("\n"), "```"]
+    lines += [
+        "",
+        f"Re-run after the fix: `pretuner run --model {rep['model_arg']} --card {rep['card_gib']}`"
+        " with the options the fix names",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _exit_name(code: int) -> str:
+    try:
+        return ExitCode(code).name.lower().replace("_", " ")
+    except ValueError:
+        return "error"
+
+
+def _run_lines(rep: dict[str, Any]) -> list[str]:
+    tag = "SIMULATED (emulated card)" if rep["simulated"] else "measured"
+    return [
+        f"- model: {rep['model']} ({rep['weights_format']}), TP{rep['tp']} x PP{rep['pp']} on "
+        f"{rep['nodes']} node(s)",
+        f"- card: {rep['card_gib']} GiB ({rep['card_source']}); backend {rep['backend']}; "
+        f"figures {tag}",
+    ]
+
+
+def _launch_lines(rep: dict[str, Any]) -> list[str]:
+    """The launch table and the decisions, as both a success and a failure report show them."""
+    lines = ["", "## Launches", ""]
+    if rep["steps"]:
+        lines += [
+            "| # | purpose | util | model-use GiB | max_model_len | max-num-seqs | outcome | "
+            "worst peak MiB | seconds |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines.append("No launch was made.")
+    for s in rep["steps"]:
+        st = s["settings"]
+        peak = f"{s['worst_peak_mib']:,}" if s["worst_peak_mib"] else "-"
+        if s.get("worst_node"):
+            peak += f" on {s['worst_node']}"
+        seconds = "-" if s["seconds"] is None else f"{s['seconds']:.1f}"
+        lines.append(
+            f"| {s['n']} | {s['purpose']} | {st['util']} | {st['model_use_gib']} | "
+            f"{st['max_model_len']:,} | {st['max_num_seqs']} | {s['outcome']} | {peak} | "
+            f"{seconds} |"
+        )
+    lines += ["", "## Decisions", ""]
+    lines += [f"- **{x['decision']}**: {x['reason']}" for x in rep["decisions"]]
+    return lines
 
 
 def _cluster_lines(rep: dict[str, Any]) -> list[str]:

@@ -1,0 +1,219 @@
+"""report.md's arithmetic, recomputed from report.json of a real `pretuner run` on the emulated
+card: every printed line adds up within the rounding it is printed with."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import run_cli
+
+pytestmark = pytest.mark.slow
+
+GIB = 2**30
+MIB = 2**20
+SHOWN = 0.005  # half the last digit of a figure printed with 2 decimals
+
+SCENARIOS = {
+    # The final util (from the card's measured free memory) differs from the pre-run's 0.9.
+    "qwen3-8b-64": ("--model", "qwen3-8b", "--card", "64"),
+    # Chunked prefill at 40,960 tokens; the pre-runs already ran at the final util.
+    "qwen3-8b-32-chunked": (
+        "--model", "qwen3-8b", "--card", "32", "--tp", "1", "--max-model-len", "40960",
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Run:
+    rep: dict[str, Any]
+    md: str
+
+    @property
+    def block_gib(self) -> float:
+        """One KV block: what the method's block flooring may leave unused."""
+        flags = self.rep["final"]["flags"]
+        return float(flags["block_size"] * self.rep["kv_bytes_per_token"] / GIB)
+
+    def line(self, pattern: str) -> re.Match[str]:
+        m = re.search(pattern, self.md, re.MULTILINE)
+        assert m is not None, f"no line matches {pattern!r} in report.md:\n{self.md}"
+        return m
+
+    def step(self, n: int) -> tuple[str, str]:
+        """Derivation step `n` as (formula, result)."""
+        m = self.line(rf"^  {n}\. .+?  = (.+?)\s+= (.+)$")
+        return m.group(1).strip(), m.group(2).strip()
+
+    def prerun(self) -> dict[str, Any]:
+        """The pre-run the derivation rests on: the one whose peak it names."""
+        peak = self.rep["derivation"]["actual_peak_mib"]
+        steps = [s for s in self.rep["steps"]
+                 if s["purpose"] == "prerun" and s["worst_peak_mib"] == peak]  # fmt: skip
+        assert steps, "no pre-run in report.json has the derivation's peak"
+        return dict(steps[-1]["settings"])
+
+
+def num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    cache: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in cache:
+            out: Path = tmp_path_factory.mktemp(name) / "run"
+            proc = run_cli("run", *SCENARIOS[name], "--out", str(out))
+            assert proc.returncode == 0, proc.stderr
+            rep = json.loads((out / "report.json").read_text())
+            cache[name] = Run(rep, (out / "report.md").read_text())
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_memory_table_adds_up_to_the_pool_cap(runs: Callable[[str], Run], name: str) -> None:
+    r = runs(name)
+    rep, d = r.rep, r.rep["derivation"]
+    rows = {m.group(1): num(m.group(2))
+            for m in re.finditer(r"^\| ([A-Za-z][^|]+?) \| ([\d.]+) \|", r.md, re.MULTILINE)}  # fmt: skip
+    wa = rows["weights + activations (pre-run)"]
+    headroom = rows["headroom (base + per sequence)"]
+    rounding = rows["rounding to integer model-use"]
+    kv = rows["KV cache"]
+    cap = rows["pool cap (card x util)"]
+    # Each row is report.json's figure.
+    assert wa == pytest.approx(d["weights_act_gib"], abs=SHOWN + 1e-4)
+    assert headroom == pytest.approx(d["headroom_total_gib"], abs=SHOWN + 1e-4)
+    assert rounding == pytest.approx(d["rounding_cost_gib"], abs=SHOWN + 1e-4)
+    assert kv == pytest.approx(rep["max_kv_gib"], abs=SHOWN + 1e-4)
+    util = rep["final"]["flags"]["gpu_memory_utilization"]
+    assert cap == pytest.approx(rep["card_gib"] * util, abs=SHOWN)
+    # The parts fill the pool: up to one KV block is left when the KV cache is block-floored.
+    assert wa + headroom + rounding + kv == pytest.approx(cap, abs=4 * SHOWN + r.block_gib)
+    # And exactly (report.json keeps 4 decimals): the first three are the integer model-use.
+    model_use = int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"])
+    exact = d["weights_act_gib"] + d["headroom_total_gib"] + d["rounding_cost_gib"]
+    assert exact == pytest.approx(model_use, abs=3e-4)
+    left = rep["card_gib"] * util - model_use - rep["max_kv_gib"]
+    assert -2e-4 <= left <= r.block_gib + 2e-4
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_derivation_steps_match_report_json(runs: Callable[[str], Run], name: str) -> None:
+    r = runs(name)
+    rep, d = r.rep, r.rep["derivation"]
+    bpt = rep["kv_bytes_per_token"]
+    s = r.prerun()
+    # 1. KV cache in the pre-run = card x util - model-use (whole blocks).
+    formula, result = r.step(1)
+    m = re.fullmatch(r"(\d+) GiB x ([\d.]+) - (\d+) GiB", formula)
+    assert m is not None, formula
+    assert (int(m.group(1)), num(m.group(2)), int(m.group(3))) == (
+        rep["card_gib"], s["util"], s["model_use_gib"]
+    )
+    kv_prerun = num(result.removesuffix(" GiB"))
+    assert kv_prerun == pytest.approx(d["kv_prerun_gib"], abs=SHOWN + 1e-4)
+    budget = rep["card_gib"] * s["util"] - s["model_use_gib"]
+    assert budget - r.block_gib - 1e-4 <= d["kv_prerun_gib"] <= budget + 1e-4
+    # 2. weights + activations = peak - pre-run KV.
+    formula, result = r.step(2)
+    m = re.fullmatch(r"([\d.]+) GiB peak - ([\d.]+) GiB", formula)
+    assert m is not None, formula
+    peak, minus = num(m.group(1)), num(m.group(2))
+    assert peak == pytest.approx(d["actual_peak_mib"] * MIB / GIB, abs=SHOWN)
+    assert minus == kv_prerun
+    assert num(result.removesuffix(" GiB")) == pytest.approx(peak - minus, abs=3 * SHOWN)
+    assert d["weights_act_gib"] == pytest.approx(
+        d["actual_peak_mib"] * MIB / GIB - d["kv_prerun_gib"], abs=2e-4
+    )
+    # 4. max tokens = max KV / bytes per token, floored to whole blocks.
+    formula, result = r.step(4)
+    m = re.fullmatch(r"([\d.]+) GiB / ([\d,]+) B/token, block (\d+)", formula)
+    assert m is not None, formula
+    max_kv, block = num(m.group(1)), int(m.group(3))
+    assert (int(num(m.group(2))), block) == (bpt, rep["final"]["flags"]["block_size"])
+    tokens = int(num(result.removesuffix(" tokens")))
+    assert tokens % block == 0
+    assert tokens == pytest.approx(max_kv * GIB / bpt, abs=SHOWN * GIB / bpt + block)
+    # 5. max-num-seqs (the method's, before headroom) = max tokens // max_model_len.
+    formula, result = r.step(5)
+    m = re.fullmatch(r"([\d,]+) // ([\d,]+)", formula)
+    assert m is not None, formula
+    assert int(num(m.group(1))) == tokens
+    assert int(num(m.group(2))) == s["max_model_len"]
+    assert int(result) == tokens // s["max_model_len"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3-8b-64",
+        "qwen3-8b-32-chunked",
+    ],
+)
+def test_derivation_step_3_subtracts_from_the_cap_it_prints(
+    runs: Callable[[str], Run], name: str
+) -> None:
+    r = runs(name)
+    d = r.rep["derivation"]
+    # 3. max KV cache = card x util - weights + activations.
+    formula, result = r.step(3)
+    m = re.fullmatch(r"([\d.]+) GiB - ([\d.]+) GiB", formula)
+    assert m is not None, formula
+    cap, wa = num(m.group(1)), num(m.group(2))
+    flags = r.rep["final"]["flags"]
+    assert cap == pytest.approx(r.rep["card_gib"] * flags["gpu_memory_utilization"], abs=SHOWN)
+    assert wa == pytest.approx(d["weights_act_gib"], abs=SHOWN + 1e-4)
+    assert num(result.removesuffix(" GiB")) == pytest.approx(cap - wa, abs=3 * SHOWN)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_final_configuration_lines_add_up(runs: Callable[[str], Run], name: str) -> None:
+    r = runs(name)
+    rep, d = r.rep, r.rep["derivation"]
+    flags, bpt = rep["final"]["flags"], rep["kv_bytes_per_token"]
+    model_use = int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"])
+    seqs, length = flags["max_num_seqs"], flags["max_model_len"]
+    # Headroom: base + per sequence beyond the first.
+    m = r.line(r"\(headroom ([\d.]+) GiB \+ ([\d.]+) MiB per running sequence beyond the first "
+               r"= ([\d.]+) GiB")  # fmt: skip
+    base, per_seq, total = num(m.group(1)), num(m.group(2)), num(m.group(3))
+    assert base == pytest.approx(d["headroom_gib"], rel=5e-3)
+    assert total == pytest.approx(d["headroom_total_gib"], abs=SHOWN + 1e-4)
+    assert d["headroom_total_gib"] == pytest.approx(
+        d["headroom_gib"] + per_seq * MIB / GIB * (seqs - 1), abs=0.05 * MIB / GIB * seqs + 1e-4
+    )
+    # vLLM_MODEL_MEMORY_USE_GB = ceil(weights+act + headroom), and what rounding up costs.
+    m = r.line(r"vLLM_MODEL_MEMORY_USE_GB = ceil\(([\d.]+) \+ ([\d.]+)\) = (\d+) GiB .*rounding "
+               r"up costs ([\d.]+) GiB of KV, about ([\d,]+) tokens")  # fmt: skip
+    wa, headroom, use = num(m.group(1)), num(m.group(2)), int(m.group(3))
+    cost, lost = num(m.group(4)), int(num(m.group(5)))
+    assert (wa, headroom) == (round(d["weights_act_gib"], 2), round(d["headroom_total_gib"], 2))
+    assert use == model_use == math.ceil(d["weights_act_gib"] + d["headroom_total_gib"] - 1e-4)
+    assert cost == pytest.approx(model_use - d["weights_act_gib"] - d["headroom_total_gib"],
+                                 abs=SHOWN + 2e-4)  # fmt: skip
+    assert lost == pytest.approx(d["rounding_cost_gib"] * GIB / bpt, abs=1e-4 * GIB / bpt + 1)
+    # KV cache per card = card x final util - model-use, in tokens, and the sequences it serves.
+    m = r.line(r"KV cache per card = ([\d.]+) GiB - (\d+) GiB = ([\d.]+) GiB = ([\d,]+) tokens "
+               r"-> max-num-seqs (\d+) at ([\d,]+) tokens")  # fmt: skip
+    cap, minus, kv = num(m.group(1)), int(m.group(2)), num(m.group(3))
+    tokens, shown_seqs, shown_len = int(num(m.group(4))), int(m.group(5)), int(num(m.group(6)))
+    assert cap == pytest.approx(rep["card_gib"] * flags["gpu_memory_utilization"], abs=SHOWN)
+    assert minus == model_use
+    assert kv == pytest.approx(cap - minus, abs=2 * SHOWN + r.block_gib)
+    assert kv == pytest.approx(rep["max_kv_gib"], abs=SHOWN + 1e-4)
+    assert tokens == rep["max_kv_tokens"]
+    assert tokens * bpt == pytest.approx(rep["max_kv_gib"] * GIB, abs=1e-4 * GIB)
+    assert (shown_seqs, shown_len) == (seqs, length)
+    assert seqs * length <= tokens

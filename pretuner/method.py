@@ -192,11 +192,14 @@ def derive(inp: PrerunInputs) -> Derivation:
     # the per-sequence headroom of every sequence served. The smallest integer that holds
     # weights+activations and the base headroom leaves the most KV; when its room cannot hold
     # the per-sequence headroom of every sequence that KV serves, max-num-seqs is capped there,
-    # unless one more GiB of room serves more sequences.
+    # unless more GiB of room serve more sequences (the KV cache's count only falls as the
+    # budget grows, so the search stops where it can no longer beat the best).
     base_use = math.ceil(weights_act / GIB + inp.headroom_gib - 1e-9)
     best: tuple[int, int, int] | None = None  # (seqs, -model_use, model_use)
-    for use in range(base_use, base_use + 3):
+    for use in range(base_use, max(base_use, cap // GIB) + 1):
         kv_seqs = seqs_in(cap - use * GIB)
+        if best is not None and kv_seqs <= best[0]:
+            break
         if inp.per_seq_bytes:  # the pre-run ran one sequence: the others add headroom
             room = use * GIB - weights_act - int(inp.headroom_gib * GIB)
             kv_seqs = min(kv_seqs, 1 + room // inp.per_seq_bytes) if room >= 0 else 0

@@ -133,7 +133,9 @@ class TunerCore:
         card = self.cfg.card.card_gib
         if self.free is not None:
             free = self.free.mib * MIB
-            pool = int(min(free - bud.hard_margin_gib(card) * GIB, card * self.util_cap * GIB))
+            # The largest pool a launch can get: util floored as the launches floor it.
+            top = min(self.util_cap, bud.max_pool_util(card, self.free))
+            pool = int(card * GIB * top)
             used = int(min(free - self.reserve() * GIB, pool))
         else:
             pool = used = int(card * util * GIB)

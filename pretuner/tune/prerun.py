@@ -212,6 +212,7 @@ class PrerunSearch(TunerCore):
             longest_fit=lo,
             shortest_fail=hi,
             minimum=self.cfg.min_model_len,
+            failures=sum(1 for n in self.fails[chunked] if lo is None or n > lo),
         )
 
     def why_length(self, chunked: bool, nxt: int) -> str:

@@ -82,6 +82,17 @@ class WaModel:
         exact = [p.wa_bytes for p in self.measured if p.length == length]
         if exact:
             return max(exact)
+        below = [p for p in self.measured if p.length < length]
+        above = [p for p in self.measured if p.length > length]
+        floor = max((b.wa_min_bytes for b in self.bounds if b.length <= length), default=0)
+        if below and above:
+            # Between two measurements: their chord (WA grows with the length and, with the
+            # attention's quadratic part, faster at the top, so the chord does not undershoot).
+            a = max(below, key=lambda p: p.length)
+            b = min(above, key=lambda p: p.length)
+            share = (length - a.length) / (b.length - a.length)
+            wa = a.wa_bytes + (b.wa_bytes - a.wa_bytes) * share
+            return int(max(wa, floor, self.weights_bytes))
         anchor_len, anchor_wa, slope = self.slope_and_anchor()
         wa = anchor_wa + slope * (length - anchor_len)
         longest = max((p.length for p in self.measured), default=0)
@@ -89,7 +100,6 @@ class WaModel:
             base = max((p.wa_bytes for p in self.measured if p.length == longest),
                        default=self.weights_bytes)
             wa = base + (wa - base) * (1 + EXTRAPOLATION_MARGIN)
-        floor = max((b.wa_min_bytes for b in self.bounds if b.length <= length), default=0)
         return int(max(wa, floor, self.weights_bytes))
 
 
@@ -139,7 +149,12 @@ class Budget:
         """One sequence of `length` fits beside this WA (headroom and rounding included)."""
         kv = self.kv_one_bytes(length)
         used = wa_bytes + self.headroom(wa_bytes) + kv
-        return used <= self.used_bytes and self.model_use_bytes(wa_bytes) + kv <= self.pool_bytes
+        # The pool also keeps the block a pre-run keeps spare (`Tuner.prerun_most`), so a
+        # length that fits here can be pre-run with the model-use it needs.
+        spare = self.block_size * self.kv_bytes_per_token
+        return used <= self.used_bytes and (
+            self.model_use_bytes(wa_bytes) + kv + spare <= self.pool_bytes
+        )
 
 
 def edge(model: WaModel, budget: Budget, upto: int, grid: int = LENGTH_GRID,
@@ -157,12 +172,15 @@ def edge(model: WaModel, budget: Budget, upto: int, grid: int = LENGTH_GRID,
 
 
 def next_length(model: WaModel, budget: Budget, *, requested: int, longest_fit: int | None,
-                shortest_fail: int | None, minimum: int) -> int | None:
+                shortest_fail: int | None, minimum: int, failures: int = 0) -> int | None:
     """The next length to pre-run, or None when the search is done.
 
     Done when the longest fit is the requested length, when fit and failure are within
     CONVERGED_TOKENS, or when the model says no length CONVERGED_TOKENS beyond the longest fit
-    would hold. Otherwise: the predicted edge, kept strictly inside the bracket.
+    would hold. Otherwise: the predicted edge, kept strictly inside the bracket; once a
+    predicted length failed too (`failures`: lengths above the longest fit that failed, >= 2),
+    at most halfway between the longest fit (or the minimum) and the shortest failure, so
+    bounds that only say "more than this" cannot walk the search a step at a time.
     """
     hi = requested if shortest_fail is None else shortest_fail - 1
     if longest_fit is not None:
@@ -180,6 +198,13 @@ def next_length(model: WaModel, budget: Budget, *, requested: int, longest_fit: 
         target = max(minimum, (lo + hi) // 2 // LENGTH_GRID * LENGTH_GRID) if lo else minimum
         if longest_fit is not None and target <= longest_fit:
             return None
+    if shortest_fail is not None and failures >= 2:
+        low = longest_fit if longest_fit is not None else minimum
+        half = (low + shortest_fail) // 2 // LENGTH_GRID * LENGTH_GRID
+        target = min(target, max(minimum, half))
+        if longest_fit is not None and target <= longest_fit:
+            return None
+    target = max(target, minimum)
     if shortest_fail is not None and target >= shortest_fail:
-        return None
-    return max(target, minimum)
+        return None  # the minimum itself failed: nothing left to try
+    return target

@@ -174,6 +174,18 @@ class Validation(TunerCore):
             f"pool dump says the worst rank needed at least {need / GIB:.2f} GiB besides the KV "
             f"cache with {seqs} sequences (pre-run: {wa / GIB:.2f} GiB): {cause}"
         )
+        half = self.most_room(prerun, seqs // 2, d) if seqs >= 4 else None
+        if half is not None:
+            new, source = half
+            self.decide(
+                "learn from the validation",
+                why + f"; a dump bounds the need only from below, so the next validation "
+                f"measures {new.final.max_num_seqs} sequences with model-use "
+                f"{new.final.vllm_model_memory_use_gb} GiB (all the room their KV cache leaves); "
+                "what it measures sets max-num-seqs",
+                max_num_seqs=new.final.max_num_seqs,
+            )
+            return prerun, new, source, per_seq
         try:
             new, source = self.derive(prerun, per_seq=per_seq)
         except InfeasibleError:
@@ -197,3 +209,23 @@ class Validation(TunerCore):
             max_num_seqs=new.final.max_num_seqs,
         )
         return prerun, new, source, per_seq
+
+    def most_room(
+        self, prerun: LaunchOutcome, seqs: int, failed: Derivation
+    ) -> tuple[Derivation, str] | None:
+        """The configuration that serves at least `seqs` sequences with every GiB their KV cache
+        leaves given to the model-use budget: a measurement of the load's real cost, more room
+        than the one that failed; None when there is no more room."""
+        wa = failed.weights_act_bytes
+        for use in range(self.cfg.card.card_gib, failed.final.vllm_model_memory_use_gb, -1):
+            base = use * GIB - wa - MIB  # the integer model-use rounds up to `use`
+            if base <= 0:
+                return None
+            try:
+                d, source = self._derive(prerun, 0, base, announce=False)
+            except PretunerError:
+                continue
+            f = d.final
+            if f.max_num_seqs >= seqs and f.vllm_model_memory_use_gb == use:
+                return d, source
+        return None

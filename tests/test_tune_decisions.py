@@ -1,0 +1,227 @@
+"""The tuning loop's decisions, in process and fast.
+
+Two kinds of test:
+- canned outcomes: a scripted card answers each launch (a weights+activations figure and an
+  outcome kind), so every fallback rule is checked on its own, as a table;
+- the emulated server run in this process (`tune_in_process`: the real command lines, server
+  code, log lines, scanner and classifier, no processes), scored against the emulator's truth.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
+from pretuner.models import resolve
+from pretuner.sim import memory as mem
+from pretuner.sim.truth import max_length
+from pretuner.tune.backends import sim_profile
+from pretuner.tune.config import CardInfo, TuneConfig, TuneResult, kv_prerun_bytes
+from pretuner.tune.entry import RunOptions, tune_in_process
+from pretuner.tune.execute import LaunchOutcome, OutcomeKind
+from pretuner.tune.loop import Tuner
+from pretuner.tune.settings import LaunchSettings, Purpose
+from pretuner.units import GIB, MIB
+
+# -- canned outcomes ------------------------------------------------------------------------
+
+
+@dataclass
+class ScriptedCard:
+    """Answers launches like a card would: weights+activations `wa_gib(length)` beside the KV
+    cache r0.1 allocates; `override(settings, n)` may force an outcome kind for a launch."""
+
+    bpt: int
+    wa_gib: Callable[[LaunchSettings], float]
+    free_mib: int = 61_457
+    per_seq_mib: float = 0.0  # what each running sequence beyond the first adds under load
+    override: Callable[[LaunchSettings, int], OutcomeKind | None] = lambda s, n: None
+    launches: list[LaunchSettings] = field(default_factory=list)
+
+    def __call__(self, s: LaunchSettings) -> LaunchOutcome:
+        self.launches.append(s)
+        n = len(self.launches)
+        kv = kv_prerun_bytes(s, self.bpt)
+        load = s.max_num_seqs if s.purpose is Purpose.VALIDATE else 1
+        non_kv = (self.wa_gib(s) * GIB + (load - 1) * self.per_seq_mib * MIB)
+        peak = int((non_kv + kv) / MIB)
+        pool = s.card_gib * s.util * 1024
+        kind = self.override(s, n)
+        if kind is None:
+            kind = OutcomeKind.OOM_IN_REQUEST if peak > pool else OutcomeKind.OK
+        ok = kind is OutcomeKind.OK
+        return LaunchOutcome(
+            n=n, settings=s, kind=kind, worst_peak_mib=min(peak, int(pool)),
+            rank_peaks_mib={"0": min(peak, int(pool))},
+            oom_text=None if ok else "Out of memory (scripted)",
+            requests_ok=load if ok else 0, requests_total=load, ready_s=0.0, request_s=0.0,
+            stop_s=0.0, total_s=0.0, overhead_s=0.0, log_path=f"launch-{n}/server.log",
+            device_free_mib=self.free_mib,
+        )  # fmt: skip
+
+
+def tuner(card: ScriptedCard, model: str = "qwen3-8b", card_gib: int = 64, **kw: object) -> Tuner:
+    cfg = TuneConfig(model=resolve(model), card=CardInfo(card_gib, None, "given"), **kw)
+    t = Tuner(cfg, card, lambda phase, detail: None)
+    card.bpt = t.bpt
+    return t
+
+
+def names(t: Tuner) -> list[str]:
+    return [d["decision"] for d in t.state.decisions]
+
+
+def flat(gib: float) -> Callable[[LaunchSettings], float]:
+    return lambda s: gib
+
+
+def test_a_fitting_prerun_validates_in_two_launches() -> None:
+    card = ScriptedCard(0, flat(20.0))
+    res = tuner(card).run()
+    assert res.validated
+    assert [s.purpose for s in card.launches][:2] == [Purpose.PRERUN, Purpose.VALIDATE]
+    # The final configuration holds the measured weights+activations and its KV in the pool.
+    f = res.derivation.final
+    assert f.vllm_model_memory_use_gb >= 20
+    assert f.kv_bytes <= (64 * f.gpu_memory_utilization - f.vllm_model_memory_use_gb) * GIB
+
+
+@pytest.mark.parametrize(
+    "kind", [OutcomeKind.PROMPT_DROPPED, OutcomeKind.KV_EXHAUSTED, OutcomeKind.LEN_TOO_LARGE]
+)
+def test_a_probe_that_did_not_run_is_not_a_measurement(kind: OutcomeKind) -> None:
+    card = ScriptedCard(0, flat(20.0), override=lambda s, n: kind if n == 1 else None)
+    t = tuner(card)
+    res = t.run()
+    first, second = card.launches[:2]
+    assert second.purpose is Purpose.PRERUN
+    assert second.model_use_gib == first.model_use_gib - 1  # one GiB more KV for the watermark
+    assert "give the pre-run more KV" in names(t)
+    assert res.prerun is not None
+    assert res.prerun.n == 2  # the derivation rests on a probe that ran
+
+
+def test_weights_that_do_not_load_end_the_layout_after_one_retry() -> None:
+    card = ScriptedCard(0, flat(20.0), override=lambda s, n: OutcomeKind.OOM_WEIGHTS)
+    with pytest.raises(InfeasibleError, match="did not fit"):
+        tuner(card).run()
+    assert len(card.launches) <= 2  # at most one retry at the card's measured free memory
+
+
+def test_a_failed_probe_without_oom_is_the_server_failing_not_the_model() -> None:
+    card = ScriptedCard(0, flat(20.0), override=lambda s, n: OutcomeKind.REQUESTS_FAILED)
+    with pytest.raises(ServerFailedError):
+        tuner(card).run()
+    assert len(card.launches) == 1
+
+
+def test_a_validation_oom_is_learned_from_its_dump() -> None:
+    # Each running sequence costs 600 MiB more than the model's sampler figure says: the first
+    # validation runs out of memory; the next one runs fewer sequences and passes.
+    card = ScriptedCard(0, flat(20.0), per_seq_mib=600)
+    t = tuner(card)
+    res = t.run()
+    vals = [s for s in card.launches if s.purpose is Purpose.VALIDATE]
+    assert res.validated
+    assert "learn from the validation" in names(t)
+    assert vals[1].max_num_seqs < vals[0].max_num_seqs
+    assert res.validation is not None
+    assert res.validation.kind is OutcomeKind.OK
+    # The OOM's dump only bounds the need from below: half the load is measured with all the
+    # room its KV leaves, and what that measures sets the final count (4 launches in all).
+    assert len(card.launches) <= 4
+
+
+def test_a_length_that_does_not_fit_is_narrowed_to_within_1024_tokens() -> None:
+    # 40 GiB + 2 GiB per 1K tokens of context, however the prompt is cut into steps: 16K does
+    # not fit beside the KV of one sequence, chunked or not; the loop narrows between the
+    # longest length that fitted and the shortest that did not.
+    card = ScriptedCard(0, lambda s: 40.0 + s.max_model_len / 512)
+    t = tuner(card, max_model_len=16384, min_model_len=4096)
+    res = t.run()
+    assert res.validated
+    length = res.derivation.final.max_model_len
+    assert 4096 <= length < 16384
+    failed = [s.max_model_len for s in card.launches
+              if s.purpose is Purpose.PRERUN and s.max_model_len > length]
+    # Within 1024 tokens of a length that failed, unless the launch budget ran out first (it
+    # keeps one launch for the validation); never a walk down one step at a time.
+    assert min(failed) - length <= 1024 or len(card.launches) == t.cfg.max_launches
+    assert "keep max_model_len" in names(t)
+
+
+def test_flat_measurements_give_the_exact_edge_without_creeping() -> None:
+    # 58 GiB whatever the length: only the KV of one sequence decides, and two measurements
+    # that agree pin the edge at once (no launch per 256 tokens).
+    card = ScriptedCard(0, flat(58.0))
+    res = tuner(card, max_model_len=8192, min_model_len=4096).run()
+    assert res.validated
+    assert len(card.launches) <= 6
+
+
+def test_infeasible_only_when_a_launch_at_the_minimum_length_failed() -> None:
+    card = ScriptedCard(0, flat(61.0))  # more than the card's free memory: nothing fits
+    t = tuner(card, max_model_len=8192, min_model_len=4096)
+    with pytest.raises((InfeasibleError, NotValidatedError)) as err:
+        t.run()
+    if err.type is InfeasibleError:
+        assert any(s.max_model_len <= 4096 for s in card.launches)
+
+
+# -- the emulated server, in process ----------------------------------------------------------
+
+
+def emulated(model: str, card: int, length: int, seed: int, occupied_mib: int = 0,
+             **kw: object) -> tuple[TuneResult, list[mem.CardModel], int]:
+    work = Path(tempfile.mkdtemp(prefix="pretuner-decisions-"))
+    env = {"PRETUNER_SIM_STARTUP_S": "0", "PRETUNER_SIM_TEARDOWN_S": "0",
+           "PRETUNER_SIM_OCCUPIED_MIB": str(occupied_mib),
+           "PRETUNER_SIM_STATE_DIR": str(work / "card")}
+    prof = mem.PROFILES[sim_profile(card)]
+    info = CardInfo(card, prof.total_mib - prof.driver_reserved_mib - occupied_mib, "emulated")
+    opts = RunOptions(model=model, backend="sim", card_gib=card, max_model_len=length,
+                      min_model_len=4096, seed=seed, sim_env=env, **kw)
+    res = tune_in_process(opts, work, info)
+    spec = resolve(model)
+    p = res.plan
+    models = mem.card_models(spec, spec.weights_format(p.weights_format).total_bytes,
+                             mem.Layout(tp=p.tp, pp=p.pp, block_size=p.block_size), seed)
+    return res, models, prof.free_bytes - occupied_mib * MIB
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_qwen3_8b_on_32gb_at_32k_validates_without_a_validation_oom(seed: int) -> None:
+    res, models, free = emulated("qwen3-8b", 32, 32768, seed, tp=1)
+    assert res.validated
+    outcomes = res.outcomes
+    assert all(o.kind is OutcomeKind.OK for o in outcomes
+               if o.settings.purpose is Purpose.VALIDATE and o is outcomes[-1])
+    true_len = max(max_length(models, free, limit=32768, chunked=c, granularity=256)
+                   for c in (False, True))
+    chosen = res.derivation.final.max_model_len
+    assert chosen >= min(32768, true_len) - 1024
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_qwen3_8b_on_24gb_is_never_called_infeasible_when_a_length_fits(seed: int) -> None:
+    res, models, free = emulated("qwen3-8b", 24, 32768, seed, tp=1,
+                                 occupied_mib=1500 if seed % 2 else 0)
+    assert res.validated
+    true_len = max(max_length(models, free, limit=32768, chunked=c, granularity=256)
+                   for c in (False, True))
+    assert res.derivation.final.max_model_len >= min(32768, true_len) - 1024
+
+
+def test_the_kv_dtype_reaches_the_server_and_its_kv_figure() -> None:
+    res, _, _ = emulated("qwen3-8b", 32, 16384, 0, kv_cache_dtype="int8")
+    last = res.outcomes[-1]
+    assert last.settings.kv_cache_dtype == "int8"
+    auto, _, _ = emulated("qwen3-8b", 32, 16384, 0)
+    # Half the bytes per token: about twice the tokens in a similar KV budget.
+    tokens = res.derivation.final.kv_tokens
+    assert tokens > 1.6 * auto.derivation.final.kv_tokens

@@ -10,7 +10,9 @@ through real server processes and HTTP and checks they decide the same.
 
 Per card size it prints:
   - KV found / the largest KV that truly fits the chosen configuration (r0.1's integer model-use
-    split, `pretuner.sim.truth`; the physical split in brackets): median and minimum;
+    split, `pretuner.sim.truth`; the physical split in brackets): median, minimum, the share of
+    runs at 0.93 or more, and the minimum against the truth beside pretuner's deliberate
+    reserve below the free memory (what is lost to everything but that reserve);
   - the seed method on the same pre-runs (util 0.9, no headroom) as the baseline, and how many
     of its configurations hold more KV than truly fits (they would run out of memory);
   - validation launches that ran out of memory; runs that ended "infeasible" although the
@@ -39,6 +41,7 @@ from pretuner.models import builtin_specs, resolve
 from pretuner.plan import PlanConfig, plan, smallest_weights_layout
 from pretuner.sim import memory as mem
 from pretuner.sim.truth import max_length, max_safe_kv
+from pretuner.tune import budget as bud
 from pretuner.tune.backends import sim_profile
 from pretuner.tune.entry import RunOptions, run_tuning, tune_in_process
 from pretuner.tune.loop import CardInfo, TuneResult
@@ -68,6 +71,7 @@ class Row:
     kv_gib: float = 0.0
     eff: float = 0.0
     eff_phys: float = 0.0
+    eff_reserve: float = 0.0  # against the truth beside pretuner's deliberate reserve
     seed_eff: float = 0.0
     seed_over: bool = False
     val_oom: int = 0
@@ -167,6 +171,8 @@ def score(case: Case, res: TuneResult) -> Row:
     r01 = max_safe_kv(models, free, f.max_model_len, **kw)  # type: ignore[arg-type]
     phys = max_safe_kv(models, free, f.max_model_len, integer_model_use=False,
                        **kw)  # type: ignore[arg-type]
+    reserve = int(bud.reserve_gib(case.card, measured_by_engine=True, given=None) * GIB)
+    kept = max_safe_kv(models, free - reserve, f.max_model_len, **kw)  # type: ignore[arg-type]
     pre = res.prerun
     assert pre is not None  # noqa: S101
     assert pre.worst_peak_mib is not None  # noqa: S101
@@ -188,6 +194,7 @@ def score(case: Case, res: TuneResult) -> Row:
         kv_gib=f.kv_bytes / GIB,
         eff=f.kv_bytes / true_kv if true_kv else 0.0,
         eff_phys=f.kv_bytes / phys.kv_bytes if phys and phys.kv_bytes else 0.0,
+        eff_reserve=f.kv_bytes / kept.kv_bytes if kept and kept.kv_bytes else 1.0,
         seed_eff=seed_kv / true_kv if true_kv else 0.0,
         seed_over=seed_kv > (phys.kv_bytes if phys else 0),
         val_oom=val_oom, launches=len(res.outcomes), chosen_len=f.max_model_len,
@@ -200,7 +207,8 @@ def _run(args: tuple[Case, str]) -> Row:
 
 
 def summarize(rows: list[Row], cards: list[int]) -> None:
-    print(f"{'card':>5} {'runs':>5} {'KV/true med':>11} {'min':>6} {'(phys med)':>10} "
+    print(f"{'card':>5} {'runs':>5} {'KV/true med':>11} {'min':>6} {'>=0.93':>6} "
+          f"{'reserve-kept min':>16} {'(phys med)':>10} "
           f"{'seed med':>8} {'seed>true':>9} {'val OOM':>7} {'false inf':>9} {'len>1024 off':>12} "
           f"{'launches mean':>13} {'max':>4}")
     for card in cards:
@@ -213,7 +221,10 @@ def summarize(rows: list[Row], cards: list[int]) -> None:
         seed = [r.seed_eff for r in ok] or [0.0]
         off = sum(1 for r in ok if r.chosen_len < min(r.case.length, r.true_len) - 1024)
         launches = [r.launches for r in ok] or [0]
+        share = sum(1 for e in eff if e >= 0.93) / len(eff)
+        kept = min((r.eff_reserve for r in ok), default=0.0)
         print(f"{card:>5} {len(rs):>5} {statistics.median(eff):>11.3f} {min(eff):>6.3f} "
+              f"{share:>6.1%} {kept:>16.3f} "
               f"{statistics.median(phys):>10.3f} {statistics.median(seed):>8.3f} "
               f"{sum(r.seed_over for r in ok):>9} {sum(r.val_oom for r in ok):>7} "
               f"{sum(r.false_infeasible for r in rs):>9} {off:>12} "

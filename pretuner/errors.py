@@ -22,6 +22,7 @@ class ExitCode(IntEnum):
     SERVER_FAILED = 5
     NOT_VALIDATED = 6
     CLUSTER = 7
+    CARD_BUSY = 8
     INTERRUPTED = 130
 
 
@@ -98,3 +99,11 @@ class ClusterError(PretunerError):
     pretuner or without the environment its ranks need."""
 
     exit_code = ExitCode.CLUSTER
+
+
+class CardBusyError(PretunerError):
+    """Another process holds memory on the card: its free memory is too low for any pool, so
+    no verdict about the model can be drawn. The message says how much is free and, where the
+    device tells, which pids hold the rest."""
+
+    exit_code = ExitCode.CARD_BUSY

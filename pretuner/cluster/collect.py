@@ -7,13 +7,14 @@ the nodes' summaries into one `ScanResult` and remembers which node each rank wa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pretuner.cluster.nodefs import node_local
-from pretuner.logscan.lines import DeviceMemoryInit, OomEvent, OomKind
-from pretuner.logscan.scanner import Unreadable, iter_log_files, scan_files
+from pretuner.logscan.lines import DeviceMemoryInit, Located, OomEvent, OomKind
+from pretuner.logscan.result import MAX_EXAMPLES
+from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
 from pretuner.logscan.summary import (
     OomPhase,
     OomRecord,
@@ -21,7 +22,7 @@ from pretuner.logscan.summary import (
     ScanResult,
     TruncatedRecord,
     Truncation,
-    summarize,
+    summarize_items,
 )
 
 
@@ -34,7 +35,7 @@ class NodeScan:
     folder: str  # the folder as read on the node
     found: bool  # the folder exists on this node
     scan: ScanResult
-    init_free_mib: tuple[int, ...]  # `Device free MOC Size` of every init line
+    init_free_mib: tuple[int, ...]  # `Device free MOC Size` of the init lines (and the least)
 
     def to_wire(self) -> dict[str, Any]:
         s = self.scan
@@ -60,6 +61,7 @@ class NodeScan:
             "lines_scanned": s.lines_scanned,
             "bytes_scanned": s.bytes_scanned,
             "events": s.events,
+            "omitted": [s.oom_omitted, s.truncated_omitted, s.prompts_ignored_omitted],
         }
 
     @classmethod
@@ -70,6 +72,7 @@ class NodeScan:
             TruncatedRecord(**{**t, "how": Truncation(t["how"])}) for t in data.get("truncated", ())
         )
         figures = data["figures"]
+        oom_omitted, truncated_omitted, ignored_omitted = data.get("omitted", (0, 0, 0))
         scan = ScanResult(
             files=tuple(data["files"]),
             ranks=ranks,
@@ -80,6 +83,9 @@ class NodeScan:
             bytes_scanned=data["bytes_scanned"],
             events=data["events"],
             truncated=truncated,
+            oom_omitted=oom_omitted,
+            truncated_omitted=truncated_omitted,
+            prompts_ignored_omitted=ignored_omitted,
             **figures,
         )
         return cls(
@@ -139,15 +145,21 @@ def scan_node_folder(folder: str, node_id: str, label: str) -> dict[str, Any]:
                 files.append(file)
             else:
                 unreadable.append(Unreadable(file, problem))
-    scans = scan_files(files)
-    free = tuple(
-        located.event.device_free_mib
-        for scan in scans
-        for located in scan.events
-        if isinstance(located.event, DeviceMemoryInit) and located.event.device_free_mib
-    )
-    result = summarize(scans, unreadable)
-    return NodeScan(node_id, label, str(path), found, result, free).to_wire()
+    free: list[int] = []
+    result = summarize_items(_noting_free(iter_scan(files), free), unreadable)
+    return NodeScan(node_id, label, str(path), found, result, tuple(free)).to_wire()
+
+
+def _noting_free(items: Iterable[ScanItem], free: list[int]) -> Iterator[ScanItem]:
+    """The items, noting the free memory of the init lines: the first ones, then the least."""
+    for item in items:
+        if isinstance(item, Located) and isinstance(item.event, DeviceMemoryInit):
+            mib = item.event.device_free_mib
+            if mib and len(free) < MAX_EXAMPLES:
+                free.append(mib)
+            elif mib:
+                free[-1] = min(free[-1], mib)  # what the tuner reads is the least
+        yield item
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +253,10 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
         bytes_scanned=sum(s.bytes_scanned for s in scans),
         events=sum(s.events for s in scans),
         truncated=tuple(truncated),
+        prompts_ignored=tuple(dict.fromkeys(p for s in scans for p in s.prompts_ignored)),
+        oom_omitted=sum(s.oom_omitted for s in scans),
+        truncated_omitted=sum(s.truncated_omitted for s in scans),
+        prompts_ignored_omitted=sum(s.prompts_ignored_omitted for s in scans),
     )
     peaks = {
         name: r.actual_peak_mib

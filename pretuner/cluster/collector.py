@@ -18,7 +18,8 @@ from pretuner.cluster.collect import (
 from pretuner.cluster.env import job_config_env
 from pretuner.cluster.nodes import NodeFacts, Placement
 from pretuner.cluster.ray_api import TASK_TIMEOUT_S, RayCluster
-from pretuner.logscan import Located, LogFollower, scan_paths
+from pretuner.logscan import Located, LogFollower, OomEvent, scan_paths
+from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.tune.collect import CollectedScan
 from pretuner.tune.settings import LaunchCommand
 
@@ -37,7 +38,8 @@ class RayCollector:
         self.cluster = cluster
         self.placement = placement
         self.log_dir = folder.resolve() / LOG_SUBDIR
-        self.follower = LogFollower(log_path)  # the server's own output, on this node
+        # The server's own output, on this node: only what the live poll acts on.
+        self.follower = LogFollower(log_path, keep=(OomEvent, DeviceMemoryInit))
         self._pending: list[Any] = []
         self._last_poll = 0.0
         self._oom_seen: set[tuple[str, int]] = set()

@@ -1,7 +1,8 @@
 """Log scanning: find every memory line of MindSpore, vLLM and vllm-ascend in any log.
 
-`lines` parses one line, `scanner` finds candidate lines fast, `summary` aggregates per rank,
-`follow` tails a log that is still being written.
+`lines` parses one line (into the types of `events`), `search` and `scanner` find candidate
+lines fast and stream their events, `summary` aggregates them per rank in bounded memory into a
+`result.ScanResult`, `follow` tails a log that is still being written.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from pathlib import Path
 from pretuner.errors import BadInputError
 from pretuner.logscan.follow import LogFollower
 from pretuner.logscan.lines import Located, LogEvent, OomEvent, OomKind, parse_line, parse_origin
-from pretuner.logscan.scanner import Unreadable, iter_log_files, scan_files
-from pretuner.logscan.summary import (
+from pretuner.logscan.result import (
     OomPhase,
     OomRecord,
     RankSummary,
     ScanResult,
     TruncatedRecord,
     Truncation,
-    summarize,
 )
+from pretuner.logscan.scanner import Unreadable, iter_log_files, iter_scan
+from pretuner.logscan.summary import summarize_items
 
 
 def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResult:
@@ -38,7 +39,7 @@ def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResu
             files.append(file)
         else:
             unreadable.append(Unreadable(file, problem))
-    return summarize(scan_files(files, workers=workers), unreadable)
+    return summarize_items(iter_scan(files, workers=workers), unreadable)
 
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pretuner.logscan.lines import ANCHORS, Located, locate_line
+from pretuner.logscan.lines import ANCHORS, Located, LogEvent, locate_line
 from pretuner.logscan.scanner import MAX_HIT_LINE_BYTES, rank_from_path
 
 READ_BYTES = 4 * 2**20  # at most this much is read per poll: memory stays bounded
@@ -17,10 +17,13 @@ class LogFollower:
 
     Tolerates a file that does not exist yet, a last line still being written (kept until its
     newline arrives), and a file replaced or truncated under it (read again from the start).
+    With `keep`, only events of those types are returned: a final poll over a pool dump of
+    thousands of lines then holds none of them.
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, keep: tuple[type[LogEvent], ...] | None = None) -> None:
         self.path = str(path)
+        self.keep = keep
         self.rank = rank_from_path(self.path)
         self.offset = 0
         self.line = 0  # complete lines consumed so far
@@ -76,5 +79,8 @@ class LogFollower:
             self.line += 1
             if not any(anchor in raw for anchor in ANCHORS):
                 continue
-            events += locate_line(raw, self.path, self.line, self.rank)
+            found = locate_line(raw, self.path, self.line, self.rank)
+            if self.keep is not None:
+                found = [ev for ev in found if isinstance(ev.event, self.keep)]
+            events += found
         return events

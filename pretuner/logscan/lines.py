@@ -2,15 +2,34 @@
 
 `parse_line` turns one log line (bytes or str, any garbage) into a typed event or None, and
 `parse_origin` reads the process that wrote it. Nothing here touches files: the scanner finds
-candidate lines with `ANCHORS` and hands them over one by one.
+candidate lines with `ANCHORS` and hands them over one by one. The event types live in
+`events` and are re-exported here.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
-from enum import Enum
 
+from pretuner.logscan.events import (
+    AvailableKvMemory,
+    AvailableMemory,
+    BlockCounts,
+    DeviceMemoryInit,
+    KvCacheSize,
+    KvReserved,
+    LoadingStarted,
+    Located,
+    LogEvent,
+    MaxConcurrency,
+    MemoryStat,
+    MemoryStatKind,
+    ModelLoaded,
+    OomEvent,
+    OomKind,
+    Origin,
+    PromptIgnored,
+)
 from pretuner.logscan.pooldump import (
     HEADER_TEXT,
     SUMMARY_START,
@@ -56,169 +75,7 @@ ANCHORS: tuple[bytes, ...] = (
 
 MAX_PARSED_CHARS = 16384  # a longer "line" is garbage around a real hit: keep its head only
 MAX_TEXT_BYTES = 32 * 2**10  # of a line kept as an event's text
-
-
-class OomKind(str, Enum):
-    """What ran out, which decides the tuner's fallback."""
-
-    DEVICE_OOM = "device_oom"  # an allocation failed on the card (weights or activations)
-    KV_BLOCKS_EXHAUSTED = "kv_blocks_exhausted"  # nothing left for KV cache blocks
-    MAX_DEVICE_MEMORY_RANGE = "max_device_memory_range"  # max_device_memory above free memory
-    MAX_MODEL_LEN_TOO_LARGE = "max_model_len_too_large"  # one sequence does not fit the KV cache
-
-
-class MemoryStatKind(str, Enum):
-    """The figures of MindSpore's deinit statistics block."""
-
-    DEVICE = "device"
-    MINDSPORE_USED = "mindspore_used"
-    USED_PEAK = "used_peak"  # without fragments
-    ACTUAL_PEAK = "actual_peak"  # with fragments
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceMemoryInit:
-    """MindSpore's memory-adapter init line (`Device MOC Size:...`; HBM on <= 2.4)."""
-
-    memory_kind: str  # "MOC" or "HBM"
-    device_mib: int | None
-    device_free_mib: int | None
-    reserved_other_mib: int | None
-    user_define_mib: int | None
-    mindspore_used_mib: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryStat:
-    """One figure of the deinit statistics block."""
-
-    stat: MemoryStatKind
-    value_mib: int
-
-
-@dataclass(frozen=True, slots=True)
-class OomEvent:
-    """An out-of-memory or KV-exhaustion report, with whatever figures the text carries."""
-
-    kind: OomKind
-    message: str
-    alloc_bytes: int | None = None
-    kernel: str | None = None
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    estimated_max_model_len: int | None = None
-    free_device_gib: float | None = None
-    max_device_memory_limit_mib: float | None = None
-    max_device_memory_requested_mib: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LoadingStarted:
-    """vLLM announces that it starts loading weights."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelLoaded:
-    """vLLM / vllm-ascend weight loading figures (vllm-ascend's "GB" are GiB)."""
-
-    weights_gib: float
-    seconds: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class AvailableKvMemory:
-    """`Available KV cache memory: X GiB` (may be negative)."""
-
-    gib: float
-
-
-@dataclass(frozen=True, slots=True)
-class AvailableMemory:
-    """vllm-ascend <= 0.13: `Available memory: B, total memory: T` in raw bytes."""
-
-    available_bytes: int
-    total_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class KvCacheSize:
-    """`GPU KV cache size: 645,120 tokens`."""
-
-    tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class MaxConcurrency:
-    """`Maximum concurrency for 4,096 tokens per request: 265.25x`."""
-
-    tokens_per_request: int
-    concurrency: float
-
-
-@dataclass(frozen=True, slots=True)
-class KvReserved:
-    """vLLM V0: `the rest of the memory reserved for KV Cache is 1.57GiB.`"""
-
-    gib: float
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCounts:
-    """vLLM V0: `# GPU blocks: N, # CPU blocks: M` (`# npu blocks` on Ascend)."""
-
-    device_blocks: int
-    cpu_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class PromptIgnored:
-    """vLLM V0's scheduler dropped a prompt: it never ran, and its reply is empty.
-
-    `limit` is None for `exceeds the capacity of block_manager` (the KV cache cannot hold it
-    beside the 1 % block watermark), else the prompt limit it exceeded.
-    """
-
-    prompt_tokens: int
-    limit: int | None
-
-
-LogEvent = (
-    PoolDump
-    | PartialPoolDump
-    | PoolDumpHeader
-    | DeviceMemoryInit
-    | MemoryStat
-    | OomEvent
-    | LoadingStarted
-    | ModelLoaded
-    | AvailableKvMemory
-    | AvailableMemory
-    | KvCacheSize
-    | MaxConcurrency
-    | KvReserved
-    | BlockCounts
-    | PromptIgnored
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Who wrote a line: the process id, and the rank when the line says so."""
-
-    pid: int | None
-    rank: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Located:
-    """An event with where it was found."""
-
-    event: LogEvent
-    file: str
-    line: int  # 1-based
-    pid: int | None
-    rank: int | None
-    text: str
+MAX_FIGURE_DIGITS = 24  # a longer figure is garbage: its line is skipped
 
 
 # `[INFO] PRE_ACT(pid,tid,python):` (C++) or `[INFO] ME(pid:tid,MainProcess):` (Python side)
@@ -299,20 +156,40 @@ def _text(line: bytes | str) -> str:
     return line.rstrip("\r\n")
 
 
+class GarbageFigure(ValueError):
+    """A figure no log prints: hundreds of digits, or infinite once read."""
+
+
 def _int(digits: str) -> int:
-    return int(digits.replace(",", ""))
+    digits = digits.replace(",", "")
+    if len(digits) > MAX_FIGURE_DIGITS:  # int() refuses 4,300 digits; no memory figure has 20
+        raise GarbageFigure(digits[:20])
+    return int(digits)
+
+
+def _float(digits: str) -> float:
+    value = float(digits) if len(digits) <= MAX_FIGURE_DIGITS + 20 else math.inf
+    if not math.isfinite(value):
+        raise GarbageFigure(digits[:20])
+    return value
 
 
 def parse_origin(line: bytes | str) -> Origin:
     """The writer of a line: MindSpore's `(pid,tid,...)` prefix or vLLM's process tag."""
-    head = _text(line[:512])
+    try:
+        return _origin(_text(line[:512]))
+    except ValueError:  # a pid of hundreds of digits: no writer known
+        return Origin(pid=None, rank=None)
+
+
+def _origin(head: str) -> Origin:
     tag = _VLLM_TAG.search(head)
     if tag:
         rank = tag.group(1) or tag.group(2)
-        return Origin(pid=int(tag.group(3)), rank=int(rank) if rank else None)
+        return Origin(pid=_int(tag.group(3)), rank=_int(rank) if rank else None)
     ms = _MS_PREFIX.search(head)
     if ms:
-        return Origin(pid=int(ms.group(1)), rank=None)
+        return Origin(pid=_int(ms.group(1)), rank=None)
     return Origin(pid=None, rank=None)
 
 
@@ -348,6 +225,13 @@ def locate_line(raw: bytes, file: str, line: int, rank: int | None) -> list[Loca
 def parse_line(line: bytes | str) -> LogEvent | None:
     """The memory event a single log line carries, or None. Never raises on any input."""
     text = _text(line)
+    try:
+        return _parse(text)
+    except (ValueError, OverflowError):  # GarbageFigure: hundreds of digits are no measurement
+        return None
+
+
+def _parse(text: str) -> LogEvent | None:
     oom = _oom(text)  # first: an OOM report may quote the pool statistics
     if oom is not None:
         return oom
@@ -359,7 +243,7 @@ def parse_line(line: bytes | str) -> LogEvent | None:
         return _device_init(text)
     stat = _STAT.search(text)
     if stat:
-        return MemoryStat(_STAT_KINDS[stat.group(1).split(" ", 1)[0]], int(stat.group(2)))
+        return MemoryStat(_STAT_KINDS[stat.group(1).split(" ", 1)[0]], _int(stat.group(2)))
     return _vllm(text)
 
 
@@ -370,7 +254,7 @@ def _device_init(text: str) -> DeviceMemoryInit | None:
         key = match.group(1).strip().lower().replace(kind.lower(), "x")
         for suffix, name in _INIT_KEYS:
             if key.endswith(suffix) and name not in figures:
-                figures[name] = int(match.group(2)) * (1024 if match.group(3) == "G" else 1)
+                figures[name] = _int(match.group(2)) * (1024 if match.group(3) == "G" else 1)
                 break
     reserved = _RESERVED.search(text)
     if "device" not in figures:
@@ -380,7 +264,9 @@ def _device_init(text: str) -> DeviceMemoryInit | None:
         device_mib=figures.get("device"),
         device_free_mib=figures.get("device_free"),
         reserved_other_mib=(
-            int(reserved.group(1)) * (1024 if reserved.group(2) == "G" else 1) if reserved else None
+            _int(reserved.group(1)) * (1024 if reserved.group(2) == "G" else 1)
+            if reserved
+            else None
         ),
         user_define_mib=figures.get("user_define"),
         mindspore_used_mib=figures.get("mindspore_used"),
@@ -393,18 +279,18 @@ def _oom(text: str) -> OomEvent | None:
         return OomEvent(
             OomKind.DEVICE_OOM,
             found.group(0),
-            alloc_bytes=int(found.group(2)),
+            alloc_bytes=_int(found.group(2)),
             kernel=found.group(1).strip() or None,
         )
     found = _OUT_OF_MEMORY.search(text)
     if found:
-        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(found.group(1)))
+        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=_int(found.group(1)))
     found = _NOT_ENOUGH.search(text)
     if found:
-        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(found.group(2)))
+        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=_int(found.group(2)))
     found = _TORCH_OOM.search(text)
     if found:
-        size = float(found.group(1)) * _UNIT_BYTES[found.group(2)]
+        size = _float(found.group(1)) * _UNIT_BYTES[found.group(2)]
         return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(size))
     found = _MAX_DEVICE_MEMORY.search(text)
     if found:
@@ -412,9 +298,9 @@ def _oom(text: str) -> OomEvent | None:
         return OomEvent(
             OomKind.MAX_DEVICE_MEMORY_RANGE,
             text[free.start() if free else found.start() : found.end()],
-            free_device_gib=float(free.group(1)) if free else None,
-            max_device_memory_limit_mib=float(found.group(1)),
-            max_device_memory_requested_mib=float(found.group(2)),
+            free_device_gib=_float(free.group(1)) if free else None,
+            max_device_memory_limit_mib=_float(found.group(1)),
+            max_device_memory_requested_mib=_float(found.group(2)),
         )
     if "No available memory for the cache blocks" in text:
         start = text.find("No available memory")
@@ -424,8 +310,8 @@ def _oom(text: str) -> OomEvent | None:
         return OomEvent(
             OomKind.MAX_MODEL_LEN_TOO_LARGE,
             found.group(0),
-            max_model_len=int(found.group(1)),
-            kv_cache_tokens=int(found.group(2)),
+            max_model_len=_int(found.group(1)),
+            kv_cache_tokens=_int(found.group(2)),
         )
     found = _ESTIMATED.search(text)
     if found:
@@ -434,8 +320,8 @@ def _oom(text: str) -> OomEvent | None:
         return OomEvent(
             OomKind.MAX_MODEL_LEN_TOO_LARGE,
             text[start : found.end()],
-            max_model_len=int(seq.group(1)) if seq else None,
-            estimated_max_model_len=int(found.group(1)),
+            max_model_len=_int(seq.group(1)) if seq else None,
+            estimated_max_model_len=_int(found.group(1)),
         )
     return None
 
@@ -445,31 +331,31 @@ def _vllm(text: str) -> LogEvent | None:
         return LoadingStarted()
     found = _MODEL_LOADING.search(text)
     if found:
-        return ModelLoaded(float(found.group(1)), float(found.group(3)))
+        return ModelLoaded(_float(found.group(1)), _float(found.group(3)))
     found = _WEIGHTS_LOADING.search(text)
     if found:
-        return ModelLoaded(float(found.group(1)), None)
+        return ModelLoaded(_float(found.group(1)), None)
     found = _AVAILABLE_KV.search(text)
     if found:
-        return AvailableKvMemory(float(found.group(1)))
+        return AvailableKvMemory(_float(found.group(1)))
     found = _AVAILABLE_MEMORY.search(text)
     if found:
-        return AvailableMemory(max(0, int(found.group(1))), int(found.group(2)))
+        return AvailableMemory(max(0, _int(found.group(1))), _int(found.group(2)))
     found = _KV_SIZE.search(text)
     if found:
         return KvCacheSize(_int(found.group(1)))
     found = _CONCURRENCY.search(text)
     if found:
-        return MaxConcurrency(_int(found.group(1)), float(found.group(2)))
+        return MaxConcurrency(_int(found.group(1)), _float(found.group(2)))
     found = _KV_RESERVED.search(text)
     if found:
-        return KvReserved(float(found.group(1)))
+        return KvReserved(_float(found.group(1)))
     found = _BLOCKS.search(text)
     if found:
-        return BlockCounts(int(found.group(1)), int(found.group(2)))
+        return BlockCounts(_int(found.group(1)), _int(found.group(2)))
     found = _IGNORED.search(text)
     if found:
-        return PromptIgnored(int(found.group(1)), int(found.group(2)) if found.group(2) else None)
+        return PromptIgnored(_int(found.group(1)), _int(found.group(2)) if found.group(2) else None)
     return None
 
 

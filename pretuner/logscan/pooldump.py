@@ -70,6 +70,7 @@ class PoolDumpHeader:
     profiled: bool
 
 
+MAX_FIGURE_MIB = 2.0**50  # a pool figure above this many MiB (a zettabyte) is garbage
 _NUM = r"-?\d+(?:\.\d+)?"
 # A "key: number+unit" pair of the pool dumps: JSON keys are quoted, the rest are not.
 _POOL_PAIR = re.compile(r'"?([A-Za-z][A-Za-z ]{0,60}?)"?\s?:\s?(' + _NUM + r")(MB|M|B)(?![A-Za-z])")
@@ -122,6 +123,8 @@ def parse_pool_dump(text: str) -> PoolDump | PartialPoolDump | None:
     else:
         fmt = PoolFormat.BEST_FIT
     profiled = "[MS_RUNTIME_PROF]" in text[: start + 1]
+    if not all(math.isfinite(x) and abs(x) < MAX_FIGURE_MIB for x in figures.values()):
+        return None  # a figure of hundreds of digits is garbage, not a measurement
     if "actual_peak" not in figures:
         if fmt is PoolFormat.ALLOC_DETAIL or not _is_summary(text, start):
             return None

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from pretuner.logscan import Located, LogFollower, ScanResult, scan_paths
+from pretuner.logscan import Located, LogFollower, OomEvent, ScanResult, scan_paths
+from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.tune.settings import LaunchCommand
 
 
@@ -62,7 +63,8 @@ class LocalCollector:
 
     def __init__(self, folder: Path, log_path: Path) -> None:
         self.folder = folder
-        self.follower = LogFollower(log_path)
+        # Only what run_launch reads live: the dump lines are the scan's, after the stop.
+        self.follower = LogFollower(log_path, keep=(OomEvent, DeviceMemoryInit))
 
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         return cmd

@@ -1,0 +1,66 @@
+"""Which files a scan reads: folders walked once each, and the rank a file belongs to."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+_RANK_DIR = re.compile(r"^rank_(\d+)$")
+_RANK_FILE = re.compile(r"(?:^|[._-])rank[_-]?(\d+)(?:[._-]|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A file, or part of one, that could not be read, and why."""
+
+    file: str
+    reason: str
+
+
+def rank_from_path(path: str) -> int | None:
+    """The rank a file belongs to: a `rank_<N>` folder (GLOG_log_dir with RANK_ID) or name."""
+    parts = Path(path).parts
+    for part in reversed(parts[:-1]):
+        found = _RANK_DIR.match(part)
+        if found:
+            return int(found.group(1))
+    found = _RANK_FILE.search(parts[-1]) if parts else None
+    return int(found.group(1)) if found else None
+
+
+def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
+    """Every regular file under the given paths, once each: (path, None) or (path, problem).
+
+    Directories are walked recursively without following links; a symlink (like MindSpore's
+    `mindspore.INFO` pointing to the newest log) is skipped when its target is already listed.
+    """
+    seen: set[tuple[int, int]] = set()
+    pending: list[str] = []
+    links: list[str] = []
+    for path in paths:
+        text = str(path)
+        if os.path.isdir(text):
+            for root, dirs, names in os.walk(text):
+                dirs.sort()
+                for name in sorted(names):
+                    full = os.path.join(root, name)
+                    (links if os.path.islink(full) else pending).append(full)
+        else:
+            pending.append(text)
+    for full in pending + links:
+        try:
+            info = os.stat(full)
+        except OSError as err:
+            yield full, f"cannot stat: {err.strerror or err}"
+            continue
+        key = (info.st_dev, info.st_ino)
+        if key in seen or not os.path.isfile(full):
+            continue
+        seen.add(key)
+        yield full, None
+
+
+__all__ = ["Unreadable", "iter_log_files", "rank_from_path"]

@@ -122,7 +122,7 @@ def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
     if scan.oom:
         first = scan.oom[0]
         raise InfeasibleError(
-            f"the log records {len(scan.oom)} out-of-memory event(s), first {first.kind.value} "
+            f"the log records {scan.oom_total} out-of-memory event(s), first {first.kind.value} "
             f"at {first.file}:{first.line}: the pre-run did not complete, so its peak is not "
             "the requirement",
             hint="follow the method: raise vLLM_MODEL_MEMORY_USE_GB, lower --util if the device "
@@ -132,7 +132,7 @@ def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
     if (worst is None or worst.actual_peak_mib is None) and scan.truncated:
         raise NothingFoundError(
             f"no complete pool dump in {', '.join(str(p) for p in cfg.paths)}: "
-            f"{len(scan.truncated)} truncated, first: {scan.truncated[0].describe()}",
+            f"{scan.truncated_total} truncated, first: {scan.truncated[0].describe()}",
             hint="stop the server gracefully (SIGTERM to its process group, then wait for it to "
             "exit) so that every rank finishes its dump, and analyze that run's logs",
         )

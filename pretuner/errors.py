@@ -6,6 +6,7 @@ value and what to do. The CLI catches `PretunerError` once and exits with `exit_
 
 from __future__ import annotations
 
+import shlex
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
@@ -107,3 +108,18 @@ class CardBusyError(PretunerError):
     device tells, which pids hold the rest."""
 
     exit_code = ExitCode.CARD_BUSY
+
+
+class RunInterrupted(PretunerError):
+    """Ctrl-C (or SIGTERM/SIGHUP) during a run: its folder stays resumable."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, run_folder: Path | None) -> None:
+        resume = (
+            shlex.join(["pretuner", "run", "--resume", str(run_folder)])
+            if run_folder is not None
+            else None
+        )
+        super().__init__("interrupted", hint=f"resume with: {resume}" if resume else None)
+        self.run_record = run_folder

@@ -124,6 +124,12 @@ class Derivation:
         return self.final.max_num_seqs
 
 
+# A sanity cap: the validation launch sends this many max-length requests at once, and no
+# server batches more (vLLM's default is 256). Without it, a card size the server does not
+# enforce (--card 1000000000) derives hundreds of millions of sequences and the load hangs.
+MAX_NUM_SEQS = 1024
+
+
 def check_launch_settings(card_gib: int, util: float, model_use_gib: int) -> None:
     """The rules r0.1 enforces at start, as one-line errors naming the value and the fix."""
     if card_gib < 1:
@@ -263,7 +269,7 @@ def derive(inp: PrerunInputs) -> Derivation:
 def max_num_seqs(blocks: int, block_size: int, max_model_len: int, watermark: float) -> int:
     """Max-length sequences `blocks` KV blocks serve at once beside the engine's watermark."""
     usable = blocks - int(watermark * blocks)
-    return max(0, usable // -(-max_model_len // block_size))
+    return min(MAX_NUM_SEQS, max(0, usable // -(-max_model_len // block_size)))
 
 
 def _largest_len(tokens: int, block_size: int) -> int:

@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pretuner import validate as v
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
+from pretuner.kvmath import KV_DTYPES, kv_bytes_per_token, kv_tokens, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB, check_launch_settings
 from pretuner.models.spec import ModelSpec
 from pretuner.units import GIB
@@ -175,7 +176,18 @@ def _nodes_for(cfg: PlanConfig, tp: int) -> int:
 
 def plan(cfg: PlanConfig) -> PlanResult:
     """Predict the memory split and pick (or check) the parallel layout."""
-    check_launch_settings(cfg.card_gib, cfg.util, 1)
+    check_launch_settings(cfg.card_gib, cfg.util, 1)  # card < 1, util outside (0, 1] or nan
+    v.int_range("--card", cfg.card_gib, 1, v.MAX_CARD_GIB)
+    v.non_negative("--headroom-gb", cfg.headroom_gib, example="1")
+    if cfg.kv_gib is not None:
+        v.positive("--kv-gib", cfg.kv_gib, example="36")
+    v.choice("--block-size", cfg.block_size, v.BLOCK_SIZES)
+    v.choice("--kv-cache-dtype", cfg.kv_cache_dtype, KV_DTYPES)
+    v.int_range("--pp", cfg.pp, 1)
+    if cfg.tp is not None:
+        v.int_range("--tp", cfg.tp, 1)
+    if cfg.nodes is not None:
+        v.int_range("--nodes", cfg.nodes, 1)
     if cfg.max_model_len < 1:
         raise BadInputError(
             f"--max-model-len {cfg.max_model_len} is invalid", hint="use e.g. 16384"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,10 @@ from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, u
 from pretuner.tune.settings import LaunchSettings, Purpose
 from tests.helpers import cli_env, run_cli
 
-# qwen3-8b on a 24 GiB emulated card another process holds 8,000 MiB of: the plan says TP1
-# fits, the launches say the weights do not (exit 4).
-INFEASIBLE = ("run", "--model", "qwen3-8b", "--card", "24", "--tp", "1")
-BUSY_CARD = {"PRETUNER_SIM_OCCUPIED_MIB": "8000"}
+# Measured, on an idle card: one sequence of 40,960 tokens does not fit qwen3-8b at TP1 on
+# 24 GiB, and the minimum length is that one.
+INFEASIBLE = ("run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len",
+              "40960", "--min-model-len", "40960")  # fmt: skip
 SETTINGS = LaunchSettings(
     purpose=Purpose.PRERUN, card_gib=64, util=0.9, model_use_gib=50, max_model_len=16384,
     max_num_seqs=1, max_num_batched_tokens=16384, block_size=16, tp=1,
@@ -44,19 +45,19 @@ def journal(run_dir: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli(*INFEASIBLE, "--out", str(out), env=cli_env(**BUSY_CARD))
+    proc = run_cli(*INFEASIBLE, "--out", str(out), env=cli_env())
     assert proc.returncode == 4, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines()[-1].startswith("pretuner: error: TP1 x PP1: the weights")
+    assert proc.stderr.splitlines()[-1].startswith("pretuner: error: qwen3-8b does not fit TP1")
     rep, md = files(out)
     assert rep["validated"] is False
     assert (rep["exit_code"], rep["error_type"]) == (4, "InfeasibleError")
-    assert "did not fit on a 24 GiB card" in rep["error"]
-    assert "--weights-format" in rep["hint"]
+    assert "even at --min-model-len 40,960" in rep["error"]
+    assert "--tp 2" in rep["hint"]
     launched = sorted(p.name for p in out.glob("launch-*"))
     assert rep["launches"] == len(rep["steps"]) == len(launched) >= 1
-    assert [s["outcome"] for s in rep["steps"]][-1] == "oom_loading_weights"
+    assert [s["outcome"] for s in rep["steps"]][-1] == "oom_at_start"
     events = journal(out)
     recorded = [{k: v for k, v in e.items() if k not in ("event", "time")}
                 for e in events if e["event"] == "decision"]  # fmt: skip
@@ -70,7 +71,7 @@ def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(tmp_pat
     assert not (out / "serve.sh").exists()
     head = md.splitlines()
     assert head[0] == f"# pretuner run {out.name}: FAILED (exit 4, infeasible)"
-    assert head[2].startswith("- reason: TP1 x PP1: the weights of qwen3-8b did not fit")
+    assert head[2].startswith("- reason: qwen3-8b does not fit TP1 on 24 GiB cards")
     assert head[3] == f"- fix: {rep['hint']}"
     assert "| 1 | prerun |" in md
     assert "## Decisions" in md
@@ -83,7 +84,7 @@ def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(tmp_pat
 @pytest.mark.slow
 def test_json_prints_the_error_object_and_keeps_the_exit_code(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli(*INFEASIBLE, "--out", str(out), "--json", env=cli_env(**BUSY_CARD))
+    proc = run_cli(*INFEASIBLE, "--out", str(out), "--json", env=cli_env())
     assert proc.returncode == 4, proc.stderr
     obj = json.loads(proc.stdout)
     assert list(obj)[:5] == ["error", "hint", "exit_code", "error_type", "run_record"]
@@ -97,7 +98,7 @@ def test_json_prints_the_error_object_and_keeps_the_exit_code(tmp_path: Path) ->
 @pytest.mark.slow
 def test_debug_prints_the_traceback_and_keeps_the_exit_code(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli("--debug", *INFEASIBLE, "--out", str(out), env=cli_env(**BUSY_CARD))
+    proc = run_cli("--debug", *INFEASIBLE, "--out", str(out), env=cli_env())
     assert proc.returncode == 4, proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr
     assert "pretuner.errors.InfeasibleError" in proc.stderr
@@ -125,8 +126,10 @@ def test_launch_budget_used_up_is_reported_not_validated(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_server_that_dies_at_start_is_listed_as_a_failed_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    env = cli_env(PRETUNER_SIM_OCCUPIED_MIB="12000")  # MindSpore refuses under half the card
-    proc = run_cli(*INFEASIBLE, "--out", str(out), env=env)
+    fake = f"{sys.executable} {Path(__file__).parent / 'fakes' / 'fake_server.py'}"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd",
+                   f"{fake} --die-at-start 3", "--ready-timeout", "5", "--stop-grace", "1",
+                   "--out", str(out), env=cli_env())  # fmt: skip
     assert proc.returncode == 5, proc.stderr
     rep, md = files(out)
     last = rep["steps"][-1]

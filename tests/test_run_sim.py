@@ -197,6 +197,8 @@ def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None
             if pt.poll() is None:
                 pt.kill()
     assert code == 130, stderr_path.read_text()
+    last = stderr_path.read_text().strip().splitlines()[-1]
+    assert last == f"pretuner: interrupted; resume with: pretuner run --resume {out}"
     for log in out.glob("launch-*/server.log"):
         assert processes_holding(log) == [], f"a server of {log} survived pretuner"
     journal = (out / "journal.jsonl").read_text()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from pretuner import validate as v
 from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze, dumped_ranks
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
@@ -48,6 +49,11 @@ def analyze_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Find every rank's `actual peak used` and derive the configuration (seed 003 method)."""
+    if card is not None:
+        v.int_range("--card", card, 1, v.MAX_CARD_GIB)
+    v.finite("--util", util, example="0.9")
+    v.non_negative("--headroom-gb", headroom_gb, example="1")
+    v.choice("--block-size", block_size, v.BLOCK_SIZES)
     cfg = AnalyzeConfig(
         paths=tuple(logs),
         model=resolve(model),
@@ -95,6 +101,8 @@ def render_analysis(r: AnalyzeResult) -> str:
         lines.append(f"  {who}: {peak}  ({rank.file}:{rank.line}){mark}")
     for cut in r.scan.truncated:
         lines.append(f"warning: {cut.describe()}")
+    if r.scan.truncated_omitted:
+        lines.append(f"warning: {r.scan.truncated_omitted:,} more truncated dump(s), not listed")
     if r.scan.truncated:
         lines.append(
             "warning: the worst peak above comes from the complete dumps only and may be too "

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import typer
 
 from pretuner import __version__
-from pretuner.errors import ExitCode, PretunerError
+from pretuner.errors import ExitCode, PretunerError, RunInterrupted
 
 app = typer.Typer(
     name="pretuner",
@@ -59,11 +59,15 @@ def fail(message: str, code: ExitCode) -> None:
 def main() -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code.
 
-    Usage errors (exit 2) and --help are typer's own; a Ctrl-C that reaches here exits 130.
+    Usage errors (exit 2) and --help are typer's own. Typer turns a bare Ctrl-C into a silent
+    exit 130; `run` raises `RunInterrupted` instead, printed here with the resume command.
     With --debug a `PretunerError` prints its traceback first and keeps its exit code.
     """
     try:
         app()
+    except RunInterrupted as err:
+        typer.echo(f"pretuner: {err}", err=True)  # "interrupted; resume with: ..."
+        raise SystemExit(int(err.exit_code)) from None
     except PretunerError as err:
         if state.debug:  # the traceback, and still the documented exit code
             traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)

@@ -10,7 +10,8 @@ import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
-from pretuner.errors import PretunerError
+from pretuner.errors import BadInputError, PretunerError, RunInterrupted
+from pretuner.launch.groups import report_stops_to
 from pretuner.launch.process import install_signal_handlers
 from pretuner.presets.compare import preset_line
 from pretuner.tune.entry import DryRun, RunOptions, RunOutcome, dry_run, run_tuning
@@ -49,6 +50,7 @@ class Progress:
 
 @app.command("run")
 def run_cmd(
+    ctx: typer.Context,
     model: str | None = typer.Option(
         None, "--model", "-m", help="Registry name, alias, or model path the server loads."
     ),
@@ -104,7 +106,7 @@ def run_cmd(
     serve_cmd: str | None = typer.Option(
         None, "--serve-cmd", help="Server command to use instead of the backend's."
     ),
-    out: Path | None = typer.Option(
+    out: str | None = typer.Option(  # a str: typer reads '' as Path('.'), the current folder
         None, "--out", help="Run folder (default: a new one under runs/)."
     ),
     resume: Path | None = typer.Option(
@@ -117,6 +119,9 @@ def run_cmd(
     stop_grace: float = typer.Option(
         120.0, "--stop-grace", help="Seconds between SIGTERM and SIGKILL."
     ),
+    request_timeout: float = typer.Option(
+        900.0, "--request-timeout", help="Seconds one probe or load request may take."
+    ),
     ray_address: str | None = typer.Option(
         None,
         "--ray-address",
@@ -126,8 +131,14 @@ def run_cmd(
     dry: bool = typer.Option(False, "--dry-run", help="Print the first launch and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
 ) -> None:
-    """Pre-run, derive, fall back, validate under load, and write tuned.env / serve.sh."""
-    if model is None and resume is None:
+    """Pre-run, derive, fall back, validate under load, and write tuned.env / serve.sh.
+
+    With --resume RUN the run goes on with the options it recorded: no other flag but --json
+    may be given (a changed option would make the journal describe another run).
+    """
+    if resume is not None:
+        refuse_flags_with_resume(ctx, dry)
+    elif model is None:
         raise typer.BadParameter("--model is required (or --resume RUN)", param_hint="--model")
     opts = RunOptions(
         model=model or "",
@@ -148,10 +159,11 @@ def run_cmd(
         validate=validate,
         model_use_gib=model_use_gb,
         serve_cmd=serve_cmd,
-        out=str(out) if out else None,
+        out=out,
         seed=seed,
         ready_timeout_s=ready_timeout,
         stop_grace_s=stop_grace,
+        request_timeout_s=request_timeout,
         ray_address=ray_address,
     )
     if dry:
@@ -160,14 +172,18 @@ def run_cmd(
             typer.echo(RAY_DRY_RUN.format(address=ray_address))
         return
     restore = install_signal_handlers()
+    progress = Progress(quiet=as_json)
+    unreport = report_stops_to(lambda message: progress("stop", message))
     try:
-        progress = Progress(quiet=as_json)
         outcome = run_tuning(opts, progress, resume=resume)
+    except KeyboardInterrupt:  # before the run had a folder; after, it is a RunInterrupted
+        raise RunInterrupted(None) from None
     except PretunerError as err:
         if as_json:
             echo_json(error_json(err))
         raise  # the error boundary prints the one-line error and exits with its code
     finally:
+        unreport()
         restore()
     if as_json:
         echo_json(outcome.report)
@@ -175,6 +191,39 @@ def run_cmd(
         typer.echo(render_summary(outcome))
     if not outcome.result.validated and opts.validate:
         raise typer.Exit(6)
+
+
+# Flags that do not change the run, so a --resume may carry them.
+RESUME_FLAGS = frozenset({"resume", "as_json", "ctx"})
+
+
+def refuse_flags_with_resume(ctx: typer.Context, dry: bool) -> None:
+    """--resume goes on with the recorded options: a flag that would change them is refused."""
+    if dry:
+        raise BadInputError(
+            "--dry-run cannot be combined with --resume: a resumed run continues what it "
+            "recorded, it has no first launch to print",
+            hint="drop --dry-run to continue the run; its journal.jsonl lists its launches",
+        )
+    flags = {p.name: p.opts[0] for p in ctx.command.params if p.name}
+    given = [
+        flags.get(name, name)
+        for name in ctx.params
+        if name not in RESUME_FLAGS
+        and _given(ctx, name)
+    ]
+    if given:
+        raise BadInputError(
+            f"{', '.join(given)} cannot be given with --resume: the run goes on with the "
+            "options it recorded",
+            hint="drop " + " ".join(given) + " to resume, or start a new run with the new values",
+        )
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    # By name: typer may bring its own copy of click, and with it its own ParameterSource.
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
 def error_json(err: PretunerError) -> dict[str, Any]:

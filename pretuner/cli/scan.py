@@ -23,6 +23,9 @@ def scan_cmd(
         echo_json(result.to_json())
         for cut in result.truncated:
             typer.echo(f"pretuner: warning: {cut.describe()}", err=True)
+        if result.truncated_omitted:
+            more = f"{result.truncated_omitted:,} more truncated dump(s), not listed"
+            typer.echo(f"pretuner: warning: {more}", err=True)
     else:
         typer.echo(render(result))
     for item in result.unreadable:
@@ -71,11 +74,13 @@ def render(result: ScanResult) -> str:
         out.append(f"\nworst actual peak: {result.worst.actual_peak_mib:,} MiB ({who})")
         if result.truncated:
             out.append(
-                f"  from the complete dumps only: {len(result.truncated)} truncated, so the "
+                f"  from the complete dumps only: {result.truncated_total:,} truncated, so the "
                 "worst may be higher"
             )
     for cut in result.truncated:
         out.append(f"TRUNCATED: {cut.describe()}")
+    if result.truncated_omitted:
+        out.append(f"TRUNCATED: {result.truncated_omitted:,} more, not listed")
     if result.card_mib is not None:
         out.append(f"card: {result.card_mib:,} MiB")
     if result.weights_gib is not None:
@@ -91,4 +96,6 @@ def render(result: ScanResult) -> str:
     for o in result.oom:
         phase = "" if o.phase.value == "unknown" else f", {o.phase.value}"
         out.append(f"OOM ({o.kind.value}{phase}) at {o.file}:{o.line}: {o.event.message}")
+    if result.oom_omitted:
+        out.append(f"OOM: {result.oom_omitted:,} more report(s), not listed")
     return "\n".join(out)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from pretuner import validate as v
 from pretuner.cli.app import app
 from pretuner.errors import BadInputError
 from pretuner.presets import get_preset, preset_from_report
@@ -121,6 +122,8 @@ def script_cmd(
     ),
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
+    if util is not None:
+        v.finite("--util", util, example="0.9")
     given = {
         "--card": card,
         "--tp": tp,

@@ -29,17 +29,29 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from pretuner.errors import ServerFailedError
+from pretuner.launch.groups import (
+    KILL_WAIT_S,
+    group_alive,
+    group_members,
+    note,
+    proc_available,
+    wait_group_gone,
+)
+from pretuner.launch.orphans import (
+    PID_FILE,
+    parent_death_guard,
+    remove_pid_file,
+    write_pid_file,
+)
 from pretuner.launch.probe import get_ok
+from pretuner.redact import redact_argv
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05
-_KILL_WAIT_S = 10.0
 _ATEXIT_GRACE_S = 10.0
 _HEALTH_TIMEOUT_S = 2.0
 _TAIL_LINES = 40
 _TAIL_MAX_BYTES = 1 << 20
-
 
 @dataclass(frozen=True, slots=True)
 class StopResult:
@@ -54,50 +66,6 @@ class StopResult:
     graceful: bool
     killed: bool
     seconds: float
-
-
-def _proc_available() -> bool:
-    return os.path.exists("/proc/self/stat")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes whose process group is `pgid`, from /proc."""
-    members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # gone meanwhile
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) < 3:
-            continue
-        state, pgrp = fields[0], fields[2]
-        # A zombie holds no memory; an orphaned one waits for init, which may never reap it.
-        if state in (b"Z", b"X"):
-            continue
-        if pgrp.isdigit() and int(pgrp) == pgid:
-            members.append(int(entry))
-    return members
-
-
-def _group_alive(pgid: int) -> bool:
-    if _proc_available():
-        return bool(group_members(pgid))
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe_exit(code: int) -> str:
@@ -125,12 +93,17 @@ class ServerProcess:
         self._pgid = popen.pid
         self._stop_lock = threading.RLock()
         self._stop_result: StopResult | None = None
+        self._pid_file = log_path.parent / PID_FILE
 
     @classmethod
     def start(
         cls, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None
     ) -> ServerProcess:
-        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`."""
+        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`.
+
+        The server gets the parent-death guard (killed if pretuner dies, even by SIGKILL) and
+        `server.pid` next to its log until its whole group is gone.
+        """
         if not argv:
             raise ValueError("empty server command")
         log_path = Path(log_path)
@@ -147,6 +120,7 @@ class ServerProcess:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     close_fds=True,
+                    preexec_fn=parent_death_guard(),  # only a prctl: safe after fork
                 )
             except OSError as exc:
                 raise ServerFailedError(
@@ -156,9 +130,12 @@ class ServerProcess:
                 ) from exc
         started = time.monotonic()
         proc = cls(popen, log_path, started)
+        write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time())
         with _live_lock:
             _live.add(proc)
-        log.info("started server pid %d (log %s): %s", popen.pid, log_path, shlex.join(argv))
+        log.info(
+            "started server pid %d (log %s): %s", popen.pid, log_path, shlex.join(redact_argv(argv))
+        )
         return proc
 
     @property
@@ -184,6 +161,15 @@ class ServerProcess:
 
     def poll(self) -> int | None:
         return self._popen.poll()
+
+    def poll_settled(self, seconds: float) -> int | None:
+        """The exit code once the process exited by itself, waiting up to `seconds` for it."""
+        deadline = time.monotonic() + seconds
+        exited = self.poll()
+        while exited is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            exited = self.poll()
+        return exited
 
     def log_tail(self, n_lines: int = _TAIL_LINES) -> str:
         """The last `n_lines` lines of the log, read from the end of the file."""
@@ -229,23 +215,17 @@ class ServerProcess:
         with contextlib.suppress(ProcessLookupError):  # every member is already gone
             os.killpg(self._pgid, sig)
 
-    def _wait_group(self, deadline: float) -> bool:
+    def _wait_group(self, deadline: float, grace_s: float | None = None) -> bool:
         """Reap our child and wait until no process of the group is left; False at deadline."""
-        while True:
-            self._popen.poll()
-            if not _group_alive(self._pgid):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(_POLL_S)
+        return wait_group_gone(self._pgid, deadline, reap=self._popen.poll, grace_s=grace_s)
 
     def _kill(self) -> None:
         self._signal_group(signal.SIGKILL)
-        if not self._wait_group(time.monotonic() + _KILL_WAIT_S):
+        if not self._wait_group(time.monotonic() + KILL_WAIT_S):
             log.error(
                 "processes of group %d survive SIGKILL (uninterruptible?): %s",
                 self._pgid,
-                group_members(self._pgid) if _proc_available() else "unknown",
+                group_members(self._pgid) if proc_available() else "unknown",
             )
 
     def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> StopResult:
@@ -259,21 +239,20 @@ class ServerProcess:
                 return self._stop_result
             started = time.monotonic()
             killed = False
-            if _group_alive(self._pgid):
+            if group_alive(self._pgid):
                 log.info("stopping server group %d with %s", self._pgid, signal.Signals(sig).name)
                 self._signal_group(sig)
                 try:
-                    gone = self._wait_group(started + grace_s)
+                    gone = self._wait_group(started + grace_s, grace_s)
                 except KeyboardInterrupt:
                     self._kill()
                     self._finish(killed=True, started=started)
                     raise
                 if not gone:
-                    log.warning(
-                        "server group %d still running %g s after %s; sending SIGKILL",
-                        self._pgid,
-                        grace_s,
-                        signal.Signals(sig).name,
+                    note(
+                        f"server group {self._pgid} still running {grace_s:g} s after "
+                        f"{signal.Signals(sig).name}; sending SIGKILL",
+                        logging.WARNING,
                     )
                     killed = True
                     self._kill()
@@ -291,6 +270,8 @@ class ServerProcess:
             seconds=time.monotonic() - started,
         )
         self._stop_result = result
+        if exit_code is not None and not group_alive(self._pgid):
+            remove_pid_file(self._pid_file)
         with _live_lock:
             _live.discard(self)
         log.info("server group %d stopped: %s", self._pgid, result)

@@ -13,6 +13,7 @@ from pretuner.cluster.env import node_exports
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
 from pretuner.presets.model import KvBasis, Preset, PresetKind
+from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
 from pretuner.tune.settings import (
     R01_COMMAND,
     V03_COMMAND,
@@ -56,6 +57,7 @@ class ScriptOptions:
     install_dir: str = "/etc/pretuner"  # where the systemd unit finds tuned.env
     extra_env: dict[str, str] = field(default_factory=dict)
     command: tuple[str, ...] | None = None  # a server command to use instead of the version's
+    status: str | None = None  # a run's own files: "validated under full load" or not
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -171,7 +173,17 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         base = [*R01_COMMAND, "--model", model_path]
     else:
         base = [*V03_COMMAND, model_path]
-    argv = base + server_args(flags)
+    # A secret (`--api-key K`, or the `<redacted>` a run record holds) is never written: the
+    # scripts read it from an environment variable (pretuner.redact.secret_var).
+    argv = classify_argv(base + server_args(flags))
+    secret_args = list({a.var: a for a in argv if isinstance(a, SecretArg)}.values())
+    secret_env = [k for k in env if is_secret_name(k)]
+    for key in secret_env:
+        del env[key]
+    where = "before starting (systemd: Environment= in a drop-in only root reads)"
+    notes += [f"secret {a.flag} is not written here: export {a.var} {where}" for a in secret_args]
+    notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
+    env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
 
     tag = {
         PresetKind.MEASURED: "measured on real hardware",
@@ -188,6 +200,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     )
     figures = ", ".join(f"{k} {v:g}" for k, v in p.figures.items())
     header = [
+        *([f"run {p.run_id or '-'}: {opts.status}"] if opts.status else []),
         f"model {p.model} ({p.weights_format}) from {model_path}",
         f"card {p.card_gib} GiB; layout TP{p.tp} x PP{p.pp} on {p.nodes} node(s), "
         f"{p.cards_per_node} card(s) per node",
@@ -205,7 +218,10 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     if "distributed_executor_backend" not in flags:
         head_argv += ["--distributed-executor-backend", "ray"]
     return {
-        "header": [_comment_safe(h) for h in header],
+        "header": [one_line(h) for h in header],
+        "secret_checks": [_check_line(a.var, f"the server flag {a.flag}") for a in secret_args]
+        + env_checks,
+        "secret_env_checks": env_checks,
         "simulated": p.kind is PresetKind.SIMULATED,
         "env": env,
         "argv": argv,
@@ -217,10 +233,10 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         "ray_port": opts.ray_port,
         "head_ip": opts.head_ip or "",
         "env_path": f"{opts.install_dir.rstrip('/')}/tuned.env",
-        "unit_description": _comment_safe(f"vLLM-MindSpore serving {p.model} (preset {p.name})"),
+        "unit_description": one_line(f"vLLM-MindSpore serving {p.model} (preset {p.name})"),
     }
 
 
-def _comment_safe(text: str) -> str:
-    """One printable line: a newline in a model path must not end a `#` comment."""
-    return "".join(c if c.isprintable() else "?" for c in text)
+def _check_line(var: str, what: str) -> str:
+    """A shell line that stops the script, naming the variable, when a secret is not exported."""
+    return f': "${{{var}:?export {var} ({what}); pretuner never writes a secret}}"'

@@ -15,17 +15,21 @@ import jinja2
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
 from pretuner.presets.model import Preset
+from pretuner.redact import SecretArg, one_line
 from pretuner.scripts.context import ScriptOptions, Target, build_context, files_for
 
 _SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_./:=,+@-]+$")
 
 
 def shell_quote(value: object) -> str:
+    """One shell word; a secret is a reference to its variable, never its value."""
+    if isinstance(value, SecretArg):
+        return (shlex.quote(value.prefix) if value.prefix else "") + f'"${value.var}"'
     return shlex.quote(str(value))
 
 
 def shell_join(values: Iterable[object]) -> str:
-    return " ".join(shlex.quote(str(v)) for v in values)
+    return " ".join(shell_quote(v) for v in values)
 
 
 def yaml_scalar(value: object) -> str:
@@ -55,15 +59,25 @@ def systemd_word(value: object) -> str:
     return '"' + "".join(out) + '"'
 
 
-def systemd_argv(argv: list[str]) -> str:
+def systemd_secret(arg: SecretArg) -> str:
+    """`${VAR}` as one ExecStart= word (systemd substitutes it whole, without splitting)."""
+    word = systemd_word(arg.prefix) if arg.prefix else ""
+    if word.startswith('"'):
+        return word[:-1] + "${" + arg.var + '}"'
+    return word + "${" + arg.var + "}"
+
+
+def systemd_argv(argv: list[str | SecretArg]) -> str:
     words = list(argv)
-    if not words[0].startswith("/"):
+    if isinstance(words[0], SecretArg) or not words[0].startswith("/"):
         words.insert(0, "/usr/bin/env")  # ExecStart= wants an absolute path
-    return " ".join(systemd_word(w) for w in words)
+    return " ".join(
+        systemd_secret(w) if isinstance(w, SecretArg) else systemd_word(w) for w in words
+    )
 
 
 def systemd_text(value: object) -> str:
-    return str(value).replace("%", "%%")
+    return one_line(value).replace("%", "%%")
 
 
 @cache
@@ -82,6 +96,7 @@ def _env() -> jinja2.Environment:
         yaml=yaml_scalar,
         sdargv=systemd_argv,
         sdtext=systemd_text,
+        comment=one_line,  # every value in a `#` line: a newline must not start a live line
     )
     return env
 

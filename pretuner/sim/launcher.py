@@ -9,15 +9,23 @@ process the user started. Consequences the tuner must survive, reproduced here:
 - SIGTERM to the whole process group: the wrapper dies at once, the server stops gracefully and
   prints its dump after the wrapper is gone; wait for every member of the group.
 - The wrapper's exit code says nothing about the server's (it ignores it).
+
+One deliberate difference: the child gets a parent-death guard (SIGTERM when the wrapper dies),
+so a SIGKILL of pretuner, which kills the wrapper by pretuner's own guard, stops the server too.
+SIGTERM, not SIGKILL: on a normal stop the wrapper dies first and the server must still dump
+its pool. The real r0.1 wrapper has no such guard: there pretuner's pid file names the orphan.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+
+from pretuner.launch.orphans import parent_death_guard
 
 DEFAULT_ENTRY = "vllm.entrypoints.openai.api_server"
 
@@ -42,7 +50,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f.write(_SCRIPT.format(entry=entry))
     try:
         # Deliberately like r0.1: no new session, no check, the child's code dropped.
-        subprocess.run([sys.executable, script, *args], check=False)
+        subprocess.run(
+            [sys.executable, script, *args],
+            check=False,
+            preexec_fn=parent_death_guard(signal.SIGTERM),  # only a prctl: safe after fork
+        )
     finally:
         os.unlink(script)
     return 0

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from pretuner.errors import BadInputError
-from pretuner.launch.device import NpuCard, parse_npu_smi
+from pretuner.launch.device import NpuCard, decode_output, parse_npu_processes, parse_npu_smi
 from pretuner.tune.loop import LEN_LADDER, CardInfo
 from pretuner.tune.settings import Backend
 
@@ -101,16 +101,20 @@ def choose_backend(requested: str) -> BackendChoice:
 
 def read_cards(argv: list[str], env: dict[str, str] | None = None) -> tuple[NpuCard, ...]:
     """Run an `npu-smi info` command and parse it; nothing when it is missing or fails."""
+    return parse_npu_smi(_npu_smi_text(argv, env))
+
+
+def _npu_smi_text(argv: list[str], env: dict[str, str] | None = None) -> str:
     try:
         proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=30, env=env, check=False
+            argv, capture_output=True, timeout=30, env=env, check=False
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         log.debug("npu-smi not usable: %s", err)
-        return ()
+        return ""
     if proc.returncode != 0:
-        return ()
-    return parse_npu_smi(proc.stdout)
+        return ""
+    return decode_output(proc.stdout)  # non-UTF-8 bytes must not kill `pretuner run`
 
 
 def sim_profile(card_gib: int | None) -> str:
@@ -128,22 +132,21 @@ def detect_card(choice: BackendChoice, card_gib: int | None, sim_env: dict[str, 
     """Card size and free memory: from npu-smi (the emulated one for the sim) unless given."""
     if card_gib is not None and card_gib < 1:
         raise BadInputError(f"card size {card_gib} GiB is invalid", hint="e.g. --card 64")
+    text, source = "", "given"
     if choice.backend is Backend.SIM:
         argv = [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
-        cards = read_cards(argv, env=sim_env)
-        source = "emulated npu-smi"
+        text, source = _npu_smi_text(argv, env=sim_env), "emulated npu-smi"
     elif choice.backend is Backend.VLLM_MINDSPORE:
-        cards = read_cards([shutil.which("npu-smi") or "npu-smi", "info"])
-        source = "npu-smi"
-    else:
-        cards, source = (), "given"
+        text, source = _npu_smi_text([shutil.which("npu-smi") or "npu-smi", "info"]), "npu-smi"
+    cards = parse_npu_smi(text)
     if cards:
         total = min(c.hbm_total_mib for c in cards)
         free = min(c.hbm_total_mib - c.hbm_used_mib for c in cards)
         measured = round(total / 1024)
         if card_gib is not None and card_gib != measured:
             log.warning("--card %d differs from the %d GiB npu-smi reports", card_gib, measured)
-        return CardInfo(card_gib or measured, free, source)
+        # Only the processes on the cards this run sizes for: every chip npu-smi listed.
+        return CardInfo(card_gib or measured, free, source, parse_npu_processes(text))
     if card_gib is None:
         raise BadInputError(
             "no card size: npu-smi is not available here", hint="pass --card (e.g. --card 64)"

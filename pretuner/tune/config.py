@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pretuner.kvmath import num_kv_blocks
+from pretuner.launch.device import NpuProcess
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, PlanResult, plan
@@ -36,6 +37,8 @@ class CardInfo:
     card_gib: int
     free_mib: int | None
     source: str  # "given", "npu-smi", "sim npu-smi"
+    # Processes npu-smi listed as holding memory on the card(s) before the run (other tenants).
+    holders: tuple[NpuProcess, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,15 @@ from collections.abc import Callable
 from typing import Any
 
 from pretuner.errors import (
+    CardBusyError,
     InfeasibleError,
     NotValidatedError,
 )
-from pretuner.kvmath import kv_bytes_per_token
+from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
 from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.plan import PlanConfig, activation_bytes, smallest_weights_layout
 from pretuner.tune import budget as bud
+from pretuner.tune import busy
 from pretuner.tune.config import (
     CHUNKED_GROWING_SHARE,
     TIGHTEN_MARGIN_FLOOR_BYTES,
@@ -25,7 +27,9 @@ from pretuner.tune.config import (
     TuneState,
     kv_prerun_bytes,
     plan_for,
+    prerun_util,
 )
+from pretuner.tune.crash import DeviceBusyRefusal
 from pretuner.tune.execute import LaunchOutcome, Phase
 from pretuner.tune.search import (
     Budget,
@@ -102,7 +106,10 @@ class TunerCore:
                 "validated",
                 hint="raise --max-launches, or read the run record's decisions",
             )
-        outcome = self.execute(settings)
+        try:
+            outcome = self.execute(settings)
+        except DeviceBusyRefusal as err:
+            raise self.busy_error(err.free_mib, err.source, log_path=err.log_path) from err
         self.state.outcomes.append(outcome)
         self.learn_card(outcome)
         return outcome
@@ -111,6 +118,8 @@ class TunerCore:
         """Keep what a launch measured of the card: free memory and the weights."""
         if o.device_free_mib:
             self.free = bud.FreeMemory(o.device_free_mib, "MindSpore init line (measured)", True)
+            top = bud.max_pool_util(self.cfg.card.card_gib, self.free)
+            self.check_free(o.device_free_mib, "MindSpore's init line", top, o.log_path)
         if o.weights_gib:
             self.weights_bytes = int(o.weights_gib * GIB)
             for m in self.models.values():
@@ -197,11 +206,67 @@ class TunerCore:
         return default
 
 
+    # -- a busy card ------------------------------------------------------------------------
+    def need_bytes(self) -> int:
+        """The least pool a pre-run can measure anything in: the weights and the KV cache of
+        one --min-model-len sequence."""
+        cfg = self.cfg
+        blocks = num_kv_blocks(cfg.min_model_len * self.bpt, self.bpt, cfg.block_size) + 1
+        return self.weights_bytes + blocks * cfg.block_size * self.bpt
+
+    def busy_error(
+        self, free_mib: int, source: str, log_path: str | None = None, why: str | None = None
+    ) -> CardBusyError:
+        return busy.card_busy_error(
+            card_gib=self.cfg.card.card_gib,
+            free_mib=free_mib,
+            source=source,
+            need_mib=-(-self.need_bytes() // MIB),
+            holders=self.cfg.card.holders,
+            log_path=log_path,
+            why=why,
+        )
+
+    def check_start(self) -> None:
+        """Before any launch: a card whose free memory (npu-smi) cannot hold the pre-run's pool
+        is busy (another process on it) or, idle, smaller than assumed; never a util <= 0."""
+        card = self.cfg.card
+        if card.free_mib is not None:
+            self.check_free(card.free_mib, f"{card.source} before the run", prerun_util(self.cfg))
+
+    def check_free(
+        self, free_mib: int, source: str, util: float, log_path: str | None = None
+    ) -> None:
+        card = self.cfg.card.card_gib
+        if util > 0 and card * util * GIB >= self.need_bytes():
+            return
+        if busy.looks_busy(card, free_mib, self.cfg.card.holders):
+            raise self.busy_error(free_mib, source, log_path)
+        if util <= 0:
+            raise InfeasibleError(
+                f"the card has {free_mib:,} MiB free ({source}): no pool is left on a "
+                f"{card} GiB card",
+                hint="check --card against `npu-smi info`",
+            )
+
+    def busy_instead(self) -> None:
+        """A "does not fit" verdict stands only at a card's normal free memory."""
+        free = self.free.mib if self.free is not None else self.cfg.card.free_mib
+        card = self.cfg.card.card_gib
+        if free is not None and busy.looks_busy(card, free, ()):
+            source = self.free.source if self.free is not None else self.cfg.card.source
+            raise self.busy_error(
+                free, source,
+                why=f"{self.cfg.model.name} did not fit in what is left, which says nothing "
+                "about an idle card",
+            )  # fmt: skip
+
     def lower_util(self, util: float, outcome: LaunchOutcome, steps: Any) -> float:
         if outcome.device_free_mib:
             free = bud.FreeMemory(outcome.device_free_mib, "the device's refusal (measured)", True)
             self.free = free
             new = bud.max_pool_util(self.cfg.card.card_gib, free)
+            self.check_free(free.mib, "the device's refusal", new, outcome.log_path)
             why = f"MindSpore reports {outcome.device_free_mib:,} MiB free"
         else:
             new = next((u for u in steps if u < util), 0.0)

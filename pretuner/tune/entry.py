@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pretuner.errors import BadInputError, PretunerError
+from pretuner import __version__
+from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
 from pretuner.tune.backends import (
@@ -30,7 +31,16 @@ from pretuner.tune.loop import (
     prerun_util,
     recorded_executor,
 )
-from pretuner.tune.record import RunRecord
+from pretuner.tune.options import check_run_options, options_from_json
+from pretuner.tune.ownership import (
+    check_no_orphans,
+    claim_new_folder,
+    disk_full_error,
+    is_disk_full,
+    lock_folder,
+    stop_own_orphans,
+)
+from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
 from pretuner.tune.settings import (
     Backend,
@@ -81,6 +91,16 @@ class RunOptions:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: Any, made_by: str | None = None) -> RunOptions:
+        """The options a journal recorded, refused with the key at fault (another version's run,
+        a hand edit) instead of a traceback."""
+        return options_from_json(cls, data, made_by)
+
+    def check(self) -> None:
+        """Refuse every bad value before a launch or a run folder (the rules live in validate)."""
+        check_run_options(self)
+
 
 @dataclass(frozen=True, slots=True)
 class RunOutcome:
@@ -97,23 +117,6 @@ class DryRun:
     prerun: LaunchSettings
     command: LaunchCommand
     layout_reason: str
-
-
-def _validate(opts: RunOptions) -> None:
-    if opts.card_gib is not None and opts.card_gib < 1:
-        raise BadInputError(
-            f"card size {opts.card_gib} GiB is invalid", hint="pass the card's GiB, e.g. --card 64"
-        )
-    if not 0 < opts.util <= 1:
-        raise BadInputError(
-            f"--util {opts.util} is outside (0, 1]", hint="use the fraction of the card, e.g. 0.9"
-        )
-    if opts.max_launches < 2 and opts.validate:
-        raise BadInputError(
-            f"--max-launches {opts.max_launches} leaves no launch for validation",
-            hint="use 2 or more, or --no-validate",
-        )
-
 
 
 def _check_lengths(max_len: int, min_len: int) -> None:
@@ -149,7 +152,7 @@ def _sim_env(
 def _setup(
     opts: RunOptions, card: CardInfo | None = None
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
-    _validate(opts)
+    opts.check()
     spec = resolve(opts.model)
     if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
         names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)
@@ -256,6 +259,7 @@ def _no_launch(settings: LaunchSettings) -> LaunchOutcome:
 def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunOptions]:
     if resume is not None:
         record = RunRecord.open(resume)
+        record.lock = lock_folder(record.path)  # a second --resume of this run is refused
         started = next(record.of_kind("run_started"), None)
         if started is None:
             raise BadInputError(f"{str(resume)!r} has no run_started entry", hint="start a new run")
@@ -263,26 +267,16 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
             raise BadInputError(
                 f"run {str(resume)!r} already finished", hint="start a new run instead"
             )
-        return record, RunOptions(**started["options"])
+        return record, RunOptions.from_json(started.get("options"), started.get("version"))
     if opts.out is not None:
+        check_folder_name(opts.out, "--out")
         out = Path(opts.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise BadInputError(
-                f"--out {str(out)!r} exists and is not empty; pretuner never overwrites a run",
-                hint="choose a new folder",
-            )
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise BadInputError(
-                f"cannot create --out {str(out)!r}: {err.strerror}", hint="choose a writable folder"
-            ) from None
-        if not os.access(out, os.W_OK):
-            raise BadInputError(f"--out {str(out)!r} is not writable", hint="choose another folder")
-        record = RunRecord(path=out)
+        check_no_orphans(out.parent, own=out)  # a server a killed run left on the card
+        record = RunRecord(path=out, lock=claim_new_folder(out))  # new or empty, and locked
     else:
+        check_no_orphans(Path(opts.runs_dir))
         record = RunRecord.create(Path(opts.runs_dir), opts.model, opts.card_gib)
-    record.append("run_started", options=opts.to_json())
+    record.append("run_started", options=opts.to_json(), version=__version__)
     return record, opts
 
 
@@ -308,7 +302,9 @@ def _recorded_options(resume: Path) -> RunOptions | None:
         started = next(RunRecord.open(resume).of_kind("run_started"), None)
     except PretunerError:
         return None  # _open_record says what is wrong with it
-    return RunOptions(**started["options"]) if started else None
+    if started is None:
+        return None
+    return RunOptions.from_json(started.get("options"), started.get("version"))
 
 
 def _tune(
@@ -316,10 +312,21 @@ def _tune(
 ) -> RunOutcome:
     record, opts = _open_record(opts, resume)
     try:
+        if resume is not None:  # we hold the lock: a live server of this run is our orphan
+            stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
         return _tune_recorded(record, opts, phase, collectors)
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it
         raise
+    except KeyboardInterrupt:
+        raise RunInterrupted(record.path) from None
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full_error(err, record.path) from None
+        raise
+    finally:
+        if record.lock is not None:
+            record.lock.release()
 
 
 def _tune_recorded(

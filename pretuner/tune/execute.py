@@ -21,10 +21,13 @@ from pretuner.launch.process import ServerProcess, read_tail
 from pretuner.logscan import Located, OomEvent, OomKind, ScanResult
 from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.tune.collect import CollectorFactory, LocalCollector
+from pretuner.tune.crash import device_busy
 from pretuner.tune.record import RunRecord
-from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose, redact_env
+from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 
 log = logging.getLogger(__name__)
+
+CRASH_SETTLE_S = 1.0  # how long a server whose requests failed may take to finish dying
 
 Phase = Callable[[str, str], None]  # (phase, detail) -> None, for the progress display
 
@@ -76,6 +79,7 @@ class LaunchOutcome:
     weights_gib: float | None = None  # "Loading model weights took X GB" (GiB), when printed
     oom_alloc_bytes: int | None = None  # the allocation that failed, when an OOM says
     requests_dropped: int = 0  # requests answered without running (empty completion)
+    server_exit_code: int | None = None  # the server exited by itself before it was stopped
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -113,6 +117,7 @@ class _OomSeen(Exception):
     """Raised from the readiness/request wait when the live log shows an OOM."""
 
 
+
 _START_KINDS = {
     "KV_BLOCKS_EXHAUSTED": OutcomeKind.KV_EXHAUSTED,
     "MAX_DEVICE_MEMORY_RANGE": OutcomeKind.DEVICE_REFUSED,
@@ -136,10 +141,9 @@ def run_launch(
     log_path = folder / "server.log"
     collector = (ctx.collector or LocalCollector)(folder, log_path)
     cmd = collector.prepare(ctx.build(settings, port))
+    shown = cmd.redacted()  # the secrets of --serve-cmd and the environment never stored
     (folder / "command.json").write_text(
-        json.dumps(
-            {"argv": cmd.argv, "env": redact_env(cmd.env), "shell": cmd.shell_line()}, indent=2
-        )
+        json.dumps({"argv": shown.argv, "env": shown.env, "shell": shown.shell_line()}, indent=2)
         + "\n",
         encoding="utf-8",
     )
@@ -164,6 +168,7 @@ def run_launch(
     ok = total = dropped = 0
     first_error: str | None = None
     failure: ServerFailedError | None = None
+    exited: int | None = None
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
     proc = ServerProcess.start(cmd.argv, {**os.environ, **cmd.env}, log_path)
     try:
@@ -183,6 +188,9 @@ def run_launch(
             pass
         except ServerFailedError as err:
             failure = err
+        # A server that dropped a request is often still dying: a moment lets a crash be
+        # named one (its exit code) instead of an error answer.
+        exited = proc.poll_settled(CRASH_SETTLE_S if ok < total else 0.0)
         phase("stop", "SIGTERM to the process group, waiting for the pool dump")
         s0 = time.monotonic()
         stop = proc.stop(ctx.stop_grace_s)
@@ -190,6 +198,8 @@ def run_launch(
     finally:
         proc.stop(ctx.stop_grace_s)  # idempotent; runs on Ctrl-C too
     consume(collector.poll(final=True))
+    if failure is not None and not seen and (refusal := device_busy(log_path)) is not None:
+        raise refusal
     phase("scan", collector.where())
     collected = collector.collect()
     (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
@@ -206,6 +216,7 @@ def run_launch(
         worst_node=collected.worst_node,
         rank_peaks_mib=collected.rank_peaks_mib,
         times=(ready_s, request_s, stop_s, time.monotonic() - t0),
+        exited=exited,
     )
 
 
@@ -223,6 +234,7 @@ def outcome_of(
     worst_node: str | None,
     rank_peaks_mib: dict[str, int],
     times: tuple[float, float, float, float],
+    exited: int | None = None,
 ) -> LaunchOutcome:
     """Classify a finished launch from its scanned logs and what its requests got."""
     kind = _classify(scan, settings, failure, done.ok, done.total, done.dropped)
@@ -253,8 +265,9 @@ def outcome_of(
         worst_node=worst_node,
         weights_gib=scan.weights_gib,
         oom_alloc_bytes=max((o.event.alloc_bytes or 0 for o in scan.oom), default=0) or None,
-        requests_dropped=max(done.dropped, len(scan.prompts_ignored)),
+        requests_dropped=max(done.dropped, scan.prompts_ignored_total),
         notes=tuple(t.describe() for t in scan.truncated),  # also in scan.json's "truncated"
+        server_exit_code=exited,
     )
 
 
@@ -371,7 +384,7 @@ def _fatal(
     )
     if scan.truncated:
         killed = ", killed after the grace period" if not graceful else ""
-        why = f"{len(scan.truncated)} cut short{killed}; first: {scan.truncated[0].describe()}"
+        why = f"{scan.truncated_total} cut short{killed}; first: {scan.truncated[0].describe()}"
     return ServerFailedError(
         f"the server stopped without a {'complete ' if scan.truncated else ''}memory-pool "
         f"dump: {why}",

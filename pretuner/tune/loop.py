@@ -59,6 +59,7 @@ class Tuner(PrerunSearch, Validation):
         )
         for note in self.plan.notes:
             self.decide("layout note", note)
+        self.check_start()  # a busy card ends the run here, before any util is derived
         util = prerun_util(cfg)
         if util < cfg.util:
             self.decide(

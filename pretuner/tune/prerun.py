@@ -9,7 +9,6 @@ from dataclasses import replace
 from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
-    ServerFailedError,
 )
 from pretuner.tune import budget as bud
 from pretuner.tune.config import (
@@ -17,6 +16,7 @@ from pretuner.tune.config import (
     UTIL_LADDER,
 )
 from pretuner.tune.core import TunerCore
+from pretuner.tune.crash import crash_error
 from pretuner.tune.execute import LaunchOutcome, OutcomeKind
 from pretuner.tune.search import (
     Bound,
@@ -105,12 +105,7 @@ class PrerunSearch(TunerCore):
                     )
                     continue
                 if k is OutcomeKind.REQUESTS_FAILED:
-                    raise ServerFailedError(
-                        f"the pre-run's probe failed without any out-of-memory line "
-                        f"({o.request_error or 'no error text'})",
-                        hint=f"check the server log {o.log_path}",
-                        log_path=o.log_path,
-                    )
+                    raise crash_error(o, "pre-run's probe")
                 if pinned is not None and mu < most and k.is_oom:
                     pinned = None
                     self.decide(
@@ -253,6 +248,7 @@ class PrerunSearch(TunerCore):
         cfg = self.cfg
         _, hi = self.bracket(chunked)
         if hi is not None and hi <= cfg.min_model_len:
+            self.busy_instead()
             raise InfeasibleError(
                 f"{cfg.model.name} does not fit TP{self.plan.tp} on {cfg.card.card_gib} GiB "
                 f"cards even at --min-model-len {cfg.min_model_len:,} (measured at the card's "
@@ -269,6 +265,7 @@ class PrerunSearch(TunerCore):
 
     def weights_do_not_fit(self, o: LaunchOutcome) -> None:
         cfg = self.cfg
+        self.busy_instead()
         raise InfeasibleError(
             f"TP{self.plan.tp} x PP{self.plan.pp}: the weights of {cfg.model.name} did not fit "
             f"on a {cfg.card.card_gib} GiB card: out of memory before they finished loading "

@@ -3,15 +3,19 @@
 Layout of a run folder:
   journal.jsonl            one JSON object per event (run start, launch, decision, result)
   launch-<n>/command.json  the exact argv and environment (secrets redacted)
-  launch-<n>/server.log    everything the server printed
+  launch-<n>/server.log    everything the server printed (one fresh log per attempt: an
+                           interrupted attempt's folder is moved to launch-<n>.interrupted-<k>)
+  launch-<n>/server.pid    the server's pid and process group while it runs
   launch-<n>/scan.json     what the log scanner found
   report.md, report.json   the result, or why the run failed (a PretunerError)
   tuned.env, serve.sh      the tuned configuration (finished runs only)
+  .lock                    flock'ed by the pretuner process running the run (its pid inside)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -23,8 +27,26 @@ from typing import Any
 
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
+from pretuner.redact import has_control_chars, redact_options, restore_command_text
+from pretuner.tune.ownership import (
+    RunLock,
+    check_free_space,
+    disk_full_error,
+    is_disk_full,
+    lock_folder,
+)
 
 JOURNAL = "journal.jsonl"
+
+
+def check_folder_name(path: str, option: str) -> None:
+    """Refuse a run folder whose path holds a newline or another control character: its name is
+    the run id that report.md and serve.sh print, and pretuner never needs one."""
+    if has_control_chars(path):
+        raise BadInputError(
+            f"{option} {path!r} contains a newline or another control character",
+            hint="choose a folder name of printable characters",
+        )
 
 
 def _slug(text: str) -> str:
@@ -37,6 +59,7 @@ class RunRecord:
 
     path: Path
     events: list[dict[str, Any]] = field(default_factory=list)
+    lock: RunLock | None = field(default=None, repr=False)  # held for the whole run
 
     @classmethod
     def create(cls, base: Path, model: str, card_gib: int | None) -> RunRecord:
@@ -66,7 +89,7 @@ class RunRecord:
                     f"cannot create {str(candidate)!r}: {err.strerror}",
                     hint="choose a writable --out",
                 ) from None
-            return cls(path=candidate)
+            return cls(path=candidate, lock=lock_folder(candidate))
         raise BadInputError(f"too many runs named {name!r} in {str(base)!r}")
 
     @classmethod
@@ -78,23 +101,30 @@ class RunRecord:
                 f"{str(path)!r} is not a pretuner run folder (no {JOURNAL})",
                 hint="pass the folder `pretuner run` printed",
             )
-        events = []
-        for line in journal.read_text("utf-8").splitlines():
-            if not line.strip():
-                continue
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut by a crash: everything before it stands
+        events = read_journal(journal)
+        for started in (e for e in events if e.get("event") == "run_started"):
+            options = started.get("options")
+            if isinstance(options, dict) and isinstance(options.get("serve_cmd"), str):
+                # The journal keeps no secret: each comes back from its variable (as serve.sh's).
+                options["serve_cmd"] = restore_command_text(
+                    options["serve_cmd"], os.environ, Path(path).name
+                )
         return cls(path=Path(path), events=events)
 
     def append(self, event: str, **data: Any) -> dict[str, Any]:
         """Append one event to the journal and fsync it: it survives a crash right after."""
+        if "options" in data:  # run_started: `--serve-cmd ... --api-key K` is kept redacted
+            data["options"] = redact_options(data["options"])
         entry = {"event": event, "time": time.time(), **data}
-        with open(self.path / JOURNAL, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry, sort_keys=True) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with open(self.path / JOURNAL, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(entry, sort_keys=True) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as err:
+            if is_disk_full(err):
+                raise disk_full_error(err, self.path) from None
+            raise
         self.events.append(entry)
         return entry
 
@@ -102,8 +132,20 @@ class RunRecord:
         return (e for e in self.events if e["event"] == event)
 
     def launch_dir(self, n: int) -> Path:
+        """A fresh folder for launch `n`, after checking the disk has room for it.
+
+        An interrupted attempt's folder is moved aside, not reused: a server orphaned by a
+        killed pretuner may still write its pool dump to its old log, which must not be read
+        as a rank of the new attempt (the scan reads every file of the launch folder).
+        """
+        check_free_space(self.path)
         folder = self.path / f"launch-{n}"
-        folder.mkdir(exist_ok=True)
+        if folder.exists():
+            k = 1
+            while (aside := self.path / f"launch-{n}.interrupted-{k}").exists():
+                k += 1
+            folder.rename(aside)
+        folder.mkdir()
         return folder
 
     def write(self, name: str, text: str, *, executable: bool = False) -> Path:
@@ -111,3 +153,32 @@ class RunRecord:
 
     def write_json(self, name: str, data: Any) -> Path:
         return self.write(name, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def read_journal(journal: Path) -> list[dict[str, Any]]:
+    """The journal's events; a line cut by a crash is skipped, anything else wrong is refused."""
+    try:
+        text = journal.read_bytes().decode("utf-8", errors="replace")
+    except OSError as err:
+        raise BadInputError(
+            f"cannot read {str(journal)!r}: {err.strerror}", hint="check the run folder"
+        ) from None
+    events: list[dict[str, Any]] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            # A line cut by a crash (SIGKILL mid-write); the lines after it were appended by
+            # a resume and stand.
+            logging.getLogger(__name__).warning("%s:%d is not JSON: skipped", journal, n)
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("event"), str):
+            raise BadInputError(
+                f"{str(journal)!r} line {n} is not a journal event (a JSON object with an "
+                f"'event'): {line[:80]!r}",
+                hint="the journal is damaged or not pretuner's: start a new run",
+            )
+        events.append(entry)
+    return events

@@ -15,6 +15,7 @@ from pretuner.derivation_text import derivation_lines
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.plan import PlanResult
 from pretuner.presets.model import preset_from_report
+from pretuner.redact import one_line, redact_argv
 from pretuner.scripts.context import ScriptOptions, Target
 from pretuner.scripts.render import render_scripts
 from pretuner.tune.execute import LaunchOutcome
@@ -136,7 +137,7 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
         "final": {
             "env": f.env,
             "flags": flags,
-            "serve_command": serve_command,
+            "serve_command": redact_argv(serve_command),  # serve.sh reads a secret from env
         },
         "max_kv_tokens": f.kv_tokens,
         "max_kv_gib": round(f.kv_bytes / GIB, 4),
@@ -172,7 +173,7 @@ def report_md(rep: dict[str, Any], result: TuneResult) -> str:
     d = result.derivation
     status = "validated under full load" if rep["validated"] else "NOT validated"
     lines = [
-        f"# pretuner run {rep['run_id']}",
+        f"# pretuner run {one_line(rep['run_id'])}",
         "",
         *_run_lines(rep),
         f"- result: {status} after {rep['launches']} launch(es)",
@@ -213,7 +214,7 @@ def failure_md(rep: dict[str, Any]) -> str:
     code = rep["exit_code"]
     reason, _, details = rep["error"].partition("\n")  # a server failure adds its log tail
     lines = [
-        f"# pretuner run {rep['run_id']}: FAILED (exit {code}, {_exit_name(code)})",
+        f"# pretuner run {one_line(rep['run_id'])}: FAILED (exit {code}, {_exit_name(code)})",
         "",
         f"- reason: {reason}",
         f"- fix: {rep['hint'] or 'read the server log and the decisions below'}",
@@ -305,6 +306,6 @@ def serve_sh(rep: dict[str, Any], result: TuneResult) -> str:
 def _render(rep: dict[str, Any], target: Target, name: str) -> str:
     preset = preset_from_report(rep, date="-")
     status = "validated under full load" if rep["validated"] else "NOT validated"
-    opts = ScriptOptions(command=tuple(rep["final"]["serve_command"]))
-    text = render_scripts(preset, opts, [target])[name]
-    return text.replace("\n# model ", f"\n# run {rep['run_id']}: {status}\n# model ", 1)
+    # The header line `# run <id>: <status>` is built and made one line by the script context.
+    opts = ScriptOptions(command=tuple(rep["final"]["serve_command"]), status=status)
+    return render_scripts(preset, opts, [target])[name]

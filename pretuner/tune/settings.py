@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
+from pretuner.redact import redact_argv, redact_env
+
 
 class Backend(str, Enum):
     SIM = "sim"
@@ -64,9 +66,15 @@ class LaunchCommand:
     argv: list[str]
     env: dict[str, str]  # only what pretuner sets on top of the inherited environment
 
+    def redacted(self) -> LaunchCommand:
+        """The command as it may be stored or printed: secret values are `<redacted>`."""
+        return LaunchCommand(argv=redact_argv(self.argv), env=redact_env(self.env))
+
     def shell_line(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
-        return f"{env} {shlex.join(self.argv)}".strip()
+        """The command for people to read (never run by pretuner), secrets redacted."""
+        cmd = self.redacted()
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
+        return f"{env} {shlex.join(cmd.argv)}".strip()
 
 
 R01_COMMAND = ("python3", "-m", "vllm_mindspore.entrypoints", "vllm.entrypoints.openai.api_server")
@@ -164,11 +172,3 @@ def engine_prefill_flags(max_model_len: int, chunked: bool) -> list[str]:
     if flag is None:
         return []
     return ["--enable-chunked-prefill"] if flag else ["--enable-chunked-prefill", "False"]
-
-
-_SECRET = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL)", re.I)
-
-
-def redact_env(env: dict[str, str]) -> dict[str, str]:
-    """The environment as recorded: values of secret-looking names replaced."""
-    return {k: ("<redacted>" if _SECRET.search(k) else v) for k, v in env.items()}

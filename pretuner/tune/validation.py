@@ -9,7 +9,6 @@ from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
     PretunerError,
-    ServerFailedError,
 )
 from pretuner.method import Derivation
 from pretuner.tune import budget as bud
@@ -23,6 +22,7 @@ from pretuner.tune.config import (
     kv_prerun_bytes,
 )
 from pretuner.tune.core import TunerCore
+from pretuner.tune.crash import crash_error
 from pretuner.tune.execute import LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
@@ -85,12 +85,9 @@ class Validation(TunerCore):
                 continue
             if outcome.kind is OutcomeKind.REQUESTS_FAILED:
                 # Requests failed but no OOM was logged: more headroom would not help.
-                raise ServerFailedError(
-                    f"validation: {outcome.requests_total - outcome.requests_ok} of "
-                    f"{outcome.requests_total} requests failed without any OOM in the log "
-                    f"({outcome.request_error or 'no error text'})",
-                    hint=f"check the server log {outcome.log_path} and --request-timeout",
-                    log_path=outcome.log_path,
+                failed = outcome.requests_total - outcome.requests_ok
+                raise crash_error(
+                    outcome, f"validation ({failed} of {outcome.requests_total} requests failed)"
                 )
             prerun, d, source, per_seq = self.learn(prerun, d, outcome, per_seq)
         assert proven is not None  # noqa: S101 - the loop leaves only with a proven config

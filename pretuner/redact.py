@@ -1,0 +1,143 @@
+"""Secrets on a server command line or in its environment: found by name, never stored.
+
+One rule for every place a command is kept or shown (journal, command.json, report.json,
+`--json`, the dry run, logs): the value after a secret-named flag (`--api-key K`,
+`--api-key=K`) or of a secret-named assignment (`HF_TOKEN=K`) becomes `<redacted>`. The scripts a
+person runs (serve.sh) read such a value from an environment variable instead: `secret_var`.
+Pure: no I/O beyond the environment mapping a caller passes in.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pretuner.errors import BadInputError
+
+REDACTED = "<redacted>"
+# Words of a name that mark its value as secret. Whole words, so that --max-num-batched-tokens
+# and --tokenizer (which pretuner itself passes) stay readable; a word ending in one of them
+# (apikey, hftoken) counts too.
+_SECRET_WORDS = (
+    "key", "keys", "token", "secret", "secrets", "password", "passwd", "credential", "credentials",
+)  # fmt: skip
+_SECRET_SUFFIXES = ("key", "token", "secret", "password", "passwd")
+_ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
+_FLAG = re.compile(r"^--?([A-Za-z0-9][A-Za-z0-9_.-]*)(=(.*))?$", re.S)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a flag or variable name (`api-key`, `HF_TOKEN`) names a secret."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    return any(w in _SECRET_WORDS or w.endswith(_SECRET_SUFFIXES) for w in words)
+
+
+def secret_var(name: str) -> str:
+    """The environment variable serve.sh (and --resume) read a secret from: --api-key ->
+    PRETUNER_SERVE_API_KEY, HF_TOKEN=... -> PRETUNER_SERVE_HF_TOKEN."""
+    return "PRETUNER_SERVE_" + re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").upper()
+
+
+@dataclass(frozen=True, slots=True)
+class SecretArg:
+    """One argv word that carries a secret: `prefix` is kept (`--api-key=`, `HF_TOKEN=` or '')
+    and the value comes from the environment variable `var`; `flag` names it for people."""
+
+    prefix: str
+    var: str
+    flag: str
+
+
+def classify_argv(argv: list[str]) -> list[str | SecretArg]:
+    """argv with every secret value replaced by a `SecretArg` (the value itself is dropped)."""
+    out: list[str | SecretArg] = []
+    pending: str | None = None  # a secret flag whose value is the next word
+    for word in argv:
+        if pending is not None and not word.startswith("--"):
+            out.append(SecretArg("", secret_var(pending), f"--{pending}"))
+            pending = None
+            continue
+        pending = None
+        flag = _FLAG.match(word)
+        assign = _ASSIGNMENT.match(word) if flag is None else None
+        if flag and is_secret_name(flag.group(1)):
+            if flag.group(2) is None:
+                pending = flag.group(1)  # a boolean flag when a `--flag` follows
+                out.append(word)
+            else:
+                prefix = word[: len(word) - len(flag.group(3))]
+                out.append(SecretArg(prefix, secret_var(flag.group(1)), prefix.rstrip("=")))
+        elif assign and is_secret_name(name := assign.group(1)):
+            out.append(SecretArg(name + "=", secret_var(name), name))
+        else:
+            out.append(word)
+    return out
+
+
+def secrets_in(argv: list[str]) -> list[SecretArg]:
+    return [w for w in classify_argv(argv) if isinstance(w, SecretArg)]
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv as it may be stored or printed: every secret value is `<redacted>`."""
+    return [w.prefix + REDACTED if isinstance(w, SecretArg) else w for w in classify_argv(argv)]
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment as recorded: values of secret-looking names replaced."""
+    return {k: (REDACTED if is_secret_name(k) else v) for k, v in env.items()}
+
+
+def redact_command_text(text: str) -> str:
+    """A command line kept as one string (`--serve-cmd`), redacted word by word."""
+    try:
+        words = shlex.split(text)
+    except ValueError:  # an unbalanced quote: the words as typed, so no value slips through
+        words = text.split()
+    return shlex.join(redact_argv(words))
+
+
+def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`pretuner run`'s options as journaled: the server command and any secret-named entry."""
+    out: dict[str, Any] = {}
+    for key, value in options.items():
+        if key == "serve_cmd" and isinstance(value, str):
+            value = redact_command_text(value)
+        elif isinstance(value, dict):
+            value = redact_env(value)
+        elif isinstance(value, str) and is_secret_name(key):
+            value = REDACTED
+        out[key] = value
+    return out
+
+
+def restore_command_text(text: str, environ: Mapping[str, str], run: str) -> str:
+    """A journaled `--serve-cmd` with each `<redacted>` value read back from its environment
+    variable (the one serve.sh reads); refused, naming the variable, when it is not set."""
+    if REDACTED not in text:
+        return text
+    words = shlex.split(text)
+    out = []
+    for word, kind in zip(words, classify_argv(words), strict=True):
+        if isinstance(kind, SecretArg) and word == kind.prefix + REDACTED:
+            if kind.var not in environ:
+                raise BadInputError(
+                    f"run {run!r} was started with a secret {kind.flag}, which the journal does "
+                    f"not keep; export {kind.var} with its value and resume again",
+                    hint=f"export {kind.var}=...",
+                )
+            word = kind.prefix + environ[kind.var]
+        out.append(word)
+    return shlex.join(out)
+
+
+def one_line(value: object) -> str:
+    """Text that cannot end a `#` comment or a unit-file line: control characters become `?`."""
+    return "".join(c if c.isprintable() else "?" for c in str(value))
+
+
+def has_control_chars(value: str) -> bool:
+    return not value.isprintable()

@@ -1,0 +1,111 @@
+"""Checks for values a user hands in (flags, journals): each refusal names the value and the fix.
+
+Pure: the CLI and `RunOptions.check()` call the same rules, so a library caller meets the same
+`BadInputError` (exit 2) as the command line, before anything is launched or written.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import types
+import typing
+from typing import Any
+
+from pretuner.errors import BadInputError
+
+# vLLM's --block-size choices (CacheConfig); r0.1 uses 16, vLLM-MindSpore 0.5 uses 128.
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+# Far above any accelerator on the market (the largest hold under 300 GiB): a larger --card
+# is a typo, and would derive millions of sequences against a server that trusts it.
+MAX_CARD_GIB = 1024
+
+
+def finite(flag: str, value: float, *, example: str) -> float:
+    """`value`, refused when it is nan or infinite."""
+    if not math.isfinite(value):
+        raise BadInputError(f"{flag} {value} is not a finite number", hint=f"e.g. {flag} {example}")
+    return value
+
+
+def non_negative(flag: str, value: float, *, example: str) -> float:
+    """A finite `value` >= 0."""
+    finite(flag, value, example=example)
+    if value < 0:
+        raise BadInputError(
+            f"{flag} {value} is negative", hint=f"use 0 or more, e.g. {flag} {example}"
+        )
+    return value
+
+
+def positive(flag: str, value: float, *, example: str) -> float:
+    """A finite `value` > 0."""
+    finite(flag, value, example=example)
+    if value <= 0:
+        raise BadInputError(f"{flag} {value} must be above 0", hint=f"e.g. {flag} {example}")
+    return value
+
+
+def int_range(flag: str, value: int, low: int, high: int | None = None) -> int:
+    """An integer in [low, high] (no upper bound when high is None)."""
+    if value < low or (high is not None and value > high):
+        span = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise BadInputError(f"{flag} {value} is invalid", hint=f"use a value {span}")
+    return value
+
+
+def choice(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
+    """`value` when it is one of `choices`."""
+    if value not in choices:
+        valid = ", ".join(str(c) for c in choices)
+        raise BadInputError(f"{flag} {value!r} is not supported", hint=f"choose one of: {valid}")
+    return value
+
+
+def path_text(flag: str, value: str) -> str:
+    """A path that names something: not empty or blank (which would mean the current folder)."""
+    if not value.strip():
+        raise BadInputError(
+            f"{flag} {value!r} is empty", hint=f"name a folder, e.g. {flag} runs/r1"
+        )
+    return value
+
+
+def command_line(flag: str, value: str) -> list[str]:
+    """A shell-like command split into argv: quotes balanced, not empty."""
+    try:
+        argv = shlex.split(value)
+    except ValueError as err:
+        raise BadInputError(
+            f"{flag} {value!r} cannot be split into arguments: {err}",
+            hint="balance the quotes, e.g. --serve-cmd \"my-wrapper serve --opt 'a b'\"",
+        ) from None
+    if not argv:
+        raise BadInputError(f"{flag} is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
+    return argv
+
+
+def fits_type(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the type a dataclass field declares (int, str | None, ...)."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(fits_type(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint) or (Any, Any)
+        return isinstance(value, dict) and all(
+            fits_type(k, key_t) and fits_type(v, val_t) for k, v in value.items()
+        )
+    if origin is list:
+        (item_t,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(fits_type(v, item_t) for v in value)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:  # JSON writes 2.0 as 2.0, but a hand-edited 2 is a float too
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(hint, type) and isinstance(value, hint)

@@ -35,7 +35,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pretuner.errors import InfeasibleError, PretunerError
+from pretuner.errors import CardBusyError, InfeasibleError, PretunerError
 from pretuner.method import PrerunInputs, derive
 from pretuner.models import builtin_specs, resolve
 from pretuner.plan import PlanConfig, plan, smallest_weights_layout
@@ -158,6 +158,8 @@ def one(case: Case, work: str) -> Row:
         except PretunerError:
             pass
         return row
+    except CardBusyError as err:  # a true verdict when the tenant leaves too little
+        return Row(case, "busy", str(err))
     except PretunerError as err:
         return Row(case, "error", f"{type(err).__name__}: {err}")
     return score(case, res)
@@ -232,7 +234,8 @@ def summarize(rows: list[Row], cards: list[int]) -> None:
     ok = [r for r in rows if r.outcome == "validated"]
     print(f"\n{len(rows)} runs: {len(ok)} validated, "
           f"{sum(r.outcome == 'infeasible' for r in rows)} infeasible, "
-          f"{sum(r.outcome not in ('validated', 'infeasible') for r in rows)} other")
+          f"{sum(r.outcome == 'busy' for r in rows)} card busy, "
+          f"{sum(r.outcome not in ('validated', 'infeasible', 'busy') for r in rows)} other")
 
 
 def main() -> int:

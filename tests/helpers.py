@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -52,3 +53,9 @@ def processes_holding(path: Path) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def default_sigint() -> None:
+    """preexec_fn for a child a test interrupts with SIGINT: a shell's background job starts
+    its children with SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env, processes_holding, run_cli
+from tests.helpers import cli_env, default_sigint, processes_holding, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,7 @@ def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None
     stderr_path = tmp_path / "stderr.txt"
     with open(stderr_path, "w") as err:
         pt = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                              stdin=subprocess.DEVNULL)  # fmt: skip
+                              stdin=subprocess.DEVNULL, preexec_fn=default_sigint)  # fmt: skip
         try:
             marker = {"loading": " loading ", "probe": " probe ", "validate": " load "}[phase]
             _wait_for(stderr_path, marker)

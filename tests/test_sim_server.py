@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.helpers import default_sigint
+
 MODEL = "qwen3-8b"  # 16 GB bf16: fits one 64 GB card at TP1
 PEAK_RE = re.compile(r"actual peak used mem:(\d+)M")
 READY_RE = re.compile(r"Uvicorn running on http://[\d.]+:(\d+)")
@@ -104,7 +106,7 @@ def sim(tmp_path: Path) -> Iterator[object]:
         with open(log_path, "wb") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=default_sigint)
         s = Sim(proc, log_path)
         started.append(s)
         return s

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
+from pretuner.devices import select_reader
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
@@ -54,6 +55,14 @@ if TYPE_CHECKING:
     from pretuner.cluster.collector import RayCollectors
 
 log = logging.getLogger(__name__)
+
+# What each backend's server runs on, for its device memory reader.
+DEVICE_KINDS = {
+    Backend.SIM: "emulated",
+    Backend.VLLM_MINDSPORE: "ascend",
+    Backend.MINDSPORE_CPU: "cpu",
+}
+NO_READER = "no device memory reader here: measuring from the logs only"
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +237,9 @@ def _setup(
         stop_grace_s=opts.stop_grace_s,
         seed=opts.seed,
         decode_tokens=lengths.decode_tokens,
+        device_reader=select_reader(
+            DEVICE_KINDS[choice.backend], {**os.environ, **extra_env}, p.tp * p.pp
+        ),
     )
     model_args = ["--model", opts.model] if model_as_flag else [opts.model]
     return cfg, choice, ctx, base_cmd + model_args, extra_env
@@ -240,7 +252,7 @@ def tune_in_process(
     from pretuner.tune.emulated import inprocess_executor
 
     cfg, _, ctx, _, _ = _setup(opts, card)
-    execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)
+    execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)  # samples no card
     return Tuner(cfg, execute, phase or (lambda p, d: None)).run()
 
 
@@ -337,6 +349,8 @@ def _tune_recorded(
         ctx = replace(ctx, collector=collectors)
         record.append("cluster", **collectors.info)
     phase("record", str(record.path))
+    if ctx.device_reader is None:
+        phase("device", NO_READER)
     tuner = Tuner(
         cfg,
         recorded_executor(record, ctx, phase),

@@ -10,14 +10,16 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from pretuner.devices import DeviceReader
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.process import ServerProcess, read_tail
+from pretuner.launch.sampler import MemorySampler
 from pretuner.logscan import Located, OomEvent, OomKind, ScanResult
 from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.tune.collect import CollectorFactory, LocalCollector
@@ -80,6 +82,8 @@ class LaunchOutcome:
     oom_alloc_bytes: int | None = None  # the allocation that failed, when an OOM says
     requests_dropped: int = 0  # requests answered without running (empty completion)
     server_exit_code: int | None = None  # the server exited by itself before it was stopped
+    device_peaks_mib: dict[str, int] = field(default_factory=dict)  # phase -> worst device, MiB
+    device_reader: str | None = None  # what sampled the card (None: measured from the logs)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -111,6 +115,7 @@ class LaunchContext:
     decode_tokens: int = 16
     seed: int = 0
     collector: CollectorFactory | None = None  # where logs are read; default: this machine
+    device_reader: DeviceReader | None = None  # samples the card during launches; None: logs only
 
 
 class _OomSeen(Exception):
@@ -169,8 +174,11 @@ def run_launch(
     first_error: str | None = None
     failure: ServerFailedError | None = None
     exited: int | None = None
+    sampler = MemorySampler(ctx.device_reader)
+    phase = sampler.wrap(phase)
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
     proc = ServerProcess.start(cmd.argv, {**os.environ, **cmd.env}, log_path)
+    sampler.start()
     try:
         try:
             phase("loading", f"waiting for {base}/health")
@@ -196,14 +204,17 @@ def run_launch(
         stop = proc.stop(ctx.stop_grace_s)
         stop_s = time.monotonic() - s0
     finally:
-        proc.stop(ctx.stop_grace_s)  # idempotent; runs on Ctrl-C too
+        try:
+            proc.stop(ctx.stop_grace_s)  # idempotent; runs on Ctrl-C too
+        finally:
+            sampled = sampler.stop()
     consume(collector.poll(final=True))
     if failure is not None and not seen and (refusal := device_busy(log_path)) is not None:
         raise refusal
     phase("scan", collector.where())
     collected = collector.collect()
     (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
-    return outcome_of(
+    outcome = outcome_of(
         n,
         settings,
         collected.scan,
@@ -218,6 +229,8 @@ def run_launch(
         times=(ready_s, request_s, stop_s, time.monotonic() - t0),
         exited=exited,
     )
+    return replace(outcome, device_peaks_mib=sampled.peaks_mib, device_reader=sampled.reader,
+                   notes=outcome.notes + ((sampled.failure,) if sampled.failure else ()))
 
 
 def outcome_of(

@@ -1,0 +1,31 @@
+"""The emulated card, read in-process: what `pretuner sim npu-smi` would print, without a
+subprocess (a few small JSON files per sample)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceMemory, Sample, keep
+from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES
+from pretuner.sim.npusmi import read_cards
+
+
+class EmulatedReader:
+    name = "emulated"
+    interval_s = FASTEST_INTERVAL_S
+
+    def __init__(self, env: Mapping[str, str], devices: frozenset[int] | None = None) -> None:
+        from pretuner.sim.serve import state_dir  # the sim server module: only when emulating
+
+        self.profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
+                                    PROFILES[DEFAULT_PROFILE])
+        self.state = state_dir(dict(env))
+        self.node = int(env.get("PRETUNER_SIM_NODE", "0") or 0)
+        self.tenant_mib = int(env.get("PRETUNER_SIM_OCCUPIED_MIB", "0") or 0)
+        self.devices = devices
+
+    def sample(self) -> Sample | None:
+        cards = read_cards(self.profile, self.state, self.node, self.tenant_mib)
+        total = self.profile.total_mib
+        return keep(tuple(DeviceMemory(c.npu, c.hbm_used_mib, total) for c in cards),
+                    self.devices)

@@ -1,0 +1,42 @@
+"""Which reader a run's devices have, if any."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+
+from pretuner.devices.base import DeviceReader
+
+# The kinds of device a backend runs on.
+KINDS = ("emulated", "ascend", "cuda", "cpu")
+
+
+def visible_devices(env: Mapping[str, str], variable: str, count: int) -> frozenset[int]:
+    """The first `count` device indices the run uses: those listed in `variable`, else 0.."""
+    listed = [int(x) for x in env.get(variable, "").split(",") if x.strip().isdigit()]
+    return frozenset(listed[:count] if listed else range(count))
+
+
+def select_reader(kind: str, env: Mapping[str, str], count: int = 1) -> DeviceReader | None:
+    """The reader for `kind`'s first `count` devices; None where nothing can read them."""
+    if kind == "emulated":
+        from pretuner.devices.emulated import EmulatedReader
+
+        return EmulatedReader(env, frozenset(range(count)))
+    if kind == "ascend":
+        exe = shutil.which("npu-smi", path=env.get("PATH"))
+        if exe is None:
+            return None
+        from pretuner.devices.npu_smi import NpuSmiReader
+
+        return NpuSmiReader(exe, visible_devices(env, "ASCEND_RT_VISIBLE_DEVICES", count))
+    if kind == "cuda":
+        from pretuner.devices.nvidia import NvidiaSmiReader, NvmlReader, load_nvml
+
+        devices = visible_devices(env, "CUDA_VISIBLE_DEVICES", count)
+        nvml = load_nvml()
+        if nvml is not None:
+            return NvmlReader(nvml, devices)
+        exe = shutil.which("nvidia-smi", path=env.get("PATH"))
+        return NvidiaSmiReader(exe, devices) if exe is not None else None
+    return None

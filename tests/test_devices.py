@@ -1,0 +1,133 @@
+"""Device memory readers: parsers on verbatim outputs, readers on real (fake) commands."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretuner.devices import DeviceMemory, DeviceReadError, select_reader
+from pretuner.devices.emulated import EmulatedReader
+from pretuner.devices.npu_smi import NpuSmiReader, npu_memory
+from pretuner.devices.nvidia import (
+    NvidiaSmiReader,
+    parse_nvidia_smi_csv,
+    parse_nvml_series,
+    series_peaks,
+)
+from pretuner.launch.device import parse_npu_smi
+from pretuner.sim.memory import PROFILES
+from pretuner.sim.npusmi import CardUse, render, write_shim
+
+NVML_SERIES = Path("/work/shared/real-logs/vllm-0.24-h100/nvml-series.tsv")
+
+# `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`
+NVIDIA_SMI_CSV = "0, 76152, 81559\n1, 4, 81559\n2, [N/A], [N/A]\n"
+
+
+def executable(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body, encoding="utf-8")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (NVIDIA_SMI_CSV, (DeviceMemory(0, 76152, 81559), DeviceMemory(1, 4, 81559))),
+        ("", ()),
+        ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", ()),
+        ("0, 1" + "0" * 20 + ", 81559\n", ()),
+    ],
+)
+def test_parse_nvidia_smi_csv(text: str, expected: tuple[DeviceMemory, ...]) -> None:
+    assert parse_nvidia_smi_csv(text) == expected
+
+
+@pytest.mark.skipif(not NVML_SERIES.is_file(), reason="the real NVML series is not here")
+def test_parse_real_nvml_series() -> None:
+    points = parse_nvml_series(NVML_SERIES.read_text(encoding="utf-8"))
+    assert len(points) == 1181
+    assert points[0].phase == "idle"
+    assert points[0].run is None
+    assert points[0].used_mib == 480
+    assert points[1].run == "A-util090"
+    assert points[1].phase == "start"
+    peaks = series_peaks(points)
+    assert set(peaks) == {"idle", "start", "probe", "load-full", "stop"}
+    assert max(peaks.values()) <= 81559  # the H100's total as NVML reports it
+    assert peaks["idle"] == 480
+
+
+def test_parse_nvml_series_skips_garbage() -> None:
+    text = "1.5\trun:start\t100\nnot a row\n2.0\tidle\tNaN\nx\tidle\t5\n2.5\tstop\t90\n"
+    assert [(p.phase, p.used_mib) for p in parse_nvml_series(text)] == [
+        ("start", 100), ("stop", 90)
+    ]
+
+
+def test_npu_memory_from_the_emulated_table() -> None:
+    profile = PROFILES["910b-64"]
+    text = render(profile, [CardUse(0, 40000, pid=7, process_mib=37000), CardUse(1, 3000)])
+    found = npu_memory(parse_npu_smi(text))
+    assert found == (DeviceMemory(0, 40000, profile.total_mib),
+                     DeviceMemory(1, 3000, profile.total_mib))
+
+
+def test_npu_smi_reader_runs_the_emulated_npu_smi(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PRETUNER_SIM_STATE_DIR", str(tmp_path / "card"))
+    monkeypatch.setenv("PRETUNER_SIM_PROFILE", "910b-32")
+    shim = write_shim(tmp_path / "bin", sys.executable)
+    sample = NpuSmiReader(str(shim), frozenset({1})).sample()
+    profile = PROFILES["910b-32"]
+    assert sample is not None
+    assert sample.devices == (DeviceMemory(1, profile.driver_reserved_mib, profile.total_mib),)
+
+
+def test_command_readers_raise_on_failure(tmp_path: Path) -> None:
+    failing = executable(tmp_path / "broken", "exit 3\n")
+    with pytest.raises(DeviceReadError, match="code 3"):
+        NpuSmiReader(str(failing)).sample()
+    with pytest.raises(DeviceReadError, match="code 3"):
+        NvidiaSmiReader(str(failing)).sample()
+    with pytest.raises(DeviceReadError):
+        NvidiaSmiReader(str(tmp_path / "missing")).sample()
+
+
+def test_nvidia_smi_reader(tmp_path: Path) -> None:
+    fake = executable(tmp_path / "nvidia-smi", f"printf '{NVIDIA_SMI_CSV}'\n")
+    sample = NvidiaSmiReader(str(fake), frozenset({0})).sample()
+    assert sample is not None
+    assert sample.worst_used_mib == 76152
+
+
+def test_emulated_reader_reads_the_card_in_process(tmp_path: Path) -> None:
+    state = tmp_path / "card"
+    state.mkdir()
+    (state / "node0-npu1.json").write_text(f'{{"pid": {os.getpid()}, "used_mib": 50000}}')
+    env = {"PRETUNER_SIM_STATE_DIR": str(state), "PRETUNER_SIM_PROFILE": "910b-64"}
+    sample = EmulatedReader(env, frozenset({0, 1})).sample()
+    profile = PROFILES["910b-64"]
+    assert sample is not None
+    assert [d.device for d in sample.devices] == [0, 1]
+    assert sample.worst_used_mib == 50000
+    assert sample.devices[0].used_mib == profile.driver_reserved_mib
+
+
+def test_select_reader(tmp_path: Path) -> None:
+    empty = {"PATH": str(tmp_path)}
+    assert select_reader("emulated", empty, 2).name == "emulated"  # type: ignore[union-attr]
+    assert select_reader("ascend", empty) is None
+    assert select_reader("cpu", empty) is None
+    executable(tmp_path / "nvidia-smi", "true\n")
+    executable(tmp_path / "npu-smi", "true\n")
+    cuda = select_reader("cuda", {**empty, "CUDA_VISIBLE_DEVICES": "3,5"}, 1)
+    assert cuda is not None
+    assert cuda.name in ("nvml", "nvidia-smi")
+    ascend = select_reader("ascend", empty, 2)
+    assert isinstance(ascend, NpuSmiReader)
+    assert ascend.devices == frozenset({0, 1})

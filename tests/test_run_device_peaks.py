@@ -1,0 +1,57 @@
+"""`pretuner run` on the emulated card samples its memory during every launch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pretuner.tune.execute import LaunchOutcome
+from tests.helpers import cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+PHASES = {"launch", "loading", "ready", "probe", "load", "stop"}
+
+
+def test_report_steps_carry_device_peaks(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "no device memory reader" not in proc.stderr
+    rep = json.loads((out / "report.json").read_text())
+    card_mib = 64 * 1024
+    for step in rep["steps"]:
+        assert step["device_reader"] == "emulated"
+        peaks = step["device_peaks_mib"]
+        assert {"loading", "stop"} <= set(peaks) <= PHASES, peaks
+        assert all(0 < mib <= card_mib for mib in peaks.values()), peaks
+    # The server's pool is on the card once it is ready: above what it held while starting.
+    validate = rep["steps"][-1]["device_peaks_mib"]
+    assert max(validate.values()) > validate.get("launch", 0)
+    journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    launches = [LaunchOutcome.from_json(e["outcome"]) for e in journal if e["event"] == "launch"]
+    assert [o.device_peaks_mib for o in launches] == [s["device_peaks_mib"] for s in rep["steps"]]
+    # A journal written before the sampler existed still resumes.
+    old = {k: v for k, v in launches[0].to_json().items() if not k.startswith("device_")}
+    assert LaunchOutcome.from_json(old).device_peaks_mib == {}
+    assert LaunchOutcome.from_json(old).device_reader is None
+
+
+
+def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from pretuner.tune import entry
+
+    for key, value in cli_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(entry, "select_reader", lambda kind, env, count=1: None)
+    said: list[tuple[str, str]] = []
+    opts = entry.RunOptions(model="qwen3-8b", card_gib=64, backend="sim",
+                            out=str(tmp_path / "run"))
+    outcome = entry.run_tuning(opts, lambda name, detail: said.append((name, detail)))
+    assert said.count(("device", entry.NO_READER)) == 1
+    steps = outcome.report["steps"]
+    assert len(steps) >= 2
+    assert all(s["device_reader"] is None and s["device_peaks_mib"] == {} for s in steps)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import subprocess
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,3 +47,32 @@ def keep(found: tuple[DeviceMemory, ...], devices: frozenset[int] | None) -> Sam
     """The sample of the devices asked for (all when None); None when none of them is there."""
     chosen = tuple(d for d in found if devices is None or d.device in devices)
     return Sample(chosen) if chosen else None
+
+
+class CommandReader:
+    """A device tool run once per sample, as fast as it answers: the command's arguments and
+    its parser are what a subclass gives."""
+
+    name = "command"
+    interval_s = FASTEST_INTERVAL_S
+    args: tuple[str, ...] = ()
+
+    def __init__(self, executable: str, devices: frozenset[int] | None = None,
+                 timeout_s: float = 10.0) -> None:
+        self.executable = executable
+        self.devices = devices
+        self.timeout_s = timeout_s
+
+    def parse(self, stdout: bytes) -> tuple[DeviceMemory, ...]:
+        raise NotImplementedError
+
+    def sample(self) -> Sample | None:
+        argv = [self.executable, *self.args]
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                                  timeout=self.timeout_s, check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise DeviceReadError(f"{shlex.join(argv)}: {err}") from err
+        if done.returncode != 0:
+            raise DeviceReadError(f"{shlex.join(argv)} exited with code {done.returncode}")
+        return keep(self.parse(done.stdout), self.devices)

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
 from pretuner.devices.base import (
     FASTEST_INTERVAL_S,
+    CommandReader,
     DeviceMemory,
     DeviceReadError,
     Sample,
-    keep,
 )
+from pretuner.launch.device import decode_output
+from pretuner.units import MIB
 
-MIB = 1024 * 1024
-QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"]
+QUERY = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
 
 
 def parse_nvidia_smi_csv(text: str) -> tuple[DeviceMemory, ...]:
@@ -64,28 +64,14 @@ def series_peaks(points: tuple[SeriesPoint, ...]) -> dict[str, int]:
     return peaks
 
 
-class NvidiaSmiReader:
+class NvidiaSmiReader(CommandReader):
     """`nvidia-smi --query-gpu=…` run once per sample: as fast as the command answers."""
 
     name = "nvidia-smi"
-    interval_s = FASTEST_INTERVAL_S
+    args = QUERY
 
-    def __init__(self, executable: str, devices: frozenset[int] | None = None,
-                 timeout_s: float = 10.0) -> None:
-        self.executable = executable
-        self.devices = devices
-        self.timeout_s = timeout_s
-
-    def sample(self) -> Sample | None:
-        try:
-            done = subprocess.run([self.executable, *QUERY], stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, errors="replace",
-                                  timeout=self.timeout_s, check=False)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise DeviceReadError(f"{self.executable}: {err}") from err
-        if done.returncode != 0:
-            raise DeviceReadError(f"{self.executable} exited with code {done.returncode}")
-        return keep(parse_nvidia_smi_csv(done.stdout), self.devices)
+    def parse(self, stdout: bytes) -> tuple[DeviceMemory, ...]:
+        return parse_nvidia_smi_csv(decode_output(stdout))
 
 
 def load_nvml() -> Any | None:

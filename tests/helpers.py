@@ -59,3 +59,8 @@ def default_sigint() -> None:
     """preexec_fn for a child a test interrupts with SIGINT: a shell's background job starts
     its children with SIGINT ignored, and Python then never raises KeyboardInterrupt."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# `../shared` beside the checkout (CI puts it there): real logs, model configs, seeds.
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+REAL_LOGS = SHARED / "real-logs"

@@ -187,7 +187,8 @@ def test_validation_oom_on_the_second_node_is_gathered(
 ) -> None:
     from pretuner.cluster.session import ClusterPlan, ray_cluster
     from pretuner.models import resolve
-    from pretuner.tune.execute import LaunchContext, OutcomeKind, run_launch
+    from pretuner.tune.execute import LaunchContext, run_launch
+    from pretuner.tune.outcome import OutcomeKind
     from pretuner.tune.record import RunRecord
     from pretuner.tune.settings import (
         Backend,

@@ -23,8 +23,8 @@ from pretuner.sim.truth import max_length
 from pretuner.tune.backends import sim_profile
 from pretuner.tune.config import CardInfo, TuneConfig, TuneResult, kv_prerun_bytes
 from pretuner.tune.entry import RunOptions, tune_in_process
-from pretuner.tune.execute import LaunchOutcome, OutcomeKind
 from pretuner.tune.loop import Tuner
+from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 

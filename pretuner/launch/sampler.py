@@ -29,6 +29,7 @@ class Sampled:
     peaks_mib: dict[str, int] = field(default_factory=dict)  # phase -> worst device's peak
     samples: int = 0
     failure: str | None = None  # "sampler failed: ..."
+    total_mib: int | None = None  # the smallest device's total, as the reader reports it
 
     @property
     def peak_mib(self) -> int | None:
@@ -46,6 +47,7 @@ class MemorySampler:
         self._peaks: dict[str, int] = {}
         self._samples = 0
         self._failure: str | None = None
+        self._total: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,7 +77,7 @@ class MemorySampler:
             self._thread.join(STOP_WAIT_S)
         with self._lock:
             name = self.reader.name if self.reader is not None else None
-            return Sampled(name, dict(self._peaks), self._samples, self._failure)
+            return Sampled(name, dict(self._peaks), self._samples, self._failure, self._total)
 
     def _run(self, reader: DeviceReader) -> None:
         while not self._stop.is_set():
@@ -90,8 +92,10 @@ class MemorySampler:
                 return
             if sample is not None:
                 used = sample.worst_used_mib
+                total = min(d.total_mib for d in sample.devices)
                 with self._lock:
                     self._samples += 1
+                    self._total = total if self._total is None else min(self._total, total)
                     if used > self._peaks.get(phase, -1):
                         self._peaks[phase] = used
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))

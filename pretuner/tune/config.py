@@ -13,7 +13,7 @@ from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, PlanResult, plan
 from pretuner.tune import budget as bud
-from pretuner.tune.execute import LaunchOutcome
+from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB
 

@@ -30,7 +30,8 @@ from pretuner.tune.config import (
     prerun_util,
 )
 from pretuner.tune.crash import DeviceBusyRefusal
-from pretuner.tune.execute import LaunchOutcome, Phase
+from pretuner.tune.execute import Phase
+from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.search import (
     Budget,
     WaModel,

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.errors import ServerFailedError
 from pretuner.launch.probe import CompletionOutcome
 from pretuner.launch.process import read_tail
@@ -20,7 +21,7 @@ from pretuner.logscan import scan_paths
 from pretuner.logscan.lines import DeviceMemoryInit, parse_line
 from pretuner.sim import inproc
 from pretuner.tune.collect import rank_peaks
-from pretuner.tune.execute import LaunchOutcome, outcome_of, tally, workload
+from pretuner.tune.outcome import LaunchOutcome, tally, workload
 from pretuner.tune.settings import SIM_COMMAND, LaunchCommand, LaunchSettings
 
 DECODE_TOKENS = 16

@@ -21,7 +21,7 @@ from pretuner.tune.backends import (
     lengths_for,
     sim_profile,
 )
-from pretuner.tune.execute import LaunchContext, LaunchOutcome, Phase
+from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.failure import record_failure
 from pretuner.tune.loop import (
     CardInfo,
@@ -33,6 +33,7 @@ from pretuner.tune.loop import (
     recorded_executor,
 )
 from pretuner.tune.options import check_run_options, options_from_json
+from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.ownership import (
     check_no_orphans,
     claim_new_folder,

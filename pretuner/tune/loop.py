@@ -25,7 +25,8 @@ from pretuner.tune.config import (
     plan_for,
     prerun_util,
 )
-from pretuner.tune.execute import LaunchContext, LaunchOutcome, Phase, run_launch
+from pretuner.tune.execute import LaunchContext, Phase, run_launch
+from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.prerun import PrerunSearch
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchSettings

@@ -17,7 +17,7 @@ from pretuner.tune.config import (
 )
 from pretuner.tune.core import TunerCore
 from pretuner.tune.crash import crash_error
-from pretuner.tune.execute import LaunchOutcome, OutcomeKind
+from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.search import (
     Bound,
     Measured,

@@ -18,8 +18,8 @@ from pretuner.presets.model import preset_from_report
 from pretuner.redact import one_line, redact_argv
 from pretuner.scripts.context import ScriptOptions, Target
 from pretuner.scripts.render import render_scripts
-from pretuner.tune.execute import LaunchOutcome
 from pretuner.tune.loop import TuneResult
+from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.settings import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.units import GIB
 

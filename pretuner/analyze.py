@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretuner.analyze_v1 import V1Analysis, V1Config, analyze_v1
+from pretuner.analyze_v1 import V1Config, analyze_v1
 from pretuner.analyze_v1_inputs import read_memory_series, read_v1_run
+from pretuner.analyze_v1_result import V1Analysis
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult, scan_paths

@@ -70,8 +70,9 @@ class PinnedBudget:
 
     def lines(self) -> list[str]:
         """The arithmetic as printed; each line's figures add up to its result."""
+        how = "simulated" if self.source == "emulated" else "measured"
         return [
-            f"non-KV peak = device peak {self.peak_mib:,} MiB ({self.source}, measured) "
+            f"non-KV peak = device peak {self.peak_mib:,} MiB ({self.source}, {how}) "
             f"- KV held {self.held_kv_mib:,.1f} MiB = {self.non_kv_mib:,.1f} MiB",
             f"pinned KV = device total {self.total_mib:,} MiB - non-KV peak "
             f"{self.non_kv_mib:,.1f} MiB - margin {self.margin_mib:,} MiB = "

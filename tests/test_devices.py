@@ -131,3 +131,44 @@ def test_select_reader(tmp_path: Path) -> None:
     ascend = select_reader("ascend", empty, 2)
     assert isinstance(ascend, NpuSmiReader)
     assert ascend.devices == frozenset({0, 1})
+
+
+def test_emulated_reader_reads_the_cuda_card_in_process(tmp_path: Path) -> None:
+    from pretuner.sim.v1.memory import CUDA_PROFILES
+    from pretuner.sim.v1.smi import publish
+
+    state = tmp_path / "gpus"
+    publish(state, [1], os.getpid(), 75000 * 2**20)
+    (state / "cuda-gpu0-pid999999999.json").write_text('{"pid": 999999999, "process_mib": 9}')
+    env = {"PRETUNER_SIM_STATE_DIR": str(state), "PRETUNER_SIM_PROFILE": "h100-80",
+           "PRETUNER_SIM_OCCUPIED_MIB": "100"}
+    sample = EmulatedReader(env, frozenset({0, 1})).sample()
+    profile = CUDA_PROFILES["h100-80"]
+    assert sample is not None
+    assert [d.device for d in sample.devices] == [0, 1]
+    assert sample.devices[0].used_mib == profile.idle_mib + 100  # the dead pid is ignored
+    assert sample.devices[1].used_mib == profile.idle_mib + 100 + 75000
+    assert sample.devices[1].total_mib == profile.nvml_total_mib == 81559
+
+
+@pytest.mark.parametrize("fmt", ["csv,noheader,nounits", "csv"])
+def test_emulated_nvidia_smi_csv_parses(tmp_path: Path, fmt: str,
+                                        monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from pretuner.sim.v1.smi import main, publish
+
+    publish(tmp_path, [0], os.getpid(), 75672 * 2**20)
+    monkeypatch.setenv("PRETUNER_SIM_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("PRETUNER_SIM_PROFILE", "h100-80")
+    monkeypatch.delenv("PRETUNER_SIM_OCCUPIED_MIB", raising=False)
+    assert main(["--query-gpu=index,memory.used,memory.total", f"--format={fmt}"]) == 0
+    out = capsys.readouterr().out
+    if fmt == "csv":
+        assert out.splitlines()[0] == "index, memory.used [MiB], memory.total [MiB]"
+        assert "0, 76152 MiB, 81559 MiB" in out
+    else:
+        gpus = parse_nvidia_smi_csv(out)
+        assert gpus[0] == DeviceMemory(0, 76152, 81559)
+        assert len(gpus) == 8
+    assert main([]) == 0
+    assert "76152MiB / 81559MiB" in capsys.readouterr().out

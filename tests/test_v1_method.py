@@ -62,7 +62,9 @@ def test_reads_the_real_cpu_logs():
     pinned = _log(CPU / "kv1g-explicit.log")
     assert (pinned.pinned_kv_gib, pinned.kv_tokens) == (1.0, 1_048_576)
     oom = _log(CPU / "kv8g-data6g-oom.log")
-    assert oom.oom_alloc_bytes == 8 * GIB and oom.start_failed and not oom.ready
+    assert oom.oom_alloc_bytes == 8 * GIB
+    assert oom.start_failed
+    assert not oom.ready
 
 
 def test_pinned_from_the_real_util_0_9_run_lands_between_60_and_61_gib_edges():
@@ -145,11 +147,13 @@ def _tune(execute, **kw):
 
 def test_happy_path_pins_59_to_60_gib_in_two_launches():
     r = _tune(scripted_card())
-    assert r.validated and len(r.outcomes) == 2
+    assert r.validated
+    assert len(r.outcomes) == 2
     assert [o.settings.purpose for o in r.outcomes] == [Purpose.PRERUN, Purpose.VALIDATE]
     assert r.outcomes[0].settings.kv_cache_bytes is None  # the pre-run lets the engine profile
     assert 59 * GIB <= (r.final.kv_cache_bytes or 0) < 60.1 * GIB
-    assert r.kv_tokens is not None and r.kv_tokens >= 1.08 * 398_992
+    assert r.kv_tokens is not None
+    assert r.kv_tokens >= 1.08 * 398_992
 
 
 def test_a_validation_oom_backs_off_by_the_allocation_and_proves_again():
@@ -163,16 +167,20 @@ def test_a_validation_oom_backs_off_by_the_allocation_and_proves_again():
         return pre(s) if s.purpose is Purpose.PRERUN else tight(s)
 
     r = _tune(execute)
-    assert r.validated and len(r.outcomes) == 3
+    assert r.validated
+    assert len(r.outcomes) == 3
     first, second = seen[1].kv_cache_bytes, seen[2].kv_cache_bytes
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert first - second == 594 * MIB + margin_mib(TOTAL) * MIB
     assert [d["decision"] for d in r.decisions][-2:] == ["back off", "validated"]
 
 
 def test_without_a_device_reader_the_engines_own_profiling_is_pinned():
     r = _tune(scripted_card(reader=None))
-    assert r.validated and r.budget is None and r.measured_by == "log"
+    assert r.validated
+    assert r.budget is None
+    assert r.measured_by == "log"
     assert r.final.kv_cache_bytes == r.profiled_kv_tokens * BPT // MIB * MIB
     assert any(d["decision"] == "log only" for d in r.decisions)
 
@@ -180,9 +188,11 @@ def test_without_a_device_reader_the_engines_own_profiling_is_pinned():
 def test_a_length_util_cannot_hold_is_measured_with_one_sequence_pinned():
     calls: list[LaunchSettings] = []
     r = _tune(scripted_card(calls=calls), util=0.22)
-    assert calls[0].kv_cache_bytes is None and calls[1].kv_cache_bytes is not None
+    assert calls[0].kv_cache_bytes is None
+    assert calls[1].kv_cache_bytes is not None
     assert calls[1].purpose is Purpose.PRERUN
-    assert r.validated and (r.final.kv_cache_bytes or 0) > 59 * GIB
+    assert r.validated
+    assert (r.final.kv_cache_bytes or 0) > 59 * GIB
 
 
 def test_weights_that_do_not_fit_end_the_run_as_infeasible():

@@ -10,7 +10,7 @@ import typer
 
 from pretuner import validate as v
 from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze_logs, dumped_ranks
-from pretuner.analyze_v1 import V1Analysis
+from pretuner.analyze_v1_result import V1Analysis
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
 from pretuner.derivation_text import derivation_lines

@@ -10,11 +10,20 @@ import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
+from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.launch.groups import report_stops_to
 from pretuner.launch.process import install_signal_handlers
 from pretuner.presets.compare import preset_line
-from pretuner.tune.entry import DryRun, RunOptions, RunOutcome, dry_run, run_tuning
+from pretuner.tune.entry import (
+    DryRun,
+    RunOptions,
+    RunOutcome,
+    dry_run,
+    engine_for,
+    run_tuning,
+)
+from pretuner.tune.v1.entry import V1RunOutcome
 from pretuner.units import GIB
 
 SIM_BANNER = (
@@ -59,6 +68,22 @@ def run_cmd(
         "auto",
         "--backend",
         help="auto | vllm-mindspore | sim | mindspore-cpu (real MindSpore on CPU; never auto).",
+    ),
+    engine: str = typer.Option(
+        "auto",
+        "--engine",
+        help="auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. "
+        "A V1 engine (all but r01) gets its KV cache pinned with --kv-cache-memory-bytes; "
+        "without its stack or devices the emulated vLLM server runs (simulated figures).",
+    ),
+    max_num_seqs: int | None = typer.Option(
+        None, "--max-num-seqs", help="V1 engines: production's max-num-seqs (default 256)."
+    ),
+    max_num_batched_tokens: int | None = typer.Option(
+        None,
+        "--max-num-batched-tokens",
+        help="V1 engines: production's prefill step budget (default: the engine's, 8192 on "
+        "vLLM).",
     ),
     max_model_len: int | None = typer.Option(
         None,
@@ -143,6 +168,9 @@ def run_cmd(
     opts = RunOptions(
         model=model or "",
         backend=backend,
+        engine=engine,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         card_gib=card,
         util=util,
         max_model_len=max_model_len,
@@ -166,6 +194,9 @@ def run_cmd(
         request_timeout_s=request_timeout,
         ray_address=ray_address,
     )
+    if dry and engine_for(opts) is not None:
+        typer.echo(render_v1_dry_run(opts))
+        return
     if dry:
         typer.echo(render_dry_run(dry_run(opts)))
         if ray_address:
@@ -187,6 +218,8 @@ def run_cmd(
         restore()
     if as_json:
         echo_json(outcome.report)
+    elif isinstance(outcome, V1RunOutcome):
+        typer.echo(render_v1_summary(outcome))
     else:
         typer.echo(render_summary(outcome))
     if not outcome.result.validated and opts.validate:

@@ -1,4 +1,5 @@
-"""`pretuner sim`: the emulated Ascend card and vLLM-MindSpore r0.1 server (simulated figures)."""
+"""`pretuner sim`: the emulated Ascend card and vLLM-MindSpore r0.1 server, and the emulated
+CUDA card with vLLM 0.24 (`sim vllm serve`, `sim nvidia-smi`); all figures simulated."""
 
 from __future__ import annotations
 
@@ -54,6 +55,31 @@ def launch(ctx: typer.Context) -> None:
 )
 def npu_smi(ctx: typer.Context) -> None:
     from pretuner.sim.npusmi import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@sim_app.command(
+    "vllm",
+    context_settings=_PASS,
+    add_help_option=False,
+    help="Emulated vLLM 0.24 on an emulated CUDA card: `pretuner sim vllm serve MODEL ...` "
+    "takes `vllm serve`'s command line (PRETUNER_SIM_PROFILE picks the card).",
+)
+def vllm(ctx: typer.Context) -> None:
+    from pretuner.sim.v1.server import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@sim_app.command(
+    "nvidia-smi",
+    context_settings=_PASS,
+    add_help_option=False,
+    help="Print `nvidia-smi` (table or --query-gpu CSV) for the emulated CUDA cards.",
+)
+def nvidia_smi(ctx: typer.Context) -> None:
+    from pretuner.sim.v1.smi import main
 
     raise typer.Exit(main(list(ctx.args)))
 

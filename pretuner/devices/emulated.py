@@ -1,5 +1,6 @@
-"""The emulated card, read in-process: what `pretuner sim npu-smi` would print, without a
-subprocess (a few small JSON files per sample)."""
+"""The emulated cards, read in-process: what `pretuner sim npu-smi` (Ascend profiles) or
+`pretuner sim nvidia-smi` (CUDA profiles: `PRETUNER_SIM_PROFILE=h100-80`, ...) would print,
+without a subprocess (a few small JSON files per sample)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,24 @@ class EmulatedReader:
 
     def __init__(self, env: Mapping[str, str], devices: frozenset[int] | None = None) -> None:
         from pretuner.sim.serve import state_dir  # the sim server module: only when emulating
+        from pretuner.sim.v1.memory import CUDA_PROFILES
 
-        self.profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
-                                    PROFILES[DEFAULT_PROFILE])
+        wanted = env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE
+        self.cuda = CUDA_PROFILES.get(wanted)
+        self.profile = PROFILES.get(wanted, PROFILES[DEFAULT_PROFILE])
         self.state = state_dir(dict(env))
         self.node = int(env.get("PRETUNER_SIM_NODE", "0") or 0)
         self.tenant_mib = int(env.get("PRETUNER_SIM_OCCUPIED_MIB", "0") or 0)
         self.devices = devices
 
     def sample(self) -> Sample | None:
+        if self.cuda is not None:
+            from pretuner.sim.v1.smi import read_gpus
+
+            gpus = read_gpus(self.cuda, self.state, self.tenant_mib)
+            total = self.cuda.nvml_total_mib
+            return keep(tuple(DeviceMemory(g.index, g.used_mib, total) for g in gpus),
+                        self.devices)
         cards = read_cards(self.profile, self.state, self.node, self.tenant_mib)
         total = self.profile.total_mib
         return keep(tuple(DeviceMemory(c.npu, c.hbm_used_mib, total) for c in cards),

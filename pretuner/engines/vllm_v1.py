@@ -18,6 +18,7 @@ from pretuner.tune.settings import LaunchCommand, LaunchSettings, server_kv_cach
 # The emulated CUDA cards, by --card size (pretuner.sim.v1 profiles).
 SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24"}
 SIM_COMMAND = (sys.executable, "-m", "pretuner.sim", "vllm", "serve")
+DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,8 @@ class V1Engine:
             flags.append(("--gpu-memory-utilization", f"{settings.util:g}"))
         else:
             flags.append(("--kv-cache-memory-bytes", str(settings.kv_cache_bytes)))
+            if settings.util != DEFAULT_UTIL:  # still checked against the free memory at start
+                flags.append(("--gpu-memory-utilization", f"{settings.util:g}"))
             notes.append("--kv-cache-memory-bytes pins the KV cache: the engine skips its own "
                          "memory profiling and ignores --gpu-memory-utilization")
         if settings.block_size != self.row.default_block_size:

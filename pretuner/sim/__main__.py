@@ -1,10 +1,11 @@
-"""`python -m pretuner.sim serve|launch|npu-smi ...` without typer (keeps the server light)."""
+"""`python -m pretuner.sim serve|launch|npu-smi|vllm|nvidia-smi ...` without typer (keeps the
+servers light). `vllm serve ...` is the emulated vLLM 0.24 on a CUDA card (`pretuner.sim.v1`)."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m pretuner.sim {serve,launch,npu-smi} ...\n"
+USAGE = "usage: python -m pretuner.sim {serve,launch,npu-smi,vllm,nvidia-smi} ...\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         from pretuner.sim.npusmi import main as npu_smi
 
         return npu_smi(rest)
+    if cmd == "vllm":
+        from pretuner.sim.v1.server import main as vllm
+
+        return vllm(rest)
+    if cmd == "nvidia-smi":
+        from pretuner.sim.v1.smi import main as nvidia_smi
+
+        return nvidia_smi(rest)
     sys.stderr.write(USAGE + f"unknown command {cmd!r}\n")
     return 2
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
 from pretuner.devices import select_reader
+from pretuner.engines.base import Family
+from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
@@ -18,6 +20,7 @@ from pretuner.tune.backends import (
     BackendChoice,
     choose_backend,
     detect_card,
+    engine_version,
     lengths_for,
     sim_profile,
 )
@@ -48,9 +51,11 @@ from pretuner.tune.settings import (
     Backend,
     LaunchCommand,
     LaunchSettings,
+    _version_tuple,
     build_launch,
     default_serve_command,
 )
+from pretuner.tune.v1.entry import V1RunOutcome, tune_v1_recorded, v1_setup
 
 if TYPE_CHECKING:
     from pretuner.cluster.collector import RayCollectors
@@ -72,6 +77,7 @@ class RunOptions:
 
     model: str
     backend: str = "auto"
+    engine: str = "auto"  # auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore | ...
     card_gib: int | None = None
     util: float = 0.9
     max_model_len: int | None = None  # default: the backend's (lengths_for)
@@ -97,6 +103,8 @@ class RunOptions:
     stop_grace_s: float = 120.0
     sim_env: dict[str, str] = field(default_factory=dict)
     ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
+    max_num_seqs: int | None = None  # V1 engines: the production's (default vLLM's 256)
+    max_num_batched_tokens: int | None = None  # V1 engines: default the engine's
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -293,11 +301,34 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
     return record, opts
 
 
-def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> RunOutcome:
+def engine_for(opts: RunOptions) -> EngineChoice | None:
+    """The V1 engine `opts` asks for, or None for the r0.1 method (`--backend`)."""
+    if opts.engine == "auto":
+        if opts.backend == Backend.VLLM_MINDSPORE.value:
+            version = engine_version()  # 0.3 and later are V1: the r0.1 variables are ignored
+            if version is not None and _version_tuple(version) >= (0, 3):
+                return choose_engine("vllm-mindspore")
+        if opts.backend != "auto":
+            return None  # --backend names an r0.1 backend
+    choice = choose_engine(opts.engine)
+    if choice.family is Family.V1 and opts.backend != "auto":
+        raise BadInputError(f"--engine {opts.engine} and --backend {opts.backend} both name the "
+                            "server", hint="keep --engine (--backend is the r0.1 method's)")
+    return choice if choice.family is Family.V1 else None
+
+
+def run_tuning(
+    opts: RunOptions, phase: Phase, resume: Path | None = None
+) -> RunOutcome | V1RunOutcome:
     """Tune, journal every launch and decision, and write the result files."""
+    asked = opts if resume is None else _recorded_options(resume)
+    v1 = engine_for(asked) if asked is not None else None
+    if v1 is not None:
+        if resume is None:
+            v1_setup(opts, v1)  # refuse bad input before a run folder exists
+        return _tune(opts, phase, resume, None)
     if resume is None:
         _setup(opts)  # refuse bad input before a run folder exists
-    asked = opts if resume is None else _recorded_options(resume)
     if asked is None or not asked.ray_address:
         return _tune(opts, phase, resume, None)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
@@ -322,11 +353,14 @@ def _recorded_options(resume: Path) -> RunOptions | None:
 
 def _tune(
     opts: RunOptions, phase: Phase, resume: Path | None, collectors: RayCollectors | None
-) -> RunOutcome:
+) -> RunOutcome | V1RunOutcome:
     record, opts = _open_record(opts, resume)
     try:
         if resume is not None:  # we hold the lock: a live server of this run is our orphan
             stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
+        v1 = engine_for(opts)
+        if v1 is not None:
+            return tune_v1_recorded(record, opts, phase, v1)
         return _tune_recorded(record, opts, phase, collectors)
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it

@@ -148,7 +148,8 @@ def run_launch(
         # A server that dropped a request is often still dying: a moment lets a crash be
         # named one (its exit code) instead of an error answer.
         exited = proc.poll_settled(CRASH_SETTLE_S if ok < total else 0.0)
-        phase("stop", "SIGTERM to the process group, waiting for the pool dump")
+        phase("stop", "SIGTERM to the process group, waiting for it to exit"
+              + ("" if ctx.hooks else " (and write its memory-pool dump)"))
         s0 = time.monotonic()
         stop = proc.stop(ctx.stop_grace_s)
         stop_s = time.monotonic() - s0
@@ -194,6 +195,12 @@ def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
 
 
 def _describe(s: LaunchSettings) -> str:
+    if s.kv_cache_bytes is not None:  # a V1 engine, KV pinned
+        return (f"--kv-cache-memory-bytes {s.kv_cache_bytes} ({s.kv_cache_bytes / 2**30:.2f} "
+                f"GiB), max_model_len {s.max_model_len:,}, max-num-seqs {s.max_num_seqs}")
+    if s.model_use_gib == 0:  # a V1 engine profiling at util
+        return (f"util {s.util:g} (the engine profiles), max_model_len {s.max_model_len:,}, "
+                f"max-num-seqs {s.max_num_seqs}")
     return (
         f"util {s.util:g}, model-use {s.model_use_gib} GiB, max_model_len {s.max_model_len:,}, "
         f"max-num-seqs {s.max_num_seqs}"

@@ -14,6 +14,7 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +38,15 @@ Executor = Callable[[LaunchSettings], LaunchOutcome]
 Phase = Callable[[str, str], None]
 
 MIN_PRERUN_UTIL = 0.3
+TIGHTEN_MIN_GAIN = 0.02  # tighten a validated KV when the unused peak room is 2 % of it
+TIGHTEN_MARGIN_FLOOR_MIB = 32
+TIGHTEN_MARGIN_SHARE = 0.001  # of the device total, kept free below the validation's peak
+
+
+def tighten_margin_mib(total_mib: int) -> int:
+    """What a tightened KV keeps free below the worst-case validation's measured peak: that
+    peak was measured under the very load production will see, so less than the pre-run's."""
+    return max(TIGHTEN_MARGIN_FLOOR_MIB, math.ceil(total_mib * TIGHTEN_MARGIN_SHARE))
 MAX_PRERUNS = 3
 
 
@@ -64,9 +74,14 @@ class V1Result:
     budget: PinnedBudget | None  # None: measured from the logs only
     measured_by: str  # the device reader, or "log" (the engine's own profiling)
     profiled_kv_tokens: int | None  # what the engine's own profiling gave at the pre-run util
+    profiled_util: float | None  # that pre-run's util (lowered when 0.9 did not start)
     kv_tokens: int | None  # the final configuration's KV tokens (its log, else derived)
     outcomes: tuple[LaunchOutcome, ...]
     decisions: tuple[dict[str, Any], ...] = field(default=())
+
+
+def _how(o: LaunchOutcome) -> str:
+    return "simulated" if o.device_reader == "emulated" else "measured"
 
 
 class V1Tuner:
@@ -80,6 +95,7 @@ class V1Tuner:
         self.on_decision = on_decision
         self.outcomes: list[LaunchOutcome] = []
         self.decisions: list[dict[str, Any]] = []
+        self.start_util = cfg.util  # lowered only when the device refused util x total
 
     def decide(self, name: str, detail: str, **data: Any) -> None:
         entry = {"decision": name, "detail": detail, **data}
@@ -113,10 +129,14 @@ class V1Tuner:
     def run(self) -> V1Result:
         c = self.cfg
         self.one_seq = one_sequence_bytes(c.max_model_len, c.bytes_per_token, c.block_size)
+        self.profiled_util: float | None = None
         pre = self.prerun()
         budget, measured_by, kv_bytes = self.derive(pre)
         profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
-        final = self.settings(Purpose.VALIDATE, c.util, kv_bytes)
+        self.profiled_util = pre.settings.util if profiled is not None else None
+        # vLLM checks util x total against the free memory at start-up even when the KV cache
+        # is pinned: a busy card's lower util stays.
+        final = self.settings(Purpose.VALIDATE, self.start_util, kv_bytes)
         if not c.validate:
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
             return self.result(final, False, budget, measured_by, profiled, None)
@@ -145,32 +165,34 @@ class V1Tuner:
                 f"(the OOM came before the weights finished loading: {o.oom_text})",
                 hint="use a larger --tp, a quantized checkpoint, or larger cards",
             )
-        if o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED) \
-                and s.kv_cache_bytes is None:
+        if s.kv_cache_bytes is None and (o.kind.is_oom or o.kind in (
+                OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED)):
+            # The non-KV peak does not depend on the KV size: measure it with the least KV
+            # that still runs a max-length request, whatever the engine's profiling missed.
+            why = (f"ran out of memory ({o.oom_text})" if o.kind.is_oom else
+                   f"left less KV than one {c.max_model_len:,}-token sequence needs")
             self.decide("pin one sequence",
-                        f"util {s.util:g} leaves less KV than one {c.max_model_len:,}-token "
-                        f"sequence needs; pre-run again with {self.one_seq / GIB:.2f} GiB pinned",
+                        f"the pre-run at util {s.util:g} {why}; pre-run again with "
+                        f"{self.one_seq / GIB:.2f} GiB pinned (one max-length sequence)",
                         kv_cache_bytes=self.one_seq)
             return replace(s, kv_cache_bytes=self.one_seq)
-        if o.kind.is_oom and s.kv_cache_bytes is None:
-            step = ((o.oom_alloc_bytes or 0) / MIB + margin_mib(total)) / total
-            util = round(max(MIN_PRERUN_UTIL, s.util - step), 4)
-            self.decide("lower pre-run util",
-                        f"the pre-run ran out of memory at util {s.util:g} ({o.oom_text}); "
-                        f"util {util:g} leaves that allocation and the margin free", util=util)
-            return replace(s, util=util)
         if o.kind is OutcomeKind.DEVICE_REFUSED and o.device_free_mib and s.kv_cache_bytes is None:
             util = round(max(MIN_PRERUN_UTIL, (o.device_free_mib - margin_mib(total)) / total), 4)
+            self.start_util = util
             self.decide("lower pre-run util",
-                        f"the device has {o.device_free_mib:,} MiB free (measured by the engine); "
-                        f"util {s.util:g} asked more", util=util)
+                        f"the device has {o.device_free_mib:,} MiB free ({_how(o)}, the engine "
+                        f"says); util {s.util:g} asked more", util=util)
             return replace(s, util=util)
         if o.kind.is_oom or o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED):
+            estimate = next((x.estimated_max_len for x in self.outcomes if x.estimated_max_len),
+                            None)
+            shorter = (f"--max-model-len {estimate:,} or less (the engine's own estimate)"
+                       if estimate else "a shorter --max-model-len")
             raise InfeasibleError(
                 f"max_model_len {c.max_model_len:,} does not fit: a pre-run with only one "
                 f"sequence's KV ({self.one_seq / GIB:.2f} GiB) pinned ended {o.kind.value}"
                 + (f" ({o.oom_text})" if o.oom_text else ""),
-                hint="use a shorter --max-model-len, a larger --tp, or larger cards",
+                hint=f"use {shorter}, a larger --tp, or larger cards",
             )
         raise ServerFailedError(
             f"the pre-run ended {o.kind.value}: {o.request_error or o.oom_text or 'see its log'}",
@@ -220,14 +242,9 @@ class V1Tuner:
         while True:
             o = self.launch(s)
             if o.kind is OutcomeKind.OK:
-                self.decide("validated",
-                            f"--kv-cache-memory-bytes {s.kv_cache_bytes} "
-                            f"({(s.kv_cache_bytes or 0) / GIB:.2f} GiB): {o.requests_ok} "
-                            f"max-length requests ({s.max_model_len:,} tokens) served, no OOM"
-                            + (f", device peak {max(o.device_peaks_mib.values()):,} of "
-                               f"{o.device_total_mib:,} MiB (measured)"
-                               if o.device_peaks_mib and o.device_total_mib else ""))
-                return self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
+                self.decide("validated", self.proven(s, o))
+                proven = self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
+                return self.tighten(s, o, proven)
             if not o.kind.is_oom:
                 raise ServerFailedError(
                     f"the validation ended {o.kind.value}: "
@@ -242,10 +259,47 @@ class V1Tuner:
             self.check_one_sequence(kv, "backing off leaves")
             s = replace(s, kv_cache_bytes=kv)
 
+    def proven(self, s: LaunchSettings, o: LaunchOutcome) -> str:
+        kv = s.kv_cache_bytes or 0
+        peak = (f", device peak {max(o.device_peaks_mib.values()):,} of "
+                f"{o.device_total_mib:,} MiB ({_how(o)})"
+                if o.device_peaks_mib and o.device_total_mib else "")
+        return (f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {o.requests_ok} "
+                f"max-length requests ({s.max_model_len:,} tokens) served, no OOM{peak}")
+
+    def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:
+        """Once: give the KV what the validation's own peak left unused (less a thin margin),
+        when that is worth a launch. Proven in turn; if it fails, the proven result stands."""
+        if not o.device_peaks_mib or o.device_total_mib is None or s.kv_cache_bytes is None \
+                or len(self.outcomes) >= self.cfg.max_launches:
+            return proven
+        peak = max(o.device_peaks_mib.values())
+        spare_mib = o.device_total_mib - peak - tighten_margin_mib(o.device_total_mib)
+        if spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes:
+            return proven
+        wider = replace(s, kv_cache_bytes=s.kv_cache_bytes + spare_mib * MIB)
+        self.decide("tighten",
+                    f"the validation's peak left {o.device_total_mib - peak:,} MiB of "
+                    f"{o.device_total_mib:,} MiB unused; try {spare_mib:,} MiB more KV (keeping "
+                    f"{tighten_margin_mib(o.device_total_mib)} MiB), proven in turn",
+                    kv_cache_bytes=wider.kv_cache_bytes)
+        t = self.launch(wider)
+        if t.kind is not OutcomeKind.OK:
+            self.decide("keep the proven",
+                        f"the tightened KV ended {t.kind.value}; the configuration proven before "
+                        "stands")
+            return replace(proven, outcomes=tuple(self.outcomes),
+                           decisions=tuple(self.decisions))
+        self.decide("validated", self.proven(wider, t))
+        return replace(proven, final=wider, kv_tokens=t.kv_tokens if t.kv_tokens is not None
+                       else kv_tokens_for(wider.kv_cache_bytes or 0, self.cfg.bytes_per_token,
+                                          self.cfg.block_size),
+                       outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
+
     def result(self, s: LaunchSettings, validated: bool, budget: PinnedBudget | None,
                measured_by: str, profiled: int | None, kv_tokens: int | None) -> V1Result:
         c = self.cfg
         tokens = kv_tokens if kv_tokens is not None else kv_tokens_for(
             s.kv_cache_bytes or 0, c.bytes_per_token, c.block_size)
-        return V1Result(s, validated, budget, measured_by, profiled, tokens,
+        return V1Result(s, validated, budget, measured_by, profiled, self.profiled_util, tokens,
                         tuple(self.outcomes), tuple(self.decisions))

@@ -1,0 +1,309 @@
+"""The emulated vLLM 0.24 start-up: argument checks, device, weights, profiling, KV cache,
+graph capture, warm-up; the same log lines and the same failures as the real server.
+
+`boot()` is shared by the subprocess server and the in-process run: everything that differs
+(where lines go, whether levels are published and held, whether time passes) is behind the
+`Sink` it is given. It returns the engine's starting state, or None after printing the real
+failure (the caller exits 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePath
+from typing import Protocol
+
+from pretuner.errors import PretunerError
+from pretuner.models import ModelSpec, resolve
+from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1.config import V1Config
+from pretuner.sim.v1.memory import CUDA_PROFILES, Alloc, V1Card, first_failure, perturbed
+from pretuner.units import GIB, MIB
+
+
+class Sink(Protocol):
+    log: L.V1Log
+
+    def level(self, process_bytes: int) -> None:
+        """The process's memory on each of its GPUs is now this (published, held)."""
+
+    def pause(self, seconds: float) -> None:
+        """Emulated time passing (slept by the server, skipped in-process)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Booted:
+    """What the engine starts serving with (per rank; every rank is identical)."""
+
+    card: V1Card
+    max_model_len: int
+    kv_bytes: int
+    num_blocks: int
+    fixed_bytes: int  # context + weights + persistent + KV + graph pool
+    reserved_bytes: int  # torch's cached transients after the warm-up
+    room_bytes: int  # what transients may take: capacity - fixed
+    total_bytes: int  # torch's total capacity
+    capacity_bytes: int  # torch total minus what others hold on the GPU
+    non_torch_bytes: int
+    private_bytes: int
+
+
+class Failed(Exception):
+    """Start-up ended the way the real server dies: (stage, exception type, message)."""
+
+    def __init__(self, stage: str, exc: str, message: str) -> None:
+        super().__init__(message)
+        self.stage, self.exc, self.message = stage, exc, message
+
+
+def resolve_model(name: str) -> ModelSpec:
+    """A registry name or HF folder; a missing folder like `models/qwen3-8b` by its name."""
+    try:
+        return resolve(name)
+    except PretunerError:
+        base = PurePath(name).name
+        if base and base != name:
+            return resolve(base)
+        raise
+
+
+def architecture(spec: ModelSpec) -> str:
+    family = spec.name.split("-")[0].replace(".", "")
+    return spec.extra.get("architecture") or f"{family[:1].upper()}{family[1:]}ForCausalLM"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _print_start_failure(log: L.V1Log, err: Failed) -> None:
+    body, raw = L.start_failure_lines(err.stage, err.exc, err.message)
+    log.block(L.CORE, "ERROR", L.WHERE_START, body)
+    log.raw(L.CORE, raw)
+    log.raw(L.API, L.api_failure_lines())
+
+
+def oom(card_total: int, capacity: int, in_use: int, alloc: Alloc, *, non_torch: int,
+        private: int, unallocated: int, stage: str, gpu: int = 0) -> Failed:
+    free = capacity - in_use
+    text = L.oom_text(gpu=gpu, alloc=alloc.size, total=card_total, free=free, in_use=in_use,
+                      non_torch=non_torch, private=private, unallocated=unallocated)
+    return Failed(stage, "torch.OutOfMemoryError", text)
+
+
+def check_args(cfg: V1Config, spec: ModelSpec) -> int:
+    """vLLM's own argument checks (APIServer side); returns max_model_len."""
+    derived = spec.max_position_embeddings
+    mml = cfg.max_model_len or derived
+    if mml > derived:
+        raise Failed("config", "pydantic_core._pydantic_core.ValidationError",
+                     f"1 validation error for ModelConfig\n  Value error, User-specified "
+                     f"max_model_len ({mml}) is greater than the derived max_model_len "
+                     f"(max_position_embeddings={derived} or model_max_length=None in model's "
+                     "config.json). To allow overriding this maximum, set the env var "
+                     "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
+    if not 0 < cfg.util <= 1:
+        raise Failed("config", "ValueError", "GPU memory utilization must be within (0, 1]. "
+                     f"Got {cfg.util}.")
+    if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+        raise Failed("config", "ValueError", f"max_num_batched_tokens "
+                     f"({cfg.max_num_batched_tokens}) must be greater than or equal to "
+                     f"max_num_seqs ({cfg.max_num_seqs}).")
+    if spec.num_heads % cfg.tp:
+        raise Failed("config", "ValueError", f"Total number of attention heads "
+                     f"({spec.num_heads}) must be divisible by tensor parallel size "
+                     f"({cfg.tp}).")
+    return mml
+
+
+def _api_preamble(log: L.V1Log, cfg: V1Config, spec: ModelSpec) -> None:
+    banner = ["", "       █     █     █▄   ▄█",
+              f" ▄▄ ▄█ █     █     █ ▀▄▀ █  version {L.VERSION}",
+              f"  █▄█▀ █     █     █     █  model   {cfg.model}",
+              "   ▀▀  ▀▀▀▀▀ ▀▀▀▀▀ ▀     ▀", ""]
+    for line in banner:
+        log.api("api_utils.py:339", line)
+    args = ", ".join(f"{k!r}: {v!r}" for k, v in cfg.non_default)
+    log.api("api_utils.py:273", "non-default args: {" + args + "}")
+    log.api("model.py:598", f"Resolved architecture: {architecture(spec)}")
+
+
+def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
+         spec: ModelSpec | None = None) -> Booted | None:
+    """Start the emulated engine; None when it failed (already printed, exit code 1).
+
+    `spec` stands for the model `cfg.model` names (the truth functions pass it directly)."""
+    log = sink.log
+    if spec is None:
+        try:
+            spec = resolve_model(cfg.model)
+        except PretunerError as err:
+            log.raw(L.API, ["Traceback (most recent call last):", f"OSError: {err.message}"])
+            return None
+    _api_preamble(log, cfg, spec)
+    try:
+        mml = check_args(cfg, spec)
+    except Failed as err:
+        log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc}: {err.message}"])
+        return None
+    log.api("model.py:1725", f"Using max model len {mml}")
+    log.api("scheduler.py:252", "Chunked prefill is enabled with max_num_batched_tokens="
+            f"{cfg.max_num_batched_tokens}.")
+    log.api("vllm.py:1006", "Asynchronous scheduling is enabled.")
+    try:
+        return _engine_start(cfg, sink, spec, mml, others_bytes)
+    except Failed as err:
+        _print_start_failure(log, err)
+        return None
+
+
+def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
+                  others_bytes: int) -> Booted:
+    log, step_s = sink.log, cfg.startup_s / 8
+    profile = CUDA_PROFILES[cfg.profile]
+    card = V1Card(spec, spec.weights_format().total_bytes, perturbed(cfg.sim_seed), cfg.tp,
+                  cfg.kv_cache_dtype, cfg.block_size)
+    context = profile.context_mib * MIB
+    total = profile.torch_total_bytes
+    capacity = total - cfg.occupied_mib * MIB - others_bytes
+    non_torch = context + int(0.43 * card.persistent_bytes)
+    log.core("core.py:114", f"Initializing a V1 LLM engine (v{L.VERSION}) with config: "
+             f"model='{cfg.model}', tokenizer='{cfg.model}', dtype=torch.{spec.dtype}, "
+             f"max_seq_len={mml}, load_format={cfg.load_format}, tensor_parallel_size={cfg.tp}, "
+             f"enforce_eager={cfg.enforce_eager}, kv_cache_dtype={cfg.kv_cache_dtype}, "
+             f"device_config=cuda, seed={cfg.seed}, served_model_name={cfg.served_names[0]}, "
+             "enable_prefix_caching=True, enable_chunked_prefill=True")
+    log.core("parallel_state.py:1588", f"world_size={cfg.tp} rank=0 local_rank=0 "
+             "distributed_init_method=tcp://127.0.0.1:41955 backend=nccl")
+    sink.pause(step_s)
+    sink.level(context)
+    free = capacity - context
+    requested = int(cfg.util * total)
+    if free < requested:
+        raise Failed("free", "ValueError", f"Free memory on device cuda:0 ({_gib(free)}/"
+                     f"{_gib(total)} GiB) on startup is less than desired GPU memory utilization "
+                     f"({cfg.util}, {_gib(requested)} GiB). Decrease GPU memory utilization or "
+                     "reduce GPU memory used by other processes.")
+    log.core("gpu_worker.py:331", "Using V2 Model Runner")
+    log.core("model_runner.py:281", "Loading model from scratch...")
+    log.core("cuda.py:480", "Using FLASH_ATTN attention backend out of potential backends: "
+             "['FLASH_ATTN', 'TRITON_ATTN', 'FLEX_ATTENTION'].")
+    if context + card.weights_bytes > capacity:
+        layer = Alloc("weights", 0, card.weights_bytes // max(1, spec.num_layers))
+        raise oom(total, capacity, capacity - layer.size // 2, layer, non_torch=context,
+                  private=0, unallocated=0, stage="load")
+    sink.pause(step_s)
+    sink.level(context + card.weights_bytes)
+    log.core("model_runner.py:302", f"Model loading took {_gib(card.weights_bytes)} GiB and "
+             f"{1.2 + card.weights_bytes / GIB / 7.5:.6f} seconds")
+    if not cfg.enforce_eager:
+        log.core("backends.py:1148", "Dynamo bytecode transform time: 3.59 s")
+        log.core("monitor.py:53", "torch.compile took 6.25 s in total")
+
+    # The dummy step of max_num_batched_tokens tokens (the profile run in util mode).
+    base = card.base_bytes(context)
+    dummy = Alloc("profile", base, card.profile_activation_bytes(cfg.max_num_batched_tokens))
+    if base + dummy.size > capacity:
+        raise oom(total, capacity, base, dummy, non_torch=non_torch, private=0,
+                  unallocated=0, stage="warmup")
+    sink.pause(step_s)
+    sink.level(base + dummy.size)
+    sink.level(base)
+    log.core("monitor.py:81", "Initial profiling/warmup run took "
+             f"{0.1 + cfg.max_num_batched_tokens / 16000:.2f} s")
+    kv = _kv_budget(cfg, card, log, requested, free)
+    blocks = check_kv(kv, card, mml)
+    tokens = blocks * cfg.block_size
+    log.core("kv_cache_utils.py:2146", f"GPU KV cache size: {tokens:,} tokens")
+    log.core("kv_cache_utils.py:2147", f"Maximum concurrency for {mml:,} tokens per request: "
+             f"{tokens / mml:.2f}x")
+    kv_bytes = blocks * card.block_bytes
+    if base + kv_bytes > capacity:
+        layer = Alloc("kv", base, kv_bytes // spec.num_layers)
+        done = (capacity - base) // layer.size
+        raise oom(total, capacity, base + done * layer.size, layer, non_torch=non_torch,
+                  private=0, unallocated=0, stage="kv")
+    sink.pause(step_s)
+    sink.level(base + kv_bytes)
+
+    fixed, private = base + kv_bytes, 0
+    if not cfg.enforce_eager:
+        fixed, private = _capture(cfg, sink, card, fixed, capacity, total, non_torch)
+    room = capacity - fixed
+    warm = card.warmup(cfg.max_num_seqs)
+    bad = first_failure(warm, 0, room)
+    reached = warm if bad is None else warm[:warm.index(bad)]
+    for a in reached:
+        sink.level(fixed + a.live_before + a.size)
+    if bad is not None:
+        stage = "sampler" if bad.what.startswith("sampler") else "warmup"
+        raise oom(total, capacity, fixed + bad.live_before, bad, non_torch=non_torch,
+                  private=private, unallocated=int(0.09 * bad.live_before), stage=stage)
+    reserved = max(a.live_before + a.size for a in warm)
+    sink.pause(step_s)
+    compile_note = "" if cfg.enforce_eager else " (compilation: 6.25 s)"
+    log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
+             f"{cfg.startup_s:.2f} s{compile_note}")
+    return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
+                  non_torch, private)
+
+
+def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: int) -> int:
+    """The KV bytes: util minus profiling's non-KV figure, or the pinned bytes as given."""
+    if cfg.kv_cache_memory_bytes is None:
+        kv = requested - card.profile_non_kv_bytes(cfg.max_num_batched_tokens)
+        log.core("gpu_worker.py:508", f"Available KV cache memory: {_gib(kv)} GiB")
+        return kv
+    kv = cfg.kv_cache_memory_bytes
+    log.core("gpu_worker.py:429", f"Initial free memory {_gib(free)} GiB, reserved "
+             f"{round(kv / GIB, 2)} GiB memory for KV Cache as specified by "
+             "kv_cache_memory_bytes config and skipped memory profiling. This does not respect "
+             "the gpu_memory_utilization config. Only use kv_cache_memory_bytes config when you "
+             "want manual control of KV cache memory size. If OOM'ed, check the difference of "
+             "initial free memory between the current run and the previous run where "
+             "kv_cache_memory_bytes is suggested and update it correspondingly.")
+    return kv
+
+
+def check_kv(kv: int, card: V1Card, mml: int) -> int:
+    """vLLM's checks on the KV budget; returns its whole blocks."""
+    blocks = max(0, kv) // card.block_bytes
+    if blocks <= 0:
+        raise Failed("config", "ValueError", "No available memory for the cache blocks. Try "
+                     "increasing `gpu_memory_utilization` when initializing the engine.")
+    tokens = blocks * card.block_size
+    if mml > tokens:
+        need = mml * card.kv_bytes_per_token
+        raise Failed("config", "ValueError", f"To serve at least one request with the models's "
+                     f"max seq len ({mml}), ({_gib(need)} GiB KV cache is needed, which is "
+                     f"larger than the available KV cache memory ({_gib(kv)} GiB). Based on the "
+                     f"available memory, the estimated maximum model length is {tokens}. Try "
+                     "increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
+                     "initializing the engine.")
+    return blocks
+
+
+def _capture(cfg: V1Config, sink: Sink, card: V1Card, fixed: int, capacity: int, total: int,
+             non_torch: int) -> tuple[int, int]:
+    """CUDA-graph capture: PIECEWISE then FULL, the largest FULL size decides."""
+    log = sink.log
+    g = card.graph_capture()
+    private = card.graph_private_bytes()
+    log.raw(L.CORE, ["Capturing CUDA graphs (PIECEWISE): 100%|██████████| 51/51 "
+                     "[00:03<00:00, 15.80it/s]"])
+    sink.pause(cfg.startup_s / 8)
+    if fixed + g.live_before + g.size > capacity:
+        sink.level(fixed + g.live_before)
+        log.raw(L.CORE, ["Capturing CUDA graphs (FULL):   2%|▏         | 1/51 "
+                         "[00:00<00:05,  8.46it/s]"])
+        raise oom(total, capacity, fixed + g.live_before, g, non_torch=non_torch,
+                  private=private, unallocated=int(0.344 * (g.live_before - private)),
+                  stage="graph")
+    sink.level(fixed + g.live_before + g.size)
+    log.raw(L.CORE, ["Capturing CUDA graphs (FULL): 100%|██████████| 51/51 "
+                     "[00:03<00:00, 12.81it/s]"])
+    pool = card.graph_pool_bytes
+    sink.level(fixed + pool)
+    log.core("model_runner.py:726", f"Graph capturing finished in 8 secs, took "
+             f"{_gib(pool)} GiB")
+    return fixed + pool, private

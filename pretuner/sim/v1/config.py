@@ -1,0 +1,180 @@
+"""`vllm serve`'s command line (vLLM 0.24) and the emulator's environment, parsed into values.
+
+Pure: argv and an env mapping in, a frozen `V1Config` out. Unknown flags are accepted and
+ignored, `--max_model_len` is `--max-model-len` (vLLM's FlexibleArgumentParser), and the
+emulator's own knobs come from `PRETUNER_SIM_*` variables only, never from the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, DEFAULT_SEED
+
+DEFAULT_STARTUP_S = 1.0
+DEFAULT_PORT = 8000
+DEFAULT_BATCHED_TOKENS = 8192
+KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+ENV = {
+    "profile": "PRETUNER_SIM_PROFILE",
+    "seed": "PRETUNER_SIM_SEED",
+    "startup_s": "PRETUNER_SIM_STARTUP_S",
+    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
+    "state_dir": "PRETUNER_SIM_STATE_DIR",
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+class UsageError(Exception):
+    """A command line or emulator setting the server refuses before it starts."""
+
+
+def human_bytes(raw: str) -> int:
+    """`--kv-cache-memory-bytes`: an integer, or K/M/G/T (powers of 1024; lower case: 1000)."""
+    m = _SIZE.match(raw)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"invalid size {raw!r}: use bytes or e.g. 60G")
+    number, unit = m.groups()
+    base = 1000 if unit.islower() else 1024
+    return int(float(number) * base ** _POWERS[unit.lower()])
+
+
+def normalize(argv: Sequence[str]) -> list[str]:
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Emulated vLLM 0.24 OpenAI server on an emulated CUDA card "
+        "(all memory figures are SIMULATED). Unknown flags are ignored.",
+        epilog="Emulator settings (env only): PRETUNER_SIM_PROFILE (" + ", ".join(CUDA_PROFILES)
+        + "), PRETUNER_SIM_SEED, PRETUNER_SIM_STATE_DIR, PRETUNER_SIM_OCCUPIED_MIB, "
+        "PRETUNER_SIM_STARTUP_S; CUDA_VISIBLE_DEVICES as CUDA reads it.")
+    p.add_argument("model_tag", nargs="?", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--max-model-len", type=human_bytes, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=human_bytes, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory-bytes", type=human_bytes, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--seed", type=int, default=None)
+    return p
+
+
+@dataclass(frozen=True, slots=True)
+class V1Config:
+    """The server's command line and the emulator's settings."""
+
+    model: str
+    host: str | None
+    port: int
+    served_names: tuple[str, ...]
+    max_model_len: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    util: float
+    kv_cache_memory_bytes: int | None
+    block_size: int
+    tp: int
+    kv_cache_dtype: str
+    enforce_eager: bool
+    load_format: str
+    seed: int
+    non_default: tuple[tuple[str, object], ...]
+    profile: str = DEFAULT_CUDA_PROFILE
+    sim_seed: int = DEFAULT_SEED
+    startup_s: float = DEFAULT_STARTUP_S
+    occupied_mib: int = 0
+    visible: tuple[int, ...] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+
+def _visible(raw: str | None) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    try:
+        return tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"CUDA_VISIBLE_DEVICES={raw!r} is not a list of GPU indices") from None
+
+
+def _given(argv: Sequence[str]) -> set[str]:
+    """The options a command line sets explicitly, as argparse dest names."""
+    names = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            names.add(arg[2:].partition("=")[0].replace("-", "_"))
+        elif arg == "-tp":
+            names.add("tensor_parallel_size")
+    return names
+
+
+def _non_default(ns: argparse.Namespace, model: str,
+                 given: set[str]) -> tuple[tuple[str, object], ...]:
+    """vLLM's `non-default args: {...}`: what the command line set, in vLLM's order."""
+    out: list[tuple[str, object]] = []
+    if ns.model_tag:
+        out.append(("model_tag", ns.model_tag))
+    for name in ("host", "port"):
+        if name in given:
+            out.append((name, getattr(ns, name)))
+    out.append(("model", model))
+    for name in ("max_model_len", "served_model_name", "load_format", "seed", "enforce_eager",
+                 "tensor_parallel_size", "block_size", "gpu_memory_utilization",
+                 "kv_cache_memory_bytes", "kv_cache_dtype", "max_num_batched_tokens",
+                 "max_num_seqs"):
+        if name in given:
+            out.append((name, getattr(ns, name)))
+    return tuple(out)
+
+
+def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
+    """argv after `vllm serve` + environment -> config; UsageError for what argparse accepts
+    but the emulator cannot run."""
+    args = normalize(argv)
+    ns, unknown = build_parser().parse_known_args(args)
+    model = ns.model or ns.model_tag
+    if not model:
+        raise UsageError("a model is required: vllm serve MODEL [options]")
+    profile = env.get(ENV["profile"]) or DEFAULT_CUDA_PROFILE
+    if profile not in CUDA_PROFILES:
+        raise UsageError(f"{ENV['profile']}={profile!r} is not a CUDA profile; choose one of: "
+                         f"{', '.join(CUDA_PROFILES)}")
+    try:
+        sim_seed = int(env.get(ENV["seed"]) or DEFAULT_SEED)
+        startup = float(env.get(ENV["startup_s"]) or DEFAULT_STARTUP_S)
+        occupied = int(env.get(ENV["occupied_mib"]) or 0)
+    except ValueError as err:
+        raise UsageError(f"bad emulator setting: {err}") from None
+    return V1Config(
+        model=model, host=ns.host, port=ns.port,
+        served_names=tuple(ns.served_model_name or (model,)),
+        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
+        util=ns.gpu_memory_utilization, kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+        block_size=ns.block_size, tp=ns.tensor_parallel_size,
+        kv_cache_dtype=KV_DTYPES[ns.kv_cache_dtype], enforce_eager=ns.enforce_eager,
+        load_format=ns.load_format, seed=ns.seed if ns.seed is not None else 0,
+        non_default=_non_default(ns, model, _given(args)), profile=profile, sim_seed=sim_seed,
+        startup_s=max(0.0, startup), occupied_mib=max(0, occupied),
+        visible=_visible(env.get("CUDA_VISIBLE_DEVICES")), env=dict(env),
+        ignored=tuple(unknown))

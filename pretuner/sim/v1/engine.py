@@ -1,0 +1,189 @@
+"""The emulated V1 engine core: steps the scheduler, checks each step's memory, dies on OOM.
+
+`EngineCore` is synchronous and shared by the in-process run and the HTTP server; `Engine`
+runs it in a thread for the server (requests wait on events, published memory levels are held
+long enough for a 20 ms sampler to see them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1.boot import Booted
+from pretuner.sim.v1.memory import first_failure, peak_of
+from pretuner.sim.v1.scheduler import Limits, Plan, Req, Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    finished: list[Req]
+    peak_bytes: int  # process memory at the step's peak
+    after_bytes: int  # process memory once the step freed its transients (torch keeps them)
+    tokens: int
+    oom: str | None = None  # torch's message when the step died
+    gate_up_width: int = 0
+    prefill_tokens: int = 0
+    rows: int = 0  # requests that sampled a token
+
+
+METRICS_S = 10.0  # vLLM logs its throughput line every 10 s
+
+
+class EngineCore:
+    def __init__(self, booted: Booted, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.b = booted
+        self.sched = Scheduler(Limits(max_num_seqs, max_num_batched_tokens,
+                                      booted.card.block_size, booted.num_blocks))
+        self.reserved = booted.reserved_bytes
+        self.dead: str | None = None
+
+    @property
+    def level_bytes(self) -> int:
+        return self.b.fixed_bytes + self.reserved
+
+    def step(self) -> StepResult | None:
+        """One step; None when there is nothing to run."""
+        if self.sched.idle or self.dead is not None:
+            return None
+        plan: Plan = self.sched.plan()
+        if not plan.scheduled:
+            return StepResult([], self.level_bytes, self.level_bytes, 0)
+        b = self.b
+        allocs = b.card.step(plan.tokens, plan.rows)
+        bad = first_failure(allocs, self.reserved, b.room_bytes)
+        width = 2 * b.card.spec.intermediate_size // b.card.tp
+        if bad is not None:
+            in_use = b.fixed_bytes + max(self.reserved, bad.live_before)
+            self.dead = L.oom_text(
+                gpu=0, alloc=bad.size, total=b.total_bytes, free=b.capacity_bytes - in_use,
+                in_use=in_use, non_torch=b.non_torch_bytes, private=b.private_bytes,
+                unallocated=max(0, self.reserved - bad.live_before) + int(0.2 * bad.size))
+            return StepResult([], in_use, in_use, plan.tokens, self.dead, width)
+        peak = max(self.reserved, peak_of(allocs))
+        self.reserved = peak
+        prefill, rows = plan.prefill_tokens, plan.rows
+        finished = self.sched.commit(plan)
+        return StepResult(finished, b.fixed_bytes + peak, self.level_bytes, plan.tokens,
+                          prefill_tokens=prefill, rows=rows)
+
+
+def print_fatal(log: L.V1Log, core: EngineCore, result: StepResult) -> None:
+    """What the real server prints when a step dies: input dump, traceback, dead handler."""
+    sched = core.sched
+    log.core("dump_input.py:72", f"Dumping input data for V1 LLM engine (v{L.VERSION})",
+             level="ERROR")
+    log.core("dump_input.py:79", "Dumping scheduler output for model execution: "
+             f"SchedulerOutput(total_num_scheduled_tokens={result.tokens})", level="ERROR")
+    log.core("dump_input.py:81", f"Dumping scheduler stats: SchedulerStats(num_running_reqs="
+             f"{len(sched.running)}, num_waiting_reqs={len(sched.waiting)}, kv_cache_usage="
+             f"{sched.used_blocks() / max(1, sched.limits.num_blocks)})", level="ERROR")
+    log.block(L.CORE, "ERROR", L.WHERE_FATAL,
+              L.fatal_step_lines(result.oom or "", result.gate_up_width))
+    log.block(L.API, "ERROR", "async_llm.py:704", L.dead_handler_lines())
+
+
+@dataclass
+class Pending:
+    req: Req
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class Engine:
+    """The core in a thread: the HTTP handlers submit and wait."""
+
+    def __init__(self, core: EngineCore, log: L.V1Log, level: Callable[[int], None],
+                 step_s: Callable[[int], float]) -> None:
+        self.core = core
+        self.log = log
+        self._level = level
+        self._step_s = step_s
+        self._cond = threading.Condition()
+        self._pending: dict[str, Pending] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
+        self._since = time.monotonic()
+        self._prompt_tokens = 0
+        self._generated = 0
+
+    @property
+    def dead(self) -> bool:
+        return self.core.dead is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def submit(self, req: Req) -> Pending:
+        with self._cond:
+            if self.dead:
+                raise EngineDead(L.ENGINE_DEAD)
+            p = Pending(req)
+            self._pending[req.request_id] = p
+            self.core.sched.add(req)
+            self._cond.notify_all()
+            return p
+
+    def _loop(self) -> None:
+        last = self.core.level_bytes
+        while True:
+            with self._cond:
+                while not self._stop and (self.core.sched.idle or self.dead):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                result = self.core.step()
+            if result is None:
+                continue
+            if result.oom is not None:
+                self._level(result.peak_bytes)
+                print_fatal(self.log, self.core, result)
+                self._fail_all()
+                continue
+            if result.peak_bytes != last:
+                self._level(result.peak_bytes)
+                last = result.peak_bytes
+            time.sleep(self._step_s(result.tokens))
+            self._metrics(result)
+            for req in result.finished:
+                with self._cond:
+                    p = self._pending.pop(req.request_id, None)
+                if p is not None:
+                    p.done.set()
+
+    def _metrics(self, result: StepResult) -> None:
+        """vLLM's periodic `Engine 000: ...` line, every METRICS_S while there is work."""
+        self._prompt_tokens += result.prefill_tokens
+        self._generated += result.rows
+        now = time.monotonic()
+        elapsed = now - self._since
+        if elapsed < METRICS_S:
+            return
+        sched = self.core.sched
+        usage = 100 * sched.used_blocks() / max(1, sched.limits.num_blocks)
+        self.log.api("loggers.py:273", f"Engine 000: Avg prompt throughput: "
+                     f"{self._prompt_tokens / elapsed:.1f} tokens/s, Avg generation throughput: "
+                     f"{self._generated / elapsed:.1f} tokens/s, Running: {len(sched.running)} "
+                     f"reqs, Waiting: {len(sched.waiting)} reqs, GPU KV cache usage: "
+                     f"{usage:.1f}%, Prefix cache hit rate: 0.0%")
+        self._since, self._prompt_tokens, self._generated = now, 0, 0
+
+    def _fail_all(self) -> None:
+        with self._cond:
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.error = L.ENGINE_DEAD
+            p.done.set()

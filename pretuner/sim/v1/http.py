@@ -1,0 +1,159 @@
+"""vLLM 0.24's OpenAI API as the emulated server serves it, on the standard library only.
+
+`GET /health` (200 while the engine lives, 503 once it died), `GET /v1/models`,
+`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16). A request over
+max_model_len gets vLLM's 400; every request caught by, or sent after, an engine death gets the
+real 500 body. Access lines are uvicorn's, behind the APIServer prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from pretuner.sim.http import count_tokens, detokenize
+from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1.engine import Engine, EngineDead
+from pretuner.sim.v1.scheduler import Req
+
+_PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
+            503: "Service Unavailable"}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    served_names: tuple[str, ...]
+    model_root: str
+    max_model_len: int
+
+
+def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+DEAD_BODY = error_body(L.ENGINE_DEAD, "InternalServerError", 500)
+
+
+def length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str | None:
+    """vLLM's 400 text for a request that does not fit in max_model_len; None when it fits."""
+    if prompt_len >= max_model_len:
+        return (f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"request has {prompt_len} input tokens. Please reduce the length of the input "
+                "messages.")
+    if prompt_len + max_tokens > max_model_len:
+        return (f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This "
+                f"model's maximum context length is {max_model_len} tokens and your request "
+                f"has {prompt_len} input tokens ({max_tokens} > {max_model_len} - {prompt_len}).")
+    return None
+
+
+def prompt_length(prompt: object) -> int | None:
+    """Tokens of a prompt given as text or token ids (a batch of one); None when invalid."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return len(prompt) if all(isinstance(t, int) for t in prompt) else None
+    return count_tokens(str(prompt)) if isinstance(prompt, str) else None
+
+
+class V1HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 2048  # uvicorn's backlog: a full load connects at once
+
+    def __init__(self, addr: tuple[str, int], engine: Engine, api: ApiConfig,
+                 log: L.V1Log) -> None:
+        super().__init__(addr, _Handler)
+        self.engine = engine
+        self.api = api
+        self.log = log
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: V1HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        return
+
+    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        host, port = self.client_address[:2]
+        self.server.log.uvicorn(f'{host}:{port} - "{self.command} {self.path} HTTP/1.1" '
+                                f"{code} {_PHRASES.get(code, '')}")
+
+    def _json(self, code: int, obj: dict[str, Any]) -> None:
+        self._send(code, json.dumps(obj, separators=(",", ":")).encode())
+
+    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        if self.path == "/health":
+            self._send(503 if self.server.engine.dead else 200, b"")
+        elif self.path == "/v1/models":
+            api = self.server.api
+            now = int(time.time())
+            self._json(200, {"object": "list", "data": [
+                {"id": name, "object": "model", "created": now, "owned_by": "vllm",
+                 "root": api.model_root, "parent": None, "max_model_len": api.max_model_len,
+                 "permission": []} for name in api.served_names]})
+        else:
+            self._json(404, {"detail": "Not Found"})
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        if self.path != "/v1/completions":
+            self._json(404, {"detail": "Not Found"})
+            return
+        try:
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0")))
+                              or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the body is not a JSON object")
+        except ValueError as err:
+            self._json(400, error_body(f"Invalid request body: {err}", "BadRequestError", 400))
+            return
+        self._complete(body)
+
+    def _complete(self, body: dict[str, Any]) -> None:
+        api, engine = self.server.api, self.server.engine
+        model = body.get("model", api.served_names[0])
+        if model not in api.served_names:
+            self._json(404, error_body(f"The model `{model}` does not exist.", "NotFoundError",
+                                       404))
+            return
+        prompt_len = prompt_length(body.get("prompt", ""))
+        raw_max = body.get("max_tokens")
+        max_tokens = 16 if raw_max is None else raw_max
+        if prompt_len is None or not isinstance(max_tokens, int) or max_tokens < 1:
+            self._json(400, error_body("prompt must be a string or a list of token ids and "
+                                       "max_tokens a positive integer", "BadRequestError", 400))
+            return
+        too_long = length_error(api.max_model_len, prompt_len, max_tokens)
+        if too_long is not None:
+            self._json(400, error_body(too_long, "BadRequestError", 400))
+            return
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}-0"
+        try:
+            pending = engine.submit(Req(rid, prompt_len, max_tokens))
+        except EngineDead:
+            self._json(500, DEAD_BODY)
+            return
+        pending.done.wait()
+        if pending.error is not None:
+            self._json(500, DEAD_BODY)
+            return
+        out = pending.req.generated
+        self._json(200, {
+            "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": detokenize(list(range(out))), "logprobs": None,
+                         "finish_reason": "length", "stop_reason": None,
+                         "prompt_logprobs": None}],
+            "usage": {"prompt_tokens": prompt_len, "total_tokens": prompt_len + out,
+                      "completion_tokens": out, "prompt_tokens_details": None},
+        })

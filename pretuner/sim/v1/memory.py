@@ -1,0 +1,256 @@
+"""The emulated CUDA card's memory under vLLM 0.24 (V1 engine): every coefficient lives here.
+
+Pure: no I/O, no clocks. Figures are bytes per rank unless the name says MiB. The numbers are
+*simulated*: calibrated so that seed 0 on `h100-80` replays the real Qwen3-8B runs under
+/work/shared/real-logs/vllm-0.24-h100/ (outcome, KV figures and NVML peaks), not measurements
+of any other model or card.
+
+What NVML counts on one GPU, bottom to top:
+
+1. The driver's idle reservation (`CudaProfile.idle_mib`, 480 MiB on the real H100): NVML shows
+   it with no process. torch's "total capacity" is NVML total minus it (79.18 GiB).
+2. Another tenant (`PRETUNER_SIM_OCCUPIED_MIB`) and other emulated servers on the same GPU.
+3. This process:
+   - the CUDA context (`context_mib`; the real "Initial free memory 78.66 GiB");
+   - the weights shard plus small load-time buffers (`load_extra_mib`): "Model loading took";
+   - persistent runner buffers and the non-torch increase of the first forward
+     (`persistent_mib`), which stay after profiling;
+   - the KV cache: `util * torch_total - non_kv` (profiling) or the pinned bytes;
+   - the CUDA-graph pool (`graph_pool_mib`, none with --enforce-eager);
+   - torch's cached blocks: the caching allocator keeps the largest transient so far
+     reserved, so NVML only grows while the server runs.
+
+Profiling (util mode) runs a dummy step of max_num_batched_tokens tokens and sets
+`non_kv = weights + persistent + profile activation`. It does not see what comes after it:
+graph capture (its scratch and pool), the kernel warm-up and the sampler warm-up
+(`sampler_copies * max_num_seqs * vocab` fp32 logits), nor the per-step workspace of real
+steps (`step_fixed_mib`). That gap is why util 0.98 passes profiling and dies in graph
+capture, and why a pinned KV cache near the card's size dies in the sampler warm-up.
+
+A step of n scheduled tokens (a prefill chunk of at most max_num_batched_tokens, plus one per
+decode) holds `step_fixed + 2 * hidden * n` bytes of bf16 activations, then allocates the MLP's
+gate_up output in one tensor (`2 * intermediate/tp * n`) and the activation output
+(`intermediate/tp * n`), plus the sampler's fp32 logits for its rows. The one-tensor gate_up is
+what fails first on a long unchunked step (1.50 GiB at 32768 tokens on Qwen3-8B).
+
+Model-shaped coefficients given in MiB were fitted on Qwen3-8B (36 layers x 4096 hidden) and
+scale with `layers * hidden` for other models.
+
+Calibration (seed 0, h100-80, Qwen3-8B, max_model_len 32768; process MiB above NVML's 480):
+context 532 + weights 15,637 ("15.27 GiB") + persistent 617 = 16,786 before the KV cache.
+Profiling's non-KV = 15,637 + 617 + 608 (8192-token dummy step) = 16,862 MiB = 16.47 GiB, so
+util 0.9 -> 54.79 GiB (398,992 tokens) and 0.98 -> 61.13 GiB (445,120 tokens). Graph capture
+peaks at +1,778 (608 pool + 922 scratch + the 248 MiB FULL-graph allocation) and keeps 1,034;
+warm-up keeps 640, the sampler asks 594 then 310: +2,578 after the KV cache at the end of the
+start (NVML non-KV ~19,845). An 8192-token step needs 1,734 on top of the pool, the serving
+peak (NVML non-KV ~20,035). Outcomes: B (61.13 GiB) misses graph capture by ~80 MiB, E2 (61G)
+passes it by ~50 MiB and misses the sampler, E1 (60G) keeps ~70 MiB spare under 26 x 32k, F's
+32768-token step asks its 1.50 GiB gate_up with ~1.3 GiB free.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields, replace
+
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.models.spec import ModelSpec
+from pretuner.units import GIB, MIB
+
+PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.1] (seed != 0)
+DEFAULT_SEED = 0
+ALLOC_ROUND = 2 * MIB  # torch rounds large allocations up to 2 MiB
+_REF_LAYERS_X_HIDDEN = 36 * 4096  # Qwen3-8B, the calibration model
+
+
+@dataclass(frozen=True, slots=True)
+class CudaProfile:
+    """One kind of GPU as NVML and torch see it."""
+
+    name: str
+    gpu_name: str
+    nvml_total_mib: int
+    idle_mib: int  # NVML used on an idle GPU (driver reservation)
+    context_mib: int  # a CUDA context of a vLLM worker
+    gpus_per_node: int = 8
+    power_w: int = 69
+    power_cap_w: int = 700
+
+    @property
+    def torch_total_bytes(self) -> int:
+        """torch's "total capacity": what NVML reports minus the idle reservation."""
+        return (self.nvml_total_mib - self.idle_mib) * MIB
+
+
+CUDA_PROFILES: dict[str, CudaProfile] = {
+    p.name: p
+    for p in (
+        # Calibrated on the real H100 80GB HBM3 logs: 81559 MiB total, 480 MiB idle,
+        # "Initial free memory 78.66 GiB" (the context takes ~532 MiB).
+        CudaProfile("h100-80", "NVIDIA H100 80GB HBM3", 81559, 480, 532),
+        # Plausible smaller cards with the same structure (simulated, never measured).
+        CudaProfile("cuda-24", "NVIDIA L4", 23034, 290, 420, power_w=16, power_cap_w=72),
+        CudaProfile("cuda-32", "Tesla V100-SXM2-32GB", 32768, 310, 450, power_w=42,
+                    power_cap_w=300),
+        CudaProfile("cuda-64", "NVIDIA A100-SXM4-64GB", 65536, 420, 500, power_w=58,
+                    power_cap_w=400),
+    )
+}
+DEFAULT_CUDA_PROFILE = "h100-80"
+
+
+@dataclass(frozen=True, slots=True)
+class Coefficients:
+    """The hidden coefficients (see the module docstring for what each one is)."""
+
+    load_extra_mib: float = 14.0
+    persistent_mib: float = 617.0
+    profile_hidden: float = 0.5  # profile activation = T * dtype * (3 * I/tp + this * H)
+    graph_pool_mib: float = 1034.0  # what "Graph capturing finished ... took" reports
+    graph_private_peak_mib: float = 608.0  # pool in use when the largest FULL graph captures
+    graph_scratch_mib: float = 922.0  # capture scratch held beside it (freed afterwards)
+    graph_alloc_mib: float = 248.0  # the largest FULL graph's attention workspace
+    warmup_mib: float = 640.0  # kernel warm-up's dummy batch, kept in torch's cache
+    sampler_copies: float = 4.0  # fp32 logits rows per max_num_seqs in the sampler warm-up
+    sampler_extra: float = 0.52  # softmax/sort temporaries, as a share of those logits
+    step_fixed_mib: float = 1030.0  # per-step workspace a real step holds, profiling does not
+    step_hidden: float = 2.0  # bf16 hidden-sized buffers per scheduled token
+    step_sampler_copies: float = 2.0  # fp32 logits copies per sampled row in a real step
+
+
+_FIXED = frozenset({"sampler_copies", "step_hidden", "profile_hidden"})  # shapes, not sizes
+
+
+def perturbed(seed: int, base: Coefficients | None = None) -> Coefficients:
+    """`base` (seed 0: exactly) or each size scaled by a seeded factor in [1 - P, 1 + P]."""
+    base = base or Coefficients()
+    if seed == DEFAULT_SEED:
+        return base
+    rng = random.Random(f"pretuner-sim-v1-coefficients-{seed}")  # noqa: S311 - not crypto
+    changes = {f.name: getattr(base, f.name) * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
+               for f in fields(base) if f.name not in _FIXED}
+    return replace(base, **changes)
+
+
+def round_alloc(n_bytes: float) -> int:
+    """An allocation as torch's caching allocator takes it (2 MiB granules)."""
+    return int(-(-int(n_bytes) // ALLOC_ROUND) * ALLOC_ROUND)
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """One allocation of a sequence: `live_before` bytes are held when `size` is asked."""
+
+    what: str
+    live_before: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class V1Card:
+    """The memory of one rank for one model, layout and seed (all ranks are identical)."""
+
+    spec: ModelSpec
+    weights_total_bytes: int
+    coeffs: Coefficients
+    tp: int = 1
+    kv_dtype: str = "auto"
+    block_size: int = 16
+
+    @property
+    def scale(self) -> float:
+        return self.spec.num_layers * self.spec.hidden_size / _REF_LAYERS_X_HIDDEN
+
+    def _mib(self, value: float, scaled: bool = True) -> int:
+        return int(value * (self.scale if scaled else 1.0) * MIB)
+
+    @property
+    def weights_bytes(self) -> int:
+        """What "Model loading took" reports: the shard plus load-time buffers."""
+        return self.weights_total_bytes // self.tp + self._mib(self.coeffs.load_extra_mib, False)
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self._mib(self.coeffs.persistent_mib)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.spec, tp=self.tp, kv_dtype=self.kv_dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    def kv_tokens(self, kv_bytes: int) -> int:
+        """`GPU KV cache size: N tokens`: whole blocks only."""
+        return max(0, kv_bytes // self.block_bytes) * self.block_size
+
+    def profile_activation_bytes(self, batched_tokens: int) -> int:
+        s = self.spec
+        per_token = 3 * s.intermediate_size / self.tp + self.coeffs.profile_hidden * s.hidden_size
+        return int(batched_tokens * s.dtype_bytes * per_token)
+
+    def profile_non_kv_bytes(self, batched_tokens: int) -> int:
+        """Profiling's non-KV figure: weights + persistent + the dummy step's activation."""
+        return (self.weights_bytes + self.persistent_bytes
+                + self.profile_activation_bytes(batched_tokens))
+
+    def base_bytes(self, context_bytes: int) -> int:
+        """Process memory after profiling, before the KV cache."""
+        return context_bytes + self.weights_bytes + self.persistent_bytes
+
+    # -- what happens after the KV cache is allocated -----------------------------------------
+    @property
+    def graph_pool_bytes(self) -> int:
+        return self._mib(self.coeffs.graph_pool_mib)
+
+    def graph_capture(self) -> Alloc:
+        """The allocation that decides whether capture fits (pool + scratch held)."""
+        c = self.coeffs
+        held = self._mib(c.graph_private_peak_mib) + self._mib(c.graph_scratch_mib)
+        return Alloc("graph", held, round_alloc(self._mib(c.graph_alloc_mib)))
+
+    def graph_private_bytes(self) -> int:
+        return round_alloc(self._mib(self.coeffs.graph_private_peak_mib))
+
+    def sampler_logits_bytes(self, max_num_seqs: int) -> int:
+        rows = self.coeffs.sampler_copies * max_num_seqs
+        return round_alloc(rows * self.spec.vocab_size * 4)
+
+    def warmup(self, max_num_seqs: int) -> list[Alloc]:
+        """Kernel warm-up then the sampler's warm-up, each kept in torch's cache."""
+        w = round_alloc(self._mib(self.coeffs.warmup_mib))
+        logits = self.sampler_logits_bytes(max_num_seqs)
+        extra = round_alloc(logits * self.coeffs.sampler_extra)
+        return [Alloc("warmup", 0, w), Alloc("sampler", w, logits),
+                Alloc("sampler-extra", w + logits, extra)]
+
+    def step(self, tokens: int, rows: int) -> list[Alloc]:
+        """One engine step of `tokens` scheduled tokens sampling `rows` sequences."""
+        s, c = self.spec, self.coeffs
+        dt = s.dtype_bytes
+        held = (self._mib(c.step_fixed_mib) + int(c.step_hidden * s.hidden_size * tokens * dt)
+                + int(c.step_sampler_copies * rows * s.vocab_size * 4))
+        inter = s.intermediate_size // self.tp
+        gate_up = round_alloc(2 * inter * tokens * dt)
+        act = round_alloc(inter * tokens * dt)
+        return [Alloc("step", 0, held), Alloc("gate_up", held, gate_up),
+                Alloc("act", held + gate_up, act)]
+
+
+def peak_of(allocs: list[Alloc]) -> int:
+    """The most a sequence of allocations holds at once."""
+    return max((a.live_before + a.size for a in allocs), default=0)
+
+
+def first_failure(allocs: list[Alloc], reserved: int, room: int) -> Alloc | None:
+    """The first allocation that does not fit: torch reuses its `reserved` cache, and may
+    take `room` more bytes from the GPU."""
+    for a in allocs:
+        if max(reserved, a.live_before + a.size) > room:
+            return a
+    return None
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / GIB

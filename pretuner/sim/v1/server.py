@@ -1,0 +1,192 @@
+"""`python -m pretuner.sim vllm serve MODEL ...`: the emulated vLLM 0.24 server process.
+
+Boots (`pretuner.sim.v1.boot`), opens its socket only once ready like the real server, serves
+until SIGTERM/SIGINT (exit 0), and keeps running with a dead engine after an OOM during a
+request (every request 500, /health 503) until stopped. A failed start exits 1. While it runs
+it publishes its memory per GPU in the state dir and holds every level it passes through for
+`HOLD_S`, so a 20 ms sampler in another process sees each transient.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1.boot import boot
+from pretuner.sim.v1.config import UsageError, V1Config, build_parser, parse
+from pretuner.sim.v1.engine import Engine, EngineCore
+from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
+from pretuner.sim.v1.memory import CUDA_PROFILES
+from pretuner.sim.v1.smi import others_bytes, publish
+
+HOLD_S = 0.1  # every published level lasts at least this long
+CORE_PID_OFFSET = 69  # the real EngineCore is a child process: a made-up pid beside ours
+ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "GET"),
+          ("/metrics", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
+          ("/v1/models", "GET"), ("/version", "GET"), ("/v1/chat/completions", "POST"),
+          ("/v1/completions", "POST"))
+
+
+class Stopped(Exception):
+    """A stop signal came during start-up."""
+
+
+def devices_for(cfg: V1Config) -> list[int] | None:
+    """The GPUs the ranks use (one each, in CUDA_VISIBLE_DEVICES order); None if too few."""
+    visible = list(cfg.visible) if cfg.visible is not None else list(
+        range(CUDA_PROFILES[cfg.profile].gpus_per_node))
+    return visible[:cfg.tp] if len(visible) >= cfg.tp else None
+
+
+def step_seconds(tokens: int) -> float:
+    """Emulated duration of one engine step (fast: a tuner's wall clock is not the point)."""
+    return 0.0005 + tokens * 1e-7
+
+
+class _Publisher:
+    """The boot Sink of the subprocess server: publishes, holds, sleeps, honours a stop."""
+
+    def __init__(self, log: L.V1Log, state: Path, devices: list[int],
+                 stop: threading.Event) -> None:
+        self.log = log
+        self.state = state
+        self.devices = devices
+        self.stop = stop
+        self.paths: list[Path] = []
+        self._lock = threading.Lock()
+        self._gone = False
+
+    def level(self, process_bytes: int) -> None:
+        with self._lock:
+            if not self._gone:
+                self.paths = publish(self.state, self.devices, os.getpid(), process_bytes)
+        time.sleep(HOLD_S)
+
+    def pause(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise Stopped
+
+    def unpublish(self) -> None:
+        with self._lock:
+            self._gone = True
+            for path in self.paths:
+                path.unlink(missing_ok=True)
+
+
+class Server:
+    def __init__(self, cfg: V1Config) -> None:
+        from pretuner.sim.serve import state_dir
+
+        self.cfg = cfg
+        self.stop = threading.Event()
+        self.log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET)
+        self.state = state_dir(cfg.env)
+        self.signal_name = "SIGTERM"
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signal_name = signal.Signals(signum).name
+        self.stop.set()
+
+    def run(self) -> int:
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        devices = devices_for(self.cfg)
+        if devices is None:
+            self.log.raw(L.API, ["Traceback (most recent call last):", "ValueError: The number "
+                                 "of required GPUs exceeds the total number of available GPUs "
+                                 "in the placement group."])
+            return 1
+        sink = _Publisher(self.log, self.state, devices, self.stop)
+        try:
+            booted = boot(self.cfg, sink,
+                          others_bytes=others_bytes(self.state, devices, os.getpid()))
+        except Stopped:
+            sink.unpublish()
+            return 0
+        if booted is None:
+            sink.unpublish()
+            return 1
+        core = EngineCore(booted, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
+        engine = Engine(core, self.log, sink.level, step_seconds)
+        try:
+            http = self._open(engine, booted.max_model_len)
+        except OSError as err:
+            self.log.api("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind "
+                         f"on address: {err.strerror}", level="ERROR")
+            sink.unpublish()
+            return 1
+        engine.start()
+        thread = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.05},
+                                  daemon=True)
+        thread.start()
+        self.stop.wait()
+        self._shutdown(http, engine)
+        sink.unpublish()
+        return 0
+
+    def _open(self, engine: Engine, max_model_len: int) -> V1HTTPServer:
+        cfg, log = self.cfg, self.log
+        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        api = ApiConfig(cfg.served_names, cfg.model, max_model_len)
+        http = V1HTTPServer((host, cfg.port), engine, api, log)
+        print_ready(log, host, http.server_address[1])
+        return http
+
+    def _shutdown(self, http: V1HTTPServer, engine: Engine) -> None:
+        print_shutdown(self.log, self.signal_name)
+        engine.stop()
+        http.shutdown()
+        http.server_close()
+        self.log.uvicorn("Shutting down")
+        self.log.uvicorn("Waiting for application shutdown.")
+        self.log.uvicorn("Application shutdown complete.")
+
+
+def print_ready(log: L.V1Log, host: str, port: int) -> None:
+    """What the APIServer prints once the engine is up and the socket is open."""
+    log.api("api_server.py:577", "Supported tasks: ['generate']")
+    log.api("api_server.py:581", f"Starting vLLM server on http://{host}:{port}")
+    log.api("launcher.py:37", "Available routes are:")
+    for route, methods in ROUTES:
+        log.api("launcher.py:46", f"Route: {route}, Methods: {methods}")
+    log.uvicorn(f"Started server process [{log.api_pid}]")
+    log.uvicorn("Waiting for application startup.")
+    log.uvicorn("Application startup complete.")
+
+
+def print_shutdown(log: L.V1Log, signal_name: str) -> None:
+    """The [shutdown] lines of a graceful stop."""
+    log.core("core.py:1214", f"[shutdown] EngineCore: trigger received signal={signal_name}")
+    log.api("launcher.py:100", "[shutdown] API server: shutdown triggered")
+    log.core("core.py:1227", "[shutdown] EngineCore: exiting busy loop")
+    log.api("core_client.py:662", "[shutdown] MPClient: complete")
+    log.api("launcher.py:149", "[shutdown] API server: shutting down FastAPI HTTP server")
+
+
+USAGE = "usage: python -m pretuner.sim vllm serve MODEL [vllm serve options]\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`vllm serve ...` (argv starts with `serve`); returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] != "serve":
+        sys.stderr.write(USAGE)
+        return 2
+    rest = args[1:]
+    if "-h" in rest or "--help" in rest:
+        build_parser().print_help()
+        return 0
+    try:
+        cfg = parse(rest, dict(os.environ))
+    except (UsageError, SystemExit) as err:
+        if isinstance(err, UsageError):
+            sys.stderr.write(f"vllm serve: error: {err}\n")
+        return 2
+    return Server(cfg).run()

@@ -1,0 +1,192 @@
+"""`nvidia-smi` for the emulated CUDA cards, and the state files servers publish for it.
+
+A running emulated vLLM server writes `$PRETUNER_SIM_STATE_DIR/cuda-gpu<i>-pid<pid>.json`
+(`{"pid": ..., "process_mib": ...}`) for each GPU it uses. A GPU's NVML `memory.used` is the
+profile's idle reservation + the tenant (`PRETUNER_SIM_OCCUPIED_MIB`) + every live server's
+process memory on it; entries of dead processes are ignored (`pretuner.sim.npusmi._alive`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretuner.sim.npusmi import TENANT_PID, _alive
+from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
+from pretuner.units import MIB
+
+DRIVER = "580.95.05"
+CUDA = "13.0"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUse:
+    """One GPU as NVML reports it, with the processes on it."""
+
+    index: int
+    used_mib: int
+    processes: tuple[tuple[int, int], ...]  # (pid, MiB)
+
+
+def state_path(state: Path, device: int, pid: int) -> Path:
+    return state / f"cuda-gpu{device}-pid{pid}.json"
+
+
+def publish(state: Path, devices: Sequence[int], pid: int, process_bytes: int) -> list[Path]:
+    """Write (atomically) this process's memory on each of its GPUs; returns the paths."""
+    state.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for device in devices:
+        path = state_path(state, device, pid)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"pid": pid, "process_mib": -(-process_bytes // MIB)}),
+                       encoding="utf-8")
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+def _entries(state: Path, device: int) -> list[tuple[int, int]]:
+    out = []
+    for path in sorted(state.glob(f"cuda-gpu{device}-pid*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            pid, mib = int(data["pid"]), int(data["process_mib"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _alive(pid):
+            out.append((pid, mib))
+    return out
+
+
+def read_gpus(profile: CudaProfile, state: Path, tenant_mib: int = 0) -> list[GpuUse]:
+    """Every GPU of the emulated node, as NVML would report it now."""
+    gpus = []
+    for index in range(profile.gpus_per_node):
+        procs = _entries(state, index)
+        if tenant_mib:
+            procs.insert(0, (TENANT_PID, tenant_mib))
+        used = profile.idle_mib + sum(m for _, m in procs)
+        gpus.append(GpuUse(index, min(used, profile.nvml_total_mib), tuple(procs)))
+    return gpus
+
+
+def others_bytes(state: Path, devices: Sequence[int], own_pid: int) -> int:
+    """The most other live emulated servers hold on one of these GPUs."""
+    worst = 0
+    for device in devices:
+        held = sum(m for p, m in _entries(state, device) if p != own_pid)
+        worst = max(worst, held * MIB)
+    return worst
+
+
+def profile_from(env: Mapping[str, str]) -> CudaProfile:
+    return CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_CUDA_PROFILE,
+                             CUDA_PROFILES[DEFAULT_CUDA_PROFILE])
+
+
+def query_csv(gpus: Sequence[GpuUse], profile: CudaProfile, fields: Sequence[str],
+              units: bool, header: bool) -> str:
+    """`--query-gpu=...` in CSV: index, memory.used, memory.total, memory.free, name."""
+    values = {
+        "index": lambda g: str(g.index),
+        "memory.used": lambda g: f"{g.used_mib}" + (" MiB" if units else ""),
+        "memory.total": lambda g: f"{profile.nvml_total_mib}" + (" MiB" if units else ""),
+        "memory.free": lambda g: f"{profile.nvml_total_mib - g.used_mib}"
+                                 + (" MiB" if units else ""),
+        "name": lambda g: profile.gpu_name,
+    }
+    lines = []
+    if header:
+        lines.append(", ".join(f + (" [MiB]" if units and f.startswith("memory") else "")
+                               for f in fields))
+    for g in gpus:
+        lines.append(", ".join(values[f](g) for f in fields))
+    return "\n".join(lines) + "\n"
+
+
+def table(gpus: Sequence[GpuUse], profile: CudaProfile) -> str:
+    """The plain `nvidia-smi` table (the memory columns are what a reader parses)."""
+    bar = "+" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+"
+    wide = "+" + "-" * 89 + "+"
+    lines = [
+        dt.datetime.now().strftime("%a %b %d %H:%M:%S %Y"), wide,
+        f"| NVIDIA-SMI {DRIVER}".ljust(35) + f"Driver Version: {DRIVER}".ljust(32)
+        + f"CUDA Version: {CUDA}".ljust(23) + "|",
+        bar,
+        "| GPU  Name                 Persistence-M | Bus-Id          Disp.A "
+        "| Volatile Uncorr. ECC |",
+        "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage "
+        "| GPU-Util  Compute M. |",
+        bar.replace("-", "="),
+    ]
+    for g in gpus:
+        busy = bool(g.processes)
+        power = f"{profile.power_w + (220 if busy else 0)}W / {profile.power_cap_w}W"
+        mem = f"{g.used_mib}MiB / {profile.nvml_total_mib}MiB"
+        lines.append(f"| {g.index:>3}  {profile.gpu_name[:25]:<25}{'On':>9} |"
+                     f"   00000000:{0x18 + g.index:02X}:00.0 Off |{'0':>21} |")
+        lines.append(f"| N/A   {34 + (8 if busy else 0):>2}C    P0{power:>24} |{mem:>23} |"
+                     f"{(35 if busy else 0):>7}%      Default |")
+        lines.append(bar)
+    lines += ["", wide, "| Processes:".ljust(90) + "|",
+              "|  GPU   GI   CI              PID   Type   Process name".ljust(79)
+              + "GPU Memory |",
+              ("|" + " " * 29 + "ID   ID").ljust(79) + "Usage      |",
+              "|" + "=" * 89 + "|"]
+    listed = [(g.index, pid, mib) for g in gpus for pid, mib in g.processes]
+    for index, pid, mib in listed:
+        lines.append(f"|  {index:>3}   N/A  N/A  {pid:>15}      C   {'python3':<36}"
+                     f"{mib:>6}MiB |")
+    if not listed:
+        lines.append("|  No running processes found".ljust(90) + "|")
+    lines.append(wide)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`nvidia-smi [--query-gpu=F,... --format=csv[,noheader][,nounits]] [-i N]`."""
+    from pretuner.sim.serve import state_dir
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    profile = profile_from(env)
+    tenant = int(env.get("PRETUNER_SIM_OCCUPIED_MIB") or 0)
+    gpus = read_gpus(profile, state_dir(env), tenant)
+    query, fmt, only = None, "", None
+    it = iter(args)
+    for arg in it:
+        if arg.startswith("--query-gpu="):
+            query = arg.split("=", 1)[1]
+        elif arg.startswith("--format="):
+            fmt = arg.split("=", 1)[1]
+        elif arg in ("-i", "--id"):
+            only = next(it, None)
+        elif arg.startswith("--id="):
+            only = arg.split("=", 1)[1]
+        elif arg in ("-h", "--help"):
+            sys.stdout.write("usage: nvidia-smi [--query-gpu=index,memory.used,memory.total "
+                             "--format=csv,noheader,nounits]  (emulated; figures simulated)\n")
+            return 0
+    if only is not None:
+        wanted = {int(x) for x in only.split(",") if x.strip().isdigit()}
+        gpus = [g for g in gpus if g.index in wanted]
+    if query is None:
+        sys.stdout.write(table(gpus, profile))
+        return 0
+    fields = [f.strip() for f in query.split(",") if f.strip()]
+    known = ("index", "memory.used", "memory.total", "memory.free", "name")
+    bad = [f for f in fields if f not in known]
+    if bad or "csv" not in fmt:
+        sys.stderr.write(f'Field "{bad[0]}" is not a valid field to query.\n' if bad else
+                         "Only --format=csv is supported by the emulated nvidia-smi.\n")
+        return 2
+    opts = {o.strip() for o in fmt.split(",")}
+    sys.stdout.write(query_csv(gpus, profile, fields, "nounits" not in opts,
+                               "noheader" not in opts))
+    return 0

@@ -1,0 +1,109 @@
+"""What only the emulator knows about vLLM 0.24 on an emulated CUDA card: the largest pinned
+KV cache that truly works, and what util-mode profiling would give.
+
+Pure (no I/O, no clocks): both replay the shared boot and engine code with a silent log, so
+they can never disagree with the server. A benchmark scores a tuner's
+`--kv-cache-memory-bytes` against `max_kv_bytes`; a tuner must never call these.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.models.spec import ModelSpec
+from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1.boot import Booted, boot
+from pretuner.sim.v1.config import ENV, parse
+from pretuner.sim.v1.engine import EngineCore
+from pretuner.sim.v1.memory import CUDA_PROFILES
+from pretuner.sim.v1.scheduler import Req
+from pretuner.units import MIB
+
+MAX_STEPS = 1_000_000
+
+
+@dataclass
+class _Quiet:
+    log: L.V1Log = field(default_factory=lambda: L.V1Log(0, 0, io.StringIO()))
+
+    def level(self, process_bytes: int) -> None:
+        return
+
+    def pause(self, seconds: float) -> None:
+        return
+
+
+def _argv(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
+          tp: int, kv_cache_dtype: str, enforce_eager: bool, extra: list[str]) -> list[str]:
+    argv = ["model", "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--block-size",
+            str(block_size), "--tensor-parallel-size", str(tp), "--kv-cache-dtype",
+            kv_cache_dtype, *extra]
+    return argv + (["--enforce-eager"] if enforce_eager else [])
+
+
+def _env(profile_name: str, seed: int, occupied_mib: int) -> dict[str, str]:
+    return {ENV["profile"]: profile_name, ENV["seed"]: str(seed),
+            ENV["occupied_mib"]: str(occupied_mib)}
+
+
+def _survives_load(booted: Booted, max_num_seqs: int, batched: int) -> bool:
+    """One max-length prompt alone, then as many at once as the KV cache holds."""
+    core = EngineCore(booted, max_num_seqs, batched)
+    mml = booted.max_model_len
+    concurrent = max(1, min(max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
+    for wave, count in enumerate((1, concurrent)):
+        for i in range(count):
+            core.sched.add(Req(f"truth-{wave}-{i}", mml - 1, 1))
+        for _ in range(MAX_STEPS):
+            result = core.step()
+            if result is None:
+                break
+            if result.oom is not None:
+                return False
+    return True
+
+
+def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
+                 tp: int = 1, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
+                 occupied_mib: int = 0) -> int:
+    """The largest pinned `--kv-cache-memory-bytes` (whole MiB) that starts and survives the
+    worst-case load; 0 when none does."""
+    env = _env(profile_name, seed, occupied_mib)
+
+    def works(kv_mib: int) -> bool:
+        argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
+                     kv_cache_dtype, enforce_eager, ["--kv-cache-memory-bytes",
+                                                     str(kv_mib * MIB)])
+        booted = boot(parse(argv, env), _Quiet(), spec=spec)
+        return booted is not None and _survives_load(booted, max_num_seqs,
+                                                     max_num_batched_tokens)
+
+    # The smallest cache that holds one max-length sequence, and one that cannot fit.
+    per_token = kv_bytes_per_token(spec, tp=tp, kv_dtype=kv_cache_dtype)
+    lo = -(-max_model_len * per_token // MIB)
+    hi = CUDA_PROFILES[profile_name].nvml_total_mib
+    if not works(lo):
+        return 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if works(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo * MIB
+
+
+def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
+                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                  block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
+                  enforce_eager: bool = False, occupied_mib: int = 0) -> int:
+    """The KV bytes (whole blocks) that default profiling at `util` gives a server that starts;
+    0 when the start fails (profiling, graph capture or warm-up)."""
+    argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
+                 kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util)])
+    booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _Quiet(), spec=spec)
+    return 0 if booted is None else booted.kv_bytes

@@ -1,0 +1,71 @@
+"""V1 launches on the emulated card without processes (benchmarks, fast tests).
+
+Same command line, boot, memory accounting and log lines as `pretuner sim vllm serve`, run
+in this process (`pretuner.sim.v1.inproc`); its log is judged by the same `V1Hooks.outcome`
+as a real launch's, and the per-phase device peaks are what the emulated NVML would have
+shown a sampler. One difference from a subprocess launch: the validation's concurrency is
+computed from the pinned bytes before the boot (a real launch reads the log's token count),
+which can differ by a request where the block rounding straddles a multiple of max_model_len.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
+from pretuner.engines.vllm_v1 import SIM_COMMAND
+from pretuner.launch import probe
+from pretuner.launch.probe import CompletionOutcome
+from pretuner.tune.outcome import LaunchOutcome, tally
+from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
+
+DECODE_TOKENS = 16
+
+
+def inprocess_v1_executor(
+    build: Callable[[LaunchSettings, int], LaunchCommand],
+    workdir: Path,
+    bytes_per_token: int,
+    decode_tokens: int = DECODE_TOKENS,
+) -> Callable[[LaunchSettings], LaunchOutcome]:
+    """An executor that runs every launch on the in-process emulated V1 server."""
+    from pretuner.sim.v1 import inproc
+
+    counter = itertools.count(1)
+    hooks = V1Hooks(bytes_per_token)
+
+    def execute(s: LaunchSettings) -> LaunchOutcome:
+        n = next(counter)
+        t0 = time.monotonic()
+        cmd = build(s, 0)
+        argv = cmd.argv[len(SIM_COMMAND):] if cmd.argv[: len(SIM_COMMAND)] == list(
+            SIM_COMMAND) else cmd.argv
+        if argv[:1] == ["serve"]:
+            argv = argv[1:]
+        if s.purpose is Purpose.PRERUN:
+            plen = probe.max_length_prompt_len(s.max_model_len, 1)
+            res = inproc.run(argv, cmd.env, [plen], 1)
+        else:
+            decode = min(decode_tokens, max(1, s.max_model_len // 2))
+            plen = probe.max_length_prompt_len(s.max_model_len, decode)
+            count = concurrency(s, None, bytes_per_token)
+            res = inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
+        folder = workdir / f"launch-{n}"
+        folder.mkdir(parents=True, exist_ok=True)
+        log_path = folder / "server.log"
+        log_path.write_text(res.log, encoding="utf-8")
+        outs = [CompletionOutcome(r.status, r.status == 200, 0.0, r.prompt_tokens,
+                                  r.completion_tokens, r.error) for r in res.replies]
+        failure = None if res.ready or "out of memory" in res.log.lower() \
+            or "estimated maximum model length" in res.log \
+            or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
+        outcome = hooks.outcome(n, s, log_path, tally(outs, plen), failure, None,
+                                (0.0, 0.0, 0.0, time.monotonic() - t0))
+        return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
+                       device_total_mib=res.total_mib)
+
+    return execute

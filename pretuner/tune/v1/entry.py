@@ -1,0 +1,200 @@
+"""`pretuner run` for a V1 engine: its setup (engine, device, layout, launch context), the
+journaled loop, and the run's files."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pretuner.devices import select_reader
+from pretuner.engines.base import Target
+from pretuner.engines.registry import EngineChoice
+from pretuner.engines.v1_launch import V1Hooks
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, sim_profile
+from pretuner.errors import BadInputError, PretunerError
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.models import resolve
+from pretuner.models.spec import ModelSpec
+from pretuner.plan import PlanConfig, plan
+from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.record import RunRecord
+from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
+from pretuner.tune.v1 import report as v1report
+from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
+
+if TYPE_CHECKING:
+    from pretuner.tune.entry import RunOptions
+
+DEFAULT_MAX_MODEL_LEN = 16384
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
+MAX_NUM_SEQS = 4096
+DEVICES_PER_NODE = 8
+
+
+@dataclass(frozen=True, slots=True)
+class V1Setup:
+    cfg: V1Config
+    ctx: LaunchContext
+    engine: V1Engine
+    spec: ModelSpec
+    model_arg: str
+    choice: EngineChoice
+    layout_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class V1RunOutcome:
+    record: Path
+    report: dict[str, Any]
+    result: V1Result
+    choice: EngineChoice
+
+
+def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
+    env = {"PRETUNER_SIM_PROFILE": sim_profile(card_gib), "PRETUNER_SIM_SEED": str(opts.seed)}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("PRETUNER_SIM_")
+                and k != "PRETUNER_SIM_PROFILE"})  # an r0.1 profile means nothing here
+    env.update(opts.sim_env)
+    return env
+
+
+def _card_gib(opts: RunOptions, engine: V1Engine, env: dict[str, str]) -> int:
+    if opts.card_gib is not None or engine.simulated:
+        return opts.card_gib or 80
+    reader = select_reader(engine.device_kind, {**os.environ, **env}, 1)
+    sample = reader.sample() if reader is not None else None
+    if sample is None:
+        raise BadInputError(f"no device size: no {engine.device_kind} device memory reader here",
+                            hint="pass --card (the device's GB, e.g. --card 80)")
+    return round(min(d.total_mib for d in sample.devices) / 1024)
+
+
+def _check(opts: RunOptions) -> tuple[int, int]:
+    from pretuner import validate as v
+
+    seqs = opts.max_num_seqs if opts.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+    v.int_range("--max-num-seqs", seqs, 1, MAX_NUM_SEQS)
+    if opts.max_num_batched_tokens is not None:
+        v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
+    if opts.model_use_gib is not None:
+        raise BadInputError("--model-use-gb is vLLM-MindSpore r0.1's variable; a V1 engine "
+                            "takes --kv-cache-memory-bytes, which pretuner derives",
+                            hint="drop --model-use-gb")
+    return seqs, opts.max_num_batched_tokens or 0
+
+
+def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
+    opts.check()
+    seqs, batched = _check(opts)
+    spec = resolve(opts.model)
+    row = ROWS[choice.name]
+    probe_engine = V1Engine(row, choice.simulated, choice.version)
+    card = _card_gib(opts, probe_engine, {})
+    sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
+    engine = V1Engine(row, choice.simulated, choice.version, sim_env)
+    max_len = opts.max_model_len or DEFAULT_MAX_MODEL_LEN
+    p = plan(PlanConfig(model=spec, card_gib=card, util=opts.util, max_model_len=max_len,
+                        tp=opts.tp, pp=opts.pp, kv_cache_dtype=opts.kv_cache_dtype,
+                        block_size=opts.block_size, weights_format=opts.weights_format))
+    if p.tp * p.pp > DEVICES_PER_NODE or opts.ray_address:
+        raise BadInputError(
+            f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
+            f"node of at most {DEVICES_PER_NODE} devices so far",
+            hint="use a smaller --tp/--pp on one node, or the r0.1 method for multi-node "
+            "(--engine vllm-mindspore-r01 --ray-address ...)",
+        )
+    bpt = kv_bytes_per_token(spec, tp=p.tp, pp=p.pp, kv_dtype=opts.kv_cache_dtype)
+    cfg = V1Config(model=spec, card_gib=card, bytes_per_token=bpt, util=opts.util,
+                   max_model_len=max_len, max_num_seqs=seqs,
+                   max_num_batched_tokens=batched or row.default_batched_tokens,
+                   block_size=opts.block_size, tp=p.tp, pp=p.pp,
+                   kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
+                   validate=opts.validate)
+    model_arg = opts.model if Path(opts.model).exists() or engine.simulated \
+        else (spec.hf_id or opts.model)
+    served = spec.name
+
+    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
+        return engine.command(settings, Target(model_arg, served, opts.host, port))
+
+    reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp)
+    ctx = LaunchContext(build=build, served_name=served, host=opts.host,
+                        ready_timeout_s=opts.ready_timeout_s,
+                        request_timeout_s=opts.request_timeout_s,
+                        stop_grace_s=opts.stop_grace_s, seed=opts.seed, device_reader=reader,
+                        hooks=V1Hooks(bpt))
+    return V1Setup(cfg, ctx, engine, spec, model_arg, choice, p.layout_reason)
+
+
+def first_launch(setup: V1Setup) -> tuple[LaunchSettings, LaunchCommand]:
+    """What `--dry-run` shows: the pre-run's settings and command."""
+    tuner = V1Tuner(setup.cfg, _no_launch, lambda phase, detail: None)
+    s = tuner.settings(Purpose.PRERUN, setup.cfg.util, None)
+    return s, setup.ctx.build(s, 0)
+
+
+def _no_launch(settings: LaunchSettings) -> Any:
+    raise AssertionError("a dry run launches nothing")
+
+
+def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
+                     choice: EngineChoice) -> V1RunOutcome:
+    from pretuner.tune.loop import recorded_executor
+
+    setup = v1_setup(opts, choice)
+    phase("record", str(record.path))
+    phase("engine", choice.reason)
+    if setup.ctx.device_reader is None:
+        phase("device", "no device memory reader here: the engine's own profiling will be "
+              "pinned, nothing measured beyond it")
+    tuner = V1Tuner(setup.cfg, recorded_executor(record, setup.ctx, phase), phase,
+                    on_decision=lambda d: record.append("decision", **d))
+    tuner.decide("layout", setup.layout_reason, tp=setup.cfg.tp, pp=setup.cfg.pp)
+    meta = v1report.V1Meta(
+        run_id=record.path.name, engine=choice.name, engine_version=choice.version,
+        engine_reason=choice.reason, simulated=choice.simulated, model=setup.spec.name,
+        model_arg=setup.model_arg, card_gib=setup.cfg.card_gib,
+        bytes_per_token=setup.cfg.bytes_per_token,
+        serve_command=tuple(setup.engine.base_command()),
+        deployment=setup.engine.deploy(tuner.settings(Purpose.VALIDATE, opts.util, None)),
+    )
+    try:
+        result = tuner.run()
+    except BaseException as err:
+        record.append("run_stopped", error=f"{type(err).__name__}: {err}")
+        if isinstance(err, PretunerError):
+            rep = v1report.failure_json(err, meta, [v1report.step(o) for o in tuner.outcomes],
+                                        tuner.decisions)
+            record.write_json("report.json", rep)
+            record.write("report.md", v1report.failure_md(rep))
+            err.report = rep
+        raise
+    meta = _with_deployment(meta, setup.engine.deploy(result.final))
+    rep = v1report.report_json(result, meta)
+    record.write_json("report.json", rep)
+    record.write("report.md", v1report.report_md(rep))
+    record.write("serve.sh", v1report.serve_sh(rep), executable=True)
+    record.write("vllm-config.yaml", v1report.vllm_config(rep))
+    record.write("tuned.env", v1report.tuned_env(rep))
+    record.append("run_finished", validated=result.validated)
+    return V1RunOutcome(record.path, rep, result, choice)
+
+
+def _with_deployment(meta: v1report.V1Meta, deployment: Any) -> v1report.V1Meta:
+    from dataclasses import replace
+
+    return replace(meta, deployment=deployment)
+
+
+def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = None) -> V1Result:
+    """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
+    tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
+    from pretuner.engines.base import Family
+    from pretuner.tune.v1.emulated import inprocess_v1_executor
+
+    choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
+    setup = v1_setup(opts, choice)
+    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token)
+    return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

@@ -1,0 +1,106 @@
+"""`pretuner run --engine vllm` end to end on the emulated H100: real server processes, real
+HTTP, the emulated NVML sampled in the background, and the files a user starts production with.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pretuner.tune.entry import RunOptions
+from pretuner.tune.v1.entry import tune_v1_in_process
+from pretuner.units import GIB
+from tests.helpers import FAST_SIM, REAL_LOGS, cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+UTIL_090_TOKENS = json.loads((REAL_LOGS / "vllm-0.24-h100" / "A2-util090.json").read_text())[
+    "kv_tokens"]
+
+
+def test_run_pins_kv_on_the_emulated_h100_and_proves_it(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                   "--max-model-len", "32768", "--out", str(out), "--json",
+                   env=cli_env(**FAST_SIM))
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["validated"]
+    assert rep["simulated"]
+    assert rep["engine"] == "vllm"
+    assert rep["launches"] <= 3
+    kv = rep["final"]["kv_cache_memory_bytes"]
+    assert 59 * GIB <= kv < 61 * GIB  # the real card: 60 GiB fits, 61 GiB dies at start-up
+    assert rep["final"]["kv_tokens"] >= 1.08 * UTIL_090_TOKENS
+    assert rep["baseline"]["kv_tokens"] is not None
+    for step in rep["steps"]:  # every launch carries its sampled peaks
+        assert step["device_reader"] == "emulated", step
+        assert step["device_peaks_mib"], step
+    d = rep["derivation"]
+    # the printed arithmetic adds up (figures rounded to 0.1 MiB, the result floored to a MiB)
+    assert d["non_kv_peak_mib"] == pytest.approx(d["device_peak_mib"] - d["held_kv_mib"], abs=0.1)
+    assert 0 <= d["device_total_mib"] - d["non_kv_peak_mib"] - d["margin_mib"] - d[
+        "pinned_kv_mib"] < 1.1
+    assert kv == d["pinned_kv_mib"] * 2**20 or rep["launches"] == 3  # a back-off moves it
+    serve = (out / "serve.sh").read_text()
+    assert f"--kv-cache-memory-bytes {kv}" in serve
+    assert "ASCEND_TOTAL_MEMORY_GB" not in serve
+    assert "vLLM_MODEL_MEMORY_USE_GB" not in serve
+    config = (out / "vllm-config.yaml").read_text()
+    assert f"kv_cache_memory_bytes: {kv}" in config
+    md = (out / "report.md").read_text()
+    assert "SIMULATED" in md
+    assert "--kv-cache-memory-bytes" in md
+
+
+def test_the_written_serve_script_starts_a_server_that_serves(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                   "--max-model-len", "8192", "--out", str(out), env=cli_env(**FAST_SIM))
+    assert proc.returncode == 0, proc.stderr
+    serve = out / "serve.sh"
+    check = subprocess.run(["bash", "-n", str(serve)], capture_output=True, text=True,
+                           check=False)
+    assert check.returncode == 0, check.stderr
+
+
+def test_weights_that_cannot_fit_are_refused_before_any_launch(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-32b", "--engine", "vllm", "--card", "24", "--tp",
+                   "1", "--max-model-len", "32768", "--out", str(out), "--json",
+                   env=cli_env(**FAST_SIM))
+    assert proc.returncode == 4, proc.stderr
+    err = json.loads(proc.stdout)
+    assert err["error_type"] == "InfeasibleError"
+    assert "--tp" in err["hint"]
+    assert not out.exists()  # decided from the checkpoint size: no launch, no run folder
+
+
+def test_a_length_the_card_cannot_hold_ends_infeasible_from_a_launch(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "24", "--tp", "1",
+                   "--max-model-len", "40960", "--out", str(out), "--json",
+                   env=cli_env(**FAST_SIM))
+    assert proc.returncode == 4, proc.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["validated"] is False
+    assert len(rep["steps"]) == 2  # measured, never predicted: util 0.9, one sequence pinned
+    assert rep["steps"][1]["settings"]["kv_cache_bytes"] is not None
+    assert "--max-model-len" in rep["hint"]
+    assert "FAILED" in (out / "report.md").read_text()
+
+
+def test_in_process_and_subprocess_runs_decide_the_same(tmp_path: Path) -> None:
+    opts = RunOptions(model="qwen3-8b", engine="vllm", card_gib=80, max_model_len=32768)
+    r = tune_v1_in_process(opts, tmp_path / "inproc")
+    out = tmp_path / "sub"
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                   "--max-model-len", "32768", "--out", str(out), "--json",
+                   env=cli_env(**FAST_SIM))
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["final"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
+                                                                  rel=0.01)

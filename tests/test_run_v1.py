@@ -104,3 +104,39 @@ def test_in_process_and_subprocess_runs_decide_the_same(tmp_path: Path) -> None:
     rep = json.loads(proc.stdout)
     assert rep["final"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
                                                                   rel=0.01)
+
+
+def test_a_v1_run_names_the_real_engine_command_and_is_no_r01_preset(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                   "--max-model-len", "8192", "--out", str(out), env=cli_env(**FAST_SIM))
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads((out / "report.json").read_text())
+    real = rep["final"]["engine_serve_command"]
+    assert real[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    assert "--kv-cache-memory-bytes" in real
+    assert "vllm serve Qwen/Qwen3-8B" in proc.stdout
+    add = run_cli("presets", "add", str(out), env=cli_env(**FAST_SIM))
+    assert add.returncode == 2
+    assert "V1 engine" in add.stderr
+
+
+def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
+    """A journal that stopped after its launches (as a Ctrl-C leaves it) resumes: the finished
+    launches are replayed, not run again, and the result is the same."""
+    out = tmp_path / "run"
+    first = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                    "--max-model-len", "8192", "--out", str(out), "--json",
+                    env=cli_env(**FAST_SIM))
+    assert first.returncode == 0, first.stderr
+    journal = out / "journal.jsonl"
+    kept = [line for line in journal.read_text().splitlines()
+            if '"run_finished"' not in line]
+    journal.write_text("\n".join(kept) + "\n")
+    for name in ("report.json", "report.md", "serve.sh", "vllm-config.yaml", "tuned.env"):
+        (out / name).unlink()
+    launches = sorted(p.name for p in out.glob("launch-*"))
+    again = run_cli("run", "--resume", str(out), "--json", env=cli_env(**FAST_SIM))
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in out.glob("launch-*")) == launches  # replayed, none run again
+    assert json.loads(again.stdout)["final"] == json.loads(first.stdout)["final"]

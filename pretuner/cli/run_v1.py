@@ -63,5 +63,8 @@ def render_v1_summary(o: V1RunOutcome) -> str:
         lines.append(f"the engine's own profiling at util {base['util']}: {base['kv_tokens']:,} "
                      f"tokens ({tag}); pinned holds {base['kv_tokens_gain']:.3f}x that")
     lines.append(shlex.join(f["serve_command"]))
+    if f.get("engine_serve_command"):
+        lines.append(f"with the real engine (to be measured there): "
+                     f"{shlex.join(f['engine_serve_command'])}")
     lines += ["", f"run record: {o.record}  (report.md, serve.sh, vllm-config.yaml, tuned.env)"]
     return "\n".join(lines)

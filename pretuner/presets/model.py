@@ -250,6 +250,13 @@ def check_preset(p: Preset) -> list[str]:
 
 def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: str) -> Preset:
     """A run record's report.json as a preset (measured, or simulated on the emulated card)."""
+    if rep.get("method") == "v1-pinned-kv":
+        raise BadInputError(
+            f"run {rep.get('run_id')!r} tuned a V1 engine ({rep.get('engine')}); presets hold "
+            "vLLM-MindSpore r0.1 configurations so far",
+            hint="deploy that run's own serve.sh or vllm-config.yaml (pinned "
+            "--kv-cache-memory-bytes)",
+        )
     try:
         flags = {
             k: v

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,7 @@ def report_json(r: V1Result, m: V1Meta) -> dict[str, Any]:
             "flags": m.deployment.argv(),
             "env": m.deployment.env,
             "serve_command": [*m.serve_command, m.model_arg, *m.deployment.argv()],
+            "engine_serve_command": real_command(m) if m.simulated else None,
         },
         "baseline": {
             "util": r.profiled_util,
@@ -86,6 +88,17 @@ def report_json(r: V1Result, m: V1Meta) -> dict[str, Any]:
         "decisions": list(r.decisions),
         "steps": [step(o) for o in r.outcomes],
     }
+
+
+def real_command(m: V1Meta) -> list[str]:
+    """What the real engine would run with the same flags (a simulated run's serve.sh starts
+    the emulated server)."""
+    from pretuner.engines.vllm_v1 import ROWS
+    from pretuner.models import resolve
+
+    row = ROWS[m.engine]
+    model = resolve(m.model).hf_id or m.model
+    return [*row.command, model, *m.deployment.argv()]
 
 
 def report_md(rep: dict[str, Any]) -> str:
@@ -136,6 +149,10 @@ def report_md(rep: dict[str, Any]) -> str:
     lines += ["", "## Decisions", ""]
     lines += [f"- {d['decision']}: {d['detail']}" for d in rep["decisions"]]
     lines += ["", "## Start production", "", "```sh", "./serve.sh", "```", ""]
+    if f.get("engine_serve_command"):
+        lines += ["The figures above are simulated. With the real engine and a real device, the "
+                  "same flags are (run `pretuner run` there to measure and prove them):", "",
+                  "```sh", shlex.join(f["engine_serve_command"]), "```", ""]
     return "\n".join(lines)
 
 

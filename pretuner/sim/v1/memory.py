@@ -2,7 +2,7 @@
 
 Pure: no I/O, no clocks. Figures are bytes per rank unless the name says MiB. The numbers are
 *simulated*: calibrated so that seed 0 on `h100-80` replays the real Qwen3-8B runs under
-/work/shared/real-logs/vllm-0.24-h100/ (outcome, KV figures and NVML peaks), not measurements
+../shared/real-logs/vllm-0.24-h100/ (outcome, KV figures and NVML peaks), not measurements
 of any other model or card.
 
 What NVML counts on one GPU, bottom to top:

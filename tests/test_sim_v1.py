@@ -1,7 +1,7 @@
 """The emulated vLLM 0.24 server on the emulated H100 against the real H100 runs.
 
 Every expected figure is parsed from the real logs and JSON files under
-/work/shared/real-logs/vllm-0.24-h100/ (never restated here): outcome, KV figures within 1 %,
+../shared/real-logs/vllm-0.24-h100/ (never restated here): outcome, KV figures within 1 %,
 NVML peaks within 1 %. The in-process run replays all six runs; the subprocess server replays
 A2 (ready, 12 x 32k) and F (first 32k prefill OOMs -> HTTP 500) over real HTTP on port 0,
 sampled by the in-process EmulatedReader every 20 ms like a tuner would.
@@ -37,8 +37,9 @@ from pretuner.sim.v1.memory import CUDA_PROFILES, perturbed
 from pretuner.sim.v1.scheduler import Limits, Req, Scheduler
 from pretuner.sim.v1.truth import max_kv_bytes, util_kv_bytes
 from pretuner.units import GIB
+from tests.helpers import REAL_LOGS
 
-REAL = Path("/work/shared/real-logs/vllm-0.24-h100")
+REAL = REAL_LOGS / "vllm-0.24-h100"
 RUNS = ("A2-util090", "B-util098", "C-kv59g", "E1-kv60g", "E2-kv61g", "F-kv59g-mbt32k")
 ENV = {"PRETUNER_SIM_PROFILE": "h100-80", "PRETUNER_SIM_SEED": "0",
        "PRETUNER_SIM_OCCUPIED_MIB": "0", "PRETUNER_SIM_STARTUP_S": "0.02"}

@@ -3,7 +3,7 @@ out-of-memory text and the traceback blocks a failed engine prints.
 
 Formatting functions are pure; `V1Log` owns the stream (thread-safe, one line per write).
 A tuner's log scanner reads these texts, so they follow the real files under
-/work/shared/real-logs/vllm-0.24-h100/ character for character where it matters.
+../shared/real-logs/vllm-0.24-h100/ character for character where it matters.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from pretuner.devices.npu_table import decode_output, parse_npu_smi
 from pretuner.errors import BadInputError
-from pretuner.launch.device import decode_output, parse_npu_smi
 from pretuner.logscan import parse_line, parse_origin, scan_paths
 from pretuner.method import MAX_NUM_SEQS, max_num_seqs
 from pretuner.tune.entry import RunOptions

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.launch.device import NpuCard, free_mib, parse_npu_smi, read_npu_smi
+from pretuner.devices.npu_table import NpuCard, free_mib, parse_npu_smi, read_npu_smi
 
 RULE = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 EQ = RULE.replace("-", "=")

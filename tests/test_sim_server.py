@@ -467,6 +467,6 @@ def test_another_tenant_takes_free_memory_and_shows_in_npu_smi(tmp_path: Path) -
                          capture_output=True, text=True, check=True).stdout
     assert "23379/ 65536" in out
     assert "| 4242" in out
-    from pretuner.launch.device import parse_npu_smi
+    from pretuner.devices.npu_table import parse_npu_smi
 
     assert parse_npu_smi(out)[0].hbm_used_mib == 23379

@@ -18,10 +18,10 @@ from pretuner.cluster.collect import (
 from pretuner.cluster.env import job_config_env
 from pretuner.cluster.nodes import NodeFacts, Placement
 from pretuner.cluster.ray_api import TASK_TIMEOUT_S, RayCluster
+from pretuner.launch.collect import CollectedScan
+from pretuner.launch.command import LaunchCommand
 from pretuner.logscan import Located, LogFollower, OomEvent, scan_paths
 from pretuner.logscan.lines import DeviceMemoryInit
-from pretuner.tune.collect import CollectedScan
-from pretuner.tune.settings import LaunchCommand
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from pretuner.cluster.env import NodeProbe
-from pretuner.scripts.render import render_template
+from pretuner.templating import render_template
 
 
 def restart_commands(

@@ -14,8 +14,8 @@ from pretuner.cluster.env import describe_problems, env_problems, proposed_envs
 from pretuner.cluster.nodes import Placement, check_versions, place, survey
 from pretuner.cluster.ray_api import RayCluster
 from pretuner.cluster.restart import restart_commands
+from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
-from pretuner.tune.execute import Phase
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ class EmulatedReader:
     interval_s = FASTEST_INTERVAL_S
 
     def __init__(self, env: Mapping[str, str], devices: frozenset[int] | None = None) -> None:
-        from pretuner.sim.serve import state_dir  # the sim server module: only when emulating
+        from pretuner.sim.state import state_dir  # the sim server module: only when emulating
         from pretuner.sim.v1.memory import CUDA_PROFILES
 
         wanted = env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE

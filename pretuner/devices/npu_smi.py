@@ -1,9 +1,9 @@
-"""Ascend cards through `npu-smi info` (the parser lives in pretuner.launch.device)."""
+"""Ascend cards through `npu-smi info` (the parser lives in pretuner.devices.npu_table)."""
 
 from __future__ import annotations
 
 from pretuner.devices.base import CommandReader, DeviceMemory
-from pretuner.launch.device import NpuCard, decode_output, parse_npu_smi
+from pretuner.devices.npu_table import NpuCard, decode_output, parse_npu_smi
 
 
 def npu_memory(cards: tuple[NpuCard, ...]) -> tuple[DeviceMemory, ...]:

@@ -12,7 +12,7 @@ from pretuner.devices.base import (
     DeviceReadError,
     Sample,
 )
-from pretuner.launch.device import decode_output
+from pretuner.devices.npu_table import decode_output
 from pretuner.units import MIB
 
 QUERY = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")

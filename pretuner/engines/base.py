@@ -9,11 +9,59 @@ variables; the V1 family (`vllm_v1`) profiles memory itself and takes a pinned b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
-from pretuner.tune.settings import LaunchCommand, LaunchSettings
+from pretuner.launch.command import LaunchCommand as LaunchCommand
+
+
+class Purpose(str, Enum):
+    PRERUN = "prerun"  # one max-length request, max-num-seqs 1 (seed 003 §3.2.1)
+    VALIDATE = "validate"  # max-num-seqs concurrent max-length requests with the tuned values
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSettings:
+    """The values that vary between launches of one run."""
+
+    purpose: Purpose
+    card_gib: int
+    util: float
+    model_use_gib: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    tp: int
+    pp: int = 1
+    kv_cache_dtype: str = "auto"  # pretuner's name (kvmath.KV_DTYPES)
+    chunked_prefill: bool = False  # prefill in chunks of max_num_batched_tokens
+    # V1 engines: the KV cache pinned with --kv-cache-memory-bytes; None lets the engine
+    # profile (--gpu-memory-utilization decides).
+    kv_cache_bytes: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["purpose"] = self.purpose.value
+        return data
+
+    @property
+    def batched_policy(self) -> str:
+        if self.chunked_prefill:
+            return f"chunked prefill, {self.max_num_batched_tokens:,}-token steps"
+        return "whole-prompt prefill steps"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LaunchSettings:
+        fields = dict(data)
+        fields["purpose"] = Purpose(fields["purpose"])
+        return cls(**fields)
+
+
+# (phase, detail) -> None: how a launch reports its progress.
+Phase = Callable[[str, str], None]
 
 
 class Family(str, Enum):

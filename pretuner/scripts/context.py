@@ -10,16 +10,16 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
-from pretuner.envfile import server_args
-from pretuner.errors import BadInputError
-from pretuner.presets.model import KvBasis, Preset, PresetKind
-from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
-from pretuner.tune.settings import (
+from pretuner.engines.mindspore_r01 import (
     R01_COMMAND,
     V03_COMMAND,
     chunked_prefill_flag,
     server_kv_cache_dtype,
 )
+from pretuner.envfile import server_args
+from pretuner.errors import BadInputError
+from pretuner.presets.model import KvBasis, Preset, PresetKind
+from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
 from pretuner.units import GIB
 
 

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"Error: unsupported command {' '.join(args)!r} (the emulated npu-smi "
                          "knows `info`)\n")
         return 1
-    from pretuner.sim.serve import state_dir
+    from pretuner.sim.state import state_dir
 
     env = dict(os.environ)
     profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,

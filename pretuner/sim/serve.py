@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from pretuner.sim import memory as mem
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog, glog_level
+from pretuner.sim.state import state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
@@ -65,7 +65,6 @@ SIM_ENV = {
     "ray_address": "PRETUNER_SIM_RAY_ADDRESS",
     "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
 }
-STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
 NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
 
 
@@ -790,14 +789,6 @@ class Server:
         self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
         self._unpublish()
         return 1
-
-
-def state_dir(env: dict[str, str]) -> Path:
-    """Where servers publish per-card HBM use for the emulated npu-smi."""
-    raw = env.get(STATE_DIR_ENV)
-    if raw:
-        return Path(raw)
-    return Path(tempfile.gettempdir()) / f"pretuner-sim-{os.getuid()}"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "pretuner sim serve") -> int:

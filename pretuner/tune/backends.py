@@ -9,8 +9,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from pretuner.devices.npu_table import NpuCard, decode_output, parse_npu_processes, parse_npu_smi
 from pretuner.errors import BadInputError
-from pretuner.launch.device import NpuCard, decode_output, parse_npu_processes, parse_npu_smi
 from pretuner.tune.loop import LEN_LADDER, CardInfo
 from pretuner.tune.settings import Backend
 

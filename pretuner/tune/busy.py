@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pretuner.devices.npu_table import NpuProcess
 from pretuner.errors import CardBusyError
-from pretuner.launch.device import NpuProcess
 
 # The most an idle card's driver and firmware take, as a share of the card: 5 % on a 910B3
 # 64 GB (3,379 MB), 7 % on a 910B4 32 GB, 10 % on the busiest driver build seen. Below the rest

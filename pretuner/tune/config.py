@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pretuner.devices.npu_table import NpuProcess
 from pretuner.kvmath import num_kv_blocks
-from pretuner.launch.device import NpuProcess
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, PlanResult, plan

@@ -82,7 +82,7 @@ class _Publisher:
 
 class Server:
     def __init__(self, cfg: V1Config) -> None:
-        from pretuner.sim.serve import state_dir
+        from pretuner.sim.state import state_dir
 
         self.cfg = cfg
         self.stop = threading.Event()

@@ -151,7 +151,7 @@ def table(gpus: Sequence[GpuUse], profile: CudaProfile) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`nvidia-smi [--query-gpu=F,... --format=csv[,noheader][,nounits]] [-i N]`."""
-    from pretuner.sim.serve import state_dir
+    from pretuner.sim.state import state_dir
 
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)

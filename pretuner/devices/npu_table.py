@@ -1,0 +1,150 @@
+"""Read the cards: parse `npu-smi info` into one record per chip."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NpuCard:
+    """One chip of `npu-smi info` (910B: one chip per NPU; A3: two)."""
+
+    npu_id: int
+    chip: int
+    name: str
+    health: str
+    hbm_used_mib: int
+    hbm_total_mib: int
+
+
+MAX_FIGURE_DIGITS = 10  # MiB: 10 digits is over 9 PiB, far beyond any card
+# npu-smi says MB; the figures are MiB (a 64 GB card reports 65536).
+_USAGE = re.compile(r"(\d+)\s*/\s*(\d+)")
+# First cell of the name row: "0     910B3"; of the chip row: "0" (910B) or "0       1" (A3).
+_NAME_CELL = re.compile(r"(\d+)\s+(\S.*)")
+_CHIP_CELL = re.compile(r"(\d+)(?:\s+\d+)?")
+_BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]")
+
+
+def _cells(line: str) -> list[str]:
+    stripped = line.strip()
+    if not stripped.startswith("|"):
+        return []
+    return [cell.strip() for cell in stripped.strip("|").split("|")]
+
+
+def parse_npu_smi(text: str) -> tuple[NpuCard, ...]:
+    """Every chip in an `npu-smi info` table; text that is no such table gives ()."""
+    cards: list[NpuCard] = []
+    pending: tuple[int, str, str] | None = None  # (npu_id, name, health) of the row above
+    for line in text.splitlines():
+        lowered = line.lower()
+        if "process id" in lowered or "process name" in lowered:
+            break  # the process table that follows the cards looks like chip rows
+        cells = _cells(line)
+        if len(cells) < 3:
+            if not line.strip().startswith("+"):
+                pending = None
+            continue
+        name_match = _NAME_CELL.fullmatch(cells[0])
+        chip_match = _CHIP_CELL.fullmatch(cells[0])
+        if chip_match and _BUS_ID.fullmatch(cells[1]):
+            usage = _USAGE.findall(cells[2])
+            if pending is not None and usage and _sane(*usage[-1], chip_match.group(1)):
+                # The last used/total pair of the row is HBM-Usage (Memory-Usage comes first).
+                used, total = (int(x) for x in usage[-1])
+                npu_id, name, health = pending
+                cards.append(NpuCard(npu_id, int(chip_match.group(1)), name, health, used, total))
+            pending = None
+        elif name_match and cells[1] and not _BUS_ID.fullmatch(cells[1]) and _sane(
+            name_match.group(1)
+        ):
+            pending = (int(name_match.group(1)), name_match.group(2).strip(), cells[1])
+        else:
+            pending = None
+    return tuple(cards)
+
+
+@dataclass(frozen=True, slots=True)
+class NpuProcess:
+    """One row of the process table `npu-smi info` prints below the cards."""
+
+    npu_id: int
+    chip: int
+    pid: int
+    name: str
+    memory_mib: int
+
+
+_PROC_CHIP = re.compile(r"(\d+)(?:\s+(\d+))?")
+
+
+def parse_npu_processes(text: str) -> tuple[NpuProcess, ...]:
+    """Every process holding memory in `npu-smi info`'s process table ("No running processes"
+    rows and text that is no such table give nothing)."""
+    found: list[NpuProcess] = []
+    in_table = False
+    for line in text.splitlines():
+        lowered = line.lower()
+        if "process id" in lowered and "process name" in lowered:
+            in_table = True
+            continue
+        cells = _cells(line) if in_table else []
+        if len(cells) < 4:
+            continue
+        chip = _PROC_CHIP.fullmatch(cells[0])
+        memory = re.match(r"\d+", cells[3])
+        if chip is None or not cells[1].isdigit() or memory is None:
+            continue
+        found.append(NpuProcess(int(chip.group(1)), int(chip.group(2) or 0), int(cells[1]),
+                                cells[2], int(memory.group(0))))
+    return tuple(found)
+
+
+def _sane(*digits: str) -> bool:
+    """Figures a device could print: a row with a longer one is garbage (and int() of 4,300
+    digits raises), so it is skipped like any row that is not a card."""
+    return all(len(d) <= MAX_FIGURE_DIGITS for d in digits)
+
+
+def decode_output(raw: bytes | str) -> str:
+    """npu-smi's output as text: bytes that are not UTF-8 become U+FFFD, never an error."""
+    return raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")
+
+
+def read_npu_smi(executable: str = "npu-smi", timeout_s: float = 10) -> tuple[NpuCard, ...]:
+    """Run `npu-smi info` and parse it; () when it is missing, fails or hangs."""
+    try:
+        completed = subprocess.run(
+            [executable, "info"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+    except FileNotFoundError:
+        log.debug("%s not found: no Ascend cards visible", executable)
+        return ()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("could not run %s info: %s", executable, exc)
+        return ()
+    if completed.returncode != 0:
+        log.warning(
+            "%s info exited with code %d: %s",
+            executable,
+            completed.returncode,
+            completed.stderr.strip()[:500],
+        )
+    return parse_npu_smi(completed.stdout)
+
+
+def free_mib(card: NpuCard) -> int:
+    """HBM not in use on the chip, MiB."""
+    return card.hbm_total_mib - card.hbm_used_mib

@@ -1,0 +1,123 @@
+"""What one launch came to: its kind, its figures, and what its requests got.
+
+Data and pure helpers shared by every engine's classifier (`pretuner.engines`) and the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from typing import Any
+
+from pretuner.engines.base import LaunchSettings, Purpose
+from pretuner.launch import probe
+
+
+class OutcomeKind(str, Enum):
+    OK = "ok"
+    OOM_AT_START = "oom_at_start"  # weights + warm-up did not fit in model-use
+    OOM_IN_REQUEST = "oom_in_request"  # activation of the probe/load did not fit
+    KV_EXHAUSTED = "kv_blocks_exhausted"  # KV blocks <= 0 at start
+    DEVICE_REFUSED = "device_memory_refused"  # card*util above the card's free memory
+    LEN_TOO_LARGE = "max_model_len_too_large"  # max_model_len above the KV token count
+    REQUESTS_FAILED = "requests_failed"  # requests failed without any OOM line
+    # The probe never ran: the scheduler dropped it (KV too small for one max-length sequence
+    # beside vLLM's block watermark) and answered with an empty completion.
+    PROMPT_DROPPED = "prompt_dropped"
+    OOM_WEIGHTS = "oom_loading_weights"  # out of memory before the weights finished loading
+
+    @property
+    def is_oom(self) -> bool:
+        return self in _OOM_KINDS
+
+
+_OOM_KINDS = frozenset(
+    (OutcomeKind.OOM_AT_START, OutcomeKind.OOM_IN_REQUEST, OutcomeKind.OOM_WEIGHTS)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchOutcome:
+    n: int
+    settings: LaunchSettings
+    kind: OutcomeKind
+    worst_peak_mib: int | None
+    rank_peaks_mib: dict[str, int]
+    oom_text: str | None
+    requests_ok: int
+    requests_total: int
+    ready_s: float
+    request_s: float
+    stop_s: float
+    total_s: float
+    overhead_s: float  # pretuner's own time: everything but waiting on the server
+    log_path: str
+    device_free_mib: int | None = None
+    estimated_max_len: int | None = None
+    request_error: str | None = None  # the first failed request's error, as the client saw it
+    notes: tuple[str, ...] = field(default=())
+    worst_node: str | None = None  # the node the worst rank ran on (multi-node via Ray)
+    weights_gib: float | None = None  # "Loading model weights took X GB" (GiB), when printed
+    oom_alloc_bytes: int | None = None  # the allocation that failed, when an OOM says
+    requests_dropped: int = 0  # requests answered without running (empty completion)
+    server_exit_code: int | None = None  # the server exited by itself before it was stopped
+    device_peaks_mib: dict[str, int] = field(default_factory=dict)  # phase -> worst device, MiB
+    device_reader: str | None = None  # what sampled the card (None: measured from the logs)
+    device_total_mib: int | None = None  # the sampled device's total, as its reader says
+    kv_tokens: int | None = None  # V1 engines: the KV cache's token count, from the log
+    kv_gib: float | None = None  # V1 engines: the KV cache as pinned or profiled, from the log
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["settings"] = self.settings.to_json()
+        data["kind"] = self.kind.value
+        data["notes"] = list(self.notes)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LaunchOutcome:
+        fields_ = dict(data)
+        fields_["settings"] = LaunchSettings.from_json(fields_["settings"])
+        fields_["kind"] = OutcomeKind(fields_["kind"])
+        fields_["notes"] = tuple(fields_.get("notes", ()))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in fields_.items() if k in known})
+
+
+def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
+    """(requests, prompt tokens each, tokens to generate each) of a launch's exercise."""
+    if s.purpose is Purpose.PRERUN:
+        return 1, probe.max_length_prompt_len(s.max_model_len, 1), 1
+    decode = min(decode_tokens, max(1, s.max_model_len // 2))
+    return s.max_num_seqs, probe.max_length_prompt_len(s.max_model_len, decode), decode
+
+
+def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int) -> Exercised:
+    """Count what really ran: a reply must carry a generated token for a prompt of the length
+    sent (`usage`): vLLM drops a prompt its KV cache cannot admit and still answers 200."""
+    dropped = [o for o in outs if o.ok and o.completion_tokens == 0]
+    short = [o for o in outs if o.ok and o.completion_tokens != 0 and o.prompt_tokens is not None
+             and o.prompt_tokens != prompt_len]
+    failed = [o for o in outs if not o.ok]
+    error = describe_failure(*failed[:1])
+    if short and error is None:
+        error = (f"the server counted {short[0].prompt_tokens:,} prompt tokens, not the "
+                 f"{prompt_len:,} sent")
+    ok = len(outs) - len(failed) - len(dropped) - len(short)
+    return Exercised(ok, len(outs), len(dropped), error)
+
+
+@dataclass(frozen=True, slots=True)
+class Exercised:
+    ok: int
+    total: int
+    dropped: int  # answered 200 without generating a token: the prompt never ran
+    error: str | None
+
+
+def describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:
+    for o in outcomes:
+        if not o.ok:
+            return f"HTTP {o.status}: {o.error}" if o.status else str(o.error)
+    return None

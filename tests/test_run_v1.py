@@ -140,3 +140,22 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in out.glob("launch-*")) == launches  # replayed, none run again
     assert json.loads(again.stdout)["final"] == json.loads(first.stdout)["final"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(["--engine", "vllm", "--card", "48"], "no 48 GB profile", id="card"),
+        pytest.param(["--engine", "bogus"], "choose one of: auto", id="engine"),
+        pytest.param(["--engine", "vllm", "--backend", "sim"], "keep --engine", id="both"),
+        pytest.param(["--engine", "vllm", "--model-use-gb", "50"], "--kv-cache-memory-bytes",
+                     id="r01-variable"),
+        pytest.param(["--engine", "vllm", "--max-num-seqs", "0"], "--max-num-seqs 0",
+                     id="seqs"),
+    ],
+)
+def test_bad_v1_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
+    proc = run_cli("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
+    assert proc.returncode == 2, proc.stderr
+    assert says in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

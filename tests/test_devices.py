@@ -133,6 +133,24 @@ def test_select_reader(tmp_path: Path) -> None:
     assert ascend.devices == frozenset({0, 1})
 
 
+def test_select_reader_cpu_budget_and_attach() -> None:
+    """On CPU the device is the budget imposed on the server: a reader only with a budget, and
+    it follows the launch it is attached to; a card reader ignores `attach`."""
+    from pretuner.devices.base import attach
+    from pretuner.devices.cpu import CpuBudgetReader
+
+    cpu = select_reader("cpu", {}, 1, budget_mib=2048)
+    assert isinstance(cpu, CpuBudgetReader)
+    assert cpu.sample() is None  # nothing attached: nothing of the server to read
+    attach(cpu, os.getpid())
+    assert cpu.session == os.getpid()
+    card = NvidiaSmiReader("nvidia-smi", None)
+    attach(card, 1)  # no hook: nothing happens
+    attach(None, 1)
+    with pytest.raises(ValueError, match="positive"):
+        CpuBudgetReader(0)
+
+
 def test_emulated_reader_reads_the_cuda_card_in_process(tmp_path: Path) -> None:
     from pretuner.sim.v1.memory import CUDA_PROFILES
     from pretuner.sim.v1.smi import publish

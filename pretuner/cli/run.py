@@ -85,6 +85,12 @@ def run_cmd(
         help="V1 engines: production's prefill step budget (default: the engine's, 8192 on "
         "vLLM).",
     ),
+    server_arg: list[str] = typer.Option(
+        [],
+        "--server-arg",
+        help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
+        "value is shell-split), e.g. --server-arg '--load-format dummy'.",
+    ),
     max_model_len: int | None = typer.Option(
         None,
         "--max-model-len",
@@ -171,6 +177,7 @@ def run_cmd(
         engine=engine,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        server_args=list(server_arg),
         card_gib=card,
         util=util,
         max_model_len=max_model_len,

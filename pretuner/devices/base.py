@@ -43,6 +43,14 @@ class DeviceReader(Protocol):
         ...
 
 
+def attach(reader: DeviceReader | None, pid: int) -> None:
+    """Tell a reader that measures the server's own processes (the CPU budget) which launch
+    to follow; a device reader (a card's total use) has no `attach` and needs none."""
+    hook = getattr(reader, "attach", None)
+    if callable(hook):
+        hook(pid)
+
+
 def keep(found: tuple[DeviceMemory, ...], devices: frozenset[int] | None) -> Sample | None:
     """The sample of the devices asked for (all when None); None when none of them is there."""
     chosen = tuple(d for d in found if devices is None or d.device in devices)

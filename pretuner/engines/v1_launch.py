@@ -59,7 +59,7 @@ def classify(v1: V1Log, ran: Exercised, failure: ServerFailedError | None) -> Ou
     if v1.failed_oom:
         if v1.ready and ran.total:
             return OutcomeKind.OOM_IN_REQUEST
-        return OutcomeKind.OOM_AT_START if v1.weights_gib is not None else OutcomeKind.OOM_WEIGHTS
+        return OutcomeKind.OOM_AT_START if v1.weights_loaded else OutcomeKind.OOM_WEIGHTS
     if failure is not None:
         return None
     if ran.dropped:

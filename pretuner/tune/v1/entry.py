@@ -12,7 +12,7 @@ from pretuner.devices import select_reader
 from pretuner.engines.base import Target
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.engines.vllm_v1 import ROWS, V1Engine, sim_profile
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args, sim_profile
 from pretuner.errors import BadInputError, PretunerError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
@@ -23,6 +23,7 @@ from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
+from pretuner.units import MIB
 
 if TYPE_CHECKING:
     from pretuner.tune.entry import RunOptions
@@ -63,6 +64,8 @@ def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
 def _card_gib(opts: RunOptions, engine: V1Engine, env: dict[str, str]) -> int:
     if opts.card_gib is not None or engine.simulated:
         return opts.card_gib or 80
+    if engine.row.default_card_gib is not None:  # a budgeted CPU "card": no device to read
+        return engine.row.default_card_gib
     reader = select_reader(engine.device_kind, {**os.environ, **env}, 1)
     sample = reader.sample() if reader is not None else None
     if sample is None:
@@ -71,10 +74,41 @@ def _card_gib(opts: RunOptions, engine: V1Engine, env: dict[str, str]) -> int:
     return round(min(d.total_mib for d in sample.devices) / 1024)
 
 
-def _check(opts: RunOptions) -> tuple[int, int]:
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def _server_env(model: str, simulated: bool) -> dict[str, str]:
+    """A local model folder needs no hub: the server is told so (no network call, no wait)."""
+    return {} if simulated or not Path(model).is_dir() else {"HF_HUB_OFFLINE": "1"}
+
+
+def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | None], ...]) -> None:
+    folder = Path(model)
+    if simulated or not folder.is_dir() or any(name == "--load-format" for name, _ in flags):
+        return
+    if not any(next(folder.glob(pattern), None) for pattern in WEIGHT_FILES):
+        raise BadInputError(f"the model folder {model} has no weights (no *.safetensors, *.bin)",
+                            hint="serve random weights of the config's shapes with "
+                            "--server-arg '--load-format dummy', or add the checkpoint")
+
+
+def _block_size(opts: RunOptions, row: V1Row) -> int:
+    """--block-size when given, else the engine's own (vLLM on CPU: 128, vllm-ascend: 128): the
+    KV arithmetic counts the engine's whole blocks, and forcing pretuner's 16 on an engine
+    whose kernels prefer another size would tune a configuration nobody runs."""
+    from dataclasses import fields
+
+    from pretuner.tune.entry import RunOptions
+
+    default = next(f.default for f in fields(RunOptions) if f.name == "block_size")
+    return row.default_block_size if opts.block_size == default else opts.block_size
+
+
+def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
     from pretuner import validate as v
 
-    seqs = opts.max_num_seqs if opts.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+    seqs = opts.max_num_seqs if opts.max_num_seqs is not None else (
+        row.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS)
     v.int_range("--max-num-seqs", seqs, 1, MAX_NUM_SEQS)
     if opts.max_num_batched_tokens is not None:
         v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
@@ -87,17 +121,22 @@ def _check(opts: RunOptions) -> tuple[int, int]:
 
 def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     opts.check()
-    seqs, batched = _check(opts)
-    spec = resolve(opts.model)
     row = ROWS[choice.name]
+    seqs, batched = _check(opts, row)
+    server_args = parse_server_args(opts.server_args)
+    _check_weights(opts.model, choice.simulated, server_args)
+    spec = resolve(opts.model)
     probe_engine = V1Engine(row, choice.simulated, choice.version)
     card = _card_gib(opts, probe_engine, {})
     sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
-    engine = V1Engine(row, choice.simulated, choice.version, sim_env)
-    max_len = opts.max_model_len or DEFAULT_MAX_MODEL_LEN
+    engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
+                      server_args=server_args,
+                      server_env=_server_env(opts.model, choice.simulated))
+    max_len = opts.max_model_len or row.default_max_model_len or DEFAULT_MAX_MODEL_LEN
+    block = _block_size(opts, row)
     p = plan(PlanConfig(model=spec, card_gib=card, util=opts.util, max_model_len=max_len,
                         tp=opts.tp, pp=opts.pp, kv_cache_dtype=opts.kv_cache_dtype,
-                        block_size=opts.block_size, weights_format=opts.weights_format))
+                        block_size=block, weights_format=opts.weights_format))
     if p.tp * p.pp > DEVICES_PER_NODE or opts.ray_address:
         raise BadInputError(
             f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
@@ -109,9 +148,9 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     cfg = V1Config(model=spec, card_gib=card, bytes_per_token=bpt, util=opts.util,
                    max_model_len=max_len, max_num_seqs=seqs,
                    max_num_batched_tokens=batched or row.default_batched_tokens,
-                   block_size=opts.block_size, tp=p.tp, pp=p.pp,
+                   block_size=block, tp=p.tp, pp=p.pp,
                    kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
-                   validate=opts.validate)
+                   validate=opts.validate, profile_prerun=row.profile_prerun or choice.simulated)
     model_arg = opts.model if Path(opts.model).exists() or engine.simulated \
         else (spec.hf_id or opts.model)
     served = spec.name
@@ -119,7 +158,9 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:
         return engine.command(settings, Target(model_arg, served, opts.host, port))
 
-    reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp)
+    budget = engine.budget_bytes(card)
+    reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
+                           budget_mib=budget // MIB if budget is not None else None)
     ctx = LaunchContext(build=build, served_name=served, host=opts.host,
                         ready_timeout_s=opts.ready_timeout_s,
                         request_timeout_s=opts.request_timeout_s,
@@ -131,7 +172,7 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
 def first_launch(setup: V1Setup) -> tuple[LaunchSettings, LaunchCommand]:
     """What `--dry-run` shows: the pre-run's settings and command."""
     tuner = V1Tuner(setup.cfg, _no_launch, lambda phase, detail: None)
-    s = tuner.settings(Purpose.PRERUN, setup.cfg.util, None)
+    s = tuner.settings(Purpose.PRERUN, setup.cfg.util, tuner.prerun_kv())
     return s, setup.ctx.build(s, 0)
 
 
@@ -157,7 +198,7 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
         engine_reason=choice.reason, simulated=choice.simulated, model=setup.spec.name,
         model_arg=setup.model_arg, card_gib=setup.cfg.card_gib,
         bytes_per_token=setup.cfg.bytes_per_token,
-        serve_command=tuple(setup.engine.base_command()),
+        serve_command=tuple(setup.engine.serve_command(setup.cfg.card_gib)),
         deployment=setup.engine.deploy(tuner.settings(Purpose.VALIDATE, opts.util, None)),
     )
     try:

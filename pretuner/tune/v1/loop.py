@@ -3,13 +3,18 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 
 1. pre-run with the production shape (max_model_len, max-num-seqs, max-num-batched-tokens) at
    a safe util, letting the engine profile; sample the device the whole time. When that util
-   leaves no KV for one max-length sequence, pre-run again with exactly that much pinned.
+   leaves no KV for one max-length sequence, pre-run again with exactly that much pinned. An
+   engine whose profiling does not see the card (vLLM on CPU under a memory budget) pins that
+   one sequence from the start.
 2. derive (`pretuner.pinned`): non-KV peak = device peak - KV held; pinned KV = device total -
    non-KV peak - margin. Without a device reader the engine's own profiled KV is pinned
    instead (no gain, said loudly), so that the result is still proven.
 3. validate with the worst case first (one max-length request alone, then as many concurrent
    max-length requests as the KV holds). An OOM at start-up or in a request backs off by the
-   allocation it names plus the margin, and validates again. Never report an unproven value.
+   allocation it names plus the margin, and validates again. When the allocation that failed
+   was the KV cache itself (a CPU budget refuses it whole), the failed launch's own peak,
+   sampled before it, is the non-KV figure to derive again from. Never report an unproven
+   value.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class V1Config:
     kv_cache_dtype: str = "auto"
     max_launches: int = 8
     validate: bool = True
+    profile_prerun: bool = True  # False: the pre-run pins one sequence's KV instead
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,10 +148,22 @@ class V1Tuner:
             return self.result(final, False, budget, measured_by, profiled, None)
         return self.validate(final, budget, measured_by, profiled)
 
+    def prerun_kv(self) -> int | None:
+        """The first pre-run's pinned KV: None lets the engine profile at util."""
+        c = self.cfg
+        if c.profile_prerun:
+            return None
+        return one_sequence_bytes(c.max_model_len, c.bytes_per_token, c.block_size)
+
     def prerun(self) -> LaunchOutcome:
         """The first launch that measured the production shape."""
         c = self.cfg
-        s = self.settings(Purpose.PRERUN, c.util, None)
+        s = self.settings(Purpose.PRERUN, c.util, self.prerun_kv())
+        if s.kv_cache_bytes is not None:
+            self.decide("pin one sequence",
+                        f"{c.model.name} on this engine: the pre-run pins "
+                        f"{s.kv_cache_bytes / MIB:.2f} MiB of KV (one {c.max_model_len:,}-token "
+                        "sequence) instead of profiling at a util", kv_cache_bytes=s.kv_cache_bytes)
         for _ in range(MAX_PRERUNS):
             o = self.launch(s)
             if o.kind is OutcomeKind.OK:
@@ -251,13 +269,29 @@ class V1Tuner:
                     f"{o.request_error or o.oom_text or 'see its log'}",
                     hint=f"log {o.log_path}", log_path=o.log_path,
                 )
-            kv = back_off_bytes(s.kv_cache_bytes or 0, o.oom_alloc_bytes, self.total_mib(o))
+            kv, how = self.back_off(s, o)
             self.decide("back off",
                         f"{o.kind.value} at {(s.kv_cache_bytes or 0) / GIB:.2f} GiB pinned "
-                        f"({o.oom_text or 'no allocation named'}); less by that allocation and "
-                        f"the margin: {kv / GIB:.2f} GiB", kv_cache_bytes=kv)
+                        f"({o.oom_text or 'no allocation named'}); {how}: {kv / GIB:.2f} GiB",
+                        kv_cache_bytes=kv)
             self.check_one_sequence(kv, "backing off leaves")
             s = replace(s, kv_cache_bytes=kv)
+
+    def back_off(self, s: LaunchSettings, o: LaunchOutcome) -> tuple[int, str]:
+        """The next pinned KV after an OOM, and why that much."""
+        kv_now = s.kv_cache_bytes or 0
+        total = self.total_mib(o)
+        alloc = o.oom_alloc_bytes
+        peak = max(o.device_peaks_mib.values(), default=None)
+        if alloc is not None and 2 * alloc >= kv_now and peak is not None:
+            # The KV cache itself was refused: nothing of it was held when the launch's peak
+            # was sampled, so that peak is all non-KV (this launch's own, not the pre-run's).
+            budget = derive_pinned(total, peak, 0, o.device_reader or "device")
+            kv = min(budget.kv_bytes, back_off_bytes(kv_now, 0, total))
+            return kv, (f"the KV cache itself was refused; derived again from this launch's "
+                        f"peak: {budget.lines()[1]}")
+        return (back_off_bytes(kv_now, alloc, total),
+                "less by that allocation and the margin")
 
     def proven(self, s: LaunchSettings, o: LaunchOutcome) -> str:
         kv = s.kv_cache_bytes or 0

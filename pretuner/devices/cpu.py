@@ -1,0 +1,86 @@
+"""The budgeted CPU "card": the worst process of the server, against an RLIMIT_DATA budget.
+
+A CPU engine has no device memory of its own; its "card" is the budget pretuner imposes on the
+server's processes with RLIMIT_DATA (`pretuner.launch.limit`), per process and inherited by
+every child (vLLM's API server, EngineCore and Worker). What that limit checks is each
+process's data segment, VmData in /proc/PID/status: the reader reports the largest VmData
+among the processes of the server's session as `used_mib`, and the budget as `total_mib`. An
+allocation that would take a process past the budget fails there and then (ENOMEM), so the
+sampled peak and the budget are measured in the same units as the limit that enforces it.
+
+The reader follows the launch it is attached to (`attach(pid)`): the server was started in a
+new session whose id is its pid, and every process it forks stays in that session.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pretuner.devices.base import DeviceMemory, DeviceReadError, Sample
+
+CPU_INTERVAL_S = 0.1  # a /proc walk per sample: 2 cores are shared with the server
+
+
+def session_of(stat: str) -> int | None:
+    """The session id in a /proc/PID/stat line (the comm field may hold spaces and ')')."""
+    rest = stat[stat.rfind(")") + 2:].split()
+    try:
+        return int(rest[3])  # state, ppid, pgrp, session
+    except (IndexError, ValueError):
+        return None
+
+
+def vm_data_kib(status: str) -> int | None:
+    """VmData from a /proc/PID/status text, KiB; None for a kernel thread or a zombie."""
+    for line in status.splitlines():
+        if line.startswith("VmData:"):
+            fields = line.split()
+            return int(fields[1]) if len(fields) >= 2 and fields[1].isdigit() else None
+    return None
+
+
+class CpuBudgetReader:
+    """The data segment of a launch's worst process, against the per-process budget."""
+
+    name = "vmdata"
+    interval_s = CPU_INTERVAL_S
+
+    def __init__(self, budget_mib: int, proc: Path = Path("/proc")) -> None:
+        if budget_mib <= 0:
+            raise ValueError(f"the CPU memory budget must be positive, got {budget_mib} MiB")
+        self.budget_mib = budget_mib
+        self.proc = proc
+        self.session: int | None = None
+
+    def attach(self, pid: int) -> None:
+        """Follow the processes of the session `pid` leads (a launch's server)."""
+        self.session = pid
+
+    def sample(self) -> Sample | None:
+        if self.session is None:
+            return None
+        try:
+            entries = os.listdir(self.proc)
+        except OSError as err:
+            raise DeviceReadError(f"cannot list {self.proc}: {err}") from err
+        worst_kib: int | None = None
+        for entry in entries:
+            if not entry.isdigit():
+                continue
+            kib = self._data_kib(self.proc / entry)
+            if kib is not None and (worst_kib is None or kib > worst_kib):
+                worst_kib = kib
+        if worst_kib is None:
+            return None  # the server is gone (or not yet started)
+        return Sample((DeviceMemory(0, worst_kib // 1024, self.budget_mib),))
+
+    def _data_kib(self, folder: Path) -> int | None:
+        try:
+            if session_of((folder / "stat").read_text(encoding="utf-8", errors="replace")) \
+                    != self.session:
+                return None
+            return vm_data_kib((folder / "status").read_text(encoding="utf-8",
+                                                              errors="replace"))
+        except OSError:  # the process exited between the listing and the read
+            return None

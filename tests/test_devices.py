@@ -12,17 +12,18 @@ import pytest
 from pretuner.devices import DeviceMemory, DeviceReadError, select_reader
 from pretuner.devices.emulated import EmulatedReader
 from pretuner.devices.npu_smi import NpuSmiReader, npu_memory
+from pretuner.devices.npu_table import parse_npu_smi
 from pretuner.devices.nvidia import (
     NvidiaSmiReader,
     parse_nvidia_smi_csv,
     parse_nvml_series,
     series_peaks,
 )
-from pretuner.launch.device import parse_npu_smi
 from pretuner.sim.memory import PROFILES
 from pretuner.sim.npusmi import CardUse, render, write_shim
+from tests.helpers import REAL_LOGS
 
-NVML_SERIES = Path("/work/shared/real-logs/vllm-0.24-h100/nvml-series.tsv")
+NVML_SERIES = REAL_LOGS / "vllm-0.24-h100" / "nvml-series.tsv"
 
 # `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`
 NVIDIA_SMI_CSV = "0, 76152, 81559\n1, 4, 81559\n2, [N/A], [N/A]\n"

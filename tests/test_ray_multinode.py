@@ -186,9 +186,9 @@ def test_validation_oom_on_the_second_node_is_gathered(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     from pretuner.cluster.session import ClusterPlan, ray_cluster
+    from pretuner.engines.outcome import OutcomeKind
     from pretuner.models import resolve
     from pretuner.tune.execute import LaunchContext, run_launch
-    from pretuner.tune.outcome import OutcomeKind
     from pretuner.tune.record import RunRecord
     from pretuner.tune.settings import (
         Backend,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.tune.outcome import LaunchOutcome
+from pretuner.engines.outcome import LaunchOutcome
 from tests.helpers import cli_env, run_cli
 
 pytestmark = pytest.mark.slow

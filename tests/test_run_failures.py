@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from pretuner.cli.run import error_json
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import BadInputError, InfeasibleError, ServerFailedError
 from pretuner.models import lookup
 from pretuner.plan import PlanConfig, plan
-from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 from pretuner.tune.settings import LaunchSettings, Purpose
 from tests.helpers import cli_env, run_cli

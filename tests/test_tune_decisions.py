@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
@@ -24,7 +25,6 @@ from pretuner.tune.backends import sim_profile
 from pretuner.tune.config import CardInfo, TuneConfig, TuneResult, kv_prerun_bytes
 from pretuner.tune.entry import RunOptions, tune_in_process
 from pretuner.tune.loop import Tuner
-from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 

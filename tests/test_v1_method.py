@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import pytest
 
+from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_launch import classify, concurrency
 from pretuner.engines.v1_log import read_v1_log
 from pretuner.errors import InfeasibleError, NotValidatedError
 from pretuner.models import resolve
 from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes, margin_mib
-from pretuner.tune.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.loop import V1Config, V1Tuner
 from pretuner.units import GIB, MIB

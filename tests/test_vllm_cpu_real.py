@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.registry import choose_engine
 from pretuner.engines.vllm_v1 import ROWS, engine_python
 from pretuner.errors import NotValidatedError
 from pretuner.pinned import margin_mib, one_sequence_bytes
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.loop import recorded_executor
-from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.entry import v1_setup

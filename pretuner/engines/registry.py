@@ -14,6 +14,7 @@ pretuner's own Python imports it or PRETUNER_VLLM_PYTHON names one: the install 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -38,9 +39,17 @@ class EngineChoice:
     python: str | None = None  # the interpreter of an engine that lives in its own venv
 
 
-def _version(*names: str) -> str | None:
-    from pretuner.tune.backends import installed_version
+def installed_version(*names: str) -> str | None:
+    """The version of the first of these distributions that is installed."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
+
+def _version(*names: str) -> str | None:
     return installed_version(*names)
 
 

@@ -15,18 +15,28 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from pretuner.engines.base import LaunchSettings, Phase, Purpose
+from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
 from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.process import read_tail
-from pretuner.tune.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 
-if TYPE_CHECKING:
-    from pretuner.tune.execute import LaunchContext, Phase
+
+class RequestContext(Protocol):
+    """What the exercise needs of the run's launch context (`tune.execute.LaunchContext`)."""
+
+    @property
+    def served_name(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+    @property
+    def decode_tokens(self) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +85,7 @@ class V1Hooks:
 
     bytes_per_token: int
 
-    def exercise(self, s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase,
+    def exercise(self, s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase,
                  log_path: Path) -> Exercised:
         if s.purpose is Purpose.PRERUN:
             plen = probe.max_length_prompt_len(s.max_model_len, 1)

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretuner.engines.base import Deployment, Family, Target
-from pretuner.tune.settings import LaunchCommand, LaunchSettings, server_kv_cache_dtype
+from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
+from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.units import GIB
 
 # The emulated CUDA cards, by --card size (pretuner.sim.v1 profiles).

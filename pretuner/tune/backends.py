@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import shutil
 import subprocess
@@ -10,6 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from pretuner.devices.npu_table import NpuCard, decode_output, parse_npu_processes, parse_npu_smi
+from pretuner.engines.registry import installed_version
 from pretuner.errors import BadInputError
 from pretuner.tune.loop import LEN_LADDER, CardInfo
 from pretuner.tune.settings import Backend
@@ -48,16 +48,6 @@ class BackendChoice:
     simulated: bool
     engine_version: str | None
     reason: str
-
-
-def installed_version(*names: str) -> str | None:
-    """The version of the first of these distributions that is installed."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def engine_version() -> str | None:

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pretuner.devices.npu_table import NpuProcess
+from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, PlanResult, plan
 from pretuner.tune import budget as bud
-from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB
 

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import (
     CardBusyError,
     InfeasibleError,
@@ -31,7 +32,6 @@ from pretuner.tune.config import (
 )
 from pretuner.tune.crash import DeviceBusyRefusal
 from pretuner.tune.execute import Phase
-from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.search import (
     Budget,
     WaModel,

@@ -11,7 +11,7 @@ from pretuner.errors import CardBusyError, ServerFailedError
 from pretuner.launch.process import read_tail
 
 if TYPE_CHECKING:
-    from pretuner.tune.outcome import LaunchOutcome
+    from pretuner.engines.outcome import LaunchOutcome
 
 
 class DeviceBusyRefusal(CardBusyError):

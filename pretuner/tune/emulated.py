@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pretuner.engines.mindspore_r01 import outcome_of
+from pretuner.engines.outcome import LaunchOutcome, tally, workload
 from pretuner.errors import ServerFailedError
 from pretuner.launch.collect import rank_peaks
 from pretuner.launch.probe import CompletionOutcome
@@ -21,7 +22,6 @@ from pretuner.launch.process import read_tail
 from pretuner.logscan import scan_paths
 from pretuner.logscan.lines import DeviceMemoryInit, parse_line
 from pretuner.sim import inproc
-from pretuner.tune.outcome import LaunchOutcome, tally, workload
 from pretuner.tune.settings import SIM_COMMAND, LaunchCommand, LaunchSettings
 
 DECODE_TOKENS = 16

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pretuner import __version__
 from pretuner.devices import select_reader
 from pretuner.engines.base import Family
+from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
@@ -36,7 +37,6 @@ from pretuner.tune.loop import (
     recorded_executor,
 )
 from pretuner.tune.options import check_run_options, options_from_json
-from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.ownership import (
     check_no_orphans,
     claim_new_folder,

@@ -17,20 +17,20 @@ from typing import Protocol
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
 from pretuner.engines.mindspore_r01 import outcome_of
-from pretuner.errors import ServerFailedError
-from pretuner.launch import probe
-from pretuner.launch.process import ServerProcess
-from pretuner.launch.sampler import MemorySampler, Sampled
-from pretuner.logscan import Located, OomEvent, OomKind
-from pretuner.logscan.lines import DeviceMemoryInit
-from pretuner.tune.collect import CollectorFactory, LocalCollector
-from pretuner.tune.crash import device_busy
-from pretuner.tune.outcome import (
+from pretuner.engines.outcome import (
     Exercised,
     LaunchOutcome,
     tally,
     workload,
 )
+from pretuner.errors import ServerFailedError
+from pretuner.launch import probe
+from pretuner.launch.collect import CollectorFactory, LocalCollector
+from pretuner.launch.process import ServerProcess
+from pretuner.launch.sampler import MemorySampler, Sampled
+from pretuner.logscan import Located, OomEvent, OomKind
+from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.tune.crash import device_busy
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pretuner.engines.outcome import LaunchOutcome
 from pretuner.tune.config import (
     LEN_LADDER,
     CardInfo,
@@ -26,7 +27,6 @@ from pretuner.tune.config import (
     prerun_util,
 )
 from pretuner.tune.execute import LaunchContext, Phase, run_launch
-from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.prerun import PrerunSearch
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchSettings

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
@@ -17,7 +18,6 @@ from pretuner.tune.config import (
 )
 from pretuner.tune.core import TunerCore
 from pretuner.tune.crash import crash_error
-from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.search import (
     Bound,
     Measured,

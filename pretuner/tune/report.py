@@ -12,6 +12,7 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.derivation_text import derivation_lines
+from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.plan import PlanResult
 from pretuner.presets.model import preset_from_report
@@ -19,7 +20,6 @@ from pretuner.redact import one_line, redact_argv
 from pretuner.scripts.context import ScriptOptions, Target
 from pretuner.scripts.render import render_scripts
 from pretuner.tune.loop import TuneResult
-from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.settings import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.units import GIB
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
@@ -23,7 +24,6 @@ from pretuner.tune.config import (
 )
 from pretuner.tune.core import TunerCore
 from pretuner.tune.crash import crash_error
-from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 

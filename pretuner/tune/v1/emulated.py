@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from pretuner.engines.outcome import LaunchOutcome, tally
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
 from pretuner.engines.vllm_v1 import SIM_COMMAND
 from pretuner.launch import probe
 from pretuner.launch.probe import CompletionOutcome
-from pretuner.tune.outcome import LaunchOutcome, tally
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 
 DECODE_TOKENS = 16

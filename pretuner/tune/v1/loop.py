@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models.spec import ModelSpec
 from pretuner.pinned import (
@@ -35,7 +36,6 @@ from pretuner.pinned import (
     margin_mib,
     one_sequence_bytes,
 )
-from pretuner.tune.outcome import LaunchOutcome, OutcomeKind
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 

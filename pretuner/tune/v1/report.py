@@ -10,9 +10,9 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.engines.base import Deployment
+from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import PretunerError, ServerFailedError
 from pretuner.templating import render_template
-from pretuner.tune.outcome import LaunchOutcome
 from pretuner.tune.report import step_json
 from pretuner.tune.v1.loop import V1Result
 from pretuner.units import GIB

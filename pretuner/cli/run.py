@@ -63,7 +63,12 @@ def run_cmd(
     model: str | None = typer.Option(
         None, "--model", "-m", help="Registry name, alias, or model path the server loads."
     ),
-    card: int | None = typer.Option(None, "--card", help="Card GiB (default: from npu-smi)."),
+    card: int | None = typer.Option(
+        None,
+        "--card",
+        help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
+        "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
+    ),
     backend: str = typer.Option(
         "auto",
         "--backend",
@@ -77,7 +82,9 @@ def run_cmd(
         "without its stack or devices the emulated vLLM server runs (simulated figures).",
     ),
     max_num_seqs: int | None = typer.Option(
-        None, "--max-num-seqs", help="V1 engines: production's max-num-seqs (default 256)."
+        None,
+        "--max-num-seqs",
+        help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
     ),
     max_num_batched_tokens: int | None = typer.Option(
         None,

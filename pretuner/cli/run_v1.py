@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import shlex
+from typing import Any
 
 from pretuner.cli.render import table
+from pretuner.engines.base import LaunchSettings
 from pretuner.engines.registry import choose_engine
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import V1RunOutcome, first_launch, v1_setup
@@ -21,14 +23,26 @@ def render_v1_dry_run(opts: RunOptions) -> str:
         f"engine: {setup.choice.name} ({setup.choice.reason})",
         f"layout: {setup.layout_reason}",
         f"device reader: {setup.ctx.device_reader.name if setup.ctx.device_reader else 'none'}",
-        f"pre-run: util {settings.util:g} (the engine profiles), max_model_len "
-        f"{settings.max_model_len:,}, max-num-seqs {settings.max_num_seqs}, "
+        f"pre-run: {_prerun_kv(settings)}, max_model_len {settings.max_model_len:,}, "
+        f"max-num-seqs {settings.max_num_seqs}, "
         f"max-num-batched-tokens {settings.max_num_batched_tokens:,}",
         "first launch:",
         "  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items()),
         "  " + shlex.join(cmd.argv),
     ]
     return "\n".join(lines)
+
+
+def _device(rep: dict[str, Any]) -> str:
+    if rep.get("device_kind") == "cpu":
+        return f"a {rep['card_gib']} GiB memory budget (RLIMIT_DATA on every server process)"
+    return f"{rep['card_gib']} GB device(s)"
+
+
+def _prerun_kv(s: LaunchSettings) -> str:
+    if s.kv_cache_bytes is None:
+        return f"util {s.util:g} (the engine profiles)"
+    return f"{s.kv_cache_bytes / 2**20:,.2f} MiB of KV pinned (one max-length sequence)"
 
 
 def render_v1_summary(o: V1RunOutcome) -> str:
@@ -38,7 +52,7 @@ def render_v1_summary(o: V1RunOutcome) -> str:
     lines = [V1_SIM_BANNER] if rep["simulated"] else []
     status = "VALIDATED under the worst-case load" if rep["validated"] else "NOT VALIDATED"
     lines += [
-        f"{rep['model']} on {rep['engine']}, {rep['card_gib']} GB device(s), TP{rep['tp']} x "
+        f"{rep['model']} on {rep['engine']}, {_device(rep)}, TP{rep['tp']} x "
         f"PP{rep['pp']}: {status} after {rep['launches']} launch(es)",
         "",
     ]

@@ -199,6 +199,7 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
         model_arg=setup.model_arg, card_gib=setup.cfg.card_gib,
         bytes_per_token=setup.cfg.bytes_per_token,
         serve_command=tuple(setup.engine.serve_command(setup.cfg.card_gib)),
+        device_kind=setup.engine.device_kind,
         deployment=setup.engine.deploy(tuner.settings(Purpose.VALIDATE, opts.util, None)),
     )
     try:

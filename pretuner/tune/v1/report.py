@@ -34,6 +34,7 @@ class V1Meta:
     bytes_per_token: int
     serve_command: tuple[str, ...]  # the server command before the model
     deployment: Deployment
+    device_kind: str = "cuda"  # "cpu": --card is a memory budget, not a device
 
 
 def report_json(r: V1Result, m: V1Meta) -> dict[str, Any]:
@@ -53,6 +54,7 @@ def report_json(r: V1Result, m: V1Meta) -> dict[str, Any]:
         "model": m.model,
         "model_arg": m.model_arg,
         "card_gib": m.card_gib,
+        "device_kind": m.device_kind,
         "tp": f.tp,
         "pp": f.pp,
         "validated": r.validated,
@@ -68,6 +70,7 @@ def report_json(r: V1Result, m: V1Meta) -> dict[str, Any]:
             "max_num_batched_tokens": f.max_num_batched_tokens,
             "flags": m.deployment.argv(),
             "env": m.deployment.env,
+            "notes": list(m.deployment.notes),
             "serve_command": [*m.serve_command, m.model_arg, *m.deployment.argv()],
             "engine_serve_command": real_command(m) if m.simulated else None,
         },
@@ -111,9 +114,9 @@ def report_md(rep: dict[str, Any]) -> str:
     lines += [
         f"- engine: {rep['engine']} ({rep['engine_reason']})",
         f"- model: {rep['model']} (`{rep['model_arg']}`), TP{rep['tp']} x PP{rep['pp']}, "
-        f"{rep['card_gib']} GB device(s)",
-        f"- method: pre-run with the production shape (the engine profiling), device "
-        f"memory sampled ({rep['measured_by']}), KV pinned with --kv-cache-memory-bytes",
+        + device_words(rep),
+        f"- method: pre-run with the production shape, memory sampled ({rep['measured_by']}), "
+        "KV pinned with --kv-cache-memory-bytes",
         "",
         "## Result",
         "",
@@ -149,6 +152,7 @@ def report_md(rep: dict[str, Any]) -> str:
     lines += ["", "## Decisions", ""]
     lines += [f"- {d['decision']}: {d['detail']}" for d in rep["decisions"]]
     lines += ["", "## Start production", "", "```sh", "./serve.sh", "```", ""]
+    lines += [f"- {note}" for note in f.get("notes", [])] + ([""] if f.get("notes") else [])
     if f.get("engine_serve_command"):
         lines += ["The figures above are simulated. With the real engine and a real device, the "
                   "same flags are (run `pretuner run` there to measure and prove them):", "",
@@ -156,10 +160,17 @@ def report_md(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def device_words(rep: dict[str, Any]) -> str:
+    if rep.get("device_kind") == "cpu":
+        return (f"a {rep['card_gib']} GiB memory budget (RLIMIT_DATA on every server process; "
+                "vLLM on CPU has no device)")
+    return f"{rep['card_gib']} GB device(s)"
+
+
 def _header(rep: dict[str, Any]) -> list[str]:
     status = "validated under the worst-case load" if rep["validated"] else "NOT validated"
     head = [f"pretuner {rep['pretuner_version']} run {rep['run_id']}: {status}",
-            f"{rep['engine']}: {rep['model']} on {rep['card_gib']} GB, "
+            f"{rep['engine']}: {rep['model']} on {device_words(rep)}, "
             f"KV pinned at {rep['final']['kv_cache_gib']:.2f} GiB"]
     if rep["simulated"]:
         head.append(SIM_NOTE)
@@ -179,9 +190,10 @@ def vllm_config(rep: dict[str, Any]) -> str:
     i = 0
     while i < len(flags):
         key = flags[i].removeprefix("--").replace("-", "_")
-        value: Any = flags[i + 1] if i + 1 < len(flags) else True
+        takes_value = i + 1 < len(flags) and not flags[i + 1].startswith("--")
+        value: Any = flags[i + 1] if takes_value else True  # `--enforce-eager` alone: a switch
         config[key] = int(value) if isinstance(value, str) and value.isdigit() else value
-        i += 2
+        i += 2 if takes_value else 1
     return render_template("vllm-config.yaml.j2", {"header": _header(rep), "config": config})
 
 

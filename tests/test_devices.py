@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,45 @@ def test_emulated_nvidia_smi_csv_parses(tmp_path: Path, fmt: str,
         assert len(gpus) == 8
     assert main([]) == 0
     assert "76152MiB / 81559MiB" in capsys.readouterr().out
+
+
+class _FakeNvml:
+    """The slice of pynvml the reader uses, over fixed figures (bytes, as NVML reports)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, used_total_mib: list[tuple[int, int]], fail: bool = False) -> None:
+        self.cards = used_total_mib
+        self.fail = fail
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802 - pynvml's names
+        return len(self.cards)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> object:  # noqa: N802
+        if self.fail:
+            raise self.NVMLError("GPU is lost")
+        used, total = self.cards[handle]
+        return types.SimpleNamespace(used=used * 2**20, total=total * 2**20, free=0)
+
+
+def test_nvml_reader_reads_the_devices_asked_for() -> None:
+    from pretuner.devices.nvidia import NvmlReader
+
+    reader = NvmlReader(_FakeNvml([(480, 81559), (76152, 81559), (1000, 81559)]),
+                        frozenset({1, 7}))
+    sample = reader.sample()
+    assert sample is not None
+    assert [(d.device, d.used_mib, d.total_mib) for d in sample.devices] == [(1, 76152, 81559)]
+
+
+def test_nvml_reader_errors_become_device_read_errors() -> None:
+    from pretuner.devices.base import DeviceReadError
+    from pretuner.devices.nvidia import NvmlReader
+
+    reader = NvmlReader(_FakeNvml([(480, 81559)], fail=True))
+    with pytest.raises(DeviceReadError, match="GPU is lost"):
+        reader.sample()

@@ -49,6 +49,10 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(tmp_path: Path) -> None:
     assert f"--kv-cache-memory-bytes {kv}" in serve
     assert "ASCEND_TOTAL_MEMORY_GB" not in serve
     assert "vLLM_MODEL_MEMORY_USE_GB" not in serve
+    unit = (out / "pretuner-serve.service").read_text()
+    assert "EnvironmentFile=/etc/pretuner/tuned.env" in unit
+    assert f"--kv-cache-memory-bytes {kv}" in unit
+    assert "vLLM_MODEL_MEMORY_USE_GB" not in unit
     config = (out / "vllm-config.yaml").read_text()
     assert f"kv_cache_memory_bytes: {kv}" in config
     md = (out / "report.md").read_text()

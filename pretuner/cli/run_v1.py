@@ -80,5 +80,6 @@ def render_v1_summary(o: V1RunOutcome) -> str:
     if f.get("engine_serve_command"):
         lines.append(f"with the real engine (to be measured there): "
                      f"{shlex.join(f['engine_serve_command'])}")
-    lines += ["", f"run record: {o.record}  (report.md, serve.sh, vllm-config.yaml, tuned.env)"]
+    lines += ["", f"run record: {o.record}  (report.md, serve.sh, vllm-config.yaml, tuned.env, "
+              "pretuner-serve.service)"]
     return "\n".join(lines)

@@ -220,6 +220,7 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
     record.write("serve.sh", v1report.serve_sh(rep), executable=True)
     record.write("vllm-config.yaml", v1report.vllm_config(rep))
     record.write("tuned.env", v1report.tuned_env(rep))
+    record.write("pretuner-serve.service", v1report.systemd_unit(rep))
     record.append("run_finished", validated=result.validated)
     return V1RunOutcome(record.path, rep, result, choice)
 

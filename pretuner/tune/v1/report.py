@@ -241,3 +241,13 @@ def step(o: LaunchOutcome) -> dict[str, Any]:
     return step_json(o) | {"kv_tokens": o.kv_tokens, "kv_gib": o.kv_gib,
                            "device_total_mib": o.device_total_mib,
                            "oom_alloc_bytes": o.oom_alloc_bytes}
+
+
+def systemd_unit(rep: dict[str, Any], install_dir: str = "/etc/pretuner") -> str:
+    """A systemd unit that starts the run's server command with tuned.env."""
+    return render_template("systemd.service.j2", {
+        "header": _header(rep),
+        "env_path": f"{install_dir}/tuned.env",
+        "unit_description": f"{rep['engine']} serving {rep['model']} (tuned by pretuner)",
+        "argv": rep["final"]["serve_command"],
+    })

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ from pretuner.tune.loop import (
     prerun_util,
     recorded_executor,
 )
-from pretuner.tune.options import check_run_options, options_from_json
+from pretuner.tune.options import RunOptions as RunOptions
 from pretuner.tune.ownership import (
     check_no_orphans,
     claim_new_folder,
@@ -69,58 +69,6 @@ DEVICE_KINDS = {
     Backend.MINDSPORE_CPU: "cpu",
 }
 NO_READER = "no device memory reader here: measuring from the logs only"
-
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    """Everything `pretuner run` was asked; journaled so that --resume rebuilds the same run."""
-
-    model: str
-    backend: str = "auto"
-    engine: str = "auto"  # auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore | ...
-    card_gib: int | None = None
-    util: float = 0.9
-    max_model_len: int | None = None  # default: the backend's (lengths_for)
-    min_model_len: int | None = None
-    tp: int | None = None
-    pp: int = 1
-    nodes: int | None = None
-    block_size: int = 16
-    kv_cache_dtype: str = "auto"
-    weights_format: str | None = None
-    headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
-    reserve_gib: float | None = None
-    max_launches: int = 8
-    validate: bool = True
-    model_use_gib: int | None = None
-    serve_cmd: str | None = None
-    runs_dir: str = "runs"
-    out: str | None = None
-    seed: int = 0
-    host: str = "127.0.0.1"
-    ready_timeout_s: float = 1800.0
-    request_timeout_s: float = 900.0
-    stop_grace_s: float = 120.0
-    sim_env: dict[str, str] = field(default_factory=dict)
-    ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
-    max_num_seqs: int | None = None  # V1 engines: the production's (default vLLM's 256)
-    max_num_batched_tokens: int | None = None  # V1 engines: default the engine's
-    # V1 engines: more server flags, launched and written to serve.sh as given
-    # (["--load-format dummy"]: each value is shell-split).
-    server_args: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Any, made_by: str | None = None) -> RunOptions:
-        """The options a journal recorded, refused with the key at fault (another version's run,
-        a hand edit) instead of a traceback."""
-        return options_from_json(cls, data, made_by)
-
-    def check(self) -> None:
-        """Refuse every bad value before a launch or a run folder (the rules live in validate)."""
-        check_run_options(self)
 
 
 @dataclass(frozen=True, slots=True)

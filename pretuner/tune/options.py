@@ -1,18 +1,16 @@
-"""The checks behind `RunOptions.check()` and `RunOptions.from_json()`: one place for the rules
+"""`RunOptions`, everything `pretuner run` was asked, and its checks: one place for the rules
 every way into `pretuner run` meets (flags, a library call, a journal read back by --resume)."""
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
 
 from pretuner import validate as v
 from pretuner.errors import BadInputError
 from pretuner.kvmath import KV_DTYPES
-
-if TYPE_CHECKING:
-    from pretuner.tune.entry import RunOptions
 
 T = TypeVar("T")
 
@@ -103,3 +101,55 @@ def options_from_json(cls: type[T], data: Any, made_by: str | None) -> T:
                 hint=f"the run was made by {who} or edited: start a new run",
             )
     return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    """Everything `pretuner run` was asked; journaled so that --resume rebuilds the same run."""
+
+    model: str
+    backend: str = "auto"
+    engine: str = "auto"  # auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore | ...
+    card_gib: int | None = None
+    util: float = 0.9
+    max_model_len: int | None = None  # default: the backend's (lengths_for)
+    min_model_len: int | None = None
+    tp: int | None = None
+    pp: int = 1
+    nodes: int | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    weights_format: str | None = None
+    headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
+    reserve_gib: float | None = None
+    max_launches: int = 8
+    validate: bool = True
+    model_use_gib: int | None = None
+    serve_cmd: str | None = None
+    runs_dir: str = "runs"
+    out: str | None = None
+    seed: int = 0
+    host: str = "127.0.0.1"
+    ready_timeout_s: float = 1800.0
+    request_timeout_s: float = 900.0
+    stop_grace_s: float = 120.0
+    sim_env: dict[str, str] = field(default_factory=dict)
+    ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
+    max_num_seqs: int | None = None  # V1 engines: the production's (default vLLM's 256)
+    max_num_batched_tokens: int | None = None  # V1 engines: default the engine's
+    # V1 engines: more server flags, launched and written to serve.sh as given
+    # (["--load-format dummy"]: each value is shell-split).
+    server_args: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any, made_by: str | None = None) -> RunOptions:
+        """The options a journal recorded, refused with the key at fault (another version's run,
+        a hand edit) instead of a traceback."""
+        return options_from_json(cls, data, made_by)
+
+    def check(self) -> None:
+        """Refuse every bad value before a launch or a run folder (the rules live in validate)."""
+        check_run_options(self)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from pretuner.cli import app
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import normalize_argv
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, Request
 from pretuner.sim.launcher import DEFAULT_ENTRY, child_argv
 from pretuner.sim.logs import PoolStats, RankLog, VllmLog, ms_prefix, pool_dump, vllm_prefix
@@ -22,7 +23,6 @@ from pretuner.sim.npusmi import CardUse, render
 from pretuner.sim.serve import (
     StartupFailed,
     UsageError,
-    normalize_argv,
     parse,
     verify_vllm_config,
 )

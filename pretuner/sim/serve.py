@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, TextIO
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import normalize_argv
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog, glog_level
@@ -141,17 +142,6 @@ def _bool_arg(raw: str) -> bool:
     if lowered in ("0", "false", "no"):
         return False
     raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
-
-
-def normalize_argv(argv: Sequence[str]) -> list[str]:
-    """vLLM's FlexibleArgumentParser: `--max_model_len` is `--max-model-len`."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
-        out.append(arg)
-    return out
 
 
 @dataclass(frozen=True, slots=True)

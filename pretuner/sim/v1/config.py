@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pretuner.sim.argv import normalize_argv
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, DEFAULT_SEED
 
 DEFAULT_STARTUP_S = 1.0
@@ -41,16 +42,6 @@ def human_bytes(raw: str) -> int:
     number, unit = m.groups()
     base = 1000 if unit.islower() else 1024
     return int(float(number) * base ** _POWERS[unit.lower()])
-
-
-def normalize(argv: Sequence[str]) -> list[str]:
-    out = []
-    for arg in argv:
-        if arg.startswith("--"):
-            name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
-        out.append(arg)
-    return out
 
 
 def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
@@ -150,7 +141,7 @@ def _non_default(ns: argparse.Namespace, model: str,
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
     """argv after `vllm serve` + environment -> config; UsageError for what argparse accepts
     but the emulator cannot run."""
-    args = normalize(argv)
+    args = normalize_argv(argv)
     ns, unknown = build_parser().parse_known_args(args)
     model = ns.model or ns.model_tag
     if not model:

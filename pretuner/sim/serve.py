@@ -23,14 +23,12 @@ import argparse
 import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
 from pretuner.errors import PretunerError
@@ -42,6 +40,7 @@ from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.state import state_dir
 from pretuner.sim.truth import max_safe_kv
+from pretuner.stopflag import StopFlag
 from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
@@ -373,7 +372,7 @@ class Server:
         self.cfg = cfg
         self.stream = stream  # where every line goes (stderr unless run in-process)
         self.vlog = VllmLog(stream)
-        self.stop = threading.Event()
+        self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
         self.ranks: list[_Rank] = []
         self.pools: list[RankPool] = []
@@ -388,9 +387,6 @@ class Server:
     def _sleep(self, seconds: float) -> bool:
         """Sleep unless a stop signal comes; True when stopped."""
         return self.stop.wait(seconds)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.stop.set()
 
     def _node_log_dir(self, node: int) -> Path | None:
         env = self.cfg.env
@@ -448,8 +444,7 @@ class Server:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self.stop.install()
         try:
             return self._run()
         finally:
@@ -715,8 +710,7 @@ class Server:
             raise StartupFailed("ConnectionError", err.message, _WHERE_RAY) from None
         # Ray's core installs its own SIGTERM handler (it dies at once, printing nothing);
         # vLLM's uvicorn installs its handlers after Ray starts, and so does the emulator.
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self.stop.install()
         remote.watch(lambda why: self.crashed.set())
         self.vlog.info("ray_gpu_executor.py:221", "Ray ranks: " + remote.placement.describe())
         return remote

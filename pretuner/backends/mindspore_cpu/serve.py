@@ -13,13 +13,11 @@ Exit codes: 0 after a graceful stop, 1 on a startup error or an engine crash (OO
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING
 
 from pretuner.backends.mindspore_cpu import card
@@ -40,6 +38,7 @@ from pretuner.sim.serve import (
     traceback_text,
     verify_vllm_config,
 )
+from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:
     from pretuner.backends.mindspore_cpu.engine import MsEngine
@@ -54,16 +53,12 @@ class Server:
     def __init__(self, cfg: ServeConfig) -> None:
         self.cfg = cfg
         self.vlog = VllmLog()
-        self.stop = threading.Event()
+        self.stop = StopFlag()
         self.crashed = threading.Event()
         self.engine: MsEngine | None = None
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.stop.set()
-
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self.stop.install()
         try:
             server = self._start()
         except StartupFailed as err:

@@ -10,13 +10,11 @@ it publishes its memory per GPU in the state dir and holds every level it passes
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import boot
@@ -25,6 +23,7 @@ from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.smi import others_bytes, publish
+from pretuner.stopflag import StopFlag
 
 HOLD_S = 0.1  # every published level lasts at least this long
 CORE_PID_OFFSET = 69  # the real EngineCore is a child process: a made-up pid beside ours
@@ -54,7 +53,7 @@ class _Publisher:
     """The boot Sink of the subprocess server: publishes, holds, sleeps, honours a stop."""
 
     def __init__(self, log: L.V1Log, state: Path, devices: list[int],
-                 stop: threading.Event) -> None:
+                 stop: StopFlag) -> None:
         self.log = log
         self.state = state
         self.devices = devices
@@ -85,18 +84,12 @@ class Server:
         from pretuner.sim.state import state_dir
 
         self.cfg = cfg
-        self.stop = threading.Event()
+        self.stop = StopFlag()
         self.log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET)
         self.state = state_dir(cfg.env)
-        self.signal_name = "SIGTERM"
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.signal_name = signal.Signals(signum).name
-        self.stop.set()
 
     def run(self) -> int:
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
+        self.stop.install()
         devices = devices_for(self.cfg)
         if devices is None:
             self.log.raw(L.API, ["Traceback (most recent call last):", "ValueError: The number "
@@ -140,7 +133,7 @@ class Server:
         return http
 
     def _shutdown(self, http: V1HTTPServer, engine: Engine) -> None:
-        print_shutdown(self.log, self.signal_name)
+        print_shutdown(self.log, self.stop.signal_name or "SIGTERM")
         engine.stop()
         http.shutdown()
         http.server_close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,20 @@ def test_missing_path_exits_2(tmp_path: Path) -> None:
     done = scan(str(tmp_path / "absent.log"))
     assert done.returncode == 2
     assert "absent.log" in done.stderr
+
+
+def test_a_folder_walk_leaves_documents_and_records_out(tmp_path: Path) -> None:
+    """A run folder or a log folder with a README: only the logs are read."""
+    oom = (FIXTURES / "ms_cpu_oom.log").read_text()
+    (tmp_path / "README.md").write_text("An example of what to look for:\n" + oom)
+    (tmp_path / "report.json").write_text(json.dumps({"tail": oom}))
+    shutil.copy(FIXTURES / "ms_cpu_exit.log", tmp_path / "server.log")
+    done = scan(str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["oom"] == []
+    assert doc["worst_actual_peak_mib"] is not None
+    assert [Path(f).name for f in doc["files"]] == ["server.log"]
+    # Named on its own, a file is read whatever its name.
+    named = json.loads(scan(str(tmp_path / "README.md"), "--json").stdout)
+    assert len(named["oom"]) == 1

@@ -31,11 +31,25 @@ def rank_from_path(path: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+# Suffixes of what sits beside logs but is never one: docs, records, scripts, data, pictures.
+NOT_LOGS = frozenset({
+    ".md", ".rst", ".html", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".py", ".sh", ".env",
+    ".service", ".csv", ".tsv", ".png", ".jpg", ".svg", ".pdf", ".lock",
+})  # fmt: skip
+
+
+def not_a_log(name: str) -> bool:
+    """A file a folder walk leaves out: its suffix says it is a document, a record or data."""
+    return os.path.splitext(name)[1].lower() in NOT_LOGS
+
+
 def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
     """Every regular file under the given paths, once each: (path, None) or (path, problem).
 
     Directories are walked recursively without following links; a symlink (like MindSpore's
     `mindspore.INFO` pointing to the newest log) is skipped when its target is already listed.
+    In a walked directory, documents and records that are not logs (`NOT_LOGS`: README.md, a
+    run's report.json, serve.sh...) are left out; a file named on its own is always read.
     """
     seen: set[tuple[int, int]] = set()
     pending: list[str] = []
@@ -46,6 +60,8 @@ def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
             for root, dirs, names in os.walk(text):
                 dirs.sort()
                 for name in sorted(names):
+                    if not_a_log(name):
+                        continue
                     full = os.path.join(root, name)
                     (links if os.path.islink(full) else pending).append(full)
         else:
@@ -63,4 +79,4 @@ def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
         yield full, None
 
 
-__all__ = ["Unreadable", "iter_log_files", "rank_from_path"]
+__all__ = ["NOT_LOGS", "Unreadable", "iter_log_files", "not_a_log", "rank_from_path"]

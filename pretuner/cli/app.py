@@ -6,6 +6,7 @@ import logging
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import typer
 
@@ -56,6 +57,49 @@ def fail(message: str, code: ExitCode) -> None:
     raise SystemExit(int(code))
 
 
+GLOBAL_FLAGS = ("--debug", "--verbose", "-v")
+
+
+def hoist_global_flags(argv: list[str]) -> list[str]:
+    """`pretuner run ... --debug` read as `pretuner --debug run ...`: the global flags work
+    after the subcommand too. A token that is an option's value, anything after `--`, and the
+    emulated servers' own command lines (`pretuner sim ...`) are left where they are."""
+    # Typer may carry its own click: the commands are read by what they have, not their class.
+    cmd: Any = typer.main.get_command(app)
+    i = 0
+    while i < len(argv) and hasattr(cmd, "list_commands"):
+        if argv[i].startswith("-"):
+            i += 1
+            continue
+        sub = cmd.get_command(None, argv[i])
+        if sub is None or argv[i] == "sim":
+            return argv
+        cmd, i = sub, i + 1
+    takes_value = {
+        name for p in cmd.params if not getattr(p, "is_flag", True) and not p.count
+        for name in p.opts
+    }  # fmt: skip
+    own = {name for p in cmd.params for name in p.opts}
+    head = argv[:i]
+    rest: list[str] = []
+    moved: list[str] = []
+    j = i
+    while j < len(argv):
+        arg = argv[j]
+        if arg == "--":
+            rest += argv[j:]
+            break
+        if arg in takes_value:
+            rest += argv[j : j + 2]
+            j += 2
+            continue
+        (moved if arg in GLOBAL_FLAGS and arg not in own else rest).append(arg)
+        j += 1
+    if not moved:
+        return argv
+    return moved + head + rest
+
+
 def main() -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code.
 
@@ -64,7 +108,7 @@ def main() -> None:
     With --debug a `PretunerError` prints its traceback first and keeps its exit code.
     """
     try:
-        app()
+        app(args=hoist_global_flags(sys.argv[1:]))
     except RunInterrupted as err:
         typer.echo(f"pretuner: {err}", err=True)  # "interrupted; resume with: ..."
         raise SystemExit(int(err.exit_code)) from None

@@ -30,8 +30,11 @@ def shell_join(values: Iterable[object]) -> str:
 
 
 def yaml_scalar(value: object) -> str:
-    """A YAML scalar: numbers as they are, strings double-quoted (JSON strings are valid YAML)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """A YAML scalar: numbers and booleans as they are, strings double-quoted (JSON strings
+    are valid YAML); a switch (`enforce-eager: true`) is what `vllm serve --config` takes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if not isinstance(value, int | float):
         return json.dumps(str(value))
     return json.dumps(value)
 

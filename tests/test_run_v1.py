@@ -110,7 +110,8 @@ def test_in_process_and_subprocess_runs_decide_the_same(tmp_path: Path) -> None:
                                                                   rel=0.01)
 
 
-def test_a_v1_run_names_the_real_engine_command_and_is_no_r01_preset(tmp_path: Path) -> None:
+def test_a_v1_run_names_the_real_engine_command_and_becomes_a_pinned_preset(
+        tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
                    "--max-model-len", "8192", "--out", str(out), env=cli_env(**FAST_SIM))
@@ -120,9 +121,15 @@ def test_a_v1_run_names_the_real_engine_command_and_is_no_r01_preset(tmp_path: P
     assert real[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
     assert "--kv-cache-memory-bytes" in real
     assert "vllm serve Qwen/Qwen3-8B" in proc.stdout
-    add = run_cli("presets", "add", str(out), env=cli_env(**FAST_SIM))
-    assert add.returncode == 2
-    assert "V1 engine" in add.stderr
+    (tmp_path / "presets").mkdir()
+    add = run_cli("presets", "add", str(out), "--out", str(tmp_path / "presets"),
+                  env=cli_env(**FAST_SIM))
+    assert add.returncode == 0, add.stderr
+    (preset,) = (tmp_path / "presets").glob("*.json")
+    data = json.loads(preset.read_text())
+    assert data["kv_basis"] == "pinned"
+    assert data["kv_cache_memory_bytes"] == rep["final"]["kv_cache_memory_bytes"]
+    assert "vLLM_MODEL_MEMORY_USE_GB" not in data["env"]
 
 
 def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:

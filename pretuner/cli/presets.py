@@ -14,34 +14,57 @@ from pretuner.cli.render import echo_json, table
 from pretuner.cli.script import preset_from_run_dir
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
-from pretuner.presets import builtin_presets, check_preset, get_preset, preset_to_json
-from pretuner.presets.catalog import catalog_markdown, derivation_lines
+from pretuner.presets import (
+    all_presets,
+    builtin_presets,
+    check_preset,
+    preset_to_json,
+    resolve_preset,
+    user_presets_dir,
+)
+from pretuner.presets.catalog import catalog_markdown, derivation_lines, engine_words, kv_words
 
 presets_app = typer.Typer(help="Tuned presets with their provenance.", no_args_is_help=True)
 app.add_typer(presets_app, name="presets")
 
 
 @presets_app.command("list")
-def list_cmd() -> None:
+def list_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print every preset's JSON, as a list."),
+) -> None:
     """One line per preset."""
+    if as_json:
+        typer.echo(json.dumps([preset_to_json(p) for p in all_presets()], indent=2))
+        return
     rows = [
-        (p.name, p.kind.value, p.model, p.card_gib, f"TP{p.tp}xPP{p.pp}", f"{p.kv_tokens:,}")
-        for p in builtin_presets()
+        (
+            p.name,
+            p.kind.value,
+            p.model,
+            p.card_gib,
+            f"TP{p.tp}xPP{p.pp}",
+            engine_words(p),
+            kv_words(p),
+            f"{p.kv_tokens:,}",
+        )
+        for p in all_presets()
     ]
-    typer.echo(table(("preset", "kind", "model", "card GiB", "layout", "KV tokens/card"), rows))
+    head = ("preset", "kind", "model", "card GiB", "layout", "engine", "KV/card", "KV tokens/card")
+    typer.echo(table(head, rows))
 
 
 @presets_app.command("show")
 def show_cmd(
-    name: str = typer.Argument(..., help="Preset name."),
+    name: str = typer.Argument(..., help="Preset name, or a preset file (NAME.json)."),
     as_json: bool = typer.Option(False, "--json", help="Print the preset's JSON."),
 ) -> None:
     """A preset's configuration, source and derivation."""
-    p = get_preset(name)
+    p = resolve_preset(name)
     if as_json:
         echo_json(preset_to_json(p))
         return
     typer.echo(f"{p.name} ({p.kind.value}): {p.model} on {p.card_gib} GiB, TP{p.tp} x PP{p.pp}")
+    typer.echo(f"engine: {engine_words(p)}; KV cache {kv_words(p)} per card")
     typer.echo(f"source: {p.source}")
     typer.echo("\n".join(derivation_lines(p)))
 
@@ -50,20 +73,30 @@ def show_cmd(
 def add_cmd(
     run_dir: Path = typer.Argument(..., help="A finished run folder (report.json)."),
     name: str | None = typer.Option(None, "--name", help="Preset name (default: derived)."),
-    out: Path = typer.Option(
-        Path("pretuner/presets/data"), "--out", help="Folder of preset files to add it to."
+    out: Path | None = typer.Option(
+        None,
+        "--out",
+        help="Folder of preset files to add it to (default: your presets folder, "
+        "$PRETUNER_PRESETS_DIR or ~/.local/share/pretuner/presets; a checkout's "
+        "pretuner/presets/data to ship it).",
     ),
 ) -> None:
-    """Turn a run record into a preset file (then commit it and regenerate the docs)."""
+    """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
     p = preset_from_run_dir(run_dir)
     p = dataclasses.replace(p, name=name or p.name, date=datetime.date.today().isoformat())
     problems = check_preset(p)
     if problems:
         raise BadInputError(f"run record disagrees with the KV math: {problems[0]}")
+    if out is None:
+        if p.name in {q.name for q in all_presets()}:
+            raise BadInputError(f"a preset named {p.name!r} exists already",
+                                hint="pass --name NEW-NAME")
+        out = user_presets_dir()
+        out.mkdir(parents=True, exist_ok=True)
     path = write_atomic(
         Path(out) / f"{p.name}.json", json.dumps(preset_to_json(p), indent=2) + "\n"
     )
-    typer.echo(f"{path}  (next: pretuner presets docs --out docs/presets.md --overwrite)")
+    typer.echo(f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")
 
 
 @presets_app.command("docs")

@@ -9,8 +9,9 @@ import typer
 
 from pretuner import validate as v
 from pretuner.cli.app import app
+from pretuner.cli.render import echo_json
 from pretuner.errors import BadInputError
-from pretuner.presets import get_preset, preset_from_report
+from pretuner.presets import preset_from_report, resolve_preset
 from pretuner.presets.model import Preset
 from pretuner.scripts import ScriptOptions, Target, render_scripts, write_scripts
 from pretuner.scripts.given import GivenValues, preset_from_values
@@ -77,15 +78,29 @@ def values_from_flags(
     )
 
 
-@app.command("script")
+@app.command(
+    "script",
+    short_help="Write serve.sh, tuned.env, YAML, Ray and systemd files.",
+    epilog="""\b
+Examples:
+  pretuner script runs/<run> --out deploy/
+  pretuner script --preset <name> --target serve --target systemd
+  pretuner script --model qwen3-8b --card 64 --tp 1 --util 0.9 --model-use-gb 20 \\
+      --max-model-len 16384 --max-num-seqs 17 --max-num-batched-tokens 16384 --block-size 16""",
+)
 def script_cmd(
     run_dir: Path | None = typer.Argument(None, help="A run folder with report.json."),
-    preset: str | None = typer.Option(None, "--preset", help="A preset name instead of a run."),
+    preset: str | None = typer.Option(
+        None, "--preset", help="A preset name (or preset file) instead of a run."
+    ),
     target: list[Target] = typer.Option(
         [Target.ALL], "--target", help="serve | env | config | ray | systemd | all (repeatable)."
     ),
-    engine_version: str = typer.Option(
-        "0.1", "--engine-version", help="vLLM-MindSpore version the scripts are for (0.1, 0.5...)."
+    engine_version: str | None = typer.Option(
+        None,
+        "--engine-version",
+        help="vLLM-MindSpore version the scripts are for (0.1, 0.5...; default 0.1). Not for "
+        "a V1 engine run or preset: it names its engine.",
     ),
     model_path: str | None = typer.Option(None, "--model-path", help="What the server loads."),
     nic: str = typer.Option("eth0", "--nic", help="Multi-node: the NIC between the nodes."),
@@ -95,6 +110,9 @@ def script_cmd(
     ),
     env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE to export (repeatable)."),
     out: Path | None = typer.Option(None, "--out", help="Write the files here (default: print)."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print {file name: content} as JSON (or, with --out, the paths)."
+    ),
     model: str | None = typer.Option(
         None, "--model", help="Values tuned by hand instead of a run: the model (with --card...)."
     ),
@@ -166,7 +184,7 @@ def script_cmd(
             )
         )
     elif preset is not None:
-        p = get_preset(preset)
+        p = resolve_preset(preset)
     else:
         p = preset_from_run_dir(Path(str(run_dir)))
     opts = ScriptOptions(
@@ -178,9 +196,15 @@ def script_cmd(
         extra_env=_env_pairs(env),
     )
     files = render_scripts(p, opts, list(target))
+    if out is None and as_json:
+        echo_json({"files": files})
+        return
     if out is None:
         for name, text in files.items():
             typer.echo(f"==> {name} <==\n{text}")
+        return
+    if as_json:
+        echo_json({"written": [str(path) for path in write_scripts(files, out)]})
         return
     for path in write_scripts(files, out):
         typer.echo(str(path))

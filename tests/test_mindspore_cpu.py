@@ -47,13 +47,13 @@ def test_fixture_oom_at_warmup_is_an_oom() -> None:
     assert "Memory not enough" in scan.oom[0].text
 
 
-def _run(tmp_path: Path, *extra: str) -> tuple[dict[str, object], Path]:
+def _run(tmp_path: Path, *extra: str, code: int = 0) -> tuple[dict[str, object], Path]:
     out = tmp_path / "run"
     proc = run_cli(
         "run", "--backend", "mindspore-cpu", "--model", "tiny-llama", "--card", "2",
         "--out", str(out), *extra, env=cli_env(), timeout=900,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     return json.loads((out / "report.json").read_text("utf-8")), out
 
 
@@ -74,7 +74,7 @@ def test_run_validates_on_real_mindspore(tmp_path: Path) -> None:
 @pytest.mark.mindspore
 def test_run_falls_back_on_real_oom(tmp_path: Path) -> None:
     pytest.importorskip("mindspore")
-    report, out = _run(tmp_path, "--max-model-len", "4096")
+    report, out = _run(tmp_path, "--max-model-len", "4096", code=9)  # validated, but shorter
     assert report["validated"] is True
     first = (out / "launch-1" / "server.log").read_text("utf-8", errors="replace")
     assert "Memory not enough" in first  # MindSpore's pool refused, not the emulator
@@ -83,3 +83,4 @@ def test_run_falls_back_on_real_oom(tmp_path: Path) -> None:
     final = report["final"]
     assert isinstance(final, dict)
     assert final["flags"]["max_model_len"] < 4096
+    assert report["given_up"] == [f"max_model_len {final['flags']['max_model_len']:,} < 4,096 asked"]

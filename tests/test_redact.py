@@ -26,6 +26,7 @@ from pretuner.redact import (
 )
 from pretuner.scripts import ScriptOptions, Target, render_scripts
 from pretuner.tune.record import RunRecord
+from pretuner.tune.records import RunReport
 from pretuner.tune.report import serve_sh, tuned_env
 from pretuner.tune.settings import LaunchCommand
 from tests.helpers import cli_env, run_cli
@@ -144,7 +145,12 @@ def test_run_id_with_a_newline_is_one_comment(tmp_path):
     rep = json.loads((GOLDEN / "run" / "report.json").read_text())
     rep["run_id"] = EVIL_ID
     rep["final"]["serve_command"] = [sys.executable, str(_stub(tmp_path))]
-    for name, text in (("serve.sh", serve_sh(rep, None)), ("tuned.env", tuned_env(rep, None))):
+    # The golden report.json predates some fields; serve.sh and tuned.env read none of them.
+    rep |= {"kv_cache_dtype": "auto", "steps": [], "launches": 0}
+    rep["derivation"]["headroom_total_gib"] = rep["derivation"]["headroom_gib"]
+    record = RunReport.model_validate(rep)
+    for name, text in (("serve.sh", serve_sh(record, None)),
+                       ("tuned.env", tuned_env(record, None))):
         assert "\ntouch pwned" not in text
         assert "# run r?touch pwned?x: " in text
         script = tmp_path / name

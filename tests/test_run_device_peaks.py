@@ -52,6 +52,6 @@ def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
                             out=str(tmp_path / "run"))
     outcome = entry.run_tuning(opts, lambda name, detail: said.append((name, detail)))
     assert said.count(("device", entry.NO_READER)) == 1
-    steps = outcome.report["steps"]
+    steps = outcome.report.steps
     assert len(steps) >= 2
-    assert all(s["device_reader"] is None and s["device_peaks_mib"] == {} for s in steps)
+    assert all(s.device_reader is None and s.device_peaks_mib == {} for s in steps)

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from pretuner.cli.run import error_json
+from pretuner.cli.app import error_json
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import BadInputError, InfeasibleError, ServerFailedError
 from pretuner.models import lookup
 from pretuner.plan import PlanConfig, plan
+from pretuner.tune.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 from pretuner.tune.settings import LaunchSettings, Purpose
 from tests.helpers import cli_env, run_cli
@@ -181,16 +182,16 @@ def test_an_unfinished_launch_has_the_fields_of_a_finished_one() -> None:
         ready_s=1.0, request_s=1.0, stop_s=1.0, total_s=3.0, overhead_s=0.1, log_path="a.log",
     )  # fmt: skip
     unfinished = unfinished_step(2, SETTINGS.to_json(), "b.log")
-    assert list(unfinished) == list(step_json(done))
-    assert unfinished["settings"] == step_json(done)["settings"]
+    assert list(unfinished.model_dump()) == list(step_json(done).model_dump())
+    assert unfinished.settings == step_json(done).settings
 
 
-def _failure(err: InfeasibleError | ServerFailedError, steps: list[dict[str, Any]]) -> str:
+def _failure(err: InfeasibleError | ServerFailedError, steps: list[Step]) -> str:
     meta = RunMeta(run_id="r1", backend="sim", simulated=True, card_source="given",
                    model_arg="qwen3-8b")  # fmt: skip
     p = plan(PlanConfig(model=lookup("qwen3-8b"), card_gib=64))
     rep = failure_json(err, meta, p, steps, [{"decision": "layout", "reason": "TP1"}])
-    json.dumps(rep)  # report.json holds plain JSON
+    json.dumps(rep.model_dump(mode="json"))  # report.json holds plain JSON
     return failure_md(rep)
 
 

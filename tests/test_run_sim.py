@@ -28,6 +28,12 @@ def test_run_validates_in_two_launches(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep == report(out)
+    # --json keeps stdout for the JSON; the progress still goes to stderr.
+    assert "#1 launch  prerun" in proc.stderr
+    assert "#2 load    " in proc.stderr
+    # The emulated card's figures are never called measured (the banner says SIMULATED).
+    assert "measured" not in proc.stderr
+    assert "(simulated)" in proc.stderr
     assert rep["backend"] == "sim"
     assert rep["simulated"] is True
     assert rep["validated"] is True
@@ -258,7 +264,7 @@ def test_length_fallback_narrows_to_the_longest_that_fits(tmp_path: Path) -> Non
         "run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len", "40960",
         "--out", str(out), "--json",
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 9, proc.stderr  # validated, but less than asked
     rep = json.loads(proc.stdout)
     assert rep["validated"]
     assert rep["launches"] <= 6
@@ -270,6 +276,13 @@ def test_length_fallback_narrows_to_the_longest_that_fits(tmp_path: Path) -> Non
     assert min(failed) > final_len
     assert rep["steps"][-1]["purpose"] == "validate"
     assert rep["steps"][-1]["settings"]["max_model_len"] == final_len
+    assert rep["asked"]["max_model_len"] == 40960
+    assert rep["given_up"] == [f"max_model_len {final_len:,} < 40,960 asked"]
+    head = (out / "report.md").read_text().splitlines()
+    assert any("validated under full load, but less than asked: max_model_len" in line
+               for line in head[:12])
+    assert "pretuner run --model qwen3-8b --card 24 --max-model-len 40960 --tp 1" in (
+        out / "report.md").read_text()
 
 
 def test_length_above_model_limit_is_refused(tmp_path: Path) -> None:

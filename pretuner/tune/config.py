@@ -62,6 +62,9 @@ class TuneConfig:
     len_ladder: tuple[int, ...] = LEN_LADDER  # the backend's lengths to fall back through
     watermark: float = VLLM_V0_WATERMARK
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # How the run's figures were obtained: "simulated" on the emulated card, where no figure
+    # may be called measured.
+    provenance: str = "measured"
 
 
 @dataclass

@@ -47,6 +47,11 @@ class TunerCore:
     replay."""
 
 
+    @property
+    def seen(self) -> str:
+        """How a launch's figures were obtained, as the messages say it."""
+        return "simulated" if self.cfg.provenance == "simulated" else "measured"
+
     def __init__(
         self,
         cfg: TuneConfig,
@@ -65,7 +70,7 @@ class TunerCore:
         )
         self.weights_bytes = self.plan.weights_bytes_per_card
         self.free: bud.FreeMemory | None = (
-            bud.FreeMemory(cfg.card.free_mib, f"{cfg.card.source} (measured)", False)
+            bud.FreeMemory(cfg.card.free_mib, f"{cfg.card.source} ({cfg.provenance})", False)
             if cfg.card.free_mib is not None
             else None
         )
@@ -118,7 +123,9 @@ class TunerCore:
     def learn_card(self, o: LaunchOutcome) -> None:
         """Keep what a launch measured of the card: free memory and the weights."""
         if o.device_free_mib:
-            self.free = bud.FreeMemory(o.device_free_mib, "MindSpore init line (measured)", True)
+            self.free = bud.FreeMemory(
+                o.device_free_mib, f"MindSpore init line ({self.cfg.provenance})", True
+            )
             top = bud.max_pool_util(self.cfg.card.card_gib, self.free)
             self.check_free(o.device_free_mib, "MindSpore's init line", top, o.log_path)
         if o.weights_gib:
@@ -264,7 +271,9 @@ class TunerCore:
 
     def lower_util(self, util: float, outcome: LaunchOutcome, steps: Any) -> float:
         if outcome.device_free_mib:
-            free = bud.FreeMemory(outcome.device_free_mib, "the device's refusal (measured)", True)
+            free = bud.FreeMemory(
+                outcome.device_free_mib, f"the device's refusal ({self.cfg.provenance})", True
+            )
             self.free = free
             new = bud.max_pool_util(self.cfg.card.card_gib, free)
             self.check_free(free.mib, "the device's refusal", new, outcome.log_path)
@@ -329,7 +338,7 @@ class TunerCore:
         self.decide(
             "one sequence",
             f"with {base / MIB:,.0f} MiB of headroom no sequence of "
-            f"{prerun.settings.max_model_len:,} tokens fits; the pre-run measured exactly one "
+            f"{prerun.settings.max_model_len:,} tokens fits; the pre-run {self.seen} exactly one "
             f"such sequence, so {tight / MIB:,.0f} MiB above it is kept",
         )
         return self._derive(prerun, per_seq, tight, announce)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
+import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pretuner import __version__
 from pretuner.devices import select_reader
@@ -16,7 +18,8 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
-from pretuner.models import builtin_specs, resolve
+from pretuner.models import ModelSpec, builtin_specs, resolve
+from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.backends import (
     BackendChoice,
     choose_backend,
@@ -46,6 +49,7 @@ from pretuner.tune.ownership import (
     stop_own_orphans,
 )
 from pretuner.tune.record import RunRecord, check_folder_name
+from pretuner.tune.records import RunReport
 from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
 from pretuner.tune.settings import (
     Backend,
@@ -74,7 +78,7 @@ NO_READER = "no device memory reader here: measuring from the logs only"
 @dataclass(frozen=True, slots=True)
 class RunOutcome:
     record: Path
-    report: dict[str, Any]
+    report: RunReport  # report.json is report.model_dump(mode="json")
     result: TuneResult
     backend: BackendChoice
 
@@ -118,12 +122,47 @@ def _sim_env(
     return env
 
 
+def server_model_arg(model: str, spec: ModelSpec, backend: Backend) -> str:
+    """What the server loads: a folder as given; a registry name as its Hugging Face id for a
+    real vLLM-MindSpore (which cannot load `qwen3-8b`); pretuner's own servers take the name."""
+    if Path(model).exists() or backend in (Backend.SIM, Backend.MINDSPORE_CPU):
+        return model
+    return spec.hf_id or model
+
+
+def check_server_installed(base_cmd: list[str]) -> None:
+    """Refuse, before a run folder exists, a server command whose program or Python module is
+    not installed here (exit 2), instead of finding out from the first launch's log."""
+    program = shutil.which(base_cmd[0])
+    if program is None:
+        raise BadInputError(
+            f"the server command {base_cmd[0]!r} is not on PATH",
+            hint="install the engine (pip install vllm-mindspore) in this environment, pass "
+            "the whole command with --serve-cmd, or --backend sim for the emulated card",
+        )
+    if len(base_cmd) > 2 and base_cmd[1] == "-m":
+        module = base_cmd[2].split(".")[0]
+        probe = subprocess.run(
+            [program, "-c", f"import importlib.util, sys; "
+             f"sys.exit(importlib.util.find_spec({module!r}) is None)"],
+            capture_output=True, timeout=60, check=False,
+        )
+        if probe.returncode != 0:
+            raise BadInputError(
+                f"{base_cmd[0]} ({program}) cannot import {module!r}: the engine is not "
+                "installed for it",
+                hint="install the engine (pip install vllm-mindspore) for that Python, pass "
+                "the whole command with --serve-cmd, or --backend sim for the emulated card",
+            )
+
+
 def _setup(
     opts: RunOptions, card: CardInfo | None = None
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
     opts.check()
     if opts.server_args:
-        raise BadInputError("--server-arg passes flags to a V1 engine's server; the r0.1 "
+        raise BadInputError("--server-arg (and a --config key pretuner does not read) passes "
+                            "flags to a V1 engine's server; the r0.1 "
                             "method builds its own command",
                             hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
                             "whole command with --serve-cmd")
@@ -167,6 +206,7 @@ def _setup(
         validate=opts.validate,
         model_use_gib=opts.model_use_gib,
         len_ladder=lengths.ladder,
+        provenance="simulated" if choice.simulated else "measured",
     )
     if opts.model_use_gib is not None:
         check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
@@ -178,14 +218,16 @@ def _setup(
             raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
     else:
         base_cmd, model_as_flag = default_serve_command(choice.backend, choice.engine_version)
+        check_server_installed(base_cmd)
     served = spec.name
+    model_arg = server_model_arg(opts.model, spec, choice.backend)
 
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:
         return build_launch(
             settings,
             base_command=base_cmd,
             model_as_flag=model_as_flag,
-            model=opts.model,
+            model=model_arg,
             served_name=served,
             host=opts.host,
             port=port,
@@ -206,7 +248,7 @@ def _setup(
             DEVICE_KINDS[choice.backend], {**os.environ, **extra_env}, p.tp * p.pp
         ),
     )
-    model_args = ["--model", opts.model] if model_as_flag else [opts.model]
+    model_args = ["--model", model_arg] if model_as_flag else [model_arg]
     return cfg, choice, ctx, base_cmd + model_args, extra_env
 
 
@@ -353,9 +395,11 @@ def _tune_recorded(
         backend=choice.backend.value,
         simulated=choice.simulated,
         card_source=cfg.card.source,
-        model_arg=opts.model,
+        model_arg=server_model_arg(opts.model, cfg.model, choice.backend),
         kv_cache_dtype=cfg.kv_cache_dtype,
         cluster=collectors.info if collectors is not None else None,
+        asked_max_model_len=cfg.max_model_len,
+        retune_command=tuple(opts.command_line()),
     )
     try:
         result = tuner.run()
@@ -365,9 +409,10 @@ def _tune_recorded(
             record_failure(record, tuner, err, meta)
         raise
     rep = report_json(result, meta, serve_argv)
-    record.write_json("report.json", rep)
+    record.write_json("report.json", rep.model_dump(mode="json"))
     record.write("report.md", report_md(rep, result))
     record.write("tuned.env", tuned_env(rep, result))
     record.write("serve.sh", serve_sh(rep, result), executable=True)
+    refresh_run_page(record.path)
     record.append("run_finished", validated=result.validated)
     return RunOutcome(record.path, rep, result, choice)

@@ -11,8 +11,10 @@ import logging
 from typing import Any
 
 from pretuner.errors import PretunerError, ServerFailedError
+from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.loop import Tuner
 from pretuner.tune.record import RunRecord
+from pretuner.tune.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 
 log = logging.getLogger(__name__)
@@ -27,18 +29,19 @@ def record_failure(record: RunRecord, tuner: Tuner, err: PretunerError, meta: Ru
         steps.append(unfinished_step(n, started["settings"], _log_of(record, n, err)))
     rep = failure_json(err, meta, tuner.plan, steps, tuner.state.decisions)
     try:
-        record.write_json("report.json", rep)
+        record.write_json("report.json", rep.model_dump(mode="json"))
         record.write("report.md", failure_md(rep))
     except (OSError, PretunerError) as write_err:
         # The run's own error is what the user must see; the journal still has every event.
         log.warning("could not write the failure report in %s: %s", record.path, write_err)
         return
-    err.report = rep
+    refresh_run_page(record.path)
+    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error
 
 
-def _unfinished_launch(record: RunRecord, steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _unfinished_launch(record: RunRecord, steps: list[Step]) -> dict[str, Any] | None:
     """The journal's last launch_started event when that launch never got an outcome."""
-    done = max((s["n"] for s in steps), default=0)
+    done = max((s.n for s in steps), default=0)
     last = None
     for event in record.of_kind("launch_started"):
         last = event

@@ -4,6 +4,7 @@ every way into `pretuner run` meets (flags, a library call, a journal read back 
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -11,8 +12,33 @@ from typing import Any, TypeVar
 from pretuner import validate as v
 from pretuner.errors import BadInputError
 from pretuner.kvmath import KV_DTYPES
+from pretuner.redact import redact_argv
 
 T = TypeVar("T")
+
+# RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
+RETUNE_FLAGS = (
+    ("engine", "--engine"), ("backend", "--backend"), ("card_gib", "--card"),
+    ("max_model_len", "--max-model-len"), ("min_model_len", "--min-model-len"),
+    ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("util", "--util"), ("tp", "--tp"), ("pp", "--pp"), ("nodes", "--nodes"),
+    ("block_size", "--block-size"), ("kv_cache_dtype", "--kv-cache-dtype"),
+    ("weights_format", "--weights-format"), ("headroom_gib", "--headroom-gb"),
+    ("reserve_gib", "--reserve-gb"), ("model_use_gib", "--model-use-gb"),
+    ("max_launches", "--max-launches"), ("validate", "--validate"),
+    ("serve_cmd", "--serve-cmd"), ("server_args", "--server-arg"), ("seed", "--seed"),
+    ("ready_timeout_s", "--ready-timeout"), ("request_timeout_s", "--request-timeout"),
+    ("stop_grace_s", "--stop-grace"), ("ray_address", "--ray-address"),
+)  # fmt: skip
+
+
+def _redacted(words: str) -> str:
+    """A shell-split option value (a server command, server flags) with its secrets redacted:
+    the re-tune command is written into report.md and report.json."""
+    try:
+        return shlex.join(redact_argv(shlex.split(words)))
+    except ValueError:  # unbalanced quotes: refused by the checks; keep it out of the record
+        return "<redacted>"
 
 
 def check_run_options(o: RunOptions) -> None:
@@ -143,6 +169,25 @@ class RunOptions:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def command_line(self) -> list[str]:
+        """`pretuner run` with every option that differs from its default: the same run again
+        (a new run folder; what the emulated card was told through its env is not a flag)."""
+        argv = ["pretuner", "run", "--model", self.model]
+        defaults = RunOptions(model=self.model)
+        for name, flag in RETUNE_FLAGS:
+            value = getattr(self, name)
+            if value == getattr(defaults, name):
+                continue
+            if isinstance(value, bool):
+                argv.append(flag if value else f"--no-{flag[2:]}")
+            elif isinstance(value, list):
+                argv += [part for item in value for part in (flag, _redacted(item))]
+            elif name == "serve_cmd":
+                argv += [flag, _redacted(str(value))]
+            else:
+                argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        return argv
 
     @classmethod
     def from_json(cls, data: Any, made_by: str | None = None) -> RunOptions:

@@ -99,7 +99,7 @@ class PrerunSearch(TunerCore):
                     self.decide(
                         "give the pre-run more KV",
                         f"{k.value} at {length:,} with model-use {mu} GiB: the probe did not run, "
-                        "so nothing was measured; 1 GiB more KV for one max-length sequence "
+                        f"so nothing was {self.seen}; 1 GiB more KV for one max-length sequence "
                         "beside the engine's block watermark",
                         model_use_gib=mu - 1,
                     )
@@ -186,7 +186,7 @@ class PrerunSearch(TunerCore):
             return
         self.fails[chunked].add(length)
         self.decide(
-            "measured, but too long",
+            f"{self.seen}, but too long",
             f"{length:,} tokens ran with weights+activations {wa / GIB:.2f} GiB, but the final "
             f"headroom and integer model-use leave no KV for one sequence within "
             f"{self.free_desc()}",
@@ -214,12 +214,12 @@ class PrerunSearch(TunerCore):
         lo, hi = self.bracket(chunked)
         known = []
         if lo is not None:
-            known.append(f"{lo:,} fits (measured)")
+            known.append(f"{lo:,} fits ({self.seen})")
         if hi is not None:
             known.append(f"{hi:,} does not")
         wa = self.models[chunked].predict(nxt)
         return (
-            f"{'; '.join(known) or 'nothing measured yet'}; the measured peaks predict "
+            f"{'; '.join(known) or f'nothing {self.seen} yet'}; the {self.seen} peaks predict "
             f"weights+activations of {wa / GIB:.2f} GiB at {nxt:,}, which the final configuration "
             "holds"
         )
@@ -237,7 +237,7 @@ class PrerunSearch(TunerCore):
             _, hi = self.bracket(chunked)
             self.decide(
                 "keep max_model_len",
-                f"{length:,} tokens is the longest measured to fit"
+                f"{length:,} tokens is the longest {self.seen} to fit"
                 + (f"; {hi:,} did not" if hi else "")
                 + f" (asked: {cfg.max_model_len:,})",
                 max_model_len=length,
@@ -251,13 +251,13 @@ class PrerunSearch(TunerCore):
             self.busy_instead()
             raise InfeasibleError(
                 f"{cfg.model.name} does not fit TP{self.plan.tp} on {cfg.card.card_gib} GiB "
-                f"cards even at --min-model-len {cfg.min_model_len:,} (measured at the card's "
+                f"cards even at --min-model-len {cfg.min_model_len:,} ({self.seen} at the card's "
                 f"free memory: {self.free_desc()})",
                 hint=self.layout_hint("add cards (--tp)")
                 + ", use a quantized checkpoint, or lower --min-model-len",
             )
         raise NotValidatedError(
-            f"no length from {cfg.min_model_len:,} to {cfg.max_model_len:,} was measured to fit "
+            f"no length from {cfg.min_model_len:,} to {cfg.max_model_len:,} was {self.seen} to fit "
             f"within {cfg.max_launches} launches",
             hint="raise --max-launches, or read the run record's decisions",
         )
@@ -269,7 +269,7 @@ class PrerunSearch(TunerCore):
         raise InfeasibleError(
             f"TP{self.plan.tp} x PP{self.plan.pp}: the weights of {cfg.model.name} did not fit "
             f"on a {cfg.card.card_gib} GiB card: out of memory before they finished loading "
-            f"({o.oom_text or 'see the log'}; measured, log {o.log_path})",
+            f"({o.oom_text or 'see the log'}; {self.seen}, log {o.log_path})",
             hint=self.layout_hint("add cards (--tp/--pp)") + ", or a quantized --weights-format",
         )
 
@@ -299,7 +299,7 @@ class PrerunSearch(TunerCore):
         self.decide(
             "try a larger chunk",
             f"{chunk:,}-token prefill steps fit with weights+activations {wa_chunk / GIB:.2f} "
-            f"GiB and whole {length:,}-token steps do not; the measured peaks predict "
+            f"GiB and whole {length:,}-token steps do not; the {self.seen} peaks predict "
             f"{target:,}-token steps stay within the same {room / GIB:.2f} GiB (no KV lost, "
             "fewer steps per long prompt)",
             max_num_batched_tokens=target,

@@ -136,8 +136,9 @@ class Validation(TunerCore):
             return None
         self.decide(
             "tighten",
-            f"under full load ({seqs} sequences) the worst rank held {full / GIB:.2f} GiB besides "
-            f"the KV cache (measured: {(full - wa) / MIB:,.0f} MiB above the pre-run); with that "
+            f"under full load ({seqs} sequences) the worst rank held {full / GIB:.2f} GiB "
+            f"besides the KV cache ({self.seen}: {(full - wa) / MIB:,.0f} MiB above the "
+            "pre-run); with that "
             f"and a {margin / MIB:,.0f} MiB margin the KV cache grows by {gain / GIB:.2f} GiB to "
             f"{cand.final.max_num_seqs} sequences: validating it",
             vllm_model_memory_use_gb=cand.final.vllm_model_memory_use_gb,
@@ -191,7 +192,7 @@ class Validation(TunerCore):
             if not shorter:
                 raise NotValidatedError(
                     f"validation at {prerun.settings.max_model_len:,} tokens ran out of memory "
-                    "and no shorter length was measured to fit",
+                    f"and no shorter length was {self.seen} to fit",
                     hint="pass a shorter --max-model-len",
                 ) from None
             prerun = self.fits[prerun.settings.chunked_prefill][max(shorter)]

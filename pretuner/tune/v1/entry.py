@@ -18,8 +18,10 @@ from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, plan
+from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
+from pretuner.tune.records import V1Report
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
@@ -48,7 +50,7 @@ class V1Setup:
 @dataclass(frozen=True, slots=True)
 class V1RunOutcome:
     record: Path
-    report: dict[str, Any]
+    report: V1Report  # report.json is report.model_dump(mode="json")
     result: V1Result
     choice: EngineChoice
 
@@ -201,26 +203,32 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
         serve_command=tuple(setup.engine.serve_command(setup.cfg.card_gib)),
         device_kind=setup.engine.device_kind,
         deployment=setup.engine.deploy(tuner.settings(Purpose.VALIDATE, opts.util, None)),
+        asked_max_model_len=setup.cfg.max_model_len,
+        asked_max_num_seqs=setup.cfg.max_num_seqs,
+        retune_command=tuple(opts.command_line()),
     )
     try:
         result = tuner.run()
     except BaseException as err:
         record.append("run_stopped", error=f"{type(err).__name__}: {err}")
         if isinstance(err, PretunerError):
-            rep = v1report.failure_json(err, meta, [v1report.step(o) for o in tuner.outcomes],
-                                        tuner.decisions)
-            record.write_json("report.json", rep)
-            record.write("report.md", v1report.failure_md(rep))
-            err.report = rep
+            failure = v1report.failure_json(
+                err, meta, [v1report.step(o) for o in tuner.outcomes], tuner.decisions)
+            failed = failure.model_dump(mode="json")
+            record.write_json("report.json", failed)
+            record.write("report.md", v1report.failure_md(failure))
+            refresh_run_page(record.path)
+            err.report = failed  # `run --json` prints it beside the error
         raise
     meta = _with_deployment(meta, setup.engine.deploy(result.final))
     rep = v1report.report_json(result, meta)
-    record.write_json("report.json", rep)
+    record.write_json("report.json", rep.model_dump(mode="json"))
     record.write("report.md", v1report.report_md(rep))
     record.write("serve.sh", v1report.serve_sh(rep), executable=True)
     record.write("vllm-config.yaml", v1report.vllm_config(rep))
     record.write("tuned.env", v1report.tuned_env(rep))
     record.write("pretuner-serve.service", v1report.systemd_unit(rep))
+    refresh_run_page(record.path)
     record.append("run_finished", validated=result.validated)
     return V1RunOutcome(record.path, rep, result, choice)
 

@@ -1,6 +1,7 @@
 """A V1 run's record: report.json, report.md and the files that start production
 (serve.sh, vllm-config.yaml for `vllm serve --config`, tuned.env), in the engine's own terms:
-`--kv-cache-memory-bytes`, never r0.1's variables."""
+`--kv-cache-memory-bytes`, never r0.1's variables. report.json is the typed record
+(`tune.records.V1Report`) dumped as JSON; the other files are rendered from the record."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ from pretuner.engines.base import Deployment
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import PretunerError, ServerFailedError
 from pretuner.templating import render_template
+from pretuner.tune.asked import given_up
+from pretuner.tune.records import (
+    Asked,
+    Decision,
+    V1Baseline,
+    V1Derivation,
+    V1FailureReport,
+    V1Final,
+    V1Report,
+    V1Step,
+)
 from pretuner.tune.report import step_json
 from pretuner.tune.v1.loop import V1Result
 from pretuner.units import GIB
@@ -35,62 +47,70 @@ class V1Meta:
     serve_command: tuple[str, ...]  # the server command before the model
     deployment: Deployment
     device_kind: str = "cuda"  # "cpu": --card is a memory budget, not a device
+    asked_max_model_len: int | None = None  # None: the final's (V1 never cuts it)
+    asked_max_num_seqs: int | None = None
+    retune_command: tuple[str, ...] = ()  # RunOptions.command_line()
 
 
-def report_json(r: V1Result, m: V1Meta) -> dict[str, Any]:
+def report_json(r: V1Result, m: V1Meta) -> V1Report:
+    """The record of a finished V1 run; report.json is its `model_dump(mode="json")`."""
     f = r.final
-    tag = "simulated" if m.simulated else "measured"
     gain = (r.kv_tokens / r.profiled_kv_tokens
             if r.kv_tokens and r.profiled_kv_tokens else None)
     budget = r.budget
-    return {
-        "pretuner_version": __version__,
-        "run_id": m.run_id,
-        "method": "v1-pinned-kv",
-        "engine": m.engine,
-        "engine_version": m.engine_version,
-        "engine_reason": m.engine_reason,
-        "simulated": m.simulated,
-        "model": m.model,
-        "model_arg": m.model_arg,
-        "card_gib": m.card_gib,
-        "device_kind": m.device_kind,
-        "tp": f.tp,
-        "pp": f.pp,
-        "validated": r.validated,
-        "launches": len(r.outcomes),
-        "measured_by": r.measured_by,
-        "provenance": tag,
-        "final": {
-            "kv_cache_memory_bytes": f.kv_cache_bytes,
-            "kv_cache_gib": round((f.kv_cache_bytes or 0) / GIB, 3),
-            "kv_tokens": r.kv_tokens,
-            "max_model_len": f.max_model_len,
-            "max_num_seqs": f.max_num_seqs,
-            "max_num_batched_tokens": f.max_num_batched_tokens,
-            "flags": m.deployment.argv(),
-            "env": m.deployment.env,
-            "notes": list(m.deployment.notes),
-            "serve_command": [*m.serve_command, m.model_arg, *m.deployment.argv()],
-            "engine_serve_command": real_command(m) if m.simulated else None,
-        },
-        "baseline": {
-            "util": r.profiled_util,
-            "kv_tokens": r.profiled_kv_tokens,
-            "kv_tokens_gain": round(gain, 4) if gain else None,
-        },
-        "derivation": None if budget is None else {
-            "device_total_mib": budget.total_mib,
-            "device_peak_mib": budget.peak_mib,
-            "held_kv_mib": round(budget.held_kv_mib, 1),
-            "non_kv_peak_mib": round(budget.non_kv_mib, 1),
-            "margin_mib": budget.margin_mib,
-            "pinned_kv_mib": budget.kv_mib,
-            "lines": budget.lines(),
-        },
-        "decisions": list(r.decisions),
-        "steps": [step(o) for o in r.outcomes],
-    }
+    return V1Report(
+        pretuner_version=__version__,
+        run_id=m.run_id,
+        engine=m.engine,
+        engine_version=m.engine_version,
+        engine_reason=m.engine_reason,
+        simulated=m.simulated,
+        model=m.model,
+        model_arg=m.model_arg,
+        card_gib=m.card_gib,
+        device_kind=m.device_kind,
+        tp=f.tp,
+        pp=f.pp,
+        validated=r.validated,
+        launches=len(r.outcomes),
+        measured_by=r.measured_by,
+        provenance="simulated" if m.simulated else "measured",
+        final=V1Final(
+            kv_cache_memory_bytes=f.kv_cache_bytes,
+            kv_cache_gib=round((f.kv_cache_bytes or 0) / GIB, 3),
+            kv_tokens=r.kv_tokens,
+            max_model_len=f.max_model_len,
+            max_num_seqs=f.max_num_seqs,
+            max_num_batched_tokens=f.max_num_batched_tokens,
+            flags=m.deployment.argv(),
+            env=m.deployment.env,
+            notes=list(m.deployment.notes),
+            serve_command=[*m.serve_command, m.model_arg, *m.deployment.argv()],
+            engine_serve_command=real_command(m) if m.simulated else None,
+        ),
+        baseline=V1Baseline(
+            util=r.profiled_util,
+            kv_tokens=r.profiled_kv_tokens,
+            kv_tokens_gain=round(gain, 4) if gain else None,
+        ),
+        derivation=None if budget is None else V1Derivation(
+            device_total_mib=budget.total_mib,
+            device_peak_mib=budget.peak_mib,
+            held_kv_mib=round(budget.held_kv_mib, 1),
+            non_kv_peak_mib=round(budget.non_kv_mib, 1),
+            margin_mib=budget.margin_mib,
+            pinned_kv_mib=budget.kv_mib,
+            lines=budget.lines(),
+        ),
+        decisions=list(r.decisions),
+        steps=[step(o) for o in r.outcomes],
+        asked=Asked(max_model_len=m.asked_max_model_len or f.max_model_len,
+                    max_num_seqs=m.asked_max_num_seqs or f.max_num_seqs),
+        given_up=given_up(m.asked_max_model_len or f.max_model_len,
+                          m.asked_max_num_seqs or f.max_num_seqs,
+                          f.max_model_len, f.max_num_seqs),
+        retune_command=list(m.retune_command),
+    )
 
 
 def real_command(m: V1Meta) -> list[str]:
@@ -104,36 +124,38 @@ def real_command(m: V1Meta) -> list[str]:
     return [*row.command, model, *m.deployment.argv()]
 
 
-def report_md(rep: dict[str, Any]) -> str:
-    f = rep["final"]
-    tag = rep["provenance"]
-    status = "VALIDATED under the worst-case load" if rep["validated"] else "NOT VALIDATED"
-    lines = [f"# pretuner run {rep['run_id']}: {status}", ""]
-    if rep["simulated"]:
+def report_md(rep: V1Report) -> str:
+    f = rep.final
+    tag = rep.provenance
+    status = "VALIDATED under the worst-case load" if rep.validated else "NOT VALIDATED"
+    if rep.validated and rep.given_up:
+        status += f", but less than asked: {'; '.join(rep.given_up)} (exit 9)"
+    lines = [f"# pretuner run {rep.run_id}: {status}", ""]
+    if rep.simulated:
         lines += [f"> {SIM_NOTE}", ""]
     lines += [
-        f"- engine: {rep['engine']} ({rep['engine_reason']})",
-        f"- model: {rep['model']} (`{rep['model_arg']}`), TP{rep['tp']} x PP{rep['pp']}, "
+        f"- engine: {rep.engine} ({rep.engine_reason})",
+        f"- model: {rep.model} (`{rep.model_arg}`), TP{rep.tp} x PP{rep.pp}, "
         + device_words(rep),
-        f"- method: pre-run with the production shape, memory sampled ({rep['measured_by']}), "
+        f"- method: pre-run with the production shape, memory sampled ({rep.measured_by}), "
         "KV pinned with --kv-cache-memory-bytes",
         "",
         "## Result",
         "",
-        f"- `--kv-cache-memory-bytes {f['kv_cache_memory_bytes']}` "
-        f"({f['kv_cache_gib']:.2f} GiB, derived) = {f['kv_tokens'] or 0:,} KV tokens "
+        f"- `--kv-cache-memory-bytes {f.kv_cache_memory_bytes}` "
+        f"({f.kv_cache_gib:.2f} GiB, derived) = {f.kv_tokens or 0:,} KV tokens "
         f"({tag}, from the validation's log)",
     ]
-    base = rep["baseline"]
-    if base["kv_tokens"]:
-        gain = f", {base['kv_tokens_gain']:.3f}x" if base["kv_tokens_gain"] else ""
-        lines.append(f"- the engine's own profiling at util {base['util']}: "
-                     f"{base['kv_tokens']:,} KV tokens ({tag}){gain}")
-    lines += [f"- max_model_len {f['max_model_len']:,}, max-num-seqs {f['max_num_seqs']}, "
-              f"max-num-batched-tokens {f['max_num_batched_tokens']:,}", ""]
-    d = rep["derivation"]
+    base = rep.baseline
+    if base.kv_tokens:
+        gain = f", {base.kv_tokens_gain:.3f}x" if base.kv_tokens_gain else ""
+        lines.append(f"- the engine's own profiling at util {base.util}: "
+                     f"{base.kv_tokens:,} KV tokens ({tag}){gain}")
+    lines += [f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
+              f"max-num-batched-tokens {f.max_num_batched_tokens:,}", ""]
+    d = rep.derivation
     if d is not None:
-        lines += ["## Derivation", ""] + [f"- {line}" for line in d["lines"]] + [""]
+        lines += ["## Derivation", ""] + [f"- {line}" for line in d.lines] + [""]
     else:
         lines += ["## Derivation", "",
                   "- no device memory was sampled: the engine's own profiled KV is pinned "
@@ -141,51 +163,54 @@ def report_md(rep: dict[str, Any]) -> str:
     lines += ["## Launches", "",
               "| # | purpose | KV asked | outcome | device peak MiB | KV tokens | s |",
               "|---|---|---|---|---|---|---|"]
-    for s in rep["steps"]:
-        kv = s["settings"]["kv_cache_bytes"]
-        asked = f"{kv / GIB:.2f} GiB pinned" if kv else f"util {s['settings']['util']}"
-        peak = max(s["device_peaks_mib"].values(), default=None)
+    for s in rep.steps:
+        kv = s.settings.kv_cache_bytes
+        asked = f"{kv / GIB:.2f} GiB pinned" if kv else f"util {s.settings.util}"
+        peak = max(s.device_peaks_mib.values(), default=None)
         shown_peak = f"{peak:,} ({tag})" if peak else "-"
-        tokens = f"{s['kv_tokens']:,}" if s["kv_tokens"] else "-"
-        lines.append(f"| {s['n']} | {s['purpose']} | {asked} | {s['outcome']} | {shown_peak} | "
-                     f"{tokens} | {s['seconds']:.1f} |")
+        tokens = f"{s.kv_tokens:,}" if s.kv_tokens else "-"
+        seconds = "-" if s.seconds is None else f"{s.seconds:.1f}"
+        lines.append(f"| {s.n} | {s.purpose} | {asked} | {s.outcome} | {shown_peak} | "
+                     f"{tokens} | {seconds} |")
     lines += ["", "## Decisions", ""]
-    lines += [f"- {d['decision']}: {d['detail']}" for d in rep["decisions"]]
+    lines += [f"- {x['decision']}: {x['detail']}" for x in rep.decisions]
     lines += ["", "## Start production", "", "```sh", "./serve.sh", "```", ""]
-    lines += [f"- {note}" for note in f.get("notes", [])] + ([""] if f.get("notes") else [])
-    if f.get("engine_serve_command"):
+    lines += [f"- {note}" for note in f.notes] + ([""] if f.notes else [])
+    if f.engine_serve_command:
         lines += ["The figures above are simulated. With the real engine and a real device, the "
                   "same flags are (run `pretuner run` there to measure and prove them):", "",
-                  "```sh", shlex.join(f["engine_serve_command"]), "```", ""]
+                  "```sh", shlex.join(f.engine_serve_command), "```", ""]
+    if rep.retune_command:
+        lines += [f"Re-tune: `{shlex.join(rep.retune_command)}`", ""]
     return "\n".join(lines)
 
 
-def device_words(rep: dict[str, Any]) -> str:
-    if rep.get("device_kind") == "cpu":
-        return (f"a {rep['card_gib']} GiB memory budget (RLIMIT_DATA on every server process; "
+def device_words(rep: V1Report) -> str:
+    if rep.device_kind == "cpu":
+        return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
                 "vLLM on CPU has no device)")
-    return f"{rep['card_gib']} GB device(s)"
+    return f"{rep.card_gib} GB device(s)"
 
 
-def _header(rep: dict[str, Any]) -> list[str]:
-    status = "validated under the worst-case load" if rep["validated"] else "NOT validated"
-    head = [f"pretuner {rep['pretuner_version']} run {rep['run_id']}: {status}",
-            f"{rep['engine']}: {rep['model']} on {device_words(rep)}, "
-            f"KV pinned at {rep['final']['kv_cache_gib']:.2f} GiB"]
-    if rep["simulated"]:
+def _header(rep: V1Report) -> list[str]:
+    status = "validated under the worst-case load" if rep.validated else "NOT validated"
+    head = [f"pretuner {rep.pretuner_version} run {rep.run_id}: {status}",
+            f"{rep.engine}: {rep.model} on {device_words(rep)}, "
+            f"KV pinned at {rep.final.kv_cache_gib:.2f} GiB"]
+    if rep.simulated:
         head.append(SIM_NOTE)
     return head
 
 
-def serve_sh(rep: dict[str, Any]) -> str:
-    ctx = {"header": _header(rep), "secret_checks": [], "env": rep["final"]["env"],
-           "argv": rep["final"]["serve_command"]}
+def serve_sh(rep: V1Report) -> str:
+    ctx = {"header": _header(rep), "secret_checks": [], "env": rep.final.env,
+           "argv": rep.final.serve_command}
     return render_template("serve.sh.j2", ctx)
 
 
-def vllm_config(rep: dict[str, Any]) -> str:
+def vllm_config(rep: V1Report) -> str:
     """The tuned flags as `vllm serve --config` reads them (long names, no dashes)."""
-    flags = rep["final"]["flags"]
+    flags = rep.final.flags
     config: dict[str, Any] = {}
     i = 0
     while i < len(flags):
@@ -197,57 +222,55 @@ def vllm_config(rep: dict[str, Any]) -> str:
     return render_template("vllm-config.yaml.j2", {"header": _header(rep), "config": config})
 
 
-def tuned_env(rep: dict[str, Any]) -> str:
-    env = dict(rep["final"]["env"])
-    env["PRETUNER_KV_CACHE_MEMORY_BYTES"] = str(rep["final"]["kv_cache_memory_bytes"])
+def tuned_env(rep: V1Report) -> str:
+    env = dict(rep.final.env)
+    env["PRETUNER_KV_CACHE_MEMORY_BYTES"] = str(rep.final.kv_cache_memory_bytes)
     return render_template("tuned.env.j2", {"header": _header(rep), "env": env})
 
 
+def failure_json(err: PretunerError, m: V1Meta, steps: list[V1Step],
+                 decisions: list[Decision]) -> V1FailureReport:
+    """The record of a V1 run stopped by `err`: why, the fix, every launch and decision."""
+    return V1FailureReport(
+        pretuner_version=__version__, run_id=m.run_id,
+        engine=m.engine, engine_reason=m.engine_reason, simulated=m.simulated,
+        model=m.model, model_arg=m.model_arg, card_gib=m.card_gib,
+        validated=False, launches=len(steps), error=err.message, hint=err.hint,
+        exit_code=int(err.exit_code), error_type=type(err).__name__,
+        server_log=err.log_path if isinstance(err, ServerFailedError) else None,
+        decisions=decisions, steps=steps,
+    )
 
-def failure_json(err: PretunerError, m: V1Meta, steps: list[dict[str, Any]],
-                 decisions: list[dict[str, Any]]) -> dict[str, Any]:
-    """report.json of a V1 run stopped by `err`: why, the fix, every launch and decision."""
-    return {
-        "pretuner_version": __version__, "run_id": m.run_id, "method": "v1-pinned-kv",
-        "engine": m.engine, "engine_reason": m.engine_reason, "simulated": m.simulated,
-        "model": m.model, "model_arg": m.model_arg, "card_gib": m.card_gib,
-        "validated": False, "launches": len(steps), "error": err.message, "hint": err.hint,
-        "exit_code": int(err.exit_code), "error_type": type(err).__name__,
-        "server_log": err.log_path if isinstance(err, ServerFailedError) else None,
-        "decisions": decisions, "steps": steps,
-    }
 
-
-def failure_md(rep: dict[str, Any]) -> str:
-    reason, _, details = rep["error"].partition("\n")
-    lines = [f"# pretuner run {rep['run_id']}: FAILED (exit {rep['exit_code']})", ""]
-    if rep["simulated"]:
+def failure_md(rep: V1FailureReport) -> str:
+    reason, _, details = rep.error.partition("\n")
+    lines = [f"# pretuner run {rep.run_id}: FAILED (exit {rep.exit_code})", ""]
+    if rep.simulated:
         lines += [f"> {SIM_NOTE}", ""]
-    lines += [f"- reason: {reason}", f"- fix: {rep['hint'] or 'read the server log'}",
-              f"- engine: {rep['engine']} ({rep['engine_reason']})",
-              f"- result: NOT validated after {rep['launches']} launch(es); no serve.sh written",
+    lines += [f"- reason: {reason}", f"- fix: {rep.hint or 'read the server log'}",
+              f"- engine: {rep.engine} ({rep.engine_reason})",
+              f"- result: NOT validated after {rep.launches} launch(es); no serve.sh written",
               "", "## Launches", ""]
-    lines += [f"- #{s['n']} {s['purpose']}: {s['outcome']}"
-              + (f" ({s['oom_text']})" if s.get("oom_text") else "") for s in rep["steps"]]
+    lines += [f"- #{s.n} {s.purpose}: {s.outcome}"
+              + (f" ({s.oom_text})" if s.oom_text else "") for s in rep.steps]
     lines += ["", "## Decisions", ""] + [f"- {d['decision']}: {d['detail']}"
-                                         for d in rep["decisions"]]
+                                         for d in rep.decisions]
     if details:
         lines += ["", "## Details", "", "```", details.rstrip("\n"), "```"]
     return "\n".join(lines) + "\n"
 
 
-def step(o: LaunchOutcome) -> dict[str, Any]:
+def step(o: LaunchOutcome) -> V1Step:
     """One launch as report.json's `steps[]` shows it for a V1 engine."""
-    return step_json(o) | {"kv_tokens": o.kv_tokens, "kv_gib": o.kv_gib,
-                           "device_total_mib": o.device_total_mib,
-                           "oom_alloc_bytes": o.oom_alloc_bytes}
+    return V1Step(**dict(step_json(o)), kv_tokens=o.kv_tokens, kv_gib=o.kv_gib,
+                  device_total_mib=o.device_total_mib, oom_alloc_bytes=o.oom_alloc_bytes)
 
 
-def systemd_unit(rep: dict[str, Any], install_dir: str = "/etc/pretuner") -> str:
+def systemd_unit(rep: V1Report, install_dir: str = "/etc/pretuner") -> str:
     """A systemd unit that starts the run's server command with tuned.env."""
     return render_template("systemd.service.j2", {
         "header": _header(rep),
         "env_path": f"{install_dir}/tuned.env",
-        "unit_description": f"{rep['engine']} serving {rep['model']} (tuned by pretuner)",
-        "argv": rep["final"]["serve_command"],
+        "unit_description": f"{rep.engine} serving {rep.model} (tuned by pretuner)",
+        "argv": rep.final.serve_command,
     })

@@ -1,0 +1,277 @@
+"""report.json as typed records: what a run, r0.1 or V1, succeeded or failed, leaves behind.
+
+The producers (`tune.report`, `tune.v1.report`) build these; report.json is
+`record.model_dump(mode="json")`, and a report.json read back validates into the same record.
+Field order is report.json's key order: presets, `pretuner script` and `--resume` read those
+files, so a field is renamed or moved only together with them. Unknown keys are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+
+Provenance = Literal["simulated", "measured"]
+
+
+class Record(BaseModel):
+    """A frozen block of report.json that refuses keys it does not know."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# -- one launch (both methods) --------------------------------------------------------------
+
+
+class StepSettings(Record):
+    """The launch's settings, as `LaunchSettings.to_json` writes them (journal and report)."""
+
+    purpose: str
+    card_gib: int
+    util: float
+    model_use_gib: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    tp: int
+    pp: int = 1
+    kv_cache_dtype: str = "auto"
+    chunked_prefill: bool = False
+    kv_cache_bytes: int | None = None  # V1 engines: the pinned KV; None: the engine profiles
+
+
+class Step(Record):
+    """One launch as `steps[]` shows it; a launch that raised before it had an outcome has its
+    settings and `outcome` "failed", and None for everything measured."""
+
+    n: int
+    purpose: str
+    settings: StepSettings
+    outcome: str  # an OutcomeKind value, or "failed"
+    worst_peak_mib: int | None
+    worst_node: str | None
+    rank_peaks_mib: dict[str, int]  # rank (or process) -> its peak
+    device_reader: str | None
+    device_peaks_mib: dict[str, int]  # phase -> the worst device's peak
+    requests_ok: int | None
+    requests_total: int | None
+    oom_text: str | None
+    seconds: float | None
+    overhead_s: float | None
+    log: str | None
+
+
+class V1Step(Step):
+    """One launch of a V1 engine: the r0.1 fields and what the engine's log says of its KV."""
+
+    kv_tokens: int | None
+    kv_gib: float | None
+    device_total_mib: int | None
+    oom_alloc_bytes: int | None
+
+
+# Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
+# values for a derive...) next to `decision` and `reason` (r0.1) or `detail` (V1), exactly as
+# the journal records them.
+Decision = dict[str, Any]
+
+# The Ray cluster stays a dict: it is `RayCollectors.info` as the journal's `cluster` event
+# records it (gcs_address, nodes with node/ranks/local); pretuner.cluster owns its shape.
+Cluster = dict[str, Any]
+
+
+# -- r0.1 (ASCEND_TOTAL_MEMORY_GB / vLLM_MODEL_MEMORY_USE_GB) -----------------------------------
+
+
+class Derivation(Record):
+    """The method's figures, worst rank, rounded as report.md prints them."""
+
+    kv_prerun_gib: float
+    actual_peak_mib: int
+    weights_act_gib: float
+    headroom_gib: float
+    headroom_total_gib: float
+    rounding_cost_gib: float
+    final_util_source: str
+
+
+class Final(Record):
+    """What production runs with."""
+
+    env: dict[str, str]
+    # Server flags by vLLM's long name (underscores): ints, a float util, bools, a dtype; which
+    # flags appear depends on the run (pipeline_parallel_size only above PP1...).
+    flags: dict[str, Any]
+    serve_command: list[str]  # secrets redacted: serve.sh reads them from the environment
+
+
+class ReportProvenance(Record):
+    actual_peak_mib: Provenance
+    final: Literal["derived"]
+
+
+class _OmitNoCluster(Record):
+    """A single-node run's report.json has no `cluster` key at all (not a null).
+
+    The field itself is each subclass's last one: a field declared here would come first.
+    """
+
+    @model_serializer(mode="wrap")
+    def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if getattr(self, "cluster", None) is None:
+            data.pop("cluster", None)
+        return data
+
+
+class Asked(Record):
+    """What the user asked for, beside what the run gives (`given_up` says the difference)."""
+
+    max_model_len: int
+    # V1: --max-num-seqs; r0.1: what the method derived from the pre-run before any validation
+    # taught it otherwise (None: no validation ran).
+    max_num_seqs: int | None
+
+
+class _RunHead(_OmitNoCluster):
+    """The fields every r0.1 report.json starts with, succeeded or failed, in this order."""
+
+    pretuner_version: str
+    run_id: str
+    backend: str
+    simulated: bool
+    model: str
+    model_arg: str
+    card_gib: int
+    card_source: str
+    tp: int
+    pp: int
+    nodes: int
+    weights_format: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    launches: int
+    steps: list[Step]
+    decisions: list[Decision]
+
+
+class RunReport(_RunHead):
+    """report.json of an r0.1 run that finished (validated or not)."""
+
+    validated: bool
+    derivation: Derivation
+    final: Final
+    max_kv_tokens: int
+    max_kv_gib: float
+    provenance: ReportProvenance
+    # Since pretuner 0.1 of 2026-11-25: an earlier report.json lacks them and still reads.
+    asked: Asked | None = None
+    given_up: list[str] = []  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
+    retune_command: list[str] = []  # `pretuner run` with this run's options: the same run again
+    cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
+
+
+class FailureReport(_RunHead):
+    """report.json of an r0.1 run a `PretunerError` stopped: why, the fix, what was done."""
+
+    validated: Literal[False] = False
+    error: str
+    hint: str | None
+    exit_code: int
+    error_type: str
+    server_log: str | None
+    cluster: Cluster | None = None
+
+
+# -- V1 (--kv-cache-memory-bytes) -------------------------------------------------------------
+
+
+class V1Final(Record):
+    """What production runs with, in the engine's own flags."""
+
+    kv_cache_memory_bytes: int | None
+    kv_cache_gib: float
+    kv_tokens: int | None
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    flags: list[str]  # the server's argv after the model
+    env: dict[str, str]
+    notes: list[str]
+    serve_command: list[str]
+    engine_serve_command: list[str] | None  # a simulated run: what the real engine would run
+
+
+class V1Baseline(Record):
+    """What the engine's own profiling gave at the pre-run util (None: it did not profile)."""
+
+    util: float | None
+    kv_tokens: int | None
+    kv_tokens_gain: float | None  # pinned KV tokens / profiled ones
+
+
+class V1Derivation(Record):
+    """The pinned KV from the sampled device peak; `lines` are the printed sums."""
+
+    device_total_mib: int
+    device_peak_mib: int
+    held_kv_mib: float
+    non_kv_peak_mib: float
+    margin_mib: int
+    pinned_kv_mib: int
+    lines: list[str]
+
+
+class V1Report(Record):
+    """report.json of a V1 run that finished (validated or not)."""
+
+    pretuner_version: str
+    run_id: str
+    method: Literal["v1-pinned-kv"] = "v1-pinned-kv"
+    engine: str
+    engine_version: str | None
+    engine_reason: str
+    simulated: bool
+    model: str
+    model_arg: str
+    card_gib: int
+    device_kind: str  # "cpu": --card is a memory budget, not a device
+    tp: int
+    pp: int
+    validated: bool
+    launches: int
+    measured_by: str
+    provenance: Provenance
+    final: V1Final
+    baseline: V1Baseline
+    derivation: V1Derivation | None  # None: no device memory sampled, the profiled KV pinned
+    decisions: list[Decision]
+    steps: list[V1Step]
+    asked: Asked | None = None  # the three: an earlier report.json lacks them and still reads
+    given_up: list[str] = []  # exit 9 when not empty
+    retune_command: list[str] = []  # `pretuner run` with this run's options: the same run again
+
+
+class V1FailureReport(Record):
+    """report.json of a V1 run a `PretunerError` stopped."""
+
+    pretuner_version: str
+    run_id: str
+    method: Literal["v1-pinned-kv"] = "v1-pinned-kv"
+    engine: str
+    engine_reason: str
+    simulated: bool
+    model: str
+    model_arg: str
+    card_gib: int
+    validated: Literal[False] = False
+    launches: int
+    error: str
+    hint: str | None
+    exit_code: int
+    error_type: str
+    server_log: str | None
+    decisions: list[Decision]
+    steps: list[V1Step]

@@ -1,0 +1,154 @@
+"""report.json is a typed record: what a run writes validates back into the same record, an
+unknown key is refused, and the sums a V1 derivation prints add up."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from pretuner.tune.entry import RunOptions, run_tuning
+from pretuner.tune.records import FailureReport, RunReport, V1Report
+from tests.helpers import cli_env, run_cli
+
+pytestmark = pytest.mark.slow
+
+R01 = ("run", "--model", "qwen3-8b", "--card", "64", "--backend", "sim")
+V1 = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+      "--max-model-len", "32768")
+METHODS: dict[str, tuple[tuple[str, ...], type[BaseModel]]] = {
+    "r01": (R01, RunReport),
+    "v1": (V1, V1Report),
+}
+
+
+class CliRun:
+    def __init__(self, out: Path, stdout: str) -> None:
+        self.text = (out / "report.json").read_text()
+        self.rep: dict[str, Any] = json.loads(self.text)
+        self.printed: dict[str, Any] = json.loads(stdout)  # `--json`
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliRun]:
+    runs = {}
+    for name, (args, _) in METHODS.items():
+        out = tmp_path_factory.mktemp(name) / "run"
+        proc = run_cli(*args, "--out", str(out), "--json")
+        assert proc.returncode == 0, proc.stderr
+        runs[name] = CliRun(out, proc.stdout)
+    return runs
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_report_json_of_a_cli_run_round_trips(cli_runs: dict[str, CliRun], name: str) -> None:
+    run, model = cli_runs[name], METHODS[name][1]
+    record = model.model_validate(run.rep)
+    assert model.model_validate_json(run.text) == record
+    assert model.model_validate(run.printed) == record  # `--json` prints the same record
+    dumped = record.model_dump(mode="json")
+    assert list(dumped) == list(run.rep)  # report.json's key order
+    assert json.dumps(dumped, indent=2) + "\n" == run.text  # byte for byte
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_outcome_record_is_what_report_json_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    for key, value in cli_env().items():
+        monkeypatch.setenv(key, value)
+    engine = "vllm" if name == "v1" else "auto"
+    opts = RunOptions(model="qwen3-8b", card_gib=80 if name == "v1" else 64, engine=engine,
+                      backend="auto" if name == "v1" else "sim",
+                      max_model_len=32768 if name == "v1" else None, out=str(tmp_path / "run"))
+    outcome = run_tuning(opts, lambda phase, detail: None)
+    assert isinstance(outcome.report, METHODS[name][1])
+    text = (outcome.record / "report.json").read_text()
+    assert type(outcome.report).model_validate_json(text) == outcome.report
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("where", ["top", "final", "step", "settings"])
+def test_an_unknown_key_is_refused(cli_runs: dict[str, CliRun], name: str, where: str) -> None:
+    rep, model = json.loads(cli_runs[name].text), METHODS[name][1]
+    block = {"top": rep, "final": rep["final"], "step": rep["steps"][0],
+             "settings": rep["steps"][0]["settings"]}[where]
+    block["kv_cache_gb"] = 1  # a typo'd key
+    with pytest.raises(ValidationError, match="kv_cache_gb"):
+        model.model_validate(rep)
+
+
+def test_a_missing_key_is_refused(cli_runs: dict[str, CliRun]) -> None:
+    rep = json.loads(cli_runs["v1"].text)
+    del rep["final"]["kv_tokens"]
+    with pytest.raises(ValidationError, match="kv_tokens"):
+        V1Report.model_validate(rep)
+
+
+def test_a_record_is_frozen(cli_runs: dict[str, CliRun]) -> None:
+    record = V1Report.model_validate(cli_runs["v1"].rep)
+    with pytest.raises(ValidationError):
+        record.validated = False  # type: ignore[misc]
+
+
+def test_a_single_node_report_has_no_cluster_key_and_a_cluster_comes_last(
+    cli_runs: dict[str, CliRun],
+) -> None:
+    rep = cli_runs["r01"].rep
+    assert "cluster" not in RunReport.model_validate(rep).model_dump(mode="json")
+    cluster = {"gcs_address": "10.0.0.1:6379", "nodes": [{"node": "a", "ranks": 8, "local": True}]}
+    dumped = RunReport.model_validate({**rep, "cluster": cluster}).model_dump(mode="json")
+    assert list(dumped)[-1] == "cluster"
+    assert dumped["cluster"] == cluster
+
+
+def test_a_failure_report_validates(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len",
+                   "40960", "--min-model-len", "40960", "--out", str(out))  # does not fit
+    assert proc.returncode == 4, proc.stderr
+    rep = json.loads((out / "report.json").read_text())
+    record = FailureReport.model_validate(rep)
+    assert record.model_dump(mode="json") == rep
+    assert record.error_type == "InfeasibleError"
+
+
+# -- the printed arithmetic -----------------------------------------------------------------
+
+MIB_FIGURE = re.compile(r"([\d,]+(?:\.\d+)?) MiB")
+
+
+def _figure(text: str) -> float:
+    m = MIB_FIGURE.search(text)
+    assert m is not None, text
+    return float(m.group(1).replace(",", ""))
+
+
+def _sum_of(line: str) -> tuple[float, float]:
+    """`name = a MiB - b MiB ... = result MiB`: (a - b ..., result)."""
+    _, expression, result = line.split(" = ", 2)
+    first, *rest = re.split(r" ([-+]) ", expression)  # "non-KV" has no spaces round its dash
+    total = _figure(first)
+    for sign, term in zip(rest[::2], rest[1::2], strict=True):
+        total += -_figure(term) if sign == "-" else _figure(term)
+    return total, _figure(result)
+
+
+def test_every_printed_sum_of_the_v1_derivation_adds_up(cli_runs: dict[str, CliRun]) -> None:
+    d = V1Report.model_validate(cli_runs["v1"].rep).derivation
+    assert d is not None
+    assert len(d.lines) == 2
+    for line in d.lines:
+        total, result = _sum_of(line)
+        if line.endswith("rounded down to a MiB"):
+            assert result <= total + 0.1 < result + 1.1, line  # inputs printed to 0.1 MiB
+        else:
+            assert total == pytest.approx(result, abs=0.15), line
+    # and the figures are the record's
+    assert _sum_of(d.lines[0]) == pytest.approx(
+        (d.device_peak_mib - d.held_kv_mib, d.non_kv_peak_mib), abs=0.1)
+    assert _sum_of(d.lines[1])[1] == d.pinned_kv_mib

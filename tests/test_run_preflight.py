@@ -1,0 +1,56 @@
+"""Before a run folder exists: the real engine must be installed, and it gets a model it can load."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pretuner.models import resolve
+from pretuner.tune.backends import Backend
+from pretuner.tune.entry import server_model_arg
+from tests.helpers import cli_env, run_cli
+
+REAL = ("run", "--model", "qwen3-8b", "--backend", "vllm-mindspore", "--card", "64")
+
+
+def test_a_registry_name_goes_to_a_real_server_as_its_hugging_face_id(tmp_path: Path) -> None:
+    spec = resolve("qwen3-8b")
+    assert server_model_arg("qwen3-8b", spec, Backend.VLLM_MINDSPORE) == "Qwen/Qwen3-8B"
+    assert server_model_arg(str(tmp_path), spec, Backend.VLLM_MINDSPORE) == str(tmp_path)
+    assert server_model_arg("qwen3-8b", spec, Backend.SIM) == "qwen3-8b"
+    assert server_model_arg("qwen3-8b", spec, Backend.MINDSPORE_CPU) == "qwen3-8b"
+
+
+def _path_with_python(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    return cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_missing_engine_is_refused_before_the_run_folder(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli(*REAL, "--out", str(out), env=_path_with_python(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot import 'vllm_mindspore'" in proc.stderr
+    assert "--backend sim" in proc.stderr
+    assert not out.exists()
+
+
+def test_a_missing_server_program_is_refused(tmp_path: Path) -> None:
+    env = cli_env(PATH=str(tmp_path))  # no python3 at all
+    proc = run_cli(*REAL, "--out", str(tmp_path / "run"), env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "'python3' is not on PATH" in proc.stderr
+
+
+def test_with_the_engine_installed_the_launch_names_the_hf_id(tmp_path: Path) -> None:
+    pkg = tmp_path / "site" / "vllm_mindspore"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    env = _path_with_python(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    proc = run_cli(*REAL, "--dry-run", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "--model Qwen/Qwen3-8B" in proc.stdout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gzip
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +39,11 @@ class AnalyzeConfig:
     paths: tuple[Path, ...]
     model: ModelSpec | None  # the r0.1 method needs it; a V1 log can derive bytes/token
     card_gib: int | None = None  # default: the card size the log printed
-    util: float = 0.9
-    model_use_gib: int = 50
-    max_model_len: int = 16384
+    # The r0.1 pre-run's settings: a log does not say them; None: the method's defaults, said
+    # as assumed in every output (`ASSUMED`).
+    util: float | None = None
+    model_use_gib: int | None = None
+    max_model_len: int | None = None
     tp: int | None = None  # default: the number of ranks found in the logs
     pp: int = 1
     kv_cache_dtype: str = "auto"
@@ -50,6 +52,30 @@ class AnalyzeConfig:
     max_num_batched_tokens: int | None = None
     memory_series: Path | None = None  # V1: an NVML series or nvidia-smi CSV of the run
     card_total_mib: int | None = None  # V1: the device total (default: the nvidia-smi CSV's)
+
+
+# The seed's pre-run settings, used where the user gave none: (flag, field, value).
+ASSUMED = (("--util", "util", 0.9), ("--model-use-gb", "model_use_gib", 50),
+           ("--max-model-len", "max_model_len", 16384))
+
+
+def assumed_settings(cfg: AnalyzeConfig) -> dict[str, float]:
+    """The pre-run settings not given, as `flag -> the method's default` it takes for them."""
+    return {flag: value for flag, name, value in ASSUMED if getattr(cfg, name) is None}
+
+
+def prerun_settings(cfg: AnalyzeConfig) -> dict[str, float]:
+    """The pre-run's util, model-use and max_model_len: as given, else the method's."""
+    return {name: value if getattr(cfg, name) is None else getattr(cfg, name)
+            for _, name, value in ASSUMED}
+
+
+def assumed_line(assumed: dict[str, float]) -> str | None:
+    if not assumed:
+        return None
+    given = ", ".join(f"{flag} {value:g}" for flag, value in assumed.items())
+    return (f"assumed, not given: {given} (the method's pre-run; the log does not say them): "
+            "if the pre-run used others, pass them, the derivation depends on them")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +89,7 @@ class AnalyzeResult:
     tp_source: str  # "given" or "derived" (ranks with a pool dump, truncated ones included)
     kv_bytes_per_token: int
     derivation: Derivation
+    assumed: dict[str, float] = field(default_factory=dict)  # flag -> value not given
 
     def to_json(self) -> dict[str, Any]:
         d = self.derivation
@@ -107,7 +134,9 @@ class AnalyzeResult:
             "final_kv_tokens": d.final.kv_tokens,
             "env": d.final.env,
             "flags": d.final.flags,
+            "assumed": self.assumed,
             "provenance": {
+                "prerun_settings": "assumed" if self.assumed else "given",
                 "actual_peak_mib": (
                     "measured, without the truncated dumps" if self.scan.truncated else "measured"
                 ),
@@ -238,15 +267,16 @@ def _method(cfg: AnalyzeConfig, scan: ScanResult) -> AnalyzeResult:
     else:
         tp, tp_source = max(1, len(dumped_ranks(scan))), "derived"
     bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+    prerun = prerun_settings(cfg)
     derivation = derive(
         PrerunInputs(
             card_gib=card,
-            util=cfg.util,
-            model_use_gib=cfg.model_use_gib,
+            util=float(prerun["util"]),
+            model_use_gib=int(prerun["model_use_gib"]),
             actual_peak_mib=worst.actual_peak_mib,
             kv_bytes_per_token=bpt,
             block_size=cfg.block_size,
-            max_model_len=cfg.max_model_len,
+            max_model_len=int(prerun["max_model_len"]),
             headroom_gib=cfg.headroom_gib,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             per_seq_bytes=per_sequence_bytes(cfg.model.vocab_size),
@@ -262,4 +292,5 @@ def _method(cfg: AnalyzeConfig, scan: ScanResult) -> AnalyzeResult:
         tp_source=tp_source,
         kv_bytes_per_token=bpt,
         derivation=derivation,
+        assumed=assumed_settings(cfg),
     )

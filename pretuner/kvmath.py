@@ -10,7 +10,8 @@ import math
 from pretuner.errors import BadInputError
 from pretuner.models.spec import DTYPE_BYTES, AttentionKind, ModelSpec
 
-KV_DTYPES = ("auto", "bf16", "fp16", "int8", "fp8", "int8-mla")
+# vLLM's fp8 variants keep their names: the server gets what the user chose (1 byte each).
+KV_DTYPES = ("auto", "bf16", "fp16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "int8-mla")
 
 # MindSpore's int8 MLA cache keeps the 512-wide latent in int8 and the 64-wide rope part in
 # bf16: 512 * 1 + 64 * 2 = 640 bytes per layer for DeepSeek-V3/R1.

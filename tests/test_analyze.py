@@ -131,3 +131,24 @@ def test_missing_path(tmp_path: Path) -> None:
     proc = run_cli("analyze", str(tmp_path / "nope.log"), *SEED_ARGS)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr
+
+
+def test_pre_run_settings_not_given_are_said_as_assumed(tmp_path: Path) -> None:
+    """The log does not say the pre-run's util, model-use or length: never silently assumed."""
+    log = write_log(tmp_path / "server.log", {4242: 29614})
+    base = ["--model", "deepseek-v3", "--card", "64", "--tp", "1"]
+    text = run_cli("analyze", str(log), *base)
+    assert text.returncode == 0, text.stderr
+    assert ("warning: assumed, not given: --util 0.9, --model-use-gb 50, --max-model-len 16384"
+            in text.stdout)
+    as_json = run_cli("analyze", str(log), *base, "--util", "0.9", "--json")
+    data = json.loads(as_json.stdout)
+    assert data["assumed"] == {"--model-use-gb": 50, "--max-model-len": 16384}
+    assert data["provenance"]["prerun_settings"] == "assumed"
+    assert "assumed, not given: --model-use-gb 50" in as_json.stderr
+    # The same figures as when they are given: the defaults are the method's.
+    assert data["max_kv_tokens"] == json.loads(
+        run_cli("analyze", str(log), *SEED_ARGS, "--json").stdout)["max_kv_tokens"]
+    given = run_cli("analyze", str(log), *SEED_ARGS)
+    assert "assumed" not in given.stdout
+    assert "assumed" not in given.stderr

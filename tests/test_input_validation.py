@@ -28,7 +28,7 @@ BAD_RUN_FLAGS = [
     (["--stop-grace", "nan"], "--stop-grace nan"),
     (["--stop-grace", "-1"], "--stop-grace -1"),
     (["--block-size", "7"], "--block-size 7"),
-    (["--kv-cache-dtype", "foo"], "--kv-cache-dtype 'foo'"),
+    (["--kv-cache-dtype", "foo"], "'--kv-cache-dtype': Value error, 'foo' is not one of"),
     (["--pp", "0"], "--pp 0"),
     (["--tp", "0"], "--tp 0"),
     (["--card", "1000000000"], "--card 1000000000"),

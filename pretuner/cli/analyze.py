@@ -9,10 +9,17 @@ from pathlib import Path
 import typer
 
 from pretuner import validate as v
-from pretuner.analyze import AnalyzeConfig, AnalyzeResult, analyze_logs, dumped_ranks
+from pretuner.analyze import (
+    AnalyzeConfig,
+    AnalyzeResult,
+    analyze_logs,
+    assumed_line,
+    dumped_ranks,
+)
 from pretuner.analyze_v1_result import V1Analysis
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
+from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
 from pretuner.derivation_text import derivation_lines
 from pretuner.envfile import env_file_text
 from pretuner.files import write_atomic
@@ -24,7 +31,15 @@ from pretuner.units import GIB, MIB
 MAX_CARD_TOTAL_MIB = v.MAX_CARD_GIB * 1024
 
 
-@app.command("analyze")
+@app.command(
+    "analyze",
+    short_help="Derive the configuration from a pre-run's logs (no launch).",
+    epilog="""\b
+Examples:
+  pretuner analyze server.log --model qwen3-8b --card 64 --util 0.9 --model-use-gb 50
+  pretuner analyze glog_dir/ --model deepseek-v3 --json
+  pretuner analyze vllm.log --memory-series nvml.tsv --card-total-mib 81559""",
+)
 def analyze_cmd(
     logs: list[Path] = typer.Argument(
         ..., help="Log files, per-rank log folders, or .gz files (of one run)."
@@ -49,22 +64,27 @@ def analyze_cmd(
     card: int | None = typer.Option(
         None, "--card", help="r0.1 logs: card GiB (default: from the log)."
     ),
-    util: float = typer.Option(
-        0.9, "--util", help="r0.1 logs: --gpu-memory-utilization of the pre-run."
+    util: float | None = typer.Option(
+        None, *UTIL_FLAGS,
+        help="r0.1 logs: --gpu-memory-utilization of the pre-run (not given: 0.9, said as "
+        "assumed).",
     ),
-    model_use_gb: int = typer.Option(
-        50, "--model-use-gb", help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run."
+    model_use_gb: int | None = typer.Option(
+        None, "--model-use-gb",
+        help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run (not given: 50, said as "
+        "assumed).",
     ),
-    max_model_len: int = typer.Option(
-        16384, "--max-model-len",
-        help="r0.1 logs: the pre-run's max_model_len (V1: read from the log).",
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", parser=human_int,
+        help="r0.1 logs: the pre-run's max_model_len (not given: 16384, said as assumed; "
+        "V1: read from the log).",
     ),
     tp: int | None = typer.Option(
-        None, "--tp", help="Tensor parallel size (default: ranks found; V1: the log's)."
+        None, *TP_FLAGS, help="Tensor parallel size (default: ranks found; V1: the log's)."
     ),
-    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size (V1 default: the log's)."),
-    kv_cache_dtype: str = typer.Option(
-        "auto", "--kv-cache-dtype", help="auto|bf16|fp16|int8|fp8|int8-mla."
+    pp: int = typer.Option(1, *PP_FLAGS, help="Pipeline parallel size (V1 default: the log's)."),
+    kv_cache_dtype: KvDtype = typer.Option(
+        KvDtype.AUTO, "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
     ),
     block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens."),
     headroom_gb: float = typer.Option(
@@ -79,7 +99,8 @@ def analyze_cmd(
 ) -> None:
     """Derive the memory configuration from a server's logs.
 
-    A MindSpore r0.1 log (pool dumps): every rank's `actual peak used` and the seed 003 method.
+    A MindSpore r0.1 log (pool dumps): every rank's `actual peak used` and the documented
+    pre-run method (vLLM-MindSpore's guide).
     A V1 engine log (vLLM >= 0.8 on CUDA/CPU, vllm-ascend, vLLM-MindSpore >= 0.3): what the run
     shows and the --kv-cache-memory-bytes to try; with --memory-series and the device total,
     what the card could hold.
@@ -91,7 +112,8 @@ def analyze_cmd(
     if tp is not None:
         v.int_range("--tp", tp, 1)
     v.int_range("--pp", pp, 1)
-    v.finite("--util", util, example="0.9")
+    if util is not None:
+        v.finite("--util", util, example="0.9")
     v.non_negative("--headroom-gb", headroom_gb, example="1")
     v.choice("--block-size", block_size, v.BLOCK_SIZES)
     cfg = AnalyzeConfig(
@@ -103,7 +125,7 @@ def analyze_cmd(
         max_model_len=max_model_len,
         tp=tp,
         pp=pp,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_dtype(kv_cache_dtype),
         block_size=block_size,
         headroom_gib=headroom_gb,
         memory_series=memory_series,
@@ -127,6 +149,9 @@ def analyze_cmd(
         echo_json(data)
         for cut in result.scan.truncated:
             typer.echo(f"pretuner: warning: {cut.describe()}", err=True)
+        said = assumed_line(result.assumed)
+        if said is not None:
+            typer.echo(f"pretuner: warning: {said}", err=True)
         return
     typer.echo(render_analysis(result))
     if out is not None:
@@ -155,6 +180,9 @@ def render_analysis(r: AnalyzeResult) -> str:
         )
     lines.append("")
     lines += derivation_lines(r.derivation, card_source=r.card_source)
+    said = assumed_line(r.assumed)
+    if said is not None:
+        lines += ["", f"warning: {said}"]
     return "\n".join(lines)
 
 

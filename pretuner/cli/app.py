@@ -11,11 +11,22 @@ from typing import Any
 import typer
 
 from pretuner import __version__
+from pretuner.cli.render import echo_json
 from pretuner.errors import ExitCode, PretunerError, RunInterrupted
 
 app = typer.Typer(
     name="pretuner",
     help="Measure an LLM server's memory and derive the largest configuration that is safe.",
+    epilog="""\b
+Examples:
+  pretuner run --model qwen3-8b --card 64          tune (emulated card if no NPU)
+  pretuner run -m qwen3-8b --engine vllm --max-model-len 32K         a V1 engine
+  pretuner plan --model deepseek-v3 --card 64      predict, launch nothing
+  pretuner analyze server.log -m qwen3-8b          derive from your own pre-run
+  pretuner script runs/<run> --out deploy/         the files for production
+
+Exit codes: 0 success, 2 bad input, 3 nothing found, 4 infeasible, 5 server failed,
+6 not validated, 7 Ray cluster, 8 card busy, 130 interrupted (README: Exit codes).""",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -55,6 +66,24 @@ def _root(
 def fail(message: str, code: ExitCode) -> None:
     typer.echo(f"pretuner: error: {message}", err=True)
     raise SystemExit(int(code))
+
+
+def error_json(err: PretunerError) -> dict[str, Any]:
+    """What every command prints on stdout under `--json` when it fails: the error, and for
+    `run` the failure report when the run got as far as its run folder."""
+    head = {
+        "error": err.message,
+        "hint": err.hint,
+        "exit_code": int(err.exit_code),
+        "error_type": type(err).__name__,
+        "run_record": str(err.run_record) if err.run_record is not None else None,
+    }
+    return {**head, **{k: v for k, v in (err.report or {}).items() if k not in head}}
+
+
+def wants_json(argv: list[str]) -> bool:
+    """`--json` among the command's own flags (not after `--`)."""
+    return "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
 
 
 GLOBAL_FLAGS = ("--debug", "--verbose", "-v")
@@ -103,19 +132,44 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
 def main() -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code.
 
-    Usage errors (exit 2) and --help are typer's own. Typer turns a bare Ctrl-C into a silent
-    exit 130; `run` raises `RunInterrupted` instead, printed here with the resume command.
-    With --debug a `PretunerError` prints its traceback first and keeps its exit code.
+    A usage error (a flag or value the command does not take) is one line too, exit 2. A bare
+    Ctrl-C exits 130; `run` raises `RunInterrupted` instead, printed here with the resume
+    command. With --debug a `PretunerError` prints its traceback first and keeps its exit code.
+    Under --json every failure also prints its JSON object on stdout.
     """
+    args = hoist_global_flags(sys.argv[1:])
     try:
-        app(args=hoist_global_flags(sys.argv[1:]))
+        code = app(args=args, prog_name="pretuner", standalone_mode=False)
     except RunInterrupted as err:
         typer.echo(f"pretuner: {err}", err=True)  # "interrupted; resume with: ..."
         raise SystemExit(int(err.exit_code)) from None
     except PretunerError as err:
+        if wants_json(args):  # a script reads the failure as it reads a result
+            echo_json(error_json(err))
         if state.debug:  # the traceback, and still the documented exit code
             traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
         fail(str(err), err.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, typer.Abort):  # click turns a Ctrl-C into Abort
         typer.echo("pretuner: interrupted", err=True)
         raise SystemExit(int(ExitCode.INTERRUPTED)) from None
+    except typer.TyperException as err:  # click's usage errors (typer may carry its own click)
+        usage_error(err, args)
+    if isinstance(code, int) and code:
+        raise SystemExit(code)
+
+
+def usage_error(err: Exception, args: list[str]) -> None:
+    """A flag or value the command does not take: one line naming it and where help is."""
+    message = err.format_message() if hasattr(err, "format_message") else str(err)
+    if message.startswith("Usage:"):  # a group or command given nothing: its help, as click does
+        typer.echo(message, err=True)
+        raise SystemExit(int(getattr(err, "exit_code", ExitCode.BAD_INPUT)))
+    message = message.rstrip(".")
+    ctx = getattr(err, "ctx", None)
+    where = getattr(ctx, "command_path", None) or "pretuner"
+    code = int(getattr(err, "exit_code", ExitCode.BAD_INPUT))
+    if wants_json(args):
+        echo_json({"error": message, "hint": f"see `{where} --help`", "exit_code": code,
+                   "error_type": type(err).__name__, "run_record": None})
+    typer.echo(f"pretuner: error: {message}; see `{where} --help`", err=True)
+    raise SystemExit(code)

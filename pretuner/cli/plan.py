@@ -6,6 +6,7 @@ import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
+from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models import resolve
 from pretuner.plan import PlanConfig, PlanResult, plan
@@ -13,20 +14,29 @@ from pretuner.presets.compare import preset_line
 from pretuner.units import GIB
 
 
-@app.command("plan")
+@app.command(
+    "plan",
+    short_help="Predict weights, KV cache and max-num-seqs per card (no launch).",
+    epilog="""\b
+Examples:
+  pretuner plan --model deepseek-v3 --card 64
+  pretuner plan --model qwen3-8b --card 24 --max-model-len 32K --kv-cache-dtype fp8 --json""",
+)
 def plan_cmd(
     model: str = typer.Option(
         ..., "--model", "-m", help="Registry name, alias, or local HF folder."
     ),
     card: int = typer.Option(..., "--card", help="Card memory in GiB (ASCEND_TOTAL_MEMORY_GB)."),
-    util: float = typer.Option(0.9, "--util", help="--gpu-memory-utilization."),
-    max_model_len: int = typer.Option(16384, "--max-model-len", help="Tokens per request."),
-    tp: int | None = typer.Option(None, "--tp", help="Tensor parallel size (default: chosen)."),
-    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size."),
+    util: float = typer.Option(0.9, *UTIL_FLAGS, help="--gpu-memory-utilization."),
+    max_model_len: int = typer.Option(
+        16384, "--max-model-len", parser=human_int, help="Tokens per request (32K, 32k...)."
+    ),
+    tp: int | None = typer.Option(None, *TP_FLAGS, help="Tensor parallel size (default: chosen)."),
+    pp: int = typer.Option(1, *PP_FLAGS, help="Pipeline parallel size."),
     nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: from TP x PP)."),
     cards_per_node: int = typer.Option(8, "--cards-per-node", help="Cards per node."),
-    kv_cache_dtype: str = typer.Option(
-        "auto", "--kv-cache-dtype", help="auto|bf16|fp16|int8|fp8|int8-mla."
+    kv_cache_dtype: KvDtype = typer.Option(
+        KvDtype.AUTO, "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
     ),
     block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens (r0.1: 16)."),
     weights_format: str | None = typer.Option(
@@ -50,7 +60,7 @@ def plan_cmd(
         pp=pp,
         nodes=nodes,
         cards_per_node=cards_per_node,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_dtype(kv_cache_dtype),
         block_size=block_size,
         weights_format=weights_format,
         headroom_gib=headroom_gb,

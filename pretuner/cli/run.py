@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from pretuner.cli.app import app
+from pretuner.cli.progress import Progress
 from pretuner.cli.render import echo_json, table
-from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary
-from pretuner.errors import BadInputError, PretunerError, RunInterrupted
+from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
+from pretuner.cli.vocab import (
+    CONFIG_EXTRA,
+    PP_FLAGS,
+    TP_FLAGS,
+    UTIL_FLAGS,
+    KvDtype,
+    config_callback,
+    human_int,
+    kv_dtype,
+)
+from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 from pretuner.launch.groups import report_stops_to
 from pretuner.launch.process import install_signal_handlers
 from pretuner.presets.compare import preset_line
@@ -23,6 +34,7 @@ from pretuner.tune.entry import (
     engine_for,
     run_tuning,
 )
+from pretuner.tune.records import Cluster, Step
 from pretuner.tune.v1.entry import V1RunOutcome
 from pretuner.units import GIB
 
@@ -39,44 +51,47 @@ RAY_DRY_RUN = (
 )
 
 
-class Progress:
-    """One line per phase on stderr, with the time since the run started."""
+@app.command(
+    "run",
+    short_help="Pre-run, derive, validate under full load, write the start files.",
+    epilog="""\b
+Examples:
+  pretuner run --model qwen3-8b --card 64                  r0.1 (emulated card if no NPU)
+  pretuner run -m qwen3-8b --engine vllm --max-model-len 32K --max-num-seqs 64
+  pretuner run --config serve.yaml --engine vllm           your `vllm serve --config` file
+  pretuner run -m ./my-model --engine vllm-cpu --card 6   real vLLM on CPU, 6 GiB budget
+  pretuner run --resume runs/<run>                         go on after Ctrl-C
 
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.t0 = time.monotonic()
-        self.launch = 0
-
-    def __call__(self, phase: str, detail: str) -> None:
-        if phase == "launch":
-            self.launch += 1
-        if self.quiet:
-            return
-        elapsed = time.monotonic() - self.t0
-        tag = f"#{self.launch}" if self.launch else "  "
-        typer.echo(f"[{elapsed:7.1f}s] {tag:>3} {phase:<7} {detail}", err=True)
-
-
-@app.command("run")
+\b
+Exit codes: 0 validated as asked, 9 validated but shorter or fewer sequences than asked,
+6 nothing validated, 2 bad input, 4 infeasible, 5 server failed, 8 card busy, 130 interrupted.""",
+)
 def run_cmd(
     ctx: typer.Context,
     model: str | None = typer.Option(
-        None, "--model", "-m", help="Registry name, alias, or model path the server loads."
+        None,
+        "--model",
+        "-m",
+        metavar="MODEL",
+        help="Registry name, alias, or model path the server loads.",
     ),
     card: int | None = typer.Option(
         None,
         "--card",
+        metavar="GIB",
         help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
         "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
     ),
     backend: str = typer.Option(
         "auto",
         "--backend",
+        metavar="NAME",
         help="auto | vllm-mindspore | sim | mindspore-cpu (real MindSpore on CPU; never auto).",
     ),
     engine: str = typer.Option(
         "auto",
         "--engine",
+        metavar="NAME",
         help="auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. "
         "A V1 engine (all but r01) gets its KV cache pinned with --kv-cache-memory-bytes; "
         "without its stack or devices the emulated vLLM server runs (simulated figures).",
@@ -84,87 +99,126 @@ def run_cmd(
     max_num_seqs: int | None = typer.Option(
         None,
         "--max-num-seqs",
+        metavar="N",
         help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
     ),
     max_num_batched_tokens: int | None = typer.Option(
         None,
         "--max-num-batched-tokens",
-        help="V1 engines: production's prefill step budget (default: the engine's, 8192 on "
-        "vLLM).",
+        metavar="TOKENS",
+        parser=human_int,
+        help="V1 engines: production's prefill step budget (default: the engine's, 8192 on vLLM).",
     ),
     server_arg: list[str] = typer.Option(
         [],
         "--server-arg",
+        metavar="FLAGS",
         help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
         "value is shell-split), e.g. --server-arg '--load-format dummy'.",
     ),
     max_model_len: int | None = typer.Option(
         None,
         "--max-model-len",
+        metavar="TOKENS",
+        parser=human_int,
         help="Longest request to support (default 16384; 1024 on mindspore-cpu).",
     ),
     min_model_len: int | None = typer.Option(
         None,
         "--min-model-len",
+        metavar="TOKENS",
+        parser=human_int,
         help="Shortest length the fallback may go to (default 4096; 256 on mindspore-cpu).",
     ),
     util: float = typer.Option(
-        0.9, "--util", help="Pre-run --gpu-memory-utilization (the method's 0.9)."
+        0.9,
+        *UTIL_FLAGS,
+        metavar="FRACTION",
+        help="Pre-run --gpu-memory-utilization (the method's 0.9).",
     ),
     tp: int | None = typer.Option(
-        None, "--tp", help="Tensor parallel size (default: chosen by plan)."
+        None, *TP_FLAGS, metavar="N", help="Tensor parallel size (default: chosen by plan)."
     ),
-    pp: int = typer.Option(1, "--pp", help="Pipeline parallel size."),
-    nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: from the layout)."),
-    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens (r0.1: 16)."),
-    kv_cache_dtype: str = typer.Option(
-        "auto", "--kv-cache-dtype", help="auto|bf16|fp16|int8|fp8|int8-mla."
+    pp: int = typer.Option(1, *PP_FLAGS, metavar="N", help="Pipeline parallel size."),
+    nodes: int | None = typer.Option(
+        None, "--nodes", metavar="N", help="Nodes (default: from the layout)."
+    ),
+    block_size: int = typer.Option(
+        16, "--block-size", metavar="TOKENS", help="KV block size in tokens (r0.1: 16)."
+    ),
+    kv_cache_dtype: KvDtype = typer.Option(
+        KvDtype.AUTO,
+        "--kv-cache-dtype",
+        help="KV cache dtype (vLLM's names too: bfloat16, float16, fp8_e4m3...).",
     ),
     weights_format: str | None = typer.Option(
-        None, "--weights-format", help="Checkpoint format (bf16, w8a8...)."
+        None, "--weights-format", metavar="FORMAT", help="Checkpoint format (bf16, w8a8...)."
     ),
     headroom_gb: float | None = typer.Option(
         None,
         "--headroom-gb",
+        metavar="GIB",
         help="Base GiB added to measured weights+activations (default: 64 MiB + 2% of the "
         "measured activations + the spread between ranks; per-sequence headroom on top).",
     ),
     reserve_gb: float | None = typer.Option(
-        None, "--reserve-gb", help="GiB kept free below the card's free memory."
+        None, "--reserve-gb", metavar="GIB", help="GiB kept free below the card's free memory."
     ),
     model_use_gb: int | None = typer.Option(
         None,
         "--model-use-gb",
+        metavar="GIB",
         help="Pin the pre-run's vLLM_MODEL_MEMORY_USE_GB (default: the most the length allows).",
     ),
-    max_launches: int = typer.Option(8, "--max-launches", help="Most server launches to spend."),
+    max_launches: int = typer.Option(
+        8, "--max-launches", metavar="N", help="Most server launches to spend."
+    ),
     validate: bool = typer.Option(
         True, "--validate/--no-validate", help="Prove the result under full load."
     ),
     serve_cmd: str | None = typer.Option(
-        None, "--serve-cmd", help="Server command to use instead of the backend's."
+        None,
+        "--serve-cmd",
+        metavar="COMMAND",
+        help="Server command to use instead of the backend's.",
     ),
     out: str | None = typer.Option(  # a str: typer reads '' as Path('.'), the current folder
-        None, "--out", help="Run folder (default: a new one under runs/)."
+        None, "--out", metavar="DIR", help="Run folder (default: a new one under runs/)."
     ),
     resume: Path | None = typer.Option(
-        None, "--resume", help="Continue an interrupted run folder."
+        None, "--resume", metavar="RUN", help="Continue an interrupted run folder."
     ),
-    seed: int = typer.Option(0, "--seed", help="Probe prompt seed (and the emulated card's seed)."),
+    seed: int = typer.Option(
+        0, "--seed", metavar="N", help="Probe prompt seed (and the emulated card's seed)."
+    ),
     ready_timeout: float = typer.Option(
-        1800.0, "--ready-timeout", help="Seconds to wait for /health."
+        1800.0, "--ready-timeout", metavar="SECONDS", help="Seconds to wait for /health."
     ),
     stop_grace: float = typer.Option(
-        120.0, "--stop-grace", help="Seconds between SIGTERM and SIGKILL."
+        120.0, "--stop-grace", metavar="SECONDS", help="Seconds between SIGTERM and SIGKILL."
     ),
     request_timeout: float = typer.Option(
-        900.0, "--request-timeout", help="Seconds one probe or load request may take."
+        900.0,
+        "--request-timeout",
+        metavar="SECONDS",
+        help="Seconds one probe or load request may take.",
     ),
     ray_address: str | None = typer.Option(
         None,
         "--ray-address",
+        metavar="HOST:PORT",
         help="Multi-node: the Ray cluster (HOST:PORT or auto) to place the ranks on and "
         "gather every node's logs from (needs the `ray` extra).",
+    ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        metavar="FILE",
+        is_eager=True,
+        callback=config_callback,
+        help="A `vllm serve --config` YAML: its max-model-len, gpu-memory-utilization, "
+        "tensor-parallel-size... become this run's values (a flag given here wins); other keys "
+        "go to a V1 engine's server.",
     ),
     dry: bool = typer.Option(False, "--dry-run", help="Print the first launch and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
@@ -184,7 +238,7 @@ def run_cmd(
         engine=engine,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        server_args=list(server_arg),
+        server_args=[*ctx.meta.get(CONFIG_EXTRA, []), *server_arg],
         card_gib=card,
         util=util,
         max_model_len=max_model_len,
@@ -193,7 +247,7 @@ def run_cmd(
         pp=pp,
         nodes=nodes,
         block_size=block_size,
-        kv_cache_dtype=kv_cache_dtype,
+        kv_cache_dtype=kv_dtype(kv_cache_dtype),
         weights_format=weights_format,
         headroom_gib=headroom_gb,
         reserve_gib=reserve_gb,
@@ -208,6 +262,13 @@ def run_cmd(
         request_timeout_s=request_timeout,
         ray_address=ray_address,
     )
+    if dry and as_json:
+        echo_json(
+            v1_dry_run_json(opts)
+            if engine_for(opts) is not None
+            else dry_run_json(dry_run(opts), ray_address)
+        )
+        return
     if dry and engine_for(opts) is not None:
         typer.echo(render_v1_dry_run(opts))
         return
@@ -217,27 +278,29 @@ def run_cmd(
             typer.echo(RAY_DRY_RUN.format(address=ray_address))
         return
     restore = install_signal_handlers()
-    progress = Progress(quiet=as_json)
+    # Progress goes to stderr under --json too: stdout carries the JSON alone.
+    progress = Progress(sys.stderr, max_launches)
     unreport = report_stops_to(lambda message: progress("stop", message))
     try:
         outcome = run_tuning(opts, progress, resume=resume)
     except KeyboardInterrupt:  # before the run had a folder; after, it is a RunInterrupted
         raise RunInterrupted(None) from None
-    except PretunerError as err:
-        if as_json:
-            echo_json(error_json(err))
-        raise  # the error boundary prints the one-line error and exits with its code
+    # A PretunerError goes to the error boundary (pretuner.cli.app.main): one line on stderr,
+    # its exit code, and under --json the error object on stdout.
     finally:
+        progress.close()
         unreport()
         restore()
     if as_json:
-        echo_json(outcome.report)
+        echo_json(outcome.report.model_dump(mode="json"))  # report.json, as written
     elif isinstance(outcome, V1RunOutcome):
         typer.echo(render_v1_summary(outcome))
     else:
         typer.echo(render_summary(outcome))
     if not outcome.result.validated and opts.validate:
-        raise typer.Exit(6)
+        raise typer.Exit(int(ExitCode.NOT_VALIDATED))
+    if outcome.report.given_up:
+        raise typer.Exit(int(ExitCode.LESS_THAN_ASKED))
 
 
 # Flags that do not change the run, so a --resume may carry them.
@@ -256,8 +319,7 @@ def refuse_flags_with_resume(ctx: typer.Context, dry: bool) -> None:
     given = [
         flags.get(name, name)
         for name in ctx.params
-        if name not in RESUME_FLAGS
-        and _given(ctx, name)
+        if name not in RESUME_FLAGS and _given(ctx, name)
     ]
     if given:
         raise BadInputError(
@@ -273,17 +335,22 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
 
 
-def error_json(err: PretunerError) -> dict[str, Any]:
-    """What `run --json` prints on a failure: the error, and the failure report when the run
-    got as far as its run folder."""
-    head = {
-        "error": err.message,
-        "hint": err.hint,
-        "exit_code": int(err.exit_code),
-        "error_type": type(err).__name__,
-        "run_record": str(err.run_record) if err.run_record is not None else None,
+def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
+    """`run --dry-run --json` for the r0.1 method: what the first launch would be, as data."""
+    shown = d.command.redacted()
+    return {
+        "dry_run": True,
+        "method": "r0.1",
+        "backend": d.backend.backend.value,
+        "backend_reason": d.backend.reason,
+        "simulated": d.backend.simulated,
+        "card_gib": d.card.card_gib,
+        "card_source": d.card.source,
+        "free_mib": d.card.free_mib,
+        "layout": d.layout_reason,
+        "ray_address": ray_address,
+        "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
     }
-    return {**head, **{k: v for k, v in (err.report or {}).items() if k not in head}}
 
 
 def render_dry_run(d: DryRun) -> str:
@@ -307,19 +374,22 @@ def render_summary(o: RunOutcome) -> str:
     rep = o.report
     f = o.result.derivation.final
     lines = []
-    if rep["simulated"]:
+    if rep.simulated:
         lines.append(SIM_BANNER)
-    status = "VALIDATED under full load" if rep["validated"] else "NOT VALIDATED"
-    tag = "simulated" if rep["simulated"] else "measured"
+    status = "VALIDATED under full load" if rep.validated else "NOT VALIDATED"
+    if rep.validated and rep.given_up:
+        status = f"VALIDATED, BUT LESS THAN ASKED ({'; '.join(rep.given_up)})"
+    tag = rep.provenance.actual_peak_mib
     rows = [
-        (s["n"], s["purpose"], s["settings"]["util"], s["settings"]["model_use_gib"],
-         f"{s['settings']['max_model_len']:,}", s["settings"]["max_num_seqs"], s["outcome"],
-         f"{s['worst_peak_mib']:,}" if s["worst_peak_mib"] else "-", f"{s['seconds']:.1f}")
-        for s in rep["steps"]
+        (s.n, s.purpose, s.settings.util, s.settings.model_use_gib,
+         f"{s.settings.max_model_len:,}", s.settings.max_num_seqs, s.outcome,
+         f"{s.worst_peak_mib:,}" if s.worst_peak_mib else "-",
+         "-" if s.seconds is None else f"{s.seconds:.1f}")
+        for s in rep.steps
     ]  # fmt: skip
     lines += [
-        f"{rep['model']} on {rep['card_gib']} GiB cards, TP{rep['tp']} x PP{rep['pp']}, "
-        f"{rep['nodes']} node(s): {status} after {rep['launches']} launch(es)",
+        f"{rep.model} on {rep.card_gib} GiB cards, TP{rep.tp} x PP{rep.pp}, "
+        f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",
         "",
         table(
             (
@@ -339,22 +409,18 @@ def render_summary(o: RunOutcome) -> str:
         f"KV cache per card: {f.kv_bytes / GIB:.2f} GiB = {f.kv_tokens:,} tokens (derived)",
     ]
     lines += [f"export {k}={v}" for k, v in f.env.items()]
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep["final"]["flags"].items())
-    lines += [flags, preset_line(rep["model"], rep["card_gib"], rep["tp"], f.kv_tokens, tag)]
-    if "cluster" in rep:
-        lines.append(cluster_line(rep))
-    lines += ["", f"run record: {o.record}  (report.md, tuned.env, serve.sh)"]
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep.final.flags.items())
+    lines += [flags, preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens, tag)]
+    if rep.cluster is not None:
+        lines.append(cluster_line(rep.cluster, rep.steps))
+    lines += ["", f"run record: {o.record}  (report.md, report.html, tuned.env, serve.sh)"]
     return "\n".join(lines)
 
 
-def cluster_line(rep: dict[str, Any]) -> str:
+def cluster_line(c: Cluster, steps: list[Step]) -> str:
     """Where the ranks ran and where each launch's worst rank was."""
-    c = rep["cluster"]
     where = ", ".join(
-        f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
-        for n in c["nodes"]
+        f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks" for n in c["nodes"]
     )
-    worst = "; ".join(
-        f"#{s['n']} {s['worst_node']}" for s in rep["steps"] if s.get("worst_node")
-    )
+    worst = "; ".join(f"#{s.n} {s.worst_node}" for s in steps if s.worst_node)
     return f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}"

@@ -12,7 +12,14 @@ from pretuner.errors import NothingFoundError
 from pretuner.logscan import RankSummary, ScanResult, scan_paths
 
 
-@app.command("scan")
+@app.command(
+    "scan",
+    short_help="List every memory line (pool dumps, OOMs, KV figures) in logs.",
+    epilog="""\b
+Examples:
+  pretuner scan server.log
+  pretuner scan runs/<run>/launch-1 --json""",
+)
 def scan_cmd(
     paths: list[Path] = typer.Argument(..., help="Log files or folders (searched recursively)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

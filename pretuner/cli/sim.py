@@ -11,8 +11,9 @@ import typer
 from pretuner.cli.app import app
 
 sim_app = typer.Typer(
-    help="Emulated Ascend card + vLLM-MindSpore r0.1 server for tests and first runs "
-    "(all memory figures are simulated).",
+    help="Emulated cards and servers (Ascend + vLLM-MindSpore r0.1, CUDA + vLLM V1) for tests "
+    "and first runs (all memory figures are simulated).",
+    short_help="Emulated cards and servers for tests and demos (simulated figures).",
     no_args_is_help=True,
     rich_markup_mode=None,
 )

@@ -23,6 +23,7 @@ from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.process import read_tail
+from pretuner.launch.sampler import requests_status
 from pretuner.units import GIB, MIB
 
 
@@ -103,7 +104,7 @@ class V1Hooks:
         count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
         phase("load", f"{count} concurrent requests of {plen + decode:,} tokens")
         outs = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
-                          ctx.request_timeout_s).outcomes
+                          ctx.request_timeout_s, on_done=requests_status(phase)).outcomes
         return tally([first, *outs], plen)
 
     def outcome(self, n: int, s: LaunchSettings, log_path: Path, ran: Exercised,

@@ -8,6 +8,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -224,14 +225,17 @@ def load(
     max_tokens: int,
     seed: int,
     timeout_s: float,
+    on_done: Callable[[int, int], None] | None = None,
 ) -> LoadOutcome:
     """Send `num_requests` completions at once, each with its own prompt; wait at most
-    about `timeout_s` for all of them."""
+    about `timeout_s` for all of them. `on_done(done, total)` hears of each answer."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be at least 1, got {num_requests}")
     prompts = [_token_ids(prompt_len, f"pretuner-load/{seed}/{i}") for i in range(num_requests)]
     results: list[CompletionOutcome | None] = [None] * num_requests
     barrier = threading.Barrier(num_requests)
+    done = [0]
+    done_lock = threading.Lock()
 
     def one(index: int) -> None:
         # Every thread leaves the barrier together, so the server sees one burst; a broken
@@ -239,6 +243,10 @@ def load(
         with contextlib.suppress(threading.BrokenBarrierError):
             barrier.wait(timeout=timeout_s)
         results[index] = complete(base_url, model, prompts[index], max_tokens, timeout_s)
+        if on_done is not None:
+            with done_lock:
+                done[0] += 1
+                on_done(done[0], num_requests)
 
     started = time.monotonic()
     threads = [

@@ -23,6 +23,8 @@ DTYPE_BYTES: dict[str, int] = {
     "fp16": 2,
     "int8": 1,
     "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
 }
 
 

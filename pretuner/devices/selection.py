@@ -35,14 +35,19 @@ def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
 
         return NpuSmiReader(exe, visible_devices(env, "ASCEND_RT_VISIBLE_DEVICES", count))
     if kind == "cuda":
-        from pretuner.devices.nvidia import NvidiaSmiReader, NvmlReader, load_nvml
+        from pretuner.devices.nvidia import NvmlReader, load_nvml
 
         devices = visible_devices(env, "CUDA_VISIBLE_DEVICES", count)
         nvml = load_nvml()
         if nvml is not None:
             return NvmlReader(nvml, devices)
         exe = shutil.which("nvidia-smi", path=env.get("PATH"))
-        return NvidiaSmiReader(exe, devices) if exe is not None else None
+        if exe is None:
+            return None
+        from pretuner.devices.nvidia_stream import NvidiaSmiStreamReader
+
+        # One nvidia-smi printing every 20 ms (-lms), not one started per sample.
+        return NvidiaSmiStreamReader(exe, devices)
     if kind == "cpu" and budget_mib is not None and Path("/proc/self/status").is_file():
         from pretuner.devices.cpu import CpuBudgetReader
 

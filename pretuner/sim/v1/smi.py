@@ -11,10 +11,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import signal
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 from pretuner.sim.npusmi import TENANT_PID, _alive
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
@@ -149,16 +152,32 @@ def table(gpus: Sequence[GpuUse], profile: CudaProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGINT while looping: the end of a `-lms` run, not an error."""
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped
+
+
+def _loop_ms(arg: str, value: str | None) -> int | None:
+    """`-lms N`/`--loop-ms=N` (ms) or `-l N`/`--loop=N` (s) as ms; None when not a count."""
+    if value is None or not value.strip().isdigit() or int(value) < 1:
+        return None
+    return int(value) * (1 if arg.startswith(("-lms", "--loop-ms")) else 1000)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`nvidia-smi [--query-gpu=F,... --format=csv[,noheader][,nounits]] [-i N]`."""
+    """`nvidia-smi [--query-gpu=F,... --format=csv[,noheader][,nounits]] [-i N] [-lms N]`;
+    with `-lms N` (or `-l N` seconds) the output is printed again every N ms until SIGTERM or
+    SIGINT, which end it quietly with 0."""
     from pretuner.sim.state import state_dir
 
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
     profile = profile_from(env)
     tenant = int(env.get("PRETUNER_SIM_OCCUPIED_MIB") or 0)
-    gpus = read_gpus(profile, state_dir(env), tenant)
-    query, fmt, only = None, "", None
+    query, fmt, only, loop_ms = None, "", None, None
     it = iter(args)
     for arg in it:
         if arg.startswith("--query-gpu="):
@@ -169,24 +188,56 @@ def main(argv: Sequence[str] | None = None) -> int:
             only = next(it, None)
         elif arg.startswith("--id="):
             only = arg.split("=", 1)[1]
+        elif arg in ("-lms", "--loop-ms", "-l", "--loop") or arg.startswith(("--loop-ms=",
+                                                                            "--loop=")):
+            name, eq, value = arg.partition("=")
+            loop_ms = _loop_ms(name, value if eq else next(it, None))
+            if loop_ms is None:
+                sys.stderr.write(f"{name} needs a positive whole number.\n")
+                return 2
         elif arg in ("-h", "--help"):
             sys.stdout.write("usage: nvidia-smi [--query-gpu=index,memory.used,memory.total "
-                             "--format=csv,noheader,nounits]  (emulated; figures simulated)\n")
+                             "--format=csv,noheader,nounits] [-lms MS]  "
+                             "(emulated; figures simulated)\n")
             return 0
-    if only is not None:
-        wanted = {int(x) for x in only.split(",") if x.strip().isdigit()}
-        gpus = [g for g in gpus if g.index in wanted]
-    if query is None:
-        sys.stdout.write(table(gpus, profile))
-        return 0
-    fields = [f.strip() for f in query.split(",") if f.strip()]
+    wanted = None if only is None else {int(x) for x in only.split(",") if x.strip().isdigit()}
+    fields = [] if query is None else [f.strip() for f in query.split(",") if f.strip()]
     known = ("index", "memory.used", "memory.total", "memory.free", "name")
     bad = [f for f in fields if f not in known]
-    if bad or "csv" not in fmt:
+    if query is not None and (bad or "csv" not in fmt):
         sys.stderr.write(f'Field "{bad[0]}" is not a valid field to query.\n' if bad else
                          "Only --format=csv is supported by the emulated nvidia-smi.\n")
         return 2
     opts = {o.strip() for o in fmt.split(",")}
-    sys.stdout.write(query_csv(gpus, profile, fields, "nounits" not in opts,
-                               "noheader" not in opts))
-    return 0
+
+    def output() -> str:
+        gpus = read_gpus(profile, state_dir(env), tenant)
+        if wanted is not None:
+            gpus = [g for g in gpus if g.index in wanted]
+        if query is None:
+            return table(gpus, profile)
+        return query_csv(gpus, profile, fields, "nounits" not in opts, "noheader" not in opts)
+
+    if loop_ms is None:
+        sys.stdout.write(output())
+        return 0
+    return _loop(output, loop_ms)
+
+
+def _loop(output: Callable[[], str], loop_ms: int) -> int:
+    """Print `output()` every `loop_ms` until SIGTERM/SIGINT (0) or a reader that went away."""
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            sys.stdout.write(output())
+            sys.stdout.flush()
+            time.sleep(loop_ms / 1000)
+    except _Stopped:
+        return 0
+    except BrokenPipeError:
+        # Nobody reads any more: stop, and keep the interpreter's final flush from failing.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -19,6 +19,7 @@ def test_a_failure_under_json_is_a_json_object_too(args: tuple[str, ...], error_
     proc = run_cli(*args, "--json")
     assert proc.returncode == 2
     data = json.loads(proc.stdout)
+    assert data["schema_version"] == 1
     assert data["error_type"] == error_type
     assert data["exit_code"] == 2
     assert data["hint"]
@@ -30,6 +31,7 @@ def test_a_dry_run_under_json_is_the_first_launch_as_data(engine: str, method: s
     proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
+    assert next(iter(data)) == "schema_version"
     assert data["dry_run"] is True
     assert data["method"] == method
     assert data["simulated"] is True
@@ -41,7 +43,7 @@ def test_a_dry_run_under_json_is_the_first_launch_as_data(engine: str, method: s
 def test_presets_list_and_script_speak_json(tmp_path: Path) -> None:
     listed = run_cli("presets", "list", "--json")
     assert listed.returncode == 0, listed.stderr
-    presets = json.loads(listed.stdout)
+    presets = json.loads(listed.stdout)["presets"]
     assert presets
     assert {"name", "kind", "model"} <= presets[0].keys()
     name = presets[0]["name"]
@@ -53,3 +55,18 @@ def test_presets_list_and_script_speak_json(tmp_path: Path) -> None:
     assert written.returncode == 0, written.stderr
     [path] = json.loads(written.stdout)["written"]
     assert Path(path).is_file()
+
+
+@pytest.mark.parametrize("args", [
+    ("plan", "--model", "qwen3-8b", "--card", "64"),
+    ("models",),
+    ("models", "show", "qwen3-8b"),
+    ("presets", "list"),
+    ("scan", str(Path(__file__).parent / "fixtures" / "logs" / "ms_cpu_exit.log")),
+])  # fmt: skip
+def test_every_json_object_starts_with_its_schema_version(args: tuple[str, ...]) -> None:
+    proc = run_cli(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert list(data)[0] == "schema_version"
+    assert data["schema_version"] == 1

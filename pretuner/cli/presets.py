@@ -34,7 +34,7 @@ def list_cmd(
 ) -> None:
     """One line per preset."""
     if as_json:
-        typer.echo(json.dumps([preset_to_json(p) for p in all_presets()], indent=2))
+        echo_json({"presets": [preset_to_json(p) for p in all_presets()]})
         return
     rows = [
         (

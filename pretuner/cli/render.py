@@ -33,4 +33,7 @@ def _is_number(value: object) -> bool:
 
 
 def echo_json(data: dict[str, Any]) -> None:
-    typer.echo(json.dumps(data, indent=2, sort_keys=False))
+    """One JSON object on stdout, with `schema_version` first (pretuner.tune.records)."""
+    from pretuner.tune.records import SCHEMA_VERSION
+
+    typer.echo(json.dumps({"schema_version": SCHEMA_VERSION, **data}, indent=2))

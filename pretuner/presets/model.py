@@ -111,7 +111,9 @@ class Preset:
 
 
 def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
-    """Build a preset from its JSON form, rejecting unknown or missing keys."""
+    """Build a preset from its JSON form, rejecting unknown or missing keys (`presets show
+    --json` adds `schema_version`, which is read past)."""
+    data = {k: v for k, v in data.items() if k != "schema_version"}
     unknown = set(data) - _KEYS
     if unknown:
         raise BadInputError(

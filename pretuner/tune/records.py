@@ -13,6 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 Provenance = Literal["simulated", "measured"]
+# The shape of every JSON object pretuner prints or writes; raised when a key changes meaning or
+# goes away (a new key does not raise it). A report.json without it predates it: version 1.
+SCHEMA_VERSION = 1
 
 
 class Record(BaseModel):
@@ -138,6 +141,7 @@ class Asked(Record):
 class _RunHead(_OmitNoCluster):
     """The fields every r0.1 report.json starts with, succeeded or failed, in this order."""
 
+    schema_version: int = SCHEMA_VERSION
     pretuner_version: str
     run_id: str
     backend: str
@@ -227,6 +231,7 @@ class V1Derivation(Record):
 class V1Report(Record):
     """report.json of a V1 run that finished (validated or not)."""
 
+    schema_version: int = SCHEMA_VERSION
     pretuner_version: str
     run_id: str
     method: Literal["v1-pinned-kv"] = "v1-pinned-kv"
@@ -257,6 +262,7 @@ class V1Report(Record):
 class V1FailureReport(Record):
     """report.json of a V1 run a `PretunerError` stopped."""
 
+    schema_version: int = SCHEMA_VERSION
     pretuner_version: str
     run_id: str
     method: Literal["v1-pinned-kv"] = "v1-pinned-kv"

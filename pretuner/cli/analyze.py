@@ -42,56 +42,81 @@ Examples:
 )
 def analyze_cmd(
     logs: list[Path] = typer.Argument(
-        ..., help="Log files, per-rank log folders, or .gz files (of one run)."
+        ..., metavar="LOG", help="Log files, per-rank log folders, or .gz files (of one run)."
     ),
     model: str | None = typer.Option(
-        None, "--model", "-m",
+        None,
+        "--model",
+        "-m",
+        metavar="MODEL",
         help="Registry name, alias, or local HF folder. Required for MindSpore r0.1 logs; for "
         "V1 logs it gives the exact KV bytes per token (else derived from the log).",
     ),
     memory_series: Path | None = typer.Option(
-        None, "--memory-series",
+        None,
+        "--memory-series",
+        metavar="FILE",
         help="V1 logs: the device memory sampled during the run, as an NVML series "
         "(EPOCH_S<TAB>PHASE<TAB>USED_MIB rows) or repeated `nvidia-smi --query-gpu=index,"
         "memory.used,memory.total --format=csv,noheader,nounits` lines: its peak says what "
         "the card could hold.",
     ),
     card_total_mib: int | None = typer.Option(
-        None, "--card-total-mib",
+        None,
+        "--card-total-mib",
+        metavar="MIB",
         help="V1 logs: the device total in MiB as NVML reports it (81559 on an H100 80GB; "
         "default: the nvidia-smi CSV's memory.total).",
     ),
     card: int | None = typer.Option(
-        None, "--card", help="r0.1 logs: card GiB (default: from the log)."
+        None, "--card", metavar="GIB", help="r0.1 logs: card GiB (default: from the log)."
     ),
     util: float | None = typer.Option(
-        None, *UTIL_FLAGS,
+        None,
+        *UTIL_FLAGS,
+        metavar="FRACTION",
         help="r0.1 logs: --gpu-memory-utilization of the pre-run (not given: 0.9, said as "
         "assumed).",
     ),
     model_use_gb: int | None = typer.Option(
-        None, "--model-use-gb",
-        help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run (not given: 50, said as "
-        "assumed).",
+        None,
+        "--model-use-gb",
+        metavar="GIB",
+        help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run (not given: 50, said as assumed).",
     ),
     max_model_len: int | None = typer.Option(
-        None, "--max-model-len", parser=human_int,
+        None,
+        "--max-model-len",
+        metavar="TOKENS",
+        parser=human_int,
         help="r0.1 logs: the pre-run's max_model_len (not given: 16384, said as assumed; "
         "V1: read from the log).",
     ),
     tp: int | None = typer.Option(
-        None, *TP_FLAGS, help="Tensor parallel size (default: ranks found; V1: the log's)."
+        None,
+        *TP_FLAGS,
+        metavar="N",
+        help="Tensor parallel size (default: ranks found; V1: the log's).",
     ),
-    pp: int = typer.Option(1, *PP_FLAGS, help="Pipeline parallel size (V1 default: the log's)."),
+    pp: int = typer.Option(
+        1, *PP_FLAGS, metavar="N", help="Pipeline parallel size (V1 default: the log's)."
+    ),
     kv_cache_dtype: KvDtype = typer.Option(
         KvDtype.AUTO, "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
     ),
-    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens."),
+    block_size: int = typer.Option(
+        16, "--block-size", metavar="TOKENS", help="KV block size in tokens."
+    ),
     headroom_gb: float = typer.Option(
-        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="r0.1 logs: GiB added to weights+activations."
+        DEFAULT_HEADROOM_GIB,
+        "--headroom-gb",
+        metavar="GIB",
+        help="r0.1 logs: GiB added to weights+activations.",
     ),
     out: Path | None = typer.Option(
-        None, "--out",
+        None,
+        "--out",
+        metavar="FILE",
         help="Write the env file (r0.1) or the --kv-cache-memory-bytes flag (V1) here "
         "(never overwrites).",
     ),
@@ -201,14 +226,19 @@ def _v1_output(result: V1Analysis, logs: list[Path], out: Path | None, as_json: 
 
 def v1_flags_text(r: V1Analysis, logs: list[Path]) -> str:
     """The --out file of a V1 analysis: the flag to try, with where it comes from."""
-    lines = [f"# pretuner analyze {shlex.join(str(p) for p in logs)} (V1 engine log)",
-             f"# {r.outcome}"]
+    lines = [
+        f"# pretuner analyze {shlex.join(str(p) for p in logs)} (V1 engine log)",
+        f"# {r.outcome}",
+    ]
     if r.suggestion is None:
         lines.append("# no --kv-cache-memory-bytes to suggest: see the warnings")
     else:
         s = r.suggestion
-        lines += [f"# {s.basis}: {s.kv_bytes / GIB:.2f} GiB; a candidate until validated",
-                  f"# {r.next_step}", s.flag]
+        lines += [
+            f"# {s.basis}: {s.kv_bytes / GIB:.2f} GiB; a candidate until validated",
+            f"# {r.next_step}",
+            s.flag,
+        ]
     lines += [f"# warning: {w}" for w in r.warnings]
     return "\n".join(lines) + "\n"
 
@@ -238,13 +268,20 @@ def render_v1(r: V1Analysis) -> str:
     if log.max_num_batched_tokens is not None:
         rows.append(("max_num_batched_tokens", f"{log.max_num_batched_tokens:,}"))
     if r.oom_phase is not None:
-        size = (f"{log.oom_alloc_bytes / MIB:,.1f} MiB" if log.oom_alloc_bytes is not None
-                else "size not printed")
+        size = (
+            f"{log.oom_alloc_bytes / MIB:,.1f} MiB"
+            if log.oom_alloc_bytes is not None
+            else "size not printed"
+        )
         rows.append(("out of memory", f"{size} at {r.oom_phase}: {log.oom_text}"))
     if log.estimated_max_len is not None:
         rows.append(("longest sequence", f"{log.estimated_max_len:,} tokens (estimated)"))
-    lines = [f"V1 engine log: {', '.join(r.files)}", f"outcome: {r.outcome}", "",
-             "what the log shows (measured from the log):"]
+    lines = [
+        f"V1 engine log: {', '.join(r.files)}",
+        f"outcome: {r.outcome}",
+        "",
+        "what the log shows (measured from the log):",
+    ]
     width = max((len(k) for k, _ in rows), default=0)
     lines += [f"  {k.ljust(width)}  {val}" for k, val in rows]
     if r.bytes_per_token is not None:
@@ -252,15 +289,19 @@ def render_v1(r: V1Analysis) -> str:
     if r.held_kv_bytes is not None:
         held = f"{r.held_kv_bytes / MIB:,.1f} MiB ({r.held_kv_bytes / GIB:.2f} GiB)"
         if r.held_kv_from_tokens and log.kv_tokens is not None and r.bytes_per_token:
-            lines.append(f"KV held = {log.kv_tokens:,} tokens x {r.bytes_per_token:,} B = "
-                         f"{r.held_kv_bytes:,} B = {held}, derived")
+            lines.append(
+                f"KV held = {log.kv_tokens:,} tokens x {r.bytes_per_token:,} B = "
+                f"{r.held_kv_bytes:,} B = {held}, derived"
+            )
         else:
             lines.append(f"KV held: {held}, {r.held_kv_source}")
     if r.series is not None:
         phases = ", ".join(f"{k} {val:,}" for k, val in r.series.phase_peaks_mib.items())
-        lines.append(f"device peak: {r.series.peak_mib:,} MiB over {r.series.samples:,} samples "
-                     f"(measured, {r.series.source} series {r.series.file})"
-                     + (f"; per phase, MiB: {phases}" if phases else ""))
+        lines.append(
+            f"device peak: {r.series.peak_mib:,} MiB over {r.series.samples:,} samples "
+            f"(measured, {r.series.source} series {r.series.file})"
+            + (f"; per phase, MiB: {phases}" if phases else "")
+        )
     if r.total_mib is not None:
         lines.append(f"device total: {r.total_mib:,} MiB, {r.total_source}")
     lines.append("")

@@ -17,6 +17,11 @@ SHOW_TPS = (1, 2, 4, 8, 16)
 
 models_app = typer.Typer(
     help="List the built-in models, or show one model's dimensions.",
+    epilog="""\b
+Examples:
+  pretuner models
+  pretuner models show deepseek-v3 --json
+  pretuner models show ./my-hf-folder""",
     add_completion=False,
     rich_markup_mode=None,
 )
@@ -48,14 +53,22 @@ def models_list(
         for s in specs
     ]
     headers = (
-        "NAME", "HF ID", "ATTENTION", "LAYERS", "PARAMS (1e9)", "DTYPE", "KV BYTES/TOKEN (TP1)"
+        "NAME",
+        "HF ID",
+        "ATTENTION",
+        "LAYERS",
+        "PARAMS (1e9)",
+        "DTYPE",
+        "KV BYTES/TOKEN (TP1)",
     )
     typer.echo(table(headers, rows))
 
 
 @models_app.command("show")
 def models_show(
-    name: str = typer.Argument(..., help="Registry name, alias, HF id, or local HF folder."),
+    name: str = typer.Argument(
+        ..., metavar="MODEL", help="Registry name, alias, HF id, or local HF folder."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Every field of one model, with units, and its KV bytes per token at TP 1-16."""
@@ -157,11 +170,13 @@ def _spec_text(spec: ModelSpec, kv_valid: dict[int, int], kv_invalid: dict[int, 
         ("intermediate size", f"{spec.intermediate_size:,} elements"),
     ]
     if spec.sliding_window is not None:
-        fields.append((
-            "sliding window",
-            f"{spec.sliding_window:,} tokens on {spec.sliding_window_layers} of "
-            f"{spec.num_layers} layers",
-        ))
+        fields.append(
+            (
+                "sliding window",
+                f"{spec.sliding_window:,} tokens on {spec.sliding_window_layers} of "
+                f"{spec.num_layers} layers",
+            )
+        )
     if spec.num_experts:
         fields.append(("experts", f"{spec.num_experts:,} per MoE layer"))
     fields.append(("total params", _params(spec.total_params)))

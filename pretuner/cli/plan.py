@@ -24,29 +24,46 @@ Examples:
 )
 def plan_cmd(
     model: str = typer.Option(
-        ..., "--model", "-m", help="Registry name, alias, or local HF folder."
+        ..., "--model", "-m", metavar="MODEL", help="Registry name, alias, or local HF folder."
     ),
-    card: int = typer.Option(..., "--card", help="Card memory in GiB (ASCEND_TOTAL_MEMORY_GB)."),
-    util: float = typer.Option(0.9, *UTIL_FLAGS, help="--gpu-memory-utilization."),
+    card: int = typer.Option(
+        ..., "--card", metavar="GIB", help="Card memory in GiB (ASCEND_TOTAL_MEMORY_GB)."
+    ),
+    util: float = typer.Option(
+        0.9, *UTIL_FLAGS, metavar="FRACTION", help="--gpu-memory-utilization."
+    ),
     max_model_len: int = typer.Option(
-        16384, "--max-model-len", parser=human_int, help="Tokens per request (32K, 32k...)."
+        16384,
+        "--max-model-len",
+        metavar="TOKENS",
+        parser=human_int,
+        help="Tokens per request (32K, 32k...).",
     ),
-    tp: int | None = typer.Option(None, *TP_FLAGS, help="Tensor parallel size (default: chosen)."),
-    pp: int = typer.Option(1, *PP_FLAGS, help="Pipeline parallel size."),
-    nodes: int | None = typer.Option(None, "--nodes", help="Nodes (default: from TP x PP)."),
-    cards_per_node: int = typer.Option(8, "--cards-per-node", help="Cards per node."),
+    tp: int | None = typer.Option(
+        None, *TP_FLAGS, metavar="N", help="Tensor parallel size (default: chosen)."
+    ),
+    pp: int = typer.Option(1, *PP_FLAGS, metavar="N", help="Pipeline parallel size."),
+    nodes: int | None = typer.Option(
+        None, "--nodes", metavar="N", help="Nodes (default: from TP x PP)."
+    ),
+    cards_per_node: int = typer.Option(8, "--cards-per-node", metavar="N", help="Cards per node."),
     kv_cache_dtype: KvDtype = typer.Option(
         KvDtype.AUTO, "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
     ),
-    block_size: int = typer.Option(16, "--block-size", help="KV block size in tokens (r0.1: 16)."),
+    block_size: int = typer.Option(
+        16, "--block-size", metavar="TOKENS", help="KV block size in tokens (r0.1: 16)."
+    ),
     weights_format: str | None = typer.Option(
-        None, "--weights-format", help="Checkpoint format, e.g. bf16, w8a8."
+        None, "--weights-format", metavar="FORMAT", help="Checkpoint format, e.g. bf16, w8a8."
     ),
     headroom_gb: float = typer.Option(
-        DEFAULT_HEADROOM_GIB, "--headroom-gb", help="GiB added to weights+activations."
+        DEFAULT_HEADROOM_GIB,
+        "--headroom-gb",
+        metavar="GIB",
+        help="GiB added to weights+activations.",
     ),
     kv_gib: float | None = typer.Option(
-        None, "--kv-gib", help="Also say how many tokens fit in this many GiB."
+        None, "--kv-gib", metavar="GIB", help="Also say how many tokens fit in this many GiB."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

@@ -24,7 +24,16 @@ from pretuner.presets import (
 )
 from pretuner.presets.catalog import catalog_markdown, derivation_lines, engine_words, kv_words
 
-presets_app = typer.Typer(help="Tuned presets with their provenance.", no_args_is_help=True)
+presets_app = typer.Typer(
+    help="Tuned presets with their provenance.",
+    epilog="""\b
+Examples:
+  pretuner presets list
+  pretuner presets show qwen3-8b-tp2-20g-vllm
+  pretuner presets add runs/<run> --name my-qwen3-64g
+  pretuner script --preset my-qwen3-64g --out deploy/""",
+    no_args_is_help=True,
+)
 app.add_typer(presets_app, name="presets")
 
 
@@ -55,7 +64,9 @@ def list_cmd(
 
 @presets_app.command("show")
 def show_cmd(
-    name: str = typer.Argument(..., help="Preset name, or a preset file (NAME.json)."),
+    name: str = typer.Argument(
+        ..., metavar="NAME", help="Preset name, or a preset file (NAME.json)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the preset's JSON."),
 ) -> None:
     """A preset's configuration, source and derivation."""
@@ -71,11 +82,16 @@ def show_cmd(
 
 @presets_app.command("add")
 def add_cmd(
-    run_dir: Path = typer.Argument(..., help="A finished run folder (report.json)."),
-    name: str | None = typer.Option(None, "--name", help="Preset name (default: derived)."),
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", help="A finished run folder (report.json)."
+    ),
+    name: str | None = typer.Option(
+        None, "--name", metavar="NAME", help="Preset name (default: derived)."
+    ),
     out: Path | None = typer.Option(
         None,
         "--out",
+        metavar="FILE",
         help="Folder of preset files to add it to (default: your presets folder, "
         "$PRETUNER_PRESETS_DIR or ~/.local/share/pretuner/presets; a checkout's "
         "pretuner/presets/data to ship it).",
@@ -89,8 +105,9 @@ def add_cmd(
         raise BadInputError(f"run record disagrees with the KV math: {problems[0]}")
     if out is None:
         if p.name in {q.name for q in all_presets()}:
-            raise BadInputError(f"a preset named {p.name!r} exists already",
-                                hint="pass --name NEW-NAME")
+            raise BadInputError(
+                f"a preset named {p.name!r} exists already", hint="pass --name NEW-NAME"
+            )
         out = user_presets_dir()
         out.mkdir(parents=True, exist_ok=True)
     path = write_atomic(
@@ -101,7 +118,9 @@ def add_cmd(
 
 @presets_app.command("docs")
 def docs_cmd(
-    out: Path | None = typer.Option(None, "--out", help="Write here (default: print)."),
+    out: Path | None = typer.Option(
+        None, "--out", metavar="FILE", help="Write here (default: print)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
 ) -> None:
     """The readable catalog (docs/presets.md)."""

@@ -20,9 +20,9 @@ Examples:
   pretuner report runs/<run> --out /tmp/run.html""",
 )
 def report_cmd(
-    run_dir: Path = typer.Argument(..., help="A run folder with report.json."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run folder with report.json."),
     out: Path | None = typer.Option(
-        None, "--out", help="Write the page here (default: RUN_DIR/report.html)."
+        None, "--out", metavar="FILE", help="Write the page here (default: RUN_DIR/report.html)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
 ) -> None:
@@ -30,6 +30,7 @@ def report_cmd(
     over time of every launch, and the decisions."""
     target = out if out is not None else run_dir / PAGE
     if target.exists() and not overwrite:
-        raise BadInputError(f"{str(target)!r} already exists",
-                            hint="pass --overwrite to replace it, or --out FILE")
+        raise BadInputError(
+            f"{str(target)!r} already exists", hint="pass --overwrite to replace it, or --out FILE"
+        )
     typer.echo(str(write_html(run_dir, out, overwrite=overwrite)))

@@ -21,7 +21,9 @@ Examples:
   pretuner scan runs/<run>/launch-1 --json""",
 )
 def scan_cmd(
-    paths: list[Path] = typer.Argument(..., help="Log files or folders (searched recursively)."),
+    paths: list[Path] = typer.Argument(
+        ..., metavar="LOG", help="Log files or folders (searched recursively)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Find pool dumps, OOM reports and engine KV figures in MindSpore / vLLM logs."""

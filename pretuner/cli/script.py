@@ -89,54 +89,98 @@ Examples:
       --max-model-len 16384 --max-num-seqs 17 --max-num-batched-tokens 16384 --block-size 16""",
 )
 def script_cmd(
-    run_dir: Path | None = typer.Argument(None, help="A run folder with report.json."),
+    run_dir: Path | None = typer.Argument(
+        None, metavar="RUN_DIR", help="A run folder with report.json."
+    ),
     preset: str | None = typer.Option(
-        None, "--preset", help="A preset name (or preset file) instead of a run."
+        None,
+        "--preset",
+        metavar="NAME|FILE",
+        help="A preset name (or preset file) instead of a run.",
     ),
     target: list[Target] = typer.Option(
-        [Target.ALL], "--target", help="serve | env | config | ray | systemd | all (repeatable)."
+        [Target.ALL],
+        "--target",
+        metavar="TARGET",
+        help="serve | env | config | ray | systemd | all (repeatable).",
     ),
     engine_version: str | None = typer.Option(
         None,
         "--engine-version",
+        metavar="VERSION",
         help="vLLM-MindSpore version the scripts are for (0.1, 0.5...; default 0.1). Not for "
         "a V1 engine run or preset: it names its engine.",
     ),
-    model_path: str | None = typer.Option(None, "--model-path", help="What the server loads."),
-    nic: str = typer.Option("eth0", "--nic", help="Multi-node: the NIC between the nodes."),
-    head_ip: str | None = typer.Option(None, "--head-ip", help="Multi-node: the head's address."),
-    install_dir: str = typer.Option(
-        "/etc/pretuner", "--install-dir", help="Where the systemd unit finds tuned.env."
+    model_path: str | None = typer.Option(
+        None, "--model-path", metavar="PATH", help="What the server loads."
     ),
-    env: list[str] = typer.Option([], "--env", help="Extra KEY=VALUE to export (repeatable)."),
-    out: Path | None = typer.Option(None, "--out", help="Write the files here (default: print)."),
+    nic: str = typer.Option(
+        "eth0", "--nic", metavar="NIC", help="Multi-node: the NIC between the nodes."
+    ),
+    head_ip: str | None = typer.Option(
+        None, "--head-ip", metavar="ADDRESS", help="Multi-node: the head's address."
+    ),
+    install_dir: str = typer.Option(
+        "/etc/pretuner",
+        "--install-dir",
+        metavar="DIR",
+        help="Where the systemd unit finds tuned.env.",
+    ),
+    env: list[str] = typer.Option(
+        [], "--env", metavar="KEY=VALUE", help="Extra KEY=VALUE to export (repeatable)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", metavar="DIR", help="Write the files here (default: print)."
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print {file name: content} as JSON (or, with --out, the paths)."
     ),
     model: str | None = typer.Option(
-        None, "--model", help="Values tuned by hand instead of a run: the model (with --card...)."
+        None,
+        "--model",
+        metavar="MODEL",
+        help="Values tuned by hand instead of a run: the model (with --card...).",
     ),
-    card: int | None = typer.Option(None, "--card", help="With --model: card memory in GiB."),
-    tp: int | None = typer.Option(None, "--tp", help="With --model: tensor parallel size."),
-    pp: int = typer.Option(1, "--pp", help="With --model: pipeline parallel size."),
-    nodes: int = typer.Option(1, "--nodes", help="With --model: number of nodes."),
+    card: int | None = typer.Option(
+        None, "--card", metavar="GIB", help="With --model: card memory in GiB."
+    ),
+    tp: int | None = typer.Option(
+        None, "--tp", metavar="N", help="With --model: tensor parallel size."
+    ),
+    pp: int = typer.Option(1, "--pp", metavar="N", help="With --model: pipeline parallel size."),
+    nodes: int = typer.Option(1, "--nodes", metavar="N", help="With --model: number of nodes."),
     util: float | None = typer.Option(
-        None, "--util", help="With --model: --gpu-memory-utilization."
+        None, "--util", metavar="FRACTION", help="With --model: --gpu-memory-utilization."
     ),
     model_use_gb: int | None = typer.Option(
-        None, "--model-use-gb", help="With --model: vLLM_MODEL_MEMORY_USE_GB (whole GiB)."
+        None,
+        "--model-use-gb",
+        metavar="GIB",
+        help="With --model: vLLM_MODEL_MEMORY_USE_GB (whole GiB).",
     ),
-    max_model_len: int | None = typer.Option(None, "--max-model-len", help="With --model."),
-    max_num_seqs: int | None = typer.Option(None, "--max-num-seqs", help="With --model."),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", metavar="TOKENS", help="With --model."
+    ),
+    max_num_seqs: int | None = typer.Option(
+        None, "--max-num-seqs", metavar="N", help="With --model."
+    ),
     max_num_batched_tokens: int | None = typer.Option(
-        None, "--max-num-batched-tokens", help="With --model."
+        None, "--max-num-batched-tokens", metavar="TOKENS", help="With --model."
     ),
-    block_size: int | None = typer.Option(None, "--block-size", help="With --model."),
+    block_size: int | None = typer.Option(
+        None, "--block-size", metavar="TOKENS", help="With --model."
+    ),
     kv_cache_dtype: str = typer.Option(
-        "auto", "--kv-cache-dtype", help="With --model: auto|bf16|fp16|int8|fp8|int8-mla."
+        "auto",
+        "--kv-cache-dtype",
+        metavar="DTYPE",
+        help="With --model: auto|bf16|fp16|int8|fp8|fp8_e4m3|fp8_e5m2|int8-mla.",
     ),
     weights_format: str | None = typer.Option(
-        None, "--weights-format", help="With --model: checkpoint format (bf16, w8a8...)."
+        None,
+        "--weights-format",
+        metavar="FORMAT",
+        help="With --model: checkpoint format (bf16, w8a8...).",
     ),
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""

@@ -87,7 +87,9 @@ def nvidia_smi(ctx: typer.Context) -> None:
 
 @sim_app.command("install-shim")
 def install_shim(
-    directory: Path = typer.Argument(..., help="Folder to write an executable `npu-smi` into."),
+    directory: Path = typer.Argument(
+        ..., metavar="DIR", help="Folder to write an executable `npu-smi` into."
+    ),
 ) -> None:
     """Write an `npu-smi` script that runs the emulated one; put DIR first on PATH."""
     from pretuner.sim.npusmi import write_shim

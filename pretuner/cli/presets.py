@@ -96,6 +96,7 @@ def add_cmd(
         "$PRETUNER_PRESETS_DIR or ~/.local/share/pretuner/presets; a checkout's "
         "pretuner/presets/data to ship it).",
     ),
+    as_json: bool = typer.Option(False, "--json", help="Print the preset's name and file."),
 ) -> None:
     """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
     p = preset_from_run_dir(run_dir)
@@ -113,6 +114,9 @@ def add_cmd(
     path = write_atomic(
         Path(out) / f"{p.name}.json", json.dumps(preset_to_json(p), indent=2) + "\n"
     )
+    if as_json:
+        echo_json({"preset": p.name, "file": str(path)})
+        return
     typer.echo(f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from pretuner.cli.app import app
+from pretuner.cli.render import echo_json
 from pretuner.errors import BadInputError
 from pretuner.report_html import PAGE, write_html
 
@@ -25,12 +26,18 @@ def report_cmd(
         None, "--out", metavar="FILE", help="Write the page here (default: RUN_DIR/report.html)."
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the page's path as JSON."),
 ) -> None:
     """Write one HTML page (no network, no script): the headline, the memory per card, memory
     over time of every launch, and the decisions."""
     target = out if out is not None else run_dir / PAGE
     if target.exists() and not overwrite:
         raise BadInputError(
-            f"{str(target)!r} already exists", hint="pass --overwrite to replace it, or --out FILE"
+            f"{str(target)!r} already exists (a run writes its page when it ends)",
+            hint="open it, pass --overwrite to render it again, or --out FILE",
         )
-    typer.echo(str(write_html(run_dir, out, overwrite=overwrite)))
+    path = write_html(run_dir, out, overwrite=overwrite)
+    if as_json:
+        echo_json({"report_html": str(path)})
+    else:
+        typer.echo(str(path))

@@ -14,6 +14,11 @@ sim_app = typer.Typer(
     help="Emulated cards and servers (Ascend + vLLM-MindSpore r0.1, CUDA + vLLM V1) for tests "
     "and first runs (all memory figures are simulated).",
     short_help="Emulated cards and servers for tests and demos (simulated figures).",
+    epilog="""\b
+Examples:
+  pretuner sim npu-smi info                      the emulated Ascend cards
+  pretuner sim vllm serve qwen3-8b --port 8000   an emulated vLLM 0.24 on an H100 80 GB
+  PRETUNER_SIM_PROFILE=cuda-24 pretuner sim nvidia-smi""",
     no_args_is_help=True,
     rich_markup_mode=None,
 )

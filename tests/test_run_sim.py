@@ -34,6 +34,9 @@ def test_run_validates_in_two_launches(tmp_path: Path) -> None:
     # The emulated card's figures are never called measured (the banner says SIMULATED).
     assert "measured" not in proc.stderr
     assert "(simulated)" in proc.stderr
+    page = (out / "report.html").read_text()  # written by the run itself
+    assert "SIMULATED" in page
+    assert "http://" not in page
     assert rep["backend"] == "sim"
     assert rep["simulated"] is True
     assert rep["validated"] is True

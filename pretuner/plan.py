@@ -16,6 +16,7 @@ from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import KV_DTYPES, kv_bytes_per_token, kv_tokens, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB, check_launch_settings
 from pretuner.models.spec import ModelSpec
+from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, VisionPlan, plan_images
 from pretuner.units import GIB
 
 LADDER = (16384, 8192, 4096)
@@ -66,6 +67,10 @@ class PlanConfig:
     weights_format: str | None = None
     headroom_gib: float = DEFAULT_HEADROOM_GIB
     kv_gib: float | None = None
+    # Vision-language models only (None: vLLM's defaults, see pretuner.models.vision).
+    image_limit: int | None = None
+    max_num_batched_tokens: int | None = None
+    mm_processor_cache_gib: float = DEFAULT_MM_PROCESSOR_CACHE_GIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,7 @@ class PlanResult:
     rejected: tuple[tuple[int, str], ...] = ()
     kv_query: tuple[float, int] | None = None  # (GiB asked, tokens that fit)
     notes: tuple[str, ...] = field(default=())
+    vision: VisionPlan | None = None  # text-only models: None
 
     def to_json(self) -> dict[str, Any]:
         req = self.requested
@@ -138,6 +144,7 @@ class PlanResult:
             "kv_query": (
                 {"kv_gib": self.kv_query[0], "tokens": self.kv_query[1]} if self.kv_query else None
             ),
+            "vision": self.vision.to_json() if self.vision else None,
             "provenance": "predicted",
         }
 
@@ -203,6 +210,7 @@ def plan(cfg: PlanConfig) -> PlanResult:
         )
     if cfg.cards_per_node < 1:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
+    _check_vision_options(cfg)
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
     rejected: list[tuple[int, str]] = []
     notes: list[str] = []
@@ -235,6 +243,7 @@ def plan(cfg: PlanConfig) -> PlanResult:
             raise BadInputError(f"--kv-gib {cfg.kv_gib} must be positive", hint="e.g. --kv-gib 36")
         kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
     return PlanResult(
+        vision=_vision_plan(cfg, tp),
         model=cfg.model.name,
         card_gib=cfg.card_gib,
         util=cfg.util,
@@ -251,6 +260,35 @@ def plan(cfg: PlanConfig) -> PlanResult:
         rejected=tuple(rejected),
         kv_query=kv_query,
         notes=tuple(notes),
+    )
+
+
+def _check_vision_options(cfg: PlanConfig) -> None:
+    if cfg.image_limit is not None:
+        v.int_range("--limit-mm-per-prompt image", cfg.image_limit, 0)
+    if cfg.max_num_batched_tokens is not None:
+        v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
+    v.non_negative("--mm-processor-cache-gb", cfg.mm_processor_cache_gib, example="4")
+    if cfg.model.vision is None and cfg.image_limit:
+        raise BadInputError(
+            f"--limit-mm-per-prompt: {cfg.model.name} is text-only and takes no images",
+            hint="drop --limit-mm-per-prompt, or plan a vision-language model (qwen3-vl-8b)",
+        )
+
+
+def _vision_plan(cfg: PlanConfig, tp: int) -> VisionPlan | None:
+    """The images block of a VL model; the tower stays in the model dtype (bf16 in w8a8)."""
+    if cfg.model.vision is None:
+        return None
+    return plan_images(
+        cfg.model.vision,
+        dtype_bytes=cfg.model.dtype_bytes,
+        tp=tp,
+        budget_bytes=int(cfg.card_gib * cfg.util * GIB),
+        max_model_len=cfg.max_model_len,
+        image_limit=cfg.image_limit,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        mm_processor_cache_gib=cfg.mm_processor_cache_gib,
     )
 
 

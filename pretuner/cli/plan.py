@@ -9,6 +9,11 @@ from pretuner.cli.render import echo_json, table
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models import resolve
+from pretuner.models.vision import (
+    DEFAULT_MM_PROCESSOR_CACHE_GIB,
+    VisionPlan,
+    parse_limit_mm_per_prompt,
+)
 from pretuner.plan import PlanConfig, PlanResult, plan
 from pretuner.presets.compare import preset_line
 from pretuner.units import GIB
@@ -20,7 +25,8 @@ from pretuner.units import GIB
     epilog="""\b
 Examples:
   pretuner plan --model deepseek-v3 --card 64
-  pretuner plan --model qwen3-8b --card 24 --max-model-len 32K --kv-cache-dtype fp8 --json""",
+  pretuner plan --model qwen3-8b --card 24 --max-model-len 32K --kv-cache-dtype fp8 --json
+  pretuner plan --model qwen3-vl-8b --card 64 --tp 2 --limit-mm-per-prompt image=2""",
 )
 def plan_cmd(
     model: str = typer.Option(
@@ -65,6 +71,26 @@ def plan_cmd(
     kv_gib: float | None = typer.Option(
         None, "--kv-gib", metavar="GIB", help="Also say how many tokens fit in this many GiB."
     ),
+    limit_mm_per_prompt: str | None = typer.Option(
+        None,
+        "--limit-mm-per-prompt",
+        metavar="LIMITS",
+        help="VL models: images per prompt, vLLM's forms image=2 or '{\"image\": 2}' "
+        "(default vLLM's 999, capped by what fits in --max-model-len).",
+    ),
+    max_num_batched_tokens: int | None = typer.Option(
+        None,
+        "--max-num-batched-tokens",
+        metavar="TOKENS",
+        parser=human_int,
+        help="VL models: sizes vLLM's encoder cache (default vLLM's, 8192).",
+    ),
+    mm_processor_cache_gb: float = typer.Option(
+        DEFAULT_MM_PROCESSOR_CACHE_GIB,
+        "--mm-processor-cache-gb",
+        metavar="GIB",
+        help="VL models: vLLM's preprocessor cache, host memory per API server.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Predict weights, activations, KV cache and max-num-seqs per card (no launch)."""
@@ -82,12 +108,56 @@ def plan_cmd(
         weights_format=weights_format,
         headroom_gib=headroom_gb,
         kv_gib=kv_gib,
+        image_limit=_image_limit(limit_mm_per_prompt),
+        max_num_batched_tokens=max_num_batched_tokens,
+        mm_processor_cache_gib=mm_processor_cache_gb,
     )
     result = plan(cfg)
     if as_json:
         echo_json(result.to_json())
     else:
         typer.echo(render_plan(result))
+
+
+def _image_limit(text: str | None) -> int | None:
+    """The image count of --limit-mm-per-prompt; None when the flag or the image key is absent
+    (vLLM then allows 999)."""
+    if text is None:
+        return None
+    return parse_limit_mm_per_prompt(text).get("image")
+
+
+def render_images(vp: VisionPlan) -> list[str]:
+    """The "images" block of a vision-language model's plan."""
+    side = vp.max_image_side_px
+    fits = (
+        f"{vp.images_per_prompt} fit{'s' if vp.images_per_prompt == 1 else ''} in "
+        f"max_model_len {vp.max_model_len:,}: {vp.prompt_image_tokens:,} tokens "
+        f"({vp.prompt_image_tokens / vp.max_model_len:.0%})"
+    )
+    lines = [
+        "images (predicted, max-size images):",
+        f"  tokens per image: {vp.tokens_per_image:,} tokens at {side} x {side} px",
+        f"  images per prompt: limit {vp.image_limit} ({vp.image_limit_source}); {fits}",
+    ]
+    if vp.tokens_per_image > vp.max_model_len and vp.image_limit:
+        lines.append(
+            f"  note: one max-size image ({vp.tokens_per_image:,} tokens) exceeds max_model_len"
+        )
+    lines += [
+        f"  encoder cache budget: {vp.encoder_cache_tokens:,} tokens = max(max-num-batched-tokens "
+        f"{vp.max_num_batched_tokens:,}, one image) = {vp.encoder_cache_bytes / GIB:.2f} GiB "
+        f"per card; profiled with {vp.profiled_images} image(s)",
+        f"  vision weights: {vp.weights_bytes_per_card / GIB:.2f} GiB per card "
+        f"({vp.vision_params:,} params, linear layers split by TP; inside the weights above)",
+        f"  encoder activation: {vp.activation_bytes / GIB:.2f} GiB per card "
+        f"({vp.profiled_images} image(s), estimate)",
+        f"  image share: {vp.card_bytes / GIB:.2f} GiB = {vp.image_share:.1%} of card*util "
+        f"{vp.budget_bytes / GIB:.2f} GiB",
+        f"  processor cache: {vp.mm_processor_cache_gib:g} GiB of host memory per API server "
+        "(not card memory)",
+    ]
+    return lines
 
 
 def render_plan(r: PlanResult) -> str:
@@ -134,6 +204,8 @@ def render_plan(r: PlanResult) -> str:
         )
     if r.kv_query:
         lines.append(f"\n{r.kv_query[0]} GiB of KV cache holds {r.kv_query[1]:,} tokens (derived).")
+    if r.vision:
+        lines += ["", *render_images(r.vision)]
     lines.append(preset_line(r.model, r.card_gib, r.tp, r.requested.kv_tokens, "predicted"))
     lines.append("\nPredictions only: `pretuner run` measures them with a pre-run.")
     return "\n".join(lines)

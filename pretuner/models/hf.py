@@ -19,6 +19,7 @@ from typing import Any
 
 from pretuner.errors import BadInputError
 from pretuner.models.spec import DTYPE_BYTES, AttentionKind, ModelSpec, WeightsFormat
+from pretuner.models.vision import vision_from_config
 
 log = logging.getLogger(__name__)
 
@@ -397,6 +398,12 @@ def spec_from_folder(path: Path) -> ModelSpec:
             "them as full attention (conservative)."
         )
 
+    preproc_path = folder / "preprocessor_config.json"
+    preproc = _load_json(preproc_path) if preproc_path.is_file() else None
+    vision, vision_note = vision_from_config(outer, preproc, str(config_path), str(preproc_path))
+    if vision_note:
+        notes.append(vision_note)
+
     size = checkpoint_size(folder, fmt, bits)
     if size is not None:
         total_params = size.params
@@ -445,4 +452,5 @@ def spec_from_folder(path: Path) -> ModelSpec:
         vocab_size=dims["vocab_size"],
         intermediate_size=dims["intermediate_size"],
         num_experts=dims["num_experts"],
+        vision=vision,
     )

@@ -11,13 +11,14 @@ from typing import Any
 
 from pretuner.errors import BadInputError, UnknownModelError
 from pretuner.models.spec import AttentionKind, ModelSpec, WeightsFormat
+from pretuner.models.vision import vision_from_dict
 
 _SPEC_KEYS = {
     "name", "hf_id", "aliases", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
     "head_dim", "vocab_size", "intermediate_size", "attention", "total_params", "dtype",
     "weights", "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
     "sliding_window_layers", "num_experts", "active_params", "default_weights", "notes", "extra",
-    "eager_attention", "workspace_bytes",
+    "eager_attention", "workspace_bytes", "vision",
 }
 _WEIGHTS_KEYS = {"name", "total_bytes", "source"}
 
@@ -40,6 +41,8 @@ def spec_from_dict(data: dict[str, Any], origin: str) -> ModelSpec:
     fields["weights"] = tuple(weights)
     fields["aliases"] = tuple(data.get("aliases", ()))
     fields["attention"] = AttentionKind(data["attention"])
+    if data.get("vision") is not None:
+        fields["vision"] = vision_from_dict(data["vision"], origin)
     try:
         return ModelSpec(**fields)
     except TypeError as err:

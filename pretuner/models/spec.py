@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pretuner.models.vision import VisionSpec
+
 
 class AttentionKind(str, Enum):
     """How a layer stores its KV cache."""
@@ -70,6 +72,7 @@ class ModelSpec:
     workspace_bytes: int | None = None
     notes: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    vision: VisionSpec | None = None  # vision-language models' vision tower; text-only: None
 
     @property
     def dtype_bytes(self) -> int:

@@ -11,10 +11,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pretuner import plan_weights as pw
 from pretuner import validate as v
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import KV_DTYPES, kv_bytes_per_token, kv_tokens, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB, check_launch_settings
+from pretuner.models.quant import Quantization
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, VisionPlan, plan_images
 from pretuner.units import GIB
@@ -71,6 +73,12 @@ class PlanConfig:
     image_limit: int | None = None
     max_num_batched_tokens: int | None = None
     mm_processor_cache_gib: float = DEFAULT_MM_PROCESSOR_CACHE_GIB
+    # Big models on small cards (pretuner.plan_weights); the defaults plan as before.
+    quantization: Quantization | None = None
+    cpu_offload_gib: float = 0.0
+    swap_space_gib: float = 0.0
+    engine: str | None = None  # None: vLLM-MindSpore r0.1's integer model-use GiB
+    host_available_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +116,7 @@ class PlanResult:
     kv_query: tuple[float, int] | None = None  # (GiB asked, tokens that fit)
     notes: tuple[str, ...] = field(default=())
     vision: VisionPlan | None = None  # text-only models: None
+    weights_plan: pw.WeightsPlan | None = None
 
     def to_json(self) -> dict[str, Any]:
         req = self.requested
@@ -145,6 +154,7 @@ class PlanResult:
                 {"kv_gib": self.kv_query[0], "tokens": self.kv_query[1]} if self.kv_query else None
             ),
             "vision": self.vision.to_json() if self.vision else None,
+            "weights_plan": self.weights_plan.to_json() if self.weights_plan else None,
             "provenance": "predicted",
         }
 
@@ -152,7 +162,8 @@ class PlanResult:
 def _length_plan(cfg: PlanConfig, tp: int, weights: int, bpt: int, length: int) -> LengthPlan:
     act = activation_bytes(cfg.model, length, tp)
     model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib)
-    budget = int(cfg.card_gib * GIB * cfg.util) - model_use * GIB
+    used = weights + act + int(cfg.headroom_gib * GIB) if pw.is_v1(cfg.engine) else model_use * GIB
+    budget = int(cfg.card_gib * GIB * cfg.util) - used
     blocks = num_kv_blocks(budget, bpt, cfg.block_size)
     tokens = blocks * cfg.block_size
     return LengthPlan(
@@ -166,7 +177,7 @@ def _length_plan(cfg: PlanConfig, tp: int, weights: int, bpt: int, length: int) 
 
 
 def _weights_per_card(cfg: PlanConfig, tp: int) -> int:
-    return cfg.model.weights_format(cfg.weights_format).total_bytes // (tp * cfg.pp)
+    return pw.card_weights_bytes(cfg, tp * cfg.pp)
 
 
 def _layout_error(cfg: PlanConfig, tp: int) -> str | None:
@@ -211,6 +222,7 @@ def plan(cfg: PlanConfig) -> PlanResult:
     if cfg.cards_per_node < 1:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
     _check_vision_options(cfg)
+    pw.check_options(cfg)
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
     rejected: list[tuple[int, str]] = []
     notes: list[str] = []
@@ -250,8 +262,9 @@ def plan(cfg: PlanConfig) -> PlanResult:
         tp=tp,
         pp=cfg.pp,
         nodes=nodes,
-        weights_format=fmt.name,
+        weights_format=pw.weights_plan(cfg, 1).quantization or fmt.name,
         weights_bytes_per_card=weights,
+        weights_plan=pw.weights_plan(cfg, tp * cfg.pp),
         kv_bytes_per_token=bpt,
         block_size=cfg.block_size,
         requested=requested,

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
+from pretuner.errors import ExitCode
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models import resolve
+from pretuner.models.quant import METHODS, from_flag
 from pretuner.models.vision import (
     DEFAULT_MM_PROCESSOR_CACHE_GIB,
     VisionPlan,
     parse_limit_mm_per_prompt,
 )
 from pretuner.plan import PlanConfig, PlanResult, plan
+from pretuner.plan_propose import Proposal, propose, render_proposal
+from pretuner.plan_weights import ENGINES, is_v1, render_weights_plan
 from pretuner.presets.compare import preset_line
 from pretuner.units import GIB
 
@@ -26,7 +32,8 @@ from pretuner.units import GIB
 Examples:
   pretuner plan --model deepseek-v3 --card 64
   pretuner plan --model qwen3-8b --card 24 --max-model-len 32K --kv-cache-dtype fp8 --json
-  pretuner plan --model qwen3-vl-8b --card 64 --tp 2 --limit-mm-per-prompt image=2""",
+  pretuner plan --model qwen3-vl-8b --card 64 --tp 2 --limit-mm-per-prompt image=2
+  pretuner plan --model deepseek-r1-distill-llama-70b --card 32 --engine vllm --max-model-len 8K""",
 )
 def plan_cmd(
     model: str = typer.Option(
@@ -91,6 +98,25 @@ def plan_cmd(
         metavar="GIB",
         help="VL models: vLLM's preprocessor cache, host memory per API server.",
     ),
+    engine: str | None = typer.Option(
+        None,
+        "--engine",
+        metavar="NAME",
+        help=f"{' | '.join(ENGINES)} (default: r0.1's arithmetic). A V1 engine plans --tp "
+        "cards (default 1) and, when they are too small, proposes quantization, then offload.",
+    ),
+    quantization: str | None = typer.Option(
+        None,
+        "--quantization",
+        metavar="METHOD",
+        help=f"vLLM's --quantization: {' | '.join(METHODS)} (bitsandbytes loads 4-bit).",
+    ),
+    cpu_offload_gb: float = typer.Option(
+        0.0, "--cpu-offload-gb", metavar="GIB", help="Weights per card kept in host memory."
+    ),
+    swap_space: float = typer.Option(
+        0.0, "--swap-space", metavar="GIB", help="Host memory per card for preempted KV blocks."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Predict weights, activations, KV cache and max-num-seqs per card (no launch)."""
@@ -111,12 +137,55 @@ def plan_cmd(
         image_limit=_image_limit(limit_mm_per_prompt),
         max_num_batched_tokens=max_num_batched_tokens,
         mm_processor_cache_gib=mm_processor_cache_gb,
+        quantization=from_flag(quantization) if quantization else None,
+        cpu_offload_gib=cpu_offload_gb,
+        swap_space_gib=swap_space,
+        engine=engine,
+        host_available_bytes=(
+            host_available_bytes() if engine or cpu_offload_gb or swap_space else None
+        ),
     )
-    result = plan(cfg)
-    if as_json:
-        echo_json(result.to_json())
+    proposal: Proposal | None = None
+    if is_v1(engine) and quantization is None and not cpu_offload_gb:
+        proposal, found = propose(cfg)
+        if found is None:
+            _show_nothing_fits(proposal, swap_space, as_json)
+        result = found
     else:
-        typer.echo(render_plan(result))
+        result = plan(cfg)
+    if as_json:
+        data = result.to_json()
+        if proposal is not None:
+            data["proposal"] = proposal.to_json()
+        echo_json(data)
+    else:
+        text = render_plan(result)
+        if proposal is not None and (
+            proposal.chosen is None or proposal.chosen.label != "unquantized"
+        ):
+            text += "\n\n" + "\n".join(render_proposal(proposal, swap_space))
+        typer.echo(text)
+
+
+def _show_nothing_fits(proposal: Proposal, swap_gib: float, as_json: bool) -> NoReturn:
+    """Nothing serves the length on these cards: say what would, exit INFEASIBLE (4)."""
+    if as_json:
+        echo_json({"fits": False, "proposal": proposal.to_json()})
+    else:
+        typer.echo("\n".join(render_proposal(proposal, swap_gib)))
+    raise typer.Exit(int(ExitCode.INFEASIBLE))
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (measured), or None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB = KiB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _image_limit(text: str | None) -> int | None:
@@ -202,6 +271,9 @@ def render_plan(r: PlanResult) -> str:
         lines.append(
             f"\n{r.requested.max_model_len:,} tokens does not fit one sequence on this layout."
         )
+    if r.weights_plan and r.weights_plan.active:
+        req = r.requested
+        lines += ["", *render_weights_plan(r.weights_plan, req.activation_bytes, req.kv_bytes)]
     if r.kv_query:
         lines.append(f"\n{r.kv_query[0]} GiB of KV cache holds {r.kv_query[1]:,} tokens (derived).")
     if r.vision:

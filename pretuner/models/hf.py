@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError
+from pretuner.models.quant import from_config as quantization_from_config
 from pretuner.models.spec import DTYPE_BYTES, AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_config
 
@@ -453,4 +454,5 @@ def spec_from_folder(path: Path) -> ModelSpec:
         intermediate_size=dims["intermediate_size"],
         num_experts=dims["num_experts"],
         vision=vision,
+        quantization=quantization_from_config(outer) or quantization_from_config(r.cfg),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pretuner.models.quant import Quantization
 from pretuner.models.vision import VisionSpec
 
 
@@ -73,6 +74,8 @@ class ModelSpec:
     notes: str = ""
     extra: dict[str, str] = field(default_factory=dict)
     vision: VisionSpec | None = None  # vision-language models' vision tower; text-only: None
+    # A pre-quantized checkpoint's quantization_config (local folders); None: unquantized.
+    quantization: Quantization | None = None
 
     @property
     def dtype_bytes(self) -> int:

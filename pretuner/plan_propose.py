@@ -1,0 +1,182 @@
+"""When the card is too small: the cheapest way to serve the requested length on it.
+
+Quantize first (vLLM's in-flight fp8, then bitsandbytes 4-bit), and offload to host memory
+only the weights that are still missing, in whole GiB (`--cpu-offload-gb` is paid on every
+forward pass). When nothing serves the length, say what would: a shorter length, more cards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pretuner.errors import PretunerError
+from pretuner.models.quant import Quantization, from_flag
+from pretuner.plan import TP_CANDIDATES, PlanConfig, PlanResult, plan
+from pretuner.plan_weights import loaded
+from pretuner.units import GIB
+
+SHORTER = (16384, 8192, 4096, 2048, 1024, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One combination tried, on the proposal's cards."""
+
+    quantization: str | None
+    cpu_offload_gib: int
+    fits: bool
+    card_weights_gib: float
+    host_gib: float
+    max_num_seqs: int
+    why: str
+
+    @property
+    def label(self) -> str:
+        what = self.quantization or "unquantized"
+        return what + (
+            f" + --cpu-offload-gb {self.cpu_offload_gib}" if self.cpu_offload_gib else ""
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quantization": self.quantization,
+            "cpu_offload_gib": self.cpu_offload_gib,
+            "fits": self.fits,
+            "card_weights_gib": round(self.card_weights_gib, 3),
+            "host_gib": round(self.host_gib, 3),
+            "max_num_seqs": self.max_num_seqs,
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    tp: int
+    max_model_len: int
+    tried: tuple[Step, ...]
+    chosen: Step | None
+    flags: tuple[str, ...]  # the vLLM flags of the chosen combination
+    alternatives: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tp": self.tp,
+            "max_model_len": self.max_model_len,
+            "tried": [s.to_json() for s in self.tried],
+            "chosen": self.chosen.to_json() if self.chosen else None,
+            "flags": list(self.flags),
+            "alternatives": list(self.alternatives),
+            "provenance": "predicted",
+        }
+
+
+def _try(
+    cfg: PlanConfig, quant: Quantization | None, offload: int
+) -> tuple[Step, PlanResult | None]:
+    c = dataclasses.replace(cfg, quantization=quant, cpu_offload_gib=float(offload))
+    name = quant.name if quant else None
+    try:
+        r = plan(c)
+    except PretunerError as err:
+        return Step(name, offload, False, 0.0, 0.0, 0, err.message), None
+    wp = r.weights_plan
+    host = wp.host_bytes / GIB if wp else 0.0
+    seqs = r.requested.max_num_seqs
+    why = (
+        f"{seqs} sequence(s) of {cfg.max_model_len:,} tokens"
+        if seqs
+        else f"weights leave {r.requested.kv_tokens:,} KV tokens, under {cfg.max_model_len:,}"
+    )
+    step = Step(name, offload, seqs >= 1, r.weights_bytes_per_card / GIB, host, seqs, why)
+    return step, (r if step.fits else None)
+
+
+def _quant_ladder(cfg: PlanConfig) -> list[Quantization | None]:
+    if cfg.model.quantization is not None or cfg.quantization is not None:
+        return [cfg.quantization]  # the checkpoint's (or the user's) quantization, nothing else
+    return [None, from_flag("fp8"), from_flag("bitsandbytes")]
+
+
+def _smallest(cfg: PlanConfig, tried: list[Step]) -> tuple[Step | None, PlanResult | None]:
+    """Quantize step by step, then offload the smallest whole GiB that serves the length."""
+    ladder = _quant_ladder(cfg)
+    for quant in ladder:
+        step, r = _try(cfg, quant, 0)
+        tried.append(step)
+        if r is not None:
+            return step, r
+    last = ladder[-1]
+    total, _ = loaded(cfg.model, cfg.weights_format, last)
+    per_card = total / ((cfg.tp or 1) * cfg.pp)
+    step = tried[-1]
+    for gib in range(1, math.ceil(per_card / GIB) + 1):
+        step, r = _try(cfg, last, gib)
+        if r is not None:
+            tried.append(step)
+            return step, r
+    if step.cpu_offload_gib:
+        tried.append(step)  # even all weights on the host leave no room for one sequence
+    return None, None
+
+
+def _flags(cfg: PlanConfig, step: Step) -> tuple[str, ...]:
+    flags: list[str] = [f"--max-model-len {cfg.max_model_len}"]
+    if step.quantization and cfg.model.quantization is None:
+        flags.append("--quantization " + step.quantization.split("-")[0])
+    if step.cpu_offload_gib:
+        flags.append(f"--cpu-offload-gb {step.cpu_offload_gib}")
+    return tuple(flags)
+
+
+def _alternatives(cfg: PlanConfig, tp: int, chosen: Step | None) -> list[str]:
+    out: list[str] = []
+    if chosen is None:
+        for n in SHORTER:
+            if n >= cfg.max_model_len:
+                continue
+            step, _ = _smallest(dataclasses.replace(cfg, max_model_len=n), [])
+            if step is not None:
+                out.append(f"--max-model-len {n} on {tp} card(s): {step.label}")
+                break
+    if chosen is None or chosen.quantization or chosen.cpu_offload_gib:
+        for more in TP_CANDIDATES:
+            if more <= tp:
+                continue
+            step, _ = _try(dataclasses.replace(cfg, tp=more), None, 0)
+            if step.fits:
+                out.append(f"more cards: TP{more} ({more * cfg.pp} cards) serves it unquantized")
+                break
+    return out
+
+
+def propose(cfg: PlanConfig) -> tuple[Proposal, PlanResult | None]:
+    """The cheapest combination that serves cfg.max_model_len on cfg.tp (default 1) cards."""
+    tp = cfg.tp or 1
+    cfg = dataclasses.replace(cfg, tp=tp)
+    tried: list[Step] = []
+    chosen, result = _smallest(cfg, tried)
+    flags = _flags(cfg, chosen) if chosen else ()
+    alts = _alternatives(cfg, tp, chosen)
+    return Proposal(tp, cfg.max_model_len, tuple(tried), chosen, flags, tuple(alts)), result
+
+
+def render_proposal(p: Proposal, swap_gib: float) -> list[str]:
+    lines = [f"proposal for {p.max_model_len:,} tokens on {p.tp} card(s) (predicted):"]
+    for s in p.tried:
+        mark = "serves" if s.fits else "no"
+        lines.append(f"  {s.label}: {mark} - {s.why}")
+    if p.chosen:
+        host = p.chosen.host_gib
+        lines.append(
+            f"  proposed: {p.chosen.label}; host memory {host:.2f} GiB "
+            f"({p.chosen.cpu_offload_gib} GiB offload + {swap_gib:g} GiB swap per card)"
+        )
+        lines.append(f"  vLLM flags: {' '.join(p.flags)}")
+    else:
+        lines.append("  nothing tried serves this length on these cards")
+    for alt in p.alternatives:
+        lines.append(f"  or: {alt}")
+    return lines

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import pretuner.cli  # noqa: F401  (registers the commands)
@@ -29,3 +32,18 @@ def test_debug_after_the_subcommand_prints_the_traceback_and_keeps_the_code() ->
     assert proc.returncode == 2
     assert "Traceback (most recent call last)" in proc.stderr
     assert proc.stderr.rstrip().splitlines()[-1].startswith("pretuner: error:")
+
+
+def test_the_cli_needs_no_package_beyond_the_core_dependencies() -> None:
+    """A plain `pip install pretuner` has no `click` (typer carries its own) and no `ray`: the
+    CLI must start and plan without them (the dev extras here would hide it)."""
+    code = ("import sys\n"
+            "for name in ('click', 'ray', 'mindspore', 'vllm', 'pynvml'):\n"
+            "    sys.modules[name] = None  # an import of it fails as if not installed\n"
+            "sys.argv = ['pretuner', 'plan', '--model', 'qwen3-8b', '--card', '64']\n"
+            "from pretuner.cli import main\n"
+            "main()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KV" in proc.stdout

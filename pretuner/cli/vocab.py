@@ -12,7 +12,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
 import yaml
 
@@ -140,7 +139,9 @@ def _flags(key: str, value: Any) -> list[str]:
     return [f"--{key}", str(value)]
 
 
-def config_callback(ctx: typer.Context, param: click.Parameter, value: Path | None) -> Path | None:
+def config_callback(
+    ctx: typer.Context, param: typer.CallbackParam, value: Path | None
+) -> Path | None:
     """`--config`: the file's values become defaults, so a flag on the command line wins."""
     if value is None:
         return None

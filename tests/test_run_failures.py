@@ -88,7 +88,8 @@ def test_json_prints_the_error_object_and_keeps_the_exit_code(tmp_path: Path) ->
     proc = run_cli(*INFEASIBLE, "--out", str(out), "--json", env=cli_env())
     assert proc.returncode == 4, proc.stderr
     obj = json.loads(proc.stdout)
-    assert list(obj)[:5] == ["error", "hint", "exit_code", "error_type", "run_record"]
+    assert list(obj)[:6] == ["schema_version", "error", "hint", "exit_code", "error_type",
+                             "run_record"]
     assert obj["exit_code"] == 4
     assert obj["run_record"] == str(out)
     rep, _ = files(out)
@@ -148,6 +149,7 @@ def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> No
     assert proc.returncode == 2
     obj = json.loads(proc.stdout)
     assert obj == {
+        "schema_version": 1,
         "error": "unknown model 'deepseek-v4'",
         "hint": obj["hint"],
         "exit_code": 2,

@@ -262,14 +262,15 @@ def _held_kv(
 
 
 def _total(cfg: V1Config, warnings: list[str]) -> tuple[int | None, str | None]:
-    measured = cfg.series.total_mib if cfg.series is not None else None
+    series = cfg.series
+    measured = series.total_mib if series is not None else None
     if cfg.card_total_mib is not None:
         if measured is not None and measured != cfg.card_total_mib:
-            warnings.append(f"nvidia-smi says the device total is {measured:,} MiB; using the "
-                            f"given --card-total-mib {cfg.card_total_mib:,}")
+            warnings.append(f"the memory series says the device total is {measured:,} MiB; "
+                            f"using the given --card-total-mib {cfg.card_total_mib:,}")
         return cfg.card_total_mib, "given (--card-total-mib)"
-    if measured is not None:
-        return measured, "measured (nvidia-smi memory.total)"
+    if series is not None and measured is not None:
+        return measured, f"measured ({series.source} series' device total)"
     return None, None
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
+from pretuner.devices.series import parse_memory_tsv
 from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import BadInputError
 
@@ -99,10 +100,11 @@ class DevicePeak:
     """The worst device's highest sample in a memory series file, MiB."""
 
     file: str
-    source: str  # "nvml" (the NVML series) or "nvidia-smi" (its CSV)
+    source: str  # "nvml" (the NVML series), "nvidia-smi" (its CSV), or the reader that wrote
+    # pretuner's own launch-N/memory.tsv
     samples: int
     peak_mib: int
-    total_mib: int | None  # the nvidia-smi CSV says it; the NVML series does not
+    total_mib: int | None  # the nvidia-smi CSV and memory.tsv say it; the NVML series does not
     phase_peaks_mib: dict[str, int] = field(default_factory=dict)
     runs: tuple[str, ...] = ()  # the run labels of an NVML series (`run:phase`)
 
@@ -119,8 +121,16 @@ class DevicePeak:
 
 
 def read_memory_series(text: str, file: str) -> DevicePeak:
-    """The device peak of an NVML series (`epoch<TAB>phase<TAB>used_mib` rows) or of repeated
+    """The device peak of a pretuner launch's memory.tsv, an NVML series
+    (`epoch<TAB>phase<TAB>used_mib` rows) or repeated
     `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`."""
+    launch = parse_memory_tsv(0, text)
+    if launch.rows:
+        phases: dict[str, int] = {}
+        for row in launch.rows:
+            phases[row.phase] = max(phases.get(row.phase, 0), row.used_mib)
+        return DevicePeak(file, launch.reader or "memory.tsv", len({r.t_s for r in launch.rows}),
+                          max(phases.values()), launch.total_mib, phases)
     points = parse_nvml_series(text)
     if points:
         runs = tuple(dict.fromkeys(p.run for p in points if p.run is not None))
@@ -132,7 +142,8 @@ def read_memory_series(text: str, file: str) -> DevicePeak:
         return DevicePeak(file, "nvidia-smi", len(rows), worst.used_mib, worst.total_mib)
     raise BadInputError(
         f"--memory-series {file!r} holds no memory samples",
-        hint="give NVML series rows `EPOCH_S<TAB>PHASE<TAB>USED_MIB` or the output of "
+        hint="give a pretuner launch's memory.tsv, NVML series rows "
+        "`EPOCH_S<TAB>PHASE<TAB>USED_MIB` or the output of "
         "`nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits` "
         "sampled during the run",
     )

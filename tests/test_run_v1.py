@@ -170,3 +170,21 @@ def test_bad_v1_input_is_one_line_and_exit_2(args: list[str], says: str) -> None
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_folder_given_relative_is_deployed_by_its_absolute_path(tmp_path: Path) -> None:
+    # Seen on the real H200: `--model .devq/qwen3-8b` went into serve.sh as given, and
+    # `./serve.sh` from the run folder (as report.md says) could not find the model.
+    model = tmp_path / "models" / "qwen3-8b"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text((REAL_LOGS.parent / "model-configs" /
+                                        "Qwen--Qwen3-8B.json").read_text())
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "models/qwen3-8b", "--engine", "vllm", "--card", "80",
+                   "--max-model-len", "8192", "--out", str(out), "--json",
+                   env=cli_env(**FAST_SIM), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert str(model) in rep["final"]["serve_command"]
+    assert rep["retune_command"][3] == str(model)
+    assert f" {model} " in (out / "serve.sh").read_text()

@@ -9,9 +9,8 @@ from pretuner.cli.render import table
 from pretuner.engines.base import LaunchSettings
 from pretuner.engines.registry import choose_engine
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.records import V1Report
 from pretuner.tune.v1.entry import V1RunOutcome, first_launch, v1_setup
-from pretuner.tune.v1.report import SIM_NOTE
+from pretuner.tune.v1.report import SIM_NOTE, device_words
 
 V1_SIM_BANNER = f"*** {SIM_NOTE} ***"
 
@@ -47,12 +46,6 @@ def render_v1_dry_run(opts: RunOptions) -> str:
     return "\n".join(lines)
 
 
-def _device(rep: V1Report) -> str:
-    if rep.device_kind == "cpu":
-        return f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process)"
-    return f"{rep.card_gib} GB device(s)"
-
-
 def _prerun_kv(s: LaunchSettings) -> str:
     if s.kv_cache_bytes is None:
         return f"util {s.util:g} (the engine profiles)"
@@ -68,7 +61,7 @@ def render_v1_summary(o: V1RunOutcome) -> str:
     if rep.validated and rep.given_up:
         status = f"VALIDATED, BUT LESS THAN ASKED ({'; '.join(rep.given_up)})"
     lines += [
-        f"{rep.model} on {rep.engine}, {_device(rep)}, TP{rep.tp} x "
+        f"{rep.model} on {rep.engine}, {device_words(rep)}, TP{rep.tp} x "
         f"PP{rep.pp}: {status} after {rep.launches} launch(es)",
         "",
     ]

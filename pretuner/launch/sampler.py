@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceReader
+from pretuner.devices.series import HEADER
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def series_tsv(sampled: Sampled, launch: int) -> str | None:
     lines = [
         f"# launch {launch}: device memory read by {sampled.reader}; total_mib={total}"
         " (the smallest device's); t_s: seconds since the launch started",
-        "t_s\tphase\tdevice\tused_mib",
+        HEADER,
     ]
     for p in sampled.series:
         lines += [f"{p.t_s:.3f}\t{p.phase}\t{dev}\t{used}" for dev, used in p.used_mib]

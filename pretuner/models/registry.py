@@ -86,6 +86,13 @@ def lookup(name: str) -> ModelSpec:
     raise UnknownModelError(name, close)
 
 
+def local_model_path(name_or_path: str) -> str | None:
+    """A model folder as an absolute path, None for a registry name: serve.sh, the systemd unit
+    and the re-tune command run from other folders than the run did."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.is_dir() else None
+
+
 def resolve(name_or_path: str) -> ModelSpec:
     """A registry name, or a local Hugging Face model folder (config.json + safetensors)."""
     path = Path(name_or_path).expanduser()

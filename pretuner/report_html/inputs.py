@@ -9,31 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretuner.devices.series import LaunchMemory, MemoryRow, parse_memory_tsv
 from pretuner.errors import BadInputError
 
+__all__ = ["LaunchMemory", "MemoryRow", "RunFiles", "parse_memory_tsv", "read_run"]
+
 _LAUNCH_DIR = re.compile(r"^launch-(\d+)$")  # not `launch-3.interrupted-1`: a dead attempt
-_TOTAL = re.compile(r"total_mib=(\d+)")
-_READER = re.compile(r"read by (\S+);")
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryRow:
-    """One device at one moment of a launch."""
-
-    t_s: float
-    phase: str
-    device: int
-    used_mib: int
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchMemory:
-    """A launch's memory.tsv."""
-
-    n: int
-    total_mib: int | None  # the smallest device's total, from the header comment
-    reader: str | None
-    rows: tuple[MemoryRow, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,29 +31,6 @@ class RunFiles:
     report: dict[str, Any]
     decisions: tuple[Decision, ...]
     memory: tuple[LaunchMemory, ...]
-
-
-def parse_memory_tsv(n: int, text: str) -> LaunchMemory:
-    """A memory.tsv: `#` comments (one says `total_mib=N`), a header line, then
-    `t_s phase device used_mib` rows; a malformed row is skipped, not fatal."""
-    total: int | None = None
-    reader: str | None = None
-    rows: list[MemoryRow] = []
-    for line in text.splitlines():
-        if line.startswith("#"):
-            if (m := _TOTAL.search(line)) is not None:
-                total = int(m.group(1))
-            if (r := _READER.search(line)) is not None:
-                reader = r.group(1)
-            continue
-        cells = line.split("\t")
-        if len(cells) != 4 or cells[0] == "t_s":
-            continue
-        try:
-            rows.append(MemoryRow(float(cells[0]), cells[1], int(cells[2]), int(cells[3])))
-        except ValueError:
-            continue
-    return LaunchMemory(n, total, reader, tuple(rows))
 
 
 def decisions_of(journal_lines: list[str], report: dict[str, Any]) -> tuple[Decision, ...]:

@@ -18,7 +18,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
-from pretuner.models import ModelSpec, builtin_specs, resolve
+from pretuner.models import ModelSpec, builtin_specs, local_model_path, resolve
 from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.backends import (
     BackendChoice,
@@ -123,9 +123,12 @@ def _sim_env(
 
 
 def server_model_arg(model: str, spec: ModelSpec, backend: Backend) -> str:
-    """What the server loads: a folder as given; a registry name as its Hugging Face id for a
-    real vLLM-MindSpore (which cannot load `qwen3-8b`); pretuner's own servers take the name."""
-    if Path(model).exists() or backend in (Backend.SIM, Backend.MINDSPORE_CPU):
+    """What the server loads: a folder by its absolute path; a registry name as its Hugging
+    Face id for a real vLLM-MindSpore (which cannot load `qwen3-8b`); pretuner's own servers
+    take the name."""
+    if (local := local_model_path(model)) is not None:
+        return local
+    if backend in (Backend.SIM, Backend.MINDSPORE_CPU):
         return model
     return spec.hf_id or model
 

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from pretuner import validate as v
 from pretuner.errors import BadInputError
 from pretuner.kvmath import KV_DTYPES
+from pretuner.models import local_model_path
 from pretuner.redact import redact_argv
 
 T = TypeVar("T")
@@ -173,7 +174,7 @@ class RunOptions:
     def command_line(self) -> list[str]:
         """`pretuner run` with every option that differs from its default: the same run again
         (a new run folder; what the emulated card was told through its env is not a flag)."""
-        argv = ["pretuner", "run", "--model", self.model]
+        argv = ["pretuner", "run", "--model", local_model_path(self.model) or self.model]
         defaults = RunOptions(model=self.model)
         for name, flag in RETUNE_FLAGS:
             value = getattr(self, name)

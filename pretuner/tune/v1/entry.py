@@ -15,7 +15,7 @@ from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args, sim_profile
 from pretuner.errors import BadInputError, PretunerError
 from pretuner.kvmath import kv_bytes_per_token
-from pretuner.models import resolve
+from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, plan
 from pretuner.report_html.page import refresh_run_page
@@ -153,8 +153,8 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                    block_size=block, tp=p.tp, pp=p.pp,
                    kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
                    validate=opts.validate, profile_prerun=row.profile_prerun or choice.simulated)
-    model_arg = opts.model if Path(opts.model).exists() or engine.simulated \
-        else (spec.hf_id or opts.model)
+    model_arg = local_model_path(opts.model) or (
+        opts.model if engine.simulated else (spec.hf_id or opts.model))
     served = spec.name
 
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:

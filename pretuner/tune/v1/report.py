@@ -186,9 +186,12 @@ def report_md(rep: V1Report) -> str:
 
 
 def device_words(rep: V1Report) -> str:
+    """The devices as the run knew them: a real device's total as its reader measured it."""
     if rep.device_kind == "cpu":
         return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
                 "vLLM on CPU has no device)")
+    if not rep.simulated and rep.derivation is not None:
+        return f"{rep.derivation.device_total_mib:,} MiB device(s) (measured)"
     return f"{rep.card_gib} GB device(s)"
 
 

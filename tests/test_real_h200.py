@@ -1,0 +1,80 @@
+"""Real vLLM 0.24 on an H200 (`tests/fixtures/real/vllm-0.24-h200`): what `pretuner run`
+wrote there, read back. The log reader, `analyze` and the run agree on every figure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pretuner.analyze_v1_inputs import read_memory_series
+from pretuner.engines.v1_launch import read_log
+from pretuner.units import MIB
+from tests.helpers import run_cli
+
+H200 = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200"
+QWEN3_8B_BPT = 147_456  # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
+
+
+def report(run: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((H200 / run / "report.json").read_text("utf-8"))
+    return data
+
+
+@pytest.mark.parametrize("run", ["run32k", "run8k"])
+def test_the_logs_say_what_the_run_recorded(run: str) -> None:
+    rep = report(run)
+    prerun, validate = (read_log(H200 / run / f"launch-{n}" / "server.log") for n in (1, 2))
+    assert prerun.kv_tokens == rep["baseline"]["kv_tokens"] == 794_016
+    assert prerun.kv_gib == pytest.approx(109.04)
+    assert prerun.weights_gib == pytest.approx(15.27)
+    assert validate.kv_tokens == rep["final"]["kv_tokens"] == 882_992
+    assert not prerun.failed_oom
+    assert not validate.failed_oom
+    # The validation held the pinned bytes: whole blocks of 16 tokens of them.
+    pinned = rep["final"]["kv_cache_memory_bytes"]
+    assert validate.kv_tokens == pinned // (QWEN3_8B_BPT * 16) * 16
+
+
+@pytest.mark.parametrize("run", ["run32k", "run8k"])
+def test_the_series_peaks_are_the_recorded_ones(run: str) -> None:
+    rep = report(run)
+    series = [read_memory_series((H200 / run / f"launch-{n}" / "memory.tsv").read_text("utf-8"),
+                                 f"launch-{n}") for n in (1, 2)]
+    assert all(s.source == "nvml" and s.total_mib == 143_771 for s in series)
+    assert series[0].peak_mib == rep["derivation"]["device_peak_mib"] == 130_539
+    # Proven: the worst case ran under the pinned KV within the device, 676 MiB spare.
+    assert series[1].peak_mib == 143_095 < series[1].total_mib
+    steps = rep["steps"]
+    assert [s["outcome"] for s in steps] == ["ok", "ok"]
+
+
+def test_the_derivation_adds_up() -> None:
+    d = report("run32k")["derivation"]
+    assert d["held_kv_mib"] == 794_016 * QWEN3_8B_BPT / MIB
+    assert d["non_kv_peak_mib"] == d["device_peak_mib"] - d["held_kv_mib"]
+    assert d["pinned_kv_mib"] == int(d["device_total_mib"] - d["non_kv_peak_mib"]
+                                     - d["margin_mib"])
+    assert report("run32k")["final"]["kv_cache_memory_bytes"] == d["pinned_kv_mib"] * MIB
+
+
+def test_analyze_reads_the_runs_own_series_and_derives_the_same_pinned_kv() -> None:
+    launch = H200 / "run32k" / "launch-1"
+    done = run_cli("analyze", str(launch / "server.log"), "--memory-series",
+                   str(launch / "memory.tsv"), "-m", "qwen3-8b", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["budget"]["kv_bytes"] == report("run32k")["final"]["kv_cache_memory_bytes"]
+    assert data["total_mib"] == 143_771
+    assert "nvml series" in data["provenance"]["device_peak_mib"]
+
+
+def test_a_real_device_is_named_by_its_measured_total() -> None:
+    # The H200's 143,771 MiB, not "140 GB" (its GiB, floored, under the wrong unit).
+    from pretuner.tune.records import V1Report
+    from pretuner.tune.v1.report import device_words
+
+    rep = V1Report.model_validate(report("run32k"))
+    assert device_words(rep) == "143,771 MiB device(s) (measured)"

@@ -4,7 +4,8 @@ network, in parts small enough to carry one at a time.
 1. The dependency closure of `vllm==VERSION` for CPython 3.12 on x86_64 Linux, skipping the
    packages the machine already has (`--have FILE`: one name per line or space-separated) and
    the CUDA kernel libraries that a dense bf16 model on Hopper never imports (`--skip`);
-   every wheel is fetched with `pip download --no-deps` into OUT/light.
+   every wheel is fetched with `pip download --no-deps` into OUT/light, with what pretuner
+   itself needs newer than the machine has (`--also`).
 2. The vllm wheel's own tree without the files named by `--drop` (FlashAttention 2 and the MoE
    kernels: FA3 serves Hopper, a dense model needs no MoE), as a tar.xz split into
    `--part-mb` parts (OUT/vllm.partNN).
@@ -68,16 +69,16 @@ def requirements(wheel: Path, extras: set[str]) -> list[Requirement]:
     return found
 
 
-def closure(root: str, have: set[str], skip: set[str], into: Path) -> None:
+def closure(roots: list[str], have: set[str], skip: set[str], into: Path) -> None:
     """Fetch `root` and every requirement the machine lacks, extras included, breadth first.
     A later requirement that the fetched version does not meet fetches again: vllm 0.24 pins
     apache-tvm-ffi 0.1.9 for flashinfer (skipped), xgrammar 0.2.8 needs 0.1.11 or later."""
     seen: dict[str, set[str]] = {}
-    queue = [Requirement(root)]
+    queue = [Requirement(r) for r in roots]
     while queue:
         req = queue.pop(0)
         name = canonicalize_name(req.name)
-        if name in have or name in skip:
+        if (name in have and not forced(name, roots)) or name in skip:
             continue
         wheel = wheel_of(name, into)
         if wheel is not None and not req.specifier.contains(wheel.name.split("-")[1],
@@ -93,6 +94,11 @@ def closure(root: str, have: set[str], skip: set[str], into: Path) -> None:
             raise SystemExit(f"pip downloaded no wheel named {name}")
         seen[name] = seen.get(name, set()) | set(req.extras)
         queue += requirements(wheel, seen[name])
+
+
+def forced(name: str, roots: list[str]) -> bool:
+    """A root is fetched even where the machine has it (a version pretuner needs)."""
+    return any(canonicalize_name(Requirement(r).name) == name for r in roots)
 
 
 def vllm_parts(wheel: Path, out: Path, drop: tuple[str, ...], part_bytes: int) -> None:
@@ -129,13 +135,16 @@ def main() -> None:
                         help="the names of the packages the GPU machine already has")
     parser.add_argument("--skip", nargs="*", default=list(SKIP))
     parser.add_argument("--drop", nargs="*", default=list(DROP))
+    parser.add_argument("--also", nargs="*", default=["typer>=0.29"],
+                        help="more roots, fetched even where the machine has an older one "
+                        "(pretuner needs typer 0.29; the machine had 0.27)")
     parser.add_argument("--part-mb", type=int, default=50)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     have = {canonicalize_name(n) for n in args.have.read_text().split()}
     light = args.out / "light"
     light.mkdir(parents=True, exist_ok=True)
-    closure(f"vllm=={args.vllm}", have, {canonicalize_name(n) for n in args.skip}, light)
+    closure([f"vllm=={args.vllm}", *args.also], have, {canonicalize_name(n) for n in args.skip}, light)
     wheel = wheel_of("vllm", light)
     if wheel is None:
         raise SystemExit("no vllm wheel was fetched")

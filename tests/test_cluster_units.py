@@ -336,7 +336,7 @@ def test_ray_address_without_ray_says_how_to_install(monkeypatch: pytest.MonkeyP
 
 # -- the emulated server's Ray options --------------------------------------------------------
 def test_sim_places_on_ray_like_vllm() -> None:
-    from pretuner.sim.serve import parse
+    from pretuner.sim.r01_config import parse
 
     env = {"RAY_ADDRESS": "10.0.0.1:6379"}
     assert parse(["--model", "m"], env).ray_address is None  # mp backend: Ray not used
@@ -347,7 +347,7 @@ def test_sim_places_on_ray_like_vllm() -> None:
 
 
 def test_sim_rank_skew() -> None:
-    from pretuner.sim.serve import UsageError, parse
+    from pretuner.sim.r01_config import UsageError, parse
 
     assert parse(["--model", "m", "--sim-rank-skew", "12=1.5, 3=2"], {}).rank_skew == {
         12: 1.5,

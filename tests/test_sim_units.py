@@ -20,12 +20,8 @@ from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, Req
 from pretuner.sim.launcher import DEFAULT_ENTRY, child_argv
 from pretuner.sim.logs import PoolStats, RankLog, VllmLog, ms_prefix, pool_dump, vllm_prefix
 from pretuner.sim.npusmi import CardUse, render
-from pretuner.sim.serve import (
-    StartupFailed,
-    UsageError,
-    parse,
-    verify_vllm_config,
-)
+from pretuner.sim.r01_checks import StartupFailed, verify_vllm_config
+from pretuner.sim.r01_config import UsageError, parse
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-8b")

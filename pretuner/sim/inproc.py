@@ -14,15 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pretuner.sim.engine import EngineLimits, OutOfMemory, check_step, oom_text
+from pretuner.sim.r01_checks import WHERE_MS, StartupFailed, traceback_text
+from pretuner.sim.r01_config import UsageError, parse
 from pretuner.sim.scheduler import Scheduler, Seq
-from pretuner.sim.serve import (
-    _WHERE_MS,
-    Server,
-    StartupFailed,
-    UsageError,
-    parse,
-    traceback_text,
-)
+from pretuner.sim.serve import Server
 
 MAX_STEPS = 10_000_000
 
@@ -62,7 +57,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
         return InprocRun(stream.getvalue(), (), False, 1)
     except OutOfMemory as oom:
         server._unpublish()
-        stream.write(traceback_text("RuntimeError", str(oom), _WHERE_MS))
+        stream.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
         return InprocRun(stream.getvalue(), (), False, 1)
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)

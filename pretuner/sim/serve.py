@@ -19,7 +19,6 @@ Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -27,17 +26,37 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from pretuner.errors import PretunerError
-from pretuner.models import ModelSpec, resolve
+from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import normalize_argv
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
-from pretuner.sim.logs import POOL_FORMATS, RankLog, RankWriter, VllmLog, glog_level
+from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
+from pretuner.sim.r01_checks import (
+    WHERE_CACHE,
+    WHERE_CONFIG,
+    WHERE_MODEL,
+    WHERE_MS,
+    WHERE_RAY,
+    StartupFailed,
+    check_kv_blocks,
+    chunked_prefill,
+    int_env,
+    traceback_text,
+    verify_vllm_config,
+)
+from pretuner.sim.r01_config import (
+    NODE_LOG_DIRS_ENV,
+    VLLM_VERSION,
+    ServeConfig,
+    UsageError,
+    build_parser,
+    parse,
+)
 from pretuner.sim.state import state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.stopflag import StopFlag
@@ -45,315 +64,6 @@ from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
-
-VLLM_VERSION = "0.6.6.post1"
-DEFAULT_STARTUP_S = 1.0
-DEFAULT_TEARDOWN_S = 0.5
-_KV_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
-              "int8": "int8", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
-
-SIM_ENV = {
-    "profile": "PRETUNER_SIM_PROFILE",
-    "seed": "PRETUNER_SIM_SEED",
-    "truth": "PRETUNER_SIM_TRUTH",
-    "pool_format": "PRETUNER_SIM_POOL_FORMAT",
-    "startup_s": "PRETUNER_SIM_STARTUP_S",
-    "teardown_s": "PRETUNER_SIM_TEARDOWN_S",
-    "weights_format": "PRETUNER_SIM_WEIGHTS_FORMAT",
-    "nodes": "PRETUNER_SIM_NODES",
-    "rank_skew": "PRETUNER_SIM_RANK_SKEW",
-    "ray_address": "PRETUNER_SIM_RAY_ADDRESS",
-    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
-}
-NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
-
-
-def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=(
-            "Emulated vLLM-MindSpore r0.1 (vLLM 0.6.6) OpenAI server on an emulated Ascend "
-            "card. Takes the real command line and environment (ASCEND_TOTAL_MEMORY_GB, "
-            "vLLM_MODEL_MEMORY_USE_GB, GLOG_v, GLOG_logtostderr, GLOG_log_dir, "
-            "ASCEND_RT_VISIBLE_DEVICES) and prints the real log lines, including the memory "
-            "pool dump with `actual peak used mem` at a graceful stop. All memory figures are "
-            "SIMULATED. Unknown flags are ignored."),
-        epilog=(
-            "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
-            "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
-            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
-            "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
-            "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
-            "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node."),
-    )
-    p.add_argument("model_tag", nargs="?", help="model (registry name or local HF folder)")
-    p.add_argument("--model", help="model (registry name or local HF folder)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--distributed-executor-backend", default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--enable-chunked-prefill", nargs="?", const="true", default=None,
-                   type=_bool_arg)
-    sim = p.add_argument_group("emulator (not part of the real command line)")
-    sim.add_argument("--sim-profile", default=None,
-                     help=f"card profile: {', '.join(mem.PROFILES)} (default "
-                          f"{mem.DEFAULT_PROFILE})")
-    sim.add_argument("--sim-seed", type=int, default=None,
-                     help=f"perturbs the hidden coefficients (default {mem.DEFAULT_SEED})")
-    sim.add_argument("--sim-truth", "--truth", dest="sim_truth", default=None,
-                     help="write what only the emulator knows (JSON) to this file")
-    sim.add_argument("--sim-pool-format", choices=POOL_FORMATS, default=None,
-                     help="MindSpore pool dump format (default 2.5)")
-    sim.add_argument("--sim-startup-s", type=float, default=None,
-                     help=f"startup duration (default {DEFAULT_STARTUP_S})")
-    sim.add_argument("--sim-teardown-s", type=float, default=None,
-                     help=f"device release time at a graceful stop (default "
-                          f"{DEFAULT_TEARDOWN_S})")
-    sim.add_argument("--sim-weights-format", default=None,
-                     help="checkpoint format from the model spec (default: native dtype)")
-    sim.add_argument("--sim-nodes", type=int, default=None,
-                     help="nodes the TP group spans (default 1)")
-    sim.add_argument("--sim-rank-skew", default=None,
-                     help="RANK=FACTOR[,...]: multiply these ranks' activations (the worst or "
-                          "an OOMing rank where a test wants it)")
-    sim.add_argument("--sim-occupied-mib", type=int, default=None,
-                     help="another tenant's process holds this much of every card (MiB)")
-    sim.add_argument("--sim-ray-address", default=None,
-                     help="place the ranks on this Ray cluster (default: RAY_ADDRESS with "
-                          "--distributed-executor-backend ray, as vLLM does)")
-    return p
-
-
-def _bool_arg(raw: str) -> bool:
-    """vLLM's `--enable-chunked-prefill [BOOL]`."""
-    lowered = raw.lower()
-    if lowered in ("1", "true", "yes"):
-        return True
-    if lowered in ("0", "false", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
-    """Everything the emulated server needs, from the command line and the environment."""
-
-    model: str
-    host: str | None
-    port: int
-    max_model_len: int | None
-    max_num_seqs: int
-    max_num_batched_tokens: int | None
-    util: float
-    tp: int
-    pp: int
-    block_size: int
-    served_names: tuple[str, ...]
-    kv_dtype: str
-    profile: str
-    seed: int
-    truth: str | None
-    pool_format: str
-    startup_s: float
-    teardown_s: float
-    weights_format: str | None
-    nodes: int
-    env: dict[str, str] = field(default_factory=dict)
-    ignored: tuple[str, ...] = ()
-    rank_skew: dict[int, float] = field(default_factory=dict)
-    ray_address: str | None = None  # ranks placed on this Ray cluster's nodes
-    chunked_prefill: bool | None = None  # None: vLLM's default (on above 32K)
-    occupied_mib: int = 0  # another tenant's share of every card
-
-
-class UsageError(Exception):
-    pass
-
-
-def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
-    """Command line + environment -> config. Raises UsageError for sim options out of range."""
-    ns, unknown = build_parser().parse_known_args(normalize_argv(argv))
-    model = ns.model or ns.model_tag
-    if not model:
-        raise UsageError("a model is required: pass it as --model M (or positionally)")
-
-    def pick(opt: object, key: str, default: str) -> str:
-        return str(opt) if opt is not None else env.get(SIM_ENV[key]) or default
-
-    try:
-        seed = int(pick(ns.sim_seed, "seed", str(mem.DEFAULT_SEED)))
-        startup = float(pick(ns.sim_startup_s, "startup_s", str(DEFAULT_STARTUP_S)))
-        teardown = float(pick(ns.sim_teardown_s, "teardown_s", str(DEFAULT_TEARDOWN_S)))
-        nodes = int(pick(ns.sim_nodes, "nodes", "1"))
-        occupied = int(pick(ns.sim_occupied_mib, "occupied_mib", "0"))
-    except ValueError as err:
-        raise UsageError(f"bad emulator setting: {err}") from None
-    profile = pick(ns.sim_profile, "profile", mem.DEFAULT_PROFILE)
-    if profile not in mem.PROFILES:
-        raise UsageError(f"unknown card profile {profile!r}; choose one of: "
-                         f"{', '.join(mem.PROFILES)}")
-    pool_format = pick(ns.sim_pool_format, "pool_format", "2.5")
-    if pool_format not in POOL_FORMATS:
-        raise UsageError(f"unknown pool format {pool_format!r}; choose one of: "
-                         f"{', '.join(POOL_FORMATS)}")
-    truth = ns.sim_truth or env.get(SIM_ENV["truth"]) or None
-    skew = _rank_skew(ns.sim_rank_skew or env.get(SIM_ENV["rank_skew"]) or "")
-    ray_address = ns.sim_ray_address or env.get(SIM_ENV["ray_address"]) or (
-        env.get("RAY_ADDRESS") if ns.distributed_executor_backend == "ray" else None
-    ) or None
-    weights = ns.sim_weights_format or env.get(SIM_ENV["weights_format"]) or None
-    return ServeConfig(
-        model=model, host=ns.host, port=ns.port, max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-        util=ns.gpu_memory_utilization, tp=ns.tensor_parallel_size,
-        pp=ns.pipeline_parallel_size, block_size=ns.block_size,
-        served_names=tuple(ns.served_model_name or (model,)),
-        kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=profile, seed=seed,
-        truth=truth, pool_format=pool_format, startup_s=max(0.0, startup),
-        teardown_s=max(0.0, teardown), weights_format=weights, nodes=max(1, nodes),
-        env=dict(env), ignored=tuple(unknown), rank_skew=skew, ray_address=ray_address,
-        chunked_prefill=ns.enable_chunked_prefill, occupied_mib=max(0, occupied),
-    )
-
-
-def _rank_skew(raw: str) -> dict[int, float]:
-    out = {}
-    for part in filter(None, (p.strip() for p in raw.split(","))):
-        rank, _, factor = part.partition("=")
-        try:
-            out[int(rank)] = float(factor)
-        except ValueError:
-            raise UsageError(f"bad rank skew {part!r}; use RANK=FACTOR, e.g. 12=1.5") from None
-        if not out[int(rank)] > 0:
-            raise UsageError(f"bad rank skew {part!r}; the factor must be > 0")
-    return out
-
-
-class StartupFailed(Exception):
-    """Startup ended in a Python exception the real server would print as a traceback."""
-
-    def __init__(self, exc_type: str, message: str, where: str) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-        self.message = message
-        self.where = where
-
-
-_TRACE_HEAD = (
-    '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
-    '  File "<frozen runpy>", line 88, in _run_code\n'
-    '  File "/usr/local/lib/python3.10/site-packages/vllm/entrypoints/openai/api_server.py", '
-    "line 774, in <module>\n"
-    "    uvloop.run(run_server(args))\n"
-)
-
-
-def traceback_text(exc_type: str, message: str, where: str) -> str:
-    return f"Traceback (most recent call last):\n{_TRACE_HEAD}{where}{exc_type}: {message}\n"
-
-
-_WHERE_PLATFORM = ('  File "/usr/local/lib/python3.10/site-packages/vllm_mindspore/platforms/'
-                   'ascend.py", line 104, in check_and_update_config\n'
-                   '    total_device_memory = int(os.environ["ASCEND_TOTAL_MEMORY_GB"])\n')
-_WHERE_BLOCKS = ('  File "/usr/local/lib/python3.10/site-packages/vllm_mindspore/utils.py", '
-                 "line 238, in calc_block_num\n"
-                 '    model_use_memory_b = int(os.getenv("vLLM_MODEL_MEMORY_USE_GB")) * 1024 * '
-                 "1024 * 1024\n")
-_WHERE_CACHE = ('  File "/usr/local/lib/python3.10/site-packages/vllm/worker/worker.py", '
-                "line 494, in raise_if_cache_size_invalid\n")
-_WHERE_CONFIG = ('  File "/usr/local/lib/python3.10/site-packages/vllm/config.py", line 1141, '
-                 "in _verify_args\n")
-_WHERE_MS = ('  File "/usr/local/lib/python3.10/site-packages/mindspore/common/api.py", '
-             "line 1031, in __call__\n")
-_WHERE_RAY = ('  File "/usr/local/lib/python3.10/site-packages/vllm/executor/ray_utils.py", '
-              "line 286, in initialize_ray_cluster\n")
-_WHERE_MODEL = ('  File "/usr/local/lib/python3.10/site-packages/transformers/utils/hub.py", '
-                "line 426, in cached_file\n")
-
-
-def int_env(env: dict[str, str], name: str, where: str | None = None) -> int:
-    """`int(os.environ[name])` as r0.1 does it, including its failure."""
-    raw = env.get(name)
-    if where is None:
-        where = _WHERE_PLATFORM if name == "ASCEND_TOTAL_MEMORY_GB" else _WHERE_BLOCKS
-    if raw is None:
-        raise StartupFailed("TypeError", "int() argument must be a string, a bytes-like object "
-                            "or a real number, not 'NoneType'", where)
-    try:
-        return int(raw)
-    except ValueError:
-        raise StartupFailed("ValueError", f"invalid literal for int() with base 10: {raw!r}",
-                            where) from None
-
-
-def check_kv_blocks(blocks: int, block_size: int, mml: int, where: str) -> int:
-    """vLLM's checks on the KV blocks r0.1 computed; returns the tokens they hold."""
-    if blocks <= 0:
-        raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
-                            "increasing `gpu_memory_utilization` when initializing the "
-                            "engine.", where)
-    max_seq = blocks * block_size
-    if mml > max_seq:
-        raise StartupFailed(
-            "ValueError",
-            f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
-            f"that can be stored in KV cache ({max_seq}). Try increasing "
-            "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the "
-            "engine.", where)
-    return max_seq
-
-
-def chunked_prefill(cfg: ServeConfig, max_model_len: int) -> bool:
-    """vLLM 0.6.6 turns chunked prefill on by default for max_model_len above 32K."""
-    if cfg.chunked_prefill is not None:
-        return cfg.chunked_prefill
-    return max_model_len > mem.CHUNKED_PREFILL_ABOVE
-
-
-def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
-    """vLLM 0.6's own argument checks; returns (max_model_len, max_num_batched_tokens)."""
-    derived = spec.max_position_embeddings
-    mml = cfg.max_model_len or derived
-    if mml > derived:
-        raise StartupFailed(
-            "ValueError",
-            f"User-specified max_model_len ({mml}) is greater than the derived max_model_len "
-            f"(max_position_embeddings={derived} or model_max_length=None in model's "
-            "config.json). This may lead to incorrect model outputs or CUDA errors. To allow "
-            "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
-            _WHERE_CONFIG)
-    if not 0 < cfg.util <= 1:
-        raise StartupFailed("ValueError", "GPU memory utilization must be less than 1.0. Got "
-                            f"{cfg.util}.", _WHERE_CONFIG)
-    if spec.num_heads % cfg.tp:
-        raise StartupFailed("ValueError", f"Total number of attention heads ({spec.num_heads}) "
-                            "must be divisible by tensor parallel size "
-                            f"({cfg.tp}).", _WHERE_CONFIG)
-    chunked = chunked_prefill(cfg, mml)
-    default = mem.DEFAULT_CHUNK_TOKENS if chunked else max(mml, 2048)
-    batched = cfg.max_num_batched_tokens or default
-    if batched < mml and not chunked:
-        raise StartupFailed(
-            "ValueError",
-            f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({mml}). This "
-            "effectively limits the maximum sequence length to max_num_batched_tokens and "
-            "makes vLLM reject longer sequences. Please increase max_num_batched_tokens or "
-            "decrease max_model_len.", _WHERE_CONFIG)
-    if batched < cfg.max_num_seqs:
-        raise StartupFailed("ValueError", f"max_num_batched_tokens ({batched}) must be greater "
-                            f"than or equal to max_num_seqs ({cfg.max_num_seqs}).",
-                            _WHERE_CONFIG)
-    return mml, batched
-
 
 @dataclass
 class _Rank:
@@ -410,7 +120,7 @@ class Server:
             return [int(x) for x in raw.split(",") if x.strip()]
         except ValueError:
             raise StartupFailed("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
-                                _WHERE_MS) from None
+                                WHERE_MS) from None
 
     def _publish(self, used_bytes: int) -> None:
         state = state_dir(self.cfg.env)
@@ -461,7 +171,7 @@ class Server:
             return 1
         except OutOfMemory as oom:
             self._unpublish()
-            sys.stderr.write(traceback_text("RuntimeError", str(oom), _WHERE_MS))
+            sys.stderr.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
             sys.stderr.flush()
             return 1
         if server is None:  # stopped during startup
@@ -495,7 +205,7 @@ class Server:
             weights_fmt = spec.weights_format(cfg.weights_format)
         except PretunerError as err:
             raise StartupFailed("OSError", f"{cfg.model} is not a local folder and is not a valid "
-                                f"model identifier ({err})", _WHERE_MODEL) from None
+                                f"model identifier ({err})", WHERE_MODEL) from None
         mml, batched = verify_vllm_config(cfg, spec)
         chunked = chunked_prefill(cfg, mml)
         if chunked and cfg.chunked_prefill is None:
@@ -541,7 +251,7 @@ class Server:
             counts = list(self.remote.placement.ranks_per_node)
         elif world % cfg.nodes:
             raise StartupFailed("ValueError", f"world size {world} cannot be split evenly over "
-                                f"{cfg.nodes} nodes", _WHERE_CONFIG)
+                                f"{cfg.nodes} nodes", WHERE_CONFIG)
         else:
             counts = [world // cfg.nodes] * cfg.nodes
         per_node = max(counts)
@@ -549,13 +259,13 @@ class Server:
         if len(devices) < per_node:
             raise StartupFailed(
                 "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
-                f"less than the {per_node} ranks this node must run", _WHERE_MS)
+                f"less than the {per_node} ranks this node must run", WHERE_MS)
         try:
             models = mem.card_models(spec, weights_fmt.total_bytes, layout, cfg.seed,
                                      cfg.rank_skew)
             block_bytes = models[0].block_bytes
         except PretunerError as err:
-            raise StartupFailed("ValueError", str(err), _WHERE_CONFIG) from None
+            raise StartupFailed("ValueError", str(err), WHERE_CONFIG) from None
         starts = [sum(counts[:k]) for k in range(len(counts))]
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)
@@ -584,7 +294,7 @@ class Server:
                    f"memory size.Device {self.ranks[0].device_id} Device HBM total size:{total} "
                    f"Device HBM free size:{free} may be other processes occupying this card, "
                    "check as: ps -ef|grep python")
-            raise StartupFailed("RuntimeError", msg, _WHERE_MS)
+            raise StartupFailed("RuntimeError", msg, WHERE_MS)
         if cap >= free:
             msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
                    f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
@@ -593,7 +303,7 @@ class Server:
                 r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/device/"
                           "ascend_memory_adapter.cc:142", "Initialize",
                           f"#umsg#Framework Error Message:#umsg#{msg}")
-            raise StartupFailed("RuntimeError", msg, _WHERE_MS)
+            raise StartupFailed("RuntimeError", msg, WHERE_MS)
         for r in self.ranks:
             r.log.py("WARNING", "For 'context.set_context', the parameter 'max_device_memory' "
                      "will be deprecated and removed in a future version. Please use the api "
@@ -623,7 +333,7 @@ class Server:
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
         model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
-        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, _WHERE_CACHE)
+        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, WHERE_CACHE)
         log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
                  f"{(4 * GIB) // block_bytes}")
         log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
@@ -675,7 +385,7 @@ class Server:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
             raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}",
-                                _WHERE_MS) from None
+                                WHERE_MS) from None
         port = server.server_address[1]
         log.info("api_server.py:640", "Using supplied chat template:\nNone")
         log.info("launcher.py:19", "Available routes are:")
@@ -701,13 +411,13 @@ class Server:
         try:
             from pretuner.sim.raynodes import PlacementFailed, RayRanks
         except ImportError as err:
-            raise StartupFailed("ModuleNotFoundError", str(err), _WHERE_RAY) from None
+            raise StartupFailed("ModuleNotFoundError", str(err), WHERE_RAY) from None
         try:
             remote = RayRanks(address, idents)
         except PlacementFailed as err:
-            raise StartupFailed("ValueError", str(err), _WHERE_RAY) from None
+            raise StartupFailed("ValueError", str(err), WHERE_RAY) from None
         except PretunerError as err:  # Ray missing or the cluster unreachable
-            raise StartupFailed("ConnectionError", err.message, _WHERE_RAY) from None
+            raise StartupFailed("ConnectionError", err.message, WHERE_RAY) from None
         # Ray's core installs its own SIGTERM handler (it dies at once, printing nothing);
         # vLLM's uvicorn installs its handlers after Ray starts, and so does the emulator.
         self.stop.install()

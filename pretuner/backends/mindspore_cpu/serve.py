@@ -1,6 +1,6 @@
 """The reference server: the emulated server's interface over a real MindSpore network on CPU.
 
-Same command line (parsed by `pretuner.sim.serve.parse`; emulator-only options are accepted and
+Same command line (parsed by `pretuner.sim.r01_config.parse`; emulator-only options are accepted and
 ignored), same environment (`ASCEND_TOTAL_MEMORY_GB`, `vLLM_MODEL_MEMORY_USE_GB` through int()
 as r0.1 does, `GLOG_v`), same HTTP API (`pretuner.sim.http`). What differs is that every memory
 figure is MindSpore's own: the pool dump with `actual peak used mem` is printed by MindSpore when
@@ -27,17 +27,14 @@ from pretuner.sim import memory as mem
 from pretuner.sim.engine import EngineLimits
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import VllmLog
-from pretuner.sim.serve import (
-    ServeConfig,
+from pretuner.sim.r01_checks import (
     StartupFailed,
-    UsageError,
-    build_parser,
     check_kv_blocks,
     int_env,
-    parse,
     traceback_text,
     verify_vllm_config,
 )
+from pretuner.sim.r01_config import ServeConfig, UsageError, build_parser, parse
 from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:

@@ -1,0 +1,203 @@
+"""The emulated r0.1 server's configuration: its command line (vLLM 0.6's flags, `--sim-*`
+knobs) and environment, parsed into one `ServeConfig`. Pure: no I/O."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pretuner.sim import memory as mem
+from pretuner.sim.argv import normalize_argv
+from pretuner.sim.logs import POOL_FORMATS
+
+VLLM_VERSION = "0.6.6.post1"
+DEFAULT_STARTUP_S = 1.0
+DEFAULT_TEARDOWN_S = 0.5
+_KV_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
+              "int8": "int8", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
+
+SIM_ENV = {
+    "profile": "PRETUNER_SIM_PROFILE",
+    "seed": "PRETUNER_SIM_SEED",
+    "truth": "PRETUNER_SIM_TRUTH",
+    "pool_format": "PRETUNER_SIM_POOL_FORMAT",
+    "startup_s": "PRETUNER_SIM_STARTUP_S",
+    "teardown_s": "PRETUNER_SIM_TEARDOWN_S",
+    "weights_format": "PRETUNER_SIM_WEIGHTS_FORMAT",
+    "nodes": "PRETUNER_SIM_NODES",
+    "rank_skew": "PRETUNER_SIM_RANK_SKEW",
+    "ray_address": "PRETUNER_SIM_RAY_ADDRESS",
+    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
+}
+NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
+
+
+def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Emulated vLLM-MindSpore r0.1 (vLLM 0.6.6) OpenAI server on an emulated Ascend "
+            "card. Takes the real command line and environment (ASCEND_TOTAL_MEMORY_GB, "
+            "vLLM_MODEL_MEMORY_USE_GB, GLOG_v, GLOG_logtostderr, GLOG_log_dir, "
+            "ASCEND_RT_VISIBLE_DEVICES) and prints the real log lines, including the memory "
+            "pool dump with `actual peak used mem` at a graceful stop. All memory figures are "
+            "SIMULATED. Unknown flags are ignored."),
+        epilog=(
+            "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
+            "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
+            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
+            "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
+            "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
+            "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node."),
+    )
+    p.add_argument("model_tag", nargs="?", help="model (registry name or local HF folder)")
+    p.add_argument("--model", help="model (registry name or local HF folder)")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--distributed-executor-backend", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--enable-chunked-prefill", nargs="?", const="true", default=None,
+                   type=_bool_arg)
+    sim = p.add_argument_group("emulator (not part of the real command line)")
+    sim.add_argument("--sim-profile", default=None,
+                     help=f"card profile: {', '.join(mem.PROFILES)} (default "
+                          f"{mem.DEFAULT_PROFILE})")
+    sim.add_argument("--sim-seed", type=int, default=None,
+                     help=f"perturbs the hidden coefficients (default {mem.DEFAULT_SEED})")
+    sim.add_argument("--sim-truth", "--truth", dest="sim_truth", default=None,
+                     help="write what only the emulator knows (JSON) to this file")
+    sim.add_argument("--sim-pool-format", choices=POOL_FORMATS, default=None,
+                     help="MindSpore pool dump format (default 2.5)")
+    sim.add_argument("--sim-startup-s", type=float, default=None,
+                     help=f"startup duration (default {DEFAULT_STARTUP_S})")
+    sim.add_argument("--sim-teardown-s", type=float, default=None,
+                     help=f"device release time at a graceful stop (default "
+                          f"{DEFAULT_TEARDOWN_S})")
+    sim.add_argument("--sim-weights-format", default=None,
+                     help="checkpoint format from the model spec (default: native dtype)")
+    sim.add_argument("--sim-nodes", type=int, default=None,
+                     help="nodes the TP group spans (default 1)")
+    sim.add_argument("--sim-rank-skew", default=None,
+                     help="RANK=FACTOR[,...]: multiply these ranks' activations (the worst or "
+                          "an OOMing rank where a test wants it)")
+    sim.add_argument("--sim-occupied-mib", type=int, default=None,
+                     help="another tenant's process holds this much of every card (MiB)")
+    sim.add_argument("--sim-ray-address", default=None,
+                     help="place the ranks on this Ray cluster (default: RAY_ADDRESS with "
+                          "--distributed-executor-backend ray, as vLLM does)")
+    return p
+
+
+def _bool_arg(raw: str) -> bool:
+    """vLLM's `--enable-chunked-prefill [BOOL]`."""
+    lowered = raw.lower()
+    if lowered in ("1", "true", "yes"):
+        return True
+    if lowered in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything the emulated server needs, from the command line and the environment."""
+
+    model: str
+    host: str | None
+    port: int
+    max_model_len: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    util: float
+    tp: int
+    pp: int
+    block_size: int
+    served_names: tuple[str, ...]
+    kv_dtype: str
+    profile: str
+    seed: int
+    truth: str | None
+    pool_format: str
+    startup_s: float
+    teardown_s: float
+    weights_format: str | None
+    nodes: int
+    env: dict[str, str] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+    rank_skew: dict[int, float] = field(default_factory=dict)
+    ray_address: str | None = None  # ranks placed on this Ray cluster's nodes
+    chunked_prefill: bool | None = None  # None: vLLM's default (on above 32K)
+    occupied_mib: int = 0  # another tenant's share of every card
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
+    """Command line + environment -> config. Raises UsageError for sim options out of range."""
+    ns, unknown = build_parser().parse_known_args(normalize_argv(argv))
+    model = ns.model or ns.model_tag
+    if not model:
+        raise UsageError("a model is required: pass it as --model M (or positionally)")
+
+    def pick(opt: object, key: str, default: str) -> str:
+        return str(opt) if opt is not None else env.get(SIM_ENV[key]) or default
+
+    try:
+        seed = int(pick(ns.sim_seed, "seed", str(mem.DEFAULT_SEED)))
+        startup = float(pick(ns.sim_startup_s, "startup_s", str(DEFAULT_STARTUP_S)))
+        teardown = float(pick(ns.sim_teardown_s, "teardown_s", str(DEFAULT_TEARDOWN_S)))
+        nodes = int(pick(ns.sim_nodes, "nodes", "1"))
+        occupied = int(pick(ns.sim_occupied_mib, "occupied_mib", "0"))
+    except ValueError as err:
+        raise UsageError(f"bad emulator setting: {err}") from None
+    profile = pick(ns.sim_profile, "profile", mem.DEFAULT_PROFILE)
+    if profile not in mem.PROFILES:
+        raise UsageError(f"unknown card profile {profile!r}; choose one of: "
+                         f"{', '.join(mem.PROFILES)}")
+    pool_format = pick(ns.sim_pool_format, "pool_format", "2.5")
+    if pool_format not in POOL_FORMATS:
+        raise UsageError(f"unknown pool format {pool_format!r}; choose one of: "
+                         f"{', '.join(POOL_FORMATS)}")
+    truth = ns.sim_truth or env.get(SIM_ENV["truth"]) or None
+    skew = _rank_skew(ns.sim_rank_skew or env.get(SIM_ENV["rank_skew"]) or "")
+    ray_address = ns.sim_ray_address or env.get(SIM_ENV["ray_address"]) or (
+        env.get("RAY_ADDRESS") if ns.distributed_executor_backend == "ray" else None
+    ) or None
+    weights = ns.sim_weights_format or env.get(SIM_ENV["weights_format"]) or None
+    return ServeConfig(
+        model=model, host=ns.host, port=ns.port, max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        util=ns.gpu_memory_utilization, tp=ns.tensor_parallel_size,
+        pp=ns.pipeline_parallel_size, block_size=ns.block_size,
+        served_names=tuple(ns.served_model_name or (model,)),
+        kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=profile, seed=seed,
+        truth=truth, pool_format=pool_format, startup_s=max(0.0, startup),
+        teardown_s=max(0.0, teardown), weights_format=weights, nodes=max(1, nodes),
+        env=dict(env), ignored=tuple(unknown), rank_skew=skew, ray_address=ray_address,
+        chunked_prefill=ns.enable_chunked_prefill, occupied_mib=max(0, occupied),
+    )
+
+
+def _rank_skew(raw: str) -> dict[int, float]:
+    out = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        rank, _, factor = part.partition("=")
+        try:
+            out[int(rank)] = float(factor)
+        except ValueError:
+            raise UsageError(f"bad rank skew {part!r}; use RANK=FACTOR, e.g. 12=1.5") from None
+        if not out[int(rank)] > 0:
+            raise UsageError(f"bad rank skew {part!r}; the factor must be > 0")
+    return out

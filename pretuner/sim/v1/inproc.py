@@ -25,7 +25,13 @@ from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.mm import MMItem, pixel_bytes
 from pretuner.sim.v1.scheduler import Req
-from pretuner.sim.v1.server import CORE_PID_OFFSET, devices_for, print_ready, print_shutdown
+from pretuner.sim.v1.server import (
+    CORE_PID_OFFSET,
+    DEV_MODE_ENV,
+    devices_for,
+    print_ready,
+    print_shutdown,
+)
 from pretuner.units import MIB
 
 MAX_STEPS = 10_000_000
@@ -61,8 +67,15 @@ def sim_request(r: Request) -> SimRequest:
 
 
 def waves_of(phases: Sequence[LoadPhase]) -> list[Wave]:
-    return [Wave(p.name, tuple(sim_request(r) for r in p.requests), p.concurrency, p.reset)
-            for p in phases]
+    """The phases as waves; after one that resets, an empty "reset" wave: its own phase, as
+    the tuner samples the device after the reset."""
+    waves: list[Wave] = []
+    for p in phases:
+        waves.append(Wave(p.name, tuple(sim_request(r) for r in p.requests), p.concurrency,
+                          p.reset))
+        if p.reset:
+            waves.append(Wave("reset", ()))
+    return waves
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +87,7 @@ class V1InprocRun:
     peaks_mib: dict[str, int]  # phase -> worst device's NVML used MiB
     total_mib: int  # the GPU's NVML total
     last_mib: dict[str, int] = field(default_factory=dict)  # phase -> NVML used at its end
+    reset_status: int | None = None  # the last /reset_mm_cache's HTTP status
 
 
 @dataclass
@@ -98,9 +112,10 @@ class _Recorder:
 class _Client:
     """The HTTP side, reduced to what a reply and an access line are."""
 
-    def __init__(self, log: L.V1Log) -> None:
+    def __init__(self, log: L.V1Log, dev_mode: bool = False) -> None:
         self.log = log
         self.port = 40000
+        self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: /reset_mm_cache is served
 
     def reply(self, status: int, prompt: int | None = None, completion: int | None = None,
               error: str | None = None, path: str = "/v1/completions") -> Reply:
@@ -125,7 +140,7 @@ def _refused(core: EngineCore, client: _Client, r: SimRequest, mml: int) -> Repl
 
 
 def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave,
-           mml: int) -> list[Reply]:
+           mml: int) -> tuple[list[Reply], int | None]:
     """Send the wave's requests (all at once, or a closed loop) and step until answered."""
     replies: dict[int, Reply] = {}
     reqs: dict[str, int] = {}
@@ -164,10 +179,14 @@ def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave,
     for i in range(len(wave.requests)):
         if i not in replies:
             replies[i] = client.reply(500, error=L.ENGINE_DEAD)
-    if wave.reset and core.dead is None and core.mm is not None:
-        core.mm.reset()
-        rec.log.uvicorn('127.0.0.1:40000 - "POST /reset_mm_cache HTTP/1.1" 200 OK')
-    return [replies[i] for i in range(len(wave.requests))]
+    status = None
+    if wave.reset:
+        status = 200 if client.dev_mode else 404
+        if core.dead is None and core.mm is not None and client.dev_mode:
+            core.mm.reset()
+        phrase = "OK" if status == 200 else "Not Found"
+        rec.log.uvicorn(f'127.0.0.1:40000 - "POST /reset_mm_cache HTTP/1.1" {status} {phrase}')
+    return [replies[i] for i in range(len(wave.requests))], status
 
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_tokens: int,
@@ -202,12 +221,15 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
         return V1InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
     core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     print_ready(log, cfg.host or "0.0.0.0", cfg.port)  # noqa: S104 - the address it would print
-    client = _Client(log)
+    client = _Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
+    reset: int | None = None
     for wave in waves:
         rec.phase = wave.phase
         rec.level(core.level_bytes)
-        replies += _drive(core, rec, client, wave, booted.max_model_len)
+        got, status = _drive(core, rec, client, wave, booted.max_model_len)
+        replies += got
+        reset = status if status is not None else reset
         rec.level(core.level_bytes)
     rec.phase = "stop"
     rec.level(core.level_bytes)
@@ -216,4 +238,4 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
                  "Application shutdown complete."):
         log.uvicorn(line)
     return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
-                       dict(rec.last))
+                       dict(rec.last), reset)

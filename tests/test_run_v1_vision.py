@@ -107,8 +107,10 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
     config = (out / "vllm-config.yaml").read_text()
     assert "mm_processor_cache_gb: 2" in config
     preset = preset_from_v1_report(rep, name=None, date="2026-01-01")
-    shown = json.dumps(preset.to_json() if hasattr(preset, "to_json") else str(preset))
-    assert "limit-mm-per-prompt" in shown
+    assert preset.server_flags is not None
+    flags = preset.server_flags
+    assert flags[flags.index("--limit-mm-per-prompt") + 1] == '{"image":1}'
+    assert flags[flags.index("--mm-processor-cache-gb") + 1] == "2"
     md = (out / "report.md").read_text()
     assert "## Images" in md
     assert "## Soak" in md

@@ -140,9 +140,29 @@ def test_bad_vision_input_is_one_line_and_exit_2(args: tuple[str, ...], says: st
     assert "Traceback" not in proc.stderr
 
 
+def test_the_r01_method_refuses_image_flags() -> None:
+    proc = run_cli("run", "--model", "qwen3-vl-8b", "--engine", "vllm-mindspore-r01",
+                   "--soak", "50", "--dry-run")
+    assert proc.returncode == 2, proc.stderr
+    assert "--soak: the r0.1 method sends no images" in proc.stderr
+
+
 def test_dry_run_says_what_the_images_will_be() -> None:
     proc = run_cli("run", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64",
                    "--tp", "2", "--max-model-len", "65536", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "3 image(s) of 4096x4096 px (16,384 tokens each)" in proc.stdout
     assert "a soak of 200 requests" in proc.stdout
+
+
+def test_a_vllm_config_file_gives_the_image_flags(tmp_path: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: qwen3-vl-8b\nlimit-mm-per-prompt:\n  image: 2\n  video: 0\n"
+                   "mm_processor_cache_gb: 0\n")
+    proc = run_cli("run", "--engine", "vllm", "--card", "64", "--config", str(cfg), "--dry-run",
+                   "--max-model-len", "65536")
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    assert "--limit-mm-per-prompt '{\"image\":2,\"video\":0}'" in line
+    assert "--mm-processor-cache-gb 0" in line
+    assert "2 image(s) of 4096x4096 px" in proc.stdout

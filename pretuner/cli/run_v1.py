@@ -26,7 +26,19 @@ def v1_dry_run_json(opts: RunOptions) -> dict[str, Any]:
             "layout": setup.layout_reason,
             "device_reader": setup.ctx.device_reader.name if setup.ctx.device_reader else None,
             "first_launch": {"settings": settings.to_json(), "argv": shown.argv,
-                             "env": shown.env}}
+                             "env": shown.env},
+            "images": _images_json(setup)}
+
+
+def _images_json(setup: V1Setup) -> dict[str, Any] | None:
+    """A vision-language model's worst case and soak, as the run will send them (predicted)."""
+    shape = setup.images
+    if shape is None:
+        return None
+    count, side = worst_case_images(shape, setup.cfg.max_model_len, 1)
+    return {"image_limit": shape.image_limit, "worst_case_images": count,
+            "worst_case_image_px": [side, side], "tokens_per_image": shape.tokens_per_image,
+            "soak_requests": setup.soak.requests, "soak_minutes": setup.soak.minutes}
 
 
 def render_v1_dry_run(opts: RunOptions) -> str:

@@ -49,6 +49,9 @@ def test_figures_from_the_phases() -> None:
     assert f.held_back_mib == 600  # two more doublings at the second half's rate
     assert (f.peak_before_mib, f.peak_after_mib, f.peak_growth_mib) == (62_500, 64_300, 1_800)
     assert soak_figures(replace(o, device_last_mib={"images": 1})) is None  # no soak ran
+    refused = soak_figures(replace(o, reset_status=404))  # no dev mode: the route is not there
+    assert refused is not None
+    assert (refused.after_reset_mib, refused.reset_gave_back_mib) == (None, None)
 
 
 # -- the loop against a card whose memory grows under the soak -------------------------------

@@ -113,8 +113,9 @@ def memory_md(rep: V1Report) -> list[str]:
         asked = " or ".join(
             ([f"{s.requests_asked:,} requests"] if s.requests_asked is not None else [])
             + ([f"{s.minutes_asked:g} min"] if s.minutes_asked is not None else []))
-        reset = ("not sampled" if s.after_reset_mib is None else
-                 f"{s.after_reset_mib:,} MiB, gave back {s.reset_gave_back_mib:,} MiB")
+        reset = (f"after it: {s.after_reset_mib:,} MiB, gave back {s.reset_gave_back_mib:,} MiB"
+                 if s.after_reset_mib is not None else "the server did not reset (vLLM serves "
+                 "the route with VLLM_SERVER_DEV_MODE=1)")
         lines += [
             f"## Soak (launch {s.launch}, device MiB, {tag})", "",
             f"- {s.requests:,} mixed image requests answered (asked: {asked}); image sizes and "
@@ -122,7 +123,7 @@ def memory_md(rep: V1Report) -> list[str]:
             f"- after the worst-case burst: {s.before_mib:,}; after the soak's first half: "
             f"{s.half_mib:,}; after the soak: {s.after_mib:,} = growth after load "
             f"{s.growth_mib:+,} MiB",
-            f"- POST /reset_mm_cache: HTTP {s.reset_status or 'no answer'}; after it: {reset}",
+            f"- POST /reset_mm_cache: HTTP {s.reset_status or 'no answer'}; {reset}",
             f"- the second half still added {s.second_half_mib:,} MiB: {HOLD_DOUBLINGS} x that "
             f"= {s.held_back_mib:,} MiB held back as headroom (room for a "
             "run 4 times as long)",

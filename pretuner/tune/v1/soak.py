@@ -37,7 +37,7 @@ class SoakFigures:
     before_mib: int  # last sample of the image burst
     half_mib: int  # last sample of the soak's first half
     after_mib: int  # last sample of the soak's second half
-    after_reset_mib: int | None  # last sample after /reset_mm_cache (None: not sampled)
+    after_reset_mib: int | None  # last sample after /reset_mm_cache (None: no reset done)
     peak_before_mib: int  # the launch's peak before the soak (start-up and the worst case)
     peak_after_mib: int  # its peak from the soak on (the burst again after it included)
     requests: int
@@ -78,6 +78,7 @@ def soak_figures(o: LaunchOutcome) -> SoakFigures | None:
     after = [v for p, v in peaks.items() if p in AFTER_PHASES]
     return SoakFigures(
         before_mib=last["images"], half_mib=last["soak-1"], after_mib=last["soak-2"],
-        after_reset_mib=last.get("reset"), peak_before_mib=max(before),
+        after_reset_mib=last.get("reset") if o.reset_status == 200 else None,
+        peak_before_mib=max(before),
         peak_after_mib=max(after), requests=o.soak_requests, reset_status=o.reset_status,
     )

@@ -217,3 +217,105 @@ def test_final_configuration_lines_add_up(runs: Callable[[str], Run], name: str)
     assert tokens * bpt == pytest.approx(rep["max_kv_gib"] * GIB, abs=1e-4 * GIB)
     assert (shown_seqs, shown_len) == (seqs, length)
     assert seqs * length <= tokens
+
+
+# -- V1 engines: the final configuration's memory and the soak ---------------------------------
+
+V1_SCENARIOS = {
+    # A vision-language model with a soak: the growth and what is held back are parts.
+    "qwen3-vl-8b-64-soak": (
+        "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
+        "--max-model-len", "16384", "--max-num-seqs", "4", "--soak", "24",
+    ),
+    # A text model: the non-KV peak, the pinned KV and what is left.
+    "qwen3-8b-80-text": ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                         "--max-model-len", "8192", "--max-num-seqs", "64"),
+}  # fmt: skip
+SHOWN_MIB = 0.05 + 1e-6  # half the last digit of a MiB figure printed with one decimal
+
+
+@pytest.fixture(scope="module")
+def v1_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    cache: dict[str, Run] = {}
+
+    def get(name: str) -> Run:
+        if name not in cache:
+            out: Path = tmp_path_factory.mktemp(name) / "run"
+            proc = run_cli("run", *V1_SCENARIOS[name], "--out", str(out))
+            assert proc.returncode == 0, proc.stderr
+            rep = json.loads((out / "report.json").read_text())
+            cache[name] = Run(rep, (out / "report.md").read_text())
+        return cache[name]
+
+    return get
+
+
+def memory_rows(md: str) -> list[tuple[str, float]]:
+    section = md.split("## Memory of the final configuration", 1)[1].split("\n## ", 1)[0]
+    return [(m.group(1), num(m.group(2)))
+            for m in re.finditer(r"^\| (.+?) \| ([\d,.]+) \| [^|]+ \|$", section, re.MULTILINE)]
+
+
+@pytest.mark.parametrize("name", V1_SCENARIOS)
+def test_v1_memory_parts_add_up_to_the_device(v1_runs: Callable[[str], Run], name: str) -> None:
+    r = v1_runs(name)
+    rep, mem = r.rep, r.rep["memory"]
+    rows = memory_rows(r.md)
+    parts, (total_label, total) = rows[:-1], rows[-1]
+    assert total_label == "device total"
+    assert total == mem["device_total_mib"] == rep["steps"][mem["launch"] - 1]["device_total_mib"]
+    # The parts, as printed, sum to the device; the last one is the remainder.
+    assert sum(v for _, v in parts) == pytest.approx(total, abs=SHOWN_MIB * len(parts))
+    values = dict(parts)
+    # Each part is report.json's figure, and each figure is what the launch measured.
+    step = rep["steps"][mem["launch"] - 1]
+    (label, non_kv), *_ = parts
+    m = re.search(r"device peak ([\d,]+) MiB - KV held ([\d,.]+) MiB", label)
+    assert m is not None, label
+    peak, held = num(m.group(1)), num(m.group(2))
+    assert non_kv == pytest.approx(peak - held, abs=SHOWN_MIB)
+    assert non_kv == pytest.approx(mem["non_kv_peak_mib"], abs=SHOWN_MIB)
+    assert held == pytest.approx(step["kv_tokens"] * kv_bytes_per_token(rep) / MIB,
+                                 abs=SHOWN_MIB + 1e-6)
+    pinned = next(v for k, v in values.items() if k.startswith("pinned KV cache"))
+    assert pinned == pytest.approx(rep["final"]["kv_cache_memory_bytes"] / MIB, abs=SHOWN_MIB)
+    soak = rep["soak"]
+    if soak is None:
+        assert peak == max(step["device_peaks_mib"].values())
+        assert len(parts) == 3
+        return
+    assert peak == soak["peak_before_mib"]
+    growth = next(v for k, v in values.items() if k.startswith("growth under the soak"))
+    held_back = next(v for k, v in values.items() if k.startswith("held back for more growth"))
+    assert growth == max(0, soak["peak_after_mib"] - soak["peak_before_mib"])
+    assert held_back == 2 * (soak["after_mib"] - soak["half_mib"]) == soak["held_back_mib"]
+    # The soak's own samples are the launch's.
+    last = step["device_last_mib"]
+    assert (soak["before_mib"], soak["half_mib"], soak["after_mib"]) == (
+        last["images"], last["soak-1"], last["soak-2"])
+    # The remainder, recomputed: never negative (the held-back growth is a part of its own).
+    free = total - (peak - held) - growth - held_back - pinned
+    shown_free = next(v for k, v in values.items() if k.startswith("free at the worst moment"))
+    assert shown_free == pytest.approx(free, abs=5 * SHOWN_MIB)
+    assert free >= 0
+
+
+def kv_bytes_per_token(rep: dict[str, Any]) -> int:
+    """Qwen3-8B / Qwen3-VL-8B per card: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B / TP."""
+    return 36 * 8 * 128 * 2 * 2 // rep["tp"]
+
+
+def test_v1_soak_lines_add_up(v1_runs: Callable[[str], Run]) -> None:
+    r = v1_runs("qwen3-vl-8b-64-soak")
+    soak = r.rep["soak"]
+    m = r.line(r"after the worst-case burst: ([\d,]+); after the soak's first half: ([\d,]+); "
+               r"after the soak: ([\d,]+) = growth after load ([+-][\d,]+) MiB")
+    before, half, after, growth = (num(g) for g in m.groups())
+    assert (before, half, after) == (soak["before_mib"], soak["half_mib"], soak["after_mib"])
+    assert growth == after - before == soak["growth_mib"]
+    m = r.line(r"after it: ([\d,]+) MiB, gave back ([\d,]+) MiB")
+    reset, gave_back = num(m.group(1)), num(m.group(2))
+    assert gave_back == after - reset == soak["reset_gave_back_mib"]
+    m = r.line(r"the second half still added ([\d,]+) MiB: 2 x that = ([\d,]+) MiB held back")
+    assert num(m.group(1)) == after - half
+    assert num(m.group(2)) == 2 * (after - half)

@@ -70,6 +70,29 @@ def test_v1_breakdown_sums_to_the_device() -> None:
     assert 0 <= b.segments[-1].mib < 1  # the KV rounded down to a MiB
 
 
+def test_v1_breakdown_of_a_soaked_final_configuration() -> None:
+    memory = {"launch": 4, "device_total_mib": 65536, "kv_held_mib": 47337.8,
+              "non_kv_peak_mib": 16084.2, "soak_growth_mib": 1458, "held_back_mib": 442,
+              "pinned_kv_mib": 47338.0, "free_mib": 213.8, "lines": []}
+    b = breakdown_v1(v1_report(memory=memory))
+    assert b is not None
+    assert [s.kind for s in b.segments] == ["weights", "growth", "margin", "kv", "free"]
+    assert sum(s.mib for s in b.segments) == pytest.approx(65536)
+    assert b.segments[-1].mib == pytest.approx(memory["free_mib"])  # report.json's remainder
+    assert "launch 4" in b.total_label
+
+
+def test_soak_phases_are_tinted_and_its_levels_drawn(tmp_path: Path) -> None:
+    phases = ["load", "images", "soak-1", "soak-2", "reset", "after-soak"]
+    tsv = "# launch 1\nt_s\tphase\tdevice\tused_mib\n" + "".join(
+        f"{t / 10}\t{p}\t0\t{60000 + 200 * t}\n" for t, p in enumerate(phases))
+    soak = {"launch": 1, "before_mib": 60200, "after_mib": 60600}
+    html = render_html(write_run(tmp_path / "run", v1_report(soak=soak), tsv))
+    assert html.count('class="band soak"') == 4
+    assert "after the soak 60,600 MiB (+400 MiB)" in html
+    assert "before the soak 60,200 MiB" in html
+
+
 def test_a_failed_run_has_no_breakdown() -> None:
     assert breakdown(r01_report(derivation={}, max_kv_gib=None)) is None
     assert breakdown(v1_report(derivation={})) is None

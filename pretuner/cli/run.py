@@ -116,6 +116,32 @@ def run_cmd(
         help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
         "value is shell-split), e.g. --server-arg '--load-format dummy'.",
     ),
+    limit_mm_per_prompt: str | None = typer.Option(
+        None,
+        "--limit-mm-per-prompt",
+        metavar="LIMITS",
+        help="VL models (V1 engines): vLLM's images per prompt, image=2 or '{\"image\": 2}' "
+        "(default vLLM's 999, capped by what fits); the worst case carries that many.",
+    ),
+    mm_processor_cache_gb: float | None = typer.Option(
+        None,
+        "--mm-processor-cache-gb",
+        metavar="GIB",
+        help="VL models (V1 engines): vLLM's processor cache (host memory), launched and kept.",
+    ),
+    soak: int | None = typer.Option(
+        None,
+        "--soak",
+        metavar="N",
+        help="VL models: N mixed image requests after the worst case (default 200; 0: none); "
+        "the memory they leave is held back from the KV cache.",
+    ),
+    soak_minutes: float | None = typer.Option(
+        None,
+        "--soak-minutes",
+        metavar="M",
+        help="VL models: soak for M minutes (with --soak: whichever ends first).",
+    ),
     max_model_len: int | None = typer.Option(
         None,
         "--max-model-len",
@@ -239,6 +265,10 @@ def run_cmd(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         server_args=[*ctx.meta.get(CONFIG_EXTRA, []), *server_arg],
+        limit_mm_per_prompt=limit_mm_per_prompt,
+        mm_processor_cache_gb=mm_processor_cache_gb,
+        soak=soak,
+        soak_minutes=soak_minutes,
         card_gib=card,
         util=util,
         max_model_len=max_model_len,

@@ -83,6 +83,8 @@ CONFIG_KEYS = {
     "max-num-batched-tokens": "max_num_batched_tokens",
     "block-size": "block_size",
     "kv-cache-dtype": "kv_cache_dtype",
+    "limit-mm-per-prompt": "limit_mm_per_prompt",
+    "mm-processor-cache-gb": "mm_processor_cache_gb",
 }
 # Keys pretuner decides or owns for every launch: a config that sets them would be overruled.
 OWNED_KEYS = {
@@ -118,8 +120,8 @@ def read_vllm_config(path: Path) -> tuple[dict[str, Any], list[str]]:
         key = str(raw_key).replace("_", "-")
         if key in OWNED_KEYS:
             raise typer.BadParameter(f"{str(path)!r} sets {key}: {OWNED_KEYS[key]}")
-        if key in CONFIG_KEYS:
-            defaults[CONFIG_KEYS[key]] = value
+        if key in CONFIG_KEYS:  # a mapping (limit-mm-per-prompt: {image: 2}) as vLLM's JSON
+            defaults[CONFIG_KEYS[key]] = json.dumps(value) if isinstance(value, dict) else value
         else:
             extra += _flags(key, value)
     return defaults, extra

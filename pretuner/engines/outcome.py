@@ -67,6 +67,11 @@ class LaunchOutcome:
     device_total_mib: int | None = None  # the sampled device's total, as its reader says
     kv_tokens: int | None = None  # V1 engines: the KV cache's token count, from the log
     kv_gib: float | None = None  # V1 engines: the KV cache as pinned or profiled, from the log
+    device_last_mib: dict[str, int] = field(default_factory=dict)  # phase -> its last sample
+    soak_requests: int = 0  # mixed requests the soak sent (vision-language validation)
+    reset_status: int | None = None  # POST /reset_mm_cache's HTTP status (0: no answer)
+    encoder_budget_tokens: int | None = None  # V1, vision-language: the engine's log says
+    encoder_profiled_items: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -93,12 +98,13 @@ def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
     return s.max_num_seqs, probe.max_length_prompt_len(s.max_model_len, decode), decode
 
 
-def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int) -> Exercised:
+def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int | None) -> Exercised:
     """Count what really ran: a reply must carry a generated token for a prompt of the length
-    sent (`usage`): vLLM drops a prompt its KV cache cannot admit and still answers 200."""
+    sent (`usage`): vLLM drops a prompt its KV cache cannot admit and still answers 200.
+    `prompt_len` None: chat requests, whose length the server counts (its template)."""
     dropped = [o for o in outs if o.ok and o.completion_tokens == 0]
     short = [o for o in outs if o.ok and o.completion_tokens != 0 and o.prompt_tokens is not None
-             and o.prompt_tokens != prompt_len]
+             and prompt_len is not None and o.prompt_tokens != prompt_len]
     failed = [o for o in outs if not o.ok]
     error = describe_failure(*failed[:1])
     if short and error is None:
@@ -114,6 +120,8 @@ class Exercised:
     total: int
     dropped: int  # answered 200 without generating a token: the prompt never ran
     error: str | None
+    soak_requests: int = 0  # of `total`, the soak's
+    reset_status: int | None = None  # POST /reset_mm_cache's HTTP status, when asked
 
 
 def describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:

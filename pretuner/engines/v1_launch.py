@@ -19,9 +19,11 @@ from typing import Protocol
 
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
+from pretuner.engines.v1_images import Soak, exercise_images
 from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
+from pretuner.launch.images import ImageShape
 from pretuner.launch.process import read_tail
 from pretuner.launch.sampler import requests_status
 from pretuner.units import GIB, MIB
@@ -82,12 +84,18 @@ def classify(v1: V1Log, ran: Exercised, failure: ServerFailedError | None) -> Ou
 
 @dataclass(frozen=True, slots=True)
 class V1Hooks:
-    """`LaunchHooks` for the V1 engines."""
+    """`LaunchHooks` for the V1 engines; `images`: a vision-language model's (its requests go
+    through the chat API with images, `pretuner.engines.v1_images`)."""
 
     bytes_per_token: int
+    images: ImageShape | None = None
+    soak: Soak = Soak()
 
     def exercise(self, s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase,
                  log_path: Path) -> Exercised:
+        if self.images is not None and not self.images.is_text_only:
+            count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
+            return exercise_images(self.images, self.soak, s, ctx, base, phase, count)
         if s.purpose is Purpose.PRERUN:
             plen = probe.max_length_prompt_len(s.max_model_len, 1)
             phase("probe", f"one request of {plen + 1:,} tokens")
@@ -140,6 +148,10 @@ class V1Hooks:
             server_exit_code=exited,
             kv_tokens=v1.kv_tokens,
             kv_gib=v1.kv_gib,
+            soak_requests=ran.soak_requests,
+            reset_status=ran.reset_status,
+            encoder_budget_tokens=v1.encoder_budget_tokens,
+            encoder_profiled_items=v1.encoder_profiled_items,
         )
 
 

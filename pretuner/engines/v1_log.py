@@ -32,6 +32,8 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:
 _GRAPHS = re.compile(r"Graph capturing finished in \d+ secs?, took (" + _NUM + r") ?GiB")
 _BATCHED = re.compile(r"max_num_batched_tokens=(\d+)")
 _CPU_ALLOC = re.compile(r"you tried to allocate (\d+) bytes")
+_ENCODER = re.compile(r"Encoder cache will be initialized with a budget of (\d+) tokens, and "
+                      r"profiled with (\d+) \w+ items")
 _REFUSED = re.compile(
     r"\((" + _NUM + r")/(" + _NUM + r") GiB\) on startup is less than desired (?:GPU|CPU) memory "
     r"utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)"
@@ -55,6 +57,8 @@ class V1Log:
     max_concurrency: float | None = None
     graphs_gib: float | None = None  # CUDA graph capture, after the KV cache was allocated
     max_num_batched_tokens: int | None = None
+    encoder_budget_tokens: int | None = None  # a vision-language model's encoder cache
+    encoder_profiled_items: int | None = None  # dummy items of the largest size it profiled
     oom_alloc_bytes: int | None = None  # the allocation that failed first
     oom_text: str | None = None
     estimated_max_len: int | None = None  # vLLM: one max_model_len sequence does not fit
@@ -127,6 +131,9 @@ def _read_line(line: str, found: dict[str, object]) -> None:
         _first(found, "max_num_batched_tokens", int(m.group(1)))
     if (m := _REFUSED.search(line)) is not None:
         _first(found, "refused_free_gib", _num(m.group(1)))
+    if (m := _ENCODER.search(line)) is not None:
+        _first(found, "encoder_budget_tokens", int(m.group(1)))
+        _first(found, "encoder_profiled_items", int(m.group(2)))
     _read_oom(line, found)
 
 

@@ -54,6 +54,9 @@ class V1Row:
     default_max_num_seqs: int | None = None  # None: vLLM's 256
     default_max_model_len: int | None = None  # None: pretuner's V1 default
     python_var: str | None = None  # the variable naming the interpreter that has the engine
+    # What makes its API server serve /reset_mm_cache (vLLM's development routes): set for a
+    # soak's launches only, never deployed.
+    dev_env: dict[str, str] = field(default_factory=lambda: {"VLLM_SERVER_DEV_MODE": "1"})
 
 
 ROWS = {
@@ -92,6 +95,8 @@ OWNED_FLAGS = {
     "--gpu-memory-utilization": "--util", "--kv-cache-memory-bytes": "(pretuner derives it)",
     "--block-size": "--block-size", "--tensor-parallel-size": "--tp",
     "--pipeline-parallel-size": "--pp", "--kv-cache-dtype": "--kv-cache-dtype",
+    "--limit-mm-per-prompt": "--limit-mm-per-prompt",
+    "--mm-processor-cache-gb": "--mm-processor-cache-gb",
 }
 
 
@@ -127,9 +132,10 @@ def parse_server_args(values: Sequence[str]) -> tuple[Flag, ...]:
             raise BadInputError(f"--server-arg: {token!r} is not a server flag",
                                 hint="give flags with their values, e.g. "
                                 "--server-arg '--load-format dummy'")
-        if name in OWNED_FLAGS:
-            raise BadInputError(f"--server-arg: pretuner sets {name} itself",
-                                hint=f"use pretuner's {OWNED_FLAGS[name]}")
+        owned = name.partition(".")[0]  # vLLM's dotted form: --limit-mm-per-prompt.image=2
+        if owned in OWNED_FLAGS:
+            raise BadInputError(f"--server-arg: pretuner sets {owned} itself",
+                                hint=f"use pretuner's {OWNED_FLAGS[owned]}")
         if not eq and i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
             value, eq = tokens[i + 1], "="
             i += 1
@@ -150,6 +156,8 @@ class V1Engine:
     python: str | None = None  # the interpreter of a row that names one (engine_python)
     server_args: tuple[Flag, ...] = ()  # --server-arg: launched and deployed as given
     server_env: dict[str, str] = field(default_factory=dict)  # launched and deployed
+    mm_flags: tuple[Flag, ...] = ()  # a vision-language model's flags: launched and deployed
+    tuning_env: dict[str, str] = field(default_factory=dict)  # launched only (a soak's reset)
 
     @property
     def name(self) -> str:
@@ -186,7 +194,8 @@ class V1Engine:
         if budget is not None:  # the budgeted "card": every server process under RLIMIT_DATA
             argv = [sys.executable, "-m", "pretuner.launch.limit", "--data", str(budget), "--",
                     *argv]
-        env = {**self.row.env, **self.server_env, **self.sim_env, **target.extra_env}
+        env = {**self.row.env, **self.server_env, **self.tuning_env, **self.sim_env,
+               **target.extra_env}
         return LaunchCommand(argv=argv, env=env)
 
     def deploy(self, settings: LaunchSettings) -> Deployment:
@@ -213,6 +222,7 @@ class V1Engine:
         dtype = server_kv_cache_dtype(settings.kv_cache_dtype)
         if dtype is not None:
             flags.append(("--kv-cache-dtype", dtype))
+        flags += self.mm_flags
         flags += self.server_args
         budget = self.budget_bytes(settings.card_gib)
         if budget is not None:

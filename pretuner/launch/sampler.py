@@ -84,6 +84,7 @@ class Sampled:
     failure: str | None = None  # "sampler failed: ..."
     total_mib: int | None = None  # the smallest device's total, as the reader reports it
     series: tuple[SeriesPoint, ...] = ()  # bounded: at most SERIES_MAX_POINTS, oldest first
+    last_mib: dict[str, int] = field(default_factory=dict)  # phase -> its last worst-device sample
 
     @property
     def peak_mib(self) -> int | None:
@@ -102,6 +103,7 @@ class MemorySampler:
         self.interval_s = max(FASTEST_INTERVAL_S, reader.interval_s if reader else 0.0)
         self._phase = first_phase
         self._peaks: dict[str, int] = {}
+        self._last: dict[str, int] = {}
         self._samples = 0
         self._failure: str | None = None
         self._total: int | None = None
@@ -138,7 +140,7 @@ class MemorySampler:
         with self._lock:
             name = self.reader.name if self.reader is not None else None
             return Sampled(name, dict(self._peaks), self._samples, self._failure, self._total,
-                           self._series.points)
+                           self._series.points, dict(self._last))
 
     def _run(self, reader: DeviceReader) -> None:
         told = 0.0
@@ -164,6 +166,7 @@ class MemorySampler:
                     self._total = total if self._total is None else min(self._total, total)
                     if used > self._peaks.get(phase, -1):
                         self._peaks[phase] = used
+                    self._last[phase] = used
                     peak = max(self._peaks.values())
                 if self.status is not None and time.monotonic() - told >= STATUS_EVERY_S:
                     told = time.monotonic()

@@ -73,9 +73,36 @@ def breakdown_r01(rep: dict[str, Any]) -> Breakdown | None:
                           parts, outside, "free")
 
 
+def breakdown_memory(rep: dict[str, Any]) -> Breakdown | None:
+    """V1 with the final configuration's own memory (`memory` in report.json): its non-KV peak,
+    the soak's growth and what is held back for more, the pinned KV; the rest is free."""
+    m = rep.get("memory")
+    if not isinstance(m, dict):
+        return None
+    total, non_kv, kv = (_num(m.get(k)) for k in ("device_total_mib", "non_kv_peak_mib",
+                                                   "pinned_kv_mib"))
+    if total is None or non_kv is None or kv is None:
+        return None
+    how = rep.get("provenance") or "measured"
+    parts = [Segment("non-KV peak before the soak (weights, activations, graphs, encoder)",
+                     non_kv, f"measured, {how}", "weights")]
+    growth, held = _num(m.get("soak_growth_mib")), _num(m.get("held_back_mib"))
+    if growth:
+        parts.append(Segment("growth under the soak", growth, f"measured, {how}", "growth"))
+    if held:
+        parts.append(Segment("held back for more growth", held, f"measured, {how}", "margin"))
+    parts.append(Segment("pinned KV cache", kv, "derived", "kv"))
+    return with_remainder(total, f"device total {total:,.0f} MiB ({total / GIB_MIB:.2f} GiB), "
+                          f"launch {m.get('launch')} at its worst moment", parts,
+                          "free at the worst moment", "free")
+
+
 def breakdown_v1(rep: dict[str, Any]) -> Breakdown | None:
     """V1: the non-KV peak, the pinned KV and the margin; the rest of the device (rounding the
-    KV down to a MiB) is free. None when the run has no derivation (it failed)."""
+    KV down to a MiB) is free. None when the run has no derivation (it failed). A run that
+    recorded its final configuration's memory shows that instead (`breakdown_memory`)."""
+    if (measured := breakdown_memory(rep)) is not None:
+        return measured
     d = rep.get("derivation") or {}
     total = _num(d.get("device_total_mib"))
     non_kv = _num(d.get("non_kv_peak_mib"))

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pretuner.report_html.breakdown import GIB_MIB, Breakdown
 from pretuner.report_html.inputs import LaunchMemory
 
+# The phases of a vision-language validation's soak (`pretuner.tune.v1.soak`): tinted apart.
+SOAK_PHASES = frozenset({"soak-1", "soak-2", "reset", "after-soak"})
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf")  # one per device, repeating past eight
 
@@ -68,6 +70,7 @@ class Band:
     width: float
     label: str
     shade: bool  # alternate phases are shaded
+    soak: bool = False  # a soak phase: tinted
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +127,8 @@ def chart(mem: LaunchMemory, caps_mib: list[tuple[float, str, str]], width: floa
             starts.append((r.t_s, r.phase))
     for i, (t, name) in enumerate(starts):
         t_next = starts[i + 1][0] if i + 1 < len(starts) else t_end
-        bands.append(Band(x_of(t), round(x_of(t_next) - x_of(t), 2), name, i % 2 == 0))
+        bands.append(Band(x_of(t), round(x_of(t_next) - x_of(t), 2), name, i % 2 == 0,
+                          name in SOAK_PHASES))
     step_t = nice_step(t_end)
     x_ticks = tuple(Tick(x_of(k * step_t), f"{k * step_t:g}")
                     for k in range(int(t_end / step_t) + 1))

@@ -102,6 +102,13 @@ def launch_caps(rep: dict[str, Any], mem: LaunchMemory) -> list[tuple[float, str
     if not is_v1(rep) and isinstance(util, int | float) and isinstance(card_gib, int | float):
         cap = card_gib * 1024 * util
         caps.append((cap, f"card x util {util:g} = {cap:,.0f} MiB", "util"))
+    soak = rep.get("soak")
+    if isinstance(soak, dict) and soak.get("launch") == mem.n:
+        before, after = soak.get("before_mib"), soak.get("after_mib")
+        if isinstance(before, int) and isinstance(after, int):
+            caps.append((float(before), f"before the soak {before:,} MiB", "soak"))
+            caps.append((float(after), f"after the soak {after:,} MiB ({after - before:+,} "
+                         "MiB)", "soak"))
     return caps
 
 

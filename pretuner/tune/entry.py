@@ -169,6 +169,15 @@ def _setup(
                             "method builds its own command",
                             hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
                             "whole command with --serve-cmd")
+    image_flags = [flag for flag, value in (
+        ("--limit-mm-per-prompt", opts.limit_mm_per_prompt),
+        ("--mm-processor-cache-gb", opts.mm_processor_cache_gb), ("--soak", opts.soak),
+        ("--soak-minutes", opts.soak_minutes)) if value is not None]
+    if image_flags:
+        raise BadInputError(f"{', '.join(image_flags)}: the r0.1 method sends no images "
+                            "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
+                            hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
+                            f"for a vision-language model, or drop {' '.join(image_flags)}")
     spec = resolve(opts.model)
     if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
         names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)

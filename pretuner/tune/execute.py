@@ -122,6 +122,7 @@ def run_launch(
     ready_s = request_s = 0.0
     ok = total = dropped = 0
     first_error: str | None = None
+    extra: tuple[int, int | None] = (0, None)  # the soak's requests, the cache reset's status
     failure: ServerFailedError | None = None
     exited: int | None = None
     sampler = MemorySampler(ctx.device_reader, status=phase)
@@ -141,6 +142,7 @@ def run_launch(
             ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
                    else _exercise(settings, ctx, base, phase))
             ok, total, dropped, first_error = ran.ok, ran.total, ran.dropped, ran.error
+            extra = (ran.soak_requests, ran.reset_status)
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()
@@ -171,8 +173,8 @@ def run_launch(
         raise refusal
     if ctx.hooks is not None:
         times = (ready_s, request_s, stop_s, time.monotonic() - t0)
-        outcome = ctx.hooks.outcome(n, settings, log_path, Exercised(ok, total, dropped,
-                                    first_error), failure, exited, times)
+        ran = Exercised(ok, total, dropped, first_error, *extra)
+        outcome = ctx.hooks.outcome(n, settings, log_path, ran, failure, exited, times)
         return with_samples(outcome, sampled)
     phase("scan", collector.where())
     collected = collector.collect()
@@ -198,7 +200,7 @@ def run_launch(
 def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
     """The outcome with what the device sampler saw."""
     return replace(outcome, device_peaks_mib=sampled.peaks_mib, device_reader=sampled.reader,
-                   device_total_mib=sampled.total_mib,
+                   device_total_mib=sampled.total_mib, device_last_mib=sampled.last_mib,
                    notes=outcome.notes + ((sampled.failure,) if sampled.failure else ()))
 
 

@@ -30,6 +30,9 @@ RETUNE_FLAGS = (
     ("serve_cmd", "--serve-cmd"), ("server_args", "--server-arg"), ("seed", "--seed"),
     ("ready_timeout_s", "--ready-timeout"), ("request_timeout_s", "--request-timeout"),
     ("stop_grace_s", "--stop-grace"), ("ray_address", "--ray-address"),
+    ("limit_mm_per_prompt", "--limit-mm-per-prompt"),
+    ("mm_processor_cache_gb", "--mm-processor-cache-gb"), ("soak", "--soak"),
+    ("soak_minutes", "--soak-minutes"),
 )  # fmt: skip
 
 
@@ -89,6 +92,16 @@ def check_run_options(o: RunOptions) -> None:
     v.non_negative("--stop-grace", o.stop_grace_s, example="120")
     if not o.host.strip():
         raise BadInputError("the server host is empty", hint="use 127.0.0.1")
+    if o.limit_mm_per_prompt is not None:
+        from pretuner.models.vision import parse_limit_mm_per_prompt
+
+        parse_limit_mm_per_prompt(o.limit_mm_per_prompt)
+    if o.mm_processor_cache_gb is not None:
+        v.non_negative("--mm-processor-cache-gb", o.mm_processor_cache_gb, example="4")
+    if o.soak is not None:
+        v.int_range("--soak", o.soak, 0)
+    if o.soak_minutes is not None:
+        v.positive("--soak-minutes", o.soak_minutes, example="10")
 
 
 def options_from_json(cls: type[T], data: Any, made_by: str | None) -> T:
@@ -167,6 +180,12 @@ class RunOptions:
     # V1 engines: more server flags, launched and written to serve.sh as given
     # (["--load-format dummy"]: each value is shell-split).
     server_args: list[str] = field(default_factory=list)
+    # Vision-language models (V1 engines): vLLM's flags, launched and deployed, and the soak
+    # after validation (requests and/or minutes; None: DEFAULT_SOAK for a VL model, 0 else).
+    limit_mm_per_prompt: str | None = None
+    mm_processor_cache_gb: float | None = None
+    soak: int | None = None
+    soak_minutes: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

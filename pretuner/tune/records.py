@@ -73,6 +73,10 @@ class V1Step(Step):
     kv_gib: float | None
     device_total_mib: int | None
     oom_alloc_bytes: int | None
+    # Since issue 18: each phase's last sample, and a vision-language validation's soak.
+    device_last_mib: dict[str, int] = {}
+    soak_requests: int = 0
+    reset_status: int | None = None
 
 
 # Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
@@ -228,6 +232,57 @@ class V1Derivation(Record):
     lines: list[str]
 
 
+class V1Images(Record):
+    """A vision-language model's images: the flags, the worst case, vLLM's encoder budget."""
+
+    image_limit: int
+    image_limit_source: str  # "--limit-mm-per-prompt" or "vLLM's default"
+    max_image_px: list[int]  # the largest image, [width, height]
+    tokens_per_image: int  # of the largest image
+    worst_case_images: int  # images of the worst-case request
+    worst_case_image_px: list[int]
+    encoder_budget_tokens: int | None  # as the engine's log says; None: it did not say
+    encoder_profiled_images: int | None
+    mm_processor_cache_gb: float | None  # as passed (host memory); None: vLLM's default
+    flags: list[str]  # the server flags these add
+
+
+class V1Soak(Record):
+    """The soak of the final configuration's validation: device MiB (the worst device), as
+    sampled (`pretuner.tune.v1.soak`)."""
+
+    launch: int
+    requests_asked: int | None
+    minutes_asked: float | None
+    requests: int  # answered
+    before_mib: int  # after the worst-case burst, before the soak
+    half_mib: int  # after the soak's first half
+    after_mib: int  # after the soak
+    after_reset_mib: int | None  # after POST /reset_mm_cache (None: not sampled)
+    reset_status: int | None  # its HTTP status (404: not served; vLLM needs dev mode)
+    growth_mib: int  # after - before
+    reset_gave_back_mib: int | None  # after - after reset
+    second_half_mib: int  # what the second half still added
+    held_back_mib: int  # kept free for more growth: HOLD_DOUBLINGS x the second half's
+    peak_before_mib: int  # the worst case before the soak
+    peak_after_mib: int | None  # the worst case again, after the soak
+
+
+class V1Memory(Record):
+    """The final configuration's device at its worst moment, as parts that sum to the device
+    (MiB): `lines` are report.md's rows, `free_mib` the remainder (computed, never read)."""
+
+    launch: int
+    device_total_mib: int
+    kv_held_mib: float  # the KV the engine allocated (its token count x bytes per token)
+    non_kv_peak_mib: float  # the worst case before any soak - the KV held
+    soak_growth_mib: int  # how much higher the worst case peaked after the soak (>= 0)
+    held_back_mib: int  # HOLD_DOUBLINGS x the soak's second-half growth, kept free for more
+    pinned_kv_mib: float  # --kv-cache-memory-bytes
+    free_mib: float  # device total - the four parts above
+    lines: list[str]
+
+
 class V1Report(Record):
     """report.json of a V1 run that finished (validated or not)."""
 
@@ -257,6 +312,10 @@ class V1Report(Record):
     asked: Asked | None = None  # the three: an earlier report.json lacks them and still reads
     given_up: list[str] = []  # exit 9 when not empty
     retune_command: list[str] = []  # `pretuner run` with this run's options: the same run again
+    # Since issue 18: a vision-language model's images and soak; every run's final memory.
+    images: V1Images | None = None
+    soak: V1Soak | None = None
+    memory: V1Memory | None = None
 
 
 class V1FailureReport(Record):

@@ -18,6 +18,7 @@ from pretuner.models import ModelSpec, resolve
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.config import V1Config
 from pretuner.sim.v1.memory import CUDA_PROFILES, Alloc, V1Card, first_failure, perturbed
+from pretuner.sim.v1.mm import VisionCard, vision_card
 from pretuner.units import GIB, MIB
 
 
@@ -46,6 +47,8 @@ class Booted:
     capacity_bytes: int  # torch total minus what others hold on the GPU
     non_torch_bytes: int
     private_bytes: int
+    vision: VisionCard | None = None  # a vision-language model's tower and budget
+    processor_cache_bytes: int = 0  # --mm-processor-cache-gb (host memory)
 
 
 class Failed(Exception):
@@ -200,9 +203,18 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         log.core("backends.py:1148", "Dynamo bytecode transform time: 3.59 s")
         log.core("monitor.py:53", "torch.compile took 6.25 s in total")
 
-    # The dummy step of max_num_batched_tokens tokens (the profile run in util mode).
+    # The dummy step of max_num_batched_tokens tokens (the profile run; in util mode its peak
+    # is the non-KV figure), after the encoder's dummy images for a vision-language model.
     base = card.base_bytes(context)
-    dummy = Alloc("profile", base, card.profile_activation_bytes(cfg.max_num_batched_tokens))
+    vision = _vision(cfg, spec, mml)
+    profile_bytes = card.profile_activation_bytes(cfg.max_num_batched_tokens)
+    if vision is not None:
+        if vision.budget_tokens:
+            log.core("model_runner.py:4415", f"Encoder cache will be initialized with a budget "
+                     f"of {vision.budget_tokens} tokens, and profiled with {vision.profiled} "
+                     "image items of the maximum feature size.")
+        profile_bytes = vision.profile_bytes(profile_bytes)
+    dummy = Alloc("profile", base, profile_bytes)
     if base + dummy.size > capacity:
         raise oom(total, capacity, base, dummy, non_torch=non_torch, private=0,
                   unallocated=0, stage="warmup")
@@ -211,7 +223,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     sink.level(base)
     log.core("monitor.py:81", "Initial profiling/warmup run took "
              f"{0.1 + cfg.max_num_batched_tokens / 16000:.2f} s")
-    kv = _kv_budget(cfg, card, log, requested, free)
+    kv = _kv_budget(cfg, card, log, requested, free, profile_bytes)
     blocks = check_kv(kv, card, mml)
     tokens = blocks * cfg.block_size
     log.core("kv_cache_utils.py:2146", f"GPU KV cache size: {tokens:,} tokens")
@@ -245,13 +257,23 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
              f"{cfg.startup_s:.2f} s{compile_note}")
     return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
-                  non_torch, private)
+                  non_torch, private, vision, int(cfg.mm_processor_cache_gib * GIB))
 
 
-def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: int) -> int:
+def _vision(cfg: V1Config, spec: ModelSpec, mml: int) -> VisionCard | None:
+    if spec.vision is None:
+        return None
+    return vision_card(spec.vision, tp=cfg.tp, dtype_bytes=spec.dtype_bytes, seed=cfg.sim_seed,
+                       image_limit=cfg.image_limit, max_model_len=mml,
+                       max_num_seqs=cfg.max_num_seqs,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens)
+
+
+def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: int,
+               profile_bytes: int) -> int:
     """The KV bytes: util minus profiling's non-KV figure, or the pinned bytes as given."""
     if cfg.kv_cache_memory_bytes is None:
-        kv = requested - card.profile_non_kv_bytes(cfg.max_num_batched_tokens)
+        kv = requested - (card.weights_bytes + card.persistent_bytes + profile_bytes)
         log.core("gpu_worker.py:508", f"Available KV cache memory: {_gib(kv)} GiB")
         return kv
     kv = cfg.kv_cache_memory_bytes

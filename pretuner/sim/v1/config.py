@@ -67,7 +67,42 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--limit-mm-per-prompt", default=None)
+    p.add_argument("--mm-processor-cache-gb", type=float, default=None)
     return p
+
+
+def _mm_limits(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """vLLM's dotted form `--limit-mm-per-prompt.image=2` (or `... .image 2`), taken out of
+    argv: (the rest, modality -> count text)."""
+    rest: list[str] = []
+    dotted: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--limit-mm-per-prompt."):
+            key, eq, value = arg.removeprefix("--limit-mm-per-prompt.").partition("=")
+            if not eq and i + 1 < len(args):
+                value, i = args[i + 1], i + 1
+            dotted[key] = value
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, dotted
+
+
+def image_limit(raw: str | None, dotted: Mapping[str, str]) -> int | None:
+    """The image count of --limit-mm-per-prompt (None: not given, vLLM's default)."""
+    from pretuner.errors import BadInputError
+    from pretuner.models.vision import parse_limit_mm_per_prompt
+
+    text = raw if raw is not None else ",".join(f"{k}={v}" for k, v in dotted.items())
+    if not text:
+        return None
+    try:
+        return parse_limit_mm_per_prompt(text).get("image")
+    except BadInputError as err:
+        raise UsageError(f"argument --limit-mm-per-prompt: {err.message}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +132,8 @@ class V1Config:
     visible: tuple[int, ...] | None = None
     env: dict[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    image_limit: int | None = None  # --limit-mm-per-prompt image=N (None: vLLM's 999)
+    mm_processor_cache_gib: float = 4.0  # --mm-processor-cache-gb (host memory)
 
 
 def _visible(raw: str | None) -> tuple[int, ...] | None:
@@ -132,7 +169,7 @@ def _non_default(ns: argparse.Namespace, model: str,
     for name in ("max_model_len", "served_model_name", "load_format", "seed", "enforce_eager",
                  "tensor_parallel_size", "block_size", "gpu_memory_utilization",
                  "kv_cache_memory_bytes", "kv_cache_dtype", "max_num_batched_tokens",
-                 "max_num_seqs"):
+                 "max_num_seqs", "limit_mm_per_prompt", "mm_processor_cache_gb"):
         if name in given:
             out.append((name, getattr(ns, name)))
     return tuple(out)
@@ -141,7 +178,7 @@ def _non_default(ns: argparse.Namespace, model: str,
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
     """argv after `vllm serve` + environment -> config; UsageError for what argparse accepts
     but the emulator cannot run."""
-    args = normalize_argv(argv)
+    args, dotted = _mm_limits(normalize_argv(argv))
     ns, unknown = build_parser().parse_known_args(args)
     model = ns.model or ns.model_tag
     if not model:
@@ -168,4 +205,6 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
         non_default=_non_default(ns, model, _given(args)), profile=profile, sim_seed=sim_seed,
         startup_s=max(0.0, startup), occupied_mib=max(0, occupied),
         visible=_visible(env.get("CUDA_VISIBLE_DEVICES")), env=dict(env),
-        ignored=tuple(unknown))
+        ignored=tuple(unknown), image_limit=image_limit(ns.limit_mm_per_prompt, dotted),
+        mm_processor_cache_gib=(4.0 if ns.mm_processor_cache_gb is None
+                                else max(0.0, ns.mm_processor_cache_gb)))

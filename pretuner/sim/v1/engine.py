@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted
-from pretuner.sim.v1.memory import first_failure, peak_of
+from pretuner.sim.v1.memory import Alloc, first_failure, peak_of
+from pretuner.sim.v1.mm import MMState, pixel_bytes
 from pretuner.sim.v1.scheduler import Limits, Plan, Req, Scheduler
 
 
@@ -28,6 +29,7 @@ class StepResult:
     gate_up_width: int = 0
     prefill_tokens: int = 0
     rows: int = 0  # requests that sampled a token
+    images: int = 0  # images the encoder ran this step
 
 
 METRICS_S = 10.0  # vLLM logs its throughput line every 10 s
@@ -36,14 +38,20 @@ METRICS_S = 10.0  # vLLM logs its throughput line every 10 s
 class EngineCore:
     def __init__(self, booted: Booted, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.b = booted
+        self.mm = MMState(booted.vision, booted.processor_cache_bytes) if booted.vision else None
         self.sched = Scheduler(Limits(max_num_seqs, max_num_batched_tokens,
-                                      booted.card.block_size, booted.num_blocks))
+                                      booted.card.block_size, booted.num_blocks), self.mm)
         self.reserved = booted.reserved_bytes
         self.dead: str | None = None
 
     @property
+    def held_bytes(self) -> int:
+        """What images left on the card: the encoder cache's high-water mark, stranded blocks."""
+        return self.mm.held_bytes if self.mm is not None else 0
+
+    @property
     def level_bytes(self) -> int:
-        return self.b.fixed_bytes + self.reserved
+        return self.b.fixed_bytes + self.held_bytes + self.reserved
 
     def step(self) -> StepResult | None:
         """One step; None when there is nothing to run."""
@@ -54,21 +62,29 @@ class EngineCore:
             return StepResult([], self.level_bytes, self.level_bytes, 0)
         b = self.b
         allocs = b.card.step(plan.tokens, plan.rows)
-        bad = first_failure(allocs, self.reserved, b.room_bytes)
+        held = self.held_bytes
+        if self.mm is not None and plan.encode:
+            # The encoder runs first, its transient freed before the language model's step;
+            # its outputs stay in the encoder cache through that step.
+            held = self.mm.held_after(plan.encode_tokens)
+            allocs = [Alloc("encoder", 0, self.mm.card.activation_bytes(plan.encode_tokens)),
+                      *allocs]
+        bad = first_failure(allocs, self.reserved, b.room_bytes - held)
         width = 2 * b.card.spec.intermediate_size // b.card.tp
         if bad is not None:
-            in_use = b.fixed_bytes + max(self.reserved, bad.live_before)
+            in_use = b.fixed_bytes + held + max(self.reserved, bad.live_before)
             self.dead = L.oom_text(
                 gpu=0, alloc=bad.size, total=b.total_bytes, free=b.capacity_bytes - in_use,
                 in_use=in_use, non_torch=b.non_torch_bytes, private=b.private_bytes,
-                unallocated=max(0, self.reserved - bad.live_before) + int(0.2 * bad.size))
+                unallocated=max(0, self.reserved - bad.live_before) + int(0.2 * bad.size)
+                + (self.mm.frag_bytes if self.mm is not None else 0))
             return StepResult([], in_use, in_use, plan.tokens, self.dead, width)
         peak = max(self.reserved, peak_of(allocs))
         self.reserved = peak
-        prefill, rows = plan.prefill_tokens, plan.rows
+        prefill, rows, images = plan.prefill_tokens, plan.rows, len(plan.encode)
         finished = self.sched.commit(plan)
-        return StepResult(finished, b.fixed_bytes + peak, self.level_bytes, plan.tokens,
-                          prefill_tokens=prefill, rows=rows)
+        return StepResult(finished, b.fixed_bytes + held + peak, self.level_bytes, plan.tokens,
+                          prefill_tokens=prefill, rows=rows, images=images)
 
 
 def print_fatal(log: L.V1Log, core: EngineCore, result: StepResult) -> None:
@@ -131,11 +147,21 @@ class Engine:
         with self._cond:
             if self.dead:
                 raise EngineDead(L.ENGINE_DEAD)
+            mm = self.core.mm
+            if mm is not None:  # the API server's processor ran on each image first
+                for item in req.mm:
+                    mm.processed(item.key, pixel_bytes(mm.card.vision, item.tokens))
             p = Pending(req)
             self._pending[req.request_id] = p
             self.core.sched.add(req)
             self._cond.notify_all()
             return p
+
+    def reset_mm_cache(self) -> None:
+        """`/reset_mm_cache`: vLLM empties the processor cache (host memory) only."""
+        with self._cond:
+            if self.core.mm is not None:
+                self.core.mm.reset()
 
     def _loop(self) -> None:
         last = self.core.level_bytes

@@ -1,9 +1,11 @@
 """vLLM 0.24's OpenAI API as the emulated server serves it, on the standard library only.
 
 `GET /health` (200 while the engine lives, 503 once it died), `GET /v1/models`,
-`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16). A request over
-max_model_len gets vLLM's 400; every request caught by, or sent after, an engine death gets the
-real 500 body. Access lines are uvicorn's, behind the APIServer prefix.
+`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16),
+`POST /v1/chat/completions` (text and image parts, `pretuner.sim.v1.chat`) and, with
+`VLLM_SERVER_DEV_MODE=1` as in vLLM, `POST /reset_mm_cache`. A request over max_model_len or
+with more images than allowed gets vLLM's 400; every request caught by, or sent after, an
+engine death gets the real 500 body. Access lines are uvicorn's, behind the APIServer prefix.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any
 
 from pretuner.sim.http import count_tokens, detokenize
 from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1.chat import ChatError, chat_max_tokens, parse_chat
 from pretuner.sim.v1.engine import Engine, EngineDead
+from pretuner.sim.v1.mm import MMItem, VisionCard
 from pretuner.sim.v1.scheduler import Req
 
 _PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
@@ -29,6 +33,8 @@ class ApiConfig:
     served_names: tuple[str, ...]
     model_root: str
     max_model_len: int
+    vision: VisionCard | None = None
+    dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development routes exist
 
 
 def error_body(message: str, kind: str, code: int) -> dict[str, Any]:
@@ -107,7 +113,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        if self.path != "/v1/completions":
+        if self.path == "/reset_mm_cache" and self.server.api.dev_mode:
+            self.server.engine.reset_mm_cache()
+            self._send(200, b"")
+            return
+        if self.path not in ("/v1/completions", "/v1/chat/completions"):
             self._json(404, {"detail": "Not Found"})
             return
         try:
@@ -118,14 +128,23 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as err:
             self._json(400, error_body(f"Invalid request body: {err}", "BadRequestError", 400))
             return
-        self._complete(body)
+        if self.path == "/v1/chat/completions":
+            self._chat(body)
+        else:
+            self._complete(body)
 
-    def _complete(self, body: dict[str, Any]) -> None:
-        api, engine = self.server.api, self.server.engine
+    def _model(self, body: dict[str, Any]) -> str | None:
+        api = self.server.api
         model = body.get("model", api.served_names[0])
         if model not in api.served_names:
             self._json(404, error_body(f"The model `{model}` does not exist.", "NotFoundError",
                                        404))
+            return None
+        return str(model)
+
+    def _complete(self, body: dict[str, Any]) -> None:
+        model = self._model(body)
+        if model is None:
             return
         prompt_len = prompt_length(body.get("prompt", ""))
         raw_max = body.get("max_tokens")
@@ -134,26 +153,66 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, error_body("prompt must be a string or a list of token ids and "
                                        "max_tokens a positive integer", "BadRequestError", 400))
             return
-        too_long = length_error(api.max_model_len, prompt_len, max_tokens)
+        out = self._run(f"cmpl-{uuid.uuid4().hex[:16]}-0", prompt_len, max_tokens, ())
+        if out is None:
+            return
+        rid, generated = out
+        self._json(200, {
+            "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": detokenize(list(range(generated))),
+                         "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                         "prompt_logprobs": None}],
+            "usage": usage(prompt_len, generated),
+        })
+
+    def _chat(self, body: dict[str, Any]) -> None:
+        api = self.server.api
+        model = self._model(body)
+        if model is None:
+            return
+        try:
+            prompt = parse_chat(body, api.vision)
+        except ChatError as err:
+            self._json(400, error_body(err.message, "BadRequestError", 400))
+            return
+        max_tokens = chat_max_tokens(body, api.max_model_len, prompt.prompt_len)
+        if max_tokens is None:
+            self._json(400, error_body("max_tokens must be a positive integer",
+                                       "BadRequestError", 400))
+            return
+        out = self._run(f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.prompt_len, max_tokens,
+                        prompt.images)
+        if out is None:
+            return
+        rid, generated = out
+        self._json(200, {
+            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content":
+                                                 detokenize(list(range(generated)))},
+                         "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+            "usage": usage(prompt.prompt_len, generated),
+        })
+
+    def _run(self, rid: str, prompt_len: int, max_tokens: int,
+             images: tuple[MMItem, ...]) -> tuple[str, int] | None:
+        """Length check, then the engine: (request id, tokens generated), or None once an
+        error was answered."""
+        too_long = length_error(self.server.api.max_model_len, prompt_len, max_tokens)
         if too_long is not None:
             self._json(400, error_body(too_long, "BadRequestError", 400))
-            return
-        rid = f"cmpl-{uuid.uuid4().hex[:16]}-0"
+            return None
         try:
-            pending = engine.submit(Req(rid, prompt_len, max_tokens))
+            pending = self.server.engine.submit(Req(rid, prompt_len, max_tokens, mm=images))
         except EngineDead:
             self._json(500, DEAD_BODY)
-            return
+            return None
         pending.done.wait()
         if pending.error is not None:
             self._json(500, DEAD_BODY)
-            return
-        out = pending.req.generated
-        self._json(200, {
-            "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": detokenize(list(range(out))), "logprobs": None,
-                         "finish_reason": "length", "stop_reason": None,
-                         "prompt_logprobs": None}],
-            "usage": {"prompt_tokens": prompt_len, "total_tokens": prompt_len + out,
-                      "completion_tokens": out, "prompt_tokens_details": None},
-        })
+            return None
+        return rid, pending.req.generated
+
+
+def usage(prompt_len: int, generated: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_len, "total_tokens": prompt_len + generated,
+            "completion_tokens": generated, "prompt_tokens_details": None}

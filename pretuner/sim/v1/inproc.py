@@ -14,42 +14,96 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pretuner.launch.images import LoadPhase, MMRequest, Request
 from pretuner.sim.inproc import Reply
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import boot
+from pretuner.sim.v1.chat import prompt_of, too_many_images
 from pretuner.sim.v1.config import UsageError, V1Config, parse
 from pretuner.sim.v1.engine import EngineCore, print_fatal
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
+from pretuner.sim.v1.mm import MMItem, pixel_bytes
 from pretuner.sim.v1.scheduler import Req
-from pretuner.sim.v1.server import CORE_PID_OFFSET, devices_for, print_ready, print_shutdown
+from pretuner.sim.v1.server import (
+    CORE_PID_OFFSET,
+    DEV_MODE_ENV,
+    devices_for,
+    print_ready,
+    print_shutdown,
+)
 from pretuner.units import MIB
 
 MAX_STEPS = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request as the engine sees it: its prompt's length, what it generates, its images."""
+
+    prompt_len: int
+    max_tokens: int
+    images: tuple[MMItem, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Wave:
+    """Requests sent in one phase: all at once, or `concurrency` in flight at a time (a
+    closed loop: the next one goes when one is answered); `reset` POSTs /reset_mm_cache
+    after them."""
+
+    phase: str
+    requests: tuple[SimRequest, ...]
+    concurrency: int | None = None
+    reset: bool = False
+
+
+def sim_request(r: Request) -> SimRequest:
+    """A `pretuner.launch.images` request as this server would receive it."""
+    if isinstance(r, MMRequest):
+        p = prompt_of(r)
+        return SimRequest(p.prompt_len, r.max_tokens, p.images)
+    return SimRequest(r.prompt_len, r.max_tokens)
+
+
+def waves_of(phases: Sequence[LoadPhase]) -> list[Wave]:
+    """The phases as waves; after one that resets, an empty "reset" wave: its own phase, as
+    the tuner samples the device after the reset."""
+    waves: list[Wave] = []
+    for p in phases:
+        waves.append(Wave(p.name, tuple(sim_request(r) for r in p.requests), p.concurrency,
+                          p.reset))
+        if p.reset:
+            waves.append(Wave("reset", ()))
+    return waves
+
+
+@dataclass(frozen=True, slots=True)
 class V1InprocRun:
     log: str  # everything the server printed
-    replies: tuple[Reply, ...]  # `first` (when given), then `prompts`, in order
+    replies: tuple[Reply, ...]  # every wave's, in order
     ready: bool  # it reached the point where the real server opens its socket
     exit_code: int
     peaks_mib: dict[str, int]  # phase -> worst device's NVML used MiB
     total_mib: int  # the GPU's NVML total
+    last_mib: dict[str, int] = field(default_factory=dict)  # phase -> NVML used at its end
+    reset_status: int | None = None  # the last /reset_mm_cache's HTTP status
 
 
 @dataclass
 class _Recorder:
-    """The boot Sink of an in-process run: tracks each phase's peak, never sleeps."""
+    """The boot Sink of an in-process run: tracks each phase's peak and last level."""
 
     log: L.V1Log
     floor_mib: int  # NVML used without this process (idle + tenant)
     phase: str = "start"
     peaks: dict[str, int] = field(default_factory=dict)
+    last: dict[str, int] = field(default_factory=dict)
 
     def level(self, process_bytes: int) -> None:
         used = self.floor_mib + -(-process_bytes // MIB)
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), used)
+        self.last[self.phase] = used
 
     def pause(self, seconds: float) -> None:
         return
@@ -58,34 +112,56 @@ class _Recorder:
 class _Client:
     """The HTTP side, reduced to what a reply and an access line are."""
 
-    def __init__(self, log: L.V1Log) -> None:
+    def __init__(self, log: L.V1Log, dev_mode: bool = False) -> None:
         self.log = log
         self.port = 40000
+        self.dev_mode = dev_mode  # VLLM_SERVER_DEV_MODE=1: /reset_mm_cache is served
 
     def reply(self, status: int, prompt: int | None = None, completion: int | None = None,
-              error: str | None = None) -> Reply:
+              error: str | None = None, path: str = "/v1/completions") -> Reply:
         self.port += 1
         phrase = {200: "OK", 400: "Bad Request", 500: "Internal Server Error"}[status]
-        self.log.uvicorn(f'127.0.0.1:{self.port} - "POST /v1/completions HTTP/1.1" {status} '
-                         f"{phrase}")
+        self.log.uvicorn(f'127.0.0.1:{self.port} - "POST {path} HTTP/1.1" {status} {phrase}')
         return Reply(status, prompt, completion, error)
 
 
-def _drive(core: EngineCore, rec: _Recorder, client: _Client, lens: Sequence[int],
-           max_tokens: int, mml: int) -> list[Reply]:
-    """Send these prompts at once and step until all are answered."""
+def _refused(core: EngineCore, client: _Client, r: SimRequest, mml: int) -> Reply | None:
+    """The answer a request gets without running: too long, images over the limit, dead."""
+    path = "/v1/chat/completions" if r.images else "/v1/completions"
+    mm = core.mm
+    why = length_error(mml, r.prompt_len, r.max_tokens)
+    if why is None and r.images and (mm is None or len(r.images) > mm.card.image_limit):
+        why = too_many_images(0 if mm is None else mm.card.image_limit, mm is not None)
+    if why is not None:
+        return client.reply(400, error=why, path=path)
+    if core.dead is not None:
+        return client.reply(500, error=L.ENGINE_DEAD, path=path)
+    return None
+
+
+def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave,
+           mml: int) -> tuple[list[Reply], int | None]:
+    """Send the wave's requests (all at once, or a closed loop) and step until answered."""
     replies: dict[int, Reply] = {}
     reqs: dict[str, int] = {}
-    for i, n in enumerate(lens):
-        why = length_error(mml, n, max_tokens)
-        if why is not None:
-            replies[i] = client.reply(400, error=why)
-        elif core.dead is not None:
-            replies[i] = client.reply(500, error=L.ENGINE_DEAD)
-        else:
-            req = Req(f"cmpl-{rec.phase}-{i}", n, max_tokens)
+    todo = list(enumerate(wave.requests))
+    limit = wave.concurrency or len(todo)
+
+    def feed() -> None:
+        while todo and len(reqs) < limit:
+            i, r = todo.pop(0)
+            refused = _refused(core, client, r, mml)
+            if refused is not None:
+                replies[i] = refused
+                continue
+            req = Req(f"cmpl-{rec.phase}-{i}", r.prompt_len, r.max_tokens, mm=r.images)
             reqs[req.request_id] = i
+            if core.mm is not None:
+                for item in r.images:
+                    core.mm.processed(item.key, pixel_bytes(core.mm.card.vision, item.tokens))
             core.sched.add(req)
+
+    feed()
     for _ in range(MAX_STEPS):
         result = core.step()
         if result is None:
@@ -95,11 +171,22 @@ def _drive(core: EngineCore, rec: _Recorder, client: _Client, lens: Sequence[int
             print_fatal(rec.log, core, result)
             break
         for req in result.finished:
-            replies[reqs[req.request_id]] = client.reply(200, req.prompt_len, req.generated)
-    for i in range(len(lens)):
+            i = reqs.pop(req.request_id)
+            path = "/v1/chat/completions" if wave.requests[i].images else "/v1/completions"
+            replies[i] = client.reply(200, req.prompt_len, req.generated, path=path)
+        feed()
+        rec.level(core.level_bytes)
+    for i in range(len(wave.requests)):
         if i not in replies:
             replies[i] = client.reply(500, error=L.ENGINE_DEAD)
-    return [replies[i] for i in range(len(lens))]
+    status = None
+    if wave.reset:
+        status = 200 if client.dev_mode else 404
+        if core.dead is None and core.mm is not None and client.dev_mode:
+            core.mm.reset()
+        phrase = "OK" if status == 200 else "Not Found"
+        rec.log.uvicorn(f'127.0.0.1:40000 - "POST /reset_mm_cache HTTP/1.1" {status} {phrase}')
+    return [replies[i] for i in range(len(wave.requests))], status
 
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_tokens: int,
@@ -108,6 +195,13 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_to
 
     `argv` is what follows `vllm serve`; `env` is laid over this process's environment.
     """
+    waves = [Wave("probe", (SimRequest(first, max_tokens),))] if first is not None else []
+    waves.append(Wave("load", tuple(SimRequest(n, max_tokens) for n in prompts)))
+    return run_waves(argv, env, waves)
+
+
+def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -> V1InprocRun:
+    """Boot, send each wave in its own phase, stop with SIGTERM."""
     stream = io.StringIO()
     try:
         cfg: V1Config = parse(list(argv), {**os.environ, **env})
@@ -127,19 +221,21 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_to
         return V1InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
     core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     print_ready(log, cfg.host or "0.0.0.0", cfg.port)  # noqa: S104 - the address it would print
-    client = _Client(log)
+    client = _Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
-    if first is not None:
-        rec.phase = "probe"
+    reset: int | None = None
+    for wave in waves:
+        rec.phase = wave.phase
         rec.level(core.level_bytes)
-        replies += _drive(core, rec, client, [first], max_tokens, booted.max_model_len)
-    rec.phase = "load"
-    rec.level(core.level_bytes)
-    replies += _drive(core, rec, client, prompts, max_tokens, booted.max_model_len)
+        got, status = _drive(core, rec, client, wave, booted.max_model_len)
+        replies += got
+        reset = status if status is not None else reset
+        rec.level(core.level_bytes)
     rec.phase = "stop"
     rec.level(core.level_bytes)
     print_shutdown(log, "SIGTERM")
     for line in ("Shutting down", "Waiting for application shutdown.",
                  "Application shutdown complete."):
         log.uvicorn(line)
-    return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total)
+    return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
+                       dict(rec.last), reset)

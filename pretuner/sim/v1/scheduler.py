@@ -10,12 +10,19 @@ The rules kept from V1 (what decides memory and admission; prefix caching is lef
 - KV blocks are allocated for the tokens a step computes. A running request that finds no free
   block preempts the newest running request (its blocks freed, recomputed later from its
   prompt and what it generated); a waiting request that finds none waits. Nothing is dropped.
+- Images (a vision-language model, `mm` given): a chunk that reaches an image whose output is
+  not in the encoder cache encodes it in the same step, within the encoder budget (tokens per
+  step) and the cache's room; an image that does not fit cuts the chunk before it. An output
+  is released once its positions are computed, and kept "freeable" for another request with
+  the same image (`pretuner.sim.v1.mm.EncoderCache`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from pretuner.sim.v1.mm import MMItem, MMState
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -33,6 +40,8 @@ class Req:
     generated: int = 0
     blocks: int = 0
     preemptions: int = 0
+    mm: tuple[MMItem, ...] = ()  # its images, by offset
+    encoded: set[str] = field(default_factory=set)  # images whose outputs it holds
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +66,13 @@ class Plan:
 
     scheduled: list[tuple[Req, int]] = field(default_factory=list)
     preempted: list[Req] = field(default_factory=list)
+    encode: list[tuple[Req, MMItem]] = field(default_factory=list)  # run by the encoder
+    hits: list[tuple[Req, MMItem]] = field(default_factory=list)  # found in the encoder cache
+    encoder_left: int = 0  # encoder budget tokens left this step
+
+    @property
+    def encode_tokens(self) -> int:
+        return sum(item.tokens for _, item in self.encode)
 
     @property
     def tokens(self) -> int:
@@ -73,8 +89,9 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, mm: MMState | None = None) -> None:
         self.limits = limits
+        self.mm = mm
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.free_blocks = limits.num_blocks
@@ -92,19 +109,20 @@ class Scheduler:
         victim.blocks = 0
         victim.computed = 0
         victim.preemptions += 1
+        self._release(victim, everything=True)
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)
 
     def plan(self) -> Plan:
         lim = self.limits
-        plan = Plan()
+        plan = Plan(encoder_left=self.mm.card.budget_tokens if self.mm else 0)
         budget = lim.max_num_batched_tokens
         for req in list(self.running):
             if budget <= 0:
                 break
             if req not in self.running:  # preempted for an older request in this loop
                 continue
-            n = min(req.num_tokens - req.computed, budget)
+            n = self._fit_images(req, min(req.num_tokens - req.computed, budget), plan)
             if n <= 0:
                 continue
             need = blocks_for(req.computed + n, lim.block_size) - req.blocks
@@ -120,7 +138,9 @@ class Scheduler:
         while (not plan.preempted and self.waiting and budget > 0
                and len(self.running) < lim.max_num_seqs):
             req = self.waiting[0]
-            n = min(req.num_tokens - req.computed, budget)
+            n = self._fit_images(req, min(req.num_tokens - req.computed, budget), plan)
+            if n <= 0:
+                break
             need = blocks_for(req.computed + n, lim.block_size) - req.blocks
             if need > self.free_blocks:
                 break
@@ -132,13 +152,51 @@ class Scheduler:
             budget -= n
         return plan
 
+    def _fit_images(self, req: Req, n: int, plan: Plan) -> int:
+        """`n`, or less: the chunk stops before the first image its step cannot encode."""
+        if self.mm is None or not req.mm:
+            return n
+        cache = self.mm.encoder
+        for item in req.mm:
+            if item.offset >= req.computed + n:
+                break
+            if item.end <= req.computed or item.key in req.encoded:
+                continue
+            if cache.has(item.key):
+                cache.hold(item.key, req.request_id)
+                plan.hits.append((req, item))
+                continue
+            if item.tokens > plan.encoder_left or not cache.room_for(item.tokens,
+                                                                     plan.encode_tokens):
+                return max(0, item.offset - req.computed)
+            plan.encode.append((req, item))
+            plan.encoder_left -= item.tokens
+        return n
+
+    def _release(self, req: Req, everything: bool = False) -> None:
+        """Give back the encoder outputs whose positions `req` has computed (or all)."""
+        if self.mm is None:
+            return
+        for item in req.mm:
+            if item.key in req.encoded and (everything or item.end <= req.computed):
+                self.mm.encoder.release(item.key, req.request_id)
+                req.encoded.discard(item.key)
+
     def commit(self, plan: Plan) -> list[Req]:
         """Apply a step that ran; returns the requests it finished."""
+        if self.mm is not None:
+            for req, item in plan.encode:
+                self.mm.encoder.add(item.key, item.tokens, req.request_id)
+                req.encoded.add(item.key)
+            for req, item in plan.hits:
+                req.encoded.add(item.key)
+            self.mm.encoded([item for _, item in plan.encode])
         finished = []
         for req, n in plan.scheduled:
             req.computed += n
             if req.computed >= req.num_tokens:
                 req.generated += 1
+            self._release(req, everything=req.done)
             if req.done:
                 self.running.remove(req)
                 self.free_blocks += req.blocks

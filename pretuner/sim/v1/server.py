@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pretuner.sim.v1 import logs as L
-from pretuner.sim.v1.boot import boot
+from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.config import UsageError, V1Config, build_parser, parse
 from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
@@ -26,11 +26,13 @@ from pretuner.sim.v1.smi import others_bytes, publish
 from pretuner.stopflag import StopFlag
 
 HOLD_S = 0.1  # every published level lasts at least this long
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /reset_mm_cache and other dev routes
 CORE_PID_OFFSET = 69  # the real EngineCore is a child process: a made-up pid beside ours
 ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "GET"),
           ("/metrics", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
           ("/v1/models", "GET"), ("/version", "GET"), ("/v1/chat/completions", "POST"),
           ("/v1/completions", "POST"))
+DEV_ROUTES = (("/reset_mm_cache", "POST"), ("/reset_prefix_cache", "POST"))
 
 
 class Stopped(Exception):
@@ -109,7 +111,7 @@ class Server:
         core = EngineCore(booted, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         engine = Engine(core, self.log, sink.level, step_seconds)
         try:
-            http = self._open(engine, booted.max_model_len)
+            http = self._open(engine, booted)
         except OSError as err:
             self.log.api("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind "
                          f"on address: {err.strerror}", level="ERROR")
@@ -124,12 +126,13 @@ class Server:
         sink.unpublish()
         return 0
 
-    def _open(self, engine: Engine, max_model_len: int) -> V1HTTPServer:
+    def _open(self, engine: Engine, booted: Booted) -> V1HTTPServer:
         cfg, log = self.cfg, self.log
         host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
-        api = ApiConfig(cfg.served_names, cfg.model, max_model_len)
+        api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
+                        dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
         http = V1HTTPServer((host, cfg.port), engine, api, log)
-        print_ready(log, host, http.server_address[1])
+        print_ready(log, host, http.server_address[1], dev=api.dev_mode)
         return http
 
     def _shutdown(self, http: V1HTTPServer, engine: Engine) -> None:
@@ -142,12 +145,12 @@ class Server:
         self.log.uvicorn("Application shutdown complete.")
 
 
-def print_ready(log: L.V1Log, host: str, port: int) -> None:
+def print_ready(log: L.V1Log, host: str, port: int, dev: bool = False) -> None:
     """What the APIServer prints once the engine is up and the socket is open."""
     log.api("api_server.py:577", "Supported tasks: ['generate']")
     log.api("api_server.py:581", f"Starting vLLM server on http://{host}:{port}")
     log.api("launcher.py:37", "Available routes are:")
-    for route, methods in ROUTES:
+    for route, methods in ROUTES + (DEV_ROUTES if dev else ()):
         log.api("launcher.py:46", f"Route: {route}, Methods: {methods}")
     log.uvicorn(f"Started server process [{log.api_pid}]")
     log.uvicorn("Waiting for application startup.")

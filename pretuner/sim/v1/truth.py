@@ -4,6 +4,12 @@ KV cache that truly works, and what util-mode profiling would give.
 Pure (no I/O, no clocks): both replay the shared boot and engine code with a silent log, so
 they can never disagree with the server. A benchmark scores a tuner's
 `--kv-cache-memory-bytes` against `max_kv_bytes`; a tuner must never call these.
+
+The load a configuration must survive: for a text model, one max-length prompt alone, then as
+many at once as the KV cache holds. For a vision-language model (`Images` given), the
+validation of `pretuner.launch.images.validation_phases`: the longest text prefill, the burst
+of worst-case image requests, and with `soak` requests the mixed soak, a cache reset and the
+burst again on top of what the soak left.
 """
 
 from __future__ import annotations
@@ -12,14 +18,31 @@ import io
 from dataclasses import dataclass, field
 
 from pretuner.kvmath import kv_bytes_per_token
+from pretuner.launch.images import image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
+from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, VisionSpec
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, boot
+from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, parse
 from pretuner.sim.v1.engine import EngineCore
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.scheduler import Req
 from pretuner.units import MIB
+
+VALIDATION_DECODE = 16  # what the tuner's validation generates per request
+
+
+@dataclass(frozen=True, slots=True)
+class Images:
+    """A vision-language model's load: its image limit, the soak's length and seed."""
+
+    limit: int | None = None  # --limit-mm-per-prompt image count (None: vLLM's 999)
+    soak: int = 0
+    seed: int = 0
+
+    def argv(self) -> list[str]:
+        return [] if self.limit is None else ["--limit-mm-per-prompt", f"image={self.limit}"]
 
 MAX_STEPS = 1_000_000
 
@@ -49,6 +72,42 @@ def _env(profile_name: str, seed: int, occupied_mib: int) -> dict[str, str]:
             ENV["occupied_mib"]: str(occupied_mib)}
 
 
+def _survives_images(booted: Booted, vision: VisionSpec, max_num_seqs: int, batched: int,
+                     images: Images) -> bool:
+    """The vision-language validation load (module docstring), soak included."""
+    from pretuner.sim.v1.inproc import Wave, waves_of
+
+    core = EngineCore(booted, max_num_seqs, batched)
+    mml = booted.max_model_len
+    count = max(1, min(max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
+    shape = image_shape(vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
+                        else images.limit)
+    decode = min(VALIDATION_DECODE, max(1, mml // 2))
+    phases = validation_phases(shape, mml, decode, count, images.soak, images.seed,
+                               TEMPLATE_TOKENS)
+    waves: list[Wave] = waves_of(phases)
+    ids = 0
+    for wave in waves:
+        todo = list(wave.requests)
+        limit = wave.concurrency or len(todo)
+        live: set[str] = set()
+        for _ in range(MAX_STEPS):
+            while todo and len(live) < limit:
+                r = todo.pop(0)
+                ids += 1
+                core.sched.add(Req(f"truth-{ids}", r.prompt_len, r.max_tokens, mm=r.images))
+                live.add(f"truth-{ids}")
+            result = core.step()
+            if result is None:
+                break
+            if result.oom is not None:
+                return False
+            live -= {req.request_id for req in result.finished}
+        if wave.reset and core.mm is not None:
+            core.mm.reset()
+    return True
+
+
 def _survives_load(booted: Booted, max_num_seqs: int, batched: int) -> bool:
     """One max-length prompt alone, then as many at once as the KV cache holds."""
     core = EngineCore(booted, max_num_seqs, batched)
@@ -69,18 +128,16 @@ def _survives_load(booted: Booted, max_num_seqs: int, batched: int) -> bool:
 def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  tp: int = 1, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 occupied_mib: int = 0) -> int:
+                 occupied_mib: int = 0, images: Images | None = None) -> int:
     """The largest pinned `--kv-cache-memory-bytes` (whole MiB) that starts and survives the
-    worst-case load; 0 when none does."""
+    worst-case load (a vision-language model's when `images` is given); 0 when none does."""
     env = _env(profile_name, seed, occupied_mib)
 
     def works(kv_mib: int) -> bool:
         argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                      kv_cache_dtype, enforce_eager, ["--kv-cache-memory-bytes",
                                                      str(kv_mib * MIB)])
-        booted = boot(parse(argv, env), _Quiet(), spec=spec)
-        return booted is not None and _survives_load(booted, max_num_seqs,
-                                                     max_num_batched_tokens)
+        return survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
 
     # The smallest cache that holds one max-length sequence, and one that cannot fit.
     per_token = kv_bytes_per_token(spec, tp=tp, kv_dtype=kv_cache_dtype)
@@ -97,13 +154,44 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
     return lo * MIB
 
 
+def survives(spec: ModelSpec, argv: list[str], env: dict[str, str], max_num_seqs: int,
+             max_num_batched_tokens: int, images: Images | None) -> bool:
+    """Whether this server command starts and survives the worst-case load."""
+    if images is not None:
+        argv = [*argv, *images.argv()]
+    booted = boot(parse(argv, env), _Quiet(), spec=spec)
+    if booted is None:
+        return False
+    if images is not None and spec.vision is not None:
+        return _survives_images(booted, spec.vision, max_num_seqs, max_num_batched_tokens, images)
+    return _survives_load(booted, max_num_seqs, max_num_batched_tokens)
+
+
+def util_outcome(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
+                 images: Images | None = None) -> tuple[int, bool]:
+    """A hand-chosen `--gpu-memory-utilization`: (the KV bytes its profiling gives, 0 when it
+    does not start; whether it survives the worst-case load)."""
+    argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
+                 kv_cache_dtype, False, ["--gpu-memory-utilization", str(util)])
+    env = _env(profile_name, seed, 0)
+    kv = util_kv_bytes(spec, profile_name, util=util, seed=seed, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       block_size=block_size, tp=tp, kv_cache_dtype=kv_cache_dtype,
+                       extra=images.argv() if images else [])
+    return kv, kv > 0 and survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
+
+
 def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
                   max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                   block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
-                  enforce_eager: bool = False, occupied_mib: int = 0) -> int:
+                  enforce_eager: bool = False, occupied_mib: int = 0,
+                  extra: list[str] | None = None) -> int:
     """The KV bytes (whole blocks) that default profiling at `util` gives a server that starts;
     0 when the start fails (profiling, graph capture or warm-up)."""
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
-                 kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util)])
+                 kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util),
+                                                 *(extra or [])])
     booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _Quiet(), spec=spec)
     return 0 if booted is None else booted.kv_bytes

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pretuner.engines.outcome import LaunchOutcome, tally
+from pretuner.engines.outcome import Exercised, LaunchOutcome, tally
+from pretuner.engines.v1_images import SOAK_PHASES, Soak
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
 from pretuner.engines.vllm_v1 import SIM_COMMAND
 from pretuner.launch import probe
+from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 
@@ -31,12 +33,30 @@ def inprocess_v1_executor(
     workdir: Path,
     bytes_per_token: int,
     decode_tokens: int = DECODE_TOKENS,
+    *,
+    images: ImageShape | None = None,
+    soak: Soak | None = None,
+    seed: int = 0,
 ) -> Callable[[LaunchSettings], LaunchOutcome]:
-    """An executor that runs every launch on the in-process emulated V1 server."""
+    """An executor that runs every launch on the in-process emulated V1 server; a
+    vision-language model's launches get `pretuner.engines.v1_images`' requests, with the
+    emulator's own chat template (what the HTTP path calibrates)."""
     from pretuner.sim.v1 import inproc
+    from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 
     counter = itertools.count(1)
-    hooks = V1Hooks(bytes_per_token)
+    soak = soak or Soak()
+    hooks = V1Hooks(bytes_per_token, images, soak)
+    shape = images if images is not None and not images.is_text_only else None
+
+    def image_phases(images: ImageShape, s: LaunchSettings) -> list[LoadPhase]:
+        if s.purpose is Purpose.PRERUN:
+            req = worst_case(images, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
+            return [LoadPhase("probe", (req,))]
+        decode = min(decode_tokens, max(1, s.max_model_len // 2))
+        return validation_phases(images, s.max_model_len, decode,
+                                 concurrency(s, None, bytes_per_token), soak.planned, seed,
+                                 TEMPLATE_TOKENS)
 
     def execute(s: LaunchSettings) -> LaunchOutcome:
         n = next(counter)
@@ -46,7 +66,13 @@ def inprocess_v1_executor(
             SIM_COMMAND) else cmd.argv
         if argv[:1] == ["serve"]:
             argv = argv[1:]
-        if s.purpose is Purpose.PRERUN:
+        plen: int | None
+        phases: list[LoadPhase] = []
+        if shape is not None:
+            phases = image_phases(shape, s)
+            res = inproc.run_waves(argv, cmd.env, inproc.waves_of(phases))
+            plen = None
+        elif s.purpose is Purpose.PRERUN:
             plen = probe.max_length_prompt_len(s.max_model_len, 1)
             res = inproc.run(argv, cmd.env, [plen], 1)
         else:
@@ -63,9 +89,24 @@ def inprocess_v1_executor(
         failure = None if res.ready or "out of memory" in res.log.lower() \
             or "estimated maximum model length" in res.log \
             or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
-        outcome = hooks.outcome(n, s, log_path, tally(outs, plen), failure, None,
+        ran = tally(outs, plen)
+        if phases:
+            ran = Exercised(ran.ok, ran.total, ran.dropped, ran.error,
+                            soak_answered(phases, outs), res.reset_status)
+        outcome = hooks.outcome(n, s, log_path, ran, failure, None,
                                 (0.0, 0.0, 0.0, time.monotonic() - t0))
         return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
-                       device_total_mib=res.total_mib)
+                       device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib))
 
     return execute
+
+
+def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int:
+    """How many of the soak's requests were answered 200 (replies come in phase order)."""
+    answered, i = 0, 0
+    for p in phases:
+        got = outs[i:i + len(p.requests)]
+        i += len(p.requests)
+        if p.name in SOAK_PHASES:
+            answered += sum(o.ok for o in got)
+    return answered

@@ -3,6 +3,7 @@ journaled loop, and the run's files."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,12 +12,15 @@ from typing import TYPE_CHECKING, Any
 from pretuner.devices import select_reader
 from pretuner.engines.base import Target
 from pretuner.engines.registry import EngineChoice
+from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args, sim_profile
 from pretuner.errors import BadInputError, PretunerError
 from pretuner.kvmath import kv_bytes_per_token
+from pretuner.launch.images import ImageShape, image_shape
 from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
+from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
 from pretuner.plan import PlanConfig, plan
 from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.execute import LaunchContext, Phase
@@ -25,6 +29,7 @@ from pretuner.tune.records import V1Report
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
+from pretuner.tune.v1.report_memory import VisionMeta
 from pretuner.units import MIB
 
 if TYPE_CHECKING:
@@ -34,6 +39,9 @@ DEFAULT_MAX_MODEL_LEN = 16384
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 MAX_NUM_SEQS = 4096
 DEVICES_PER_NODE = 8
+# A vision-language model's validation runs this soak unless --soak/--soak-minutes say
+# otherwise: memory that grows with distinct images shows within a few hundred requests.
+DEFAULT_SOAK = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,49 @@ class V1Setup:
     model_arg: str
     choice: EngineChoice
     layout_reason: str
+    images: ImageShape | None = None  # a vision-language model's; None: text only
+    soak: Soak = Soak()
+    image_limit_given: bool = False  # --limit-mm-per-prompt named the image count
+
+
+@dataclass(frozen=True, slots=True)
+class Vision:
+    """What a vision-language model adds to a V1 run."""
+
+    images: ImageShape | None
+    soak: Soak
+    flags: tuple[tuple[str, str | None], ...]
+    limit_given: bool
+
+
+def vision_setup(opts: RunOptions, spec: ModelSpec) -> Vision:
+    """The image shape, the soak and the server flags of a vision-language model; a text
+    model refuses the image options (exit 2)."""
+    asked = [flag for flag, value in (("--limit-mm-per-prompt", opts.limit_mm_per_prompt),
+                                      ("--mm-processor-cache-gb", opts.mm_processor_cache_gb))
+             if value is not None] + (["--soak"] if opts.soak else []) + (
+        ["--soak-minutes"] if opts.soak_minutes else [])
+    if spec.vision is None:
+        if asked:
+            raise BadInputError(f"{', '.join(asked)}: {spec.name} is a text model (its config "
+                                "has no vision tower), these are for vision-language models",
+                                hint=f"drop {' '.join(asked)}, or tune a vision-language model "
+                                "(e.g. qwen3-vl-8b)")
+        return Vision(None, Soak(), (), False)
+    flags: list[tuple[str, str | None]] = []
+    limit: int | None = None
+    if opts.limit_mm_per_prompt is not None:
+        limits = parse_limit_mm_per_prompt(opts.limit_mm_per_prompt)
+        limit = limits.get("image")
+        flags.append(("--limit-mm-per-prompt", json.dumps(limits, separators=(",", ":"))))
+    if opts.mm_processor_cache_gb is not None:
+        flags.append(("--mm-processor-cache-gb", f"{opts.mm_processor_cache_gb:g}"))
+    shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if limit is None else limit)
+    if shape.is_text_only:
+        return Vision(shape, Soak(), tuple(flags), True)
+    requests = opts.soak if opts.soak is not None else (
+        DEFAULT_SOAK if opts.soak_minutes is None else None)
+    return Vision(shape, Soak(requests, opts.soak_minutes), tuple(flags), limit is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +179,15 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     server_args = parse_server_args(opts.server_args)
     _check_weights(opts.model, choice.simulated, server_args)
     spec = resolve(opts.model)
+    vision = vision_setup(opts, spec)
     probe_engine = V1Engine(row, choice.simulated, choice.version)
     card = _card_gib(opts, probe_engine, {})
     sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
                       server_args=server_args,
-                      server_env=_server_env(opts.model, choice.simulated))
+                      server_env=_server_env(opts.model, choice.simulated),
+                      mm_flags=vision.flags,
+                      tuning_env=dict(row.dev_env) if vision.soak.on else {})
     max_len = opts.max_model_len or row.default_max_model_len or DEFAULT_MAX_MODEL_LEN
     block = _block_size(opts, row)
     p = plan(PlanConfig(model=spec, card_gib=card, util=opts.util, max_model_len=max_len,
@@ -167,8 +221,18 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                         ready_timeout_s=opts.ready_timeout_s,
                         request_timeout_s=opts.request_timeout_s,
                         stop_grace_s=opts.stop_grace_s, seed=opts.seed, device_reader=reader,
-                        hooks=V1Hooks(bpt))
-    return V1Setup(cfg, ctx, engine, spec, model_arg, choice, p.layout_reason)
+                        hooks=V1Hooks(bpt, vision.images, vision.soak))
+    return V1Setup(cfg, ctx, engine, spec, model_arg, choice, p.layout_reason, vision.images,
+                   vision.soak, vision.limit_given)
+
+
+def vision_meta(setup: V1Setup, opts: RunOptions) -> VisionMeta | None:
+    if setup.images is None:
+        return None
+    flags = tuple(part for name, value in setup.engine.mm_flags
+                  for part in (name, *(() if value is None else (value,))))
+    return VisionMeta(setup.images, setup.soak, setup.image_limit_given,
+                      opts.mm_processor_cache_gb, flags)
 
 
 def first_launch(setup: V1Setup) -> tuple[LaunchSettings, LaunchCommand]:
@@ -206,6 +270,7 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
         asked_max_model_len=setup.cfg.max_model_len,
         asked_max_num_seqs=setup.cfg.max_num_seqs,
         retune_command=tuple(opts.command_line()),
+        vision=vision_meta(setup, opts),
     )
     try:
         result = tuner.run()
@@ -247,5 +312,6 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
 
     choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
     setup = v1_setup(opts, choice)
-    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token)
+    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token,
+                                    images=setup.images, soak=setup.soak, seed=opts.seed)
     return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

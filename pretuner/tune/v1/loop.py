@@ -15,6 +15,10 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
    was the KV cache itself (a CPU budget refuses it whole), the failed launch's own peak,
    sampled before it, is the non-KV figure to derive again from. Never report an unproven
    value.
+4. settle: the validation's own peak (its soak and the burst after it included, for a
+   vision-language model) decides the final KV, once widened when it left room, lowered (and
+   proven again) when the soak's second half was still growing by more than the room left:
+   that growth is held back as headroom (`pretuner.tune.v1.soak`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pretuner.pinned import (
     one_sequence_bytes,
 )
 from pretuner.tune.settings import LaunchSettings, Purpose
+from pretuner.tune.v1.soak import soak_figures
 from pretuner.units import GIB, MIB
 
 Executor = Callable[[LaunchSettings], LaunchOutcome]
@@ -102,6 +107,9 @@ class V1Tuner:
         self.outcomes: list[LaunchOutcome] = []
         self.decisions: list[dict[str, Any]] = []
         self.start_util = cfg.util  # lowered only when the device refused util x total
+        self.widened = False  # the proven KV is widened once at most
+        self.one_seq = one_sequence_bytes(cfg.max_model_len, cfg.bytes_per_token, cfg.block_size)
+        self.profiled_util: float | None = None
 
     def decide(self, name: str, detail: str, **data: Any) -> None:
         entry = {"decision": name, "detail": detail, **data}
@@ -134,8 +142,6 @@ class V1Tuner:
 
     def run(self) -> V1Result:
         c = self.cfg
-        self.one_seq = one_sequence_bytes(c.max_model_len, c.bytes_per_token, c.block_size)
-        self.profiled_util: float | None = None
         pre = self.prerun()
         budget, measured_by, kv_bytes = self.derive(pre)
         profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
@@ -298,25 +304,39 @@ class V1Tuner:
         peak = (f", device peak {max(o.device_peaks_mib.values()):,} of "
                 f"{o.device_total_mib:,} MiB ({_how(o)})"
                 if o.device_peaks_mib and o.device_total_mib else "")
-        return (f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {o.requests_ok} "
-                f"max-length requests ({s.max_model_len:,} tokens) served, no OOM{peak}")
+        what = (f"{o.requests_ok} requests served (the worst case, {o.soak_requests} soak "
+                "requests, the worst case again)" if o.soak_requests else
+                f"{o.requests_ok} max-length requests ({s.max_model_len:,} tokens) served")
+        return f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {what}, no OOM{peak}"
 
     def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:
-        """Once: give the KV what the validation's own peak left unused (less a thin margin),
-        when that is worth a launch. Proven in turn; if it fails, the proven result stands."""
-        if not o.device_peaks_mib or o.device_total_mib is None or s.kv_cache_bytes is None \
-                or len(self.outcomes) >= self.cfg.max_launches:
+        """Give the KV what the validation's own peak left unused (less a thin margin and the
+        soak's still-growing second half), when that is worth a launch, once; or take from it
+        what that growth needs when the peak left less. Proven in turn; if widening fails, the
+        proven result stands."""
+        if not o.device_peaks_mib or o.device_total_mib is None or s.kv_cache_bytes is None:
             return proven
         peak = max(o.device_peaks_mib.values())
-        spare_mib = o.device_total_mib - peak - tighten_margin_mib(o.device_total_mib)
-        if spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes:
+        soak = soak_figures(o)
+        hold = soak.held_back_mib if soak is not None else 0
+        spare_mib = o.device_total_mib - peak - hold - tighten_margin_mib(o.device_total_mib)
+        # Without a soak, a proven peak near the top stands; a shortfall under half the thin
+        # margin is within what one sampled run can tell apart (it would only creep).
+        margin = tighten_margin_mib(o.device_total_mib)
+        if hold > 0 and -spare_mib > margin // 2:
+            return self.hold_back(s, o, proven, min(-spare_mib, hold), hold)
+        if spare_mib < 0 or spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
+                or len(self.outcomes) >= self.cfg.max_launches:
             return proven
+        self.widened = True
         wider = replace(s, kv_cache_bytes=s.kv_cache_bytes + spare_mib * MIB)
         self.decide("tighten",
                     f"the validation's peak left {o.device_total_mib - peak:,} MiB of "
                     f"{o.device_total_mib:,} MiB unused; try {spare_mib:,} MiB more KV (keeping "
-                    f"{tighten_margin_mib(o.device_total_mib)} MiB), proven in turn",
-                    kv_cache_bytes=wider.kv_cache_bytes)
+                    f"{tighten_margin_mib(o.device_total_mib)} MiB"
+                    + (f" and {hold:,} MiB for more growth, twice the soak's second half"
+                       if hold else "")
+                    + "), proven in turn", kv_cache_bytes=wider.kv_cache_bytes)
         t = self.launch(wider)
         if t.kind is not OutcomeKind.OK:
             self.decide("keep the proven",
@@ -325,10 +345,37 @@ class V1Tuner:
             return replace(proven, outcomes=tuple(self.outcomes),
                            decisions=tuple(self.decisions))
         self.decide("validated", self.proven(wider, t))
-        return replace(proven, final=wider, kv_tokens=t.kv_tokens if t.kv_tokens is not None
-                       else kv_tokens_for(wider.kv_cache_bytes or 0, self.cfg.bytes_per_token,
-                                          self.cfg.block_size),
-                       outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
+        widened = replace(proven, final=wider, kv_tokens=t.kv_tokens if t.kv_tokens is not None
+                          else kv_tokens_for(wider.kv_cache_bytes or 0, self.cfg.bytes_per_token,
+                                             self.cfg.block_size),
+                          outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
+        return self.tighten(wider, t, widened)  # its own soak may still ask for headroom
+
+    def hold_back(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result, short_mib: int,
+                  hold_mib: int) -> V1Result:
+        """The soak was still growing (`hold_mib` held back for more) and the peak left
+        `short_mib` too little beside it: lower the KV by that and prove it again (while
+        launches remain)."""
+        total = o.device_total_mib or 0
+        why = (f"the soak was still growing ({hold_mib:,} MiB held back: twice its second "
+               f"half's growth); the validation's peak "
+               f"{max(o.device_peaks_mib.values()):,} of {total:,} MiB leaves "
+               f"{short_mib:,} MiB too little beside it (keeping {tighten_margin_mib(total)} MiB)")
+        if len(self.outcomes) >= self.cfg.max_launches:
+            self.decide("not held back", f"{why}; no launch left (--max-launches "
+                        f"{self.cfg.max_launches}): the configuration proven under the soak "
+                        "stands without room for more growth")
+            return proven
+        # Lowered by the shortfall and the thin margin once more: the next launch's soak
+        # measures its growth anew, and a proof that falls a few MiB short again would creep.
+        cut_mib = short_mib + tighten_margin_mib(total)
+        lower = replace(s, kv_cache_bytes=(s.kv_cache_bytes or 0) - cut_mib * MIB)
+        self.decide("hold back growth", f"{why}: KV lowered by that and the margin, "
+                    f"{cut_mib:,} MiB, to "
+                    f"{(lower.kv_cache_bytes or 0) / GIB:.2f} GiB, proven in turn",
+                    kv_cache_bytes=lower.kv_cache_bytes, held_back_mib=hold_mib)
+        self.check_one_sequence(lower.kv_cache_bytes or 0, "holding the growth back leaves")
+        return self.validate(lower, proven.budget, proven.measured_by, proven.profiled_kv_tokens)
 
     def result(self, s: LaunchSettings, validated: bool, budget: PinnedBudget | None,
                measured_by: str, profiled: int | None, kv_tokens: int | None) -> V1Result:

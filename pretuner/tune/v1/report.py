@@ -27,6 +27,15 @@ from pretuner.tune.records import (
 )
 from pretuner.tune.report import step_json
 from pretuner.tune.v1.loop import V1Result
+from pretuner.tune.v1.report_memory import (
+    VisionMeta,
+    final_launch,
+    images_md,
+    images_record,
+    memory_md,
+    memory_record,
+    soak_record,
+)
 from pretuner.units import GIB
 
 SIM_NOTE = ("EMULATED: the emulated vLLM server on an emulated CUDA card ran here; every "
@@ -50,6 +59,7 @@ class V1Meta:
     asked_max_model_len: int | None = None  # None: the final's (V1 never cuts it)
     asked_max_num_seqs: int | None = None
     retune_command: tuple[str, ...] = ()  # RunOptions.command_line()
+    vision: VisionMeta | None = None  # a vision-language model's images and soak
 
 
 def report_json(r: V1Result, m: V1Meta) -> V1Report:
@@ -58,6 +68,7 @@ def report_json(r: V1Result, m: V1Meta) -> V1Report:
     gain = (r.kv_tokens / r.profiled_kv_tokens
             if r.kv_tokens and r.profiled_kv_tokens else None)
     budget = r.budget
+    proof = final_launch(r.outcomes, f) if r.validated else None
     return V1Report(
         pretuner_version=__version__,
         run_id=m.run_id,
@@ -110,7 +121,16 @@ def report_json(r: V1Result, m: V1Meta) -> V1Report:
                           m.asked_max_num_seqs or f.max_num_seqs,
                           f.max_model_len, f.max_num_seqs),
         retune_command=list(m.retune_command),
+        images=images_record(m.vision, proof or _any_launch(r), f.max_model_len)
+        if m.vision is not None else None,
+        soak=soak_record(proof, m.vision.soak) if proof and m.vision else None,
+        memory=memory_record(proof, m.bytes_per_token) if proof else None,
     )
+
+
+def _any_launch(r: V1Result) -> LaunchOutcome | None:
+    """A launch whose log said what the engine's encoder budget is (any will do)."""
+    return next((o for o in r.outcomes if o.encoder_budget_tokens is not None), None)
 
 
 def real_command(m: V1Meta) -> list[str]:
@@ -153,6 +173,7 @@ def report_md(rep: V1Report) -> str:
                      f"{base.kv_tokens:,} KV tokens ({tag}){gain}")
     lines += [f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
               f"max-num-batched-tokens {f.max_num_batched_tokens:,}", ""]
+    lines += images_md(rep)
     d = rep.derivation
     if d is not None:
         lines += ["## Derivation", ""] + [f"- {line}" for line in d.lines] + [""]
@@ -160,6 +181,7 @@ def report_md(rep: V1Report) -> str:
         lines += ["## Derivation", "",
                   "- no device memory was sampled: the engine's own profiled KV is pinned "
                   "(nothing gained over its profiling, but proven)", ""]
+    lines += memory_md(rep)
     lines += ["## Launches", "",
               "| # | purpose | KV asked | outcome | device peak MiB | KV tokens | s |",
               "|---|---|---|---|---|---|---|"]
@@ -266,7 +288,9 @@ def failure_md(rep: V1FailureReport) -> str:
 def step(o: LaunchOutcome) -> V1Step:
     """One launch as report.json's `steps[]` shows it for a V1 engine."""
     return V1Step(**dict(step_json(o)), kv_tokens=o.kv_tokens, kv_gib=o.kv_gib,
-                  device_total_mib=o.device_total_mib, oom_alloc_bytes=o.oom_alloc_bytes)
+                  device_total_mib=o.device_total_mib, oom_alloc_bytes=o.oom_alloc_bytes,
+                  device_last_mib=o.device_last_mib, soak_requests=o.soak_requests,
+                  reset_status=o.reset_status)
 
 
 def systemd_unit(rep: V1Report, install_dir: str = "/etc/pretuner") -> str:

@@ -1,7 +1,9 @@
 """vLLM 0.24's OpenAI API as the emulated server serves it, on the standard library only.
 
 `GET /health` (200 while the engine lives, 503 once it died), `GET /v1/models`,
-`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16). A request over
+`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16; `"stream": true`
+sends each token as a server-sent event as the engine samples it, then `data: [DONE]`, with a
+usage chunk first when `stream_options.include_usage` is set). A request over
 max_model_len gets vLLM's 400; every request caught by, or sent after, an engine death gets the
 real 500 body. Access lines are uvicorn's, behind the APIServer prefix.
 """
@@ -9,6 +11,7 @@ real 500 body. Access lines are uvicorn's, behind the APIServer prefix.
 from __future__ import annotations
 
 import json
+import queue
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ from typing import Any
 
 from pretuner.sim.http import count_tokens, detokenize
 from pretuner.sim.v1 import logs as L
-from pretuner.sim.v1.engine import Engine, EngineDead
+from pretuner.sim.v1.engine import Engine, EngineDead, Pending
 from pretuner.sim.v1.scheduler import Req
 
 _PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
@@ -144,6 +147,11 @@ class _Handler(BaseHTTPRequestHandler):
         except EngineDead:
             self._json(500, DEAD_BODY)
             return
+        if body.get("stream") is True:
+            options = body.get("stream_options")
+            usage = isinstance(options, dict) and options.get("include_usage") is True
+            self._stream(pending, model, usage)
+            return
         pending.done.wait()
         if pending.error is not None:
             self._json(500, DEAD_BODY)
@@ -157,3 +165,50 @@ class _Handler(BaseHTTPRequestHandler):
             "usage": {"prompt_tokens": prompt_len, "total_tokens": prompt_len + out,
                       "completion_tokens": out, "prompt_tokens_details": None},
         })
+
+    def _event(self, obj: dict[str, Any] | str) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    def _stream(self, pending: Pending, model: str, usage: bool) -> None:
+        """Server-sent events, one per token; the headers go once the first token (or the
+        engine's death) is known, so a request the engine never ran gets the plain 500."""
+        first = _next_token(pending)
+        if first is None:
+            self._json(500, DEAD_BODY)
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        req, created = pending.req, int(time.time())
+        head = {"id": req.request_id, "object": "text_completion", "created": created,
+                "model": model}
+        count: int | None = first
+        while count is not None:
+            last = count >= req.max_tokens
+            self._event({**head, "choices": [{
+                "index": 0, "text": detokenize([count - 1]), "logprobs": None,
+                "finish_reason": "length" if last else None, "stop_reason": None}]})
+            count = None if last else _next_token(pending)
+        if pending.error is not None:
+            self._event(error_body(L.ENGINE_DEAD, "InternalServerError", 500))
+        elif usage:
+            self._event({**head, "choices": [], "usage": {
+                "prompt_tokens": req.prompt_len, "completion_tokens": req.generated,
+                "total_tokens": req.prompt_len + req.generated}})
+        self._event("[DONE]")
+        host, port = self.client_address[:2]
+        self.server.log.uvicorn(f'{host}:{port} - "POST /v1/completions HTTP/1.1" 200 OK')
+
+
+def _next_token(pending: Pending) -> int | None:
+    """The count of tokens generated once the next one is; None when the engine died."""
+    while True:
+        try:
+            return pending.tokens.get(timeout=0.05)
+        except queue.Empty:
+            if pending.done.is_set() and pending.error is not None:
+                return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim.inproc import Reply
@@ -36,6 +36,12 @@ class V1InprocRun:
     exit_code: int
     peaks_mib: dict[str, int]  # phase -> worst device's NVML used MiB
     total_mib: int  # the GPU's NVML total
+    # The emulated card's clock (simulated seconds): the `first` request's time to its first
+    # token and from its first to its last token, and the load's duration and tokens.
+    first_ttft_s: float | None = None
+    first_decode_s: float | None = None
+    load_s: float | None = None
+    load_tokens: int = 0
 
 
 @dataclass
@@ -71,8 +77,18 @@ class _Client:
         return Reply(status, prompt, completion, error)
 
 
+@dataclass
+class _Times:
+    """The emulated clock of one burst: when it ended, each request's first and last token."""
+
+    step_s: Callable[[int], float]
+    now: float = 0.0
+    first: dict[int, float] = field(default_factory=dict)
+    last: dict[int, float] = field(default_factory=dict)
+
+
 def _drive(core: EngineCore, rec: _Recorder, client: _Client, lens: Sequence[int],
-           max_tokens: int, mml: int) -> list[Reply]:
+           max_tokens: int, mml: int, times: _Times) -> list[Reply]:
     """Send these prompts at once and step until all are answered."""
     replies: dict[int, Reply] = {}
     reqs: dict[str, int] = {}
@@ -94,6 +110,11 @@ def _drive(core: EngineCore, rec: _Recorder, client: _Client, lens: Sequence[int
         if result.oom is not None:
             print_fatal(rec.log, core, result)
             break
+        times.now += times.step_s(result.tokens)
+        for req in result.sampled:
+            i = reqs[req.request_id]
+            times.first.setdefault(i, times.now)
+            times.last[i] = times.now
         for req in result.finished:
             replies[reqs[req.request_id]] = client.reply(200, req.prompt_len, req.generated)
     for i in range(len(lens)):
@@ -129,17 +150,27 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_to
     print_ready(log, cfg.host or "0.0.0.0", cfg.port)  # noqa: S104 - the address it would print
     client = _Client(log)
     replies: list[Reply] = []
+    clock = booted.clock
+    step_s = clock.step_seconds if clock is not None else (lambda tokens: 0.0)
+    ttft = decode = None
     if first is not None:
         rec.phase = "probe"
         rec.level(core.level_bytes)
-        replies += _drive(core, rec, client, [first], max_tokens, booted.max_model_len)
+        one = _Times(step_s)
+        replies += _drive(core, rec, client, [first], max_tokens, booted.max_model_len, one)
+        if 0 in one.first:
+            ttft, decode = one.first[0], one.last[0] - one.first[0]
     rec.phase = "load"
     rec.level(core.level_bytes)
-    replies += _drive(core, rec, client, prompts, max_tokens, booted.max_model_len)
+    burst = _Times(step_s)
+    replies += _drive(core, rec, client, prompts, max_tokens, booted.max_model_len, burst)
+    generated = sum(r.completion_tokens or 0 for r in replies[len(replies) - len(prompts):]
+                    if r.status == 200)
     rec.phase = "stop"
     rec.level(core.level_bytes)
     print_shutdown(log, "SIGTERM")
     for line in ("Shutting down", "Waiting for application shutdown.",
                  "Application shutdown complete."):
         log.uvicorn(line)
-    return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total)
+    return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
+                       ttft, decode, burst.now, generated)

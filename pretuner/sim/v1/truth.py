@@ -9,11 +9,13 @@ they can never disagree with the server. A benchmark scores a tuner's
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models.spec import ModelSpec
 from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1 import offload
 from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.config import ENV, parse
 from pretuner.sim.v1.engine import EngineCore
@@ -69,15 +71,16 @@ def _survives_load(booted: Booted, max_num_seqs: int, batched: int) -> bool:
 def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  tp: int = 1, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 occupied_mib: int = 0) -> int:
+                 occupied_mib: int = 0, extra_args: Sequence[str] = ()) -> int:
     """The largest pinned `--kv-cache-memory-bytes` (whole MiB) that starts and survives the
-    worst-case load; 0 when none does."""
+    worst-case load; 0 when none does. `extra_args`: more server flags (--quantization,
+    --cpu-offload-gb...)."""
     env = _env(profile_name, seed, occupied_mib)
 
     def works(kv_mib: int) -> bool:
         argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                      kv_cache_dtype, enforce_eager, ["--kv-cache-memory-bytes",
-                                                     str(kv_mib * MIB)])
+                                                     str(kv_mib * MIB), *extra_args])
         booted = boot(parse(argv, env), _Quiet(), spec=spec)
         return booted is not None and _survives_load(booted, max_num_seqs,
                                                      max_num_batched_tokens)
@@ -100,10 +103,21 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
 def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
                   max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                   block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
-                  enforce_eager: bool = False, occupied_mib: int = 0) -> int:
+                  enforce_eager: bool = False, occupied_mib: int = 0,
+                  extra_args: Sequence[str] = ()) -> int:
     """The KV bytes (whole blocks) that default profiling at `util` gives a server that starts;
     0 when the start fails (profiling, graph capture or warm-up)."""
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
-                 kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util)])
+                 kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util),
+                                                 *extra_args])
     booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _Quiet(), spec=spec)
     return 0 if booted is None else booted.kv_bytes
+
+
+def decode_tokens_per_s(spec: ModelSpec, profile_name: str, *, tp: int = 1,
+                        quantization: str | None = None, cpu_offload_gib: float = 0.0,
+                        enforce_eager: bool = False) -> float:
+    """One sequence's decode speed on the emulated card's clock (tokens/s, simulated): one
+    step of one token with these weights knobs, as the server's clock times it."""
+    loaded = offload.load(spec, profile_name, tp, quantization, cpu_offload_gib)
+    return 1.0 / offload.clock(spec, profile_name, loaded, tp, enforce_eager).step_seconds(1)

@@ -83,6 +83,10 @@ CONFIG_KEYS = {
     "max-num-batched-tokens": "max_num_batched_tokens",
     "block-size": "block_size",
     "kv-cache-dtype": "kv_cache_dtype",
+    "quantization": "quantization",
+    "cpu-offload-gb": "cpu_offload_gb",
+    "swap-space": "swap_space",
+    "enforce-eager": "enforce_eager",
 }
 # Keys pretuner decides or owns for every launch: a config that sets them would be overruled.
 OWNED_KEYS = {

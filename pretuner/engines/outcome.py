@@ -12,6 +12,7 @@ from typing import Any
 
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.launch import probe
+from pretuner.speed import Speed
 
 
 class OutcomeKind(str, Enum):
@@ -67,12 +68,14 @@ class LaunchOutcome:
     device_total_mib: int | None = None  # the sampled device's total, as its reader says
     kv_tokens: int | None = None  # V1 engines: the KV cache's token count, from the log
     kv_gib: float | None = None  # V1 engines: the KV cache as pinned or profiled, from the log
+    speed: Speed | None = None  # V1 validations: time to first token and decode tokens/s
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["settings"] = self.settings.to_json()
         data["kind"] = self.kind.value
         data["notes"] = list(self.notes)
+        data["speed"] = self.speed.to_json() if self.speed is not None else None
         return data
 
     @classmethod
@@ -81,6 +84,8 @@ class LaunchOutcome:
         fields_["settings"] = LaunchSettings.from_json(fields_["settings"])
         fields_["kind"] = OutcomeKind(fields_["kind"])
         fields_["notes"] = tuple(fields_.get("notes", ()))
+        if isinstance(fields_.get("speed"), dict):
+            fields_["speed"] = Speed.from_json(fields_["speed"])
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in fields_.items() if k in known})
 
@@ -114,6 +119,7 @@ class Exercised:
     total: int
     dropped: int  # answered 200 without generating a token: the prompt never ran
     error: str | None
+    speed: Speed | None = None  # what the requests' timing showed (V1 validations)
 
 
 def describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:

@@ -23,10 +23,11 @@ from pathlib import Path
 
 from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
+from pretuner.engines.v1_knobs import Knobs
 from pretuner.units import GIB
 
 # The emulated CUDA cards, by --card size (pretuner.sim.v1 profiles).
-SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24"}
+SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24", 20: "cuda-20"}
 SIM_COMMAND = (sys.executable, "-m", "pretuner.sim", "vllm", "serve")
 DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
@@ -92,6 +93,8 @@ OWNED_FLAGS = {
     "--gpu-memory-utilization": "--util", "--kv-cache-memory-bytes": "(pretuner derives it)",
     "--block-size": "--block-size", "--tensor-parallel-size": "--tp",
     "--pipeline-parallel-size": "--pp", "--kv-cache-dtype": "--kv-cache-dtype",
+    "--quantization": "--quantization", "--cpu-offload-gb": "--cpu-offload-gb",
+    "--swap-space": "--swap-space", "--enforce-eager": "--enforce-eager",
 }
 
 
@@ -150,6 +153,7 @@ class V1Engine:
     python: str | None = None  # the interpreter of a row that names one (engine_python)
     server_args: tuple[Flag, ...] = ()  # --server-arg: launched and deployed as given
     server_env: dict[str, str] = field(default_factory=dict)  # launched and deployed
+    knobs: Knobs = field(default_factory=Knobs)  # quantization, offload, swap, eager: fixed
 
     @property
     def name(self) -> str:
@@ -213,6 +217,7 @@ class V1Engine:
         dtype = server_kv_cache_dtype(settings.kv_cache_dtype)
         if dtype is not None:
             flags.append(("--kv-cache-dtype", dtype))
+        flags += self.knobs.flags()
         flags += self.server_args
         budget = self.budget_bytes(settings.card_gib)
         if budget is not None:

@@ -40,6 +40,7 @@ from pretuner.tune.loop import (
     recorded_executor,
 )
 from pretuner.tune.options import RunOptions as RunOptions
+from pretuner.tune.options import v1_only_flags
 from pretuner.tune.ownership import (
     check_no_orphans,
     claim_new_folder,
@@ -169,6 +170,10 @@ def _setup(
                             "method builds its own command",
                             hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
                             "whole command with --serve-cmd")
+    if v1_only := v1_only_flags(opts):
+        raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
+                            "flag; the r0.1 method builds its own command",
+                            hint="name a V1 engine (--engine vllm|...)")
     spec = resolve(opts.model)
     if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
         names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)

@@ -31,6 +31,7 @@ from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan import Located, OomEvent, OomKind
 from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.speed import Speed
 from pretuner.tune.crash import device_busy
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
@@ -122,6 +123,7 @@ def run_launch(
     ready_s = request_s = 0.0
     ok = total = dropped = 0
     first_error: str | None = None
+    speed: Speed | None = None
     failure: ServerFailedError | None = None
     exited: int | None = None
     sampler = MemorySampler(ctx.device_reader, status=phase)
@@ -141,6 +143,7 @@ def run_launch(
             ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
                    else _exercise(settings, ctx, base, phase))
             ok, total, dropped, first_error = ran.ok, ran.total, ran.dropped, ran.error
+            speed = ran.speed
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()
@@ -172,7 +175,7 @@ def run_launch(
     if ctx.hooks is not None:
         times = (ready_s, request_s, stop_s, time.monotonic() - t0)
         outcome = ctx.hooks.outcome(n, settings, log_path, Exercised(ok, total, dropped,
-                                    first_error), failure, exited, times)
+                                    first_error, speed), failure, exited, times)
         return with_samples(outcome, sampled)
     phase("scan", collector.where())
     collected = collector.collect()

@@ -14,6 +14,7 @@ from pretuner.engines.v1_knobs import Knobs
 from pretuner.engines.vllm_v1 import ROWS, V1Engine
 from pretuner.tune.options import RunOptions
 from pretuner.tune.settings import LaunchSettings, Purpose
+from pretuner.tune.v1.entry import tune_v1_in_process
 from tests.helpers import FAST_SIM, cli_env, run_cli
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"
@@ -183,3 +184,20 @@ def test_a_vllm_config_file_gives_the_knobs(tmp_path: Path) -> None:
     argv = json.loads(proc.stdout)["first_launch"]["argv"]
     assert " ".join(["--quantization", "bitsandbytes", "--cpu-offload-gb", "20", "--swap-space",
                      "4", "--enforce-eager"]) in " ".join(argv)
+
+
+def test_a_shared_card_leaving_7_gib_serves_the_70b_at_512_tokens(tmp_path: Path) -> None:
+    """The field note's 7 GB budget: another tenant holds the rest of the 32 GB card, so util
+    0.9 (and the note's 0.25) is refused; the pre-run's util comes down to what is free."""
+    tenant = 32768 - 310 - 7 * 1024  # cuda-32: NVML total - idle - 7 GiB
+    opts = RunOptions(model=LLAMA70, engine="vllm", card_gib=32, tp=1, max_model_len=512,
+                      max_num_seqs=8, max_num_batched_tokens=512, quantization="bitsandbytes",
+                      cpu_offload_gib=60.0, enforce_eager=True,
+                      sim_env={"PRETUNER_SIM_OCCUPIED_MIB": str(tenant)})
+    r = tune_v1_in_process(opts, tmp_path)
+    assert r.validated
+    assert r.final.util < 7 / 31.7  # torch's total is 31.70 GiB, of which 7 GiB are free
+    assert any(d["decision"] == "lower pre-run util" for d in r.decisions)
+    proof = next(o for o in reversed(r.outcomes) if o.settings == r.final)
+    assert proof.speed is not None
+    assert proof.speed.how == "emulated clock"

@@ -17,11 +17,12 @@ chosen to be plausible for each emulated card, never measured on one.
   the engine while it loads (signal 9). `--swap-space` is checked at start-up as vLLM checks
   it (refused above 70 % of the host's total per node, warned above 40 %); the V1 engine
   preempts by recomputing, so it pins none of it.
-- **Clock.** One engine step of n tokens takes `step_overhead` + the weights read once from the
-  card's memory (4-bit bitsandbytes kernels dequantize: slower per byte) + the offloaded
-  weights over PCIe + `2 * active params * n` FLOPs at the card's rate + a launch cost per
-  layer without CUDA graphs (`--enforce-eager`). The server sleeps that times
-  `PRETUNER_SIM_TIME_SCALE` (default 1: the emulated card's own speed).
+- **Clock.** One engine step of n tokens takes `step_overhead` + the weights on the card read
+  once from its memory + the offloaded weights over PCIe + `2 * active params * n` FLOPs at
+  the card's rate + a launch cost per layer without CUDA graphs (`--enforce-eager`); 4-bit
+  bitsandbytes kernels also dequantize every weight they use (`BNB_DEQUANT` times the 4-bit
+  bytes at the card's memory rate: 4-bit Qwen3-8B decodes at about 0.7x its bf16 speed). The
+  server sleeps that times `PRETUNER_SIM_TIME_SCALE` (default 1: the card's own speed).
 
 Calibration checks (simulated): Qwen3-8B decodes at about 110 tokens/s on `h100-80`; the field
 note's 7 GB configuration of the 70B distill (4-bit, every layer offloaded) decodes at about
@@ -43,7 +44,7 @@ HOST_SYSTEM_SHARE = 0.03  # what the system and page cache keep of the host's me
 SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host total
 SWAP_WARN_SHARE = 0.4
 IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bit checkpoint
-BNB_READ_FACTOR = 1.8  # bitsandbytes 4-bit matmuls dequantize: slower per byte read
+BNB_DEQUANT = 3.0  # bitsandbytes 4-bit kernels: dequantizing costs 3x reading the bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,11 +171,11 @@ class Clock:
     flops_per_token: float
     layers: int
     eager: bool
-    bnb: bool
+    dequant_bytes: int  # 4-bit bitsandbytes weights a step dequantizes (0: none)
 
     def step_seconds(self, tokens: int) -> float:
         s = self.speed
-        read = self.on_card_bytes / (s.hbm_gib_s * GIB) * (BNB_READ_FACTOR if self.bnb else 1.0)
+        read = (self.on_card_bytes + BNB_DEQUANT * self.dequant_bytes) / (s.hbm_gib_s * GIB)
         stream = self.offloaded_bytes / (s.pcie_gib_s * GIB)
         compute = self.flops_per_token * tokens / (s.tflops * 1e12)
         eager = self.layers * s.eager_layer_s if self.eager else 0.0
@@ -183,6 +184,9 @@ class Clock:
 
 def clock(spec: ModelSpec, profile: str, loaded: Loaded, tp: int, eager: bool) -> Clock:
     active = spec.active_params or spec.total_params
-    bnb = loaded.quant is not None and loaded.quant.method == "bitsandbytes"
+    q = loaded.quant
+    bnb = q is not None and q.method == "bitsandbytes" and q.bits == 4
+    embeddings = 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes // tp
     return Clock(SPEEDS[profile], loaded.on_card_bytes, loaded.offloaded_bytes,
-                 2.0 * active / tp, spec.num_layers, eager, bnb)
+                 2.0 * active / tp, spec.num_layers, eager,
+                 max(0, loaded.rank_bytes - embeddings) if bnb else 0)

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from pretuner.engines.v1_knobs import Knobs
+from pretuner.engines.v1_log import read_v1_log
 from pretuner.engines.vllm_v1 import ROWS, V1Engine
+from pretuner.errors import ServerFailedError
 from pretuner.tune.options import RunOptions
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.entry import tune_v1_in_process
@@ -201,3 +203,24 @@ def test_a_shared_card_leaving_7_gib_serves_the_70b_at_512_tokens(tmp_path: Path
     proof = next(o for o in reversed(r.outcomes) if o.settings == r.final)
     assert proof.speed is not None
     assert proof.speed.how == "emulated clock"
+
+
+def test_an_engine_the_host_cannot_hold_is_a_server_failure_naming_the_host(
+        tmp_path: Path) -> None:
+    """The host passes the offload check (14 GiB of 15.5 available) but not the server's own
+    processes beside it: the kernel kills the engine while it loads (signal 9)."""
+    opts = RunOptions(model=LLAMA70, engine="vllm", card_gib=32, tp=1, max_model_len=8192,
+                      max_num_seqs=8, quantization="bitsandbytes", cpu_offload_gib=14.0,
+                      enforce_eager=True, sim_env={"PRETUNER_SIM_HOST_MIB": "16384"})
+    with pytest.raises(ServerFailedError, match="killed by signal 9 while it started: the host"):
+        tune_v1_in_process(opts, tmp_path)
+
+
+@pytest.mark.parametrize(("line", "signal"), [
+    ("(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above. "
+     "Failed core proc(s): {'EngineCore_DP0': -9}", 9),
+    ("(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above. "
+     "Failed core proc(s): {}", None),
+])
+def test_the_log_names_an_engine_killed_by_a_signal(line: str, signal: int | None) -> None:
+    assert read_v1_log([line]).killed_by_signal == signal

@@ -118,6 +118,8 @@ class V1Hooks:
                 times: tuple[float, float, float, float]) -> LaunchOutcome:
         v1 = read_log(log_path)
         kind = classify(v1, ran, failure)
+        if kind is None and v1.killed_by_signal == SIGKILL:  # not the card: the host
+            raise host_killed(log_path)
         if kind is None:  # only for an unexplained failure
             raise failure or unexplained_exit(log_path, exited or 0)
         ready_s, request_s, stop_s, total_s = times
@@ -162,6 +164,21 @@ def streamed_speed(first: CompletionOutcome, arrivals: Arrivals | None, burst: L
                  load_requests=len(burst.outcomes),
                  load_tokens=sum(o.completion_tokens or 0 for o in burst.outcomes if o.ok),
                  load_s=round(burst.wall_seconds, 4), how="streamed")
+
+
+SIGKILL = 9
+
+
+def host_killed(log_path: Path) -> ServerFailedError:
+    """An engine killed while starting: on Linux, the kernel's OOM killer (host memory)."""
+    return ServerFailedError(
+        "the engine was killed by signal 9 while it started: the host ran out of memory (the "
+        "kernel's OOM killer), not the device; pinned --cpu-offload-gb weights and the "
+        "server's own processes did not fit the host",
+        hint=f"lower --cpu-offload-gb or free host memory (dmesg names the kill); log {log_path}"
+        f"\nlast log lines:\n{read_tail(log_path, 15)}",
+        log_path=str(log_path),
+    )
 
 
 def unexplained_exit(log_path: Path, code: int) -> ServerFailedError:

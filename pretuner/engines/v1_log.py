@@ -32,6 +32,8 @@ _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request:
 _GRAPHS = re.compile(r"Graph capturing finished in \d+ secs?, took (" + _NUM + r") ?GiB")
 _BATCHED = re.compile(r"max_num_batched_tokens=(\d+)")
 _CPU_ALLOC = re.compile(r"you tried to allocate (\d+) bytes")
+# An engine process ended by a signal while starting (-9: the kernel's OOM killer, the host).
+_KILLED = re.compile(r"Failed core proc\(s\): \{[^}]*: -(\d+)\}")
 _REFUSED = re.compile(
     r"\((" + _NUM + r")/(" + _NUM + r") GiB\) on startup is less than desired (?:GPU|CPU) memory "
     r"utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)"
@@ -66,6 +68,7 @@ class V1Log:
     # The engine sized its KV cache, so the weights were in: vLLM on CPU prints no weights
     # figure, but its "Explicitly/Auto set ... GiB for KV cache" comes after the model loaded.
     kv_sized: bool = False
+    killed_by_signal: int | None = None  # an engine process died of this signal at start-up
 
     @property
     def kv_gib(self) -> float | None:
@@ -127,6 +130,8 @@ def _read_line(line: str, found: dict[str, object]) -> None:
         _first(found, "max_num_batched_tokens", int(m.group(1)))
     if (m := _REFUSED.search(line)) is not None:
         _first(found, "refused_free_gib", _num(m.group(1)))
+    if (m := _KILLED.search(line)) is not None:
+        _first(found, "killed_by_signal", int(m.group(1)))
     _read_oom(line, found)
 
 

@@ -165,8 +165,10 @@ def test_a_model_too_big_for_the_card_is_told_what_fits(tmp_path: Path) -> None:
     (["--engine", "vllm", "--quantization", "int3"], "choose one of: bitsandbytes"),
     (["--engine", "vllm", "--cpu-offload-gb", "-1"], "--cpu-offload-gb -1.0 is negative"),
     (["--engine", "vllm", "--min-tokens-per-s", "0"], "--min-tokens-per-s 0.0 must be above 0"),
-    (["--engine", "vllm", "--server-arg", "--cpu-offload-gb 3"],
-     "pretuner sets --cpu-offload-gb itself"),
+    (["--engine", "vllm", "--cpu-offload-gb", "2", "--server-arg", "--cpu-offload-gb 3"],
+     "--cpu-offload-gb is given twice"),
+    (["--engine", "vllm", "--server-arg", "--swap-space lots"], "--server-arg: could not "
+     "convert string to float: 'lots'"),
     (["--engine", "vllm-mindspore-r01", "--cpu-offload-gb", "3"], "a V1 engine's flag"),
 ])
 def test_bad_knobs_are_one_line_and_exit_2(args: list[str], says: str) -> None:
@@ -224,3 +226,16 @@ def test_an_engine_the_host_cannot_hold_is_a_server_failure_naming_the_host(
 ])
 def test_the_log_names_an_engine_killed_by_a_signal(line: str, signal: int | None) -> None:
     assert read_v1_log([line]).killed_by_signal == signal
+
+
+def test_a_knob_given_as_a_server_arg_is_the_runs_knob() -> None:
+    """Before pretuner knew them, the knobs went through --server-arg: they still do, and are
+    planned, checked and recorded as if given as pretuner's flags (once in the command)."""
+    proc = run_cli("run", *SMALL, "--server-arg", "--quantization bitsandbytes",
+                   "--server-arg", "--cpu-offload-gb 14 --enforce-eager", "--dry-run", "--json",
+                   env=cli_env(**FAST_SIM))
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(proc.stdout)["first_launch"]["argv"]
+    assert argv.count("--cpu-offload-gb") == 1
+    assert " ".join(["--quantization", "bitsandbytes", "--cpu-offload-gb", "14",
+                     "--enforce-eager"]) in " ".join(argv)

@@ -93,8 +93,6 @@ OWNED_FLAGS = {
     "--gpu-memory-utilization": "--util", "--kv-cache-memory-bytes": "(pretuner derives it)",
     "--block-size": "--block-size", "--tensor-parallel-size": "--tp",
     "--pipeline-parallel-size": "--pp", "--kv-cache-dtype": "--kv-cache-dtype",
-    "--quantization": "--quantization", "--cpu-offload-gb": "--cpu-offload-gb",
-    "--swap-space": "--swap-space", "--enforce-eager": "--enforce-eager",
 }
 
 

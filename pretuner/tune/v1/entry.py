@@ -138,10 +138,9 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     opts.check()
     row = ROWS[choice.name]
     seqs, batched = _check(opts, row)
-    server_args = parse_server_args(opts.server_args)
+    knobs, server_args = knobs_of(opts, parse_server_args(opts.server_args))
     _check_weights(opts.model, choice.simulated, server_args)
     spec = resolve(opts.model)
-    knobs = knobs_of(opts)
     check_quantization(spec, knobs)
     probe_engine = V1Engine(row, choice.simulated, choice.version)
     card = _card_gib(opts, probe_engine, {})

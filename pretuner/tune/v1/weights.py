@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from pretuner import validate as v
 from pretuner.devices.host import HostMemory
-from pretuner.engines.v1_knobs import Knobs, gib_text
+from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.models.quant import from_flag
+from pretuner.models.quant import METHODS, from_flag
 from pretuner.models.spec import ModelSpec
 from pretuner.plan import PlanConfig, PlanResult, plan
 from pretuner.plan_propose import propose
@@ -28,9 +29,42 @@ IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bi
 SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host's total
 
 
-def knobs_of(opts: RunOptions) -> Knobs:
-    return Knobs(opts.quantization, opts.cpu_offload_gib, opts.swap_space_gib,
-                 opts.enforce_eager)
+KNOB_FLAGS = ("--quantization", "--cpu-offload-gb", "--swap-space", "--enforce-eager")
+
+
+def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knobs,
+                                                                          tuple[Flag, ...]]:
+    """The run's knobs, and the other server flags: a knob given as a --server-arg (as
+    before pretuner knew them) is taken as if given as pretuner's own flag, once."""
+    values: dict[str, str | None] = {}
+    rest: list[Flag] = []
+    for name, value in server_args:
+        if name not in KNOB_FLAGS:
+            rest.append((name, value))
+            continue
+        own = {"--quantization": opts.quantization is not None,
+               "--cpu-offload-gb": bool(opts.cpu_offload_gib),
+               "--swap-space": opts.swap_space_gib is not None,
+               "--enforce-eager": opts.enforce_eager}[name]
+        if own or name in values:
+            raise BadInputError(f"{name} is given twice (as pretuner's flag or a --config key, "
+                                "and in --server-arg)", hint=f"give {name} once")
+        values[name] = value
+    try:
+        offload = float(values.get("--cpu-offload-gb") or opts.cpu_offload_gib)
+        swap = values.get("--swap-space")
+        knobs = Knobs(
+            (values.get("--quantization") or opts.quantization or "").lower() or None,
+            offload, float(swap) if swap is not None else opts.swap_space_gib,
+            opts.enforce_eager or "--enforce-eager" in values)
+    except ValueError as err:
+        raise BadInputError(f"--server-arg: {err}", hint="e.g. --cpu-offload-gb 14") from None
+    if knobs.quantization is not None:
+        v.choice("--quantization", knobs.quantization, METHODS)
+    v.non_negative("--cpu-offload-gb", knobs.cpu_offload_gib, example="14")
+    if knobs.swap_space_gib is not None:
+        v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
+    return knobs, tuple(rest)
 
 
 def check_quantization(spec: ModelSpec, knobs: Knobs) -> None:

@@ -92,7 +92,11 @@ def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: 
     add = run_cli("presets", "add", str(small_run), "--out", str(presets))
     assert add.returncode == 0, add.stderr
     (preset,) = presets.glob("*.json")
-    assert json.loads(preset.read_text())["server_flags"][-len(FLAGS):] == FLAGS
+    data = json.loads(preset.read_text())
+    assert data["server_flags"][-len(FLAGS):] == FLAGS
+    assert data["weights_format"] == "bitsandbytes-nf4-dq"
+    assert data["figures"]["decode_tokens_per_s"] == rep["speed"]["decode_tokens_per_s"]
+    assert data["figures"]["cpu_offload_gib"] == 14.0
 
 
 def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run: Path) -> None:

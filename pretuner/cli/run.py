@@ -146,7 +146,7 @@ def run_cmd(
     min_tokens_per_s: float | None = typer.Option(
         None,
         "--min-tokens-per-s",
-        metavar="TOKENS",
+        metavar="RATE",
         help="V1 engines: the validation's decode speed (one sequence alone) must reach this "
         "many tokens/s, else exit 9 with the files written.",
     ),

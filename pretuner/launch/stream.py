@@ -3,7 +3,7 @@
 Server-sent events (`data: {...}` lines, `data: [DONE]` at the end), with
 `stream_options.include_usage` so the last chunk carries the token counts. The arrival time of
 the first chunk with text is the time to first token; the span to the last one, over the
-tokens after the first, is the decode speed of that one sequence.
+tokens after the first (the usage chunk's count), is the decode speed of that one sequence.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ def _chunk(line: bytes) -> dict[str, Any] | str | None:
     return body if isinstance(body, dict) else None
 
 
-def _text(body: dict[str, Any]) -> bool:
+def _token(body: dict[str, Any]) -> bool:
+    """A chunk that carries generated output (its text may be empty: a token that ends in the
+    middle of a character); the usage chunk has no choices."""
     choices = body.get("choices")
-    return isinstance(choices, list) and any(
-        isinstance(c, dict) and c.get("text") for c in choices)
+    return isinstance(choices, list) and any(isinstance(c, dict) for c in choices)
 
 
 def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
@@ -87,7 +88,7 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
                 if isinstance(body.get("error"), dict):
                     error = str(body["error"].get("message") or body["error"])
                     break
-                if _text(body):
+                if _token(body):
                     first = now if first is None else first
                     last, chunks = now, chunks + 1
                 if isinstance(body.get("usage"), dict):

@@ -102,13 +102,13 @@ def plan_or_propose(cfg: PlanConfig, knobs: Knobs) -> PlanResult:
     except InfeasibleError as err:
         if knobs.quantization or knobs.cpu_offload_gib or cfg.model.quantization is not None:
             raise
-        proposal, _ = propose(cfg)
+        proposal, _ = propose(dataclasses.replace(cfg, engine="vllm"))  # as `plan` says it
         if proposal.chosen is None:
             raise
         flags = " ".join(f for f in proposal.flags if not f.startswith("--max-model-len"))
         raise InfeasibleError(err.message, hint=f"{err.hint}; or on TP{proposal.tp}: {flags} "
                               f"({proposal.chosen.label}, predicted by `pretuner plan "
-                              "--engine vllm`; the run measures it)") from None
+                              "--engine vllm`; a run with them measures it)") from None
 
 
 def check_host(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> str | None:

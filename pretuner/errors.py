@@ -24,7 +24,7 @@ class ExitCode(IntEnum):
     NOT_VALIDATED = 6
     CLUSTER = 7
     CARD_BUSY = 8
-    LESS_THAN_ASKED = 9  # validated, but with a shorter length or fewer sequences
+    LESS_THAN_ASKED = 9  # validated, but shorter, fewer sequences or slower than asked
     INTERRUPTED = 130
 
 

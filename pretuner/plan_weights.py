@@ -3,6 +3,12 @@
 vLLM's `--cpu-offload-gb X` keeps X GiB of each card's weights in pinned host memory and streams
 them to the card on every forward pass (memory bought with speed); `--swap-space Y` reserves
 Y GiB of host memory per card for the KV blocks of preempted sequences. Neither is card memory.
+
+Only the decoder layers' weights can go to the host: vLLM wraps the layers it builds in a loop
+with its offloader, while the token embedding and the lm_head stay on the card (as recalled
+from vllm/model_executor/models/utils.py, `make_layers` and `maybe_offload_to_cpu`). So an
+offload larger than the layers (the field note's 60 GiB for 37 GiB of 4-bit weights) moves
+the layers and no more.
 """
 
 from __future__ import annotations
@@ -54,10 +60,21 @@ def loaded(
     return quantized_bytes(spec, quant), quant
 
 
+def embedding_bytes(spec: ModelSpec) -> int:
+    """The token embedding and the lm_head (untied, as `param_split` counts them), 16-bit."""
+    return 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes
+
+
+def offloaded_bytes(spec: ModelSpec, loaded_total: int, cards: int, offload_gib: float) -> int:
+    """What --cpu-offload-gb moves to the host per card: at most the decoder layers' share."""
+    layers = max(0, loaded_total - embedding_bytes(spec)) // cards
+    return min(layers, int(offload_gib * GIB))
+
+
 def card_weights_bytes(cfg: PlanConfig, cards: int) -> int:
-    """Weights left on each card: the loaded share minus --cpu-offload-gb (never negative)."""
+    """Weights left on each card: the loaded share minus what --cpu-offload-gb moves."""
     total, _ = loaded(cfg.model, cfg.weights_format, cfg.quantization)
-    return max(0, total // cards - int(cfg.cpu_offload_gib * GIB))
+    return total // cards - offloaded_bytes(cfg.model, total, cards, cfg.cpu_offload_gib)
 
 
 def check_options(cfg: PlanConfig) -> None:
@@ -148,7 +165,7 @@ def weights_plan(cfg: PlanConfig, cards: int) -> WeightsPlan:
         linear_bytes_per_param=quant.linear_bytes_per_param if quant else None,
         other_dtype=cfg.model.dtype,
         loaded_bytes_per_card=per_card,
-        offload_bytes_per_card=min(per_card, int(cfg.cpu_offload_gib * GIB)),
+        offload_bytes_per_card=offloaded_bytes(cfg.model, total, cards, cfg.cpu_offload_gib),
         swap_bytes_per_card=int(cfg.swap_space_gib * GIB),
         cards=cards,
         engine=cfg.engine,

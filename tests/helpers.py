@@ -9,7 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1"}
+# The emulated V1 card's clock runs 100x fast: a test measures relative speeds, not seconds.
+FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1",
+            "PRETUNER_SIM_TIME_SCALE": "0.01"}
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -5,6 +5,7 @@ from pretuner.cli.app import app, main
 __all__ = ["app", "main"]
 
 from pretuner.cli import analyze as _analyze  # noqa: E402, F401  (registers the command)
+from pretuner.cli import explain as _explain  # noqa: E402, F401  (registers the command)
 from pretuner.cli import models as _models  # noqa: E402, F401  (registers the command group)
 from pretuner.cli import plan as _plan  # noqa: E402, F401  (registers the command)
 from pretuner.cli import presets as _presets  # noqa: E402, F401  (registers the command group)

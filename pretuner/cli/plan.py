@@ -9,6 +9,7 @@ import typer
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
+from pretuner.devices.cpu import host_available_bytes
 from pretuner.errors import ExitCode
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models import resolve
@@ -174,18 +175,6 @@ def _show_nothing_fits(proposal: Proposal, swap_gib: float, as_json: bool) -> No
     else:
         typer.echo("\n".join(render_proposal(proposal, swap_gib)))
     raise typer.Exit(int(ExitCode.INFEASIBLE))
-
-
-def host_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (measured), or None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB = KiB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def _image_limit(text: str | None) -> int | None:

@@ -63,7 +63,8 @@ Examples:
   pretuner run --resume runs/<run>                         go on after Ctrl-C
 
 \b
-Exit codes: 0 validated as asked, 9 validated but shorter or fewer sequences than asked,
+Exit codes: 0 validated as asked, 9 validated but shorter, fewer sequences or slower
+(--min-tokens-per-s) than asked,
 6 nothing validated, 2 bad input, 4 infeasible, 5 server failed, 8 card busy, 130 interrupted.""",
 )
 def run_cmd(
@@ -141,6 +142,39 @@ def run_cmd(
         "--soak-minutes",
         metavar="M",
         help="VL models: soak for M minutes (with --soak: whichever ends first).",
+    ),
+    quantization: str | None = typer.Option(
+        None,
+        "--quantization",
+        metavar="METHOD",
+        help="V1 engines: vLLM's --quantization, bitsandbytes | fp8 | awq | gptq (bitsandbytes "
+        "quantizes a 16-bit checkpoint to 4 bit as it loads).",
+    ),
+    cpu_offload_gb: float = typer.Option(
+        0.0,
+        "--cpu-offload-gb",
+        metavar="GIB",
+        help="V1 engines: weights per card kept in host memory and streamed to the card on "
+        "every forward pass (fits a bigger model, decodes slower).",
+    ),
+    swap_space: float | None = typer.Option(
+        None,
+        "--swap-space",
+        metavar="GIB",
+        help="V1 engines: host memory per card for preempted sequences' KV (default the "
+        "engine's, 4); checked against the host.",
+    ),
+    enforce_eager: bool = typer.Option(
+        False,
+        "--enforce-eager/--no-enforce-eager",
+        help="V1 engines: no CUDA graphs (no graph pool on the card; slower decode).",
+    ),
+    min_tokens_per_s: float | None = typer.Option(
+        None,
+        "--min-tokens-per-s",
+        metavar="RATE",
+        help="V1 engines: the validation's decode speed (one sequence alone) must reach this "
+        "many tokens/s, else exit 9 with the files written.",
     ),
     max_model_len: int | None = typer.Option(
         None,
@@ -291,6 +325,11 @@ def run_cmd(
         stop_grace_s=stop_grace,
         request_timeout_s=request_timeout,
         ray_address=ray_address,
+        quantization=quantization.strip().lower() if quantization else None,
+        cpu_offload_gib=cpu_offload_gb,
+        swap_space_gib=swap_space,
+        enforce_eager=enforce_eager,
+        min_tokens_per_s=min_tokens_per_s,
     )
     if dry and as_json:
         echo_json(

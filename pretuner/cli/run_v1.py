@@ -12,6 +12,7 @@ from pretuner.launch.images import worst_case_images
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import V1RunOutcome, V1Setup, first_launch, v1_setup
 from pretuner.tune.v1.report import SIM_NOTE, device_words
+from pretuner.tune.v1.report_knobs import summary_lines
 
 V1_SIM_BANNER = f"*** {SIM_NOTE} ***"
 
@@ -125,6 +126,7 @@ def render_v1_summary(o: V1RunOutcome) -> str:
     if base.kv_tokens and base.kv_tokens_gain:
         lines.append(f"the engine's own profiling at util {base.util}: {base.kv_tokens:,} "
                      f"tokens ({tag}); pinned holds {base.kv_tokens_gain:.3f}x that")
+    lines += summary_lines(rep)
     lines.append(shlex.join(f.serve_command))
     if f.engine_serve_command:
         lines.append(f"with the real engine (to be measured there): "

@@ -85,6 +85,10 @@ CONFIG_KEYS = {
     "kv-cache-dtype": "kv_cache_dtype",
     "limit-mm-per-prompt": "limit_mm_per_prompt",
     "mm-processor-cache-gb": "mm_processor_cache_gb",
+    "quantization": "quantization",
+    "cpu-offload-gb": "cpu_offload_gb",
+    "swap-space": "swap_space",
+    "enforce-eager": "enforce_eager",
 }
 # Keys pretuner decides or owns for every launch: a config that sets them would be overruled.
 OWNED_KEYS = {

@@ -20,6 +20,28 @@ from pathlib import Path
 from pretuner.devices.base import DeviceMemory, DeviceReadError, Sample
 
 CPU_INTERVAL_S = 0.1  # a /proc walk per sample: 2 cores are shared with the server
+MEMINFO = Path("/proc/meminfo")
+
+
+def _meminfo_bytes(key: str, meminfo: Path) -> int | None:
+    try:
+        with meminfo.open(encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB = KiB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def host_available_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """The host's MemAvailable (measured), or None where there is no /proc/meminfo."""
+    return _meminfo_bytes("MemAvailable", meminfo)
+
+
+def host_total_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """The host's MemTotal (measured): what vLLM checks --swap-space against."""
+    return _meminfo_bytes("MemTotal", meminfo)
 
 
 def session_of(stat: str) -> int | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.launch import probe
+from pretuner.speed import Speed
 
 
 class OutcomeKind(str, Enum):
@@ -72,12 +73,14 @@ class LaunchOutcome:
     reset_status: int | None = None  # POST /reset_mm_cache's HTTP status (0: no answer)
     encoder_budget_tokens: int | None = None  # V1, vision-language: the engine's log says
     encoder_profiled_items: int | None = None
+    speed: Speed | None = None  # V1 validations: time to first token and decode tokens/s
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["settings"] = self.settings.to_json()
         data["kind"] = self.kind.value
         data["notes"] = list(self.notes)
+        data["speed"] = self.speed.to_json() if self.speed is not None else None
         return data
 
     @classmethod
@@ -86,6 +89,8 @@ class LaunchOutcome:
         fields_["settings"] = LaunchSettings.from_json(fields_["settings"])
         fields_["kind"] = OutcomeKind(fields_["kind"])
         fields_["notes"] = tuple(fields_.get("notes", ()))
+        if isinstance(fields_.get("speed"), dict):
+            fields_["speed"] = Speed.from_json(fields_["speed"])
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in fields_.items() if k in known})
 
@@ -122,6 +127,7 @@ class Exercised:
     error: str | None
     soak_requests: int = 0  # of `total`, the soak's
     reset_status: int | None = None  # POST /reset_mm_cache's HTTP status, when asked
+    speed: Speed | None = None  # what the requests' timing showed (V1 validations)
 
 
 def describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:

@@ -13,7 +13,7 @@ after the weights were in) or while serving (the engine is dead from then on, HT
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -24,8 +24,11 @@ from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.images import ImageShape
+from pretuner.launch.probe import CompletionOutcome, LoadOutcome
 from pretuner.launch.process import read_tail
 from pretuner.launch.sampler import requests_status
+from pretuner.launch.stream import Arrivals, stream_complete
+from pretuner.speed import Speed
 from pretuner.units import GIB, MIB
 
 
@@ -104,22 +107,27 @@ class V1Hooks:
             return tally([one], plen)
         decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
         plen = probe.max_length_prompt_len(s.max_model_len, decode)
-        phase("load", f"worst case first: one request of {plen + decode:,} tokens alone")
-        first = probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed + 7919),
-                               decode, ctx.request_timeout_s)
+        phase("load", f"worst case first: one request of {plen + decode:,} tokens alone, "
+              "streamed (time to first token, decode tokens/s)")
+        first, arrivals = stream_complete(base, ctx.served_name,
+                                          probe.probe_prompt(plen, ctx.seed + 7919), decode,
+                                          ctx.request_timeout_s)
         if not first.ok:
             return tally([first], plen)
         count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
         phase("load", f"{count} concurrent requests of {plen + decode:,} tokens")
-        outs = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
-                          ctx.request_timeout_s, on_done=requests_status(phase)).outcomes
-        return tally([first, *outs], plen)
+        burst = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
+                           ctx.request_timeout_s, on_done=requests_status(phase))
+        ran = tally([first, *burst.outcomes], plen)
+        return replace(ran, speed=streamed_speed(first, arrivals, burst, plen))
 
     def outcome(self, n: int, s: LaunchSettings, log_path: Path, ran: Exercised,
                 failure: ServerFailedError | None, exited: int | None,
                 times: tuple[float, float, float, float]) -> LaunchOutcome:
         v1 = read_log(log_path)
         kind = classify(v1, ran, failure)
+        if kind is None and v1.killed_by_signal == SIGKILL:  # not the card: the host
+            raise host_killed(log_path)
         if kind is None:  # only for an unexplained failure
             raise failure or unexplained_exit(log_path, exited or 0)
         ready_s, request_s, stop_s, total_s = times
@@ -152,7 +160,37 @@ class V1Hooks:
             reset_status=ran.reset_status,
             encoder_budget_tokens=v1.encoder_budget_tokens,
             encoder_profiled_items=v1.encoder_profiled_items,
+            speed=ran.speed,
         )
+
+
+def streamed_speed(first: CompletionOutcome, arrivals: Arrivals | None, burst: LoadOutcome,
+                   prompt_len: int) -> Speed | None:
+    """The speed figures of a validation: the streamed lone request, then the burst."""
+    if arrivals is None:
+        return None
+    tokens = (first.completion_tokens or arrivals.chunks) - 1
+    return Speed(prompt_tokens=prompt_len, ttft_s=round(arrivals.first_s, 4),
+                 decode_tokens=max(0, tokens),
+                 decode_s=round(arrivals.last_s - arrivals.first_s, 4),
+                 load_requests=len(burst.outcomes),
+                 load_tokens=sum(o.completion_tokens or 0 for o in burst.outcomes if o.ok),
+                 load_s=round(burst.wall_seconds, 4), how="streamed")
+
+
+SIGKILL = 9
+
+
+def host_killed(log_path: Path) -> ServerFailedError:
+    """An engine killed while starting: on Linux, the kernel's OOM killer (host memory)."""
+    return ServerFailedError(
+        "the engine was killed by signal 9 while it started: the host ran out of memory (the "
+        "kernel's OOM killer), not the device; pinned --cpu-offload-gb weights and the "
+        "server's own processes did not fit the host",
+        hint=f"lower --cpu-offload-gb or free host memory (dmesg names the kill); log {log_path}"
+        f"\nlast log lines:\n{read_tail(log_path, 15)}",
+        log_path=str(log_path),
+    )
 
 
 def unexplained_exit(log_path: Path, code: int) -> ServerFailedError:

@@ -34,6 +34,8 @@ _BATCHED = re.compile(r"max_num_batched_tokens=(\d+)")
 _CPU_ALLOC = re.compile(r"you tried to allocate (\d+) bytes")
 _ENCODER = re.compile(r"Encoder cache will be initialized with a budget of (\d+) tokens, and "
                       r"profiled with (\d+) \w+ items")
+# An engine process ended by a signal while starting (-9: the kernel's OOM killer, the host).
+_KILLED = re.compile(r"Failed core proc\(s\): \{[^}]*: -(\d+)\}")
 _REFUSED = re.compile(
     r"\((" + _NUM + r")/(" + _NUM + r") GiB\) on startup is less than desired (?:GPU|CPU) memory "
     r"utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)"
@@ -70,6 +72,7 @@ class V1Log:
     # The engine sized its KV cache, so the weights were in: vLLM on CPU prints no weights
     # figure, but its "Explicitly/Auto set ... GiB for KV cache" comes after the model loaded.
     kv_sized: bool = False
+    killed_by_signal: int | None = None  # an engine process died of this signal at start-up
 
     @property
     def kv_gib(self) -> float | None:
@@ -134,6 +137,8 @@ def _read_line(line: str, found: dict[str, object]) -> None:
     if (m := _ENCODER.search(line)) is not None:
         _first(found, "encoder_budget_tokens", int(m.group(1)))
         _first(found, "encoder_profiled_items", int(m.group(2)))
+    if (m := _KILLED.search(line)) is not None:
+        _first(found, "killed_by_signal", int(m.group(1)))
     _read_oom(line, found)
 
 

@@ -23,10 +23,11 @@ from pathlib import Path
 
 from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
+from pretuner.engines.v1_knobs import Knobs
 from pretuner.units import GIB
 
 # The emulated CUDA cards, by --card size (pretuner.sim.v1 profiles).
-SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24"}
+SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24", 20: "cuda-20"}
 SIM_COMMAND = (sys.executable, "-m", "pretuner.sim", "vllm", "serve")
 DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
@@ -158,6 +159,7 @@ class V1Engine:
     server_env: dict[str, str] = field(default_factory=dict)  # launched and deployed
     mm_flags: tuple[Flag, ...] = ()  # a vision-language model's flags: launched and deployed
     tuning_env: dict[str, str] = field(default_factory=dict)  # launched only (a soak's reset)
+    knobs: Knobs = field(default_factory=Knobs)  # quantization, offload, swap, eager: fixed
 
     @property
     def name(self) -> str:
@@ -223,6 +225,7 @@ class V1Engine:
         if dtype is not None:
             flags.append(("--kv-cache-dtype", dtype))
         flags += self.mm_flags
+        flags += self.knobs.flags()
         flags += self.server_args
         budget = self.budget_bytes(settings.card_gib)
         if budget is not None:

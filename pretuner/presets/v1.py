@@ -98,7 +98,8 @@ def preset_from_v1_report(rep: dict[str, Any], *, name: str | None, date: str) -
             pp=pp,
             nodes=nodes,
             cards_per_node=tp * pp // nodes,
-            weights_format=rep.get("weights_format") or spec.weights_format(None).name,
+            weights_format=rep.get("weights_format") or _loaded_as(rep)
+            or spec.weights_format(None).name,
             kv_cache_dtype=dtype,
             engine=engine,
             engine_version=rep.get("engine_version"),
@@ -132,4 +133,17 @@ def _figures(rep: dict[str, Any]) -> dict[str, float]:
     profiled = (rep.get("baseline") or {}).get("kv_tokens")
     if profiled is not None:
         out["profiled_kv_tokens"] = float(profiled)
+    speed = rep.get("speed") or {}
+    for key in ("decode_tokens_per_s", "ttft_s"):  # what the validation measured
+        if speed.get(key) is not None:
+            out[key] = float(speed[key])
+    offload = (rep.get("weights") or {}).get("cpu_offload_gib")
+    if offload:
+        out["cpu_offload_gib"] = float(offload)
     return out
+
+
+def _loaded_as(rep: dict[str, Any]) -> str | None:
+    """A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq)."""
+    weights = rep.get("weights") or {}
+    return str(weights["loaded_as"]) if weights.get("quantization") else None

@@ -40,6 +40,7 @@ from pretuner.tune.loop import (
     recorded_executor,
 )
 from pretuner.tune.options import RunOptions as RunOptions
+from pretuner.tune.options import v1_only_flags
 from pretuner.tune.ownership import (
     check_no_orphans,
     claim_new_folder,
@@ -178,6 +179,10 @@ def _setup(
                             "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
                             hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
                             f"for a vision-language model, or drop {' '.join(image_flags)}")
+    if v1_only := v1_only_flags(opts):
+        raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
+                            "flag; the r0.1 method builds its own command",
+                            hint="name a V1 engine (--engine vllm|...)")
     spec = resolve(opts.model)
     if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
         names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)

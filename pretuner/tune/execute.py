@@ -31,6 +31,7 @@ from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan import Located, OomEvent, OomKind
 from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.speed import Speed
 from pretuner.tune.crash import device_busy
 from pretuner.tune.record import RunRecord
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
@@ -123,6 +124,7 @@ def run_launch(
     ok = total = dropped = 0
     first_error: str | None = None
     extra: tuple[int, int | None] = (0, None)  # the soak's requests, the cache reset's status
+    speed: Speed | None = None
     failure: ServerFailedError | None = None
     exited: int | None = None
     sampler = MemorySampler(ctx.device_reader, status=phase)
@@ -143,6 +145,7 @@ def run_launch(
                    else _exercise(settings, ctx, base, phase))
             ok, total, dropped, first_error = ran.ok, ran.total, ran.dropped, ran.error
             extra = (ran.soak_requests, ran.reset_status)
+            speed = ran.speed
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()
@@ -173,7 +176,7 @@ def run_launch(
         raise refusal
     if ctx.hooks is not None:
         times = (ready_s, request_s, stop_s, time.monotonic() - t0)
-        ran = Exercised(ok, total, dropped, first_error, *extra)
+        ran = Exercised(ok, total, dropped, first_error, *extra, speed)
         outcome = ctx.hooks.outcome(n, settings, log_path, ran, failure, exited, times)
         return with_samples(outcome, sampled)
     phase("scan", collector.where())

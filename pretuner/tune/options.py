@@ -13,6 +13,7 @@ from pretuner import validate as v
 from pretuner.errors import BadInputError
 from pretuner.kvmath import KV_DTYPES
 from pretuner.models import local_model_path
+from pretuner.models.quant import METHODS
 from pretuner.redact import redact_argv
 
 T = TypeVar("T")
@@ -33,6 +34,9 @@ RETUNE_FLAGS = (
     ("limit_mm_per_prompt", "--limit-mm-per-prompt"),
     ("mm_processor_cache_gb", "--mm-processor-cache-gb"), ("soak", "--soak"),
     ("soak_minutes", "--soak-minutes"),
+    ("quantization", "--quantization"), ("cpu_offload_gib", "--cpu-offload-gb"),
+    ("swap_space_gib", "--swap-space"), ("enforce_eager", "--enforce-eager"),
+    ("min_tokens_per_s", "--min-tokens-per-s"),
 )  # fmt: skip
 
 
@@ -102,6 +106,23 @@ def check_run_options(o: RunOptions) -> None:
         v.int_range("--soak", o.soak, 0)
     if o.soak_minutes is not None:
         v.positive("--soak-minutes", o.soak_minutes, example="10")
+    if o.quantization is not None:
+        v.choice("--quantization", o.quantization, METHODS)
+    v.non_negative("--cpu-offload-gb", o.cpu_offload_gib, example="14")
+    if o.swap_space_gib is not None:
+        v.non_negative("--swap-space", o.swap_space_gib, example="4")
+    if o.min_tokens_per_s is not None:
+        v.positive("--min-tokens-per-s", o.min_tokens_per_s, example="5")
+
+
+def v1_only_flags(o: RunOptions) -> list[str]:
+    """The flags given that only a V1 engine takes (the r0.1 method refuses them)."""
+    given = (("--quantization", o.quantization is not None),
+             ("--cpu-offload-gb", bool(o.cpu_offload_gib)),
+             ("--swap-space", o.swap_space_gib is not None),
+             ("--enforce-eager", o.enforce_eager),
+             ("--min-tokens-per-s", o.min_tokens_per_s is not None))
+    return [flag for flag, on in given if on]
 
 
 def options_from_json(cls: type[T], data: Any, made_by: str | None) -> T:
@@ -186,6 +207,13 @@ class RunOptions:
     mm_processor_cache_gb: float | None = None
     soak: int | None = None
     soak_minutes: float | None = None
+    # V1 engines, fixed for every launch: where the weights live and how steps run.
+    quantization: str | None = None  # vLLM's --quantization (bitsandbytes, fp8, awq, gptq)
+    cpu_offload_gib: float = 0.0  # --cpu-offload-gb: weights per card kept in host memory
+    swap_space_gib: float | None = None  # --swap-space; None: the engine's default
+    enforce_eager: bool = False  # --enforce-eager: no CUDA graphs
+    # The validation's decode speed (one sequence alone) must reach this, or exit 9.
+    min_tokens_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -66,6 +66,22 @@ class Step(Record):
     log: str | None
 
 
+class V1Speed(Record):
+    """A validation's speed: the max-length request alone (streamed), then the concurrent load
+    (`pretuner.speed.Speed`; seconds by the client's clock, or the emulated card's)."""
+
+    prompt_tokens: int
+    ttft_s: float
+    decode_tokens: int
+    decode_s: float
+    load_requests: int
+    load_tokens: int
+    load_s: float | None
+    how: str
+    decode_tokens_per_s: float | None
+    load_tokens_per_s: float | None
+
+
 class V1Step(Step):
     """One launch of a V1 engine: the r0.1 fields and what the engine's log says of its KV."""
 
@@ -77,6 +93,29 @@ class V1Step(Step):
     device_last_mib: dict[str, int] = {}
     soak_requests: int = 0
     reset_status: int | None = None
+    speed: V1Speed | None = None  # validations since the small-GPU issue
+    weights_gib: float | None = None  # the engine's "Model loading took": weights on the card
+
+
+class V1Weights(Record):
+    """Where the weights live: as loaded on each card, offloaded to the host, swap beside them.
+    Sizes are predicted from the checkpoint (`plan`), except `card_weights_log_gib` (the
+    engine's own "Model loading took" in the final launch's log) and the host's memory."""
+
+    quantization: str | None  # --quantization as given; None: the checkpoint as stored
+    loaded_as: str  # what the linear layers load as (bitsandbytes-nf4-dq, fp8-8bit, bf16...)
+    cpu_offload_gib: float  # --cpu-offload-gb per card, as given
+    swap_space_gib: float | None  # --swap-space per card, as given (None: the engine's 4)
+    enforce_eager: bool
+    loaded_gib_per_card: float
+    offloaded_gib_per_card: float  # at most the decoder layers: embeddings stay on the card
+    card_weights_gib: float
+    card_weights_log_gib: float | None
+    host_offload_gib: float  # pinned host memory for offloaded weights, every card together
+    host_swap_gib: float  # the swap the engine checks against the host, every card together
+    host_available_gib: float | None
+    host_total_gib: float | None
+    host_provenance: str | None  # "measured" (/proc/meminfo) or "simulated" (emulated host)
 
 
 # Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
@@ -316,6 +355,10 @@ class V1Report(Record):
     images: V1Images | None = None
     soak: V1Soak | None = None
     memory: V1Memory | None = None
+    # Since the small-GPU issue (an earlier report.json lacks them and still reads):
+    weights: V1Weights | None = None
+    speed: V1Speed | None = None  # the final configuration's validation
+    min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
 
 
 class V1FailureReport(Record):

@@ -16,6 +16,7 @@ from typing import Protocol
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
 from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1 import offload
 from pretuner.sim.v1.config import V1Config
 from pretuner.sim.v1.memory import CUDA_PROFILES, Alloc, V1Card, first_failure, perturbed
 from pretuner.sim.v1.mm import VisionCard, vision_card
@@ -49,6 +50,7 @@ class Booted:
     private_bytes: int
     vision: VisionCard | None = None  # a vision-language model's tower and budget
     processor_cache_bytes: int = 0  # --mm-processor-cache-gb (host memory)
+    clock: offload.Clock | None = None  # how long a step takes (None: the fast test clock)
 
 
 class Failed(Exception):
@@ -80,6 +82,9 @@ def _gib(n: float) -> str:
 
 
 def _print_start_failure(log: L.V1Log, err: Failed) -> None:
+    if err.stage == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
+        log.raw(L.API, L.api_failure_lines(err.message))
+        return
     body, raw = L.start_failure_lines(err.stage, err.exc, err.message)
     log.block(L.CORE, "ERROR", L.WHERE_START, body)
     log.raw(L.CORE, raw)
@@ -149,23 +154,40 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     except Failed as err:
         log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc}: {err.message}"])
         return None
+    try:
+        loaded = _load_plan(cfg, spec, log)
+    except offload.LoadRefused as err:
+        log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc}: {err.message}"])
+        return None
     log.api("model.py:1725", f"Using max model len {mml}")
     log.api("scheduler.py:252", "Chunked prefill is enabled with max_num_batched_tokens="
             f"{cfg.max_num_batched_tokens}.")
     log.api("vllm.py:1006", "Asynchronous scheduling is enabled.")
     try:
-        return _engine_start(cfg, sink, spec, mml, others_bytes)
+        return _engine_start(cfg, sink, spec, mml, others_bytes, loaded)
     except Failed as err:
         _print_start_failure(log, err)
         return None
 
 
+def _load_plan(cfg: V1Config, spec: ModelSpec, log: L.V1Log) -> offload.Loaded:
+    """The weights as loaded, and vLLM's --swap-space check against the host (API side)."""
+    loaded = offload.load(spec, cfg.profile, cfg.tp, cfg.quantization, cfg.cpu_offload_gib)
+    refused, warned = offload.swap_check(cfg.swap_space_gib, cfg.tp,
+                                         offload.host_total_bytes(cfg.profile, cfg.host_mib))
+    if refused:
+        raise offload.LoadRefused("ValueError", refused)
+    if warned:
+        log.api("config.py:388", warned, level="WARNING")
+    return loaded
+
+
 def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
-                  others_bytes: int) -> Booted:
+                  others_bytes: int, loaded: offload.Loaded) -> Booted:
     log, step_s = sink.log, cfg.startup_s / 8
     profile = CUDA_PROFILES[cfg.profile]
-    card = V1Card(spec, spec.weights_format().total_bytes, perturbed(cfg.sim_seed), cfg.tp,
-                  cfg.kv_cache_dtype, cfg.block_size)
+    card = V1Card(spec, offload.card_weights_total(loaded, cfg.tp), perturbed(cfg.sim_seed),
+                  cfg.tp, cfg.kv_cache_dtype, cfg.block_size, cfg.max_num_batched_tokens)
     context = profile.context_mib * MIB
     total = profile.torch_total_bytes
     capacity = total - cfg.occupied_mib * MIB - others_bytes
@@ -191,6 +213,12 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     log.core("model_runner.py:281", "Loading model from scratch...")
     log.core("cuda.py:480", "Using FLASH_ATTN attention backend out of potential backends: "
              "['FLASH_ATTN', 'TRITON_ATTN', 'FLEX_ATTENTION'].")
+    if loaded.quant is not None and loaded.quant.method == "bitsandbytes":
+        log.core("bitsandbytes_loader.py:725", "Loading weights with BitsAndBytes "
+                 "quantization. May take a while ...")
+    host_free = offload.host_available_bytes(cfg.profile, cfg.host_mib)
+    if offload.host_needed_bytes(loaded) > host_free:
+        raise Failed("killed", "", "{'EngineCore_DP0': -9}")
     if context + card.weights_bytes > capacity:
         layer = Alloc("weights", 0, card.weights_bytes // max(1, spec.num_layers))
         raise oom(total, capacity, capacity - layer.size // 2, layer, non_torch=context,
@@ -257,7 +285,8 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
              f"{cfg.startup_s:.2f} s{compile_note}")
     return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
-                  non_torch, private, vision, int(cfg.mm_processor_cache_gib * GIB))
+                  non_torch, private, vision, int(cfg.mm_processor_cache_gib * GIB),
+                  offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager))
 
 
 def _vision(cfg: V1Config, spec: ModelSpec, mml: int) -> VisionCard | None:
@@ -314,6 +343,10 @@ def _capture(cfg: V1Config, sink: Sink, card: V1Card, fixed: int, capacity: int,
     log.raw(L.CORE, ["Capturing CUDA graphs (PIECEWISE): 100%|██████████| 51/51 "
                      "[00:03<00:00, 15.80it/s]"])
     sink.pause(cfg.startup_s / 8)
+    if fixed + g.live_before > capacity:  # the pool and scratch themselves do not fit
+        held = Alloc("graph", 0, g.live_before)
+        raise oom(total, capacity, fixed, held, non_torch=non_torch, private=0,
+                  unallocated=0, stage="graph")
     if fixed + g.live_before + g.size > capacity:
         sink.level(fixed + g.live_before)
         log.raw(L.CORE, ["Capturing CUDA graphs (FULL):   2%|▏         | 1/51 "

@@ -25,6 +25,8 @@ ENV = {
     "startup_s": "PRETUNER_SIM_STARTUP_S",
     "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
     "state_dir": "PRETUNER_SIM_STATE_DIR",
+    "host_mib": "PRETUNER_SIM_HOST_MIB",
+    "time_scale": "PRETUNER_SIM_TIME_SCALE",
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -50,7 +52,9 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
         "(all memory figures are SIMULATED). Unknown flags are ignored.",
         epilog="Emulator settings (env only): PRETUNER_SIM_PROFILE (" + ", ".join(CUDA_PROFILES)
         + "), PRETUNER_SIM_SEED, PRETUNER_SIM_STATE_DIR, PRETUNER_SIM_OCCUPIED_MIB, "
-        "PRETUNER_SIM_STARTUP_S; CUDA_VISIBLE_DEVICES as CUDA reads it.")
+        "PRETUNER_SIM_STARTUP_S, PRETUNER_SIM_HOST_MIB (the emulated host's memory), "
+        "PRETUNER_SIM_TIME_SCALE (1: the emulated card's own speed); CUDA_VISIBLE_DEVICES as "
+        "CUDA reads it.")
     p.add_argument("model_tag", nargs="?", default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--host", default=None)
@@ -65,6 +69,9 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", "-q", default=None)
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0)
+    p.add_argument("--swap-space", type=float, default=4.0)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--limit-mm-per-prompt", default=None)
@@ -134,6 +141,11 @@ class V1Config:
     ignored: tuple[str, ...] = ()
     image_limit: int | None = None  # --limit-mm-per-prompt image=N (None: vLLM's 999)
     mm_processor_cache_gib: float = 4.0  # --mm-processor-cache-gb (host memory)
+    quantization: str | None = None
+    cpu_offload_gib: float = 0.0
+    swap_space_gib: float = 4.0
+    host_mib: int | None = None  # None: the profile's host
+    time_scale: float = 1.0
 
 
 def _visible(raw: str | None) -> tuple[int, ...] | None:
@@ -153,6 +165,8 @@ def _given(argv: Sequence[str]) -> set[str]:
             names.add(arg[2:].partition("=")[0].replace("-", "_"))
         elif arg == "-tp":
             names.add("tensor_parallel_size")
+        elif arg == "-q":
+            names.add("quantization")
     return names
 
 
@@ -167,9 +181,10 @@ def _non_default(ns: argparse.Namespace, model: str,
             out.append((name, getattr(ns, name)))
     out.append(("model", model))
     for name in ("max_model_len", "served_model_name", "load_format", "seed", "enforce_eager",
-                 "tensor_parallel_size", "block_size", "gpu_memory_utilization",
-                 "kv_cache_memory_bytes", "kv_cache_dtype", "max_num_batched_tokens",
-                 "max_num_seqs", "limit_mm_per_prompt", "mm_processor_cache_gb"):
+                 "tensor_parallel_size", "quantization", "block_size", "gpu_memory_utilization",
+                 "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb", "kv_cache_dtype",
+                 "max_num_batched_tokens", "max_num_seqs", "limit_mm_per_prompt",
+                 "mm_processor_cache_gb"):
         if name in given:
             out.append((name, getattr(ns, name)))
     return tuple(out)
@@ -191,6 +206,9 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
         sim_seed = int(env.get(ENV["seed"]) or DEFAULT_SEED)
         startup = float(env.get(ENV["startup_s"]) or DEFAULT_STARTUP_S)
         occupied = int(env.get(ENV["occupied_mib"]) or 0)
+        host = env.get(ENV["host_mib"])
+        host_mib = int(host) if host else None
+        scale = float(env.get(ENV["time_scale"]) or 1.0)
     except ValueError as err:
         raise UsageError(f"bad emulator setting: {err}") from None
     return V1Config(
@@ -207,4 +225,8 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
         visible=_visible(env.get("CUDA_VISIBLE_DEVICES")), env=dict(env),
         ignored=tuple(unknown), image_limit=image_limit(ns.limit_mm_per_prompt, dotted),
         mm_processor_cache_gib=(4.0 if ns.mm_processor_cache_gb is None
-                                else max(0.0, ns.mm_processor_cache_gb)))
+                                else max(0.0, ns.mm_processor_cache_gb)),
+        quantization=ns.quantization,
+        cpu_offload_gib=max(0.0, ns.cpu_offload_gb), swap_space_gib=max(0.0, ns.swap_space),
+        host_mib=host_mib if host_mib is None else max(1, host_mib),
+        time_scale=max(0.0, scale))

@@ -7,6 +7,7 @@ long enough for a 20 ms sampler to see them).
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ class StepResult:
     prefill_tokens: int = 0
     rows: int = 0  # requests that sampled a token
     images: int = 0  # images the encoder ran this step
+    sampled: tuple[Req, ...] = ()  # those requests
 
 
 METRICS_S = 10.0  # vLLM logs its throughput line every 10 s
@@ -82,9 +84,10 @@ class EngineCore:
         peak = max(self.reserved, peak_of(allocs))
         self.reserved = peak
         prefill, rows, images = plan.prefill_tokens, plan.rows, len(plan.encode)
+        sampled = tuple(r for r, n in plan.scheduled if r.computed + n >= r.num_tokens)
         finished = self.sched.commit(plan)
         return StepResult(finished, b.fixed_bytes + held + peak, self.level_bytes, plan.tokens,
-                          prefill_tokens=prefill, rows=rows, images=images)
+                          prefill_tokens=prefill, rows=rows, images=images, sampled=sampled)
 
 
 def print_fatal(log: L.V1Log, core: EngineCore, result: StepResult) -> None:
@@ -107,6 +110,7 @@ class Pending:
     req: Req
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    tokens: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)  # per token
 
 
 class EngineDead(RuntimeError):
@@ -184,6 +188,11 @@ class Engine:
                 last = result.peak_bytes
             time.sleep(self._step_s(result.tokens))
             self._metrics(result)
+            for req in result.sampled:  # a streaming reply sends each token as it comes
+                with self._cond:
+                    sampled = self._pending.get(req.request_id)
+                if sampled is not None:
+                    sampled.tokens.put(req.generated)
             for req in result.finished:
                 with self._cond:
                     p = self._pending.pop(req.request_id, None)

@@ -1,16 +1,19 @@
 """vLLM 0.24's OpenAI API as the emulated server serves it, on the standard library only.
 
 `GET /health` (200 while the engine lives, 503 once it died), `GET /v1/models`,
-`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16),
-`POST /v1/chat/completions` (text and image parts, `pretuner.sim.v1.chat`) and, with
-`VLLM_SERVER_DEV_MODE=1` as in vLLM, `POST /reset_mm_cache`. A request over max_model_len or
-with more images than allowed gets vLLM's 400; every request caught by, or sent after, an
-engine death gets the real 500 body. Access lines are uvicorn's, behind the APIServer prefix.
+`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16; `"stream": true`
+sends each token as a server-sent event as the engine samples it, then `data: [DONE]`, with a
+usage chunk first when `stream_options.include_usage` is set), `POST /v1/chat/completions`
+(text and image parts, `pretuner.sim.v1.chat`) and, with `VLLM_SERVER_DEV_MODE=1` as in vLLM,
+`POST /reset_mm_cache`. A request over max_model_len or with more images than allowed gets
+vLLM's 400; every request caught by, or sent after, an engine death gets the real 500 body.
+Access lines are uvicorn's, behind the APIServer prefix.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from typing import Any
 from pretuner.sim.http import count_tokens, detokenize
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.chat import ChatError, chat_max_tokens, parse_chat
-from pretuner.sim.v1.engine import Engine, EngineDead
+from pretuner.sim.v1.engine import Engine, EngineDead, Pending
 from pretuner.sim.v1.mm import MMItem, VisionCard
 from pretuner.sim.v1.scheduler import Req
 
@@ -153,10 +156,18 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, error_body("prompt must be a string or a list of token ids and "
                                        "max_tokens a positive integer", "BadRequestError", 400))
             return
-        out = self._run(f"cmpl-{uuid.uuid4().hex[:16]}-0", prompt_len, max_tokens, ())
-        if out is None:
+        rid = f"cmpl-{uuid.uuid4().hex[:16]}-0"
+        pending = self._submit(rid, prompt_len, max_tokens, ())
+        if pending is None:
             return
-        rid, generated = out
+        if body.get("stream") is True:
+            options = body.get("stream_options")
+            with_usage = isinstance(options, dict) and options.get("include_usage") is True
+            self._stream(pending, model, with_usage)
+            return
+        generated = self._wait(pending)
+        if generated is None:
+            return
         self._json(200, {
             "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": detokenize(list(range(generated))),
@@ -180,11 +191,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, error_body("max_tokens must be a positive integer",
                                        "BadRequestError", 400))
             return
-        out = self._run(f"chatcmpl-{uuid.uuid4().hex[:16]}", prompt.prompt_len, max_tokens,
-                        prompt.images)
-        if out is None:
+        rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        pending = self._submit(rid, prompt.prompt_len, max_tokens, prompt.images)
+        generated = None if pending is None else self._wait(pending)
+        if generated is None:
             return
-        rid, generated = out
         self._json(200, {
             "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content":
@@ -193,24 +204,73 @@ class _Handler(BaseHTTPRequestHandler):
             "usage": usage(prompt.prompt_len, generated),
         })
 
-    def _run(self, rid: str, prompt_len: int, max_tokens: int,
-             images: tuple[MMItem, ...]) -> tuple[str, int] | None:
-        """Length check, then the engine: (request id, tokens generated), or None once an
-        error was answered."""
+    def _submit(self, rid: str, prompt_len: int, max_tokens: int,
+                images: tuple[MMItem, ...]) -> Pending | None:
+        """Length check, then the engine's queue; None once an error was answered."""
         too_long = length_error(self.server.api.max_model_len, prompt_len, max_tokens)
         if too_long is not None:
             self._json(400, error_body(too_long, "BadRequestError", 400))
             return None
         try:
-            pending = self.server.engine.submit(Req(rid, prompt_len, max_tokens, mm=images))
+            return self.server.engine.submit(Req(rid, prompt_len, max_tokens, mm=images))
         except EngineDead:
             self._json(500, DEAD_BODY)
             return None
+
+    def _wait(self, pending: Pending) -> int | None:
+        """The tokens the request generated; None once the engine's death was answered."""
         pending.done.wait()
         if pending.error is not None:
             self._json(500, DEAD_BODY)
             return None
-        return rid, pending.req.generated
+        return pending.req.generated
+
+    def _event(self, obj: dict[str, Any] | str) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+        self.wfile.write(f"data: {data}\n\n".encode())
+        self.wfile.flush()
+
+    def _stream(self, pending: Pending, model: str, with_usage: bool) -> None:
+        """Server-sent events, one per token; the headers go once the first token (or the
+        engine's death) is known, so a request the engine never ran gets the plain 500."""
+        first = _next_token(pending)
+        if first is None:
+            self._json(500, DEAD_BODY)
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        self.send_header("connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        req, created = pending.req, int(time.time())
+        head = {"id": req.request_id, "object": "text_completion", "created": created,
+                "model": model}
+        count: int | None = first
+        while count is not None:
+            last = count >= req.max_tokens
+            self._event({**head, "choices": [{
+                "index": 0, "text": detokenize([count - 1]), "logprobs": None,
+                "finish_reason": "length" if last else None, "stop_reason": None}]})
+            count = None if last else _next_token(pending)
+        if pending.error is not None:
+            self._event(error_body(L.ENGINE_DEAD, "InternalServerError", 500))
+        elif with_usage:
+            self._event({**head, "choices": [], "usage": {
+                "prompt_tokens": req.prompt_len, "completion_tokens": req.generated,
+                "total_tokens": req.prompt_len + req.generated}})
+        self._event("[DONE]")
+        host, port = self.client_address[:2]
+        self.server.log.uvicorn(f'{host}:{port} - "POST /v1/completions HTTP/1.1" 200 OK')
+
+
+def _next_token(pending: Pending) -> int | None:
+    """The count of tokens generated once the next one is; None when the engine died."""
+    while True:
+        try:
+            return pending.tokens.get(timeout=0.05)
+        except queue.Empty:
+            if pending.done.is_set() and pending.error is not None:
+                return None
 
 
 def usage(prompt_len: int, generated: int) -> dict[str, Any]:

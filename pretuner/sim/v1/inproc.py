@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.launch.images import LoadPhase, MMRequest, Request
@@ -88,6 +88,12 @@ class V1InprocRun:
     total_mib: int  # the GPU's NVML total
     last_mib: dict[str, int] = field(default_factory=dict)  # phase -> NVML used at its end
     reset_status: int | None = None  # the last /reset_mm_cache's HTTP status
+    # The emulated card's clock (simulated seconds): the `first` request's time to its first
+    # token and from its first to its last token, and the load's duration and tokens.
+    first_ttft_s: float | None = None
+    first_decode_s: float | None = None
+    load_s: float | None = None
+    load_tokens: int = 0
 
 
 @dataclass
@@ -125,6 +131,16 @@ class _Client:
         return Reply(status, prompt, completion, error)
 
 
+@dataclass
+class _Times:
+    """The emulated clock of one burst: when it ended, each request's first and last token."""
+
+    step_s: Callable[[int], float]
+    now: float = 0.0
+    first: dict[int, float] = field(default_factory=dict)
+    last: dict[int, float] = field(default_factory=dict)
+
+
 def _refused(core: EngineCore, client: _Client, r: SimRequest, mml: int) -> Reply | None:
     """The answer a request gets without running: too long, images over the limit, dead."""
     path = "/v1/chat/completions" if r.images else "/v1/completions"
@@ -139,9 +155,10 @@ def _refused(core: EngineCore, client: _Client, r: SimRequest, mml: int) -> Repl
     return None
 
 
-def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave,
-           mml: int) -> tuple[list[Reply], int | None]:
-    """Send the wave's requests (all at once, or a closed loop) and step until answered."""
+def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave, mml: int,
+           times: _Times) -> tuple[list[Reply], int | None]:
+    """Send the wave's requests (all at once, or a closed loop) and step until answered,
+    keeping the emulated clock in `times`."""
     replies: dict[int, Reply] = {}
     reqs: dict[str, int] = {}
     todo = list(enumerate(wave.requests))
@@ -170,6 +187,11 @@ def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave,
         if result.oom is not None:
             print_fatal(rec.log, core, result)
             break
+        times.now += times.step_s(result.tokens)
+        for req in result.sampled:
+            i = reqs[req.request_id]
+            times.first.setdefault(i, times.now)
+            times.last[i] = times.now
         for req in result.finished:
             i = reqs.pop(req.request_id)
             path = "/v1/chat/completions" if wave.requests[i].images else "/v1/completions"
@@ -223,14 +245,28 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     print_ready(log, cfg.host or "0.0.0.0", cfg.port)  # noqa: S104 - the address it would print
     client = _Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
+    clock = booted.clock
+    step_s = clock.step_seconds if clock is not None else (lambda tokens: 0.0)
+    timing: dict[str, tuple[_Times, list[Reply]]] = {}
     reset: int | None = None
     for wave in waves:
         rec.phase = wave.phase
         rec.level(core.level_bytes)
-        got, status = _drive(core, rec, client, wave, booted.max_model_len)
+        times = _Times(step_s)
+        got, status = _drive(core, rec, client, wave, booted.max_model_len, times)
+        timing[wave.phase] = (times, got)
         replies += got
         reset = status if status is not None else reset
         rec.level(core.level_bytes)
+    ttft = decode = load_s = None
+    generated = 0
+    if "probe" in timing and 0 in timing["probe"][0].first:
+        one = timing["probe"][0]
+        ttft, decode = one.first[0], one.last[0] - one.first[0]
+    if "load" in timing:
+        burst, got = timing["load"]
+        load_s = burst.now
+        generated = sum(r.completion_tokens or 0 for r in got if r.status == 200)
     rec.phase = "stop"
     rec.level(core.level_bytes)
     print_shutdown(log, "SIGTERM")
@@ -238,4 +274,5 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
                  "Application shutdown complete."):
         log.uvicorn(line)
     return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
-                       dict(rec.last), reset)
+                       dict(rec.last), reset, first_ttft_s=ttft, first_decode_s=decode,
+                       load_s=load_s, load_tokens=generated)

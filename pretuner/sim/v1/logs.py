@@ -141,11 +141,12 @@ def start_failure_lines(stage: str, exc: str, message: str) -> tuple[list[str], 
     return ["EngineCore failed to start.", *body], raw
 
 
-def api_failure_lines() -> list[str]:
-    """The APIServer's traceback after a failed engine start."""
+def api_failure_lines(failed: str = "{}") -> list[str]:
+    """The APIServer's traceback after a failed engine start (`failed`: the dead processes'
+    exit codes, `{'EngineCore_DP0': -9}` for one killed by a signal)."""
     return ["Traceback (most recent call last):", *_frames(_API_FRAMES),
             "RuntimeError: Engine core initialization failed. See root cause above. Failed "
-            "core proc(s): {}"]
+            f"core proc(s): {failed}"]
 
 
 def fatal_step_lines(message: str, gate_up: int) -> list[str]:

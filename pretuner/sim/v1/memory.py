@@ -33,8 +33,13 @@ gate_up output in one tensor (`2 * intermediate/tp * n`) and the activation outp
 (`intermediate/tp * n`), plus the sampler's fp32 logits for its rows. The one-tensor gate_up is
 what fails first on a long unchunked step (1.50 GiB at 32768 tokens on Qwen3-8B).
 
-Model-shaped coefficients given in MiB were fitted on Qwen3-8B (36 layers x 4096 hidden) and
-scale with `layers * hidden` for other models.
+Model-shaped coefficients given in MiB were fitted on Qwen3-8B (36 layers x 4096 hidden). The
+CUDA-graph terms scale with `layers * hidden` for other models (a graph keeps buffers for every
+layer). The persistent buffers, the warm-up batch and the per-step workspace scale with the
+width only (`hidden`: a step reuses one layer's buffers for the next), and, fitted at
+max_num_batched_tokens 8192, shrink with a smaller step budget (`batched_tokens / 8192`, never
+grown above it): a 70B model served 512 tokens at a time (the field note's 7 GB configuration)
+holds neither 80 layers' nor 8192 tokens' worth of them.
 
 Calibration (seed 0, h100-80, Qwen3-8B, max_model_len 32768; process MiB above NVML's 480):
 context 532 + weights 15,637 ("15.27 GiB") + persistent 617 = 16,786 before the KV cache.
@@ -61,6 +66,8 @@ PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.
 DEFAULT_SEED = 0
 ALLOC_ROUND = 2 * MIB  # torch rounds large allocations up to 2 MiB
 _REF_LAYERS_X_HIDDEN = 36 * 4096  # Qwen3-8B, the calibration model
+_REF_HIDDEN = 4096
+_REF_BATCHED_TOKENS = 8192  # the step budget of every calibration run but F
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,9 @@ CUDA_PROFILES: dict[str, CudaProfile] = {
                     power_cap_w=300),
         CudaProfile("cuda-64", "NVIDIA A100-SXM4-64GB", 65536, 420, 500, power_w=58,
                     power_cap_w=400),
+        # The field note's 20 GB card (its nvidia-smi: 20480MiB, 26W / 320W idle).
+        CudaProfile("cuda-20", "NVIDIA GeForce RTX 3080", 20480, 260, 400, power_w=26,
+                    power_cap_w=320),
     )
 }
 DEFAULT_CUDA_PROFILE = "h100-80"
@@ -156,10 +166,18 @@ class V1Card:
     tp: int = 1
     kv_dtype: str = "auto"
     block_size: int = 16
+    batched_tokens: int = _REF_BATCHED_TOKENS
 
     @property
     def scale(self) -> float:
         return self.spec.num_layers * self.spec.hidden_size / _REF_LAYERS_X_HIDDEN
+
+    @property
+    def step_scale(self) -> float:
+        """Buffers sized by one layer's width and the step budget (smaller budgets hold less,
+        larger ones no more), relative to the calibration's."""
+        width = self.spec.hidden_size / _REF_HIDDEN / self.scale  # `_mib` multiplies by scale
+        return width * min(1.0, self.batched_tokens / _REF_BATCHED_TOKENS)
 
     def _mib(self, value: float, scaled: bool = True) -> int:
         return int(value * (self.scale if scaled else 1.0) * MIB)
@@ -171,7 +189,7 @@ class V1Card:
 
     @property
     def persistent_bytes(self) -> int:
-        return self._mib(self.coeffs.persistent_mib)
+        return self._mib(self.coeffs.persistent_mib * self.step_scale)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -219,7 +237,7 @@ class V1Card:
 
     def warmup(self, max_num_seqs: int) -> list[Alloc]:
         """Kernel warm-up then the sampler's warm-up, each kept in torch's cache."""
-        w = round_alloc(self._mib(self.coeffs.warmup_mib))
+        w = round_alloc(self._mib(self.coeffs.warmup_mib * self.step_scale))
         logits = self.sampler_logits_bytes(max_num_seqs)
         extra = round_alloc(logits * self.coeffs.sampler_extra)
         return [Alloc("warmup", 0, w), Alloc("sampler", w, logits),
@@ -229,7 +247,8 @@ class V1Card:
         """One engine step of `tokens` scheduled tokens sampling `rows` sequences."""
         s, c = self.spec, self.coeffs
         dt = s.dtype_bytes
-        held = (self._mib(c.step_fixed_mib) + int(c.step_hidden * s.hidden_size * tokens * dt)
+        held = (self._mib(c.step_fixed_mib * self.step_scale)
+                + int(c.step_hidden * s.hidden_size * tokens * dt)
                 + int(c.step_sampler_copies * rows * s.vocab_size * 4))
         inter = s.intermediate_size // self.tp
         gate_up = round_alloc(2 * inter * tokens * dt)

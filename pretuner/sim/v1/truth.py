@@ -15,6 +15,7 @@ burst again on top of what the soak left.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pretuner.kvmath import kv_bytes_per_token
@@ -22,6 +23,7 @@ from pretuner.launch.images import image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, VisionSpec
 from pretuner.sim.v1 import logs as L
+from pretuner.sim.v1 import offload
 from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, parse
@@ -128,15 +130,17 @@ def _survives_load(booted: Booted, max_num_seqs: int, batched: int) -> bool:
 def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  tp: int = 1, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
-                 occupied_mib: int = 0, images: Images | None = None) -> int:
+                 occupied_mib: int = 0, images: Images | None = None,
+                 extra_args: Sequence[str] = ()) -> int:
     """The largest pinned `--kv-cache-memory-bytes` (whole MiB) that starts and survives the
-    worst-case load (a vision-language model's when `images` is given); 0 when none does."""
+    worst-case load (a vision-language model's when `images` is given); 0 when none does.
+    `extra_args`: more server flags (--quantization, --cpu-offload-gb...)."""
     env = _env(profile_name, seed, occupied_mib)
 
     def works(kv_mib: int) -> bool:
         argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                      kv_cache_dtype, enforce_eager, ["--kv-cache-memory-bytes",
-                                                     str(kv_mib * MIB)])
+                                                     str(kv_mib * MIB), *extra_args])
         return survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
 
     # The smallest cache that holds one max-length sequence, and one that cannot fit.
@@ -179,7 +183,7 @@ def util_outcome(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
     kv = util_kv_bytes(spec, profile_name, util=util, seed=seed, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, tp=tp, kv_cache_dtype=kv_cache_dtype,
-                       extra=images.argv() if images else [])
+                       extra_args=images.argv() if images else ())
     return kv, kv > 0 and survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
 
 
@@ -187,11 +191,20 @@ def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
                   max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                   block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
                   enforce_eager: bool = False, occupied_mib: int = 0,
-                  extra: list[str] | None = None) -> int:
+                  extra_args: Sequence[str] = ()) -> int:
     """The KV bytes (whole blocks) that default profiling at `util` gives a server that starts;
     0 when the start fails (profiling, graph capture or warm-up)."""
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                  kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util),
-                                                 *(extra or [])])
+                                                 *extra_args])
     booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _Quiet(), spec=spec)
     return 0 if booted is None else booted.kv_bytes
+
+
+def decode_tokens_per_s(spec: ModelSpec, profile_name: str, *, tp: int = 1,
+                        quantization: str | None = None, cpu_offload_gib: float = 0.0,
+                        enforce_eager: bool = False) -> float:
+    """One sequence's decode speed on the emulated card's clock (tokens/s, simulated): one
+    step of one token with these weights knobs, as the server's clock times it."""
+    loaded = offload.load(spec, profile_name, tp, quantization, cpu_offload_gib)
+    return 1.0 / offload.clock(spec, profile_name, loaded, tp, enforce_eager).step_seconds(1)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pretuner.engines.outcome import Exercised, LaunchOutcome, tally
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
@@ -23,7 +24,11 @@ from pretuner.engines.vllm_v1 import SIM_COMMAND
 from pretuner.launch import probe
 from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
+from pretuner.speed import Speed
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
+
+if TYPE_CHECKING:
+    from pretuner.sim.v1.inproc import V1InprocRun
 
 DECODE_TOKENS = 16
 
@@ -96,7 +101,8 @@ def inprocess_v1_executor(
         outcome = hooks.outcome(n, s, log_path, ran, failure, None,
                                 (0.0, 0.0, 0.0, time.monotonic() - t0))
         return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
-                       device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib))
+                       device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
+                       speed=emulated_speed(res, s, plen))
 
     return execute
 
@@ -110,3 +116,16 @@ def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int
         if p.name in SOAK_PHASES:
             answered += sum(o.ok for o in got)
     return answered
+def emulated_speed(res: V1InprocRun, s: LaunchSettings, prompt_len: int | None) -> Speed | None:
+    """A validation's speed on the emulated card's own clock (the lone request, the burst);
+    None for a pre-run and for image requests (their length is the server's count)."""
+    if s.purpose is Purpose.PRERUN or prompt_len is None or res.first_ttft_s is None \
+            or not res.replies:
+        return None
+    first = res.replies[0]
+    burst = res.replies[1:]
+    return Speed(prompt_tokens=prompt_len, ttft_s=round(res.first_ttft_s, 4),
+                 decode_tokens=max(0, (first.completion_tokens or 1) - 1),
+                 decode_s=round(res.first_decode_s or 0.0, 4), load_requests=len(burst),
+                 load_tokens=res.load_tokens,
+                 load_s=round(res.load_s, 4) if res.load_s else None, how="emulated clock")

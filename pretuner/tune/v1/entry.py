@@ -10,18 +10,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
+from pretuner.devices.host import HostMemory, host_memory
 from pretuner.engines.base import Target
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args, sim_profile
-from pretuner.errors import BadInputError, PretunerError
+from pretuner.errors import BadInputError, InfeasibleError, PretunerError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import ImageShape, image_shape
 from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
-from pretuner.plan import PlanConfig, plan
+from pretuner.plan import PlanConfig, PlanResult
 from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
@@ -30,6 +31,15 @@ from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.v1.report_memory import VisionMeta
+from pretuner.tune.v1.weights import (
+    check_host,
+    check_quantization,
+    knobs_of,
+    plan_config,
+    plan_or_propose,
+    weights_record,
+    widen_hint,
+)
 from pretuner.units import MIB
 
 if TYPE_CHECKING:
@@ -53,6 +63,9 @@ class V1Setup:
     model_arg: str
     choice: EngineChoice
     layout_reason: str
+    plan: PlanResult  # the weights as loaded and offloaded (predicted)
+    host: HostMemory | None  # read when a weights knob is given
+    host_line: str | None  # what offload costs the host, for the run's decisions
     images: ImageShape | None = None  # a vision-language model's; None: text only
     soak: Soak = Soak()
     image_limit_given: bool = False  # --limit-mm-per-prompt named the image count
@@ -176,10 +189,11 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     opts.check()
     row = ROWS[choice.name]
     seqs, batched = _check(opts, row)
-    server_args = parse_server_args(opts.server_args)
+    knobs, server_args = knobs_of(opts, parse_server_args(opts.server_args))
     _check_weights(opts.model, choice.simulated, server_args)
     spec = resolve(opts.model)
     vision = vision_setup(opts, spec)
+    check_quantization(spec, knobs)
     probe_engine = V1Engine(row, choice.simulated, choice.version)
     card = _card_gib(opts, probe_engine, {})
     sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
@@ -187,12 +201,14 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                       server_args=server_args,
                       server_env=_server_env(opts.model, choice.simulated),
                       mm_flags=vision.flags,
-                      tuning_env=dict(row.dev_env) if vision.soak.on else {})
+                      tuning_env=dict(row.dev_env) if vision.soak.on else {},
+                      knobs=knobs)
     max_len = opts.max_model_len or row.default_max_model_len or DEFAULT_MAX_MODEL_LEN
     block = _block_size(opts, row)
-    p = plan(PlanConfig(model=spec, card_gib=card, util=opts.util, max_model_len=max_len,
-                        tp=opts.tp, pp=opts.pp, kv_cache_dtype=opts.kv_cache_dtype,
-                        block_size=block, weights_format=opts.weights_format))
+    p = plan_or_propose(plan_config(PlanConfig(
+        model=spec, card_gib=card, util=opts.util, max_model_len=max_len, tp=opts.tp,
+        pp=opts.pp, kv_cache_dtype=opts.kv_cache_dtype, block_size=block,
+        weights_format=opts.weights_format), knobs), knobs)
     if p.tp * p.pp > DEVICES_PER_NODE or opts.ray_address:
         raise BadInputError(
             f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
@@ -200,6 +216,8 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
             hint="use a smaller --tp/--pp on one node, or the r0.1 method for multi-node "
             "(--engine vllm-mindspore-r01 --ray-address ...)",
         )
+    host = host_memory(engine.device_kind, {**os.environ, **sim_env}) if knobs.active else None
+    host_line = check_host(p, knobs, host)
     bpt = kv_bytes_per_token(spec, tp=p.tp, pp=p.pp, kv_dtype=opts.kv_cache_dtype)
     cfg = V1Config(model=spec, card_gib=card, bytes_per_token=bpt, util=opts.util,
                    max_model_len=max_len, max_num_seqs=seqs,
@@ -222,8 +240,8 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                         request_timeout_s=opts.request_timeout_s,
                         stop_grace_s=opts.stop_grace_s, seed=opts.seed, device_reader=reader,
                         hooks=V1Hooks(bpt, vision.images, vision.soak))
-    return V1Setup(cfg, ctx, engine, spec, model_arg, choice, p.layout_reason, vision.images,
-                   vision.soak, vision.limit_given)
+    return V1Setup(cfg, ctx, engine, spec, model_arg, choice, p.layout_reason, p, host,
+                   host_line, vision.images, vision.soak, vision.limit_given)
 
 
 def vision_meta(setup: V1Setup, opts: RunOptions) -> VisionMeta | None:
@@ -259,6 +277,10 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
     tuner = V1Tuner(setup.cfg, recorded_executor(record, setup.ctx, phase), phase,
                     on_decision=lambda d: record.append("decision", **d))
     tuner.decide("layout", setup.layout_reason, tp=setup.cfg.tp, pp=setup.cfg.pp)
+    if setup.engine.knobs.active:
+        tuner.decide("weights", f"{setup.engine.knobs.words()}: the same in every launch"
+                     + (f"; {setup.host_line}" if setup.host_line else ""),
+                     **setup.engine.knobs.to_json())
     meta = v1report.V1Meta(
         run_id=record.path.name, engine=choice.name, engine_version=choice.version,
         engine_reason=choice.reason, simulated=choice.simulated, model=setup.spec.name,
@@ -271,10 +293,14 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
         asked_max_num_seqs=setup.cfg.max_num_seqs,
         retune_command=tuple(opts.command_line()),
         vision=vision_meta(setup, opts),
+        weights=weights_record(setup.plan, setup.engine.knobs, setup.host, None),
+        min_tokens_per_s=opts.min_tokens_per_s,
     )
     try:
         result = tuner.run()
     except BaseException as err:
+        if isinstance(err, InfeasibleError):
+            widen_hint(err, setup.engine.knobs)
         record.append("run_stopped", error=f"{type(err).__name__}: {err}")
         if isinstance(err, PretunerError):
             failure = v1report.failure_json(

@@ -11,8 +11,9 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.engines.base import Deployment
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import PretunerError, ServerFailedError
+from pretuner.speed import Speed, too_slow
 from pretuner.templating import render_template
 from pretuner.tune.asked import given_up
 from pretuner.tune.records import (
@@ -23,10 +24,13 @@ from pretuner.tune.records import (
     V1FailureReport,
     V1Final,
     V1Report,
+    V1Speed,
     V1Step,
+    V1Weights,
 )
 from pretuner.tune.report import step_json
 from pretuner.tune.v1.loop import V1Result
+from pretuner.tune.v1.report_knobs import report_md_sections
 from pretuner.tune.v1.report_memory import (
     VisionMeta,
     final_launch,
@@ -60,11 +64,29 @@ class V1Meta:
     asked_max_num_seqs: int | None = None
     retune_command: tuple[str, ...] = ()  # RunOptions.command_line()
     vision: VisionMeta | None = None  # a vision-language model's images and soak
+    weights: V1Weights | None = None  # the weights knobs and their plan (predicted)
+    min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
+
+
+def final_outcome(r: V1Result) -> LaunchOutcome | None:
+    """The launch that proved the final configuration (None: not validated)."""
+    return next((o for o in reversed(r.outcomes) if o.kind is OutcomeKind.OK
+                 and o.settings == r.final), None) if r.validated else None
+
+
+def speed_record(speed: Speed | None) -> V1Speed | None:
+    return V1Speed(**speed.to_json()) if speed is not None else None
 
 
 def report_json(r: V1Result, m: V1Meta) -> V1Report:
     """The record of a finished V1 run; report.json is its `model_dump(mode="json")`."""
     f = r.final
+    proof = final_outcome(r)
+    speed = proof.speed if proof is not None else None
+    slow = too_slow(speed, m.min_tokens_per_s) if r.validated else None
+    weights = m.weights
+    if weights is not None and proof is not None:
+        weights = weights.model_copy(update={"card_weights_log_gib": proof.weights_gib})
     gain = (r.kv_tokens / r.profiled_kv_tokens
             if r.kv_tokens and r.profiled_kv_tokens else None)
     budget = r.budget
@@ -119,12 +141,15 @@ def report_json(r: V1Result, m: V1Meta) -> V1Report:
                     max_num_seqs=m.asked_max_num_seqs or f.max_num_seqs),
         given_up=given_up(m.asked_max_model_len or f.max_model_len,
                           m.asked_max_num_seqs or f.max_num_seqs,
-                          f.max_model_len, f.max_num_seqs),
+                          f.max_model_len, f.max_num_seqs) + ([slow] if slow else []),
         retune_command=list(m.retune_command),
         images=images_record(m.vision, proof or _any_launch(r), f.max_model_len)
         if m.vision is not None else None,
         soak=soak_record(proof, m.vision.soak) if proof and m.vision else None,
         memory=memory_record(proof, m.bytes_per_token) if proof else None,
+        weights=weights,
+        speed=speed_record(speed),
+        min_tokens_per_s=m.min_tokens_per_s,
     )
 
 
@@ -174,6 +199,7 @@ def report_md(rep: V1Report) -> str:
     lines += [f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
               f"max-num-batched-tokens {f.max_num_batched_tokens:,}", ""]
     lines += images_md(rep)
+    lines += report_md_sections(rep)
     d = rep.derivation
     if d is not None:
         lines += ["## Derivation", ""] + [f"- {line}" for line in d.lines] + [""]
@@ -250,6 +276,15 @@ def vllm_config(rep: V1Report) -> str:
 def tuned_env(rep: V1Report) -> str:
     env = dict(rep.final.env)
     env["PRETUNER_KV_CACHE_MEMORY_BYTES"] = str(rep.final.kv_cache_memory_bytes)
+    w = rep.weights  # the weights knobs the run proved, when given (serve.sh has the flags)
+    if w is not None and w.quantization:
+        env["PRETUNER_QUANTIZATION"] = w.quantization
+    if w is not None and w.cpu_offload_gib:
+        env["PRETUNER_CPU_OFFLOAD_GB"] = f"{w.cpu_offload_gib:g}"
+    if w is not None and w.swap_space_gib is not None:
+        env["PRETUNER_SWAP_SPACE_GB"] = f"{w.swap_space_gib:g}"
+    if w is not None and w.enforce_eager:
+        env["PRETUNER_ENFORCE_EAGER"] = "1"
     return render_template("tuned.env.j2", {"header": _header(rep), "env": env})
 
 
@@ -290,7 +325,8 @@ def step(o: LaunchOutcome) -> V1Step:
     return V1Step(**dict(step_json(o)), kv_tokens=o.kv_tokens, kv_gib=o.kv_gib,
                   device_total_mib=o.device_total_mib, oom_alloc_bytes=o.oom_alloc_bytes,
                   device_last_mib=o.device_last_mib, soak_requests=o.soak_requests,
-                  reset_status=o.reset_status)
+                  reset_status=o.reset_status, speed=speed_record(o.speed),
+                  weights_gib=o.weights_gib)
 
 
 def systemd_unit(rep: V1Report, install_dir: str = "/etc/pretuner") -> str:

@@ -1,0 +1,84 @@
+"""`pretuner explain FLAG`: what a memory flag really does, with a run's figure beside it."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pretuner.cli.app import app
+from pretuner.cli.render import echo_json
+from pretuner.errors import BadInputError
+from pretuner.explain import FLAGS, FlagDoc, find, measured_lines, names
+
+
+@app.command(
+    "explain",
+    short_help="What a memory flag really does (offload, swap, KV pinning...).",
+    # FLAG is spelled like an option (--cpu-offload-gb): let it through as the argument.
+    context_settings={"ignore_unknown_options": True},
+    epilog="""\b
+Examples:
+  pretuner explain --cpu-offload-gb              weights to the host, paid every step
+  pretuner explain swap-space --run runs/<run>   with the run's own figure
+  pretuner explain                               every flag, one line each""",
+)
+def explain_cmd(
+    flag: str | None = typer.Argument(
+        None, metavar="FLAG", help="A flag (--cpu-offload-gb, swap-space) or an r0.1 variable."
+    ),
+    run: Path | None = typer.Option(
+        None, "--run", metavar="RUN", help="A run folder: show its measured figure too."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Say what FLAG does in the engine's own terms (memory, speed, what it is not)."""
+    if flag is None:
+        if as_json:
+            echo_json({"flags": [{"flag": d.name, "summary": d.summary} for d in FLAGS]})
+        else:
+            width = max(len(d.name) for d in FLAGS)
+            typer.echo("\n".join(f"{d.name:<{width}}  {d.summary}" for d in FLAGS))
+        return
+    doc = find(flag)
+    if doc is None:
+        bare = {n.lstrip("-"): n for n in names()}
+        close = [bare[c] for c in difflib.get_close_matches(flag.lstrip("-"), list(bare), n=3,
+                                                            cutoff=0.5)]
+        raise BadInputError(
+            f"no memory flag named {flag!r}",
+            hint=f"did you mean {', '.join(close)}?" if close
+            else "run `pretuner explain` for the list")
+    rep = _report(run) if run is not None else None
+    figures = measured_lines(doc, rep) if rep is not None else None
+    if as_json:
+        echo_json({"flag": doc.name, "engines": doc.engines, "summary": doc.summary,
+                   "does": list(doc.does), "not": doc.not_this, "run": str(run) if run else None,
+                   "measured": figures})
+        return
+    typer.echo(render(doc, figures, run))
+
+
+def render(doc: FlagDoc, figures: list[str] | None, run: Path | None) -> str:
+    lines = [f"{doc.name} ({doc.engines}): {doc.summary}", ""]
+    lines += [f"- {text}" for text in doc.does]
+    lines += ["", f"Not: {doc.not_this}"]
+    if figures is not None:
+        lines += ["", f"In run {run}:"] + [f"  {line}" for line in figures]
+    return "\n".join(lines)
+
+
+def _report(run: Path) -> dict[str, Any]:
+    path = run / "report.json"
+    try:
+        rep = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInputError(f"cannot read {str(path)!r}: {err}",
+                            hint="pass a finished run folder (pretuner run --out DIR)") from None
+    if not isinstance(rep, dict) or "final" not in rep:
+        raise BadInputError(f"{str(path)!r} is not a finished run's record",
+                            hint="pass a folder where `pretuner run` finished")
+    return rep

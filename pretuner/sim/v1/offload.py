@@ -1,0 +1,192 @@
+"""The emulated card's weights as loaded (quantized, offloaded), its host, and its clock.
+
+Pure: no I/O, no clocks. Every figure is *simulated*: a documented model with coefficients
+chosen to be plausible for each emulated card, never measured on one.
+
+- **Weights.** `--quantization bitsandbytes|fp8` quantizes a 16-bit checkpoint as it loads (the
+  bytes per parameter of `pretuner.models.quant`); a checkpoint whose config.json carries a
+  `quantization_config` loads at its own size; `--quantization awq|gptq` on a checkpoint without
+  one is refused as vLLM refuses it. fp8 needs compute capability 8.0 or more.
+- **Offload.** `--cpu-offload-gb X` keeps up to X GiB of each rank's decoder-layer weights in
+  pinned host memory (the token embedding and the lm_head stay on the card). The card no longer
+  holds them; every forward pass reads them over PCIe, so each engine step costs
+  `offloaded bytes / PCIe bandwidth` more, whatever its size: decode slows in proportion.
+- **Host.** The host has `PRETUNER_SIM_HOST_MIB` MiB (default: the profile's), of which the
+  system keeps some. A server process holds `PROCESS_HOST_MIB` of host memory plus the pinned
+  offloaded weights; when that is more than the host has available, the kernel's OOM killer ends
+  the engine while it loads (signal 9). `--swap-space` is checked at start-up as vLLM checks
+  it (refused above 70 % of the host's total per node, warned above 40 %); the V1 engine
+  preempts by recomputing, so it pins none of it.
+- **Clock.** One engine step of n tokens takes `step_overhead` + the weights on the card read
+  once from its memory + the offloaded weights over PCIe + `2 * active params * n` FLOPs at
+  the card's rate + a launch cost per layer without CUDA graphs (`--enforce-eager`); 4-bit
+  bitsandbytes kernels also dequantize every weight they use (`BNB_DEQUANT` times the 4-bit
+  bytes at the card's memory rate: 4-bit Qwen3-8B decodes at about 0.7x its bf16 speed). The
+  server sleeps that times `PRETUNER_SIM_TIME_SCALE` (default 1: the card's own speed).
+
+Calibration checks (simulated): Qwen3-8B decodes at about 110 tokens/s on `h100-80`; the field
+note's 7 GB configuration of the 70B distill (4-bit, every layer offloaded) decodes at about
+0.35 tokens/s on `cuda-32`, where the note measured 0.4 on its 32 GB vGPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretuner.models.quant import Quantization, from_flag, quantized_bytes
+from pretuner.models.spec import ModelSpec
+from pretuner.units import GIB, MIB
+
+HOST_ENV = "PRETUNER_SIM_HOST_MIB"
+TIME_SCALE_ENV = "PRETUNER_SIM_TIME_SCALE"
+PROCESS_HOST_MIB = 5 * 1024  # API server + EngineCore + torch + tokenizer, resident on the host
+HOST_SYSTEM_SHARE = 0.03  # what the system and page cache keep of the host's memory
+SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host total
+SWAP_WARN_SHARE = 0.4
+IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bit checkpoint
+BNB_DEQUANT = 3.0  # bitsandbytes 4-bit kernels: dequantizing costs 3x reading the bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CardSpeed:
+    """How fast one emulated GPU and its link to the host are (simulated)."""
+
+    hbm_gib_s: float  # weights read per step from the card's memory
+    pcie_gib_s: float  # pinned host memory to the card
+    tflops: float  # dense 16-bit FLOPs achieved by a prefill
+    capability: int  # CUDA compute capability x 10
+    host_mib: int  # the emulated host's memory (default of PRETUNER_SIM_HOST_MIB)
+    step_overhead_s: float = 0.004  # scheduler, sampler, launches with CUDA graphs
+    eager_layer_s: float = 0.00008  # kernel launches per decoder layer without CUDA graphs
+
+
+SPEEDS: dict[str, CardSpeed] = {
+    "h100-80": CardSpeed(3000.0, 50.0, 600.0, 90, 1024 * 1024),
+    "cuda-64": CardSpeed(1500.0, 24.0, 250.0, 80, 256 * 1024),
+    "cuda-32": CardSpeed(840.0, 12.0, 100.0, 70, 128 * 1024),
+    "cuda-24": CardSpeed(280.0, 24.0, 110.0, 89, 64 * 1024),
+    "cuda-20": CardSpeed(700.0, 24.0, 100.0, 86, 64 * 1024),
+}
+
+
+class LoadRefused(Exception):
+    """vLLM refuses the quantization or swap settings before the engine starts."""
+
+    def __init__(self, exc: str, message: str) -> None:
+        super().__init__(message)
+        self.exc, self.message = exc, message
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """One rank's weights as loaded, and what the host holds for it."""
+
+    quant: Quantization | None
+    total_bytes: int  # the whole model as loaded (all ranks)
+    rank_bytes: int  # one rank's share before offload
+    offloaded_bytes: int  # of that share, kept in pinned host memory
+    layers: int
+
+    @property
+    def on_card_bytes(self) -> int:
+        return self.rank_bytes - self.offloaded_bytes
+
+
+def _quantization(spec: ModelSpec, method: str | None, capability: int) -> Quantization | None:
+    stored = spec.quantization
+    if method is None:
+        return stored
+    name = method.lower()
+    if stored is not None:
+        if stored.method != name:
+            raise LoadRefused("ValueError", f"Quantization method specified in the model config "
+                              f"({stored.method}) does not match the quantization method "
+                              f"specified in the `quantization` argument ({name}).")
+        return stored
+    if name not in IN_FLIGHT:
+        raise LoadRefused("ValueError", f"Cannot find the config file for {name}: the checkpoint "
+                          "has no quantization_config (only bitsandbytes and fp8 quantize a "
+                          "16-bit checkpoint while loading)")
+    if name == "fp8" and capability < 80:
+        raise LoadRefused("ValueError", f"The quantization method fp8 is not supported for the "
+                          f"current GPU. Minimum capability: 80. Current capability: "
+                          f"{capability}.")
+    return from_flag(name)
+
+
+def load(spec: ModelSpec, profile: str, tp: int, quantization: str | None,
+         offload_gib: float) -> Loaded:
+    """The weights as this server loads them; LoadRefused for a quantization vLLM refuses."""
+    speed = SPEEDS[profile]
+    quant = _quantization(spec, quantization, speed.capability)
+    native = spec.weights_format().total_bytes
+    total = native if quant is None or spec.quantization is not None else quantized_bytes(
+        spec, quant)
+    rank = total // tp
+    embeddings = 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes
+    layers_share = max(0, total - embeddings) // tp
+    offloaded = min(layers_share, int(offload_gib * GIB))
+    return Loaded(quant, total, rank, offloaded, spec.num_layers)
+
+
+def card_weights_total(loaded: Loaded, tp: int) -> int:
+    """What the card side of the model weighs, all ranks: the loaded total less the offload."""
+    return loaded.total_bytes - loaded.offloaded_bytes * tp
+
+
+def host_total_bytes(profile: str, host_mib: int | None) -> int:
+    return (host_mib if host_mib is not None else SPEEDS[profile].host_mib) * MIB
+
+
+def host_available_bytes(profile: str, host_mib: int | None) -> int:
+    """What a new process may take of the emulated host (the system keeps its share)."""
+    total = host_total_bytes(profile, host_mib)
+    return int(total * (1 - HOST_SYSTEM_SHARE))
+
+
+def swap_check(swap_gib: float, tp: int, host_total: int) -> tuple[str | None, str | None]:
+    """(refusal, warning) of vLLM's start-up check of --swap-space against the host."""
+    used = swap_gib * GIB * tp
+    msg = (f"{used / GIB:.2f} GiB out of the {host_total / GIB:.2f} GiB total CPU memory is "
+           "allocated for the swap space.")
+    if used > SWAP_REFUSE_SHARE * host_total:
+        return "Too large swap space. " + msg, None
+    if used > SWAP_WARN_SHARE * host_total:
+        return None, "Possibly too large swap space. " + msg
+    return None, None
+
+
+def host_needed_bytes(loaded: Loaded) -> int:
+    """What one server process holds of the host: itself and its pinned offloaded weights."""
+    return PROCESS_HOST_MIB * MIB + loaded.offloaded_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Clock:
+    """Seconds one engine step takes on the emulated card (simulated)."""
+
+    speed: CardSpeed
+    on_card_bytes: int
+    offloaded_bytes: int
+    flops_per_token: float
+    layers: int
+    eager: bool
+    dequant_bytes: int  # 4-bit bitsandbytes weights a step dequantizes (0: none)
+
+    def step_seconds(self, tokens: int) -> float:
+        s = self.speed
+        read = (self.on_card_bytes + BNB_DEQUANT * self.dequant_bytes) / (s.hbm_gib_s * GIB)
+        stream = self.offloaded_bytes / (s.pcie_gib_s * GIB)
+        compute = self.flops_per_token * tokens / (s.tflops * 1e12)
+        eager = self.layers * s.eager_layer_s if self.eager else 0.0
+        return s.step_overhead_s + read + stream + compute + eager
+
+
+def clock(spec: ModelSpec, profile: str, loaded: Loaded, tp: int, eager: bool) -> Clock:
+    active = spec.active_params or spec.total_params
+    q = loaded.quant
+    bnb = q is not None and q.method == "bitsandbytes" and q.bits == 4
+    embeddings = 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes // tp
+    return Clock(SPEEDS[profile], loaded.on_card_bytes, loaded.offloaded_bytes,
+                 2.0 * active / tp, spec.num_layers, eager,
+                 max(0, loaded.rank_bytes - embeddings) if bnb else 0)

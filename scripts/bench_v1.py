@@ -30,9 +30,9 @@ from pathlib import Path
 from pretuner.engines.vllm_v1 import SIM_PROFILES
 from pretuner.errors import PretunerError
 from pretuner.models import builtin_specs, resolve
-from pretuner.sim.v1.truth import max_kv_bytes, util_kv_bytes
+from pretuner.sim.v1.truth import Images, max_kv_bytes, util_kv_bytes
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.v1.entry import tune_v1_in_process
+from pretuner.tune.v1.entry import DEFAULT_SOAK, tune_v1_in_process
 from pretuner.tune.v1.loop import V1Result
 from pretuner.units import GIB
 
@@ -68,8 +68,12 @@ def _truth(model: str, r: V1Result, card: int, seed: int) -> tuple[int, int]:
             "max_num_batched_tokens": f.max_num_batched_tokens, "block_size": f.block_size,
             "tp": f.tp, "kv_cache_dtype": f.kv_cache_dtype}
     spec = resolve(model)
-    return (max_kv_bytes(spec, SIM_PROFILES[card], **args),
-            util_kv_bytes(spec, SIM_PROFILES[card], util=0.9, **args))
+    # A vision-language model is tuned for its image worst case and the default soak after it:
+    # its truth is the one for that load, not for text requests alone.
+    images = Images(None, DEFAULT_SOAK, seed) if spec.vision is not None else None
+    return (max_kv_bytes(spec, SIM_PROFILES[card], images=images, **args),
+            util_kv_bytes(spec, SIM_PROFILES[card], util=0.9,
+                          extra_args=images.argv() if images else (), **args))
 
 
 def run_one(model: str, card: int, seed: int, length: int, work: Path) -> Row:

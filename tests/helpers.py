@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 # The emulated V1 card's clock runs 100x fast: a test measures relative speeds, not seconds.
 FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1",
@@ -66,3 +68,15 @@ def default_sigint() -> None:
 # `../shared` beside the checkout (CI puts it there): real logs, model configs, seeds.
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 REAL_LOGS = SHARED / "real-logs"
+
+
+def load_script(name: str) -> ModuleType:
+    """A script of scripts/ (`bench_vl`), imported as a module for its tests."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module

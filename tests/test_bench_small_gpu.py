@@ -3,27 +3,11 @@ seconds), the field note's settings, and the 7 GB budget's tenant."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_small_gpu.py"
+from tests.helpers import load_script
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_small_gpu", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_small_gpu")
 
 
 def test_one_card_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:

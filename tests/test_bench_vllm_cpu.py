@@ -3,29 +3,14 @@ the launch command it derives and its table. Nothing is launched."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from pretuner.units import MIB
+from tests.helpers import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_vllm_cpu.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_vllm_cpu", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench_vllm_cpu")
 
 
 def test_defaults_and_bad_options() -> None:

@@ -65,20 +65,26 @@ def num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+def cached_runs(tmp_path_factory: pytest.TempPathFactory,
+                scenarios: dict[str, tuple[str, ...]]) -> Callable[[str], Run]:
+    """Each scenario run once through the CLI, on first use."""
     cache: dict[str, Run] = {}
 
     def get(name: str) -> Run:
         if name not in cache:
             out: Path = tmp_path_factory.mktemp(name) / "run"
-            proc = run_cli("run", *SCENARIOS[name], "--out", str(out))
+            proc = run_cli("run", *scenarios[name], "--out", str(out))
             assert proc.returncode == 0, proc.stderr
             rep = json.loads((out / "report.json").read_text())
             cache[name] = Run(rep, (out / "report.md").read_text())
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
+    return cached_runs(tmp_path_factory, SCENARIOS)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -236,18 +242,7 @@ SHOWN_MIB = 0.05 + 1e-6  # half the last digit of a MiB figure printed with one 
 
 @pytest.fixture(scope="module")
 def v1_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
-    cache: dict[str, Run] = {}
-
-    def get(name: str) -> Run:
-        if name not in cache:
-            out: Path = tmp_path_factory.mktemp(name) / "run"
-            proc = run_cli("run", *V1_SCENARIOS[name], "--out", str(out))
-            assert proc.returncode == 0, proc.stderr
-            rep = json.loads((out / "report.json").read_text())
-            cache[name] = Run(rep, (out / "report.md").read_text())
-        return cache[name]
-
-    return get
+    return cached_runs(tmp_path_factory, V1_SCENARIOS)
 
 
 def memory_rows(md: str) -> list[tuple[str, float]]:

@@ -30,11 +30,11 @@ from pretuner.launch.images import (
 from pretuner.launch.png import png_data_url
 from pretuner.launch.probe import (
     CompletionOutcome,
-    _error_text,
-    _session,
-    _usage,
     complete,
+    error_text,
     probe_prompt,
+    session_for,
+    usage_count,
 )
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ FILLER_WORDS = ("time", "year", "work", "life", "hand", "part", "case", "week", 
 CALIBRATION_WORDS = (64, 320)
 REFITS = 3  # a too-long request is shortened and sent again at most this many times
 _HAS_TOKENS = re.compile(r"request has (\d+) input tokens|\((\d+) in the messages")
-_CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +83,9 @@ def post_chat(base_url: str, body: dict[str, Any], timeout_s: float) -> Completi
     """POST one chat completion; what came back (status 0: no answer)."""
     url = f"{base_url.rstrip('/')}/v1/chat/completions"
     started = time.monotonic()
-    with _session(url) as session:
+    with session_for(url) as session:
         try:
-            response = session.post(url, json=body, timeout=(min(_CONNECT_TIMEOUT_S, timeout_s),
+            response = session.post(url, json=body, timeout=(min(CONNECT_TIMEOUT_S, timeout_s),
                                                              timeout_s))
         except Exception as exc:  # requests' errors and a refused connection alike
             return CompletionOutcome(0, False, time.monotonic() - started, None, None,
@@ -93,14 +93,14 @@ def post_chat(base_url: str, body: dict[str, Any], timeout_s: float) -> Completi
     seconds = time.monotonic() - started
     if response.status_code != 200:
         return CompletionOutcome(response.status_code, False, seconds, None, None,
-                                 _error_text(response))
+                                 error_text(response))
     try:
         reply = response.json()
     except ValueError:
         return CompletionOutcome(200, False, seconds, None, None,
                                  f"not JSON: {response.text[:200]!r}")
-    return CompletionOutcome(200, True, seconds, _usage(reply, "prompt_tokens"),
-                             _usage(reply, "completion_tokens"), None)
+    return CompletionOutcome(200, True, seconds, usage_count(reply, "prompt_tokens"),
+                             usage_count(reply, "completion_tokens"), None)
 
 
 def calibrate(base_url: str, model: str, timeout_s: float) -> Calibration | CompletionOutcome:
@@ -202,7 +202,7 @@ def reset_mm_cache(base_url: str, timeout_s: float = 30.0) -> int:
     """POST /reset_mm_cache; the HTTP status (0: no answer; 404: the route is not served,
     vLLM serves it with VLLM_SERVER_DEV_MODE=1)."""
     url = f"{base_url.rstrip('/')}/reset_mm_cache"
-    with _session(url) as session:
+    with session_for(url) as session:
         try:
             return int(session.post(url, timeout=timeout_s).status_code)
         except Exception as exc:  # a server that died: no answer

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 TOKEN_ID_LOW = 1000
 TOKEN_ID_HIGH = 30000
 
-_CONNECT_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
 _ERROR_TEXT_CHARS = 500
 
 
@@ -70,7 +70,7 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
-def _session(url: str) -> requests.Session:
+def session_for(url: str) -> requests.Session:
     session = requests.Session()
     # Ascend hosts often export http_proxy without a no_proxy for localhost; a health check
     # sent through the proxy would never reach the server we just launched.
@@ -80,7 +80,7 @@ def _session(url: str) -> requests.Session:
 
 def get_ok(url: str, timeout_s: float) -> bool:
     """True when `GET url` answers 200 within `timeout_s`; any failure is False."""
-    with _session(url) as session:
+    with session_for(url) as session:
         try:
             response = session.get(url, timeout=timeout_s)
         except requests.RequestException:
@@ -96,14 +96,14 @@ def health(base_url: str, timeout_s: float) -> bool:
 def served_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
     """The model ids the server lists at `/v1/models`."""
     url = f"{base_url.rstrip('/')}/v1/models"
-    with _session(url) as session:
+    with session_for(url) as session:
         try:
             response = session.get(url, timeout=timeout_s)
         except requests.RequestException as exc:
             raise ServerFailedError(f"GET {url} failed: {exc}") from exc
     if response.status_code != 200:
         raise ServerFailedError(
-            f"GET {url} answered HTTP {response.status_code}: {_error_text(response)}"
+            f"GET {url} answered HTTP {response.status_code}: {error_text(response)}"
         )
     try:
         body = response.json()
@@ -148,7 +148,7 @@ def max_length_prompt_len(max_model_len: int, max_tokens: int) -> int:
     return prompt_len
 
 
-def _error_text(response: requests.Response) -> str:
+def error_text(response: requests.Response) -> str:
     """The server's own message: vLLM 0.6 `{"message": ...}`, OpenAI `{"error": {...}}`."""
     try:
         body: Any = response.json()
@@ -168,7 +168,7 @@ def _error_text(response: requests.Response) -> str:
     return text[:_ERROR_TEXT_CHARS] if text else f"HTTP {response.status_code} with no body"
 
 
-def _usage(body: Any, key: str) -> int | None:
+def usage_count(body: Any, key: str) -> int | None:
     usage = body.get("usage") if isinstance(body, dict) else None
     value = usage.get(key) if isinstance(usage, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -189,8 +189,8 @@ def complete(
     started = time.monotonic()
     # The read timeout bounds the wait for the answer: a non-streaming completion sends
     # nothing until it is done.
-    timeout = (min(_CONNECT_TIMEOUT_S, timeout_s), timeout_s)
-    with _session(url) as session:
+    timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)
+    with session_for(url) as session:
         try:
             response = session.post(url, json=payload, timeout=timeout)
         except requests.RequestException as exc:
@@ -200,7 +200,7 @@ def complete(
     seconds = time.monotonic() - started
     if response.status_code != 200:
         return CompletionOutcome(
-            response.status_code, False, seconds, None, None, _error_text(response)
+            response.status_code, False, seconds, None, None, error_text(response)
         )
     try:
         body = response.json()
@@ -211,8 +211,8 @@ def complete(
         200,
         True,
         seconds,
-        _usage(body, "prompt_tokens"),
-        _usage(body, "completion_tokens"),
+        usage_count(body, "prompt_tokens"),
+        usage_count(body, "completion_tokens"),
         None,
     )
 
@@ -256,7 +256,7 @@ def load(
     for thread in threads:
         thread.start()
     # Connect + answer timeouts bound each request; the slack covers thread start-up.
-    deadline = started + timeout_s + _CONNECT_TIMEOUT_S + 5.0
+    deadline = started + timeout_s + CONNECT_TIMEOUT_S + 5.0
     for thread in threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     wall = time.monotonic() - started

@@ -17,11 +17,11 @@ from typing import Any
 import requests
 
 from pretuner.launch.probe import (
-    _CONNECT_TIMEOUT_S,
+    CONNECT_TIMEOUT_S,
     CompletionOutcome,
-    _error_text,
-    _session,
-    _usage,
+    error_text,
+    session_for,
+    usage_count,
 )
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,14 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
     chunks = 0
     usage: dict[str, Any] = {}
     error: str | None = None
-    timeout = (min(_CONNECT_TIMEOUT_S, timeout_s), timeout_s)  # the read timeout: per chunk
-    with _session(url) as session:
+    timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)  # the read timeout: per chunk
+    with session_for(url) as session:
         try:
             response = session.post(url, json=payload, timeout=timeout, stream=True)
             if response.status_code != 200:
                 seconds = time.monotonic() - started
                 return CompletionOutcome(response.status_code, False, seconds, None, None,
-                                         _error_text(response)), None
+                                         error_text(response)), None
             for line in response.iter_lines():
                 body = _chunk(line)
                 if body == "[DONE]":
@@ -102,6 +102,7 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
     arrivals = Arrivals(first, last, chunks) if first is not None and last is not None else None
     if error is not None:
         return CompletionOutcome(500, False, seconds, None, None, error), arrivals
-    prompt, completion = _usage(usage, "prompt_tokens"), _usage(usage, "completion_tokens")
+    prompt = usage_count(usage, "prompt_tokens")
+    completion = usage_count(usage, "completion_tokens")
     return CompletionOutcome(200, True, seconds, prompt,
                              completion if completion is not None else chunks, None), arrivals

@@ -41,7 +41,6 @@ from pretuner.models import builtin_specs, resolve
 from pretuner.plan import PlanConfig, plan, smallest_weights_layout
 from pretuner.sim import memory as mem
 from pretuner.sim.truth import max_length, max_safe_kv
-from pretuner.tune import budget as bud
 from pretuner.tune.backends import sim_profile
 from pretuner.tune.entry import RunOptions, run_tuning, tune_in_process
 from pretuner.tune.loop import CardInfo, TuneResult
@@ -173,7 +172,7 @@ def score(case: Case, res: TuneResult) -> Row:
     r01 = max_safe_kv(models, free, f.max_model_len, **kw)  # type: ignore[arg-type]
     phys = max_safe_kv(models, free, f.max_model_len, integer_model_use=False,
                        **kw)  # type: ignore[arg-type]
-    reserve = int(bud.reserve_gib(case.card, measured_by_engine=True, given=None) * GIB)
+    reserve = int(res.reserve_gib * GIB)
     kept = max_safe_kv(models, free - reserve, f.max_model_len, **kw)  # type: ignore[arg-type]
     pre = res.prerun
     assert pre is not None  # noqa: S101

@@ -42,6 +42,11 @@ class ScriptedCard:
     per_seq_mib: float = 0.0  # what each running sequence beyond the first adds under load
     override: Callable[[LaunchSettings, int], OutcomeKind | None] = lambda s, n: None
     launches: list[LaunchSettings] = field(default_factory=list)
+    # A device reader (npu-smi) sampling the card: its total, and what other components
+    # allocate outside MindSpore's pool after MindSpore read the free memory. None: no reader.
+    device_total_mib: int | None = None
+    outside_mib: int = 0
+    free_drift_mib: Callable[[int], int] = lambda n: 0  # the free memory launch n reads, less
 
     def __call__(self, s: LaunchSettings) -> LaunchOutcome:
         self.launches.append(s)
@@ -61,7 +66,11 @@ class ScriptedCard:
             oom_text=None if ok else "Out of memory (scripted)",
             requests_ok=load if ok else 0, requests_total=load, ready_s=0.0, request_s=0.0,
             stop_s=0.0, total_s=0.0, overhead_s=0.0, log_path=f"launch-{n}/server.log",
-            device_free_mib=self.free_mib,
+            device_free_mib=self.free_mib - self.free_drift_mib(n),
+            device_total_mib=self.device_total_mib,
+            device_peaks_mib={} if self.device_total_mib is None else {"run": int(
+                self.device_total_mib - self.free_mib + self.free_drift_mib(n) + pool
+                + self.outside_mib)},
         )  # fmt: skip
 
 
@@ -225,3 +234,62 @@ def test_the_kv_dtype_reaches_the_server_and_its_kv_figure() -> None:
     # Half the bytes per token: about twice the tokens in a similar KV budget.
     tokens = res.derivation.final.kv_tokens
     assert tokens > 1.6 * auto.derivation.final.kv_tokens
+
+
+# -- the memory the final configuration may take --------------------------------------------
+
+
+def pool_mib(res: TuneResult) -> float:
+    return 64 * 1024 * res.derivation.final.gpu_memory_utilization
+
+
+@pytest.mark.parametrize("outside", [0, 300])
+def test_the_reserve_is_what_the_device_held_outside_the_pool(outside: int) -> None:
+    card = ScriptedCard(0, flat(20.0), device_total_mib=65_536, outside_mib=outside)
+    res = tuner(card).run()
+    # 8 MiB of hard margin on a 64 GB card, plus what npu-smi saw beside the pool, and the
+    # util's 4 digits (6.5 MiB a step).
+    room = card.free_mib - outside - 8
+    assert room - 6.6 < pool_mib(res) <= room
+    assert res.reserve_gib * 1024 == pytest.approx(8 + outside)
+    assert f"{outside:,} MiB the device held outside the pool" in res.final_util_source
+
+
+def test_without_a_device_reading_the_reserve_scales_with_the_card() -> None:
+    res = tuner(ScriptedCard(0, flat(20.0))).run()
+    assert res.reserve_gib == 0.25  # a 64 GB card, free memory measured by MindSpore
+    # A guessed reserve lends the model-use budget's integer rounding back, to the hard margin.
+    assert pool_mib(res) <= ScriptedCard.free_mib - 8
+    assert "no device reading" in res.final_util_source
+
+
+def test_free_memory_that_moves_between_launches_widens_the_margin() -> None:
+    # The second launch reads 40 MiB less free memory than the first: from then on the pool
+    # keeps that much more below the latest reading.
+    card = ScriptedCard(0, flat(20.0), device_total_mib=65_536,
+                        free_drift_mib=lambda n: 40 if n >= 2 else 0)
+    t = tuner(card)
+    t.run()
+    assert len(card.launches) >= 2
+    assert t.free is not None
+    assert t.free.spread_mib == 40
+    assert t.reserve() * 1024 == pytest.approx(8 + 40)
+    assert 64 * 1024 * t.max_util(1.0) <= card.free_mib - 40 - 48
+    assert "40 MiB of it how far the free memory moved" in t.reserve_words()
+
+
+@pytest.mark.parametrize(("wa_gib", "use"), [(19.99, 20), (19.9995, 21)])
+def test_a_margin_that_would_cost_a_whole_gib_of_model_use_shrinks_to_the_edge(
+    wa_gib: float, use: int
+) -> None:
+    # Weights+activations 10 MiB below 20 GiB: the tightening margin (8 MiB + 0.1 % of the
+    # activations, about 13 MiB) would round the model-use up to 21 GiB; the edge keeps 20 and
+    # at least 2 MiB. At 0.5 MiB below, inside the dump's MiB rounding, it stays at 21.
+    card = ScriptedCard(0, flat(wa_gib), device_total_mib=65_536)
+    t = tuner(card)
+    res = t.run()
+    assert res.validated
+    assert res.derivation.final.vllm_model_memory_use_gb == use
+    assert ("integer edge" in names(t)) is (use == 20)
+    assert res.validation is not None
+    assert res.validation.kind is OutcomeKind.OK

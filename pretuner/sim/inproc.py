@@ -38,6 +38,10 @@ class InprocRun:
     replies: tuple[Reply, ...]
     ready: bool  # it reached the point where the real server opens its socket
     exit_code: int
+    # What a device reader sampling the server's cards would have seen at most, and their
+    # total (npu-smi's HBM figures, the other tenant included); 0 when it never took a pool.
+    device_peak_mib: int = 0
+    device_total_mib: int = 0
 
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
@@ -54,20 +58,28 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     except StartupFailed as err:
         server._unpublish()
         stream.write(traceback_text(err.exc_type, err.message, err.where))
-        return InprocRun(stream.getvalue(), (), False, 1)
+        return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
     except OutOfMemory as oom:
         server._unpublish()
         stream.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
-        return InprocRun(stream.getvalue(), (), False, 1)
+        return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)
     if crashed:
         server.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server "
                           "process")
         server._unpublish()
-        return InprocRun(stream.getvalue(), replies, True, 1)
+        return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
-    return InprocRun(stream.getvalue(), replies, True, 0)
+    return InprocRun(stream.getvalue(), replies, True, 0, *_device(server))
+
+
+def _device(server: Server) -> tuple[int, int]:
+    """(peak, total) MiB of the server's cards as the emulated npu-smi shows them."""
+    peak = server.device_peak_mib
+    if peak == 0:
+        return 0, 0
+    return peak + server.cfg.occupied_mib, server.profile.total_mib
 
 
 def _serve(server: Server, limits: EngineLimits, prompts: Sequence[int],

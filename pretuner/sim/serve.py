@@ -84,6 +84,7 @@ class Server:
         self.vlog = VllmLog(stream)
         self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
+        self.device_peak_mib = 0  # the most this server published for npu-smi (its cards)
         self.ranks: list[_Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
@@ -123,6 +124,7 @@ class Server:
                                 WHERE_MS) from None
 
     def _publish(self, used_bytes: int) -> None:
+        self.device_peak_mib = max(self.device_peak_mib, used_bytes // MIB)
         state = state_dir(self.cfg.env)
         state.mkdir(parents=True, exist_ok=True)
         for r in self.ranks:

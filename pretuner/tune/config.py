@@ -28,6 +28,10 @@ TIGHTEN_MIN_GAIN = 0.02  # a validated config is tightened when that buys 2 % mo
 # the configuration proven before stands if it fails.
 TIGHTEN_MARGIN_FLOOR_BYTES = 8 * MIB
 TIGHTEN_MARGIN_SHARE = 0.001
+# The least margin a tightened configuration keeps when the usual one would round r0.1's
+# integer model-use up by a whole GiB: the pool dump's figures are whole MiB, so below two
+# the margin would sit inside their rounding.
+EDGE_MARGIN_FLOOR_BYTES = 2 * MIB
 LEARN_MARGIN = 0.10  # a validation OOM's per-sequence cost is inflated by this
 CHUNKED_GROWING_SHARE = 0.1  # see WaModel.growing_share
 
@@ -85,6 +89,7 @@ class TuneResult:
     final_util_source: str
     prerun: LaunchOutcome | None = None  # the pre-run the derivation rests on
     validation: LaunchOutcome | None = None  # the launch that proved it
+    reserve_gib: float = 0.0  # what the derivation kept below the card's free memory (GiB)
 
 
 Executor = Callable[[LaunchSettings], LaunchOutcome]

@@ -92,6 +92,11 @@ class TunerCore:
         self.fails: dict[bool, set[int]] = {False: set(), True: set()}
         self.per_seq = per_sequence_bytes(cfg.model.vocab_size)
         self.base_headroom = bud.BASE_HEADROOM_FLOOR_BYTES
+        # MiB the device held outside MindSpore's pool after its free-memory reading, the most
+        # any launch showed (None: no device reader sampled a launch whose pool was up).
+        self.outside_mib: int | None = None
+        self.free_readings: list[int] = []  # MiB free, as MindSpore's init lines read it
+        self.reserves: dict[int, float] = {}  # id(derivation) -> the reserve it kept, GiB
 
     # -- bookkeeping ------------------------------------------------------------------------
     def decide(self, what: str, why: str, **data: Any) -> None:
@@ -123,22 +128,51 @@ class TunerCore:
     def learn_card(self, o: LaunchOutcome) -> None:
         """Keep what a launch measured of the card: free memory and the weights."""
         if o.device_free_mib:
-            self.free = bud.FreeMemory(
-                o.device_free_mib, f"MindSpore init line ({self.cfg.provenance})", True
+            self.free = self.engine_free(
+                o.device_free_mib, f"MindSpore init line ({self.cfg.provenance})"
             )
             top = bud.max_pool_util(self.cfg.card.card_gib, self.free)
             self.check_free(o.device_free_mib, "MindSpore's init line", top, o.log_path)
+        if o.worst_peak_mib is not None and o.device_peaks_mib and o.device_total_mib \
+                and o.device_free_mib:
+            # The pool was up (its dump was read), so the device held it whole.
+            cap_mib = o.settings.card_gib * o.settings.util * 1024
+            outside = bud.outside_pool_mib(max(o.device_peaks_mib.values()),
+                                           o.device_total_mib, o.device_free_mib, cap_mib)
+            self.outside_mib = max(self.outside_mib or 0, outside)
         if o.weights_gib:
             self.weights_bytes = int(o.weights_gib * GIB)
             for m in self.models.values():
                 m.weights_bytes = self.weights_bytes
 
+    def engine_free(self, mib: int, source: str) -> bud.FreeMemory:
+        """The free memory MindSpore read, with how far its readings have moved so far."""
+        self.free_readings.append(mib)
+        spread = max(self.free_readings) - min(self.free_readings)
+        return bud.FreeMemory(mib, source, True, spread)
+
     # -- memory the final configuration will have -------------------------------------------
     def reserve(self) -> float:
         measured = self.free is not None and self.free.measured_by_engine
         return bud.reserve_gib(
-            self.cfg.card.card_gib, measured_by_engine=measured, given=self.cfg.reserve_gib
+            self.cfg.card.card_gib, measured_by_engine=measured, given=self.cfg.reserve_gib,
+            outside_mib=self.outside_mib,
+            spread_mib=self.free.spread_mib if self.free is not None else 0,
         )
+
+    def reserve_words(self) -> str:
+        """The reserve and where it comes from, as the derivation's source says it."""
+        reserve = self.reserve()
+        text = f"{reserve:.3g} GiB reserve"
+        if self.cfg.reserve_gib is not None:
+            return text + " (--reserve-gb)"
+        if self.free is not None and self.free.measured_by_engine and self.outside_mib is not None:
+            margin = bud.hard_margin_gib(self.cfg.card.card_gib, self.free.spread_mib) * 1024
+            moved = (f", {self.free.spread_mib:,} MiB of it how far the free memory moved "
+                     "between launches" if self.free.spread_mib else "")
+            return (text + f" ({self.outside_mib:,} MiB the device held outside the pool, "
+                    f"{self.seen}, + {margin:.0f} MiB margin{moved})")
+        return text + " (scaled to the card: no device reading of memory outside the pool)"
 
     def max_util(self, current: float) -> float:
         """The util later pre-runs use: the largest pool the measured free memory allows."""
@@ -271,8 +305,8 @@ class TunerCore:
 
     def lower_util(self, util: float, outcome: LaunchOutcome, steps: Any) -> float:
         if outcome.device_free_mib:
-            free = bud.FreeMemory(
-                outcome.device_free_mib, f"the device's refusal ({self.cfg.provenance})", True
+            free = self.engine_free(
+                outcome.device_free_mib, f"the device's refusal ({self.cfg.provenance})"
             )
             self.free = free
             new = bud.max_pool_util(self.cfg.card.card_gib, free)
@@ -357,9 +391,12 @@ class TunerCore:
             # plus headroom): learn it at the largest pool, then give it back within reach.
             top = min(self.util_cap, bud.max_pool_util(card, self.free))
             rounding = derive(self.prerun_inputs(prerun, top, per_seq, base)).rounding_cost_bytes
-            util = min(self.util_cap, bud.pool_util(card, self.free, reserve, rounding / GIB))
+            outside = (self.outside_mib or 0) / 1024
+            util = min(self.util_cap,
+                       bud.pool_util(card, self.free, reserve, rounding / GIB, outside))
             d = derive(self.prerun_inputs(prerun, util, per_seq, base))
-            source = f"{self.free.source}: {self.free.mib:,} MiB free - {reserve:.3g} GiB reserve"
+            self.reserves[id(d)] = reserve
+            source = f"{self.free.source}: {self.free.mib:,} MiB free - {self.reserve_words()}"
             if util > bud.pool_util(card, self.free, reserve):
                 source += (
                     f" + {d.rounding_cost_bytes / GIB:.2f} GiB of integer rounding given back to "
@@ -396,5 +433,6 @@ class TunerCore:
             final_util_source=source,
             prerun=prerun,
             validation=validation,
+            reserve_gib=self.reserves.get(id(d), 0.0),
         )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from pretuner.engines.mindspore_r01 import outcome_of
@@ -61,7 +62,7 @@ def inprocess_executor(
                 hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}",
                 log_path=str(log_path),
             )
-        return outcome_of(
+        outcome = outcome_of(
             n,
             settings,
             scan,
@@ -75,6 +76,12 @@ def inprocess_executor(
             rank_peaks_mib=rank_peaks(scan),
             times=(0.0, 0.0, 0.0, time.monotonic() - t0),
         )
+        if not res.device_peak_mib:
+            return outcome
+        # What the sampler of a real run reads from the emulated npu-smi.
+        return replace(outcome, device_peaks_mib={"run": res.device_peak_mib},
+                       device_reader="emulated npu-smi (in process)",
+                       device_total_mib=res.device_total_mib)
 
     return execute
 

@@ -14,6 +14,7 @@ from pretuner.errors import (
 from pretuner.method import Derivation
 from pretuner.tune import budget as bud
 from pretuner.tune.config import (
+    EDGE_MARGIN_FLOOR_BYTES,
     LEARN_MARGIN,
     TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MARGIN_SHARE,
@@ -123,6 +124,9 @@ class Validation(TunerCore):
             cand, source = self.derive(prerun, per_seq=slope, base=base, announce=False)
         except PretunerError:
             return None
+        edge = self.edge(prerun, cand, base, margin, slope)
+        if edge is not None:
+            cand, source, margin = edge
         gain = cand.final.kv_bytes - d.final.kv_bytes
         if gain < TIGHTEN_MIN_GAIN * d.final.kv_bytes and (
             cand.final.max_num_seqs <= d.final.max_num_seqs
@@ -145,6 +149,35 @@ class Validation(TunerCore):
             max_num_seqs=cand.final.max_num_seqs,
         )
         return cand, source
+
+    def edge(
+        self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int
+    ) -> tuple[Derivation, str, int] | None:
+        """The candidate one integer GiB of model-use lower, when only the tightening margin
+        pushes the budget over that integer (r0.1's integer model-use would give a whole GiB
+        of KV away for a few MiB) and a margin of at least EDGE_MARGIN_FLOOR_BYTES remains
+        below it: (derivation, source, margin kept)."""
+        if margin <= EDGE_MARGIN_FLOOR_BYTES:
+            return None
+        try:
+            low, source = self.derive(prerun, per_seq=slope,
+                                      base=base - margin + EDGE_MARGIN_FLOOR_BYTES, announce=False)
+        except PretunerError:
+            return None
+        use = low.final.vllm_model_memory_use_gb
+        if use >= cand.final.vllm_model_memory_use_gb:
+            return None
+        # What the budget holds besides the margin, at the sequences the lower one serves.
+        need = low.weights_act_bytes + base - margin + slope * (low.final.max_num_seqs - 1)
+        kept = use * GIB - need
+        self.decide(
+            "integer edge",
+            f"a {margin / MIB:,.1f} MiB margin would round the model-use budget up to "
+            f"{cand.final.vllm_model_memory_use_gb} GiB; {use} GiB keeps {kept / MIB:,.1f} MiB "
+            f"above what the full load {self.seen} needs and gives the KV cache "
+            f"{(low.final.kv_bytes - cand.final.kv_bytes) / GIB:.2f} GiB more",
+        )
+        return low, source, kept
 
     def learn(
         self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome, per_seq: int

@@ -222,7 +222,9 @@ def run_cmd(
         "measured activations + the spread between ranks; per-sequence headroom on top).",
     ),
     reserve_gb: float | None = typer.Option(
-        None, "--reserve-gb", metavar="GIB", help="GiB kept free below the card's free memory."
+        None, "--reserve-gb", metavar="GIB",
+        help="GiB kept free below the card's free memory (default: what npu-smi saw outside "
+        "MindSpore's pool + 1/8192 of the card; 0.25 GiB per 64 GB without a device reading).",
     ),
     model_use_gb: int | None = typer.Option(
         None,

@@ -163,7 +163,7 @@ class TunerCore:
     def reserve_words(self) -> str:
         """The reserve and where it comes from, as the derivation's source says it."""
         reserve = self.reserve()
-        text = f"{reserve:.3g} GiB reserve"
+        text = f"{reserve * 1024:,.0f} MiB reserve"
         if self.cfg.reserve_gib is not None:
             return text + " (--reserve-gb)"
         if self.free is not None and self.free.measured_by_engine and self.outside_mib is not None:

@@ -30,6 +30,13 @@ def test_report_steps_carry_device_peaks(tmp_path: Path) -> None:
     # The server's pool is on the card once it is ready: above what it held while starting.
     validate = rep["steps"][-1]["device_peaks_mib"]
     assert max(validate.values()) > validate.get("launch", 0)
+    # What the device held beyond the pool and what was in use at MindSpore's init is the
+    # reserve: nothing on the emulated card, whose CANN share comes before that reading.
+    assert "0 MiB the device held outside the pool, simulated, + 8 MiB margin" in (
+        rep["derivation"]["final_util_source"])
+    md = (out / "report.md").read_text()
+    assert "| outside the pool after init (device peak - that - pool cap) | 0.00 |" in md
+    assert "| in use before the pool (device total - free at MindSpore's init) |" in md
     journal = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     launches = [LaunchOutcome.from_json(e["outcome"]) for e in journal if e["event"] == "launch"]
     assert [o.device_peaks_mib for o in launches] == [s["device_peaks_mib"] for s in rep["steps"]]
@@ -55,3 +62,4 @@ def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
     steps = outcome.report.steps
     assert len(steps) >= 2
     assert all(s.device_reader is None and s.device_peaks_mib == {} for s in steps)
+    assert "no device reading of memory outside the pool" in outcome.report.derivation.final_util_source

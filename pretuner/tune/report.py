@@ -24,6 +24,7 @@ from pretuner.redact import one_line, redact_argv
 from pretuner.scripts.context import ScriptOptions, Target
 from pretuner.scripts.render import render_scripts
 from pretuner.tune.asked import first_validation_seqs, given_up
+from pretuner.tune.budget import outside_pool_mib
 from pretuner.tune.loop import TuneResult
 from pretuner.tune.records import (
     Asked,
@@ -247,11 +248,24 @@ def _proof_rows(validation: LaunchOutcome | None, cap_gib: float, tag: str) -> l
     rows = [f"| validation margin (cap - worst-rank peak under load) | {cap_gib - peak:.2f} | "
             f"{tag} peak {validation.worst_peak_mib:,} MiB |"]
     device = max(validation.device_peaks_mib.values(), default=None)
+    total, free = validation.device_total_mib, validation.device_free_mib
     if device is None:
         rows.append("| outside the pool (device peak - pool peak) | - | no device reader |")
-    else:
+    elif total is None or free is None:
         rows.append(f"| outside the pool (device peak - pool peak) | {device / 1024 - peak:.2f} "
                     f"| {tag}: device {device:,} MiB ({validation.device_reader}) |")
+    else:
+        # MindSpore takes its whole pool at start: what the device held beyond that and what
+        # was in use when it read the free memory came after, from other components.
+        cap_mib = cap_gib * 1024
+        after = outside_pool_mib(device, total, free, cap_mib)
+        rows += [
+            f"| in use before the pool (device total - free at MindSpore's init) | "
+            f"{(total - free) / 1024:.2f} | {tag}: {total:,} MiB ({validation.device_reader}) "
+            f"- {free:,} MiB free (init line) |",
+            f"| outside the pool after init (device peak - that - pool cap) | {after / 1024:.2f} "
+            f"| {tag}: device peak {device:,} MiB |",
+        ]
     return rows
 
 

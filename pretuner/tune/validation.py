@@ -124,7 +124,10 @@ class Validation(TunerCore):
             cand, source = self.derive(prerun, per_seq=slope, base=base, announce=False)
         except PretunerError:
             return None
-        edge = self.edge(prerun, cand, base, margin, slope)
+        # The edge keeps the share of the activations (what varies from one load to the next
+        # scales with them) and drops the floor, down to EDGE_MARGIN_FLOOR_BYTES.
+        least = max(EDGE_MARGIN_FLOOR_BYTES, margin - TIGHTEN_MARGIN_FLOOR_BYTES)
+        edge = self.edge(prerun, cand, base, margin, slope, least)
         if edge is not None:
             cand, source, margin = edge
         gain = cand.final.kv_bytes - d.final.kv_bytes
@@ -151,17 +154,18 @@ class Validation(TunerCore):
         return cand, source
 
     def edge(
-        self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int
+        self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int,
+        least: int,
     ) -> tuple[Derivation, str, int] | None:
         """The candidate one integer GiB of model-use lower, when only the tightening margin
         pushes the budget over that integer (r0.1's integer model-use would give a whole GiB
-        of KV away for a few MiB) and a margin of at least EDGE_MARGIN_FLOOR_BYTES remains
-        below it: (derivation, source, margin kept)."""
-        if margin <= EDGE_MARGIN_FLOOR_BYTES:
+        of KV away for a few MiB) and a margin of at least `least` remains below it:
+        (derivation, source, margin kept)."""
+        if margin <= least:
             return None
         try:
-            low, source = self.derive(prerun, per_seq=slope,
-                                      base=base - margin + EDGE_MARGIN_FLOOR_BYTES, announce=False)
+            low, source = self.derive(prerun, per_seq=slope, base=base - margin + least,
+                                      announce=False)
         except PretunerError:
             return None
         use = low.final.vllm_model_memory_use_gb

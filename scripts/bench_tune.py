@@ -11,8 +11,9 @@ through real server processes and HTTP and checks they decide the same.
 Per card size it prints:
   - KV found / the largest KV that truly fits the chosen configuration (r0.1's integer model-use
     split, `pretuner.sim.truth`; the physical split in brackets): median, minimum, the share of
-    runs at 0.93 or more, and the minimum against the truth beside pretuner's deliberate
-    reserve below the free memory (what is lost to everything but that reserve);
+    runs at 0.93 or more, and the minimum against the truth beside the reserve the run kept
+    below the free memory (what it measured outside the pool plus its margin: what is lost to
+    everything but that reserve);
   - the seed method on the same pre-runs (util 0.9, no headroom) as the baseline, and how many
     of its configurations hold more KV than truly fits (they would run out of memory);
   - validation launches that ran out of memory; runs that ended "infeasible" although the
@@ -70,7 +71,7 @@ class Row:
     kv_gib: float = 0.0
     eff: float = 0.0
     eff_phys: float = 0.0
-    eff_reserve: float = 0.0  # against the truth beside pretuner's deliberate reserve
+    eff_reserve: float = 0.0  # against the truth beside the reserve the run kept
     seed_eff: float = 0.0
     seed_over: bool = False
     val_oom: int = 0

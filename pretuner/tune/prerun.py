@@ -16,8 +16,8 @@ from pretuner.tune.config import (
     CHUNK_GRID,
     UTIL_LADDER,
 )
-from pretuner.tune.core import TunerCore
 from pretuner.tune.crash import crash_error
+from pretuner.tune.deriving import Deriving
 from pretuner.tune.search import (
     Bound,
     Measured,
@@ -28,7 +28,7 @@ from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB
 
 
-class PrerunSearch(TunerCore):
+class PrerunSearch(Deriving):
 
     def prerun_most(self, util: float, length: int) -> int:
         """The largest integer model-use leaving KV for one sequence beside the watermark."""

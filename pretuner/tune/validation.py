@@ -23,13 +23,13 @@ from pretuner.tune.config import (
     TuneResult,
     kv_prerun_bytes,
 )
-from pretuner.tune.core import TunerCore
 from pretuner.tune.crash import crash_error
+from pretuner.tune.deriving import Deriving
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 
 
-class Validation(TunerCore):
+class Validation(Deriving):
 
     def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
         f = d.final

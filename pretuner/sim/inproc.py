@@ -56,11 +56,11 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     try:
         limits = server.boot()
     except StartupFailed as err:
-        server._unpublish()
+        server.card.unpublish()
         stream.write(traceback_text(err.exc_type, err.message, err.where))
         return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
     except OutOfMemory as oom:
-        server._unpublish()
+        server.card.unpublish()
         stream.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
         return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
@@ -68,7 +68,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     if crashed:
         server.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server "
                           "process")
-        server._unpublish()
+        server.card.unpublish()
         return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
     return InprocRun(stream.getvalue(), replies, True, 0, *_device(server))
@@ -76,7 +76,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
 
 def _device(server: Server) -> tuple[int, int]:
     """(peak, total) MiB of the server's cards as the emulated npu-smi shows them."""
-    peak = server.device_peak_mib
+    peak = server.card.peak_mib
     if peak == 0:
         return 0, 0
     return peak + server.cfg.occupied_mib, server.profile.total_mib

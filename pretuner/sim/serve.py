@@ -19,14 +19,13 @@ Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -57,10 +56,9 @@ from pretuner.sim.r01_config import (
     build_parser,
     parse,
 )
-from pretuner.sim.state import state_dir
-from pretuner.sim.truth import max_safe_kv
+from pretuner.sim.r01_state import CardState, write_truth
 from pretuner.stopflag import StopFlag
-from pretuner.units import GIB, MIB
+from pretuner.units import GIB
 
 if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
@@ -84,11 +82,10 @@ class Server:
         self.vlog = VllmLog(stream)
         self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
-        self.device_peak_mib = 0  # the most this server published for npu-smi (its cards)
+        self.card = CardState(cfg.env, self.profile)  # what npu-smi shows of its cards
         self.ranks: list[_Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
-        self.state_files: list[Path] = []
         self.dead: OutOfMemory | None = None
         self.crashed = threading.Event()
         self._phase_s = cfg.startup_s / 5
@@ -123,37 +120,6 @@ class Server:
             raise StartupFailed("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
                                 WHERE_MS) from None
 
-    def _publish(self, used_bytes: int) -> None:
-        self.device_peak_mib = max(self.device_peak_mib, used_bytes // MIB)
-        state = state_dir(self.cfg.env)
-        state.mkdir(parents=True, exist_ok=True)
-        for r in self.ranks:
-            path = state / f"node{r.node}-npu{r.device_id}.json"
-            data = {"pid": os.getpid(), "rank_pid": r.pid, "profile": self.profile.name,
-                    "used_mib": used_bytes // MIB, "process_name": "python3"}
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data), encoding="utf-8")
-            os.replace(tmp, path)
-            if path not in self.state_files:
-                self.state_files.append(path)
-
-    def _occupied_bytes(self) -> int:
-        """The most any other live emulated server holds on one of this server's cards."""
-        from pretuner.sim.npusmi import read_cards
-
-        worst = 0
-        for node in {r.node for r in self.ranks}:
-            cards = read_cards(self.profile, state_dir(self.cfg.env), node)
-            for r in (r for r in self.ranks if r.node == node):
-                use = next((c for c in cards if c.npu == r.device_id), None)
-                if use is not None and use.pid is not None:
-                    worst = max(worst, use.process_mib * MIB)
-        return worst
-
-    def _unpublish(self) -> None:
-        for path in self.state_files:
-            path.unlink(missing_ok=True)
-
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
         self.stop.install()
@@ -167,12 +133,12 @@ class Server:
         try:
             server = self._start()
         except StartupFailed as err:
-            self._unpublish()
+            self.card.unpublish()
             sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
             sys.stderr.flush()
             return 1
         except OutOfMemory as oom:
-            self._unpublish()
+            self.card.unpublish()
             sys.stderr.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
             sys.stderr.flush()
             return 1
@@ -285,35 +251,13 @@ class Server:
                 model_use = None
         blocks = (mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
                   if model_use is not None else 0)
-        self._write_truth(models, total_gb, blocks, mml, batched, chunked)
+        if cfg.truth:
+            write_truth(Path(cfg.truth), models, self.profile, seed=cfg.seed, total_gb=total_gb,
+                        util=cfg.util, blocks=blocks, mml=mml, seqs=cfg.max_num_seqs,
+                        batched=batched, chunked=chunked, occupied_mib=cfg.occupied_mib)
 
-        # MindSpore device init: the pool cap must fit in the card's free memory, which another
-        # live server on the same card (a leftover pre-run, say) has taken its share of.
-        free = self.profile.free_bytes - cfg.occupied_mib * MIB - self._occupied_bytes()
-        total = self.profile.total_bytes
-        if free < total // 2:
-            msg = ("Malloc device memory failed, free memory size is less than half of total "
-                   f"memory size.Device {self.ranks[0].device_id} Device HBM total size:{total} "
-                   f"Device HBM free size:{free} may be other processes occupying this card, "
-                   "check as: ps -ef|grep python")
-            raise StartupFailed("RuntimeError", msg, WHERE_MS)
-        if cap >= free:
-            msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
-                   f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
-                   "context key max_device_memory in valid range.")
-            for r in self.ranks:
-                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/device/"
-                          "ascend_memory_adapter.cc:142", "Initialize",
-                          f"#umsg#Framework Error Message:#umsg#{msg}")
-            raise StartupFailed("RuntimeError", msg, WHERE_MS)
-        for r in self.ranks:
-            r.log.py("WARNING", "For 'context.set_context', the parameter 'max_device_memory' "
-                     "will be deprecated and removed in a future version. Please use the api "
-                     "mindspore.set_device() instead.")
-            r.log.adapter_init(self.profile.total_mib, free, cap, total_gb * cfg.util)
-            r.log.noise("start", 24)
+        self.card.init_pool(self.ranks, cap, total_gb * cfg.util, cfg.occupied_mib)
         self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
-        self._publish(self.profile.driver_reserved_mib * MIB + self.profile.cann_mib * MIB + cap)
         if self._sleep(self._phase_s):
             return None
 
@@ -430,28 +374,6 @@ class Server:
     def _health(self) -> str | None:
         return self.remote.lost if self.remote is not None else None
 
-    def _write_truth(self, models: list[mem.CardModel], total_gb: int, blocks: int, mml: int,
-                     batched: int, chunked: bool) -> None:
-        if not self.cfg.truth:
-            return
-        t = mem.truth(models, self.profile, self.cfg.seed, total_gb=total_gb, util=self.cfg.util,
-                      kv_blocks=blocks, max_model_len=mml, max_num_seqs=self.cfg.max_num_seqs,
-                      batched=batched, chunked=chunked)
-        data = asdict(t)
-        free = self.profile.free_bytes - self.cfg.occupied_mib * MIB
-        for name, integer in (("r01", True), ("physical", False)):
-            fit = max_safe_kv(models, free, mml, batched=batched, chunked=chunked,
-                              integer_model_use=integer)
-            data[f"max_safe_kv_{name}"] = asdict(fit) if fit else None
-        data["max_model_len"] = mml
-        data["max_num_seqs"] = self.cfg.max_num_seqs
-        data["max_num_batched_tokens"] = batched
-        data["kv_blocks"] = blocks
-        path = Path(self.cfg.truth)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-
     def _shutdown_http(self, server: SimHTTPServer | None) -> None:
         self.vlog.uvicorn("Shutting down")
         if server is not None:
@@ -471,7 +393,7 @@ class Server:
             r.log.pool_dump(stats, self.cfg.pool_format)
             r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
             r.log.close()
-        self._unpublish()
+        self.card.unpublish()
         return 0
 
     def _crash_exit(self, server: SimHTTPServer) -> int:
@@ -483,7 +405,7 @@ class Server:
         server.server_close()
         self.vlog.uvicorn("Shutting down")
         self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-        self._unpublish()
+        self.card.unpublish()
         return 1
 
 

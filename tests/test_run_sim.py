@@ -294,3 +294,38 @@ def test_length_above_model_limit_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "exceeds qwen3-8b's max_position_embeddings 40,960" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Benchmarks and decision tests run the emulated server in process: on a busy 24 GB card
+    it must decide what the real processes, HTTP and npu-smi sampler decide, reserve included."""
+    from pretuner.sim import memory as mem
+    from pretuner.tune.backends import sim_profile
+    from pretuner.tune.config import CardInfo, TuneResult
+    from pretuner.tune.entry import RunOptions, run_tuning, tune_in_process
+
+    for key, value in cli_env().items():
+        monkeypatch.setenv(key, value)
+    occupied = 1500
+    prof = mem.PROFILES[sim_profile(24)]
+
+    def opts(name: str) -> RunOptions:
+        env = {"PRETUNER_SIM_OCCUPIED_MIB": str(occupied), "PRETUNER_SIM_STARTUP_S": "0.05",
+               "PRETUNER_SIM_TEARDOWN_S": "0.02",
+               "PRETUNER_SIM_STATE_DIR": str(tmp_path / f"card-{name}")}
+        return RunOptions(model="qwen3-8b", backend="sim", card_gib=24, max_model_len=16384,
+                          seed=2, sim_env=env, out=str(tmp_path / name))
+
+    card = CardInfo(24, prof.total_mib - prof.driver_reserved_mib - occupied, "emulated npu-smi")
+    inproc = tune_in_process(opts("inproc"), tmp_path / "inproc", card)
+    real = run_tuning(opts("real"), lambda name, detail: None).result
+
+    def decided(r: TuneResult) -> tuple[object, ...]:
+        f = r.derivation.final
+        return (f.gpu_memory_utilization, f.vllm_model_memory_use_gb, f.max_num_seqs,
+                f.max_model_len, len(r.outcomes), r.reserve_gib)
+
+    assert decided(inproc) == decided(real)
+    assert real.reserve_gib * 1024 == pytest.approx(3)  # 1/8192 of 24 GB: nothing outside
+    assert all(o.device_peaks_mib for o in (*inproc.outcomes, *real.outcomes))

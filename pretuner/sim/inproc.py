@@ -3,7 +3,8 @@
 Same command line, environment, boot sequence, scheduler, memory accounting and log lines as
 `pretuner sim serve`; no process, no HTTP, no clocks. A benchmark scores thousands of tuning
 runs this way in seconds, and decision tests drive the tuner against the emulated card in
-milliseconds. `tests/test_sim_inproc.py` checks it against the real subprocess server.
+milliseconds. `tests/test_run_sim.py` and `scripts/bench_tune.py --subprocess` check it
+against the real subprocess server.
 """
 
 from __future__ import annotations

@@ -47,6 +47,18 @@ def test_report_steps_carry_device_peaks(tmp_path: Path) -> None:
 
 
 
+def test_a_pool_that_grows_on_demand_is_not_told_apart_from_what_lies_outside(
+        tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out),
+                   env=cli_env(MS_ALLOC_CONF="enable_vmm:true"))
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert "256 MiB reserve (scaled to the card: MindSpore maps its pool as it grows" in (
+        rep["derivation"]["final_util_source"])
+    assert "| outside the pool | - | not told apart" in (out / "report.md").read_text()
+
+
 def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from pretuner.tune import entry

@@ -22,7 +22,13 @@ from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.truth import max_length
 from pretuner.tune.backends import sim_profile
-from pretuner.tune.config import CardInfo, TuneConfig, TuneResult, kv_prerun_bytes
+from pretuner.tune.config import (
+    CardInfo,
+    TuneConfig,
+    TuneResult,
+    kv_prerun_bytes,
+    pool_on_demand,
+)
 from pretuner.tune.entry import RunOptions, tune_in_process
 from pretuner.tune.loop import Tuner
 from pretuner.tune.settings import LaunchSettings, Purpose
@@ -253,6 +259,22 @@ def test_the_reserve_is_what_the_device_held_outside_the_pool(outside: int) -> N
     assert room - 6.6 < pool_mib(res) <= room
     assert res.reserve_gib * 1024 == pytest.approx(8 + outside)
     assert f"{outside:,} MiB the device held outside the pool" in res.final_util_source
+
+
+def test_a_pool_that_grows_on_demand_keeps_the_scaled_reserve() -> None:
+    # With MindSpore's virtual-memory pool the device shows what the pool used, not its cap:
+    # what lies outside the pool cannot be told apart, so the reserve stays a guess.
+    card = ScriptedCard(0, flat(20.0), device_total_mib=65_536, outside_mib=300)
+    res = tuner(card, pool_on_demand=True).run()
+    assert res.reserve_gib == 0.25
+    assert "enable_vmm" in res.final_util_source
+
+
+@pytest.mark.parametrize(("conf", "on"), [("enable_vmm:true", True), ("", False),
+                                          ("enable_vmm:false", False),
+                                          ("enable_vmm: True,vmm_align_size:2MB", True)])
+def test_the_virtual_memory_pool_is_read_from_ms_alloc_conf(conf: str, on: bool) -> None:
+    assert pool_on_demand({"MS_ALLOC_CONF": conf}) is on
 
 
 def test_without_a_device_reading_the_reserve_scales_with_the_card() -> None:

@@ -2,7 +2,8 @@
 
 HBM-Usage is the driver reservation of the profile plus, for a card a running emulated server
 uses, its CANN share and its whole MindSpore pool (the MindFormers backend runs with
-`enable_vmm:False`, so MindSpore takes `max_device_memory` from the card at init).
+`enable_vmm:False`, so MindSpore takes `max_device_memory` from the card at init; the emulator
+does so even when `MS_ALLOC_CONF` asks for the virtual-memory pool, which would show less).
 Servers publish that in `$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`; entries of dead
 processes are ignored. `PRETUNER_SIM_NODE` selects which emulated node this npu-smi runs on.
 """

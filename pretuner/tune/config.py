@@ -3,7 +3,7 @@ constants and the small pure helpers the decision modules share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,10 @@ class TuneConfig:
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None
     headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
-    reserve_gib: float | None = None  # default: scaled to the card (pretuner.tune.budget)
+    reserve_gib: float | None = None  # default: measured or scaled (pretuner.tune.budget)
+    # MindSpore maps its pool as it grows (MS_ALLOC_CONF enable_vmm:true): the device then shows
+    # what the pool used, not its cap, and cannot tell what lies outside the pool.
+    pool_on_demand: bool = False
     max_launches: int = 8
     validate: bool = True
     model_use_gib: int | None = None  # pin the pre-run's model-use (the seed's 50); default: max
@@ -90,6 +93,7 @@ class TuneResult:
     prerun: LaunchOutcome | None = None  # the pre-run the derivation rests on
     validation: LaunchOutcome | None = None  # the launch that proved it
     reserve_gib: float = 0.0  # what the derivation kept below the card's free memory (GiB)
+    pool_on_demand: bool = False  # TuneConfig.pool_on_demand
 
 
 Executor = Callable[[LaunchSettings], LaunchOutcome]
@@ -129,3 +133,9 @@ def kv_prerun_bytes(s: LaunchSettings, bpt: int) -> int:
     """The KV cache r0.1 allocated for a launch: whole blocks of card*util - model-use."""
     budget = int(s.card_gib * GIB * s.util) - s.model_use_gib * GIB
     return num_kv_blocks(budget, bpt, s.block_size) * s.block_size * bpt
+
+
+def pool_on_demand(env: Mapping[str, str]) -> bool:
+    """MindSpore's virtual-memory pool (`MS_ALLOC_CONF` with `enable_vmm:true`)."""
+    conf = env.get("MS_ALLOC_CONF", "").replace(" ", "").lower()
+    return "enable_vmm:true" in conf.split(",")

@@ -134,7 +134,7 @@ class TunerCore:
             top = bud.max_pool_util(self.cfg.card.card_gib, self.free)
             self.check_free(o.device_free_mib, "MindSpore's init line", top, o.log_path)
         if o.worst_peak_mib is not None and o.device_peaks_mib and o.device_total_mib \
-                and o.device_free_mib:
+                and o.device_free_mib and not self.cfg.pool_on_demand:
             # The pool was up (its dump was read), so the device held it whole.
             cap_mib = o.settings.card_gib * o.settings.util * 1024
             outside = bud.outside_pool_mib(max(o.device_peaks_mib.values()),
@@ -172,6 +172,9 @@ class TunerCore:
                      "between launches" if self.free.spread_mib else "")
             return (text + f" ({self.outside_mib:,} MiB the device held outside the pool, "
                     f"{self.seen}, + {margin:.0f} MiB margin{moved})")
+        if self.cfg.pool_on_demand:
+            return text + (" (scaled to the card: MindSpore maps its pool as it grows, "
+                           "enable_vmm, so the device cannot show what lies outside it)")
         return text + " (scaled to the card: no device reading of memory outside the pool)"
 
     def max_util(self, current: float) -> float:

@@ -122,5 +122,6 @@ class Deriving(TunerCore):
             prerun=prerun,
             validation=validation,
             reserve_gib=self.reserves.get(id(d), 0.0),
+            pool_on_demand=self.cfg.pool_on_demand,
         )
 

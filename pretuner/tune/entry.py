@@ -28,6 +28,7 @@ from pretuner.tune.backends import (
     lengths_for,
     sim_profile,
 )
+from pretuner.tune.config import pool_on_demand
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.failure import record_failure
 from pretuner.tune.loop import (
@@ -229,6 +230,7 @@ def _setup(
         check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
     p = plan_for(cfg)
     extra_env = _sim_env(opts, choice, p.weights_format, p.nodes)
+    cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
     if opts.serve_cmd:
         base_cmd, model_as_flag = shlex.split(opts.serve_cmd), True
         if not base_cmd:

@@ -227,7 +227,7 @@ def report_md(rep: RunReport, result: TuneResult) -> str:
         f"| rounding to integer model-use | {d.rounding_cost_bytes / GIB:.2f} | derived |",
         f"| KV cache | {f.kv_bytes / GIB:.2f} | derived |",
         f"| pool cap (card x util) | {cap_gib:.2f} | derived |",
-        *_proof_rows(result.validation, cap_gib, tag),
+        *_proof_rows(result.validation, cap_gib, tag, result.pool_on_demand),
         "",
         "## Start the server",
         "",
@@ -240,7 +240,9 @@ def report_md(rep: RunReport, result: TuneResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _proof_rows(validation: LaunchOutcome | None, cap_gib: float, tag: str) -> list[str]:
+def _proof_rows(
+    validation: LaunchOutcome | None, cap_gib: float, tag: str, on_demand: bool
+) -> list[str]:
     """What the validation left below the cap, and what the device held outside the pool."""
     if validation is None or validation.worst_peak_mib is None:
         return ["| validation margin (cap - worst-rank peak under load) | - | no validation |"]
@@ -251,6 +253,9 @@ def _proof_rows(validation: LaunchOutcome | None, cap_gib: float, tag: str) -> l
     total, free = validation.device_total_mib, validation.device_free_mib
     if device is None:
         rows.append("| outside the pool (device peak - pool peak) | - | no device reader |")
+    elif on_demand:
+        rows.append("| outside the pool | - | not told apart: MindSpore's pool grows on demand "
+                    f"(enable_vmm); {tag}: device peak {device:,} MiB |")
     elif total is None or free is None:
         rows.append(f"| outside the pool (device peak - pool peak) | {device / 1024 - peak:.2f} "
                     f"| {tag}: device {device:,} MiB ({validation.device_reader}) |")

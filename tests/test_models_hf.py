@@ -15,7 +15,8 @@ import pytest
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import AttentionKind, lookup, resolve
-from pretuner.models.hf import read_safetensors_header, spec_from_folder
+from pretuner.models.checkpoint import read_safetensors_header
+from pretuner.models.hf import spec_from_folder
 
 DTYPE_SIZE = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1, "I32": 4}
 

@@ -1,225 +1,25 @@
 """A ModelSpec from a local Hugging Face model folder, sized without loading any weights.
 
-Only `config.json`, the checkpoint index and the safetensors *headers* are read: a
-safetensors file is an 8-byte little-endian header length N, N bytes of JSON
-`{name: {dtype, shape, data_offsets}}`, then the tensor data, which is never touched.
-A 700 GB checkpoint is sized from a few megabytes of headers.
+Only `config.json`, the checkpoint index and the safetensors *headers* are read
+(`pretuner.models.checkpoint`): a 700 GB checkpoint is sized from a few megabytes of headers.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError
+from pretuner.models.checkpoint import BYTES_PER_PARAM, HINT_REDOWNLOAD, checkpoint_size, load_json
 from pretuner.models.quant import from_config as quantization_from_config
 from pretuner.models.spec import DTYPE_BYTES, AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_config
 
 log = logging.getLogger(__name__)
 
-# The safetensors format itself refuses headers above 100 MB; a bigger claim means garbage.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-# Tensors that quantized checkpoints store beside the weights (scales, zero points, offsets):
-# they take bytes but are not model parameters.
-_AUX_SUFFIXES = (
-    "_scale_inv", "_scale", "_scales", ".scales", "_offset", ".qzeros", ".g_idx",
-    ".deq_scale", ".quant_bias", "_zero_point",
-)
-
-# Bytes per parameter by checkpoint format, to turn an index total into a parameter count
-# when the shard headers are not at hand (REFERENCE section 6).
-_BYTES_PER_PARAM: dict[str, float] = {
-    "fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0002, "w8a8": 1.0, "w8a16": 1.0,
-    "int8": 1.0, "mxfp4": 0.53, "awq": 0.52, "gptq": 0.52,
-}
-
 _SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
-_HINT_REDOWNLOAD = "re-download that file (the download may be incomplete) or remove it"
-
-
-@dataclass(frozen=True, slots=True)
-class SafetensorsHeader:
-    """What one safetensors header says: tensor bytes and parameter count."""
-
-    path: Path
-    header_bytes: int
-    tensor_bytes: int
-    params: int
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointSize:
-    """A folder's weights: total bytes, parameter count, and how both were found."""
-
-    total_bytes: int
-    params: int
-    how: str
-
-
-def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text("utf-8")
-    except OSError as err:
-        raise BadInputError(f"cannot read {path}: {err.strerror}") from None
-    except UnicodeDecodeError:
-        raise BadInputError(f"{path} is not UTF-8 text", hint=_HINT_REDOWNLOAD) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise BadInputError(
-            f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})",
-            hint=_HINT_REDOWNLOAD,
-        ) from None
-    if not isinstance(data, dict):
-        raise BadInputError(f"{path} must hold a JSON object, not {type(data).__name__}")
-    return data
-
-
-def _tensor_params(name: str, entry: dict[str, Any], quant_bits: int) -> int:
-    """Parameters a stored tensor holds: packed low-bit tensors hold several per element."""
-    if name.endswith(_AUX_SUFFIXES):
-        return 0
-    elements = int(math.prod(entry["shape"]))
-    dtype = str(entry["dtype"])
-    if name.endswith("_blocks") and dtype == "U8":
-        return elements * 2  # MXFP4: two 4-bit values per byte
-    if name.endswith(".qweight") and dtype in ("I32", "U32"):
-        return elements * (32 // quant_bits)  # GPTQ/AWQ pack 32 // bits values per int32
-    return elements
-
-
-def read_safetensors_header(path: Path, *, quant_bits: int = 4) -> SafetensorsHeader:
-    """Parse one file's header and check it against the file size; never reads tensor data."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise BadInputError(
-                    f"{path} is {size} bytes, too short to be a safetensors file",
-                    hint=_HINT_REDOWNLOAD,
-                )
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len == 0 or header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise BadInputError(
-                    f"{path}: safetensors header claims {header_len:,} bytes but the file is "
-                    f"{size:,} bytes; the file is truncated or not safetensors",
-                    hint=_HINT_REDOWNLOAD,
-                )
-            raw = f.read(header_len)
-    except OSError as err:
-        raise BadInputError(f"cannot read {path}: {err.strerror}") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise BadInputError(
-            f"{path}: safetensors header is not valid JSON; the file is corrupt",
-            hint=_HINT_REDOWNLOAD,
-        ) from None
-    if not isinstance(header, dict):
-        raise BadInputError(
-            f"{path}: safetensors header is not a JSON object", hint=_HINT_REDOWNLOAD
-        )
-    data_bytes = size - 8 - header_len
-    tensor_bytes = 0
-    params = 0
-    data_end = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        if not _valid_entry(entry):
-            raise BadInputError(
-                f"{path}: malformed safetensors entry for tensor {name!r}", hint=_HINT_REDOWNLOAD
-            )
-        start, end = entry["data_offsets"]
-        tensor_bytes += end - start
-        data_end = max(data_end, end)
-        params += _tensor_params(name, entry, quant_bits)
-    if data_end > data_bytes:
-        raise BadInputError(
-            f"{path} is {size:,} bytes but its header places tensor data up to byte "
-            f"{8 + header_len + data_end:,}; the download is incomplete",
-            hint=_HINT_REDOWNLOAD,
-        )
-    return SafetensorsHeader(path, header_len, tensor_bytes, params)
-
-
-def _valid_entry(entry: Any) -> bool:
-    if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
-        return False
-    shape, offsets = entry.get("shape"), entry.get("data_offsets")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        return False
-    if not isinstance(offsets, list) or len(offsets) != 2:
-        return False
-    start, end = offsets
-    return _is_count(start) and _is_count(end) and start <= end
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def checkpoint_size(folder: Path, fmt: str, quant_bits: int = 4) -> CheckpointSize | None:
-    """Bytes and parameters of the folder's weights, or None when it holds no checkpoint.
-
-    The index's `metadata.total_size` gives the bytes when present; the shard headers give
-    the parameter count when every shard is present (else bytes / bytes-per-param).
-    """
-    index_total: int | None = None
-    shard_names: list[str] = []
-    for index_name in _INDEX_FILES:
-        index_path = folder / index_name
-        if not index_path.is_file():
-            continue
-        index = _load_json(index_path)
-        metadata = index.get("metadata")
-        total = metadata.get("total_size") if isinstance(metadata, dict) else None
-        if not _is_count(total) or total == 0:
-            raise BadInputError(
-                f"{index_path} has no positive integer metadata.total_size",
-                hint=_HINT_REDOWNLOAD,
-            )
-        index_total = total
-        weight_map = index.get("weight_map")
-        if isinstance(weight_map, dict):
-            shard_names = sorted({v for v in weight_map.values() if isinstance(v, str)})
-        break
-
-    if shard_names:
-        shards = [folder / name for name in shard_names if name.endswith(".safetensors")]
-        if len(shards) != len(shard_names) or not all(p.is_file() for p in shards):
-            shards = []  # shards missing or not safetensors: size from the index alone
-    else:
-        shards = sorted(folder.glob("*.safetensors"))
-
-    headers = [read_safetensors_header(p, quant_bits=quant_bits) for p in shards]
-    if index_total is not None:
-        if headers:
-            params = sum(h.params for h in headers)
-            how = f"index total_size, parameters from {len(headers)} safetensors header(s)"
-        else:
-            params = round(index_total / _BYTES_PER_PARAM.get(fmt, 2.0))
-            how = "index total_size, parameters estimated from bytes per parameter"
-        return CheckpointSize(index_total, params, how)
-    if headers:
-        return CheckpointSize(
-            sum(h.tensor_bytes for h in headers),
-            sum(h.params for h in headers),
-            f"{len(headers)} safetensors header(s)",
-        )
-    return None
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -283,7 +83,7 @@ def _weights_format_name(folder: Path, cfg: dict[str, Any], dtype: str) -> tuple
         return method, bits
     # Ascend msModelSlim writes its scheme to a side file instead of config.json.
     for desc in sorted(folder.glob("quant_model_description*.json")):
-        kind = _load_json(desc).get("model_quant_type")
+        kind = load_json(desc).get("model_quant_type")
         if isinstance(kind, str) and kind:
             return kind.lower(), 8
     return _SHORT_DTYPE[dtype], 16
@@ -349,7 +149,7 @@ def spec_from_folder(path: Path) -> ModelSpec:
             f"no config.json in {folder}",
             hint="pass a Hugging Face model folder, or a registry name (see `pretuner models`)",
         )
-    outer = _load_json(config_path)
+    outer = load_json(config_path)
     r = _Reader(_text_config(outer), config_path)
 
     num_layers = r.req_int("num_hidden_layers", "num_layers", "n_layer")
@@ -400,7 +200,7 @@ def spec_from_folder(path: Path) -> ModelSpec:
         )
 
     preproc_path = folder / "preprocessor_config.json"
-    preproc = _load_json(preproc_path) if preproc_path.is_file() else None
+    preproc = load_json(preproc_path) if preproc_path.is_file() else None
     vision, vision_note = vision_from_config(outer, preproc, str(config_path), str(preproc_path))
     if vision_note:
         notes.append(vision_note)
@@ -412,14 +212,14 @@ def spec_from_folder(path: Path) -> ModelSpec:
         notes.append(f"Weights sized from {size.how}.")
     else:
         total_params = _estimate_params(r, dims, attention)
-        bpp = _BYTES_PER_PARAM.get(fmt, float(DTYPE_BYTES[dtype]))
+        bpp = BYTES_PER_PARAM.get(fmt, float(DTYPE_BYTES[dtype]))
         weights = WeightsFormat(fmt, round(total_params * bpp), "derived")
         notes.append(
             "No checkpoint in the folder: parameters estimated from the config dims "
             "(decoder layers and embeddings only)."
         )
     if total_params <= 0:
-        raise BadInputError(f"{folder}: the checkpoint holds no tensors", hint=_HINT_REDOWNLOAD)
+        raise BadInputError(f"{folder}: the checkpoint holds no tensors", hint=HINT_REDOWNLOAD)
 
     name_or_path = outer.get("_name_or_path")
     hf_id = (

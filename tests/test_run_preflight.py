@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pretuner.models import resolve
 from pretuner.tune.backends import Backend
-from pretuner.tune.entry import server_model_arg
+from pretuner.tune.server_cmd import server_model_arg
 from tests.helpers import cli_env, run_cli
 
 REAL = ("run", "--model", "qwen3-8b", "--backend", "vllm-mindspore", "--card", "64")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import shutil
-import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +16,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
-from pretuner.models import ModelSpec, builtin_specs, local_model_path, resolve
+from pretuner.models import builtin_specs, resolve
 from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.backends import (
     BackendChoice,
@@ -26,7 +24,6 @@ from pretuner.tune.backends import (
     detect_card,
     engine_version,
     lengths_for,
-    sim_profile,
 )
 from pretuner.tune.config import pool_on_demand
 from pretuner.tune.execute import LaunchContext, Phase
@@ -53,6 +50,7 @@ from pretuner.tune.ownership import (
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.records import RunReport
 from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
+from pretuner.tune.server_cmd import check_server_installed, server_model_arg, sim_env
 from pretuner.tune.settings import (
     Backend,
     LaunchCommand,
@@ -106,61 +104,6 @@ def _check_lengths(max_len: int, min_len: int) -> None:
         )
 
 
-def _sim_env(
-    opts: RunOptions, choice: BackendChoice, weights_format: str, nodes: int
-) -> dict[str, str]:
-    if choice.backend is not Backend.SIM:
-        return dict(opts.sim_env)
-    env = {
-        "PRETUNER_SIM_PROFILE": sim_profile(opts.card_gib),
-        "PRETUNER_SIM_SEED": str(opts.seed),
-        "PRETUNER_SIM_WEIGHTS_FORMAT": weights_format,
-    }
-    if nodes > 1:
-        env["PRETUNER_SIM_NODES"] = str(nodes)
-    # Emulator knobs the user exported (another profile, a truth file...) win.
-    env.update({k: v for k, v in os.environ.items() if k.startswith("PRETUNER_SIM_")})
-    env.update(opts.sim_env)
-    return env
-
-
-def server_model_arg(model: str, spec: ModelSpec, backend: Backend) -> str:
-    """What the server loads: a folder by its absolute path; a registry name as its Hugging
-    Face id for a real vLLM-MindSpore (which cannot load `qwen3-8b`); pretuner's own servers
-    take the name."""
-    if (local := local_model_path(model)) is not None:
-        return local
-    if backend in (Backend.SIM, Backend.MINDSPORE_CPU):
-        return model
-    return spec.hf_id or model
-
-
-def check_server_installed(base_cmd: list[str]) -> None:
-    """Refuse, before a run folder exists, a server command whose program or Python module is
-    not installed here (exit 2), instead of finding out from the first launch's log."""
-    program = shutil.which(base_cmd[0])
-    if program is None:
-        raise BadInputError(
-            f"the server command {base_cmd[0]!r} is not on PATH",
-            hint="install the engine (pip install vllm-mindspore) in this environment, pass "
-            "the whole command with --serve-cmd, or --backend sim for the emulated card",
-        )
-    if len(base_cmd) > 2 and base_cmd[1] == "-m":
-        module = base_cmd[2].split(".")[0]
-        probe = subprocess.run(
-            [program, "-c", f"import importlib.util, sys; "
-             f"sys.exit(importlib.util.find_spec({module!r}) is None)"],
-            capture_output=True, timeout=60, check=False,
-        )
-        if probe.returncode != 0:
-            raise BadInputError(
-                f"{base_cmd[0]} ({program}) cannot import {module!r}: the engine is not "
-                "installed for it",
-                hint="install the engine (pip install vllm-mindspore) for that Python, pass "
-                "the whole command with --serve-cmd, or --backend sim for the emulated card",
-            )
-
-
 def _setup(
     opts: RunOptions, card: CardInfo | None = None
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
@@ -203,7 +146,7 @@ def _setup(
         min(lengths.min_model_len, max_len) if opts.min_model_len is None else opts.min_model_len
     )
     _check_lengths(max_len, min_len)
-    base_env = _sim_env(opts, choice, spec.weights_format(opts.weights_format).name, 1)
+    base_env = sim_env(opts, choice, spec.weights_format(opts.weights_format).name, 1)
     if card is None:
         card = detect_card(choice, opts.card_gib, {**os.environ, **base_env})
     cfg = TuneConfig(
@@ -229,7 +172,7 @@ def _setup(
     if opts.model_use_gib is not None:
         check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
     p = plan_for(cfg)
-    extra_env = _sim_env(opts, choice, p.weights_format, p.nodes)
+    extra_env = sim_env(opts, choice, p.weights_format, p.nodes)
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
     if opts.serve_cmd:
         base_cmd, model_as_flag = shlex.split(opts.serve_cmd), True

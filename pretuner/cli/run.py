@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.progress import Progress
-from pretuner.cli.render import echo_json, table
+from pretuner.cli.render import echo_json
+from pretuner.cli.run_render import (
+    RAY_DRY_RUN,
+    dry_run_json,
+    render_dry_run,
+    render_summary,
+)
 from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
 from pretuner.cli.vocab import (
     CONFIG_EXTRA,
@@ -25,30 +30,13 @@ from pretuner.cli.vocab import (
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 from pretuner.launch.groups import report_stops_to
 from pretuner.launch.process import install_signal_handlers
-from pretuner.presets.compare import preset_line
 from pretuner.tune.entry import (
-    DryRun,
     RunOptions,
-    RunOutcome,
     dry_run,
     engine_for,
     run_tuning,
 )
-from pretuner.tune.records import Cluster, Step
 from pretuner.tune.v1.entry import V1RunOutcome
-from pretuner.units import GIB
-
-SIM_BANNER = (
-    "*** EMULATED CARD: no Ascend stack here, so pretuner drives its emulated vLLM-MindSpore "
-    "server. Every figure below is SIMULATED, not measured. ***"
-)
-
-RAY_DRY_RUN = (
-    "with --ray-address {address}: pretuner first checks the cluster (nodes, NPUs, versions, "
-    "node variables), then runs each launch with --distributed-executor-backend ray, "
-    "RAY_ADDRESS, GLOG_logtostderr=0, GLOG_log_dir=<launch>/glog and these variables in the "
-    "launch's Ray job runtime env, and reads every node's logs on that node."
-)
 
 
 @app.command(
@@ -404,94 +392,3 @@ def _given(ctx: typer.Context, name: str) -> bool:
     # By name: typer may bring its own copy of click, and with it its own ParameterSource.
     source = ctx.get_parameter_source(name)
     return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")
-
-
-def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
-    """`run --dry-run --json` for the r0.1 method: what the first launch would be, as data."""
-    shown = d.command.redacted()
-    return {
-        "dry_run": True,
-        "method": "r0.1",
-        "backend": d.backend.backend.value,
-        "backend_reason": d.backend.reason,
-        "simulated": d.backend.simulated,
-        "card_gib": d.card.card_gib,
-        "card_source": d.card.source,
-        "free_mib": d.card.free_mib,
-        "layout": d.layout_reason,
-        "ray_address": ray_address,
-        "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
-    }
-
-
-def render_dry_run(d: DryRun) -> str:
-    lines = []
-    if d.backend.simulated:
-        lines.append(SIM_BANNER)
-    lines += [
-        f"backend: {d.backend.backend.value} ({d.backend.reason})",
-        f"card: {d.card.card_gib} GiB ({d.card.source}), free "
-        + (f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"),
-        f"layout: {d.layout_reason}",
-        "launch 1 (pre-run) would be:",
-        f"  {d.command.shell_line()}",
-        "then: read every rank's `actual peak used` after a graceful stop, derive, and validate "
-        "with max-num-seqs concurrent max-length requests (launch 2).",
-    ]
-    return "\n".join(lines)
-
-
-def render_summary(o: RunOutcome) -> str:
-    rep = o.report
-    f = o.result.derivation.final
-    lines = []
-    if rep.simulated:
-        lines.append(SIM_BANNER)
-    status = "VALIDATED under full load" if rep.validated else "NOT VALIDATED"
-    if rep.validated and rep.given_up:
-        status = f"VALIDATED, BUT LESS THAN ASKED ({'; '.join(rep.given_up)})"
-    tag = rep.provenance.actual_peak_mib
-    rows = [
-        (s.n, s.purpose, s.settings.util, s.settings.model_use_gib,
-         f"{s.settings.max_model_len:,}", s.settings.max_num_seqs, s.outcome,
-         f"{s.worst_peak_mib:,}" if s.worst_peak_mib else "-",
-         "-" if s.seconds is None else f"{s.seconds:.1f}")
-        for s in rep.steps
-    ]  # fmt: skip
-    lines += [
-        f"{rep.model} on {rep.card_gib} GiB cards, TP{rep.tp} x PP{rep.pp}, "
-        f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",
-        "",
-        table(
-            (
-                "#",
-                "purpose",
-                "util",
-                "model-use GiB",
-                "max_model_len",
-                "seqs",
-                "outcome",
-                f"worst peak MiB ({tag})",
-                "s",
-            ),
-            rows,
-        ),  # fmt: skip
-        "",
-        f"KV cache per card: {f.kv_bytes / GIB:.2f} GiB = {f.kv_tokens:,} tokens (derived)",
-    ]
-    lines += [f"export {k}={v}" for k, v in f.env.items()]
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep.final.flags.items())
-    lines += [flags, preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens, tag)]
-    if rep.cluster is not None:
-        lines.append(cluster_line(rep.cluster, rep.steps))
-    lines += ["", f"run record: {o.record}  (report.md, report.html, tuned.env, serve.sh)"]
-    return "\n".join(lines)
-
-
-def cluster_line(c: Cluster, steps: list[Step]) -> str:
-    """Where the ranks ran and where each launch's worst rank was."""
-    where = ", ".join(
-        f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks" for n in c["nodes"]
-    )
-    worst = "; ".join(f"#{s.n} {s.worst_node}" for s in steps if s.worst_node)
-    return f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}"

@@ -124,10 +124,7 @@ class Validation(Deriving):
             cand, source = self.derive(prerun, per_seq=slope, base=base, announce=False)
         except PretunerError:
             return None
-        # The edge keeps the share of the activations (what varies from one load to the next
-        # scales with them) and drops the floor, down to EDGE_MARGIN_FLOOR_BYTES.
-        least = max(EDGE_MARGIN_FLOOR_BYTES, margin - TIGHTEN_MARGIN_FLOOR_BYTES)
-        edge = self.edge(prerun, cand, base, margin, slope, least)
+        edge = self.edge(prerun, cand, base, margin, slope)
         if edge is not None:
             cand, source, margin = edge
         gain = cand.final.kv_bytes - d.final.kv_bytes
@@ -154,15 +151,14 @@ class Validation(Deriving):
         return cand, source
 
     def edge(
-        self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int,
-        least: int,
+        self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int
     ) -> tuple[Derivation, str, int] | None:
-        """The candidate one integer GiB of model-use lower, when only the tightening margin
-        pushes the budget over that integer (r0.1's integer model-use would give a whole GiB
-        of KV away for a few MiB) and a margin of at least `least` remains below it:
-        (derivation, source, margin kept)."""
-        if margin <= least:
-            return None
+        """The candidate one integer GiB of model-use lower, when only the tightening margin's
+        floor pushes the budget over that integer (r0.1's integer model-use would give a whole
+        GiB of KV away for a few MiB): it keeps the margin's share of the activations (what
+        varies from one load to the next scales with them), at least EDGE_MARGIN_FLOOR_BYTES.
+        (derivation, source, margin kept), or None."""
+        least = max(EDGE_MARGIN_FLOOR_BYTES, margin - TIGHTEN_MARGIN_FLOOR_BYTES)
         try:
             low, source = self.derive(prerun, per_seq=slope, base=base - margin + least,
                                       announce=False)

@@ -40,6 +40,34 @@ def proc_available() -> bool:
     return os.path.exists("/proc/self/stat")
 
 
+def _read_stat(pid: int) -> bytes | None:
+    """/proc/PID/stat, or None when the process is gone.
+
+    Through a bare descriptor, not a file object: this runs while a stop waits, where Ctrl-C or
+    SIGTERM (made KeyboardInterrupt) lands, and one landing between `open()` and `with` would
+    leak a file object (a ResourceWarning at collection). Once the descriptor is stored,
+    `try/finally` closes it; an interrupt inside the `os.open` call itself can at worst drop a
+    bare descriptor, which warns of nothing. Only the group's own members are read at all.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None  # gone meanwhile
+
+
 def group_members(pgid: int) -> list[int]:
     """Pids of the live (non-zombie) processes whose process group is `pgid`, from /proc."""
     members = []
@@ -48,22 +76,16 @@ def group_members(pgid: int) -> list[int]:
     except OSError:
         return []
     for entry in entries:
-        if not entry.isdigit():
+        # getpgid(2) asks the kernel directly: only the group's own members are read further.
+        if not entry.isdigit() or _pgid(int(entry)) != pgid:
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue  # gone meanwhile
+        stat = _read_stat(int(entry))
+        if stat is None:
+            continue
         # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
         fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) < 3:
-            continue
-        state, pgrp = fields[0], fields[2]
         # A zombie holds no memory; an orphaned one waits for init, which may never reap it.
-        if state in (b"Z", b"X"):
-            continue
-        if pgrp.isdigit() and int(pgrp) == pgid:
+        if fields and fields[0] not in (b"Z", b"X"):
             members.append(int(entry))
     return members
 

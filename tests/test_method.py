@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.method import PrerunInputs, derive
+from pretuner.method import PrerunInputs, derive, max_num_seqs, per_sequence_bytes
 from pretuner.units import GIB, MIB
 
 DSV3_BPT = 70_272  # DeepSeek-V3 bf16 MLA: 61 layers x 576 x 2 B
@@ -143,3 +146,27 @@ def test_monotone_in_peak(p1: int, p2: int) -> None:
 
 def test_mib_is_1024_based() -> None:
     assert MIB * 1024 == GIB
+
+
+@pytest.mark.parametrize(
+    ("blocks", "watermark", "seqs"),
+    [(1000, 0.0, 10), (1000, 0.01, 9), (1009, 0.01, 9), (1010, 0.01, 10), (1010, 0.0, 10)],
+)
+def test_the_block_watermark_costs_exactly_its_blocks(
+    blocks: int, watermark: float, seqs: int
+) -> None:
+    # Rule: vLLM 0.6 keeps int(watermark x blocks) blocks free, so 10 sequences of 100 blocks
+    # need 1,000 blocks without it and 1,010 beside a 1 % watermark (10 of them kept free).
+    assert max_num_seqs(blocks, 16, 1600, watermark) == seqs
+
+
+def test_each_running_sequence_adds_three_fp32_vocab_rows_and_4_mib() -> None:
+    # Qwen3's vocabulary, 151,936 entries: 3 x 151,936 x 4 B = 1,823,232 B, plus 4 MiB.
+    assert per_sequence_bytes(151_936) == 1_823_232 + 4 * MIB
+
+
+def test_the_readme_states_the_per_sequence_headroom_the_code_adds() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"adds 3 x vocab x 4 B \+ (\d+) MiB", readme)
+    assert m is not None, "README's Headroom section no longer states the per-sequence figure"
+    assert per_sequence_bytes(1000) == 3 * 1000 * 4 + int(m[1]) * MIB

@@ -4,20 +4,36 @@ HTTP, the emulated NVML sampled in the background, and the files a user starts p
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shlex
+import signal
+import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import requests
 
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import tune_v1_in_process
 from pretuner.units import GIB
-from tests.helpers import FAST_SIM, REAL_LOGS, cli_env, run_cli
+from tests.helpers import CONFIGS, FAST_SIM, cli_env, run_cli, shared
 
 pytestmark = pytest.mark.slow
 
-UTIL_090_TOKENS = json.loads((REAL_LOGS / "vllm-0.24-h100" / "A2-util090.json").read_text())[
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+UTIL_090_TOKENS = json.loads(shared("real-logs", "vllm-0.24-h100", "A2-util090.json").read_text())[
     "kv_tokens"]
 
 
@@ -60,15 +76,85 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(tmp_path: Path) -> None:
     assert "--kv-cache-memory-bytes" in md
 
 
+def start_script(script: Path, port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as out:
+        return subprocess.Popen([str(script), "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def answers(proc: subprocess.Popen[bytes], port: int, log: Path) -> dict[str, Any]:
+    """The server's reply to a short completion, once /health says it is up."""
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            if requests.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+        time.sleep(0.1)
+    model = requests.get(f"{base}/v1/models", timeout=5).json()["data"][0]["id"]
+    reply = requests.post(f"{base}/v1/completions", timeout=30,
+                          json={"model": model, "prompt": [11, 12, 13], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    body: dict[str, Any] = reply.json()
+    return body
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
 def test_the_written_serve_script_starts_a_server_that_serves(tmp_path: Path) -> None:
+    """Both startup scripts a user gets, started for real: the run folder's serve.sh (it runs
+    the engine the run tuned, here the emulated one), and `pretuner script`'s, which runs the
+    real `vllm serve`: a fake `vllm` on PATH records what it was given and serves it."""
     out = tmp_path / "run"
+    env = cli_env(**FAST_SIM)
     proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "8192", "--out", str(out), env=cli_env(**FAST_SIM))
+                   "--max-model-len", "8192", "--out", str(out), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
-    serve = out / "serve.sh"
-    check = subprocess.run(["bash", "-n", str(serve)], capture_output=True, text=True,
-                           check=False)
-    assert check.returncode == 0, check.stderr
+    kv = json.loads(proc.stdout)["final"]["kv_cache_memory_bytes"]
+
+    port = free_port()
+    server = start_script(out / "serve.sh", port, env, tmp_path / "serve.log")
+    try:
+        body = answers(server, port, tmp_path / "serve.log")
+        assert body["usage"]["completion_tokens"] == 2
+    finally:
+        stop(server)
+    assert f"'kv_cache_memory_bytes': {kv}" in (tmp_path / "serve.log").read_text()
+
+    deploy = tmp_path / "deploy"
+    done = run_cli("script", str(out), "--out", str(deploy), env=env)
+    assert done.returncode == 0, done.stderr
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "vllm"
+    argv_file = tmp_path / "vllm-argv.txt"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f"printf '%s\\n' \"$@\" > {shlex.quote(str(argv_file))}\n"
+                    f"exec {shlex.quote(sys.executable)} -m pretuner.sim vllm \"$@\"\n")
+    fake.chmod(0o755)
+    port = free_port()
+    env_fake = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
+    server = start_script(deploy / "serve.sh", port, env_fake, tmp_path / "deploy.log")
+    try:
+        body = answers(server, port, tmp_path / "deploy.log")
+        assert body["usage"]["completion_tokens"] == 2
+    finally:
+        stop(server)
+    argv = argv_file.read_text().split("\n")
+    assert argv[:2] == ["serve", "Qwen/Qwen3-8B"]
+    flags = dict(zip(argv[2::2], argv[3::2], strict=False))
+    assert flags["--kv-cache-memory-bytes"] == str(kv)
+    assert flags["--max-model-len"] == "8192"
+    assert flags["--port"] == str(port)
 
 
 def test_weights_that_cannot_fit_are_refused_before_any_launch(tmp_path: Path) -> None:
@@ -177,8 +263,7 @@ def test_a_model_folder_given_relative_is_deployed_by_its_absolute_path(tmp_path
     # `./serve.sh` from the run folder (as report.md says) could not find the model.
     model = tmp_path / "models" / "qwen3-8b"
     model.mkdir(parents=True)
-    (model / "config.json").write_text((REAL_LOGS.parent / "model-configs" /
-                                        "Qwen--Qwen3-8B.json").read_text())
+    (model / "config.json").write_text((CONFIGS / "Qwen--Qwen3-8B.json").read_text())
     out = tmp_path / "run"
     proc = run_cli("run", "--model", "models/qwen3-8b", "--engine", "vllm", "--card", "80",
                    "--max-model-len", "8192", "--out", str(out), "--json",

@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from pretuner import method
+from pretuner.devices.npu_table import parse_npu_smi
+from pretuner.kvmath import kv_bytes_per_token
+from pretuner.models import resolve
 from tests.helpers import default_sigint
 
 MODEL = "qwen3-8b"  # 16 GB bf16: fits one 64 GB card at TP1
@@ -171,10 +175,6 @@ def final_args(final: object) -> tuple[list[str], dict[str, str]]:
 def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
     sim: object, tmp_path: Path
 ) -> None:
-    method = pytest.importorskip("pretuner.method")
-    from pretuner.kvmath import kv_bytes_per_token
-    from pretuner.models import resolve
-
     bpt = kv_bytes_per_token(resolve(MODEL))
     ooms = []
     for seed in (1, 2):
@@ -467,6 +467,5 @@ def test_another_tenant_takes_free_memory_and_shows_in_npu_smi(tmp_path: Path) -
                          capture_output=True, text=True, check=True).stdout
     assert "23379/ 65536" in out
     assert "| 4242" in out
-    from pretuner.devices.npu_table import parse_npu_smi
 
     assert parse_npu_smi(out)[0].hbm_used_mib == 23379

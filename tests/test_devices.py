@@ -22,9 +22,9 @@ from pretuner.devices.nvidia import (
 )
 from pretuner.sim.memory import PROFILES
 from pretuner.sim.npusmi import CardUse, render, write_shim
-from tests.helpers import REAL_LOGS
+from tests.helpers import shared
 
-NVML_SERIES = REAL_LOGS / "vllm-0.24-h100" / "nvml-series.tsv"
+NVML_SERIES = ("real-logs", "vllm-0.24-h100", "nvml-series.tsv")
 
 # `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`
 NVIDIA_SMI_CSV = "0, 76152, 81559\n1, 4, 81559\n2, [N/A], [N/A]\n"
@@ -49,9 +49,8 @@ def test_parse_nvidia_smi_csv(text: str, expected: tuple[DeviceMemory, ...]) -> 
     assert parse_nvidia_smi_csv(text) == expected
 
 
-@pytest.mark.skipif(not NVML_SERIES.is_file(), reason="the real NVML series is not here")
 def test_parse_real_nvml_series() -> None:
-    points = parse_nvml_series(NVML_SERIES.read_text(encoding="utf-8"))
+    points = parse_nvml_series(shared(*NVML_SERIES).read_text(encoding="utf-8"))
     assert len(points) == 1181
     assert points[0].phase == "idle"
     assert points[0].run is None

@@ -16,7 +16,7 @@ from pretuner.backends.mindspore_cpu.dims import Dims
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import OomKind, scan_paths
 from pretuner.models import resolve
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, require, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 TINY = ("tiny-llama", "tiny-mla")
@@ -59,7 +59,7 @@ def _run(tmp_path: Path, *extra: str, code: int = 0) -> tuple[dict[str, object],
 
 @pytest.mark.mindspore
 def test_run_validates_on_real_mindspore(tmp_path: Path) -> None:
-    pytest.importorskip("mindspore")
+    require("mindspore", "PRETUNER_MINDSPORE_REQUIRED")
     report, out = _run(tmp_path)
     assert report["validated"] is True
     prerun = (out / "launch-1" / "server.log").read_text("utf-8", errors="replace")
@@ -73,7 +73,7 @@ def test_run_validates_on_real_mindspore(tmp_path: Path) -> None:
 
 @pytest.mark.mindspore
 def test_run_falls_back_on_real_oom(tmp_path: Path) -> None:
-    pytest.importorskip("mindspore")
+    require("mindspore", "PRETUNER_MINDSPORE_REQUIRED")
     report, out = _run(tmp_path, "--max-model-len", "4096", code=9)  # validated, but shorter
     assert report["validated"] is True
     first = (out / "launch-1" / "server.log").read_text("utf-8", errors="replace")

@@ -17,9 +17,10 @@ from pretuner.models.quant import Quantization, from_config, from_flag, param_sp
 from pretuner.plan import PlanConfig, plan
 from pretuner.plan_propose import propose
 from pretuner.units import GIB
+from tests.helpers import CONFIGS
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"
-FP8_CONFIG = Path("/work/shared/model-configs/Qwen--Qwen3-235B-A22B-FP8.json")
+FP8_CONFIG = CONFIGS / "Qwen--Qwen3-235B-A22B-FP8.json"
 
 
 @pytest.mark.parametrize(

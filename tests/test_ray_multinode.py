@@ -20,13 +20,14 @@ from typing import Any
 import pytest
 import requests
 
-ray = pytest.importorskip("ray")
+from tests.helpers import FAST_SIM, cli_env, require, run_cli
+
+ray = require("ray", "PRETUNER_RAY_REQUIRED")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from pretuner.cluster.env import job_config_env  # noqa: E402
 from pretuner.cluster.nodefs import NODE_ROOT_ENV  # noqa: E402
 from pretuner.logscan import scan_paths  # noqa: E402
-from tests.helpers import FAST_SIM, cli_env, run_cli  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -37,15 +37,13 @@ from pretuner.sim.v1.memory import CUDA_PROFILES, perturbed
 from pretuner.sim.v1.scheduler import Limits, Req, Scheduler
 from pretuner.sim.v1.truth import max_kv_bytes, util_kv_bytes
 from pretuner.units import GIB
-from tests.helpers import REAL_LOGS
+from tests.helpers import shared
 
-REAL = REAL_LOGS / "vllm-0.24-h100"
+REAL = shared("real-logs", "vllm-0.24-h100")
 RUNS = ("A2-util090", "B-util098", "C-kv59g", "E1-kv60g", "E2-kv61g", "F-kv59g-mbt32k")
 ENV = {"PRETUNER_SIM_PROFILE": "h100-80", "PRETUNER_SIM_SEED": "0",
        "PRETUNER_SIM_OCCUPIED_MIB": "0", "PRETUNER_SIM_STARTUP_S": "0.02",
        "PRETUNER_SIM_TIME_SCALE": "0.01"}
-
-pytestmark = pytest.mark.skipif(not REAL.is_dir(), reason="the real H100 logs are not here")
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ from pretuner.models.vision import (
 )
 from pretuner.plan import PlanConfig, plan
 from pretuner.units import GIB
-from tests.helpers import run_cli
+from tests.helpers import CONFIGS, run_cli
 
-CONFIGS = Path("/work/shared/model-configs")
 VL8 = lookup("qwen3-vl-8b-instruct").vision
 VL32 = lookup("qwen3-vl-32b-instruct").vision
 assert VL8 is not None
@@ -267,7 +266,6 @@ def test_cli_plan_bad_limit_is_exit_2() -> None:
     assert "MODALITY=COUNT" in proc.stderr
 
 
-@pytest.mark.skipif(not CONFIGS.is_dir(), reason="shared model configs not present")
 def test_hf_folder_reads_vision_config(tmp_path: Path) -> None:
     shutil.copy(CONFIGS / "Qwen--Qwen3-VL-8B-Instruct.json", tmp_path / "config.json")
     spec = resolve(str(tmp_path))

@@ -21,7 +21,7 @@ from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.truth import max_length
+from pretuner.sim.truth import max_length, seqs_supported
 from pretuner.tune import budget as bud
 from pretuner.tune.backends import sim_profile
 from pretuner.tune.config import (
@@ -289,15 +289,29 @@ def emulated(model: str, card: int, length: int, seed: int, occupied_mib: int = 
     res = tune_in_process(opts, work, info)
     spec = resolve(model)
     p = res.plan
-    models = mem.card_models(spec, spec.weights_format(p.weights_format).total_bytes,
-                             mem.Layout(tp=p.tp, pp=p.pp, block_size=p.block_size), seed)
+    layout = mem.Layout(tp=p.tp, pp=p.pp, block_size=p.block_size,
+                        kv_dtype=str(kw.get("kv_cache_dtype", "auto")))
+    models = mem.card_models(spec, spec.weights_format(p.weights_format).total_bytes, layout, seed)
     return res, models, prof.free_bytes - occupied_mib * MIB
+
+
+def assert_kv_is_the_servers(res: TuneResult, models: list[mem.CardModel]) -> None:
+    """The KV the tuner promises is what the emulated server allocates for the final settings
+    (its own block sizes, not the tuner's arithmetic), and holds max-num-seqs sequences."""
+    f = res.derivation.final
+    block_bytes = models[0].block_bytes
+    blocks = mem.r01_kv_blocks(f.ascend_total_memory_gb, f.gpu_memory_utilization,
+                               f.vllm_model_memory_use_gb, block_bytes)
+    assert (f.kv_tokens, f.kv_bytes) == (blocks * f.block_size, blocks * block_bytes)
+    assert seqs_supported(f.kv_bytes, block_bytes, f.block_size, f.max_model_len) \
+        >= f.max_num_seqs
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_qwen3_8b_on_32gb_at_32k_validates_without_a_validation_oom(seed: int) -> None:
     res, models, free = emulated("qwen3-8b", 32, 32768, seed, tp=1)
     assert res.validated
+    assert_kv_is_the_servers(res, models)
     validations = [o for o in res.outcomes if o.settings.purpose is Purpose.VALIDATE]
     assert validations
     # Every validation, not only the last: a first one that ran out of memory fails this test.
@@ -313,16 +327,19 @@ def test_qwen3_8b_on_24gb_is_never_called_infeasible_when_a_length_fits(seed: in
     res, models, free = emulated("qwen3-8b", 24, 32768, seed, tp=1,
                                  occupied_mib=1500 if seed % 2 else 0)
     assert res.validated
+    assert_kv_is_the_servers(res, models)
     true_len = max(max_length(models, free, limit=32768, chunked=c, granularity=256)
                    for c in (False, True))
     assert res.derivation.final.max_model_len >= min(32768, true_len) - 1024
 
 
 def test_the_kv_dtype_reaches_the_server_and_its_kv_figure() -> None:
-    res, _, _ = emulated("qwen3-8b", 32, 16384, 0, kv_cache_dtype="int8")
+    res, models, _ = emulated("qwen3-8b", 32, 16384, 0, kv_cache_dtype="int8")
     last = res.outcomes[-1]
     assert last.settings.kv_cache_dtype == "int8"
-    auto, _, _ = emulated("qwen3-8b", 32, 16384, 0)
+    assert_kv_is_the_servers(res, models)
+    auto, models, _ = emulated("qwen3-8b", 32, 16384, 0)
+    assert_kv_is_the_servers(auto, models)
     # Half the bytes per token: about twice the tokens in a similar KV budget.
     tokens = res.derivation.final.kv_tokens
     assert tokens > 1.6 * auto.derivation.final.kv_tokens

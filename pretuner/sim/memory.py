@@ -17,7 +17,9 @@ What a card holds, bottom to top (REFERENCE section 1, seed 003):
      replicated / pp`, times `1 + weights_overhead` (alignment, quantisation scales);
    - a fixed workspace (`workspace_mib`, kernels' scratch, communication buffers);
    - the KV cache, allocated at start by the r0.1 formula
-     `blocks = max(0, floor((TOTAL * 2^30 * util - MODEL_USE * 2^30) / block_bytes))`;
+     `blocks = max(0, floor((TOTAL * 2^30 * util - MODEL_USE * 2^30) / block_bytes))`, a block
+     being a page per layer of the busiest pipeline stage (`pretuner.sim.kvcache`, the
+     emulator's own reading of the engine's rules, never the tuner's arithmetic);
    - the *dynamic* part of one engine step, freed after the step:
        activation(prefill) = act_hidden * T * hidden * dtype            (linear in tokens)
                            + act_mlp * T * (intermediate / tp) * dtype   (linear in tokens)
@@ -47,8 +49,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models.spec import ModelSpec
+from pretuner.sim.kvcache import CacheLayout, cache_layout
 from pretuner.units import GIB, MIB
 
 Prefill = Sequence[tuple[int, int]]  # (new tokens, context tokens) per prompt chunk in a step
@@ -171,13 +173,18 @@ class CardModel:
         return int(self.coeffs.workspace_mib * MIB)
 
     @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_cache(self) -> CacheLayout:
+        """This rank's KV cache layout (the busiest stage's; `pretuner.sim.kvcache`)."""
         lay = self.layout
-        return kv_bytes_per_token(self.spec, tp=lay.tp, pp=lay.pp, kv_dtype=lay.kv_dtype)
+        return cache_layout(self.spec, tp=lay.tp, pp=lay.pp, cache_dtype=lay.kv_dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_cache.bytes_per_token
 
     @property
     def block_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.layout.block_size
+        return self.kv_cache.block_bytes(self.layout.block_size)
 
     def activation_bytes(self, prefill: Prefill) -> int:
         """Activation peak of one step prefilling these chunks: (new tokens, context) each.

@@ -34,6 +34,7 @@ from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
     WHERE_CACHE,
@@ -204,10 +205,10 @@ class Server:
                  f"served_model_name={cfg.served_names[0]}, enable_prefix_caching=False, "
                  f"chunked_prefill_enabled={chunked}, use_async_output_proc=True")
 
-        # Ranks, nodes, devices.
-        # MindSpore stores an int8 MLA cache as int8 latent + bf16 rope (pretuner's int8-mla).
-        kv_dtype = "int8-mla" if cfg.kv_dtype == "int8" and spec.kv_lora_rank else cfg.kv_dtype
-        layout = mem.Layout(tp=cfg.tp, pp=cfg.pp, block_size=cfg.block_size, kv_dtype=kv_dtype)
+        # Ranks, nodes, devices. (An int8 cache of an MLA model keeps MindSpore's layout: see
+        # pretuner.sim.kvcache.)
+        layout = mem.Layout(tp=cfg.tp, pp=cfg.pp, block_size=cfg.block_size,
+                            kv_dtype=cfg.kv_dtype)
         world = layout.world
         rng = random.Random(os.getpid())  # noqa: S311 - fake thread ids
         pid = os.getpid()
@@ -232,8 +233,8 @@ class Server:
             models = mem.card_models(spec, weights_fmt.total_bytes, layout, cfg.seed,
                                      cfg.rank_skew)
             block_bytes = models[0].block_bytes
-        except PretunerError as err:
-            raise StartupFailed("ValueError", str(err), WHERE_CONFIG) from None
+        except LayoutRefused as err:
+            raise StartupFailed(err.exc_type, err.message, WHERE_CONFIG) from None
         starts = [sum(counts[:k]) for k in range(len(counts))]
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
+from pretuner.sim.kvcache import LayoutRefused, cache_layout
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
 from pretuner.sim.v1.config import V1Config
@@ -121,6 +122,10 @@ def check_args(cfg: V1Config, spec: ModelSpec) -> int:
         raise Failed("config", "ValueError", f"Total number of attention heads "
                      f"({spec.num_heads}) must be divisible by tensor parallel size "
                      f"({cfg.tp}).")
+    try:
+        cache_layout(spec, tp=cfg.tp, cache_dtype=cfg.kv_cache_dtype)
+    except LayoutRefused as err:  # the KV heads split over the ranks
+        raise Failed("config", err.exc_type, err.message) from None
     return mml
 
 

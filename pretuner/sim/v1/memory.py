@@ -58,8 +58,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, fields, replace
 
-from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models.spec import ModelSpec
+from pretuner.sim.kvcache import CacheLayout, cache_layout
 from pretuner.units import GIB, MIB
 
 PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.1] (seed != 0)
@@ -192,12 +192,17 @@ class V1Card:
         return self._mib(self.coeffs.persistent_mib * self.step_scale)
 
     @property
+    def kv_cache(self) -> CacheLayout:
+        """This rank's KV cache layout (`pretuner.sim.kvcache`)."""
+        return cache_layout(self.spec, tp=self.tp, cache_dtype=self.kv_dtype)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.spec, tp=self.tp, kv_dtype=self.kv_dtype)
+        return self.kv_cache.bytes_per_token
 
     @property
     def block_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.block_size
+        return self.kv_cache.block_bytes(self.block_size)
 
     def kv_tokens(self, kv_bytes: int) -> int:
         """`GPU KV cache size: N tokens`: whole blocks only."""

@@ -18,15 +18,15 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, VisionSpec
+from pretuner.sim.kvcache import cache_layout
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
 from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
-from pretuner.sim.v1.config import ENV, parse
+from pretuner.sim.v1.config import ENV, KV_DTYPES, parse
 from pretuner.sim.v1.engine import EngineCore
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.scheduler import Req
@@ -144,7 +144,8 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
         return survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
 
     # The smallest cache that holds one max-length sequence, and one that cannot fit.
-    per_token = kv_bytes_per_token(spec, tp=tp, kv_dtype=kv_cache_dtype)
+    cache_dtype = KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)  # the server's reading of it
+    per_token = cache_layout(spec, tp=tp, cache_dtype=cache_dtype).bytes_per_token
     lo = -(-max_model_len * per_token // MIB)
     hi = CUDA_PROFILES[profile_name].nvml_total_mib
     if not works(lo):

@@ -1,0 +1,143 @@
+"""How the emulated engines lay out their KV cache: a page per attention layer, summed per block.
+
+Pure: no I/O. This is the emulator's own statement of the engines' published rules, written
+apart from the tuner's KV arithmetic on purpose: the emulator grades the tuner, and a grader
+that shares the code under test cannot catch a fault in it.
+`tests/test_sim_independent.py` checks that the two agree on the registered models and that no
+module under `pretuner/sim` imports the tuner's arithmetic.
+
+The engine's view (vLLM's per-layer KV cache specs; vLLM-MindSpore r0.1 sizes its blocks the
+same way):
+
+- Each rank stores, for every attention layer of its pipeline stage, one page per block. A page
+  holds `block_size` token slots; a slot holds the layer's *planes* side by side.
+- Full attention (MHA/GQA/MQA): a key plane and a value plane, each `heads * head_dim` elements,
+  where `heads` is the rank's share of the KV heads. `QKVParallelLinear` splits the KV heads
+  over the tensor-parallel ranks, or, with fewer KV heads than ranks, gives every rank one
+  replicated head (`tp` must then be a multiple of the KV heads).
+- Multi-head latent attention (DeepSeek, a config with `kv_lora_rank`): one compressed latent
+  plane (`kv_lora_rank` elements) and one rope-key plane (`qk_rope_head_dim`), the same on every
+  rank: the latent is not split by TP. MindSpore's int8 cache of an MLA model keeps the latent
+  in int8 but the rope key in bf16.
+- The cache dtype `auto` is the model's own dtype; int8 and the fp8 kinds take one byte.
+- Pipeline stages split the layers as vLLM's `get_pp_indices` does: `layers // pp` each, the
+  remainder one apiece to the stages before the last, from the second-last back. Every rank
+  sizes blocks for its own stage and the engine keeps the fewest blocks any rank can hold, so
+  the stage with the most layers decides the block size of all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretuner.models.spec import ModelSpec
+
+# Element sizes in bytes by the names the emulated servers and model configs use.
+_ELEMENT_BYTES = {
+    "float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2,
+    "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+_ROPE_DTYPE_OF_INT8_MLA = "bf16"  # MindSpore leaves the rope key unquantized
+
+
+class LayoutRefused(ValueError):
+    """The engine refuses this parallel layout or cache dtype; `exc_type` is what it raises."""
+
+    def __init__(self, exc_type: str, message: str) -> None:
+        super().__init__(message)
+        self.exc_type = exc_type
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Plane:
+    """One tensor a token slot holds in one layer: `elements` values of `element_bytes` each."""
+
+    name: str
+    elements: int
+    element_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * self.element_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """What one rank of the busiest pipeline stage keeps per token: its layers' planes."""
+
+    planes: tuple[Plane, ...]  # the planes of one layer (every layer has the same)
+    layers: int  # attention layers on the busiest stage
+
+    @property
+    def slot_bytes(self) -> int:
+        """One token's slot in one layer."""
+        return sum(p.bytes for p in self.planes)
+
+    def page_bytes(self, block_size: int) -> int:
+        """One layer's page: `block_size` token slots."""
+        return block_size * self.slot_bytes
+
+    def block_bytes(self, block_size: int) -> int:
+        """One block across every layer of the stage: the unit the engine allocates."""
+        return sum(self.page_bytes(block_size) for _ in range(self.layers))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.block_bytes(1)
+
+
+def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    """The layers of each pipeline stage, split as vLLM's `get_pp_indices` does."""
+    if pp < 1:
+        raise LayoutRefused("ValueError", f"pipeline_parallel_size ({pp}) must be positive")
+    if pp > num_layers:
+        raise LayoutRefused("ValueError", f"pipeline_parallel_size ({pp}) is larger than the "
+                            f"number of hidden layers ({num_layers})")
+    split = [num_layers // pp] * pp
+    for back in range(2, num_layers % pp + 2):
+        split[-back] += 1
+    return tuple(split)
+
+
+def rank_kv_heads(total_kv_heads: int, tp: int) -> int:
+    """The KV heads one tensor-parallel rank holds (QKVParallelLinear's split or replication)."""
+    if tp >= total_kv_heads:
+        if tp % total_kv_heads:
+            raise LayoutRefused("AssertionError", f"{tp} is not divisible by {total_kv_heads}")
+        return 1
+    if total_kv_heads % tp:
+        raise LayoutRefused("AssertionError", f"{total_kv_heads} is not divisible by {tp}")
+    return total_kv_heads // tp
+
+
+def element_bytes(spec: ModelSpec, cache_dtype: str) -> int:
+    name = spec.dtype if cache_dtype == "auto" else cache_dtype
+    if name not in _ELEMENT_BYTES:
+        raise LayoutRefused("ValueError", f"Unknown kv cache dtype: {name}")
+    return _ELEMENT_BYTES[name]
+
+
+def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, ...]:
+    """The planes one token keeps in one layer on one tensor-parallel rank."""
+    if tp < 1:
+        raise LayoutRefused("ValueError", f"tensor_parallel_size ({tp}) must be positive")
+    elem = element_bytes(spec, cache_dtype)
+    if spec.kv_lora_rank is not None:  # vLLM's use_mla: the config carries a latent rank
+        if spec.qk_rope_head_dim is None:
+            raise LayoutRefused("ValueError", f"{spec.name}: an MLA config needs "
+                                "qk_rope_head_dim beside kv_lora_rank")
+        # Every rank keeps the whole latent: TP does not enter.
+        rope = _ELEMENT_BYTES[_ROPE_DTYPE_OF_INT8_MLA] if cache_dtype == "int8" else elem
+        return (Plane("latent", spec.kv_lora_rank, elem),
+                Plane("rope_key", spec.qk_rope_head_dim, rope))
+    width = rank_kv_heads(spec.num_kv_heads, tp) * spec.head_dim
+    return (Plane("key", width, elem), Plane("value", width, elem))
+
+
+def cache_layout(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
+                 cache_dtype: str = "auto") -> CacheLayout:
+    """The KV cache of one rank on the busiest stage; raises `LayoutRefused` as the engine
+    would refuse the layout."""
+    planes = layer_planes(spec, tp=tp, cache_dtype=cache_dtype)
+    return CacheLayout(planes, max(stage_layers(spec.num_layers, pp)))

@@ -13,8 +13,10 @@ from pretuner.cli.render import echo_json
 from pretuner.errors import BadInputError
 from pretuner.presets import preset_from_report, resolve_preset
 from pretuner.presets.model import Preset
-from pretuner.scripts import ScriptOptions, Target, render_scripts, write_scripts
+from pretuner.scripts.context import ScriptOptions
 from pretuner.scripts.given import GivenValues, preset_from_values
+from pretuner.scripts.render import render_scripts, write_scripts
+from pretuner.scripts.targets import Target
 
 
 def preset_from_run_dir(run_dir: Path) -> Preset:

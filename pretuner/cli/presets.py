@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from pretuner.cli.app import app
+from pretuner.cli.app import Group, app
 from pretuner.cli.render import echo_json, table
 from pretuner.cli.script import preset_from_run_dir
 from pretuner.errors import BadInputError
@@ -27,6 +27,7 @@ Examples:
   pretuner presets add runs/<run> --name my-qwen3-64g
   pretuner script --preset my-qwen3-64g --out deploy/""",
     no_args_is_help=True,
+    cls=Group,
 )
 app.add_typer(presets_app, name="presets")
 

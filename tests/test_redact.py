@@ -24,7 +24,9 @@ from pretuner.redact import (
     redact_command_text,
     restore_command_text,
 )
-from pretuner.scripts import ScriptOptions, Target, render_scripts
+from pretuner.scripts.context import ScriptOptions
+from pretuner.scripts.render import render_scripts
+from pretuner.scripts.targets import Target
 from pretuner.tune.record import RunRecord
 from pretuner.tune.records import RunReport
 from pretuner.tune.report import serve_sh, tuned_env

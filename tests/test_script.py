@@ -18,7 +18,9 @@ from helpers import cli_env, run_cli
 
 from pretuner.errors import BadInputError
 from pretuner.presets import builtin_presets, get_preset, preset_from_report
-from pretuner.scripts import ScriptOptions, Target, render_scripts, write_scripts
+from pretuner.scripts.context import ScriptOptions
+from pretuner.scripts.render import render_scripts, write_scripts
+from pretuner.scripts.targets import Target
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("PRETUNER_UPDATE_GOLDEN") == "1"

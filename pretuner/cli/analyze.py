@@ -5,27 +5,24 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from pretuner import validate as v
-from pretuner.analyze import (
-    AnalyzeConfig,
-    AnalyzeResult,
-    analyze_logs,
-    assumed_line,
-    dumped_ranks,
-)
-from pretuner.analyze_v1_result import V1Analysis
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
-from pretuner.derivation_text import derivation_lines
-from pretuner.envfile import env_file_text
 from pretuner.files import write_atomic
 from pretuner.method import DEFAULT_HEADROOM_GIB
-from pretuner.models import resolve
 from pretuner.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from pretuner.analyze import AnalyzeResult
+    from pretuner.analyze_v1_result import V1Analysis
+
+# The analysis is imported where it runs: `pretuner --help` and a usage error answer without
+# loading it (tests/test_cli_startup.py).
 
 # Far above any device's memory (the largest accelerators hold under 300 GiB).
 MAX_CARD_TOTAL_MIB = v.MAX_CARD_GIB * 1024
@@ -130,6 +127,11 @@ def analyze_cmd(
     shows and the --kv-cache-memory-bytes to try; with --memory-series and the device total,
     what the card could hold.
     """
+    from pretuner.analyze import AnalyzeConfig, analyze_logs, assumed_line
+    from pretuner.analyze_v1_result import V1Analysis
+    from pretuner.envfile import env_file_text
+    from pretuner.models import resolve
+
     if card is not None:
         v.int_range("--card", card, 1, v.MAX_CARD_GIB)
     if card_total_mib is not None:
@@ -184,6 +186,9 @@ def analyze_cmd(
 
 
 def render_analysis(r: AnalyzeResult) -> str:
+    from pretuner.analyze import assumed_line, dumped_ranks
+    from pretuner.derivation_text import derivation_lines
+
     worst = r.worst
     lines = [f"{r.model}, TP{r.tp} ({r.tp_source}), {r.kv_bytes_per_token:,} B/token KV per card"]
     lines.append("actual peak used per rank (measured):")

@@ -5,14 +5,19 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
 from pretuner.errors import BadInputError
-from pretuner.explain import FLAGS, FlagDoc, find, measured_lines, names
+
+if TYPE_CHECKING:
+    from pretuner.explain import FlagDoc
+
+# The flag texts are imported where they are read: `pretuner --help` and a usage error answer
+# without them (tests/test_cli_startup.py).
 
 
 @app.command(
@@ -36,6 +41,8 @@ def explain_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Say what FLAG does in the engine's own terms (memory, speed, what it is not)."""
+    from pretuner.explain import FLAGS, find, measured_lines, names
+
     if flag is None:
         if as_json:
             echo_json({"flags": [{"flag": d.name, "summary": d.summary} for d in FLAGS]})

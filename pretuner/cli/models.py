@@ -7,7 +7,7 @@ from typing import Any
 import typer
 
 from pretuner import kvmath
-from pretuner.cli.app import app
+from pretuner.cli.app import Group, app
 from pretuner.cli.render import echo_json, table
 from pretuner.errors import BadInputError
 from pretuner.models import ModelSpec, builtin_specs, resolve
@@ -24,6 +24,7 @@ Examples:
   pretuner models show ./my-hf-folder""",
     add_completion=False,
     rich_markup_mode=None,
+    cls=Group,
 )
 app.add_typer(models_app, name="models", invoke_without_command=True)
 

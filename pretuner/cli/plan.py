@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
-from pretuner.devices.cpu import host_available_bytes
 from pretuner.errors import ExitCode
 from pretuner.method import DEFAULT_HEADROOM_GIB
-from pretuner.models import resolve
 from pretuner.models.quant import METHODS, from_flag
-from pretuner.models.vision import (
-    DEFAULT_MM_PROCESSOR_CACHE_GIB,
-    VisionPlan,
-    parse_limit_mm_per_prompt,
-)
-from pretuner.plan import PlanConfig, PlanResult, plan
-from pretuner.plan_propose import Proposal, propose, render_proposal
+from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, parse_limit_mm_per_prompt
 from pretuner.plan_weights import ENGINES, is_v1, render_weights_plan
-from pretuner.presets.compare import preset_line
 from pretuner.units import GIB
+
+if TYPE_CHECKING:
+    from pretuner.models.vision import VisionPlan
+    from pretuner.plan import PlanResult
+    from pretuner.plan_propose import Proposal
+
+# Only what the options' help and defaults name is imported here; the planner is imported
+# where it runs, so `pretuner --help` answers at once (tests/test_cli_startup.py).
 
 
 @app.command(
@@ -121,6 +120,11 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Predict weights, activations, KV cache and max-num-seqs per card (no launch)."""
+    from pretuner.devices.cpu import host_available_bytes
+    from pretuner.models import resolve
+    from pretuner.plan import PlanConfig, plan
+    from pretuner.plan_propose import propose, render_proposal
+
     cfg = PlanConfig(
         model=resolve(model),
         card_gib=card,
@@ -170,6 +174,8 @@ def plan_cmd(
 
 def _show_nothing_fits(proposal: Proposal, swap_gib: float, as_json: bool) -> NoReturn:
     """Nothing serves the length on these cards: say what would, exit INFEASIBLE (4)."""
+    from pretuner.plan_propose import render_proposal
+
     if as_json:
         echo_json({"fits": False, "proposal": proposal.to_json()})
     else:
@@ -219,6 +225,8 @@ def render_images(vp: VisionPlan) -> list[str]:
 
 
 def render_plan(r: PlanResult) -> str:
+    from pretuner.presets.compare import preset_line
+
     lines = [
         f"{r.model} on {r.card_gib} GiB cards, util {r.util} (all figures predicted, no launch)",
         f"layout: TP{r.tp} x PP{r.pp} on {r.nodes} node(s) - {r.layout_reason}",

@@ -9,20 +9,14 @@ from pathlib import Path
 
 import typer
 
-from pretuner.cli.app import app
+from pretuner.cli.app import Group, app
 from pretuner.cli.render import echo_json, table
 from pretuner.cli.script import preset_from_run_dir
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
-from pretuner.presets import (
-    all_presets,
-    builtin_presets,
-    check_preset,
-    preset_to_json,
-    resolve_preset,
-    user_presets_dir,
-)
-from pretuner.presets.catalog import catalog_markdown, derivation_lines, engine_words, kv_words
+
+# The catalog is imported inside each command: `pretuner --help` and a usage error answer
+# without loading it (tests/test_cli_startup.py).
 
 presets_app = typer.Typer(
     help="Tuned presets with their provenance.",
@@ -33,6 +27,7 @@ Examples:
   pretuner presets add runs/<run> --name my-qwen3-64g
   pretuner script --preset my-qwen3-64g --out deploy/""",
     no_args_is_help=True,
+    cls=Group,
 )
 app.add_typer(presets_app, name="presets")
 
@@ -42,6 +37,9 @@ def list_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print every preset's JSON, as a list."),
 ) -> None:
     """One line per preset."""
+    from pretuner.presets import all_presets, preset_to_json
+    from pretuner.presets.catalog import engine_words, kv_words
+
     if as_json:
         echo_json({"presets": [preset_to_json(p) for p in all_presets()]})
         return
@@ -70,6 +68,9 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's JSON."),
 ) -> None:
     """A preset's configuration, source and derivation."""
+    from pretuner.presets import preset_to_json, resolve_preset
+    from pretuner.presets.catalog import derivation_lines, engine_words, kv_words
+
     p = resolve_preset(name)
     if as_json:
         echo_json(preset_to_json(p))
@@ -99,6 +100,8 @@ def add_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's name and file."),
 ) -> None:
     """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
+    from pretuner.presets import all_presets, check_preset, preset_to_json, user_presets_dir
+
     p = preset_from_run_dir(run_dir)
     p = dataclasses.replace(p, name=name or p.name, date=datetime.date.today().isoformat())
     problems = check_preset(p)
@@ -128,6 +131,9 @@ def docs_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
 ) -> None:
     """The readable catalog (docs/presets.md)."""
+    from pretuner.presets import builtin_presets
+    from pretuner.presets.catalog import catalog_markdown
+
     text = catalog_markdown(builtin_presets())
     if out is None:
         typer.echo(text, nl=False)

@@ -8,15 +8,7 @@ from pathlib import Path
 import typer
 
 from pretuner.cli.app import app
-from pretuner.cli.progress import Progress
 from pretuner.cli.render import echo_json
-from pretuner.cli.run_render import (
-    RAY_DRY_RUN,
-    dry_run_json,
-    render_dry_run,
-    render_summary,
-)
-from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
 from pretuner.cli.vocab import (
     CONFIG_EXTRA,
     PP_FLAGS,
@@ -28,15 +20,9 @@ from pretuner.cli.vocab import (
     kv_dtype,
 )
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
-from pretuner.launch.groups import report_stops_to
-from pretuner.launch.process import install_signal_handlers
-from pretuner.tune.entry import (
-    RunOptions,
-    dry_run,
-    engine_for,
-    run_tuning,
-)
-from pretuner.tune.v1.entry import V1RunOutcome
+
+# The tuner is imported inside `run_cmd`: `pretuner --help` and a usage error answer without
+# loading it (tests/test_cli_startup.py).
 
 
 @app.command(
@@ -278,6 +264,14 @@ def run_cmd(
     With --resume RUN the run goes on with the options it recorded: no other flag but --json
     may be given (a changed option would make the journal describe another run).
     """
+    from pretuner.cli.progress import Progress
+    from pretuner.cli.run_render import RAY_DRY_RUN, dry_run_json, render_dry_run, render_summary
+    from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
+    from pretuner.launch.groups import report_stops_to
+    from pretuner.launch.process import install_signal_handlers
+    from pretuner.tune.entry import RunOptions, dry_run, engine_for, run_tuning
+    from pretuner.tune.v1.entry import V1RunOutcome
+
     if resume is not None:
         refuse_flags_with_resume(ctx, dry)
     elif model is None:

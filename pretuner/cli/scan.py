@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.errors import NothingFoundError
-from pretuner.logscan import RankSummary, ScanResult, scan_paths
+
+if TYPE_CHECKING:
+    from pretuner.logscan import RankSummary, ScanResult
 
 
 @app.command(
@@ -27,6 +30,8 @@ def scan_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Find pool dumps, OOM reports and engine KV figures in MindSpore / vLLM logs."""
+    from pretuner.logscan import scan_paths  # numpy: not for `pretuner --help`
+
     result = scan_paths(paths)
     if as_json:
         echo_json(result.to_json())

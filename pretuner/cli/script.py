@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -11,13 +12,19 @@ from pretuner import validate as v
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
 from pretuner.errors import BadInputError
-from pretuner.presets import preset_from_report, resolve_preset
-from pretuner.presets.model import Preset
-from pretuner.scripts import ScriptOptions, Target, render_scripts, write_scripts
-from pretuner.scripts.given import GivenValues, preset_from_values
+from pretuner.scripts.targets import Target
+
+if TYPE_CHECKING:
+    from pretuner.presets.model import Preset
+    from pretuner.scripts.given import GivenValues
+
+# The presets and the templates are imported where they are used: `pretuner --help` and a
+# usage error answer without loading them (tests/test_cli_startup.py).
 
 
 def preset_from_run_dir(run_dir: Path) -> Preset:
+    from pretuner.presets import preset_from_report
+
     path = Path(run_dir) / "report.json"
     try:
         rep = json.loads(path.read_text("utf-8"))
@@ -54,6 +61,8 @@ def values_from_flags(
     weights_format: str | None,
 ) -> GivenValues:
     """The hand-tuned values, once every required flag is there (`given`: flag -> value)."""
+    from pretuner.scripts.given import GivenValues
+
     missing = [flag for flag, value in given.items() if value is None]
     if missing:
         raise BadInputError(
@@ -184,6 +193,11 @@ def script_cmd(
     ),
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
+    from pretuner.presets import resolve_preset
+    from pretuner.scripts.context import ScriptOptions
+    from pretuner.scripts.given import preset_from_values
+    from pretuner.scripts.render import render_scripts, write_scripts
+
     if util is not None:
         v.finite("--util", util, example="0.9")
     given = {

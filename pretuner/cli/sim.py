@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from pretuner.cli.app import app
+from pretuner.cli.app import Group, app
 
 sim_app = typer.Typer(
     help="Emulated cards and servers (Ascend + vLLM-MindSpore r0.1, CUDA + vLLM V1) for tests "
@@ -21,6 +21,7 @@ Examples:
   PRETUNER_SIM_PROFILE=cuda-24 pretuner sim nvidia-smi""",
     no_args_is_help=True,
     rich_markup_mode=None,
+    cls=Group,
 )
 app.add_typer(sim_app, name="sim")
 

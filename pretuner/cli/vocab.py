@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 
 UTIL_FLAGS = ("--util", "--gpu-memory-utilization")
 TP_FLAGS = ("--tp", "--tensor-parallel-size", "-tp")
@@ -105,6 +104,8 @@ def read_vllm_config(path: Path) -> tuple[dict[str, Any], list[str]]:
     Keys may be spelled with `-` or `_`, as vLLM allows; a value that is a list becomes one
     flag per item, `true` a bare flag and `false` its `--no-` form.
     """
+    import yaml  # here, not at the top: `pretuner --help` never reads a config
+
     try:
         data = yaml.safe_load(path.read_text("utf-8"))
     except (OSError, UnicodeDecodeError) as err:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from pretuner import __version__
@@ -21,28 +20,6 @@ from pretuner.errors import BadInputError
 from pretuner.presets.model import KvBasis, Preset, PresetKind
 from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
 from pretuner.units import GIB
-
-
-class Target(str, Enum):
-    ALL = "all"
-    SERVE = "serve"
-    ENV = "env"
-    CONFIG = "config"
-    RAY = "ray"
-    SYSTEMD = "systemd"
-
-
-# Target -> (file name, template, executable)
-_FILES: dict[Target, tuple[tuple[str, str, bool], ...]] = {
-    Target.SERVE: (("serve.sh", "serve.sh.j2", True),),
-    Target.ENV: (("tuned.env", "tuned.env.j2", False),),
-    Target.CONFIG: (("vllm-config.yaml", "vllm-config.yaml.j2", False),),
-    Target.RAY: (
-        ("ray-head.sh", "ray-head.sh.j2", True),
-        ("ray-worker.sh", "ray-worker.sh.j2", True),
-    ),
-    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2", False),),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,22 +101,6 @@ def engine_tuple(version: str) -> tuple[int, int]:
             hint="use e.g. 0.1, 0.3, 0.4 or 0.5",
         )
     return nums[0], nums[1]
-
-
-def files_for(targets: list[Target], nodes: int) -> list[tuple[str, str, bool]]:
-    """The files to render; `all` adds the Ray scripts only for a multi-node layout."""
-    chosen: list[Target] = []
-    for t in targets:
-        if t is Target.ALL:
-            chosen += [Target.SERVE, Target.ENV, Target.CONFIG, Target.SYSTEMD]
-            if nodes > 1:
-                chosen.append(Target.RAY)
-        else:
-            chosen.append(t)
-    out: list[tuple[str, str, bool]] = []
-    for t in dict.fromkeys(chosen):
-        out += _FILES[t]
-    return out
 
 
 def _model_use_gib(p: Preset) -> tuple[int, str | None]:

@@ -1,0 +1,44 @@
+"""Which startup files each `--target` writes: names only, so `pretuner script --help` reads
+the choices without loading the templates."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Target(str, Enum):
+    ALL = "all"
+    SERVE = "serve"
+    ENV = "env"
+    CONFIG = "config"
+    RAY = "ray"
+    SYSTEMD = "systemd"
+
+
+# Target -> (file name, template, executable)
+_FILES: dict[Target, tuple[tuple[str, str, bool], ...]] = {
+    Target.SERVE: (("serve.sh", "serve.sh.j2", True),),
+    Target.ENV: (("tuned.env", "tuned.env.j2", False),),
+    Target.CONFIG: (("vllm-config.yaml", "vllm-config.yaml.j2", False),),
+    Target.RAY: (
+        ("ray-head.sh", "ray-head.sh.j2", True),
+        ("ray-worker.sh", "ray-worker.sh.j2", True),
+    ),
+    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2", False),),
+}
+
+
+def files_for(targets: list[Target], nodes: int) -> list[tuple[str, str, bool]]:
+    """The files to render; `all` adds the Ray scripts only for a multi-node layout."""
+    chosen: list[Target] = []
+    for t in targets:
+        if t is Target.ALL:
+            chosen += [Target.SERVE, Target.ENV, Target.CONFIG, Target.SYSTEMD]
+            if nodes > 1:
+                chosen.append(Target.RAY)
+        else:
+            chosen.append(t)
+    out: list[tuple[str, str, bool]] = []
+    for t in dict.fromkeys(chosen):
+        out += _FILES[t]
+    return out

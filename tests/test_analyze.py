@@ -10,6 +10,9 @@ import pytest
 
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
+
+
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 PREFIX = "[INFO] PRE_ACT({pid},7f3a2b1c0700,python):2025-05-16-23:06:54.123.456 "
 DUMP_25 = (

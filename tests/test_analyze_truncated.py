@@ -41,6 +41,7 @@ def config(folder: Path) -> AnalyzeConfig:
     )
 
 
+@pytest.mark.slow
 def test_scan_json_names_the_cut_rank(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {1: cut_in_summary(1)})
     done = run_cli("scan", str(folder), "--json")
@@ -53,6 +54,7 @@ def test_scan_json_names_the_cut_rank(tmp_path: Path) -> None:
     assert "rank 1 (pid 10559) wrote a truncated memory-pool dump" in done.stderr
 
 
+@pytest.mark.slow
 def test_scan_text_says_truncated(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_after_header(0)})
     done = run_cli("scan", str(folder))
@@ -80,6 +82,7 @@ def test_analyze_counts_the_cut_rank(tmp_path: Path, cut: Callable[[int], bytes]
     assert data["provenance"]["actual_peak_mib"] == "measured, without the truncated dumps"
 
 
+@pytest.mark.slow
 def test_analyze_cli_reports_the_cut_rank(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_in_summary(0)})
     done = run_cli("analyze", str(folder), *ARGS)
@@ -96,6 +99,7 @@ def test_analyze_cli_reports_the_cut_rank(tmp_path: Path) -> None:
     assert "pid 10537" in done.stderr
 
 
+@pytest.mark.slow
 def test_analyze_refuses_when_the_cut_rank_peaked_higher(tmp_path: Path) -> None:
     """Rank 1 printed `peak used mem:512M` before its cut: the 128 MiB of rank 0 is too low."""
     folder = cut_rank_dir(tmp_path, {1: cut_in_summary(1)})
@@ -107,6 +111,7 @@ def test_analyze_refuses_when_the_cut_rank_peaked_higher(tmp_path: Path) -> None
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_analyze_with_every_dump_cut(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_in_summary(0), 1: cut_after_header(1)})
     with pytest.raises(NothingFoundError, match=r"2 truncated, first: rank 0 \(pid 10537\)"):

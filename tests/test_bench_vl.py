@@ -18,6 +18,7 @@ def test_options() -> None:
         bench.parse_args(["--soak", "1"])
 
 
+@pytest.mark.slow
 def test_one_seed_meets_the_targets(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--seeds", "1", "--models", "32B"]) == 0
     out = capsys.readouterr().out

@@ -27,6 +27,7 @@ def test_global_flags_move_before_the_subcommand(argv: list[str], read_as: list[
     assert hoist_global_flags(argv) == read_as
 
 
+@pytest.mark.slow
 def test_debug_after_the_subcommand_prints_the_traceback_and_keeps_the_code() -> None:
     proc = run_cli("plan", "--model", "no-such-model", "--card", "64", "--debug")
     assert proc.returncode == 2
@@ -34,6 +35,7 @@ def test_debug_after_the_subcommand_prints_the_traceback_and_keeps_the_code() ->
     assert proc.stderr.rstrip().splitlines()[-1].startswith("pretuner: error:")
 
 
+@pytest.mark.slow
 def test_the_cli_needs_no_package_beyond_the_core_dependencies() -> None:
     """A plain `pip install pretuner` has no `click` (typer carries its own) and no `ray`: the
     CLI must start and plan without them (the dev extras here would hide it)."""

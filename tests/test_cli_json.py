@@ -9,6 +9,9 @@ import pytest
 
 from tests.helpers import run_cli
 
+pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
+
+
 
 @pytest.mark.parametrize(("args", "error_type"), [
     (("plan", "--model", "no-such-model", "--card", "64"), "UnknownModelError"),

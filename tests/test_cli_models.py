@@ -11,6 +11,9 @@ import pytest
 
 from pretuner.models import builtin_specs
 
+pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
+
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

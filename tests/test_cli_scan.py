@@ -8,6 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
+
+
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
 

@@ -35,6 +35,7 @@ def test_every_kv_dtype_pretuner_knows_is_offered_and_nothing_else() -> None:
     assert kv_dtype(KvDtype.FP8_E5M2) == "fp8_e5m2"
 
 
+@pytest.mark.slow
 def test_vllm_flag_names_reach_the_server_command() -> None:
     proc = run_cli(*V1_DRY, "--gpu-memory-utilization", "0.8", "-tp", "1",
                    "--max-model-len", "32K", "--max-num-batched-tokens", "16k",
@@ -46,6 +47,7 @@ def test_vllm_flag_names_reach_the_server_command() -> None:
     assert "--kv-cache-dtype fp8_e4m3" in proc.stdout
 
 
+@pytest.mark.slow
 def test_plan_takes_the_same_names() -> None:
     proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64", "--tensor-parallel-size", "2",
                    "--pipeline-parallel-size", "1", "--max-model-len", "32K",
@@ -56,6 +58,7 @@ def test_plan_takes_the_same_names() -> None:
     assert data["max_model_len"] == 32768
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("flag", "value", "says"), [
     ("--kv-cache-dtype", "garbage", "fp8_e4m3"),
     ("--max-model-len", "3.5K", "3.5k"),
@@ -68,6 +71,7 @@ def test_a_bad_value_is_a_usage_error_naming_the_fix(flag: str, value: str, says
     assert says in proc.stderr
 
 
+@pytest.mark.slow
 def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: qwen3-8b\nmax-model-len: 32K\ngpu_memory_utilization: 0.85\n"
@@ -83,6 +87,7 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) ->
     assert "--no-enable-prefix-caching" in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("text", "says"), [
     ("port: 8000\n", "port"),
     ("kv-cache-memory-bytes: 1000\n", "pretuner measures"),
@@ -99,6 +104,7 @@ def test_a_config_pretuner_cannot_honour_is_refused(tmp_path: Path, text: str, s
     assert "--config" in proc.stderr
 
 
+@pytest.mark.slow
 def test_config_keys_the_r01_method_cannot_pass_are_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("enforce-eager: true\n")

@@ -314,6 +314,7 @@ def test_node_scan_reads_under_the_node_root(
 
 
 # -- Ray stays optional -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_importing_pretuner_never_imports_ray() -> None:
     code = (
         "import sys\n"

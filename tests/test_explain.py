@@ -95,12 +95,14 @@ def test_report_md_explains_the_flags_of_the_final_command() -> None:
     assert "pinned KV = ..." not in text  # the derivation has its own section
 
 
+@pytest.mark.slow
 def test_explain_lists_every_flag() -> None:
     proc = run_cli("explain")
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip().splitlines()) == len(FLAGS)
 
 
+@pytest.mark.slow
 def test_an_unknown_flag_is_one_line_naming_the_close_one() -> None:
     proc = run_cli("explain", "--swap-spaec")
     assert proc.returncode == 2
@@ -108,6 +110,7 @@ def test_an_unknown_flag_is_one_line_naming_the_close_one() -> None:
                                    "you mean --swap-space?")
 
 
+@pytest.mark.slow
 def test_explain_refuses_a_folder_without_a_finished_run(tmp_path: Path) -> None:
     proc = run_cli("explain", "--swap-space", "--run", str(tmp_path))
     assert proc.returncode == 2

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fault_campaign.py"
 
 
@@ -17,6 +19,7 @@ def test_the_campaign_lists_every_case() -> None:
     assert "server dies on probe" in names
 
 
+@pytest.mark.slow
 def test_a_few_cases_pass_and_the_verdict_is_one_line_each() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--only", "headroom nan,block size 7,server dies on probe"],

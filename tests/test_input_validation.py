@@ -37,6 +37,7 @@ BAD_RUN_FLAGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("flags", "named"), BAD_RUN_FLAGS)
 def test_run_refuses_bad_flags_before_any_folder(
     tmp_path: Path, flags: list[str], named: str
@@ -50,6 +51,7 @@ def test_run_refuses_bad_flags_before_any_folder(
     assert list(tmp_path.iterdir()) == []  # no run folder, no journal in the current folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [["--kv-gib", "nan"], ["--kv-gib", "inf"], ["--headroom-gb", "nan"], ["--util", "inf"],
@@ -72,6 +74,7 @@ def _started(options: dict[str, object], **extra: object) -> str:
     return json.dumps({"event": "run_started", "time": 0, "options": options, **extra})
 
 
+@pytest.mark.slow
 def test_resume_refuses_flags_and_dry_run(tmp_path: Path) -> None:
     run = _journal(tmp_path / "r", _started({"model": "tiny-mla"}))
     done = run_cli("run", "--resume", str(run), "--headroom-gb", "1", "--card", "64")
@@ -85,6 +88,7 @@ def test_resume_refuses_flags_and_dry_run(tmp_path: Path) -> None:
     assert "config.json" not in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("line", "named"),
     [
@@ -140,6 +144,7 @@ def test_run_options_from_json_round_trip() -> None:
     assert RunOptions.from_json(opts.to_json()) == opts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("digits", [309, 4301, 16000])  # longer lines are cut at 16 KiB
 def test_huge_figures_are_skipped_not_raised(tmp_path: Path, digits: int) -> None:
     big = "9" * digits

@@ -101,6 +101,7 @@ def test_dead_at_start_fails_fast_with_code_tail_and_path(fake: Fake) -> None:
     assert not proc.alive
 
 
+@pytest.mark.slow
 def test_hang_times_out(fake: Fake) -> None:
     proc = fake.start("--hang")
     with pytest.raises(ServerFailedError, match=r"not ready after 1\.5 s") as info:
@@ -129,6 +130,7 @@ def test_check_raising_stops_waiting_at_once(fake: Fake) -> None:
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.slow
 @needs_proc
 def test_stop_waits_for_the_grandchild(fake: Fake) -> None:
     # The wrapper dies at once on SIGTERM; the real server (its child) needs 0.5 s more to
@@ -144,6 +146,7 @@ def test_stop_waits_for_the_grandchild(fake: Fake) -> None:
     assert "actual peak used mem:1234M" in fake.log_path.read_text()
 
 
+@pytest.mark.slow
 @needs_proc
 def test_ignoring_sigterm_gets_sigkill_after_grace(fake: Fake) -> None:
     proc = fake.start("--wrapper", "--ignore-term")
@@ -174,6 +177,7 @@ def test_context_manager_stops_on_keyboard_interrupt(fake: Fake) -> None:
     assert not seen[0].alive
 
 
+@pytest.mark.slow
 @needs_proc
 def test_interrupt_during_grace_kills_at_once(fake: Fake) -> None:
     proc = fake.start("--wrapper", "--ignore-term")
@@ -213,6 +217,7 @@ def test_sigterm_becomes_keyboard_interrupt() -> None:
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+@pytest.mark.slow
 @needs_proc
 def test_atexit_stops_a_forgotten_server(tmp_path: Path) -> None:
     port = free_port()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_logscan_lines import OOM_CASES, POOL_CASES, VLLM_CASES
@@ -49,6 +50,7 @@ def test_random_bytes_never_crash(data: bytes) -> None:
     parse_line(data.decode("latin-1"))
 
 
+@pytest.mark.slow
 @given(mutated_line())
 @settings(max_examples=400)
 def test_mutated_real_lines_never_crash(line: bytes) -> None:
@@ -56,6 +58,7 @@ def test_mutated_real_lines_never_crash(line: bytes) -> None:
     parse_origin(line)
 
 
+@pytest.mark.slow
 @given(st.lists(st.one_of(mutated_line(), st.binary(max_size=300)), max_size=30), st.booleans())
 @settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 def test_scanner_and_follower_never_crash(lines: list[bytes], crlf: bool) -> None:

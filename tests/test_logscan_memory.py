@@ -152,6 +152,7 @@ def test_a_rank_tag_printed_after_the_dumps_still_names_them(tmp_path: Path) -> 
     assert [(o.rank, o.pid, o.line) for o in result.oom] == [(1, 77, 2)]
 
 
+@pytest.mark.slow
 def test_spooled_hits_match_the_sequential_scan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

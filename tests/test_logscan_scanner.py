@@ -176,6 +176,7 @@ def test_garbage_around_real_lines(tmp_path: Path, garbage: bytes) -> None:
     assert result.ranks[0].dumps == 2
 
 
+@pytest.mark.slow
 def test_huge_line_and_window_boundaries(tmp_path: Path) -> None:
     """A 20 MiB line crosses the mmap window; dumps on both sides are found with line numbers."""
     huge = b"x" * (WINDOW_BYTES + 4 * 2**20)

@@ -57,7 +57,9 @@ def _run(tmp_path: Path, *extra: str, code: int = 0) -> tuple[dict[str, object],
     return json.loads((out / "report.json").read_text("utf-8")), out
 
 
+@pytest.mark.engine
 @pytest.mark.mindspore
+@pytest.mark.slow
 def test_run_validates_on_real_mindspore(tmp_path: Path) -> None:
     require("mindspore", "PRETUNER_MINDSPORE_REQUIRED")
     report, out = _run(tmp_path)
@@ -71,7 +73,9 @@ def test_run_validates_on_real_mindspore(tmp_path: Path) -> None:
     assert "vLLM_MODEL_MEMORY_USE_GB=" in env
 
 
+@pytest.mark.engine
 @pytest.mark.mindspore
+@pytest.mark.slow
 def test_run_falls_back_on_real_oom(tmp_path: Path) -> None:
     require("mindspore", "PRETUNER_MINDSPORE_REQUIRED")
     report, out = _run(tmp_path, "--max-model-len", "4096", code=9)  # validated, but shorter

@@ -85,6 +85,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_plan_json_keys() -> None:
     proc = run_cli("plan", "--model", "DeepSeek-V3", "--card", "64", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -97,6 +98,7 @@ def test_cli_plan_json_keys() -> None:
     assert data["tp"] == 16
 
 
+@pytest.mark.slow
 def test_cli_plan_text_has_units() -> None:
     proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64")
     assert proc.returncode == 0, proc.stderr
@@ -104,6 +106,7 @@ def test_cli_plan_text_has_units() -> None:
     assert "predicted" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "code", "fragment"),
     [

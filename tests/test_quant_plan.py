@@ -152,6 +152,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_cli_70b_on_32g_text_and_json() -> None:
     args = (
         "plan",
@@ -177,6 +178,7 @@ def test_cli_70b_on_32g_text_and_json() -> None:
     assert data["max_num_seqs"] >= 1
 
 
+@pytest.mark.slow
 def test_cli_nothing_fits_says_what_would() -> None:
     proc = run_cli("plan", "--card", "8", "--model", LLAMA70, "--engine", "vllm",
                    "--max-model-len", "128K")  # fmt: skip
@@ -185,6 +187,7 @@ def test_cli_nothing_fits_says_what_would() -> None:
     assert "or: --max-model-len" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cli_plain_plan_unchanged_has_null_weights_plan_text() -> None:
     proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64")
     assert "weights as loaded" not in proc.stdout

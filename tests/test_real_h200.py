@@ -60,6 +60,7 @@ def test_the_derivation_adds_up() -> None:
     assert report("run32k")["final"]["kv_cache_memory_bytes"] == d["pinned_kv_mib"] * MIB
 
 
+@pytest.mark.slow
 def test_analyze_reads_the_runs_own_series_and_derives_the_same_pinned_kv() -> None:
     launch = H200 / "run32k" / "launch-1"
     done = run_cli("analyze", str(launch / "server.log"), "--memory-series",

@@ -229,6 +229,7 @@ def assert_not_blank(png: bytes) -> None:
     assert white < 0.95 * image.size[0] * image.size[1]
 
 
+@pytest.mark.engine  # a real headless chromium
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["r01", "v1"])
 def test_report_html_renders_in_a_real_browser(which: str, request: pytest.FixtureRequest,

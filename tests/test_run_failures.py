@@ -144,6 +144,7 @@ def test_server_that_dies_at_start_is_listed_as_a_failed_launch(tmp_path: Path) 
     assert re.search(r"^\| 1 \| prerun \| .+ \| failed \| - \| - \|$", md, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> None:
     proc = run_cli("run", "--model", "deepseek-v4", "--card", "64", "--json", cwd=tmp_path)
     assert proc.returncode == 2
@@ -160,6 +161,7 @@ def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> No
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", [[], ["--debug"]])
 def test_length_above_the_model_limit_names_the_vllm_override(
     tmp_path: Path, debug: list[str]

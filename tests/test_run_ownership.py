@@ -96,6 +96,7 @@ def test_lock_is_exclusive_across_processes_and_names_the_holder(tmp_path: Path)
     lock_folder(tmp_path).release()  # free again once its holder is gone
 
 
+@pytest.mark.slow
 def test_two_runs_with_one_out_never_share_it(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = cli_env()
@@ -115,6 +116,7 @@ def test_two_runs_with_one_out_never_share_it(tmp_path: Path) -> None:
     assert json.loads(journal[0])["options"]["request_timeout_s"] == 60
 
 
+@pytest.mark.slow
 def test_resume_of_a_running_run_is_refused(tmp_path: Path) -> None:
     env = cli_env()
     out, _ = _interrupted_run(tmp_path, env)
@@ -128,6 +130,7 @@ def test_resume_of_a_running_run_is_refused(tmp_path: Path) -> None:
     assert f"is in use by pretuner pid {holder.pid}" in res.stderr
 
 
+@pytest.mark.slow
 @needs_linux
 def test_sigkill_of_pretuner_takes_its_server_along(tmp_path: Path) -> None:
     env = cli_env(PRETUNER_SIM_STARTUP_S="30")
@@ -146,6 +149,7 @@ def test_sigkill_of_pretuner_takes_its_server_along(tmp_path: Path) -> None:
     assert not (out / "launch-1" / PID_FILE).exists()
 
 
+@pytest.mark.slow
 @needs_linux
 def test_an_orphan_is_named_by_a_new_run_and_stopped_by_resume(tmp_path: Path) -> None:
     env = cli_env()
@@ -198,6 +202,7 @@ def test_pid_file_lives_while_the_group_does(tmp_path: Path) -> None:
     assert not (log.parent / PID_FILE).exists()
 
 
+@pytest.mark.slow
 def test_a_slow_stop_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(groups, "_FIRST_NOTE_S", 0.3)
     monkeypatch.setattr(groups, "_NOTE_EVERY_S", 0.5)

@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from pretuner.models import resolve
 from pretuner.tune.backends import Backend
 from pretuner.tune.server_cmd import server_model_arg
@@ -29,6 +31,7 @@ def _path_with_python(tmp_path: Path) -> dict[str, str]:
     return cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.mark.slow
 def test_a_missing_engine_is_refused_before_the_run_folder(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli(*REAL, "--out", str(out), env=_path_with_python(tmp_path))
@@ -38,6 +41,7 @@ def test_a_missing_engine_is_refused_before_the_run_folder(tmp_path: Path) -> No
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_missing_server_program_is_refused(tmp_path: Path) -> None:
     env = cli_env(PATH=str(tmp_path))  # no python3 at all
     proc = run_cli(*REAL, "--out", str(tmp_path / "run"), env=env)
@@ -45,6 +49,7 @@ def test_a_missing_server_program_is_refused(tmp_path: Path) -> None:
     assert "'python3' is not on PATH" in proc.stderr
 
 
+@pytest.mark.slow
 def test_with_the_engine_installed_the_launch_names_the_hf_id(tmp_path: Path) -> None:
     pkg = tmp_path / "site" / "vllm_mindspore"
     pkg.mkdir(parents=True)

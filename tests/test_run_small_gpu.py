@@ -65,6 +65,7 @@ def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: Path) -> None:
     rep = json.loads((small_run / "report.json").read_text())
     assert rep["validated"]
@@ -123,6 +124,7 @@ def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run
     assert "It does not move the KV cache to the CPU" in md
 
 
+@pytest.mark.slow
 def test_explain_shows_the_runs_figure(small_run: Path) -> None:
     proc = run_cli("explain", "--cpu-offload-gb", "--run", str(small_run))
     assert proc.returncode == 0, proc.stderr
@@ -131,6 +133,7 @@ def test_explain_shows_the_runs_figure(small_run: Path) -> None:
     assert "tokens/s for one sequence" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_configuration_slower_than_asked_exits_9_with_its_files(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "24",
@@ -147,6 +150,7 @@ def test_a_configuration_slower_than_asked_exits_9_with_its_files(tmp_path: Path
     assert (out / "serve.sh").exists()
 
 
+@pytest.mark.slow
 def test_a_host_without_the_offload_is_refused_before_any_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli("run", *SMALL, *KNOBS, "--out", str(out),
@@ -157,6 +161,7 @@ def test_a_host_without_the_offload_is_refused_before_any_launch(tmp_path: Path)
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_model_too_big_for_the_card_is_told_what_fits(tmp_path: Path) -> None:
     proc = run_cli("run", *SMALL, "--out", str(tmp_path / "run"), env=cli_env(**FAST_SIM))
     assert proc.returncode == 4, proc.stderr
@@ -164,6 +169,7 @@ def test_a_model_too_big_for_the_card_is_told_what_fits(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("args", "says"), [
     (["--engine", "vllm", "--quantization", "awq"], "no quantization_config"),
     (["--engine", "vllm", "--quantization", "int3"], "choose one of: bitsandbytes"),
@@ -182,6 +188,7 @@ def test_bad_knobs_are_one_line_and_exit_2(args: list[str], says: str) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_vllm_config_file_gives_the_knobs(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("quantization: bitsandbytes\ncpu-offload-gb: 20\nswap-space: 4\n"
@@ -232,6 +239,7 @@ def test_the_log_names_an_engine_killed_by_a_signal(line: str, signal: int | Non
     assert read_v1_log([line]).killed_by_signal == signal
 
 
+@pytest.mark.slow
 def test_a_knob_given_as_a_server_arg_is_the_runs_knob() -> None:
     """Before pretuner knew them, the knobs went through --server-arg: they still do, and are
     planned, checked and recorded as if given as pretuner's flags (once in the command)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from pretuner.devices import DeviceMemory, Sample
 from pretuner.launch.sampler import MemorySampler
 
@@ -142,6 +144,7 @@ def test_the_series_keeps_every_device_and_the_phases_not_the_statuses() -> None
     assert times[0] >= 0
 
 
+@pytest.mark.slow
 def test_the_series_stays_bounded_however_long_the_launch() -> None:
     reader = Scripted()
     sampler = MemorySampler(reader, series_max_points=8).start()

@@ -143,6 +143,7 @@ def test_bad_values_rejected():
         render_scripts(p, ScriptOptions(engine_version="latest"), [Target.SERVE])
 
 
+@pytest.mark.slow
 def test_cli_script_and_presets(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -167,6 +168,7 @@ def test_cli_script_and_presets(tmp_path):
     assert "79,040" in res.stdout
 
 
+@pytest.mark.slow
 def test_presets_add_keeps_a_users_preset_outside_the_package(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -46,6 +46,7 @@ def _with(base: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["0.1", "0.5"])
 @pytest.mark.parametrize("values", [R1, QWEN], ids=["r1-2nodes", "qwen-1card"])
 def test_every_target_from_values(tmp_path: Path, values: list[str], version: str) -> None:
@@ -76,6 +77,7 @@ def test_every_target_from_values(tmp_path: Path, values: list[str], version: st
         assert "--kv-cache-memory-bytes" in serve
 
 
+@pytest.mark.slow
 def test_deepseek_r1_production_example() -> None:
     res = _script(*R1, "--target", "serve")
     assert res.returncode == 0, res.stderr
@@ -116,6 +118,7 @@ def test_given_preset_matches_the_published_one() -> None:
         assert getattr(p, field) == getattr(published, field), field
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [

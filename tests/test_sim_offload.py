@@ -165,6 +165,7 @@ def test_truth_grows_with_offload_and_eager() -> None:
     assert graphs < more
 
 
+@pytest.mark.slow
 def test_a_streamed_request_sends_each_token_as_it_is_sampled(tmp_path: Path) -> None:
     env = {**os.environ, **V100, "PRETUNER_SIM_STATE_DIR": str(tmp_path / "state"),
            "PRETUNER_SIM_TIME_SCALE": "0.02"}

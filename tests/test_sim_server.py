@@ -172,6 +172,7 @@ def final_args(final: object) -> tuple[list[str], dict[str, str]]:
     return args, env
 
 
+@pytest.mark.slow
 def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
     sim: object, tmp_path: Path
 ) -> None:
@@ -222,6 +223,7 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
 # -- failure modes -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("env", "args", "text"),
     [
@@ -269,6 +271,7 @@ def test_weights_oom_at_start_dumps_pool(sim: object) -> None:
     assert PEAK_RE.search(s.log)
 
 
+@pytest.mark.slow
 def test_oom_during_request_gives_500_and_kills_the_server(sim: object) -> None:
     # 18 GiB holds the weights and the 8k warm-up but not a 16k prefill.
     s = sim("--max-model-len", "16384", "--max-num-seqs", "1", env={  # type: ignore[operator]
@@ -288,6 +291,7 @@ def test_oom_during_request_gives_500_and_kills_the_server(sim: object) -> None:
     assert "AsyncLLMEngine has failed, terminating server process" in log
 
 
+@pytest.mark.slow
 def test_sigkill_prints_nothing_and_glog_hides_info(sim: object) -> None:
     quiet = sim(*PRERUN, env={"ASCEND_TOTAL_MEMORY_GB": "64",  # type: ignore[operator]
                               "vLLM_MODEL_MEMORY_USE_GB": "50", "ASCEND_RT_VISIBLE_DEVICES": "1"})
@@ -309,6 +313,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_api_models_stream_text_and_unknown_flags(sim: object) -> None:
     port = _free_port()
     s = sim("--max_model_len", "4096", "--enforce-eager", "--swap-space", "4",  # type: ignore
@@ -342,6 +347,7 @@ def test_api_models_stream_text_and_unknown_flags(sim: object) -> None:
     s.stop_group()
 
 
+@pytest.mark.slow
 def test_tp_across_nodes_writes_rank_logs_per_node(sim: object, tmp_path: Path) -> None:
     logs = tmp_path / "glog"
     s = sim("--tensor-parallel-size", "4", "--sim-nodes", "2",  # type: ignore[operator]
@@ -372,6 +378,7 @@ def test_tp_across_nodes_writes_rank_logs_per_node(sim: object, tmp_path: Path) 
 # -- the r0.1 launcher trap --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_launcher_sigint_loses_the_dump_sigterm_to_group_keeps_it(sim: object) -> None:
     env = {**PRERUN_ENV, "PRETUNER_SIM_TEARDOWN_S": "0.6"}
     lost = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)  # type: ignore
@@ -397,6 +404,7 @@ def test_launcher_sigint_loses_the_dump_sigterm_to_group_keeps_it(sim: object) -
 # -- npu-smi -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
@@ -431,6 +439,7 @@ def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
     assert hbm()[3] == (3379, 65536)
 
 
+@pytest.mark.slow
 def test_prompt_inside_the_watermark_is_dropped_with_an_empty_200(sim: object) -> None:
     # 0.9 x 64 GiB - 55 GiB = 2.6 GiB of KV = 1,183 blocks of 16 x 147,456 B: a 16,383-token
     # prompt needs 1,024 of them beside the 1 % watermark (11). At util 0.8947 the cache has
@@ -449,6 +458,7 @@ def test_prompt_inside_the_watermark_is_dropped_with_an_empty_200(sim: object) -
         s.stop_group(signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_is_on_by_default_above_32k(sim: object) -> None:
     env = {**PRERUN_ENV, "vLLM_MODEL_MEMORY_USE_GB": "40"}
     s = sim("--max-model-len", "40960", "--max-num-seqs", "1", env=env)  # type: ignore[operator]

@@ -221,6 +221,7 @@ def launch(tmp_path: Path) -> Iterator[Any]:
             r.proc.wait()
 
 
+@pytest.mark.slow
 def test_subprocess_a2_ready_then_twelve_32k_requests(launch: Any) -> None:
     data, theirs = real("A2-util090")
     srv = launch(serve_args(data))
@@ -252,6 +253,7 @@ def test_subprocess_a2_ready_then_twelve_32k_requests(launch: Any) -> None:
     assert '"POST /v1/completions HTTP/1.1" 200 OK' in srv.log()
 
 
+@pytest.mark.slow
 def test_subprocess_f_first_prefill_ooms_and_the_engine_stays_dead(launch: Any) -> None:
     data, theirs = real("F-kv59g-mbt32k")
     srv = launch(serve_args(data))
@@ -272,6 +274,7 @@ def test_subprocess_f_first_prefill_ooms_and_the_engine_stays_dead(launch: Any) 
     assert close(srv.peaks["probe"], data["peaks_mib"]["probe"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "alloc"), [("B-util098", "248.00 MiB"),
                                            ("E2-kv61g", "594.00 MiB")])
 def test_subprocess_failed_start_is_seen_by_a_sampler_then_exits_1(tmp_path: Path, name: str,

@@ -118,6 +118,7 @@ def arena(i: int) -> I.MMRequest:
     return I.MMRequest((image,), rng.randint(32, 256), 64)
 
 
+@pytest.mark.slow
 def test_memory_grows_after_1000_image_prompts_as_in_seed_001() -> None:
     reqs = tuple(inproc.sim_request(arena(i)) for i in range(1000))
     res = inproc.run_waves([*VL8, "--kv-cache-memory-bytes", "30G"], ENV,
@@ -127,6 +128,7 @@ def test_memory_grows_after_1000_image_prompts_as_in_seed_001() -> None:
     assert growth == pytest.approx(SEED_001_GROWTH_MIB, rel=0.10)
 
 
+@pytest.mark.slow
 def test_growth_needs_distinct_images_and_never_shrinks() -> None:
     same = inproc.sim_request(arena(0))
     argv = [*VL8, "--kv-cache-memory-bytes", "30G"]
@@ -140,6 +142,7 @@ def test_growth_needs_distinct_images_and_never_shrinks() -> None:
     assert fresh.last_mib["a"] <= fresh.last_mib["b"] == fresh.last_mib["idle"]
 
 
+@pytest.mark.slow
 def test_a_configuration_proven_at_start_up_fails_under_a_soak() -> None:
     spec = resolve("qwen3-vl-8b")
     shape = {"seed": 0, "max_model_len": 65536, "max_num_seqs": 8,
@@ -167,6 +170,7 @@ def image_part(w: int, h: int, uid: str = "x") -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": png_data_url(w, h, uid)}}
 
 
+@pytest.mark.slow
 def test_chat_prompt_counts_template_images_and_text() -> None:
     card = vl8_card()
     p = parse_chat(chat(image_part(4096, 4096), image_part(640, 480, "y"),
@@ -300,6 +304,7 @@ def serve(tmp_path: Path) -> Iterator[Any]:
             s.proc.wait(timeout=20)
 
 
+@pytest.mark.slow
 def test_http_chat_with_images_then_reset_gives_nothing_back(serve: Any, tmp_path: Path) -> None:
     (tmp_path / "0").mkdir()
     s = serve([*VL8, "--kv-cache-memory-bytes", "30G", "--limit-mm-per-prompt", "image=2"],
@@ -335,6 +340,7 @@ def test_http_chat_with_images_then_reset_gives_nothing_back(serve: Any, tmp_pat
     assert "maximum context length is 65536 tokens" in err["error"]["message"]
 
 
+@pytest.mark.slow
 def test_http_reset_needs_dev_mode(serve: Any, tmp_path: Path) -> None:
     (tmp_path / "0").mkdir()
     s = serve([*VL8, "--kv-cache-memory-bytes", "30G"])

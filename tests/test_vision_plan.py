@@ -218,6 +218,7 @@ def test_text_model_refuses_an_image_limit() -> None:
         plan(PlanConfig(model=lookup("qwen3-8b"), card_gib=64, image_limit=2))
 
 
+@pytest.mark.slow
 def test_cli_plan_vl_text_shows_images_block() -> None:
     proc = run_cli(
         "plan", "--model", "qwen3-vl-8b", "--card", "64", "--tp", "2",
@@ -234,6 +235,7 @@ def test_cli_plan_vl_text_shows_images_block() -> None:
     assert "GiB of host memory per API server" in out
 
 
+@pytest.mark.slow
 def test_cli_plan_vl_json_has_vision_key() -> None:
     proc = run_cli(
         "plan", "--model", "qwen3-vl-8b", "--card", "64", "--tp", "2",
@@ -252,6 +254,7 @@ def test_cli_plan_vl_json_has_vision_key() -> None:
     assert vision["provenance"] == "predicted"
 
 
+@pytest.mark.slow
 def test_cli_plan_text_model_has_no_images_block() -> None:
     proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64")
     assert proc.returncode == 0, proc.stderr
@@ -260,6 +263,7 @@ def test_cli_plan_text_model_has_no_images_block() -> None:
     assert json.loads(proc.stdout)["vision"] is None
 
 
+@pytest.mark.slow
 def test_cli_plan_bad_limit_is_exit_2() -> None:
     proc = run_cli("plan", "--model", "qwen3-vl-8b", "--card", "64", "--limit-mm-per-prompt", "x")
     assert proc.returncode == 2

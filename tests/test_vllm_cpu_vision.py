@@ -64,6 +64,7 @@ if PYTHON is None and os.environ.get("PRETUNER_VLLM_CPU_REQUIRED") == "1":  # CI
                        ".venv-vllm-vl or PRETUNER_VLLM_VL_PYTHON)")
 
 
+@pytest.mark.engine
 @pytest.mark.vllm_cpu
 @pytest.mark.slow
 @pytest.mark.skipif(PYTHON is None, reason="no vllm-cpu with torchvision: run "

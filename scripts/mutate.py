@@ -73,7 +73,7 @@ MUTANTS = (
     Mutant("kv-factor", "pretuner/kvmath.py",
            "return layers * 2 * local_heads * spec.head_dim * elem",
            "return layers * local_heads * spec.head_dim * elem",
-           "K and V both count (the emulator's own truth catches the tuner)"),
+           "K and V both count in the KV bytes per token (hard figures, the emulator's own truth)"),
     Mutant("tighten-floor", "pretuner/tune/config.py",
            "TIGHTEN_MARGIN_FLOOR_BYTES = 8 * MIB", "TIGHTEN_MARGIN_FLOOR_BYTES = 0",
            "a tightening keeps a margin above the full-load peak"),
@@ -81,27 +81,27 @@ MUTANTS = (
 
 
 def copy_checkout(dest: Path) -> Path:
-    """The package, tests, scripts and project files in `dest/main`, `../shared` beside it."""
+    """The checkout (without its venvs, git folder and run records) in `dest/main`, with
+    `../shared` linked beside it as CI has it."""
     tree = dest / "main"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".mypy_cache", ".ruff_cache",
-                                    ".pytest_cache", ".hypothesis", "*.egg-info")
-    for part in ("pretuner", "tests", "scripts"):
-        shutil.copytree(ROOT / part, tree / part, ignore=ignore)
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, tree / name)
+    shutil.copytree(ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "runs", "__pycache__", "*.pyc", ".mypy_cache", ".ruff_cache",
+        ".pytest_cache", ".hypothesis", "*.egg-info", "build", "dist"))
     shared = ROOT.parent / "shared"
     if shared.is_dir():
         (dest / "shared").symlink_to(shared)
     return tree
 
 
-def run_quick(tree: Path, extra: list[str]) -> tuple[int, float, str]:
+def run_quick(tree: Path, extra: list[str]) -> tuple[int, float, str, str]:
+    """pytest's exit code, the seconds it took, its summary line and the first failed test."""
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "pytest", *QUICK, *extra], cwd=tree, env=env,
-                          capture_output=True, text=True, check=False)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()
-    return proc.returncode, time.monotonic() - started, tail[-1] if tail else ""
+    proc = subprocess.run([sys.executable, "-m", "pytest", *QUICK, "-rf", *extra], cwd=tree,
+                          env=env, capture_output=True, text=True, check=False)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    failed = next((line.split()[1] for line in lines if line.startswith("FAILED ")), "")
+    return proc.returncode, time.monotonic() - started, lines[-1] if lines else "", failed
 
 
 def apply(tree: Path, m: Mutant) -> str:
@@ -133,7 +133,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pretuner-mutate-") as tmp:
         tree = copy_checkout(Path(tmp))
         if not args.no_baseline:
-            rc, secs, tail = run_quick(tree, args.pytest_args)
+            rc, secs, tail, _ = run_quick(tree, args.pytest_args)
             print(f"{'baseline':26} {'passes' if rc == 0 else 'FAILS':9} {secs:6.1f} s  {tail}")
             if rc != 0:
                 print("the unmutated tree fails its quick tier: nothing to learn from mutants",
@@ -148,14 +148,20 @@ def main() -> int:
                 broken.append(m.name)
                 continue
             try:
-                rc, secs, tail = run_quick(tree, args.pytest_args)
+                rc, secs, tail, failed = run_quick(tree, args.pytest_args)
             finally:
                 (tree / m.path).write_text(original, encoding="utf-8")
-            verdict = "killed" if rc == 1 else "SURVIVED" if rc == 0 else f"error({rc})"
+            # pytest exits 1 when a test failed; with xdist and -x the stop reads as 2
+            # ("interrupted") after "N failed" or a collection error.
+            killed = rc in (1, 2) and ("failed" in tail or "error" in tail)
+            verdict = "SURVIVED" if rc == 0 else "killed" if killed else f"error({rc})"
             print(f"{m.name:26} {verdict:9} {secs:6.1f} s  {m.rule}")
+            if failed:
+                print(f"{'':26} by {failed}")
             if rc == 0:
                 survived.append(m.name)
-            elif rc != 1:
+            elif not killed:
+                print(f"{'':26} {tail}")
                 broken.append(m.name)
     killed = len(chosen) - len(survived) - len(broken)
     print(f"{killed} of {len(chosen)} mutants killed"

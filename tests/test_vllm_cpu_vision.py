@@ -74,6 +74,8 @@ def test_pretuner_run_tunes_a_vision_model_on_the_real_server(tmp_path: Path) ->
     done = run_cli("run", "--model", str(TINY_VL), "--engine", "vllm-cpu", "--card", "6",
                    "--max-model-len", "2048", "--max-num-seqs", "2", "--soak", "4",
                    # The pre-run and the proof: no tightening launch after it (CI's time).
+                   # Not --enforce-eager: vLLM then skips the encoder profiling whose line
+                   # this test reads.
                    "--max-launches", "2",
                    "--server-arg", "--load-format dummy", "--out", str(out), "--json",
                    env=cli_env(PRETUNER_VLLM_PYTHON=str(PYTHON)), timeout=600, cwd=tmp_path)

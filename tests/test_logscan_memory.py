@@ -79,7 +79,9 @@ def scan_in_child(*paths: Path) -> dict[str, object]:
 @pytest.mark.slow
 def test_memory_does_not_grow_with_matched_lines(tmp_path: Path) -> None:
     rss_mib: dict[int, float] = {}
-    for matched in (12, 60_000, 240_000):  # 12: the scanner's own footprint, nearly no lines
+    # 12: the scanner's own footprint, nearly no lines; 60,000 matched lines are the fewest
+    # where the leak this guards against (~1.5 KiB a line: 88 MiB) clears the bound twice over.
+    for matched in (12, 60_000):
         log = tmp_path / f"dumps-{matched}.log"
         worst = write_dumps(log, matched)
         found = scan_in_child(log)
@@ -96,8 +98,7 @@ def test_memory_does_not_grow_with_matched_lines(tmp_path: Path) -> None:
     # Before the fix: ~1.5 KiB per matched line, 181 MiB at 100,000 lines, 609 MiB at 400,000.
     # Measured above the scanner's own footprint (the interpreter and what pretuner imports,
     # which differ between machines and pytest runners), not as an absolute figure.
-    assert rss_mib[240_000] - rss_mib[12] < 60, rss_mib
-    assert rss_mib[240_000] - rss_mib[60_000] < 25, rss_mib
+    assert rss_mib[60_000] - rss_mib[12] < 40, rss_mib
 
 
 OOM = (

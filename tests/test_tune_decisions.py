@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,7 +87,7 @@ class ScriptedCard:
         )  # fmt: skip
 
 
-def tuner(card: ScriptedCard, model: str = "qwen3-8b", card_gib: int = 64, **kw: object) -> Tuner:
+def tuner(card: ScriptedCard, model: str = "qwen3-8b", card_gib: int = 64, **kw: Any) -> Tuner:
     cfg = TuneConfig(model=resolve(model), card=CardInfo(card_gib, None, "given"), **kw)
     t = Tuner(cfg, card, lambda phase, detail: None)
     card.bpt = t.bpt
@@ -277,7 +278,7 @@ def test_infeasible_only_when_a_launch_at_the_minimum_length_failed() -> None:
 
 
 def emulated(model: str, card: int, length: int, seed: int, occupied_mib: int = 0,
-             **kw: object) -> tuple[TuneResult, list[mem.CardModel], int]:
+             **kw: Any) -> tuple[TuneResult, list[mem.CardModel], int]:
     work = Path(tempfile.mkdtemp(prefix="pretuner-decisions-"))
     env = {"PRETUNER_SIM_STARTUP_S": "0", "PRETUNER_SIM_TEARDOWN_S": "0",
            "PRETUNER_SIM_OCCUPIED_MIB": str(occupied_mib),

@@ -6,17 +6,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_launch import classify, concurrency
-from pretuner.engines.v1_log import read_v1_log
+from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import InfeasibleError, NotValidatedError
 from pretuner.models import resolve
 from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes
 from pretuner.tune.settings import LaunchSettings, Purpose
-from pretuner.tune.v1.loop import V1Config, V1Tuner
+from pretuner.tune.v1.loop import Executor, V1Config, V1Result, V1Tuner
 from pretuner.units import GIB, MIB
 from tests.helpers import shared
 
@@ -26,13 +28,14 @@ BPT = 147_456  # Qwen3-8B: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
 H100_MARGIN_MIB = 408  # 0.5 % of the H100's 81,559 MiB, rounded up
 
 
-def _log(path):
+def _log(path: Path) -> V1Log:
     with path.open(encoding="utf-8", errors="replace") as f:
         return read_v1_log(f)
 
 
-def _run(name):
-    return json.loads((H100 / f"{name}.json").read_text())
+def _run(name: str) -> dict[str, Any]:
+    run: dict[str, Any] = json.loads((H100 / f"{name}.json").read_text())
+    return run
 
 
 @pytest.mark.parametrize(
@@ -46,7 +49,8 @@ def _run(name):
         pytest.param("F-kv59g-mbt32k", 59.0, 429_616, True, 1536, True, id="first-prefill-oom"),
     ],
 )
-def test_reads_the_real_h100_logs(name, kv_gib, tokens, ready, alloc_mib, dead):
+def test_reads_the_real_h100_logs(name: str, kv_gib: float, tokens: int, ready: bool,
+                                  alloc_mib: int | None, dead: bool) -> None:
     v1 = _log(H100 / f"{name}.log")
     assert v1.weights_gib == 15.27
     assert v1.kv_gib == kv_gib
@@ -57,7 +61,7 @@ def test_reads_the_real_h100_logs(name, kv_gib, tokens, ready, alloc_mib, dead):
     assert v1.start_failed is (not ready)
 
 
-def test_reads_the_real_cpu_logs():
+def test_reads_the_real_cpu_logs() -> None:
     auto = _log(CPU / "util030-auto.log")
     assert (auto.available_kv_gib, auto.non_kv_gib, auto.kv_tokens) == (2.7, 0.7, 2_836_096)
     pinned = _log(CPU / "kv1g-explicit.log")
@@ -68,7 +72,7 @@ def test_reads_the_real_cpu_logs():
     assert not oom.ready
 
 
-def test_pinned_from_the_real_util_0_9_run_lands_between_60_and_61_gib_edges():
+def test_pinned_from_the_real_util_0_9_run_lands_between_60_and_61_gib_edges() -> None:
     """The A2 pre-run's NVML peak gives a pinned KV that fits (E1: 60 GiB did, with 87 MiB
     spare; E2: 61 GiB did not) and beats util 0.9's tokens by more than 8 %."""
     a2 = _run("A2-util090")
@@ -84,7 +88,7 @@ def test_pinned_from_the_real_util_0_9_run_lands_between_60_and_61_gib_edges():
     assert budget.kv_mib == math.floor(budget.total_mib - budget.non_kv_mib - budget.margin_mib)
 
 
-def test_the_real_util_0_9_run_pins_the_kv_worked_out_by_hand():
+def test_the_real_util_0_9_run_pins_the_kv_worked_out_by_hand() -> None:
     """A2 by hand: KV held 398,992 tokens x 147,456 B = 56,108.25 MiB; non-KV peak 76,152 -
     56,108.25 = 20,043.75 MiB; pinned 81,559 - 20,043.75 - 408 (0.5 % of the card) = 61,107 MiB,
     333 MiB below the 60 GiB that real launch E1 proved (61 GiB died at start-up)."""
@@ -97,7 +101,7 @@ def test_the_real_util_0_9_run_pins_the_kv_worked_out_by_hand():
     assert budget.kv_mib <= 60 * 1024
 
 
-def test_back_off_subtracts_the_allocation_and_the_margin():
+def test_back_off_subtracts_the_allocation_and_the_margin() -> None:
     kv = 61 * GIB
     got = back_off_bytes(kv, 594 * MIB, 81_559)
     assert got == kv - 594 * MIB - H100_MARGIN_MIB * MIB
@@ -113,8 +117,9 @@ PROFILED_NON_KV_GIB = 16.47  # what vLLM's profiling counts (it misses ~3.5 GiB)
 TORCH_TOTAL_GIB = 79.18
 
 
-def _outcome(s: LaunchSettings, kind: OutcomeKind, *, kv_tokens=None, peak=None, alloc=None,
-             reader="scripted", n=1) -> LaunchOutcome:
+def _outcome(s: LaunchSettings, kind: OutcomeKind, *, kv_tokens: int | None = None,
+             peak: int | None = None, alloc: int | None = None, reader: str | None = "scripted",
+             n: int = 1) -> LaunchOutcome:
     return LaunchOutcome(
         n=n, settings=s, kind=kind, worst_peak_mib=None, rank_peaks_mib={},
         oom_text=f"CUDA out of memory. Tried to allocate {alloc / MIB:.2f} MiB" if alloc else None,
@@ -127,7 +132,8 @@ def _outcome(s: LaunchSettings, kind: OutcomeKind, *, kv_tokens=None, peak=None,
     )
 
 
-def scripted_card(non_kv_mib=NON_KV, reader="scripted", weights_fit=True, calls=None):
+def scripted_card(non_kv_mib: int = NON_KV, reader: str | None = "scripted", weights_fit: bool = True,
+                  calls: list[LaunchSettings] | None = None) -> Executor:
     """A card whose non-KV peak is fixed: a launch fits when non-KV + KV <= total."""
 
     def execute(s: LaunchSettings) -> LaunchOutcome:
@@ -150,16 +156,16 @@ def scripted_card(non_kv_mib=NON_KV, reader="scripted", weights_fit=True, calls=
     return execute
 
 
-def _cfg(**kw) -> V1Config:
+def _cfg(**kw: Any) -> V1Config:
     base = {"model": SPEC, "card_gib": 80, "bytes_per_token": BPT, "max_model_len": 32768}
     return V1Config(**{**base, **kw})
 
 
-def _tune(execute, **kw):
+def _tune(execute: Executor, **kw: Any) -> V1Result:
     return V1Tuner(_cfg(**kw), execute, lambda phase, detail: None).run()
 
 
-def test_happy_path_pins_59_to_60_gib_in_two_launches():
+def test_happy_path_pins_59_to_60_gib_in_two_launches() -> None:
     r = _tune(scripted_card())
     assert r.validated
     assert len(r.outcomes) == 2
@@ -170,13 +176,13 @@ def test_happy_path_pins_59_to_60_gib_in_two_launches():
     assert r.kv_tokens >= 1.08 * 398_992
 
 
-def test_a_validation_oom_backs_off_by_the_allocation_and_proves_again():
+def test_a_validation_oom_backs_off_by_the_allocation_and_proves_again() -> None:
     # the card needs 700 MiB more than the pre-run showed (a transient the samples missed)
     seen: list[LaunchSettings] = []
     pre = scripted_card()
     tight = scripted_card(non_kv_mib=NON_KV + 700)
 
-    def execute(s):
+    def execute(s: LaunchSettings) -> LaunchOutcome:
         seen.append(s)
         return pre(s) if s.purpose is Purpose.PRERUN else tight(s)
 
@@ -190,16 +196,17 @@ def test_a_validation_oom_backs_off_by_the_allocation_and_proves_again():
     assert [d["decision"] for d in r.decisions][-2:] == ["back off", "validated"]
 
 
-def test_without_a_device_reader_the_engines_own_profiling_is_pinned():
+def test_without_a_device_reader_the_engines_own_profiling_is_pinned() -> None:
     r = _tune(scripted_card(reader=None))
     assert r.validated
     assert r.budget is None
     assert r.measured_by == "log"
+    assert r.profiled_kv_tokens is not None
     assert r.final.kv_cache_bytes == r.profiled_kv_tokens * BPT // MIB * MIB
     assert any(d["decision"] == "log only" for d in r.decisions)
 
 
-def test_a_length_util_cannot_hold_is_measured_with_one_sequence_pinned():
+def test_a_length_util_cannot_hold_is_measured_with_one_sequence_pinned() -> None:
     calls: list[LaunchSettings] = []
     r = _tune(scripted_card(calls=calls), util=0.22)
     assert calls[0].kv_cache_bytes is None
@@ -209,21 +216,21 @@ def test_a_length_util_cannot_hold_is_measured_with_one_sequence_pinned():
     assert (r.final.kv_cache_bytes or 0) > 59 * GIB
 
 
-def test_weights_that_do_not_fit_end_the_run_as_infeasible():
+def test_weights_that_do_not_fit_end_the_run_as_infeasible() -> None:
     with pytest.raises(InfeasibleError, match="weights did not fit"):
         _tune(scripted_card(weights_fit=False))
 
 
-def test_a_length_no_budget_holds_is_infeasible_from_a_measurement():
+def test_a_length_no_budget_holds_is_infeasible_from_a_measurement() -> None:
     with pytest.raises(InfeasibleError, match="does not fit"):
         _tune(scripted_card(non_kv_mib=TOTAL - 1024), util=0.22)
 
 
-def test_the_launch_budget_bounds_the_back_off():
+def test_the_launch_budget_bounds_the_back_off() -> None:
     pre = scripted_card()
     never = scripted_card(non_kv_mib=NON_KV + 8000)
 
-    def execute(s):
+    def execute(s: LaunchSettings) -> LaunchOutcome:
         return pre(s) if s.purpose is Purpose.PRERUN else never(s)
 
     with pytest.raises(NotValidatedError):
@@ -248,13 +255,11 @@ def test_the_launch_budget_bounds_the_back_off():
                      OutcomeKind.REQUESTS_FAILED, id="500-without-oom"),
     ],
 )
-def test_classify(log_fields, ran, kind):
-    from pretuner.engines.v1_log import V1Log
-
+def test_classify(log_fields: dict[str, Any], ran: Exercised, kind: OutcomeKind) -> None:
     assert classify(V1Log(**log_fields), ran, None) is kind
 
 
-def test_validation_concurrency_is_what_the_kv_holds_capped_by_max_num_seqs():
+def test_validation_concurrency_is_what_the_kv_holds_capped_by_max_num_seqs() -> None:
     s = replace(scripted_settings(), max_model_len=32768, max_num_seqs=256)
     assert concurrency(s, 436_896, BPT) == 13
     assert concurrency(replace(s, max_num_seqs=4), 436_896, BPT) == 4

@@ -163,8 +163,8 @@ def main() -> int:
             elif not killed:
                 print(f"{'':26} {tail}")
                 broken.append(m.name)
-    killed = len(chosen) - len(survived) - len(broken)
-    print(f"{killed} of {len(chosen)} mutants killed"
+    kills = len(chosen) - len(survived) - len(broken)
+    print(f"{kills} of {len(chosen)} mutants killed"
           + (f"; survived: {', '.join(survived)}" if survived else "")
           + (f"; could not run: {', '.join(broken)}" if broken else ""))
     if broken:

@@ -18,7 +18,7 @@ from pretuner.report_html import render_html
 from pretuner.report_html.breakdown import breakdown, breakdown_r01, breakdown_v1
 from pretuner.report_html.charts import bar, chart
 from pretuner.report_html.inputs import LaunchMemory, MemoryRow
-from tests.helpers import run_cli
+from tests.helpers import invoke, run_cli
 
 # An attribute that loads something from elsewhere: a URL with a scheme or `//host`.
 EXTERNAL = re.compile(r"""(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:|//)""",
@@ -237,7 +237,7 @@ def test_report_html_renders_in_a_real_browser(which: str, request: pytest.Fixtu
     run: Path = request.getfixturevalue(f"{which}_run")
     assert sorted(p.name for p in run.glob("launch-*/memory.tsv")) == ["memory.tsv"] * len(
         list(run.glob("launch-*/server.log")))
-    proc = run_cli("report", str(run), "--out", str(tmp_path / "page.html"))
+    proc = invoke("report", str(run), "--out", str(tmp_path / "page.html"))
     assert proc.returncode == 0, proc.stderr
     page = Path(proc.stdout.strip())
     assert page == tmp_path / "page.html"
@@ -263,14 +263,14 @@ def test_report_html_renders_in_a_real_browser(which: str, request: pytest.Fixtu
 def test_report_command_writes_beside_the_run_once(r01_run: Path) -> None:
     target = r01_run / "report.html"
     target.unlink(missing_ok=True)
-    first = run_cli("report", str(r01_run))
+    first = invoke("report", str(r01_run))
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == str(target)
     assert target.is_file()
-    again = run_cli("report", str(r01_run))
+    again = invoke("report", str(r01_run))
     assert again.returncode == 2
     assert "--overwrite" in again.stderr
-    assert run_cli("report", str(r01_run), "--overwrite").returncode == 0
-    missing = run_cli("report", str(r01_run / "nope"))
+    assert invoke("report", str(r01_run), "--overwrite").returncode == 0
+    missing = invoke("report", str(r01_run / "nope"))
     assert missing.returncode == 2
     assert "report.json" in missing.stderr

@@ -100,6 +100,7 @@ def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: 
     assert data["figures"]["cpu_offload_gib"] == 14.0
 
 
+@pytest.mark.slow  # small_run: an emulated run end to end, 8 s here
 def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run: Path) -> None:
     rep = json.loads((small_run / "report.json").read_text())
     w = rep["weights"]

@@ -4,14 +4,17 @@ inspect processes."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -19,6 +22,35 @@ import pytest
 # The emulated V1 card's clock runs 100x fast: a test measures relative speeds, not seconds.
 FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1",
             "PRETUNER_SIM_TIME_SCALE": "0.01"}
+
+
+# Canonical emulated runs, `pretuner run ARGS`: built once per session by tests/conftest.py
+# `finished_run` and read by the tests of several files (one that writes in it takes a copy,
+# shutil.copytree(..., symlinks=True)).
+R01_QWEN_64 = ("--model", "qwen3-8b", "--card", "64", "--json")
+R01_QWEN_32_CHUNKED = ("--model", "qwen3-8b", "--card", "32", "--tp", "1",
+                       "--max-model-len", "40960", "--json")  # fmt: skip
+# Measured, on an idle card: one sequence of 40,960 tokens does not fit qwen3-8b at TP1 on
+# 24 GiB, and the minimum length is that one (exit 4, a failure report).
+R01_INFEASIBLE = ("--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len", "40960",
+                  "--min-model-len", "40960")  # fmt: skip
+V1_QWEN_80_32K = ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                  "--max-model-len", "32768", "--json")  # fmt: skip
+# Without --json: a test reads the text summary it prints.
+V1_QWEN_80_8K = ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                 "--max-model-len", "8192")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """`pretuner run ARGS --out folder` as it ended: its folder, exit code, stdout and stderr."""
+
+    folder: Path
+    proc: subprocess.CompletedProcess[str]
+
+    def report(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.folder / "report.json").read_text())
+        return data
 
 
 def cli_env(**extra: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,9 @@ from pretuner.plan import PlanConfig, plan
 from pretuner.tune.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 from pretuner.tune.settings import LaunchSettings, Purpose
-from tests.helpers import cli_env, invoke, run_cli
+from tests.helpers import R01_INFEASIBLE, FinishedRun, cli_env, invoke, run_cli
 
-# Measured, on an idle card: one sequence of 40,960 tokens does not fit qwen3-8b at TP1 on
-# 24 GiB, and the minimum length is that one.
-INFEASIBLE = ("run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len",
-              "40960", "--min-model-len", "40960")  # fmt: skip
+INFEASIBLE = ("run", *R01_INFEASIBLE)  # qwen3-8b at 40,960 tokens on 24 GiB: exit 4
 SETTINGS = LaunchSettings(
     purpose=Purpose.PRERUN, card_gib=64, util=0.9, model_use_gib=50, max_model_len=16384,
     max_num_seqs=1, max_num_batched_tokens=16384, block_size=16, tp=1,
@@ -44,9 +42,11 @@ def journal(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli(*INFEASIBLE, "--out", str(out), env=cli_env())
+def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(
+    finished_run: Callable[..., FinishedRun],
+) -> None:
+    run = finished_run(*R01_INFEASIBLE)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 4, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr

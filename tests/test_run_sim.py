@@ -10,11 +10,21 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env, default_sigint, invoke, processes_holding, run_cli
+from tests.helpers import (
+    R01_QWEN_32_CHUNKED,
+    R01_QWEN_64,
+    FinishedRun,
+    cli_env,
+    default_sigint,
+    invoke,
+    processes_holding,
+    run_cli,
+)
 
 
 def report(run_dir: Path) -> dict[str, object]:
@@ -22,9 +32,9 @@ def report(run_dir: Path) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_run_validates_in_two_launches(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), "--json")
+def test_run_validates_in_two_launches(finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*R01_QWEN_64)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep == report(out)
@@ -246,12 +256,10 @@ def test_serve_cmd_points_at_any_compatible_server(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli(
-        "run", "--model", "qwen3-8b", "--card", "32", "--tp", "1", "--max-model-len", "40960",
-        "--out", str(out), "--json",
-    )  # fmt: skip
+def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(
+        finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*R01_QWEN_32_CHUNKED)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["validated"]

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,17 @@ import requests
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import tune_v1_in_process
 from pretuner.units import GIB
-from tests.helpers import CONFIGS, FAST_SIM, cli_env, invoke, run_cli, shared
+from tests.helpers import (
+    CONFIGS,
+    FAST_SIM,
+    V1_QWEN_80_8K,
+    V1_QWEN_80_32K,
+    FinishedRun,
+    cli_env,
+    invoke,
+    run_cli,
+    shared,
+)
 
 
 def free_port() -> int:
@@ -37,11 +48,10 @@ UTIL_090_TOKENS = json.loads(shared("real-logs", "vllm-0.24-h100", "A2-util090.j
 
 
 @pytest.mark.slow
-def test_run_pins_kv_on_the_emulated_h100_and_proves_it(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "32768", "--out", str(out), "--json",
-                   env=cli_env(**FAST_SIM))
+def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
+        finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*V1_QWEN_80_32K)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["validated"]
@@ -111,16 +121,15 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.slow
-def test_the_written_serve_script_starts_a_server_that_serves(tmp_path: Path) -> None:
+def test_the_written_serve_script_starts_a_server_that_serves(
+        tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
     """Both startup scripts a user gets, started for real: the run folder's serve.sh (it runs
     the engine the run tuned, here the emulated one), and `pretuner script`'s, which runs the
     real `vllm serve`: a fake `vllm` on PATH records what it was given and serves it."""
-    out = tmp_path / "run"
-    env = cli_env(**FAST_SIM)
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "8192", "--out", str(out), "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    kv = json.loads(proc.stdout)["final"]["kv_cache_memory_bytes"]
+    run = finished_run(*V1_QWEN_80_8K)  # serve.sh writes nothing beside itself
+    out, env = run.folder, cli_env(**FAST_SIM)
+    assert run.proc.returncode == 0, run.proc.stderr
+    kv = run.report()["final"]["kv_cache_memory_bytes"]
 
     port = free_port()
     server = start_script(out / "serve.sh", port, env, tmp_path / "serve.log")
@@ -186,13 +195,11 @@ def test_a_length_the_card_cannot_hold_ends_infeasible_from_a_launch(tmp_path: P
 
 
 @pytest.mark.slow
-def test_in_process_and_subprocess_runs_decide_the_same(tmp_path: Path) -> None:
+def test_in_process_and_subprocess_runs_decide_the_same(
+        tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
     opts = RunOptions(model="qwen3-8b", engine="vllm", card_gib=80, max_model_len=32768)
     r = tune_v1_in_process(opts, tmp_path / "inproc")
-    out = tmp_path / "sub"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "32768", "--out", str(out), "--json",
-                   env=cli_env(**FAST_SIM))
+    proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["final"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
@@ -201,10 +208,9 @@ def test_in_process_and_subprocess_runs_decide_the_same(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_v1_run_names_the_real_engine_command_and_becomes_a_pinned_preset(
-        tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "8192", "--out", str(out), env=cli_env(**FAST_SIM))
+        tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*V1_QWEN_80_8K)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads((out / "report.json").read_text())
     real = rep["final"]["engine_serve_command"]

@@ -7,13 +7,14 @@ import json
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pretuner.presets import check_preset, load_preset_file, preset_from_report
 from pretuner.presets.model import preset_from_dict
-from tests.helpers import FAST_SIM, cli_env, invoke, run_cli
+from tests.helpers import V1_QWEN_80_8K, FinishedRun, invoke
 
 pytestmark = pytest.mark.slow
 
@@ -21,24 +22,10 @@ R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", 
 
 
 @pytest.fixture(scope="module")
-def v1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("v1") / "run"
-    proc = run_cli(
-        "run",
-        "--model",
-        "qwen3-8b",
-        "--engine",
-        "vllm",
-        "--card",
-        "80",
-        "--max-model-len",
-        "8192",
-        "--out",
-        str(out),
-        env=cli_env(**FAST_SIM),
-    )
-    assert proc.returncode == 0, proc.stderr
-    return out
+def v1_run(finished_run: Callable[..., FinishedRun]) -> Path:
+    run = finished_run(*V1_QWEN_80_8K)
+    assert run.proc.returncode == 0, run.proc.stderr
+    return run.folder
 
 
 def report(run: Path) -> dict:

@@ -1,15 +1,21 @@
-"""Shared helpers for tests that run the real console script and inspect processes."""
+"""Shared helpers for tests that run the CLI (in-process or as the real console script) and
+inspect processes."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -18,11 +24,41 @@ FAST_SIM = {"PRETUNER_SIM_STARTUP_S": "0.2", "PRETUNER_SIM_TEARDOWN_S": "0.1",
             "PRETUNER_SIM_TIME_SCALE": "0.01"}
 
 
+# Canonical emulated runs, `pretuner run ARGS`: built once per session by tests/conftest.py
+# `finished_run` and read by the tests of several files (one that writes in it takes a copy,
+# shutil.copytree(..., symlinks=True)).
+R01_QWEN_64 = ("--model", "qwen3-8b", "--card", "64", "--json")
+R01_QWEN_32_CHUNKED = ("--model", "qwen3-8b", "--card", "32", "--tp", "1",
+                       "--max-model-len", "40960", "--json")  # fmt: skip
+# Measured, on an idle card: one sequence of 40,960 tokens does not fit qwen3-8b at TP1 on
+# 24 GiB, and the minimum length is that one (exit 4, a failure report).
+R01_INFEASIBLE = ("--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len", "40960",
+                  "--min-model-len", "40960")  # fmt: skip
+V1_QWEN_80_32K = ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                  "--max-model-len", "32768", "--json")  # fmt: skip
+# Without --json: a test reads the text summary it prints.
+V1_QWEN_80_8K = ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                 "--max-model-len", "8192")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    """`pretuner run ARGS --out folder` as it ended: its folder, exit code, stdout and stderr."""
+
+    folder: Path
+    proc: subprocess.CompletedProcess[str]
+
+    def report(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.folder / "report.json").read_text())
+        return data
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
     env.update(FAST_SIM)
     # Each call its own emulated card: servers of concurrent test runs must not share one.
-    env["PRETUNER_SIM_STATE_DIR"] = tempfile.mkdtemp(prefix="pretuner-card-")
+    if "PRETUNER_SIM_STATE_DIR" not in extra:
+        env["PRETUNER_SIM_STATE_DIR"] = tempfile.mkdtemp(prefix="pretuner-card-")
     env.update(extra)
     return env
 
@@ -39,6 +75,73 @@ def run_cli(
         cwd=cwd,
         stdin=subprocess.DEVNULL,
     )
+
+
+# The signals a command may take over (pretuner.launch.process, pretuner.stopflag).
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def invoke(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`run_cli` without the subprocess: the console script's own `main()` (global flags hoisted,
+    the one error boundary, its exit codes and `--json` errors) called in this process under
+    typer's CliRunner isolation: stdin empty, stdout and stderr captured apart (help wrapped as
+    in a pipe), os.environ exactly `env` (cli_env() when None), the current folder `cwd`.
+
+    What a fresh interpreter would have, each call gets and gives back: no logging handler on
+    the root logger (pytest's, and the one `basicConfig` adds on the captured stderr, which
+    closes), `--debug` off, the signal handlers, the folder. A command that crashes raises here.
+    Only for commands that start no server (a server started from here would share this
+    process's signals and session): a launch fails the test, which then uses `run_cli`.
+    """
+    from typer import testing  # its CliRunner, and the (typer's own) click it patches
+
+    from pretuner.cli.app import main, state  # `pretuner.cli.app` the attribute is the Typer
+    from pretuner.launch.process import ServerProcess
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("invoke() runs commands that start no server: use run_cli")
+
+    with tempfile.TemporaryDirectory(prefix="pretuner-card-") as card:
+        environ = env if env is not None else cli_env(PRETUNER_SIM_STATE_DIR=card)
+        patch: dict[str, str | None] = {k: None for k in os.environ if k not in environ}
+        patch.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        signals = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+        folder = Path.cwd()
+        code: int | str | None = 0
+        with (testing.CliRunner().isolation(env=patch) as (out, err, _),
+              # help wrapped as for a process whose stdout is a pipe: $COLUMNS, else 80 wide
+              mock.patch.object(testing.formatting, "FORCED_WIDTH", None),
+              mock.patch("os.get_terminal_size", side_effect=OSError("not a terminal")),
+              mock.patch.object(ServerProcess, "start", no_launch)):
+            root.handlers = []
+            state.debug = False
+            try:
+                if cwd is not None:
+                    os.chdir(cwd)
+                main(list(args))
+            except SystemExit as exc:
+                code = exc.code
+            finally:
+                os.chdir(folder)
+                for handler in root.handlers:
+                    handler.close()
+                root.handlers, root.level = handlers, level
+                state.debug = False
+                for sig, handler in signals.items():
+                    if handler is not None:  # None: not set from Python, nothing to give back
+                        signal.signal(sig, handler)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # SystemExit("message"): Python prints it, exit status 1
+        stderr, code = f"{stderr}{code}\n", 1
+    return subprocess.CompletedProcess(["pretuner", *args], code, stdout, stderr)
 
 
 def processes_holding(path: Path) -> list[int]:

@@ -1,4 +1,4 @@
-"""`pretuner analyze`: the manual method on existing logs, through the real console script."""
+"""`pretuner analyze`: the manual method on existing logs, through the console entry point."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
-
-pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
-
+from tests.helpers import invoke
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 PREFIX = "[INFO] PRE_ACT({pid},7f3a2b1c0700,python):2025-05-16-23:06:54.123.456 "
@@ -38,7 +35,7 @@ def write_log(path: Path, peaks: dict[int, int], noise: int = 50) -> Path:
 
 def test_seed_worked_example(tmp_path: Path) -> None:
     log = write_log(tmp_path / "server.log", {4242: 29614})
-    proc = run_cli("analyze", str(log), *SEED_ARGS, "--json")
+    proc = invoke("analyze", str(log), *SEED_ARGS, "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["actual_peak_mib"] == 29614
@@ -53,7 +50,7 @@ def test_seed_worked_example(tmp_path: Path) -> None:
 
 def test_text_output_shows_every_step(tmp_path: Path) -> None:
     log = write_log(tmp_path / "server.log", {4242: 29614})
-    proc = run_cli("analyze", str(log), *SEED_ARGS)
+    proc = invoke("analyze", str(log), *SEED_ARGS)
     assert proc.returncode == 0, proc.stderr
     for fragment in ("1. KV cache in the pre-run", "= 7.60 GiB", "= 21.32 GiB", "= 36.28 GiB",
                      "5. max-num-seqs", "export vLLM_MODEL_MEMORY_USE_GB=22", "measured"):  # fmt: skip
@@ -63,7 +60,7 @@ def test_text_output_shows_every_step(tmp_path: Path) -> None:
 def test_worst_rank_decides_and_tp_is_derived(tmp_path: Path) -> None:
     log = write_log(tmp_path / "server.log", {101: 29000, 102: 29614, 103: 29100, 104: 28900})
     args = [a for a in SEED_ARGS if a not in ("--tp", "1")]
-    proc = run_cli("analyze", str(log), *args, "--json")
+    proc = invoke("analyze", str(log), *args, "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["worst_rank"]["pid"] == 102
@@ -77,7 +74,7 @@ def test_gzip_and_folder(tmp_path: Path) -> None:
     folder = tmp_path / "logs"
     folder.mkdir()
     (folder / "server.log.gz").write_bytes(gzip.compress(raw))
-    proc = run_cli("analyze", str(folder), *SEED_ARGS, "--json")
+    proc = invoke("analyze", str(folder), *SEED_ARGS, "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["actual_peak_mib"] == 29614
 
@@ -85,8 +82,8 @@ def test_gzip_and_folder(tmp_path: Path) -> None:
 def test_real_mindspore_rank_folders() -> None:
     # Real MindSpore 2.10 per-rank folders (GLOG_log_dir + RANK_ID): rank 0 peaked at 128M,
     # rank 1 at 512M. A 2 GiB "card" at util 0.7 with model-use 1 GiB gave a 0.4 GiB pre-run KV.
-    proc = run_cli("analyze", str(FIXTURES / "ms_rank_dir"), "--model", "qwen3-8b", "--card", "2",
-                   "--util", "0.7", "--model-use-gb", "1", "--max-model-len", "1024", "--json")  # fmt: skip
+    proc = invoke("analyze", str(FIXTURES / "ms_rank_dir"), "--model", "qwen3-8b", "--card", "2",
+                  "--util", "0.7", "--model-use-gb", "1", "--max-model-len", "1024", "--json")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert sorted((r["rank"], r["actual_peak_mib"]) for r in data["ranks"]) == [(0, 128), (1, 512)]
@@ -97,21 +94,21 @@ def test_real_mindspore_rank_folders() -> None:
 def test_no_peak_line_explains_why(tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     log.write_text("INFO 05-16 23:06:54 api_server.py:1] started\n" * 20)
-    proc = run_cli("analyze", str(log), *SEED_ARGS)
+    proc = invoke("analyze", str(log), *SEED_ARGS)
     assert proc.returncode == 3
     assert "no `actual peak used` line" in proc.stderr
     assert "GLOG_v=1" in proc.stderr
 
 
 def test_oom_log_is_refused_with_the_fallback(tmp_path: Path) -> None:
-    proc = run_cli("analyze", str(FIXTURES / "ms_cpu_oom.log"), *SEED_ARGS)
+    proc = invoke("analyze", str(FIXTURES / "ms_cpu_oom.log"), *SEED_ARGS)
     assert proc.returncode == 4, proc.stderr
     assert "out-of-memory" in proc.stderr
     assert "raise vLLM_MODEL_MEMORY_USE_GB" in proc.stderr
 
 
 def test_log_that_does_not_match_the_settings(tmp_path: Path) -> None:
-    proc = run_cli("analyze", str(FIXTURES / "ms_cpu_exit.log"), *SEED_ARGS)
+    proc = invoke("analyze", str(FIXTURES / "ms_cpu_exit.log"), *SEED_ARGS)
     assert proc.returncode == 2
     assert "is not above the pre-run's KV cache" in proc.stderr
 
@@ -119,19 +116,19 @@ def test_log_that_does_not_match_the_settings(tmp_path: Path) -> None:
 def test_out_file_written_once(tmp_path: Path) -> None:
     log = write_log(tmp_path / "server.log", {4242: 29614})
     out = tmp_path / "tuned.env"
-    first = run_cli("analyze", str(log), *SEED_ARGS, "--out", str(out))
+    first = invoke("analyze", str(log), *SEED_ARGS, "--out", str(out))
     assert first.returncode == 0, first.stderr
     text = out.read_text()
     assert "vLLM_MODEL_MEMORY_USE_GB=22" in text
     assert "--max-num-seqs 33" in text
-    second = run_cli("analyze", str(log), *SEED_ARGS, "--out", str(out))
+    second = invoke("analyze", str(log), *SEED_ARGS, "--out", str(out))
     assert second.returncode == 2
     assert "never overwrites" in second.stderr
     assert out.read_text() == text
 
 
 def test_missing_path(tmp_path: Path) -> None:
-    proc = run_cli("analyze", str(tmp_path / "nope.log"), *SEED_ARGS)
+    proc = invoke("analyze", str(tmp_path / "nope.log"), *SEED_ARGS)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr
 
@@ -140,18 +137,18 @@ def test_pre_run_settings_not_given_are_said_as_assumed(tmp_path: Path) -> None:
     """The log does not say the pre-run's util, model-use or length: never silently assumed."""
     log = write_log(tmp_path / "server.log", {4242: 29614})
     base = ["--model", "deepseek-v3", "--card", "64", "--tp", "1"]
-    text = run_cli("analyze", str(log), *base)
+    text = invoke("analyze", str(log), *base)
     assert text.returncode == 0, text.stderr
     assert ("warning: assumed, not given: --util 0.9, --model-use-gb 50, --max-model-len 16384"
             in text.stdout)
-    as_json = run_cli("analyze", str(log), *base, "--util", "0.9", "--json")
+    as_json = invoke("analyze", str(log), *base, "--util", "0.9", "--json")
     data = json.loads(as_json.stdout)
     assert data["assumed"] == {"--model-use-gb": 50, "--max-model-len": 16384}
     assert data["provenance"]["prerun_settings"] == "assumed"
     assert "assumed, not given: --model-use-gb 50" in as_json.stderr
     # The same figures as when they are given: the defaults are the method's.
     assert data["max_kv_tokens"] == json.loads(
-        run_cli("analyze", str(log), *SEED_ARGS, "--json").stdout)["max_kv_tokens"]
-    given = run_cli("analyze", str(log), *SEED_ARGS)
+        invoke("analyze", str(log), *SEED_ARGS, "--json").stdout)["max_kv_tokens"]
+    given = invoke("analyze", str(log), *SEED_ARGS)
     assert "assumed" not in given.stdout
     assert "assumed" not in given.stderr

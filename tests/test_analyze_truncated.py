@@ -16,7 +16,7 @@ from pretuner.analyze import AnalyzeConfig, analyze
 from pretuner.errors import InfeasibleError, NothingFoundError
 from pretuner.logscan import Truncation
 from pretuner.models import resolve
-from tests.helpers import run_cli
+from tests.helpers import invoke
 from tests.test_logscan_truncated import (
     RANK_LOGS,
     cut_after_header,
@@ -41,10 +41,9 @@ def config(folder: Path) -> AnalyzeConfig:
     )
 
 
-@pytest.mark.slow
 def test_scan_json_names_the_cut_rank(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {1: cut_in_summary(1)})
-    done = run_cli("scan", str(folder), "--json")
+    done = invoke("scan", str(folder), "--json")
     assert done.returncode == 0, done.stderr
     doc = json.loads(done.stdout)
     [cut] = doc["truncated"]
@@ -54,10 +53,9 @@ def test_scan_json_names_the_cut_rank(tmp_path: Path) -> None:
     assert "rank 1 (pid 10559) wrote a truncated memory-pool dump" in done.stderr
 
 
-@pytest.mark.slow
 def test_scan_text_says_truncated(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_after_header(0)})
-    done = run_cli("scan", str(folder))
+    done = invoke("scan", str(folder))
     assert done.returncode == 0, done.stderr
     assert "unknown (cut)" in done.stdout
     assert "worst may be higher" in done.stdout
@@ -82,16 +80,15 @@ def test_analyze_counts_the_cut_rank(tmp_path: Path, cut: Callable[[int], bytes]
     assert data["provenance"]["actual_peak_mib"] == "measured, without the truncated dumps"
 
 
-@pytest.mark.slow
 def test_analyze_cli_reports_the_cut_rank(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_in_summary(0)})
-    done = run_cli("analyze", str(folder), *ARGS)
+    done = invoke("analyze", str(folder), *ARGS)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("tiny-llama, TP2 (derived)")
     assert "rank 0: unknown" in done.stdout
     assert "warning: rank 0 (pid 10537) wrote a truncated memory-pool dump" in done.stdout
     assert "(at least 128 MiB" in done.stdout
-    done = run_cli("analyze", str(folder), *ARGS, "--json")
+    done = invoke("analyze", str(folder), *ARGS, "--json")
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["tp"] == 2
@@ -99,23 +96,21 @@ def test_analyze_cli_reports_the_cut_rank(tmp_path: Path) -> None:
     assert "pid 10537" in done.stderr
 
 
-@pytest.mark.slow
 def test_analyze_refuses_when_the_cut_rank_peaked_higher(tmp_path: Path) -> None:
     """Rank 1 printed `peak used mem:512M` before its cut: the 128 MiB of rank 0 is too low."""
     folder = cut_rank_dir(tmp_path, {1: cut_in_summary(1)})
     with pytest.raises(InfeasibleError, match=r"pid 10559.*at least 512 MiB"):
         analyze(config(folder))
-    done = run_cli("analyze", str(folder), *ARGS)
+    done = invoke("analyze", str(folder), *ARGS)
     assert done.returncode == 4
     assert "rank 1 (pid 10559) wrote a truncated memory-pool dump" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow
 def test_analyze_with_every_dump_cut(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_in_summary(0), 1: cut_after_header(1)})
     with pytest.raises(NothingFoundError, match=r"2 truncated, first: rank 0 \(pid 10537\)"):
         analyze(config(folder))
-    done = run_cli("analyze", str(folder), *ARGS)
+    done = invoke("analyze", str(folder), *ARGS)
     assert done.returncode == 3
     assert "no complete pool dump" in done.stderr

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pretuner.analyze_v1_inputs import read_memory_series, read_v1_run
-from tests.helpers import run_cli, shared
+from tests.helpers import invoke, shared
 
 REAL = shared("real-logs")
 H100 = REAL / "vllm-0.24-h100"
@@ -26,21 +26,21 @@ GIB = 1024**3
 
 
 def analyze_json(*args: str) -> dict[str, Any]:
-    done = run_cli("analyze", *args, "--json")
+    done = invoke("analyze", *args, "--json")
     assert done.returncode == 0, done.stderr
     data: dict[str, Any] = json.loads(done.stdout)
     return data
 
 
 def analyze_text(*args: str) -> str:
-    done = run_cli("analyze", *args)
+    done = invoke("analyze", *args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
 def refused(*args: str) -> str:
     """The one stderr line of a refusal (exit 2)."""
-    done = run_cli("analyze", *args)
+    done = invoke("analyze", *args)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr
     [line] = done.stderr.strip().splitlines()
@@ -122,7 +122,6 @@ def check_printed_sums(text: str) -> None:
 # --- A2: util 0.9, ready; with the NVML series of that configuration -------------------------
 
 
-@pytest.mark.slow
 def test_a2_with_series_says_what_the_card_could_hold() -> None:
     data = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
                         "--card-total-mib", str(H100_TOTAL_MIB))
@@ -154,7 +153,6 @@ def test_a2_with_series_says_what_the_card_could_hold() -> None:
     check_budget_sums(data)
 
 
-@pytest.mark.slow
 def test_a2_text_prints_the_flag_and_sums_that_add_up() -> None:
     text = analyze_text(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
                         "--card-total-mib", str(H100_TOTAL_MIB), "--model", "qwen3-8b")
@@ -169,7 +167,6 @@ def test_a2_text_prints_the_flag_and_sums_that_add_up() -> None:
     check_printed_sums(text)
 
 
-@pytest.mark.slow
 def test_a2_with_model_holds_exact_tokens() -> None:
     data = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
                         "--card-total-mib", str(H100_TOTAL_MIB), "--model", "qwen3-8b")
@@ -180,7 +177,6 @@ def test_a2_with_model_holds_exact_tokens() -> None:
     check_budget_sums(data)
 
 
-@pytest.mark.slow
 def test_nvidia_smi_csv_series_gives_peak_and_total(tmp_path: Path) -> None:
     # The same samples as `nvidia-smi --query-gpu=index,memory.used,memory.total
     # --format=csv,noheader,nounits` lines, with an idle second GPU.
@@ -199,7 +195,6 @@ def test_nvidia_smi_csv_series_gives_peak_and_total(tmp_path: Path) -> None:
     check_budget_sums(from_csv)
 
 
-@pytest.mark.slow
 def test_a2_without_series_says_the_peak_was_not_measured() -> None:
     text = analyze_text(str(H100 / "A2-util090.log"), "--model", "qwen3-8b")
     assert "THE DEVICE PEAK WAS NOT MEASURED" in text
@@ -216,7 +211,6 @@ def test_a2_without_series_says_the_peak_was_not_measured() -> None:
 # --- E2: 61 GiB pinned, OOM at start-up (594 MiB) --------------------------------------------
 
 
-@pytest.mark.slow
 def test_e2_backs_off_by_the_failed_allocation() -> None:
     data = analyze_json(str(H100 / "E2-kv61g.log"))
     assert data["ready"] is False
@@ -236,7 +230,6 @@ def test_e2_backs_off_by_the_failed_allocation() -> None:
     check_printed_sums(text)
 
 
-@pytest.mark.slow
 def test_e2_with_series_does_not_trust_a_failed_runs_peak() -> None:
     data = analyze_json(str(H100 / "E2-kv61g.log"), "--memory-series", str(SERIES),
                         "--card-total-mib", str(H100_TOTAL_MIB))
@@ -250,7 +243,6 @@ def test_e2_with_series_does_not_trust_a_failed_runs_peak() -> None:
 # --- F: 59 GiB pinned with max-num-batched-tokens 32k: the first prefill OOMs ----------------
 
 
-@pytest.mark.slow
 def test_f_says_the_prefill_ran_out_of_memory() -> None:
     data = analyze_json(str(H100 / "F-kv59g-mbt32k.log"))
     assert data["ready"] is True
@@ -273,7 +265,6 @@ def test_f_says_the_prefill_ran_out_of_memory() -> None:
 # --- vLLM on CPU ---------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_cpu_util030_profiled_kv(tmp_path: Path) -> None:
     data = analyze_json(str(CPU / "util030-auto.log"))
     assert data["ready"] is True
@@ -297,7 +288,6 @@ def test_cpu_util030_profiled_kv(tmp_path: Path) -> None:
     assert not any("check --model" in w for w in exact["warnings"])
 
 
-@pytest.mark.slow
 def test_cpu_oom_of_the_whole_kv_has_no_suggestion() -> None:
     data = analyze_json(str(CPU / "kv8g-data6g-oom.log"))
     assert data["oom"]["alloc_bytes"] == 8 * GIB
@@ -306,13 +296,11 @@ def test_cpu_oom_of_the_whole_kv_has_no_suggestion() -> None:
     assert any("more memory" in w for w in data["warnings"])
 
 
-@pytest.mark.slow
 def test_wrong_model_is_flagged() -> None:
     data = analyze_json(str(H100 / "C-kv59g.log"), "--model", "llama-3.1-8b-instruct")
     assert any("check --model" in w for w in data["warnings"])
 
 
-@pytest.mark.slow
 def test_out_writes_the_flag(tmp_path: Path) -> None:
     out = tmp_path / "kv.flags"
     data = analyze_json(str(H100 / "A2-util090.log"), "--memory-series", str(SERIES),
@@ -322,7 +310,6 @@ def test_out_writes_the_flag(tmp_path: Path) -> None:
     assert all(line.startswith("#") or line.startswith("--") for line in lines)
 
 
-@pytest.mark.slow
 def test_max_model_len_that_does_not_fit(tmp_path: Path) -> None:
     # A2's start, with less KV memory and vLLM's refusal of one max_model_len sequence
     head = []
@@ -354,7 +341,6 @@ def test_max_model_len_that_does_not_fit(tmp_path: Path) -> None:
 # --- refusals: one line, exit 2 --------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -372,7 +358,6 @@ def test_bad_inputs_are_refused_in_one_line(args: list[str], named: str) -> None
     assert named in refused(str(H100 / "A2-util090.log"), *args)
 
 
-@pytest.mark.slow
 def test_garbage_series_is_refused(tmp_path: Path) -> None:
     garbage = tmp_path / "series.txt"
     garbage.write_text("not a sample\n")
@@ -381,7 +366,6 @@ def test_garbage_series_is_refused(tmp_path: Path) -> None:
     assert "no memory samples" in line
 
 
-@pytest.mark.slow
 def test_series_of_another_run_is_refused() -> None:
     # C pinned 59 GiB; A2's series peaked with 54.79 GiB of KV: the non-KV would be below the
     # weights
@@ -390,7 +374,6 @@ def test_series_of_another_run_is_refused() -> None:
     assert "not of this run" in line
 
 
-@pytest.mark.slow
 def test_mindspore_log_still_needs_model(tmp_path: Path) -> None:
     log = tmp_path / "ms.log"
     log.write_text(

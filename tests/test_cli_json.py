@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
-
-pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
-
+from tests.helpers import invoke
 
 
 @pytest.mark.parametrize(("args", "error_type"), [
@@ -19,7 +16,7 @@ pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
     (("scan", "/no/such/log"), "BadInputError"),
 ])  # fmt: skip
 def test_a_failure_under_json_is_a_json_object_too(args: tuple[str, ...], error_type: str) -> None:
-    proc = run_cli(*args, "--json")
+    proc = invoke(*args, "--json")
     assert proc.returncode == 2
     data = json.loads(proc.stdout)
     assert data["schema_version"] == 1
@@ -31,7 +28,7 @@ def test_a_failure_under_json_is_a_json_object_too(args: tuple[str, ...], error_
 
 @pytest.mark.parametrize(("engine", "method"), [("auto", "r0.1"), ("vllm", "v1-pinned-kv")])
 def test_a_dry_run_under_json_is_the_first_launch_as_data(engine: str, method: str) -> None:
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json")
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert next(iter(data)) == "schema_version"
@@ -44,17 +41,17 @@ def test_a_dry_run_under_json_is_the_first_launch_as_data(engine: str, method: s
 
 
 def test_presets_list_and_script_speak_json(tmp_path: Path) -> None:
-    listed = run_cli("presets", "list", "--json")
+    listed = invoke("presets", "list", "--json")
     assert listed.returncode == 0, listed.stderr
     presets = json.loads(listed.stdout)["presets"]
     assert presets
     assert {"name", "kind", "model"} <= presets[0].keys()
     name = presets[0]["name"]
-    printed = run_cli("script", "--preset", name, "--target", "serve", "--json")
+    printed = invoke("script", "--preset", name, "--target", "serve", "--json")
     assert printed.returncode == 0, printed.stderr
     assert list(json.loads(printed.stdout)["files"]) == ["serve.sh"]
-    written = run_cli("script", "--preset", name, "--target", "serve", "--json",
-                      "--out", str(tmp_path / "deploy"))
+    written = invoke("script", "--preset", name, "--target", "serve", "--json",
+                     "--out", str(tmp_path / "deploy"))
     assert written.returncode == 0, written.stderr
     [path] = json.loads(written.stdout)["written"]
     assert Path(path).is_file()
@@ -68,7 +65,7 @@ def test_presets_list_and_script_speak_json(tmp_path: Path) -> None:
     ("scan", str(Path(__file__).parent / "fixtures" / "logs" / "ms_cpu_exit.log")),
 ])  # fmt: skip
 def test_every_json_object_starts_with_its_schema_version(args: tuple[str, ...]) -> None:
-    proc = run_cli(*args, "--json")
+    proc = invoke(*args, "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert list(data)[0] == "schema_version"

@@ -1,32 +1,18 @@
-"""`pretuner models` and `pretuner models show`, run as a real process."""
+"""`pretuner models` and `pretuner models show`, through the console entry point in-process."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pretuner.models import builtin_specs
-
-pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
-
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pretuner", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+from tests.helpers import invoke
 
 
 def test_models_lists_every_model_with_units() -> None:
-    result = run_cli("models")
+    result = invoke("models")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split()[:3] == ["NAME", "HF", "ID"]
@@ -40,7 +26,7 @@ def test_models_lists_every_model_with_units() -> None:
 
 
 def test_models_json() -> None:
-    result = run_cli("models", "--json")
+    result = invoke("models", "--json")
     assert result.returncode == 0, result.stderr
     models = {m["name"]: m for m in json.loads(result.stdout)["models"]}
     assert set(models) == {s.name for s in builtin_specs()}
@@ -50,7 +36,7 @@ def test_models_json() -> None:
 
 
 def test_show_prints_every_field_with_units() -> None:
-    result = run_cli("models", "show", "DeepSeek-V3")
+    result = invoke("models", "show", "DeepSeek-V3")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("deepseek-v3\n")
@@ -66,7 +52,7 @@ def test_show_prints_every_field_with_units() -> None:
 
 
 def test_show_json_has_kv_per_tp_and_invalid_tps() -> None:
-    result = run_cli("models", "show", "Qwen/Qwen2.5-7B-Instruct", "--json")
+    result = invoke("models", "show", "Qwen/Qwen2.5-7B-Instruct", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["name"] == "qwen2.5-7b-instruct"
@@ -80,7 +66,7 @@ def test_show_json_has_kv_per_tp_and_invalid_tps() -> None:
 
 
 def test_show_text_marks_invalid_tp() -> None:
-    result = run_cli("models", "show", "qwen2.5-7b-instruct")
+    result = invoke("models", "show", "qwen2.5-7b-instruct")
     assert result.returncode == 0, result.stderr
     assert "TP 8   not valid: qwen2.5-7b-instruct has 28 attention heads" in result.stdout
 
@@ -90,7 +76,7 @@ def test_show_text_marks_invalid_tp() -> None:
     [("deepseek-v4", "did you mean deepseek-v3, deepseek-r1?"), ("qwen3-9b", "qwen3-8b")],
 )
 def test_unknown_model_exits_2_with_one_line(name: str, suggestion: str) -> None:
-    result = run_cli("models", "show", name)
+    result = invoke("models", "show", name)
     assert result.returncode == 2
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
@@ -109,7 +95,7 @@ def test_show_a_local_folder(tmp_path: Path) -> None:
     }
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 123456}}')
-    result = run_cli("models", "show", str(folder), "--json")
+    result = invoke("models", "show", str(folder), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["name"] == "my-model"
@@ -121,7 +107,7 @@ def test_show_a_local_folder(tmp_path: Path) -> None:
 
 def test_show_a_broken_folder_exits_2(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
-    result = run_cli("models", "show", str(tmp_path))
+    result = invoke("models", "show", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.startswith("pretuner: error: ")
     assert "config.json is not valid JSON" in result.stderr

@@ -1,29 +1,19 @@
-"""`pretuner scan` through the real console entry point."""
+"""`pretuner scan` through the console entry point (in-process)."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.slow  # subprocess runs of the CLI and emulated servers
-
+from tests.helpers import invoke
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
 
 def scan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pretuner", "scan", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    return invoke("scan", *args)
 
 
 def test_json_keys() -> None:

@@ -10,7 +10,7 @@ import typer
 
 from pretuner.cli.vocab import KvDtype, human_int, kv_dtype, read_vllm_config
 from pretuner.kvmath import KV_DTYPES
-from tests.helpers import run_cli
+from tests.helpers import invoke
 
 V1_DRY = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--dry-run")
 
@@ -35,11 +35,10 @@ def test_every_kv_dtype_pretuner_knows_is_offered_and_nothing_else() -> None:
     assert kv_dtype(KvDtype.FP8_E5M2) == "fp8_e5m2"
 
 
-@pytest.mark.slow
 def test_vllm_flag_names_reach_the_server_command() -> None:
-    proc = run_cli(*V1_DRY, "--gpu-memory-utilization", "0.8", "-tp", "1",
-                   "--max-model-len", "32K", "--max-num-batched-tokens", "16k",
-                   "--kv-cache-dtype", "fp8_e4m3")
+    proc = invoke(*V1_DRY, "--gpu-memory-utilization", "0.8", "-tp", "1",
+                  "--max-model-len", "32K", "--max-num-batched-tokens", "16k",
+                  "--kv-cache-dtype", "fp8_e4m3")
     assert proc.returncode == 0, proc.stderr
     assert "--gpu-memory-utilization 0.8" in proc.stdout
     assert "--max-model-len 32768" in proc.stdout
@@ -47,37 +46,34 @@ def test_vllm_flag_names_reach_the_server_command() -> None:
     assert "--kv-cache-dtype fp8_e4m3" in proc.stdout
 
 
-@pytest.mark.slow
 def test_plan_takes_the_same_names() -> None:
-    proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64", "--tensor-parallel-size", "2",
-                   "--pipeline-parallel-size", "1", "--max-model-len", "32K",
-                   "--kv-cache-dtype", "bfloat16", "--json")
+    proc = invoke("plan", "--model", "qwen3-8b", "--card", "64", "--tensor-parallel-size", "2",
+                  "--pipeline-parallel-size", "1", "--max-model-len", "32K",
+                  "--kv-cache-dtype", "bfloat16", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["tp"] == 2
     assert data["max_model_len"] == 32768
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("flag", "value", "says"), [
     ("--kv-cache-dtype", "garbage", "fp8_e4m3"),
     ("--max-model-len", "3.5K", "3.5k"),
     ("--max-model-len", "lots", "32K"),
 ])  # fmt: skip
 def test_a_bad_value_is_a_usage_error_naming_the_fix(flag: str, value: str, says: str) -> None:
-    proc = run_cli(*V1_DRY, flag, value)
+    proc = invoke(*V1_DRY, flag, value)
     assert proc.returncode == 2
     assert flag in proc.stderr
     assert says in proc.stderr
 
 
-@pytest.mark.slow
 def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: qwen3-8b\nmax-model-len: 32K\ngpu_memory_utilization: 0.85\n"
                    "max-num-seqs: 64\nenforce-eager: true\nenable-prefix-caching: false\n")
-    proc = run_cli("run", "--engine", "vllm", "--config", str(cfg), "--max-num-seqs", "32",
-                   "--dry-run")
+    proc = invoke("run", "--engine", "vllm", "--config", str(cfg), "--max-num-seqs", "32",
+                  "--dry-run")
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.splitlines()[-1]
     assert "--max-model-len 32768" in line
@@ -87,7 +83,6 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) ->
     assert "--no-enable-prefix-caching" in line
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("text", "says"), [
     ("port: 8000\n", "port"),
     ("kv-cache-memory-bytes: 1000\n", "pretuner measures"),
@@ -99,16 +94,15 @@ def test_a_config_pretuner_cannot_honour_is_refused(tmp_path: Path, text: str, s
     cfg.write_text(text)
     with pytest.raises(typer.BadParameter, match=says):
         read_vllm_config(cfg)
-    proc = run_cli("run", "--model", "qwen3-8b", "--config", str(cfg), "--dry-run")
+    proc = invoke("run", "--model", "qwen3-8b", "--config", str(cfg), "--dry-run")
     assert proc.returncode == 2
     assert "--config" in proc.stderr
 
 
-@pytest.mark.slow
 def test_config_keys_the_r01_method_cannot_pass_are_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("enforce-eager: true\n")
-    proc = run_cli("run", "--model", "qwen3-8b", "--config", str(cfg), "--dry-run")
+    proc = invoke("run", "--model", "qwen3-8b", "--config", str(cfg), "--dry-run")
     assert proc.returncode == 2
     assert "--config" in proc.stderr
     assert "V1 engine" in proc.stderr

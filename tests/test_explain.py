@@ -10,7 +10,7 @@ import pytest
 
 from pretuner.explain import FLAGS, find, measured_lines, report_section
 from pretuner.speed import Speed, too_slow
-from tests.helpers import run_cli
+from tests.helpers import invoke
 
 GOLDEN_R01 = Path(__file__).parent / "golden" / "run" / "report.json"
 
@@ -95,24 +95,21 @@ def test_report_md_explains_the_flags_of_the_final_command() -> None:
     assert "pinned KV = ..." not in text  # the derivation has its own section
 
 
-@pytest.mark.slow
 def test_explain_lists_every_flag() -> None:
-    proc = run_cli("explain")
+    proc = invoke("explain")
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip().splitlines()) == len(FLAGS)
 
 
-@pytest.mark.slow
 def test_an_unknown_flag_is_one_line_naming_the_close_one() -> None:
-    proc = run_cli("explain", "--swap-spaec")
+    proc = invoke("explain", "--swap-spaec")
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("pretuner: error: no memory flag named '--swap-spaec'; did "
                                    "you mean --swap-space?")
 
 
-@pytest.mark.slow
 def test_explain_refuses_a_folder_without_a_finished_run(tmp_path: Path) -> None:
-    proc = run_cli("explain", "--swap-space", "--run", str(tmp_path))
+    proc = invoke("explain", "--swap-space", "--run", str(tmp_path))
     assert proc.returncode == 2
     assert "cannot read" in proc.stderr
 

@@ -13,7 +13,7 @@ from pretuner.logscan import parse_line, parse_origin, scan_paths
 from pretuner.method import MAX_NUM_SEQS, max_num_seqs
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.record import RunRecord
-from tests.helpers import run_cli
+from tests.helpers import invoke
 
 BAD_RUN_FLAGS = [
     (["--serve-cmd", "serve 'unbalanced"], "--serve-cmd"),
@@ -37,12 +37,11 @@ BAD_RUN_FLAGS = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("flags", "named"), BAD_RUN_FLAGS)
 def test_run_refuses_bad_flags_before_any_folder(
     tmp_path: Path, flags: list[str], named: str
 ) -> None:
-    done = run_cli("run", "--model", "tiny-mla", "--card", "64", *flags, cwd=tmp_path)
+    done = invoke("run", "--model", "tiny-mla", "--card", "64", *flags, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     [line] = done.stderr.strip().splitlines()
@@ -51,14 +50,13 @@ def test_run_refuses_bad_flags_before_any_folder(
     assert list(tmp_path.iterdir()) == []  # no run folder, no journal in the current folder
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [["--kv-gib", "nan"], ["--kv-gib", "inf"], ["--headroom-gb", "nan"], ["--util", "inf"],
      ["--block-size", "7"], ["--card", "100000"]],
 )  # fmt: skip
 def test_plan_refuses_non_finite_and_odd_values(flags: list[str]) -> None:
-    done = run_cli("plan", "--model", "tiny-mla", "--card", "64", *flags)
+    done = invoke("plan", "--model", "tiny-mla", "--card", "64", *flags)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert flags[0] in done.stderr
@@ -74,21 +72,19 @@ def _started(options: dict[str, object], **extra: object) -> str:
     return json.dumps({"event": "run_started", "time": 0, "options": options, **extra})
 
 
-@pytest.mark.slow
 def test_resume_refuses_flags_and_dry_run(tmp_path: Path) -> None:
     run = _journal(tmp_path / "r", _started({"model": "tiny-mla"}))
-    done = run_cli("run", "--resume", str(run), "--headroom-gb", "1", "--card", "64")
+    done = invoke("run", "--resume", str(run), "--headroom-gb", "1", "--card", "64")
     assert done.returncode == 2
     assert "cannot be given with --resume" in done.stderr
     assert "--card" in done.stderr
     assert "--headroom-gb" in done.stderr
-    done = run_cli("run", "--dry-run", "--resume", str(run))
+    done = invoke("run", "--dry-run", "--resume", str(run))
     assert done.returncode == 2
     assert "--dry-run cannot be combined with --resume" in done.stderr
     assert "config.json" not in done.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("line", "named"),
     [
@@ -102,7 +98,7 @@ def test_resume_refuses_flags_and_dry_run(tmp_path: Path) -> None:
 )
 def test_resume_refuses_a_damaged_or_foreign_journal(tmp_path: Path, line: str, named: str) -> None:
     run = _journal(tmp_path / "r", line)
-    done = run_cli("run", "--resume", str(run))
+    done = invoke("run", "--resume", str(run))
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert named in done.stderr
@@ -144,7 +140,6 @@ def test_run_options_from_json_round_trip() -> None:
     assert RunOptions.from_json(opts.to_json()) == opts
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("digits", [309, 4301, 16000])  # longer lines are cut at 16 KiB
 def test_huge_figures_are_skipped_not_raised(tmp_path: Path, digits: int) -> None:
     big = "9" * digits
@@ -165,7 +160,7 @@ def test_huge_figures_are_skipped_not_raised(tmp_path: Path, digits: int) -> Non
     result = scan_paths([tmp_path])
     assert result.worst is not None
     assert result.worst.actual_peak_mib == 5
-    done = run_cli("scan", str(tmp_path))
+    done = invoke("scan", str(tmp_path))
     assert done.returncode == 0, done.stderr
 
 

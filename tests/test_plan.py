@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +12,7 @@ from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models import ModelSpec, builtin_specs, lookup
 from pretuner.plan import PlanConfig, plan
 from pretuner.units import GIB
+from tests.helpers import invoke
 
 
 def test_deepseek_v3_w8a8_on_64g_needs_tp16_on_two_nodes() -> None:
@@ -79,15 +78,8 @@ def test_every_model_plans_or_says_why(spec: ModelSpec, card: int, length: int) 
     assert r.weights_bytes_per_card + lp.activation_bytes < card * 0.9 * GIB
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pretuner", *args], capture_output=True, text=True, timeout=60
-    )
-
-
-@pytest.mark.slow
 def test_cli_plan_json_keys() -> None:
-    proc = run_cli("plan", "--model", "DeepSeek-V3", "--card", "64", "--json")
+    proc = invoke("plan", "--model", "DeepSeek-V3", "--card", "64", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     for key in (
@@ -98,15 +90,13 @@ def test_cli_plan_json_keys() -> None:
     assert data["tp"] == 16
 
 
-@pytest.mark.slow
 def test_cli_plan_text_has_units() -> None:
-    proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64")
+    proc = invoke("plan", "--model", "qwen3-8b", "--card", "64")
     assert proc.returncode == 0, proc.stderr
     assert "GiB per card" in proc.stdout
     assert "predicted" in proc.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "code", "fragment"),
     [
@@ -118,7 +108,7 @@ def test_cli_plan_text_has_units() -> None:
     ],
 )
 def test_cli_plan_errors(args: list[str], code: int, fragment: str) -> None:
-    proc = run_cli("plan", *args)
+    proc = invoke("plan", *args)
     assert proc.returncode == code
     assert fragment in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from pretuner.models.quant import Quantization, from_config, from_flag, param_sp
 from pretuner.plan import PlanConfig, plan
 from pretuner.plan_propose import propose
 from pretuner.units import GIB
-from tests.helpers import CONFIGS
+from tests.helpers import CONFIGS, invoke
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"
 FP8_CONFIG = CONFIGS / "Qwen--Qwen3-235B-A22B-FP8.json"
@@ -146,13 +144,6 @@ def test_proposal_for_a_card_that_serves_as_is() -> None:
     assert p.chosen.label == "unquantized"
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pretuner", *args], capture_output=True, text=True, timeout=60
-    )
-
-
-@pytest.mark.slow
 def test_cli_70b_on_32g_text_and_json() -> None:
     args = (
         "plan",
@@ -165,12 +156,12 @@ def test_cli_70b_on_32g_text_and_json() -> None:
         "--max-model-len",
         "8192",
     )
-    proc = run_cli(*args)
+    proc = invoke(*args)
     assert proc.returncode == 0, proc.stderr
     assert "proposed: bitsandbytes-nf4-dq + --cpu-offload-gb" in proc.stdout
     assert "--quantization bitsandbytes --cpu-offload-gb" in proc.stdout
     assert "host memory" in proc.stdout
-    data = json.loads(run_cli(*args, "--json").stdout)
+    data = json.loads(invoke(*args, "--json").stdout)
     wp = data["weights_plan"]
     assert wp["quantization"] == "bitsandbytes-nf4-dq"
     assert wp["cpu_offload_gib_per_card"] == data["proposal"]["chosen"]["cpu_offload_gib"]
@@ -178,18 +169,16 @@ def test_cli_70b_on_32g_text_and_json() -> None:
     assert data["max_num_seqs"] >= 1
 
 
-@pytest.mark.slow
 def test_cli_nothing_fits_says_what_would() -> None:
-    proc = run_cli("plan", "--card", "8", "--model", LLAMA70, "--engine", "vllm",
-                   "--max-model-len", "128K")  # fmt: skip
+    proc = invoke("plan", "--card", "8", "--model", LLAMA70, "--engine", "vllm",
+                  "--max-model-len", "128K")  # fmt: skip
     assert proc.returncode == 4
     assert "nothing tried serves" in proc.stdout
     assert "or: --max-model-len" in proc.stdout
 
 
-@pytest.mark.slow
 def test_cli_plain_plan_unchanged_has_null_weights_plan_text() -> None:
-    proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64")
+    proc = invoke("plan", "--model", "qwen3-8b", "--card", "64")
     assert "weights as loaded" not in proc.stdout
-    data = json.loads(run_cli("plan", "--model", "qwen3-8b", "--card", "64", "--json").stdout)
+    data = json.loads(invoke("plan", "--model", "qwen3-8b", "--card", "64", "--json").stdout)
     assert data["weights_plan"]["quantization"] is None

@@ -12,7 +12,7 @@ import pytest
 from pretuner.analyze_v1_inputs import read_memory_series
 from pretuner.engines.v1_launch import read_log
 from pretuner.units import MIB
-from tests.helpers import run_cli
+from tests.helpers import invoke
 
 H200 = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200"
 QWEN3_8B_BPT = 147_456  # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
@@ -60,11 +60,10 @@ def test_the_derivation_adds_up() -> None:
     assert report("run32k")["final"]["kv_cache_memory_bytes"] == d["pinned_kv_mib"] * MIB
 
 
-@pytest.mark.slow
 def test_analyze_reads_the_runs_own_series_and_derives_the_same_pinned_kv() -> None:
     launch = H200 / "run32k" / "launch-1"
-    done = run_cli("analyze", str(launch / "server.log"), "--memory-series",
-                   str(launch / "memory.tsv"), "-m", "qwen3-8b", "--json")
+    done = invoke("analyze", str(launch / "server.log"), "--memory-series",
+                  str(launch / "memory.tsv"), "-m", "qwen3-8b", "--json")
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["budget"]["kv_bytes"] == report("run32k")["final"]["kv_cache_memory_bytes"]

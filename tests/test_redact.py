@@ -31,7 +31,7 @@ from pretuner.tune.record import RunRecord
 from pretuner.tune.records import RunReport
 from pretuner.tune.report import serve_sh, tuned_env
 from pretuner.tune.settings import LaunchCommand
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, invoke, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
 KEY, TOKEN = "SEKRIT-api-1", "SEKRIT-hf-2"
@@ -164,10 +164,9 @@ def test_run_id_with_a_newline_is_one_comment(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.slow
 def test_out_with_a_newline_is_bad_input(tmp_path):
     out = tmp_path / EVIL_ID
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), cwd=tmp_path)
+    proc = invoke("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "control character" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) <= 2  # the error and its hint
@@ -190,7 +189,7 @@ def test_run_stores_no_secret_anywhere(tmp_path):
     out = tmp_path / "run"
     env = cli_env(STUB_ARGV_LOG=str(tmp_path / "launched.log"))
     args = ["run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", serve_cmd]
-    dry = run_cli(*args, "--dry-run", env=env)
+    dry = invoke(*args, "--dry-run", env=env)
     assert dry.returncode == 0, dry.stderr
     _assert_clean(dry.stdout)
     assert "--api-key '<redacted>'" in dry.stdout
@@ -219,7 +218,7 @@ def test_run_stores_no_secret_anywhere(tmp_path):
     again = tmp_path / "again"
     again.mkdir()
     (again / "journal.jsonl").write_text((out / "journal.jsonl").read_text().splitlines()[0] + "\n")
-    refused = run_cli("run", "--resume", str(again), env=env)
+    refused = invoke("run", "--resume", str(again), env=env)
     assert refused.returncode == 2, refused.stderr
     assert "export PRETUNER_SERVE_API_KEY" in refused.stderr
     resumed = run_cli("run", "--resume", str(again), "--json", env={**env, **env_ok})

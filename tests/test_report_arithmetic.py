@@ -3,17 +3,15 @@ card: every printed line adds up within the rounding it is printed with."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import R01_QWEN_32_CHUNKED, R01_QWEN_64, FinishedRun
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +21,9 @@ SHOWN = 0.005  # half the last digit of a figure printed with 2 decimals
 
 SCENARIOS = {
     # The final util (from the card's measured free memory) differs from the pre-run's 0.9.
-    "qwen3-8b-64": ("--model", "qwen3-8b", "--card", "64"),
+    "qwen3-8b-64": R01_QWEN_64,
     # Chunked prefill at 40,960 tokens; the pre-runs already ran at the final util.
-    "qwen3-8b-32-chunked": (
-        "--model", "qwen3-8b", "--card", "32", "--tp", "1", "--max-model-len", "40960",
-    ),
+    "qwen3-8b-32-chunked": R01_QWEN_32_CHUNKED,
 }  # fmt: skip
 
 
@@ -65,26 +61,24 @@ def num(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def cached_runs(tmp_path_factory: pytest.TempPathFactory,
+def cached_runs(finished_run: Callable[..., FinishedRun],
                 scenarios: dict[str, tuple[str, ...]]) -> Callable[[str], Run]:
-    """Each scenario run once through the CLI, on first use."""
+    """Each scenario's run (tests/conftest.py: once per session), on first use."""
     cache: dict[str, Run] = {}
 
     def get(name: str) -> Run:
         if name not in cache:
-            out: Path = tmp_path_factory.mktemp(name) / "run"
-            proc = run_cli("run", *scenarios[name], "--out", str(out))
-            assert proc.returncode == 0, proc.stderr
-            rep = json.loads((out / "report.json").read_text())
-            cache[name] = Run(rep, (out / "report.md").read_text())
+            run = finished_run(*scenarios[name])
+            assert run.proc.returncode == 0, run.proc.stderr
+            cache[name] = Run(run.report(), (run.folder / "report.md").read_text())
         return cache[name]
 
     return get
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
-    return cached_runs(tmp_path_factory, SCENARIOS)
+def runs(finished_run: Callable[..., FinishedRun]) -> Callable[[str], Run]:
+    return cached_runs(finished_run, SCENARIOS)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
@@ -241,8 +235,8 @@ SHOWN_MIB = 0.05 + 1e-6  # half the last digit of a MiB figure printed with one 
 
 
 @pytest.fixture(scope="module")
-def v1_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
-    return cached_runs(tmp_path_factory, V1_SCENARIOS)
+def v1_runs(finished_run: Callable[..., FinishedRun]) -> Callable[[str], Run]:
+    return cached_runs(finished_run, V1_SCENARIOS)
 
 
 def memory_rows(md: str) -> list[tuple[str, float]]:

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from pretuner.report_html import render_html
 from pretuner.report_html.breakdown import breakdown, breakdown_r01, breakdown_v1
 from pretuner.report_html.charts import bar, chart
 from pretuner.report_html.inputs import LaunchMemory, MemoryRow
-from tests.helpers import run_cli
+from tests.helpers import R01_QWEN_64, V1_QWEN_80_32K, FinishedRun, invoke
 
 # An attribute that loads something from elsewhere: a URL with a scheme or `//host`.
 EXTERNAL = re.compile(r"""(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:[a-z][a-z0-9+.-]*:|//)""",
@@ -177,21 +178,19 @@ def need_browser() -> str:
     return CHROMIUM
 
 
-def tuned(folder: Path, *args: str) -> Path:
-    proc = run_cli("run", "--model", "qwen3-8b", *args, "--out", str(folder))
-    assert proc.returncode == 0, proc.stderr
-    return folder
+def tuned(run: FinishedRun) -> Path:
+    assert run.proc.returncode == 0, run.proc.stderr
+    return run.folder
 
 
 @pytest.fixture(scope="module")
-def r01_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tuned(tmp_path_factory.mktemp("html") / "r01", "--card", "64")
+def r01_run(finished_run: Callable[..., FinishedRun]) -> Path:
+    return tuned(finished_run(*R01_QWEN_64))
 
 
 @pytest.fixture(scope="module")
-def v1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tuned(tmp_path_factory.mktemp("html") / "v1", "--engine", "vllm", "--card", "80",
-                 "--max-model-len", "32768")
+def v1_run(finished_run: Callable[..., FinishedRun]) -> Path:
+    return tuned(finished_run(*V1_QWEN_80_32K))
 
 
 def kv_in_report_md(run: Path) -> str:
@@ -237,7 +236,7 @@ def test_report_html_renders_in_a_real_browser(which: str, request: pytest.Fixtu
     run: Path = request.getfixturevalue(f"{which}_run")
     assert sorted(p.name for p in run.glob("launch-*/memory.tsv")) == ["memory.tsv"] * len(
         list(run.glob("launch-*/server.log")))
-    proc = run_cli("report", str(run), "--out", str(tmp_path / "page.html"))
+    proc = invoke("report", str(run), "--out", str(tmp_path / "page.html"))
     assert proc.returncode == 0, proc.stderr
     page = Path(proc.stdout.strip())
     assert page == tmp_path / "page.html"
@@ -260,17 +259,18 @@ def test_report_html_renders_in_a_real_browser(which: str, request: pytest.Fixtu
 
 
 @pytest.mark.slow
-def test_report_command_writes_beside_the_run_once(r01_run: Path) -> None:
-    target = r01_run / "report.html"
+def test_report_command_writes_beside_the_run_once(r01_run: Path, tmp_path: Path) -> None:
+    run = shutil.copytree(r01_run, tmp_path / "run", symlinks=True)  # it writes there
+    target = run / "report.html"
     target.unlink(missing_ok=True)
-    first = run_cli("report", str(r01_run))
+    first = invoke("report", str(run))
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == str(target)
     assert target.is_file()
-    again = run_cli("report", str(r01_run))
+    again = invoke("report", str(run))
     assert again.returncode == 2
     assert "--overwrite" in again.stderr
-    assert run_cli("report", str(r01_run), "--overwrite").returncode == 0
-    missing = run_cli("report", str(r01_run / "nope"))
+    assert invoke("report", str(run), "--overwrite").returncode == 0
+    missing = invoke("report", str(run / "nope"))
     assert missing.returncode == 2
     assert "report.json" in missing.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +14,20 @@ from pydantic import BaseModel, ValidationError
 
 from pretuner.tune.entry import RunOptions, run_tuning
 from pretuner.tune.records import FailureReport, RunReport, V1Report
-from tests.helpers import cli_env, run_cli
+from tests.helpers import (
+    R01_INFEASIBLE,
+    R01_QWEN_64,
+    V1_QWEN_80_32K,
+    FinishedRun,
+    cli_env,
+)
 
 pytestmark = pytest.mark.slow
 
-R01 = ("run", "--model", "qwen3-8b", "--card", "64", "--backend", "sim")
-V1 = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-      "--max-model-len", "32768")
+# Each method's canonical run (tests/conftest.py), with --json, and its record.
 METHODS: dict[str, tuple[tuple[str, ...], type[BaseModel]]] = {
-    "r01": (R01, RunReport),
-    "v1": (V1, V1Report),
+    "r01": (R01_QWEN_64, RunReport),
+    "v1": (V1_QWEN_80_32K, V1Report),
 }
 
 
@@ -34,13 +39,12 @@ class CliRun:
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliRun]:
+def cli_runs(finished_run: Callable[..., FinishedRun]) -> dict[str, CliRun]:
     runs = {}
     for name, (args, _) in METHODS.items():
-        out = tmp_path_factory.mktemp(name) / "run"
-        proc = run_cli(*args, "--out", str(out), "--json")
-        assert proc.returncode == 0, proc.stderr
-        runs[name] = CliRun(out, proc.stdout)
+        run = finished_run(*args)
+        assert run.proc.returncode == 0, run.proc.stderr
+        runs[name] = CliRun(run.folder, run.proc.stdout)
     return runs
 
 
@@ -106,12 +110,10 @@ def test_a_single_node_report_has_no_cluster_key_and_a_cluster_comes_last(
     assert dumped["cluster"] == cluster
 
 
-def test_a_failure_report_validates(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len",
-                   "40960", "--min-model-len", "40960", "--out", str(out))  # does not fit
-    assert proc.returncode == 4, proc.stderr
-    rep = json.loads((out / "report.json").read_text())
+def test_a_failure_report_validates(finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*R01_INFEASIBLE)  # does not fit
+    assert run.proc.returncode == 4, run.proc.stderr
+    rep = run.report()
     record = FailureReport.model_validate(rep)
     assert record.model_dump(mode="json") == rep
     assert record.error_type == "InfeasibleError"

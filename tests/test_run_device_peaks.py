@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pretuner.engines.outcome import LaunchOutcome
-from tests.helpers import cli_env, run_cli
+from tests.helpers import R01_QWEN_64, FinishedRun, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
 
 PHASES = {"launch", "loading", "ready", "probe", "load", "stop"}
 
 
-def test_report_steps_carry_device_peaks(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out))
+def test_report_steps_carry_device_peaks(finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*R01_QWEN_64)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     assert "no device memory reader" not in proc.stderr
     rep = json.loads((out / "report.json").read_text())

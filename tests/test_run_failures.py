@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +20,9 @@ from pretuner.plan import PlanConfig, plan
 from pretuner.tune.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 from pretuner.tune.settings import LaunchSettings, Purpose
-from tests.helpers import cli_env, run_cli
+from tests.helpers import R01_INFEASIBLE, FinishedRun, cli_env, invoke, run_cli
 
-# Measured, on an idle card: one sequence of 40,960 tokens does not fit qwen3-8b at TP1 on
-# 24 GiB, and the minimum length is that one.
-INFEASIBLE = ("run", "--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len",
-              "40960", "--min-model-len", "40960")  # fmt: skip
+INFEASIBLE = ("run", *R01_INFEASIBLE)  # qwen3-8b at 40,960 tokens on 24 GiB: exit 4
 SETTINGS = LaunchSettings(
     purpose=Purpose.PRERUN, card_gib=64, util=0.9, model_use_gib=50, max_model_len=16384,
     max_num_seqs=1, max_num_batched_tokens=16384, block_size=16, tp=1,
@@ -44,9 +42,11 @@ def journal(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli(*INFEASIBLE, "--out", str(out), env=cli_env())
+def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(
+    finished_run: Callable[..., FinishedRun],
+) -> None:
+    run = finished_run(*R01_INFEASIBLE)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 4, proc.stderr
     assert proc.stdout == ""
     assert "Traceback" not in proc.stderr
@@ -77,7 +77,7 @@ def test_infeasible_run_writes_the_reason_the_launches_and_the_decisions(tmp_pat
     assert "| 1 | prerun |" in md
     assert "## Decisions" in md
     assert all(f"**{d['decision']}**" in md for d in rep["decisions"])
-    script = run_cli("script", str(out))
+    script = invoke("script", str(out))
     assert script.returncode == 2
     assert "failed (exit 4)" in script.stderr
 
@@ -144,9 +144,8 @@ def test_server_that_dies_at_start_is_listed_as_a_failed_launch(tmp_path: Path) 
     assert re.search(r"^\| 1 \| prerun \| .+ \| failed \| - \| - \|$", md, re.MULTILINE)
 
 
-@pytest.mark.slow
 def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> None:
-    proc = run_cli("run", "--model", "deepseek-v4", "--card", "64", "--json", cwd=tmp_path)
+    proc = invoke("run", "--model", "deepseek-v4", "--card", "64", "--json", cwd=tmp_path)
     assert proc.returncode == 2
     obj = json.loads(proc.stdout)
     assert obj == {
@@ -161,13 +160,12 @@ def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> No
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("debug", [[], ["--debug"]])
 def test_length_above_the_model_limit_names_the_vllm_override(
     tmp_path: Path, debug: list[str]
 ) -> None:
-    proc = run_cli(*debug, "run", "--model", "qwen3-8b", "--card", "32",
-                   "--max-model-len", "65536", cwd=tmp_path)  # fmt: skip
+    proc = invoke(*debug, "run", "--model", "qwen3-8b", "--card", "32",
+                  "--max-model-len", "65536", cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2
     last = proc.stderr.splitlines()[-1]
     assert "exceeds qwen3-8b's max_position_embeddings 40,960" in last

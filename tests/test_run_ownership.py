@@ -22,7 +22,7 @@ from pretuner.launch.process import ServerProcess
 from pretuner.tune import ownership
 from pretuner.tune.ownership import DiskFullError, FolderInUseError, lock_folder
 from pretuner.tune.record import RunRecord
-from tests.helpers import cli_env, processes_holding, run_cli
+from tests.helpers import cli_env, invoke, processes_holding, run_cli
 
 FAKE = Path(__file__).parent / "fakes" / "fake_server.py"
 RUN = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--card", "64"]
@@ -122,7 +122,7 @@ def test_resume_of_a_running_run_is_refused(tmp_path: Path) -> None:
     out, _ = _interrupted_run(tmp_path, env)
     holder = _holder(out)
     try:
-        res = run_cli("run", "--resume", str(out), env=env)
+        res = invoke("run", "--resume", str(out), env=env)
     finally:
         holder.kill()
         holder.wait()
@@ -160,8 +160,8 @@ def test_an_orphan_is_named_by_a_new_run_and_stopped_by_resume(tmp_path: Path) -
                               stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         write_pid_file(out / "launch-1" / PID_FILE, orphan.pid, orphan.pid, argv, time.time())
-        other = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out",
-                        str(tmp_path / "other"), env=env)  # fmt: skip
+        other = invoke("run", "--model", "qwen3-8b", "--card", "64", "--out",
+                       str(tmp_path / "other"), env=env)  # fmt: skip
         assert other.returncode == ExitCode.CARD_BUSY, other.stderr
         assert f"server pid {orphan.pid}" in other.stderr
         assert f"--resume {out}" in other.stderr

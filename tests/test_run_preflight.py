@@ -6,12 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-
 from pretuner.models import resolve
 from pretuner.tune.backends import Backend
 from pretuner.tune.server_cmd import server_model_arg
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, invoke
 
 REAL = ("run", "--model", "qwen3-8b", "--backend", "vllm-mindspore", "--card", "64")
 
@@ -31,31 +29,28 @@ def _path_with_python(tmp_path: Path) -> dict[str, str]:
     return cli_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-@pytest.mark.slow
 def test_a_missing_engine_is_refused_before_the_run_folder(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli(*REAL, "--out", str(out), env=_path_with_python(tmp_path))
+    proc = invoke(*REAL, "--out", str(out), env=_path_with_python(tmp_path))
     assert proc.returncode == 2, proc.stderr
     assert "cannot import 'vllm_mindspore'" in proc.stderr
     assert "--backend sim" in proc.stderr
     assert not out.exists()
 
 
-@pytest.mark.slow
 def test_a_missing_server_program_is_refused(tmp_path: Path) -> None:
     env = cli_env(PATH=str(tmp_path))  # no python3 at all
-    proc = run_cli(*REAL, "--out", str(tmp_path / "run"), env=env)
+    proc = invoke(*REAL, "--out", str(tmp_path / "run"), env=env)
     assert proc.returncode == 2, proc.stderr
     assert "'python3' is not on PATH" in proc.stderr
 
 
-@pytest.mark.slow
 def test_with_the_engine_installed_the_launch_names_the_hf_id(tmp_path: Path) -> None:
     pkg = tmp_path / "site" / "vllm_mindspore"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     env = _path_with_python(tmp_path)
     env["PYTHONPATH"] = str(tmp_path / "site")
-    proc = run_cli(*REAL, "--dry-run", env=env)
+    proc = invoke(*REAL, "--dry-run", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "--model Qwen/Qwen3-8B" in proc.stdout

@@ -10,22 +10,31 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env, default_sigint, processes_holding, run_cli
-
-pytestmark = pytest.mark.slow
+from tests.helpers import (
+    R01_QWEN_32_CHUNKED,
+    R01_QWEN_64,
+    FinishedRun,
+    cli_env,
+    default_sigint,
+    invoke,
+    processes_holding,
+    run_cli,
+)
 
 
 def report(run_dir: Path) -> dict[str, object]:
     return json.loads((run_dir / "report.json").read_text())
 
 
-def test_run_validates_in_two_launches(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), "--json")
+@pytest.mark.slow
+def test_run_validates_in_two_launches(finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*R01_QWEN_64)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep == report(out)
@@ -67,6 +76,7 @@ def test_run_validates_in_two_launches(tmp_path: Path) -> None:
     assert "--max-num-seqs" in cmd["argv"]
 
 
+@pytest.mark.slow
 def test_default_command_deepseek_v3(tmp_path: Path) -> None:
     proc = run_cli("run", "--model", "deepseek-v3", "--card", "64", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -79,6 +89,7 @@ def test_default_command_deepseek_v3(tmp_path: Path) -> None:
     assert len(rep["steps"][0]["rank_peaks_mib"]) == 16
 
 
+@pytest.mark.slow
 def test_two_runs_never_share_a_folder(tmp_path: Path) -> None:
     for _ in range(2):
         proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--no-validate", cwd=tmp_path)
@@ -87,13 +98,14 @@ def test_two_runs_never_share_a_folder(tmp_path: Path) -> None:
 
 
 def test_dry_run_launches_nothing(tmp_path: Path) -> None:
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--dry-run", cwd=tmp_path)
+    proc = invoke("run", "--model", "qwen3-8b", "--card", "64", "--dry-run", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "GLOG_v=1" in proc.stdout
     assert "--max-num-seqs 1" in proc.stdout
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_busy_card_lowers_util(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = cli_env(PRETUNER_SIM_PROFILE="910b-64-busy")
@@ -107,6 +119,7 @@ def test_busy_card_lowers_util(tmp_path: Path) -> None:
     assert any(d["decision"] == "lower pre-run util" for d in rep["decisions"])
 
 
+@pytest.mark.slow
 def test_device_refusal_is_learned_from(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = cli_env(PRETUNER_SIM_PROFILE="910b-64-busy")
@@ -122,6 +135,7 @@ def test_device_refusal_is_learned_from(tmp_path: Path) -> None:
     assert any(d["decision"] == "lower util" for d in rep["decisions"])
 
 
+@pytest.mark.slow
 def test_server_dies_at_start(tmp_path: Path) -> None:
     cmd = f"{sys.executable} -c 'import sys; print(\"boom\"); sys.exit(3)'"
     proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
@@ -132,6 +146,7 @@ def test_server_dies_at_start(tmp_path: Path) -> None:
     assert "server.log" in proc.stderr
 
 
+@pytest.mark.slow
 def test_server_hangs(tmp_path: Path) -> None:
     cmd = f"{sys.executable} -c 'import time; time.sleep(120)'"
     proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
@@ -141,6 +156,7 @@ def test_server_hangs(tmp_path: Path) -> None:
     assert processes_holding(tmp_path / "r" / "launch-1" / "server.log") == []
 
 
+@pytest.mark.slow
 def test_server_without_dump(tmp_path: Path) -> None:
     cmd = f"env GLOG_v=3 {sys.executable} -m pretuner.sim serve"
     proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--serve-cmd", cmd,
@@ -164,7 +180,7 @@ def test_server_without_dump(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input(args: list[str], fragment: str, tmp_path: Path) -> None:
-    proc = run_cli("run", *args, cwd=tmp_path)
+    proc = invoke("run", *args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert fragment in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -174,7 +190,7 @@ def test_out_folder_is_never_overwritten(tmp_path: Path) -> None:
     out = tmp_path / "mine"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out))
+    proc = invoke("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out))
     assert proc.returncode == 2
     assert "never overwrites" in proc.stderr
     assert (out / "notes.txt").read_text() == "mine"
@@ -189,6 +205,7 @@ def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["loading", "probe", "validate"])
 def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None:
     out = tmp_path / "run"
@@ -224,6 +241,7 @@ def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None
         assert "replay" in resumed.stderr or rep["launches"] == 2
 
 
+@pytest.mark.slow
 def test_serve_cmd_points_at_any_compatible_server(tmp_path: Path) -> None:
     out = tmp_path / "run"
     cmd = f"{sys.executable} -m pretuner.sim serve"  # the plain server, no r0.1 wrapper
@@ -237,12 +255,11 @@ def test_serve_cmd_points_at_any_compatible_server(tmp_path: Path) -> None:
     assert os.access(out / "serve.sh", os.X_OK)
 
 
-def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli(
-        "run", "--model", "qwen3-8b", "--card", "32", "--tp", "1", "--max-model-len", "40960",
-        "--out", str(out), "--json",
-    )  # fmt: skip
+@pytest.mark.slow
+def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(
+        finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*R01_QWEN_32_CHUNKED)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["validated"]
@@ -263,6 +280,7 @@ def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(tmp_pat
     assert "--enable-chunked-prefill" in (out / "serve.sh").read_text()
 
 
+@pytest.mark.slow
 def test_length_fallback_narrows_to_the_longest_that_fits(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli(
@@ -291,13 +309,14 @@ def test_length_fallback_narrows_to_the_longest_that_fits(tmp_path: Path) -> Non
 
 
 def test_length_above_model_limit_is_refused(tmp_path: Path) -> None:
-    proc = run_cli("run", "--model", "qwen3-8b", "--card", "32", "--max-model-len", "65536",
-                   cwd=tmp_path)  # fmt: skip
+    proc = invoke("run", "--model", "qwen3-8b", "--card", "32", "--max-model-len", "65536",
+                  cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 2
     assert "exceeds qwen3-8b's max_position_embeddings 40,960" in proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Benchmarks and decision tests run the emulated server in process: on a busy 24 GB card

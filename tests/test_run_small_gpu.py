@@ -17,7 +17,7 @@ from pretuner.errors import ServerFailedError
 from pretuner.tune.options import RunOptions
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.entry import tune_v1_in_process
-from tests.helpers import FAST_SIM, cli_env, run_cli
+from tests.helpers import FAST_SIM, cli_env, invoke, run_cli
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"
 SMALL = ("--model", LLAMA70, "--engine", "vllm", "--card", "32", "--tp", "1",
@@ -84,13 +84,13 @@ def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: 
     assert "PRETUNER_CPU_OFFLOAD_GB=14" in env
     assert "PRETUNER_QUANTIZATION=bitsandbytes" in env
     out = tmp_path / "files"
-    script = run_cli("script", str(small_run), "--out", str(out))
+    script = invoke("script", str(small_run), "--out", str(out))
     assert script.returncode == 0, script.stderr
     assert " ".join(FLAGS) in (out / "serve.sh").read_text()
     assert "cpu-offload-gb: 14" in (out / "vllm-config.yaml").read_text()
     presets = tmp_path / "presets"
     presets.mkdir()
-    add = run_cli("presets", "add", str(small_run), "--out", str(presets))
+    add = invoke("presets", "add", str(small_run), "--out", str(presets))
     assert add.returncode == 0, add.stderr
     (preset,) = presets.glob("*.json")
     data = json.loads(preset.read_text())
@@ -100,6 +100,7 @@ def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: 
     assert data["figures"]["cpu_offload_gib"] == 14.0
 
 
+@pytest.mark.slow  # small_run: an emulated run end to end, 8 s here
 def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run: Path) -> None:
     rep = json.loads((small_run / "report.json").read_text())
     w = rep["weights"]
@@ -126,7 +127,7 @@ def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run
 
 @pytest.mark.slow
 def test_explain_shows_the_runs_figure(small_run: Path) -> None:
-    proc = run_cli("explain", "--cpu-offload-gb", "--run", str(small_run))
+    proc = invoke("explain", "--cpu-offload-gb", "--run", str(small_run))
     assert proc.returncode == 0, proc.stderr
     assert "moves up to N GiB per GPU of model *weights*" in proc.stdout
     assert "--cpu-offload-gb 14: 14.00 GiB of the" in proc.stdout
@@ -150,26 +151,23 @@ def test_a_configuration_slower_than_asked_exits_9_with_its_files(tmp_path: Path
     assert (out / "serve.sh").exists()
 
 
-@pytest.mark.slow
 def test_a_host_without_the_offload_is_refused_before_any_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli("run", *SMALL, *KNOBS, "--out", str(out),
-                   env=cli_env(**FAST_SIM, PRETUNER_SIM_HOST_MIB="12288"))
+    proc = invoke("run", *SMALL, *KNOBS, "--out", str(out),
+                  env=cli_env(**FAST_SIM, PRETUNER_SIM_HOST_MIB="12288"))
     assert proc.returncode == 4, proc.stderr
     assert "--cpu-offload-gb 14 keeps 14.00 GiB of weights in pinned host memory" in proc.stderr
     assert "11.64 GiB the host has available (simulated" in proc.stderr
     assert not out.exists()
 
 
-@pytest.mark.slow
 def test_a_model_too_big_for_the_card_is_told_what_fits(tmp_path: Path) -> None:
-    proc = run_cli("run", *SMALL, "--out", str(tmp_path / "run"), env=cli_env(**FAST_SIM))
+    proc = invoke("run", *SMALL, "--out", str(tmp_path / "run"), env=cli_env(**FAST_SIM))
     assert proc.returncode == 4, proc.stderr
     assert "--quantization bitsandbytes --cpu-offload-gb" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("args", "says"), [
     (["--engine", "vllm", "--quantization", "awq"], "no quantization_config"),
     (["--engine", "vllm", "--quantization", "int3"], "choose one of: bitsandbytes"),
@@ -182,19 +180,18 @@ def test_a_model_too_big_for_the_card_is_told_what_fits(tmp_path: Path) -> None:
     (["--engine", "vllm-mindspore-r01", "--cpu-offload-gb", "3"], "a V1 engine's flag"),
 ])
 def test_bad_knobs_are_one_line_and_exit_2(args: list[str], says: str) -> None:
-    proc = run_cli("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
+    proc = invoke("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.slow
 def test_a_vllm_config_file_gives_the_knobs(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("quantization: bitsandbytes\ncpu-offload-gb: 20\nswap-space: 4\n"
                    "enforce-eager: true\n")
-    proc = run_cli("run", *SMALL, "--config", str(cfg), "--dry-run", "--json",
-                   env=cli_env(**FAST_SIM))
+    proc = invoke("run", *SMALL, "--config", str(cfg), "--dry-run", "--json",
+                  env=cli_env(**FAST_SIM))
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(proc.stdout)["first_launch"]["argv"]
     assert " ".join(["--quantization", "bitsandbytes", "--cpu-offload-gb", "20", "--swap-space",
@@ -239,13 +236,12 @@ def test_the_log_names_an_engine_killed_by_a_signal(line: str, signal: int | Non
     assert read_v1_log([line]).killed_by_signal == signal
 
 
-@pytest.mark.slow
 def test_a_knob_given_as_a_server_arg_is_the_runs_knob() -> None:
     """Before pretuner knew them, the knobs went through --server-arg: they still do, and are
     planned, checked and recorded as if given as pretuner's flags (once in the command)."""
-    proc = run_cli("run", *SMALL, "--server-arg", "--quantization bitsandbytes",
-                   "--server-arg", "--cpu-offload-gb 14 --enforce-eager", "--dry-run", "--json",
-                   env=cli_env(**FAST_SIM))
+    proc = invoke("run", *SMALL, "--server-arg", "--quantization bitsandbytes",
+                  "--server-arg", "--cpu-offload-gb 14 --enforce-eager", "--dry-run", "--json",
+                  env=cli_env(**FAST_SIM))
     assert proc.returncode == 0, proc.stderr
     argv = json.loads(proc.stdout)["first_launch"]["argv"]
     assert argv.count("--cpu-offload-gb") == 1

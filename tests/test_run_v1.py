@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +23,18 @@ import requests
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import tune_v1_in_process
 from pretuner.units import GIB
-from tests.helpers import CONFIGS, FAST_SIM, cli_env, run_cli, shared
+from tests.helpers import (
+    CONFIGS,
+    FAST_SIM,
+    V1_QWEN_80_8K,
+    V1_QWEN_80_32K,
+    FinishedRun,
+    cli_env,
+    invoke,
+    run_cli,
+    shared,
+)
 
-pytestmark = pytest.mark.slow
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -37,11 +47,11 @@ UTIL_090_TOKENS = json.loads(shared("real-logs", "vllm-0.24-h100", "A2-util090.j
     "kv_tokens"]
 
 
-def test_run_pins_kv_on_the_emulated_h100_and_proves_it(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "32768", "--out", str(out), "--json",
-                   env=cli_env(**FAST_SIM))
+@pytest.mark.slow
+def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
+        finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*V1_QWEN_80_32K)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["validated"]
@@ -110,16 +120,16 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
-def test_the_written_serve_script_starts_a_server_that_serves(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_the_written_serve_script_starts_a_server_that_serves(
+        tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
     """Both startup scripts a user gets, started for real: the run folder's serve.sh (it runs
     the engine the run tuned, here the emulated one), and `pretuner script`'s, which runs the
     real `vllm serve`: a fake `vllm` on PATH records what it was given and serves it."""
-    out = tmp_path / "run"
-    env = cli_env(**FAST_SIM)
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "8192", "--out", str(out), "--json", env=env)
-    assert proc.returncode == 0, proc.stderr
-    kv = json.loads(proc.stdout)["final"]["kv_cache_memory_bytes"]
+    run = finished_run(*V1_QWEN_80_8K)  # serve.sh writes nothing beside itself
+    out, env = run.folder, cli_env(**FAST_SIM)
+    assert run.proc.returncode == 0, run.proc.stderr
+    kv = run.report()["final"]["kv_cache_memory_bytes"]
 
     port = free_port()
     server = start_script(out / "serve.sh", port, env, tmp_path / "serve.log")
@@ -131,7 +141,7 @@ def test_the_written_serve_script_starts_a_server_that_serves(tmp_path: Path) ->
     assert f"'kv_cache_memory_bytes': {kv}" in (tmp_path / "serve.log").read_text()
 
     deploy = tmp_path / "deploy"
-    done = run_cli("script", str(out), "--out", str(deploy), env=env)
+    done = invoke("script", str(out), "--out", str(deploy), env=env)
     assert done.returncode == 0, done.stderr
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -159,9 +169,9 @@ def test_the_written_serve_script_starts_a_server_that_serves(tmp_path: Path) ->
 
 def test_weights_that_cannot_fit_are_refused_before_any_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-32b", "--engine", "vllm", "--card", "24", "--tp",
-                   "1", "--max-model-len", "32768", "--out", str(out), "--json",
-                   env=cli_env(**FAST_SIM))
+    proc = invoke("run", "--model", "qwen3-32b", "--engine", "vllm", "--card", "24", "--tp",
+                  "1", "--max-model-len", "32768", "--out", str(out), "--json",
+                  env=cli_env(**FAST_SIM))
     assert proc.returncode == 4, proc.stderr
     err = json.loads(proc.stdout)
     assert err["error_type"] == "InfeasibleError"
@@ -169,6 +179,7 @@ def test_weights_that_cannot_fit_are_refused_before_any_launch(tmp_path: Path) -
     assert not out.exists()  # decided from the checkpoint size: no launch, no run folder
 
 
+@pytest.mark.slow
 def test_a_length_the_card_cannot_hold_ends_infeasible_from_a_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "24", "--tp", "1",
@@ -183,24 +194,23 @@ def test_a_length_the_card_cannot_hold_ends_infeasible_from_a_launch(tmp_path: P
     assert "FAILED" in (out / "report.md").read_text()
 
 
-def test_in_process_and_subprocess_runs_decide_the_same(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_in_process_and_subprocess_runs_decide_the_same(
+        tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
     opts = RunOptions(model="qwen3-8b", engine="vllm", card_gib=80, max_model_len=32768)
     r = tune_v1_in_process(opts, tmp_path / "inproc")
-    out = tmp_path / "sub"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "32768", "--out", str(out), "--json",
-                   env=cli_env(**FAST_SIM))
+    proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["final"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
                                                                   rel=0.01)
 
 
+@pytest.mark.slow
 def test_a_v1_run_names_the_real_engine_command_and_becomes_a_pinned_preset(
-        tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
-                   "--max-model-len", "8192", "--out", str(out), env=cli_env(**FAST_SIM))
+        tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
+    run = finished_run(*V1_QWEN_80_8K)
+    proc, out = run.proc, run.folder
     assert proc.returncode == 0, proc.stderr
     rep = json.loads((out / "report.json").read_text())
     real = rep["final"]["engine_serve_command"]
@@ -208,8 +218,8 @@ def test_a_v1_run_names_the_real_engine_command_and_becomes_a_pinned_preset(
     assert "--kv-cache-memory-bytes" in real
     assert "vllm serve Qwen/Qwen3-8B" in proc.stdout
     (tmp_path / "presets").mkdir()
-    add = run_cli("presets", "add", str(out), "--out", str(tmp_path / "presets"),
-                  env=cli_env(**FAST_SIM))
+    add = invoke("presets", "add", str(out), "--out", str(tmp_path / "presets"),
+                 env=cli_env(**FAST_SIM))
     assert add.returncode == 0, add.stderr
     (preset,) = (tmp_path / "presets").glob("*.json")
     data = json.loads(preset.read_text())
@@ -218,6 +228,7 @@ def test_a_v1_run_names_the_real_engine_command_and_becomes_a_pinned_preset(
     assert "vLLM_MODEL_MEMORY_USE_GB" not in data["env"]
 
 
+@pytest.mark.slow
 def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     """A journal that stopped after its launches (as a Ctrl-C leaves it) resumes: the finished
     launches are replayed, not run again, and the result is the same."""
@@ -252,12 +263,13 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     ],
 )
 def test_bad_v1_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
-    proc = run_cli("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
+    proc = invoke("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_model_folder_given_relative_is_deployed_by_its_absolute_path(tmp_path: Path) -> None:
     # Seen on the real H200: `--model .devq/qwen3-8b` went into serve.sh as given, and
     # `./serve.sh` from the run folder (as report.md says) could not find the model.

@@ -18,9 +18,7 @@ from pretuner.presets.v1 import preset_from_v1_report
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import DEFAULT_SOAK, tune_v1_in_process
-from tests.helpers import FAST_SIM, cli_env, run_cli
-
-pytestmark = pytest.mark.slow
+from tests.helpers import FAST_SIM, cli_env, invoke, run_cli
 
 ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
         "--max-model-len", "16384", "--max-num-seqs", "4", "--soak", "24",
@@ -35,6 +33,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
     return out, json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_the_worst_case_and_the_soak_ran_through_the_chat_api(
         run: tuple[Path, dict[str, Any]]) -> None:
     out, rep = run
@@ -69,6 +68,7 @@ def test_the_worst_case_and_the_soak_ran_through_the_chat_api(
     assert {"images", "soak-1", "soak-2", "reset", "after-soak"} <= phases
 
 
+@pytest.mark.slow
 def test_the_proven_kv_survives_the_same_load_in_the_emulators_truth(
         run: tuple[Path, dict[str, Any]]) -> None:
     _, rep = run
@@ -82,6 +82,7 @@ def test_the_proven_kv_survives_the_same_load_in_the_emulators_truth(
     assert survives(spec, argv, env, 4, f["max_num_batched_tokens"], Images(1, 24, 0))
 
 
+@pytest.mark.slow  # emulated tunings end to end (in-process)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_with_the_default_soak_no_oom_over_a_soak_three_times_longer(
         tmp_path: Path, seed: int) -> None:
@@ -98,6 +99,7 @@ def test_with_the_default_soak_no_oom_over_a_soak_three_times_longer(
     assert 0.95 * longer <= f.kv_cache_bytes <= longer
 
 
+@pytest.mark.slow
 def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]]) -> None:
     out, rep = run
     serve = (out / "serve.sh").read_text()
@@ -134,22 +136,22 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
                  "pretuner sets --limit-mm-per-prompt itself", id="dotted-server-arg"),
 ])
 def test_bad_vision_input_is_one_line_and_exit_2(args: tuple[str, ...], says: str) -> None:
-    proc = run_cli("run", *args, "--engine", "vllm", "--card", "64", "--dry-run")
+    proc = invoke("run", *args, "--engine", "vllm", "--card", "64", "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_the_r01_method_refuses_image_flags() -> None:
-    proc = run_cli("run", "--model", "qwen3-vl-8b", "--engine", "vllm-mindspore-r01",
-                   "--soak", "50", "--dry-run")
+    proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm-mindspore-r01",
+                  "--soak", "50", "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert "--soak: the r0.1 method sends no images" in proc.stderr
 
 
 def test_dry_run_says_what_the_images_will_be() -> None:
-    proc = run_cli("run", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64",
-                   "--tp", "2", "--max-model-len", "65536", "--dry-run")
+    proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64",
+                  "--tp", "2", "--max-model-len", "65536", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "3 image(s) of 4096x4096 px (16,384 tokens each)" in proc.stdout
     assert "a soak of 200 requests" in proc.stdout
@@ -159,8 +161,8 @@ def test_a_vllm_config_file_gives_the_image_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: qwen3-vl-8b\nlimit-mm-per-prompt:\n  image: 2\n  video: 0\n"
                    "mm_processor_cache_gb: 0\n")
-    proc = run_cli("run", "--engine", "vllm", "--card", "64", "--config", str(cfg), "--dry-run",
-                   "--max-model-len", "65536")
+    proc = invoke("run", "--engine", "vllm", "--card", "64", "--config", str(cfg), "--dry-run",
+                  "--max-model-len", "65536")
     assert proc.returncode == 0, proc.stderr
     line = proc.stdout.splitlines()[-1]
     assert "--limit-mm-per-prompt '{\"image\":2,\"video\":0}'" in line

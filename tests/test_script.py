@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli_env, run_cli
+from helpers import cli_env, invoke
 
 from pretuner.errors import BadInputError
 from pretuner.presets import builtin_presets, get_preset, preset_from_report
@@ -143,47 +143,45 @@ def test_bad_values_rejected():
         render_scripts(p, ScriptOptions(engine_version="latest"), [Target.SERVE])
 
 
-@pytest.mark.slow
 def test_cli_script_and_presets(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copy(GOLDEN / "run" / "report.json", run_dir / "report.json")
-    res = run_cli("script", str(run_dir), "--target", "serve")
+    res = invoke("script", str(run_dir), "--target", "serve")
     assert res.returncode == 0, res.stderr
     assert "==> serve.sh <==" in res.stdout
     assert "vllm_mindspore.entrypoints" in res.stdout
-    res = run_cli(
+    res = invoke(
         "script", "--preset", "deepseek-r1-w8a8-tp16-2x8x64g", "--out", str(tmp_path / "o")
     )
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "o" / "ray-worker.sh").exists()
-    res = run_cli("script", "--preset", "nope")
+    res = invoke("script", "--preset", "nope")
     assert res.returncode == 2
     assert "unknown preset" in res.stderr
-    res = run_cli("presets", "add", str(run_dir), "--name", "my-run", "--out", str(tmp_path))
+    res = invoke("presets", "add", str(run_dir), "--name", "my-run", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "my-run.json").read_text())["kind"] == "simulated"
-    res = run_cli("presets", "show", "qwen3-8b-tp2-20g-vllm")
+    res = invoke("presets", "show", "qwen3-8b-tp2-20g-vllm")
     assert res.returncode == 0
     assert "79,040" in res.stdout
 
 
-@pytest.mark.slow
 def test_presets_add_keeps_a_users_preset_outside_the_package(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copy(GOLDEN / "run" / "report.json", run_dir / "report.json")
     env = cli_env(PRETUNER_PRESETS_DIR=str(tmp_path / "mine"))
-    res = run_cli("presets", "add", str(run_dir), "--name", "my-run", env=env)
+    res = invoke("presets", "add", str(run_dir), "--name", "my-run", env=env)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "mine" / "my-run.json").is_file()
-    shown = run_cli("presets", "show", "my-run", env=env)
+    shown = invoke("presets", "show", "my-run", env=env)
     assert shown.returncode == 0, shown.stderr
     assert "my-run (simulated)" in shown.stdout
-    assert "my-run" in run_cli("presets", "list", env=env).stdout
-    assert run_cli("script", "--preset", "my-run", "--target", "serve", env=env).returncode == 0
-    again = run_cli("presets", "add", str(run_dir), "--name", "my-run", env=env)
+    assert "my-run" in invoke("presets", "list", env=env).stdout
+    assert invoke("script", "--preset", "my-run", "--target", "serve", env=env).returncode == 0
+    again = invoke("presets", "add", str(run_dir), "--name", "my-run", env=env)
     assert again.returncode == 2
     assert "exists already" in again.stderr
     # Without the folder set, nothing of it is seen: the package's data was not touched.
-    assert "my-run" not in run_cli("presets", "list").stdout
+    assert "my-run" not in invoke("presets", "list").stdout

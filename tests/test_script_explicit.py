@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from pretuner.presets import check_preset, get_preset
 from pretuner.presets.model import PresetKind
 from pretuner.scripts.given import GivenValues, preset_from_values
+from tests.helpers import invoke
 
 # The DeepSeek-R1 W8A8 production deployment (2 nodes x 8 x 64 GB, TP16).
 R1 = [
@@ -30,14 +30,7 @@ FILES = {
 
 
 def _script(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pretuner", "script", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
+    return invoke("script", *args)
 
 
 def _with(base: list[str], flag: str, value: str) -> list[str]:
@@ -46,7 +39,6 @@ def _with(base: list[str], flag: str, value: str) -> list[str]:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("version", ["0.1", "0.5"])
 @pytest.mark.parametrize("values", [R1, QWEN], ids=["r1-2nodes", "qwen-1card"])
 def test_every_target_from_values(tmp_path: Path, values: list[str], version: str) -> None:
@@ -77,7 +69,6 @@ def test_every_target_from_values(tmp_path: Path, values: list[str], version: st
         assert "--kv-cache-memory-bytes" in serve
 
 
-@pytest.mark.slow
 def test_deepseek_r1_production_example() -> None:
     res = _script(*R1, "--target", "serve")
     assert res.returncode == 0, res.stderr
@@ -118,7 +109,6 @@ def test_given_preset_matches_the_published_one() -> None:
         assert getattr(p, field) == getattr(published, field), field
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "message"),
     [

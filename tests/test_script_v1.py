@@ -7,13 +7,14 @@ import json
 import shlex
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pretuner.presets import check_preset, load_preset_file, preset_from_report
 from pretuner.presets.model import preset_from_dict
-from tests.helpers import FAST_SIM, cli_env, run_cli
+from tests.helpers import V1_QWEN_80_8K, FinishedRun, invoke
 
 pytestmark = pytest.mark.slow
 
@@ -21,24 +22,10 @@ R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", 
 
 
 @pytest.fixture(scope="module")
-def v1_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("v1") / "run"
-    proc = run_cli(
-        "run",
-        "--model",
-        "qwen3-8b",
-        "--engine",
-        "vllm",
-        "--card",
-        "80",
-        "--max-model-len",
-        "8192",
-        "--out",
-        str(out),
-        env=cli_env(**FAST_SIM),
-    )
-    assert proc.returncode == 0, proc.stderr
-    return out
+def v1_run(finished_run: Callable[..., FinishedRun]) -> Path:
+    run = finished_run(*V1_QWEN_80_8K)
+    assert run.proc.returncode == 0, run.proc.stderr
+    return run.folder
 
 
 def report(run: Path) -> dict:
@@ -64,7 +51,7 @@ def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path)
     final = rep["final"]
     kv = final["kv_cache_memory_bytes"]
     out = tmp_path / "files"
-    proc = run_cli("script", str(v1_run), "--out", str(out))
+    proc = invoke("script", str(v1_run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     files = {p.name: p.read_text() for p in out.iterdir()}
     assert set(files) == {"serve.sh", "tuned.env", "vllm-config.yaml", "pretuner-serve.service"}
@@ -87,7 +74,7 @@ def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path)
 
 def test_script_ray_target_for_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "ray"
-    proc = run_cli("script", str(v1_run), "--target", "ray", "--nic", "ens3", "--out", str(out))
+    proc = invoke("script", str(v1_run), "--target", "ray", "--nic", "ens3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     head = (out / "ray-head.sh").read_text()
     worker = (out / "ray-worker.sh").read_text()
@@ -105,14 +92,14 @@ def test_script_ray_target_for_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
 
 
 def test_engine_version_is_not_for_a_v1_run(v1_run: Path) -> None:
-    proc = run_cli("script", str(v1_run), "--engine-version", "0.5")
+    proc = invoke("script", str(v1_run), "--engine-version", "0.5")
     assert proc.returncode == 2
     assert "engine comes from the preset" in proc.stderr
 
 
 def test_presets_add_round_trips_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
     rep = report(v1_run)
-    proc = run_cli("presets", "add", str(v1_run), "--name", "my-v1", "--out", str(tmp_path))
+    proc = invoke("presets", "add", str(v1_run), "--name", "my-v1", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     path = tmp_path / "my-v1.json"
     data = json.loads(path.read_text())
@@ -125,14 +112,14 @@ def test_presets_add_round_trips_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
     assert check_preset(p) == []
     assert p == preset_from_report(rep, name="my-v1", date=p.date)
 
-    show = run_cli("presets", "show", str(path))
+    show = invoke("presets", "show", str(path))
     assert show.returncode == 0, show.stderr
     assert "GiB pinned" in show.stdout
     assert "engine: vllm" in show.stdout
     assert f"--kv-cache-memory-bytes {data['kv_cache_memory_bytes']}" in show.stdout
 
-    from_preset = run_cli("script", "--preset", str(path), "--target", "serve")
-    from_run = run_cli("script", str(v1_run), "--target", "serve")
+    from_preset = invoke("script", "--preset", str(path), "--target", "serve")
+    from_run = invoke("script", str(v1_run), "--target", "serve")
     assert from_preset.returncode == 0, from_preset.stderr
     assert exec_argv(from_preset.stdout) == exec_argv(from_run.stdout)
 

@@ -27,7 +27,7 @@ from pretuner.models.vision import (
 )
 from pretuner.plan import PlanConfig, plan
 from pretuner.units import GIB
-from tests.helpers import CONFIGS, run_cli
+from tests.helpers import CONFIGS, invoke
 
 VL8 = lookup("qwen3-vl-8b-instruct").vision
 VL32 = lookup("qwen3-vl-32b-instruct").vision
@@ -218,9 +218,8 @@ def test_text_model_refuses_an_image_limit() -> None:
         plan(PlanConfig(model=lookup("qwen3-8b"), card_gib=64, image_limit=2))
 
 
-@pytest.mark.slow
 def test_cli_plan_vl_text_shows_images_block() -> None:
-    proc = run_cli(
+    proc = invoke(
         "plan", "--model", "qwen3-vl-8b", "--card", "64", "--tp", "2",
         "--limit-mm-per-prompt", "image=2",
     )  # fmt: skip
@@ -235,9 +234,8 @@ def test_cli_plan_vl_text_shows_images_block() -> None:
     assert "GiB of host memory per API server" in out
 
 
-@pytest.mark.slow
 def test_cli_plan_vl_json_has_vision_key() -> None:
-    proc = run_cli(
+    proc = invoke(
         "plan", "--model", "qwen3-vl-8b", "--card", "64", "--tp", "2",
         "--limit-mm-per-prompt", '{"image": 2}', "--max-num-batched-tokens", "32K",
         "--max-model-len", "65536", "--json",
@@ -254,18 +252,16 @@ def test_cli_plan_vl_json_has_vision_key() -> None:
     assert vision["provenance"] == "predicted"
 
 
-@pytest.mark.slow
 def test_cli_plan_text_model_has_no_images_block() -> None:
-    proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64")
+    proc = invoke("plan", "--model", "qwen3-8b", "--card", "64")
     assert proc.returncode == 0, proc.stderr
     assert "images" not in proc.stdout
-    proc = run_cli("plan", "--model", "qwen3-8b", "--card", "64", "--json")
+    proc = invoke("plan", "--model", "qwen3-8b", "--card", "64", "--json")
     assert json.loads(proc.stdout)["vision"] is None
 
 
-@pytest.mark.slow
 def test_cli_plan_bad_limit_is_exit_2() -> None:
-    proc = run_cli("plan", "--model", "qwen3-vl-8b", "--card", "64", "--limit-mm-per-prompt", "x")
+    proc = invoke("plan", "--model", "qwen3-vl-8b", "--card", "64", "--limit-mm-per-prompt", "x")
     assert proc.returncode == 2
     assert "MODALITY=COUNT" in proc.stderr
 

@@ -152,15 +152,16 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
     return moved + head + rest
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code.
 
     A usage error (a flag or value the command does not take) is one line too, exit 2. A bare
     Ctrl-C exits 130; `run` raises `RunInterrupted` instead, printed here with the resume
     command. With --debug a `PretunerError` prints its traceback first and keeps its exit code.
-    Under --json every failure also prints its JSON object on stdout.
+    Under --json every failure also prints its JSON object on stdout. `argv` (sys.argv[1:] when
+    not given) lets the tests run this very boundary in-process (tests/helpers.py `invoke`).
     """
-    args = hoist_global_flags(sys.argv[1:])
+    args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
     try:
         code = app(args=args, prog_name="pretuner", standalone_mode=False)
     except RunInterrupted as err:

@@ -60,3 +60,17 @@ def finished_run(
         return cache[args]
 
     return get
+
+
+def _cost(item: pytest.Item) -> int:
+    """0: a real engine (minutes), 1: processes and emulated runs (seconds), 2: in-process."""
+    if item.get_closest_marker("engine"):
+        return 0
+    return 1 if item.get_closest_marker("slow") else 2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest tests first, so that the two xdist workers end together: under
+    `--dist loadgroup --no-loadscope-reorder` the workers take tests in this order (a file's
+    tests that share an expensive module fixture stay together by their `xdist_group`)."""
+    items.sort(key=_cost)  # stable: file order within a tier

@@ -67,6 +67,7 @@ def fallback_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, ob
 @pytest.mark.engine
 @pytest.mark.mindspore
 @pytest.mark.slow
+@pytest.mark.xdist_group("mindspore-run")  # one worker: they share the module's run
 def test_run_validates_on_real_mindspore(fallback_run: tuple[dict[str, object], Path]) -> None:
     report, out = fallback_run
     assert report["validated"] is True
@@ -83,6 +84,7 @@ def test_run_validates_on_real_mindspore(fallback_run: tuple[dict[str, object], 
 @pytest.mark.engine
 @pytest.mark.mindspore
 @pytest.mark.slow
+@pytest.mark.xdist_group("mindspore-run")  # one worker: they share the module's run
 def test_run_falls_back_on_real_oom(fallback_run: tuple[dict[str, object], Path]) -> None:
     report, out = fallback_run
     assert report["validated"] is True

@@ -29,7 +29,9 @@ from pretuner.cluster.env import job_config_env  # noqa: E402
 from pretuner.cluster.nodefs import NODE_ROOT_ENV  # noqa: E402
 from pretuner.logscan import scan_paths  # noqa: E402
 
-pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow]
+# One worker runs this file: its tests share the module's Ray cluster.
+pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow,
+              pytest.mark.xdist_group("ray-cluster")]
 
 # What every node exports before `ray start` (REFERENCE section 7), with this machine's NIC.
 NODE_ENV = {

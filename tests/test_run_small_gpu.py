@@ -6,6 +6,7 @@ launch, the run record, report.md, the startup files and presets; speed in the v
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from pretuner.errors import ServerFailedError
 from pretuner.tune.options import RunOptions
 from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.entry import tune_v1_in_process
-from tests.helpers import FAST_SIM, cli_env, invoke, run_cli
+from tests.helpers import FAST_SIM, FinishedRun, cli_env, invoke, run_cli
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"
 SMALL = ("--model", LLAMA70, "--engine", "vllm", "--card", "32", "--tp", "1",
@@ -56,13 +57,12 @@ def test_the_retune_command_keeps_the_knobs() -> None:
 
 
 @pytest.fixture(scope="module")
-def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("small") / "run"
-    proc = run_cli("run", *SMALL, *KNOBS, "--out", str(out), env=cli_env(**FAST_SIM))
-    assert proc.returncode == 0, proc.stderr
-    assert "weights: loaded as bitsandbytes-nf4-dq" in proc.stdout
-    assert "speed: decode" in proc.stdout
-    return out
+def small_run(finished_run: Callable[..., FinishedRun]) -> Path:
+    run = finished_run(*SMALL, *KNOBS)
+    assert run.proc.returncode == 0, run.proc.stderr
+    assert "weights: loaded as bitsandbytes-nf4-dq" in run.proc.stdout
+    assert "speed: decode" in run.proc.stdout
+    return run.folder
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from pretuner.presets.v1 import preset_from_v1_report
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import DEFAULT_SOAK, tune_v1_in_process
-from tests.helpers import FAST_SIM, cli_env, invoke, run_cli
+from tests.helpers import FinishedRun, invoke
 
 ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
         "--max-model-len", "16384", "--max-num-seqs", "4", "--soak", "24",
@@ -26,11 +27,10 @@ ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("vl") / "run"
-    proc = run_cli("run", *ARGS, "--out", str(out), "--json", env=cli_env(**FAST_SIM))
-    assert proc.returncode == 0, proc.stderr
-    return out, json.loads(proc.stdout)
+def run(finished_run: Callable[..., FinishedRun]) -> tuple[Path, dict[str, Any]]:
+    done = finished_run(*ARGS, "--json")
+    assert done.proc.returncode == 0, done.proc.stderr
+    return done.folder, json.loads(done.proc.stdout)
 
 
 @pytest.mark.slow

@@ -394,6 +394,7 @@ def main() -> None:
         expect = write_log(path, int(args.gib * 2**30), random.Random(7))
         size = path.stat().st_size
         print(f"wrote {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+        os.sync()  # no writeback of the fresh log while the commands are timed
         series = measure(commands(path), args.runs)
         if not report(series, expect, size, args.runs):
             sys.exit(1)

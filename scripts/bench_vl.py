@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
@@ -41,6 +42,16 @@ PROFILE = "cuda-64"
 HAND_UTILS = (0.95, 0.97)  # seed 000 (8B) ran 0.95, seed 001 (32B) 0.97
 TARGET = 0.95
 LONGER = 3
+
+
+class Shape(TypedDict):
+    """The server shape max_kv_bytes and util_outcome take by keyword."""
+
+    seed: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tp: int
 
 
 @dataclass(frozen=True)
@@ -97,8 +108,9 @@ def run_one(st: Setting, seed: int, soak: int, work: Path) -> Row:
     r = tune_v1_in_process(opts, work)
     f = r.final
     spec = resolve(st.model)
-    shape = {"seed": seed, "max_model_len": f.max_model_len, "max_num_seqs": f.max_num_seqs,
-             "max_num_batched_tokens": f.max_num_batched_tokens, "tp": 2}
+    shape: Shape = {"seed": seed, "max_model_len": f.max_model_len,
+                    "max_num_seqs": f.max_num_seqs,
+                    "max_num_batched_tokens": f.max_num_batched_tokens, "tp": 2}
     longer = Images(None, LONGER * soak, seed)
     truth = max_kv_bytes(spec, PROFILE, images=longer, **shape)
     kv = f.kv_cache_bytes or 0

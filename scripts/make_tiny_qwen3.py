@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 VOCAB = 32768
 EOS = "<|endoftext|>"
@@ -40,7 +41,7 @@ CONFIG = {
 }
 
 
-def tokenizer() -> dict[str, object]:
+def tokenizer() -> dict[str, Any]:  # the tokenizer.json document
     vocab = {UNK: 0, **{f"w{i}": i for i in range(1, VOCAB - 1)}, EOS: VOCAB - 1}
     special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
                "special": True}

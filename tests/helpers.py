@@ -95,7 +95,8 @@ def invoke(
     Only for commands that start no server (a server started from here would share this
     process's signals and session): a launch fails the test, which then uses `run_cli`.
     """
-    from typer import testing  # its CliRunner, and the (typer's own) click it patches
+    from typer import testing  # its CliRunner
+    from typer._click import formatting  # typer's own (vendored) click, whose width it forces
 
     from pretuner.cli.app import main, state  # `pretuner.cli.app` the attribute is the Typer
     from pretuner.launch.process import ServerProcess
@@ -114,7 +115,7 @@ def invoke(
         code: int | str | None = 0
         with (testing.CliRunner().isolation(env=patch) as (out, err, _),
               # help wrapped as for a process whose stdout is a pipe: $COLUMNS, else 80 wide
-              mock.patch.object(testing.formatting, "FORCED_WIDTH", None),
+              mock.patch.object(formatting, "FORCED_WIDTH", None),
               mock.patch("os.get_terminal_size", side_effect=OSError("not a terminal")),
               mock.patch.object(ServerProcess, "start", no_launch)):
             root.handlers = []
@@ -131,9 +132,9 @@ def invoke(
                     handler.close()
                 root.handlers, root.level = handlers, level
                 state.debug = False
-                for sig, handler in signals.items():
-                    if handler is not None:  # None: not set from Python, nothing to give back
-                        signal.signal(sig, handler)
+                for sig, previous in signals.items():
+                    if previous is not None:  # None: not set from Python, nothing to give back
+                        signal.signal(sig, previous)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 stdout, stderr = out.getvalue().decode(), err.getvalue().decode()

@@ -4,6 +4,7 @@ the launch command it derives and its table. Nothing is launched."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -63,7 +64,7 @@ def test_with_kv_replaces_only_the_kv_and_the_port() -> None:
         bench.with_kv(["py", "--port", "1"], 7, 9)
 
 
-def _summary(found_mib: int, max_mib: int, launches: int) -> object:
+def _summary(found_mib: int, max_mib: int, launches: int) -> Any:  # the script's Summary
     return bench.Summary(found_mib=found_mib, max_mib=max_mib, edge_mib=max_mib + 8,
                          edge_died=True, ratio=found_mib / max_mib, launches=launches,
                          tune_wall_s=300.0, bisect_launches=6, bisect_wall_s=420.0,

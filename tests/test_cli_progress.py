@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 
 from pretuner.cli.progress import Progress
 from pretuner.launch.sampler import requests_status
 
 
-def _until(check: object, timeout_s: float = 5.0) -> None:
+def _until(check: Callable[[], object], timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
+        if check():
             return
         time.sleep(0.02)
 

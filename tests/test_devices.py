@@ -121,7 +121,9 @@ def test_emulated_reader_reads_the_card_in_process(tmp_path: Path) -> None:
 
 def test_select_reader(tmp_path: Path) -> None:
     empty = {"PATH": str(tmp_path)}
-    assert select_reader("emulated", empty, 2).name == "emulated"  # type: ignore[union-attr]
+    reader = select_reader("emulated", empty, 2)
+    assert reader is not None
+    assert reader.name == "emulated"
     assert select_reader("ascend", empty) is None
     assert select_reader("cpu", empty) is None
     executable(tmp_path / "nvidia-smi", "true\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from tests.helpers import invoke
 GOLDEN_R01 = Path(__file__).parent / "golden" / "run" / "report.json"
 
 
-def v1_report() -> dict:
+def v1_report() -> dict[str, Any]:
     """A V1 report.json's fields the explanations read (a 70B on a 32 GB card)."""
     return {
         "method": "v1-pinned-kv", "provenance": "simulated", "validated": True,

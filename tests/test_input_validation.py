@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,7 +69,8 @@ def _journal(folder: Path, *lines: str) -> Path:
     return folder
 
 
-def _started(options: dict[str, object], **extra: object) -> str:
+def _started(options: object, **extra: object) -> str:
+    """A journal's first line; `options` any JSON value (a damaged journal's too)."""
     return json.dumps({"event": "run_started", "time": 0, "options": options, **extra})
 
 
@@ -91,7 +93,7 @@ def test_resume_refuses_flags_and_dry_run(tmp_path: Path) -> None:
         (_started({"model": "tiny-mla", "turbo": 1}, version="9.9"), "'turbo'"),
         (_started({"model": "tiny-mla", "card_gib": "64"}), "card_gib = '64'"),
         (_started({"model": "tiny-mla", "block_size": 7}), "--block-size 7"),
-        (_started(["tiny-mla"]), "not an object"),  # type: ignore[arg-type]
+        (_started(["tiny-mla"]), "not an object"),
         ("[1, 2, 3]", "line 1 is not a journal event"),
         ('{"no_event": 1}', "line 1 is not a journal event"),
     ],
@@ -130,9 +132,9 @@ def test_journal_skips_a_cut_line_and_reads_non_utf8(tmp_path: Path) -> None:
         {"model": ""},
     ],
 )
-def test_run_options_check_for_library_callers(bad: dict[str, object]) -> None:
+def test_run_options_check_for_library_callers(bad: dict[str, Any]) -> None:
     with pytest.raises(BadInputError):
-        RunOptions(**{"model": "tiny-mla", **bad}).check()  # type: ignore[arg-type]
+        RunOptions(**{"model": "tiny-mla", **bad}).check()
 
 
 def test_run_options_from_json_round_trip() -> None:

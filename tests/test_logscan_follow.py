@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pretuner.logscan import LogFollower
 from pretuner.logscan.lines import OomEvent, PoolDump
+from tests.test_logscan_scanner import peak_mib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 
@@ -58,7 +59,7 @@ def test_follow_reads_only_new_bytes_and_partial_lines(tmp_path: Path) -> None:
     with target.open("ab") as out:
         out.write(line[50:])
     events = follower.poll()
-    assert [(e.line, e.event.actual_peak_mib) for e in events] == [(2, 512)]  # type: ignore[union-attr]
+    assert [(e.line, peak_mib(e.event)) for e in events] == [(2, 512)]
     assert follower.offset == target.stat().st_size
     assert follower.poll() == []
 

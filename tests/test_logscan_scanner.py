@@ -11,6 +11,7 @@ import pytest
 
 from pretuner.errors import BadInputError
 from pretuner.logscan import OomKind, OomPhase, scan_paths
+from pretuner.logscan.lines import LogEvent, PoolDump
 from pretuner.logscan.scanner import WINDOW_BYTES, iter_log_files, rank_from_path, scan_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -38,6 +39,12 @@ def dump(pid: int, peak: int) -> bytes:
 
 def noise(pid: int) -> bytes:
     return NOISE % pid
+
+
+def peak_mib(event: LogEvent) -> int:
+    """A found event's actual peak: it must be a whole pool dump."""
+    assert isinstance(event, PoolDump), event
+    return event.actual_peak_mib
 
 
 def test_real_exit_dump() -> None:
@@ -184,7 +191,7 @@ def test_huge_line_and_window_boundaries(tmp_path: Path) -> None:
     data = dump(3, 10) + b"\n" + huge + b"\n" + filler + b"\n" + dump(3, 99) + b"\n"
     (tmp_path / "big.log").write_bytes(data)
     scan = scan_files([str(tmp_path / "big.log")], workers=1)[0]
-    assert [(e.line, e.event.actual_peak_mib) for e in scan.events] == [  # type: ignore[union-attr]
+    assert [(e.line, peak_mib(e.event)) for e in scan.events] == [
         (1, 10),
         (100_003, 99),
     ]

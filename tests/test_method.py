@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -16,8 +17,8 @@ from pretuner.units import GIB, MIB
 DSV3_BPT = 70_272  # DeepSeek-V3 bf16 MLA: 61 layers x 576 x 2 B
 
 
-def seed_inputs(**over: object) -> PrerunInputs:
-    base: dict[str, object] = dict(
+def seed_inputs(**over: Any) -> PrerunInputs:
+    base: dict[str, Any] = dict(
         card_gib=64,
         util=0.9,
         model_use_gib=50,
@@ -27,7 +28,7 @@ def seed_inputs(**over: object) -> PrerunInputs:
         max_model_len=16384,
     )
     base.update(over)
-    return PrerunInputs(**base)  # type: ignore[arg-type]
+    return PrerunInputs(**base)
 
 
 def test_seed_worked_example() -> None:

@@ -159,9 +159,10 @@ def test_unknown_model_without_match_points_to_the_list() -> None:
 
 
 def _minimal() -> dict[str, Any]:
-    return json.loads(
+    data: dict[str, Any] = json.loads(
         resources.files("pretuner.models").joinpath("data/qwen3-8b.json").read_text("utf-8")
     )
+    return data
 
 
 def test_unknown_key_in_a_spec_is_rejected() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from pretuner.errors import BadInputError
 from pretuner.presets import (
+    Preset,
     builtin_presets,
     check_preset,
     find_preset,
@@ -22,11 +23,11 @@ GOLDEN = Path(__file__).parent / "golden"
 
 
 @pytest.mark.parametrize("preset", builtin_presets(), ids=lambda p: p.name)
-def test_preset_agrees_with_kv_math(preset):
+def test_preset_agrees_with_kv_math(preset: Preset) -> None:
     assert check_preset(preset) == []
 
 
-def test_seed_figures():
+def test_seed_figures() -> None:
     assert get_preset("qwen3-vl-8b-tp2-64g-vllm-ascend").kv_tokens == 645_120
     assert get_preset("qwen3-8b-tp2-20g-vllm").kv_tokens == 79_040
     ds = get_preset("deepseek-r1-w8a8-tp16-2x8x64g")
@@ -34,7 +35,7 @@ def test_seed_figures():
     assert ds.kv_gib == 6.52
 
 
-def test_wrong_token_count_fails_the_check():
+def test_wrong_token_count_fails_the_check() -> None:
     p = get_preset("qwen3-vl-8b-tp2-64g-vllm-ascend")
     bad = preset_to_json(p) | {"kv_tokens": 700_160}
     path = Path(__file__).parent / "golden" / "run" / "report.json"  # any readable folder
@@ -44,7 +45,7 @@ def test_wrong_token_count_fails_the_check():
     assert check_preset(preset_from_dict(bad, "x"))
 
 
-def test_unknown_key_rejected(tmp_path):
+def test_unknown_key_rejected(tmp_path: Path) -> None:
     data = preset_to_json(get_preset("qwen3-8b-tp2-20g-vllm")) | {"kv_tokenz": 1}
     f = tmp_path / "p.json"
     f.write_text(json.dumps(data))
@@ -52,27 +53,27 @@ def test_unknown_key_rejected(tmp_path):
         load_preset_file(f)
 
 
-def test_json_round_trip():
+def test_json_round_trip() -> None:
     for p in builtin_presets():
         from pretuner.presets.model import preset_from_dict
 
         assert preset_from_dict(preset_to_json(p), p.name) == p
 
 
-def test_find_preset():
-    assert find_preset("Qwen/Qwen3-VL-8B-Instruct", 64, 2).name == (
-        "qwen3-vl-8b-tp2-64g-vllm-ascend"
-    )
+def test_find_preset() -> None:
+    found = find_preset("Qwen/Qwen3-VL-8B-Instruct", 64, 2)
+    assert found is not None
+    assert found.name == "qwen3-vl-8b-tp2-64g-vllm-ascend"
     assert find_preset("qwen3-8b", 64, 2) is None
     assert find_preset("no-such-model", 64, 2) is None
 
 
-def test_unknown_preset_suggests():
+def test_unknown_preset_suggests() -> None:
     with pytest.raises(BadInputError, match="did you mean"):
         get_preset("qwen3-8b-tp2-20g")
 
 
-def test_from_report_is_consistent():
+def test_from_report_is_consistent() -> None:
     rep = json.loads((GOLDEN / "run" / "report.json").read_text())
     p = preset_from_report(rep, date="2026-01-01")
     assert p.kind.value == "simulated"

@@ -10,7 +10,7 @@ from pretuner.presets.catalog import CATALOG_COMMAND, catalog_markdown
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
 
 
-def test_docs_presets_md_is_current():
+def test_docs_presets_md_is_current() -> None:
     want = catalog_markdown(builtin_presets())
     have = DOCS.read_text("utf-8") if DOCS.exists() else ""
     assert have == want, f"docs/presets.md is stale; refresh it with: {CATALOG_COMMAND}"

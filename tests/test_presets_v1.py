@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import subprocess
+from typing import Any
 
 import pytest
 
@@ -27,11 +28,13 @@ R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", 
 KV = 12 * 2**30 + 12345  # not a whole number of blocks: the engine floors it
 
 
-def v1_preset(engine: str = "vllm", *, tp: int = 8, pp: int = 2, nodes: int = 2, **extra) -> Preset:
+def v1_preset(
+    engine: str = "vllm", *, tp: int = 8, pp: int = 2, nodes: int = 2, **extra: Any
+) -> Preset:
     """A hand-written pinned preset that agrees with the math (no run's flags: the engine's)."""
     bpt = kv_bytes_per_token(resolve("qwen3-8b"), tp=tp, pp=pp)
     block = ROWS[engine].default_block_size
-    data = {
+    data: dict[str, Any] = {
         "name": f"qwen3-8b-tp{tp}-pp{pp}-{engine}",
         "kind": "published",
         "model": "qwen3-8b",
@@ -64,7 +67,7 @@ def v1_preset(engine: str = "vllm", *, tp: int = 8, pp: int = 2, nodes: int = 2,
 
 
 # A V1 run's report.json, as pretuner/tune/v1/report.py writes it (the fields presets read).
-REPORT = {
+REPORT: dict[str, Any] = {
     "pretuner_version": "0.1.0",
     "run_id": "r1",
     "method": "v1-pinned-kv",
@@ -106,7 +109,7 @@ REPORT = {
         pytest.param([], "--a", None, id="absent"),
     ],
 )
-def test_flag_value(flags, name, want):
+def test_flag_value(flags: list[str], name: str, want: str | None) -> None:
     assert flag_value(flags, name) == want
 
 
@@ -119,11 +122,13 @@ def test_flag_value(flags, name, want):
                      (["prlimit", "--data=9", "py", "-m", "api", "--model"], "M"), id="cpu"),
     ],
 )  # fmt: skip
-def test_split_command(command, flags, want):
+def test_split_command(
+    command: list[str], flags: list[str], want: tuple[list[str], str]
+) -> None:
     assert split_command(command, flags) == want
 
 
-def test_split_command_refuses_a_command_without_its_flags():
+def test_split_command_refuses_a_command_without_its_flags() -> None:
     with pytest.raises(BadInputError, match="does not end with its flags"):
         split_command(["vllm", "serve", "M", "--x", "2"], ["--x", "1"])
 
@@ -140,7 +145,7 @@ def test_split_command_refuses_a_command_without_its_flags():
                      {"x": 1}, id="secret-left-out"),
     ],
 )  # fmt: skip
-def test_config_entries(flags, want):
+def test_config_entries(flags: list[str | SecretArg], want: dict[str, Any]) -> None:
     assert config_entries(flags) == want
 
 
@@ -157,7 +162,9 @@ def test_config_entries(flags, want):
                      id="backend-kept"),
     ],
 )  # fmt: skip
-def test_layout_flags(tp, pp, nodes, flags, want):
+def test_layout_flags(
+    tp: int, pp: int, nodes: int, flags: list[str], want: list[str]
+) -> None:
     p = dataclasses.replace(v1_preset(), tp=tp, pp=pp, nodes=nodes)
     assert layout_flags(flags, p) == want
 
@@ -174,11 +181,11 @@ def test_layout_flags(tp, pp, nodes, flags, want):
                                         "ASCEND_RT_VISIBLE_DEVICES": "0,1"}, id="mindspore"),
     ],
 )  # fmt: skip
-def test_node_env_names_the_nic_in_the_device_terms(engine, want):
+def test_node_env_names_the_nic_in_the_device_terms(engine: str, want: dict[str, str]) -> None:
     assert node_env(ROWS[engine], "ens3", 2) == want
 
 
-def test_a_v1_report_becomes_a_pinned_preset_that_agrees_with_the_math():
+def test_a_v1_report_becomes_a_pinned_preset_that_agrees_with_the_math() -> None:
     p = preset_from_v1_report(REPORT, name=None, date="-")
     assert p.kv_basis is KvBasis.PINNED
     assert p.kind.value == "simulated"
@@ -191,7 +198,7 @@ def test_a_v1_report_becomes_a_pinned_preset_that_agrees_with_the_math():
     assert preset_from_dict(preset_to_json(p), "x") == p
 
 
-def test_a_measured_v1_report_keeps_its_own_command():
+def test_a_measured_v1_report_keeps_its_own_command() -> None:
     rep = REPORT | {"simulated": False}
     rep["final"] = REPORT["final"] | {
         "serve_command": ["vllm", "serve", "/models/q", *REPORT["final"]["flags"]],
@@ -210,7 +217,7 @@ def test_a_measured_v1_report_keeps_its_own_command():
         pytest.param({"kv_tokens": 434593}, "whole blocks", id="not-blocks"),
     ],
 )
-def test_check_rejects_a_tampered_pinned_preset(change, says):
+def test_check_rejects_a_tampered_pinned_preset(change: dict[str, Any], says: str) -> None:
     data = preset_to_json(preset_from_v1_report(REPORT, name=None, date="-")) | change
     problems = check_preset(preset_from_dict(data, "x"))
     assert any(says in problem for problem in problems), problems
@@ -229,26 +236,26 @@ def test_check_rejects_a_tampered_pinned_preset(change, says):
                      id="r01-basis"),
     ],
 )  # fmt: skip
-def test_json_form_rejects_bad_pinned_presets(change, says):
+def test_json_form_rejects_bad_pinned_presets(change: dict[str, Any], says: str) -> None:
     data = preset_to_json(preset_from_v1_report(REPORT, name=None, date="-")) | change
     with pytest.raises(BadInputError, match=says):
         preset_from_dict(data, "x")
 
 
-def test_v1_keys_stay_off_other_presets():
+def test_v1_keys_stay_off_other_presets() -> None:
     p = builtin_presets()[0]
     assert "kv_cache_memory_bytes" not in preset_to_json(p)  # old files round-trip unchanged
     with pytest.raises(BadInputError, match="go with kv_basis 'pinned' only"):
         preset_from_dict(preset_to_json(p) | {"kv_cache_memory_bytes": 1}, "x")
 
 
-def test_show_words_for_a_pinned_preset():
+def test_show_words_for_a_pinned_preset() -> None:
     p = preset_from_v1_report(REPORT, name=None, date="-")
     assert kv_words(p) == "59.68 GiB pinned"
     assert any("--kv-cache-memory-bytes 64084770816" in line for line in derivation_lines(p))
 
 
-def test_two_node_ray_files_speak_vllm():
+def test_two_node_ray_files_speak_vllm() -> None:
     p = v1_preset()
     assert check_preset(p) == []
     files = render_scripts(p, ScriptOptions(nic="ens3", head_ip="10.0.0.1"), [Target.ALL])
@@ -282,7 +289,7 @@ def test_two_node_ray_files_speak_vllm():
             subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
-def test_ascend_ray_files_export_hccl():
+def test_ascend_ray_files_export_hccl() -> None:
     files = render_scripts(v1_preset("vllm-ascend"), ScriptOptions(nic="enp1"), [Target.RAY])
     head = files["ray-head.sh"]
     assert "export HCCL_SOCKET_IFNAME=enp1" in head
@@ -292,18 +299,18 @@ def test_ascend_ray_files_export_hccl():
     assert "--block-size" not in head  # 128 is vllm-ascend's default
 
 
-def test_engine_version_is_refused_for_a_v1_preset():
+def test_engine_version_is_refused_for_a_v1_preset() -> None:
     with pytest.raises(BadInputError, match="engine comes from the preset"):
         render_scripts(v1_preset(), ScriptOptions(engine_version="0.5"), [Target.SERVE])
 
 
-def test_an_r01_variable_given_with_env_is_refused():
+def test_an_r01_variable_given_with_env_is_refused() -> None:
     opts = ScriptOptions(extra_env={"ASCEND_TOTAL_MEMORY_GB": "64"})
     with pytest.raises(BadInputError, match="r0.1"):
         render_scripts(v1_preset(), opts, [Target.ENV])
 
 
-def test_the_catalog_shows_a_pinned_preset():
+def test_the_catalog_shows_a_pinned_preset() -> None:
     from pretuner.presets.catalog import catalog_markdown
 
     text = catalog_markdown((v1_preset(),))

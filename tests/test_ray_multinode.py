@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from pretuner.cluster.env import job_config_env  # noqa: E402
 from pretuner.cluster.nodefs import NODE_ROOT_ENV  # noqa: E402
-from pretuner.logscan import scan_paths  # noqa: E402
+from pretuner.logscan import Located, scan_paths  # noqa: E402
 
 # One worker runs this file: its tests share the module's Ray cluster.
 pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow,
@@ -345,7 +346,7 @@ def test_sim_server_stops_through_ray_and_writes_each_dump_on_its_node(
             os.killpg(proc.pid, signal.SIGKILL)
     for folder, ranks in ((glog, range(8)), (cluster.on_worker(glog), range(8, 16))):
         scan = scan_paths([folder])
-        assert sorted(r.rank for r in scan.ranks if r.actual_peak_mib) == list(ranks)
+        assert Counter(r.rank for r in scan.ranks if r.actual_peak_mib) == Counter(ranks)
     deadline = time.monotonic() + 30
     while _npus_free() < 16 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -401,7 +402,7 @@ def test_live_poll_reports_an_oom_written_on_the_second_node(
             "kernel name: FlashAttentionScore-op0, alloc size: 4160306688B.",
         )  # fmt: skip
         log.close()
-        events = []
+        events: list[Located] = []
         deadline = time.monotonic() + 60
         while not events and time.monotonic() < deadline:
             events = collector.poll()

@@ -60,11 +60,11 @@ def _assert_clean(text: str, where: str = "") -> None:
         ("tokenizer", False), ("ssl-keyfile", False), ("model", False), ("MAX_TOKENS", False),
     ],
 )  # fmt: skip
-def test_secret_names(name, secret):
+def test_secret_names(name: str, secret: bool) -> None:
     assert is_secret_name(name) is secret
 
 
-def test_redact_argv_every_form():
+def test_redact_argv_every_form() -> None:
     argv = ["srv", "--api-key", "K", "--hf-token=T", "HF_TOKEN=x", "--token", "--port", "8",
             "--max-num-batched-tokens", "8192", "--tokenizer", "tok"]  # fmt: skip
     assert redact_argv(argv) == [
@@ -78,7 +78,7 @@ def test_redact_argv_every_form():
     assert "GLOG_v=1" in shown.shell_line()
 
 
-def test_restore_reads_the_variable_or_refuses():
+def test_restore_reads_the_variable_or_refuses() -> None:
     text = redact_command_text("srv --api-key K --hf-token=T")
     env = {"PRETUNER_SERVE_API_KEY": "K2", "PRETUNER_SERVE_HF_TOKEN": "T2"}
     assert shlex.split(restore_command_text(text, env, "r1")) == [
@@ -88,7 +88,9 @@ def test_restore_reads_the_variable_or_refuses():
         restore_command_text(text, {}, "r1")
 
 
-def test_journal_keeps_no_secret_and_reads_it_back(tmp_path, monkeypatch):
+def test_journal_keeps_no_secret_and_reads_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     record = RunRecord(path=tmp_path)
     record.append("run_started", options={"serve_cmd": f"srv --api-key {KEY}", "sim_env": {}})
     assert KEY not in (tmp_path / "journal.jsonl").read_text()
@@ -114,7 +116,7 @@ def _bash(script: Path, tmp_path: Path, **env: str) -> subprocess.CompletedProce
     )
 
 
-def test_scripts_read_secrets_from_the_environment(tmp_path):
+def test_scripts_read_secrets_from_the_environment(tmp_path: Path) -> None:
     stub = _stub(tmp_path)
     opts = ScriptOptions(
         engine_version="0.5",
@@ -143,7 +145,7 @@ def test_scripts_read_secrets_from_the_environment(tmp_path):
 EVIL_ID = "r\ntouch pwned\nx"
 
 
-def test_run_id_with_a_newline_is_one_comment(tmp_path):
+def test_run_id_with_a_newline_is_one_comment(tmp_path: Path) -> None:
     rep = json.loads((GOLDEN / "run" / "report.json").read_text())
     rep["run_id"] = EVIL_ID
     rep["final"]["serve_command"] = [sys.executable, str(_stub(tmp_path))]
@@ -164,7 +166,7 @@ def test_run_id_with_a_newline_is_one_comment(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_out_with_a_newline_is_bad_input(tmp_path):
+def test_out_with_a_newline_is_bad_input(tmp_path: Path) -> None:
     out = tmp_path / EVIL_ID
     proc = invoke("run", "--model", "qwen3-8b", "--card", "64", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -183,7 +185,7 @@ def _files_text(folder: Path) -> str:
 
 
 @pytest.mark.slow
-def test_run_stores_no_secret_anywhere(tmp_path):
+def test_run_stores_no_secret_anywhere(tmp_path: Path) -> None:
     stub = _stub(tmp_path)
     serve_cmd = shlex.join([sys.executable, str(stub), "--api-key", KEY, f"--hf-token={TOKEN}"])
     out = tmp_path / "run"

@@ -291,7 +291,8 @@ def test_v1_memory_parts_add_up_to_the_device(v1_runs: Callable[[str], Run], nam
 
 def kv_bytes_per_token(rep: dict[str, Any]) -> int:
     """Qwen3-8B / Qwen3-VL-8B per card: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B / TP."""
-    return 36 * 8 * 128 * 2 * 2 // rep["tp"]
+    tp: int = rep["tp"]
+    return 36 * 8 * 128 * 2 * 2 // tp
 
 
 def test_v1_soak_lines_add_up(v1_runs: Callable[[str], Run]) -> None:

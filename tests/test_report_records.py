@@ -96,7 +96,7 @@ def test_a_missing_key_is_refused(cli_runs: dict[str, CliRun]) -> None:
 def test_a_record_is_frozen(cli_runs: dict[str, CliRun]) -> None:
     record = V1Report.model_validate(cli_runs["v1"].rep)
     with pytest.raises(ValidationError):
-        record.validated = False  # type: ignore[misc]
+        record.validated = False
 
 
 def test_a_single_node_report_has_no_cluster_key_and_a_cluster_comes_last(

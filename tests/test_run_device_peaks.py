@@ -71,6 +71,7 @@ def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
     opts = entry.RunOptions(model="qwen3-8b", card_gib=64, backend="sim",
                             out=str(tmp_path / "run"))
     outcome = entry.run_tuning(opts, lambda name, detail: said.append((name, detail)))
+    assert isinstance(outcome, entry.RunOutcome)  # no --engine: the r0.1 method
     assert said.count(("device", entry.NO_READER)) == 1
     steps = outcome.report.steps
     assert len(steps) >= 2

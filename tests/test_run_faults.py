@@ -70,7 +70,9 @@ def test_server_ignoring_sigterm_is_killed_after_the_grace(tmp_path: Path) -> No
     assert time.monotonic() - started < 30
     log = (tmp_path / "r" / "launch-1" / "server.log").read_text()
     assert "got SIGTERM, ignoring it" in log
-    pid = int(re.search(r"fake\[(\d+)\] starting", log).group(1))  # type: ignore[union-attr]
+    started_line = re.search(r"fake\[(\d+)\] starting", log)
+    assert started_line is not None, log
+    pid = int(started_line.group(1))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert processes_holding(tmp_path / "r" / "launch-1" / "server.log") == []

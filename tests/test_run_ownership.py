@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,6 @@ from pretuner.launch import groups, orphans
 from pretuner.launch.groups import report_stops_to
 from pretuner.launch.orphans import PID_FILE, read_pid_file, write_pid_file
 from pretuner.launch.process import ServerProcess
-from pretuner.tune import ownership
 from pretuner.tune.ownership import DiskFullError, FolderInUseError, lock_folder
 from pretuner.tune.record import RunRecord
 from tests.helpers import cli_env, invoke, processes_holding, run_cli
@@ -227,7 +227,7 @@ def test_launch_refused_when_the_disk_is_nearly_full(
     class Usage:
         free = 10 << 20
 
-    monkeypatch.setattr(ownership.shutil, "disk_usage", lambda path: Usage())
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage())  # what ownership calls
     record = RunRecord(path=tmp_path)
     with pytest.raises(DiskFullError, match="only 10 MiB free") as err:
         record.launch_dir(1)

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from pretuner.models import resolve
-from pretuner.tune.backends import Backend
 from pretuner.tune.server_cmd import server_model_arg
+from pretuner.tune.settings import Backend
 from tests.helpers import cli_env, invoke
 
 REAL = ("run", "--model", "qwen3-8b", "--backend", "vllm-mindspore", "--card", "64")

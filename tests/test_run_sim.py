@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,8 +28,9 @@ from tests.helpers import (
 )
 
 
-def report(run_dir: Path) -> dict[str, object]:
-    return json.loads((run_dir / "report.json").read_text())
+def report(run_dir: Path) -> dict[str, Any]:
+    rep: dict[str, Any] = json.loads((run_dir / "report.json").read_text())
+    return rep
 
 
 @pytest.mark.slow
@@ -324,7 +326,7 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
     from pretuner.sim import memory as mem
     from pretuner.tune.backends import sim_profile
     from pretuner.tune.config import CardInfo, TuneResult
-    from pretuner.tune.entry import RunOptions, run_tuning, tune_in_process
+    from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning, tune_in_process
 
     for key, value in cli_env().items():
         monkeypatch.setenv(key, value)
@@ -340,7 +342,9 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
 
     card = CardInfo(24, prof.total_mib - prof.driver_reserved_mib - occupied, "emulated npu-smi")
     inproc = tune_in_process(opts("inproc"), tmp_path / "inproc", card)
-    real = run_tuning(opts("real"), lambda name, detail: None).result
+    outcome = run_tuning(opts("real"), lambda name, detail: None)
+    assert isinstance(outcome, RunOutcome)  # no --engine: the r0.1 method
+    real = outcome.result
 
     def decided(r: TuneResult) -> tuple[object, ...]:
         f = r.derivation.final

@@ -91,10 +91,10 @@ def test_with_the_default_soak_no_oom_over_a_soak_three_times_longer(
     r = tune_v1_in_process(opts, tmp_path)
     assert r.validated
     f = r.final
-    shape = {"seed": seed, "max_model_len": 16384, "max_num_seqs": 4, "tp": 2,
-             "max_num_batched_tokens": f.max_num_batched_tokens}
     longer = max_kv_bytes(resolve("qwen3-vl-8b"), "cuda-64",
-                          images=Images(1, 3 * DEFAULT_SOAK, seed), **shape)
+                          images=Images(1, 3 * DEFAULT_SOAK, seed), seed=seed,
+                          max_model_len=16384, max_num_seqs=4, tp=2,
+                          max_num_batched_tokens=f.max_num_batched_tokens)
     assert f.kv_cache_bytes is not None
     assert 0.95 * longer <= f.kv_cache_bytes <= longer
 

@@ -12,23 +12,24 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import cli_env, invoke
 
 from pretuner.errors import BadInputError
-from pretuner.presets import builtin_presets, get_preset, preset_from_report
+from pretuner.presets import Preset, builtin_presets, get_preset, preset_from_report
 from pretuner.scripts.context import ScriptOptions
 from pretuner.scripts.render import render_scripts, write_scripts
 from pretuner.scripts.targets import Target
+from tests.helpers import cli_env, invoke
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("PRETUNER_UPDATE_GOLDEN") == "1"
 ALL = [Target.SERVE, Target.ENV, Target.CONFIG, Target.RAY, Target.SYSTEMD]
 
 
-def _run_preset():
-    rep = json.loads((GOLDEN / "run" / "report.json").read_text())
+def _run_preset() -> Preset:
+    rep: dict[str, Any] = json.loads((GOLDEN / "run" / "report.json").read_text())
     return preset_from_report(rep, date="-")
 
 
@@ -48,7 +49,7 @@ def _check_golden(folder: Path, files: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(("name", "preset", "version"), CASES, ids=lambda x: str(x)[:40])
-def test_golden_every_target(name, preset, version):
+def test_golden_every_target(name: str, preset: Preset, version: str) -> None:
     files = render_scripts(preset, ScriptOptions(engine_version=version), ALL)
     assert set(files) == {
         "serve.sh", "tuned.env", "vllm-config.yaml", "ray-head.sh", "ray-worker.sh",
@@ -62,7 +63,7 @@ def test_golden_every_target(name, preset, version):
                 subprocess.run(["shellcheck", "-"], input=text, text=True, check=True)
 
 
-def test_versions_differ_as_documented():
+def test_versions_differ_as_documented() -> None:
     p = get_preset("qwen3-vl-8b-tp2-64g-vllm-ascend")
     r01 = render_scripts(p, ScriptOptions(engine_version="0.1"), [Target.SERVE])["serve.sh"]
     v04 = render_scripts(p, ScriptOptions(engine_version="0.4"), [Target.SERVE])["serve.sh"]
@@ -77,7 +78,7 @@ def test_versions_differ_as_documented():
     assert f"--kv-cache-memory-bytes {645_120 * 73_728}" in v05
 
 
-def test_all_adds_ray_only_for_multi_node():
+def test_all_adds_ray_only_for_multi_node() -> None:
     single = render_scripts(get_preset("qwen3-8b-tp2-20g-vllm"), ScriptOptions(), [Target.ALL])
     multi = render_scripts(
         get_preset("deepseek-r1-w8a8-tp16-2x8x64g"), ScriptOptions(), [Target.ALL]
@@ -92,7 +93,7 @@ def test_all_adds_ray_only_for_multi_node():
 EVIL = "/models/my model/'q\"$(touch PWNED)`touch PWNED2`;$HOME\nx %n"
 
 
-def test_injection_is_inert(tmp_path):
+def test_injection_is_inert(tmp_path: Path) -> None:
     p = get_preset("qwen3-8b-tp2-20g-vllm")
     stub_dir = tmp_path / "bin"
     stub_dir.mkdir()
@@ -126,14 +127,14 @@ def test_injection_is_inert(tmp_path):
     assert "# model qwen3-8b (bf16) from " + EVIL.replace("\n", "?") in files["serve.sh"]
 
 
-def test_write_never_overwrites(tmp_path):
+def test_write_never_overwrites(tmp_path: Path) -> None:
     files = render_scripts(get_preset("qwen3-8b-tp2-20g-vllm"), ScriptOptions(), [Target.ENV])
     write_scripts(files, tmp_path)
     with pytest.raises(BadInputError, match="never overwrites"):
         write_scripts(files, tmp_path)
 
 
-def test_bad_values_rejected():
+def test_bad_values_rejected() -> None:
     p = get_preset("qwen3-8b-tp2-20g-vllm")
     with pytest.raises(BadInputError):
         render_scripts(p, ScriptOptions(extra_env={"BAD NAME": "1"}), [Target.ENV])
@@ -143,7 +144,7 @@ def test_bad_values_rejected():
         render_scripts(p, ScriptOptions(engine_version="latest"), [Target.SERVE])
 
 
-def test_cli_script_and_presets(tmp_path):
+def test_cli_script_and_presets(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     shutil.copy(GOLDEN / "run" / "report.json", run_dir / "report.json")

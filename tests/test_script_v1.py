@@ -9,6 +9,7 @@ import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,9 @@ def v1_run(finished_run: Callable[..., FinishedRun]) -> Path:
     return run.folder
 
 
-def report(run: Path) -> dict:
-    return json.loads((run / "report.json").read_text())
+def report(run: Path) -> dict[str, Any]:
+    rep: dict[str, Any] = json.loads((run / "report.json").read_text())
+    return rep
 
 
 def exec_argv(script: str) -> list[str]:

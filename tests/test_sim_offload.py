@@ -152,14 +152,15 @@ def test_an_oom_reads_as_torch_words_it() -> None:
 
 def test_truth_grows_with_offload_and_eager() -> None:
     spec = lookup(LLAMA70)
-    common = {"seed": 0, "max_model_len": 8192, "max_num_seqs": 8,
-              "max_num_batched_tokens": 8192}
-    less = max_kv_bytes(spec, "cuda-32", **common, enforce_eager=True,
-                        extra_args=(*BNB, "--cpu-offload-gb", "16"))
-    more = max_kv_bytes(spec, "cuda-32", **common, enforce_eager=True,
-                        extra_args=(*BNB, "--cpu-offload-gb", "18"))
-    graphs = max_kv_bytes(spec, "cuda-32", **common,
-                          extra_args=(*BNB, "--cpu-offload-gb", "18"))
+
+    def kv(offload_gb: str, *, enforce_eager: bool = False) -> int:
+        return max_kv_bytes(spec, "cuda-32", seed=0, max_model_len=8192, max_num_seqs=8,
+                            max_num_batched_tokens=8192, enforce_eager=enforce_eager,
+                            extra_args=(*BNB, "--cpu-offload-gb", offload_gb))
+
+    less = kv("16", enforce_eager=True)
+    more = kv("18", enforce_eager=True)
+    graphs = kv("18")
     assert less > 0
     assert more - less == pytest.approx(2 * GIB, abs=16 * 2**20)
     assert graphs < more

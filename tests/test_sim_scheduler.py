@@ -19,7 +19,7 @@ from pretuner.units import GIB
 
 
 def run_to_end(s: Scheduler, max_steps: int = 10_000) -> list[list[tuple[int, int]]]:
-    shapes = []
+    shapes: list[list[tuple[int, int]]] = []
     for _ in range(max_steps):
         if s.idle:
             return shapes

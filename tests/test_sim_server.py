@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import pytest
 import requests
@@ -93,8 +94,15 @@ class Sim:
         return requests.post(f"{self.url}/v1/completions", json=body, timeout=60)
 
 
+class StartSim(Protocol):
+    """The `sim` fixture: starts one more emulated server (or launcher) process."""
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None, seed: int = 0,
+                 launcher: bool = False, name: str = "server") -> Sim: ...
+
+
 @pytest.fixture
-def sim(tmp_path: Path) -> Iterator[object]:
+def sim(tmp_path: Path) -> Iterator[StartSim]:
     started: list[Sim] = []
 
     def start(*args: str, env: dict[str, str] | None = None, seed: int = 0,
@@ -122,8 +130,8 @@ def sim(tmp_path: Path) -> Iterator[object]:
         s.proc.wait(timeout=10)
 
 
-def run_to_exit(sim: object, *args: str, env: dict[str, str]) -> tuple[int, str]:
-    s = sim(*args, env=env)  # type: ignore[operator]
+def run_to_exit(sim: StartSim, *args: str, env: dict[str, str]) -> tuple[int, str]:
+    s = sim(*args, env=env)
     code = s.wait_exit()
     return code, s.log
 
@@ -131,9 +139,9 @@ def run_to_exit(sim: object, *args: str, env: dict[str, str]) -> tuple[int, str]
 # -- the seed's manual method, by hand --------------------------------------------------------
 
 
-def prerun_peak(sim: object, seed: int) -> tuple[int, str]:
+def prerun_peak(sim: StartSim, seed: int) -> tuple[int, str]:
     """Start with the seed's pre-run settings, send 16,384 tokens, SIGTERM, grep the worst rank."""
-    s = sim(*PRERUN, env=PRERUN_ENV, seed=seed)  # type: ignore[operator]
+    s = sim(*PRERUN, env=PRERUN_ENV, seed=seed)
     s.wait_ready()
     too_long = s.complete(list(range(16384)), max_tokens=1)
     assert too_long.status_code == 400
@@ -163,18 +171,18 @@ def full_load(s: Sim, seqs: int, max_model_len: int) -> list[int]:
         return list(pool.map(lambda _: one(), range(seqs)))
 
 
-def final_args(final: object) -> tuple[list[str], dict[str, str]]:
-    flags = final.flags  # type: ignore[attr-defined]
+def final_args(final: method.FinalConfig) -> tuple[list[str], dict[str, str]]:
+    flags = final.flags
     args: list[str] = []
     for key, value in flags.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
-    env = {"GLOG_v": "1", **final.env}  # type: ignore[attr-defined]
+    env = {"GLOG_v": "1", **final.env}
     return args, env
 
 
 @pytest.mark.slow
 def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
-    sim: object, tmp_path: Path
+    sim: StartSim, tmp_path: Path
 ) -> None:
     bpt = kv_bytes_per_token(resolve(MODEL))
     ooms = []
@@ -185,7 +193,7 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
             kv_bytes_per_token=bpt, block_size=16, max_model_len=16384))
         args, env = final_args(d.final)
         truth = tmp_path / f"truth-{seed}.json"
-        s = sim(*args, "--sim-truth", str(truth), env=env, seed=seed)  # type: ignore[operator]
+        s = sim(*args, "--sim-truth", str(truth), env=env, seed=seed)
         s.wait_ready()
         seqs = d.final.max_num_seqs
         assert seqs >= 10
@@ -202,7 +210,7 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
         tight = dict(env)
         tight["vLLM_MODEL_MEMORY_USE_GB"] = str(math.ceil(d.model_use_exact_gib * 0.9))
         tight_truth = tmp_path / f"tight-{seed}.json"
-        bad = sim(*args, "--sim-truth", str(tight_truth), env=tight,  # type: ignore[operator]
+        bad = sim(*args, "--sim-truth", str(tight_truth), env=tight,
                   seed=seed)
         deadline = time.monotonic() + 15
         while not READY_RE.search(bad.log) and bad.proc.poll() is None:
@@ -252,7 +260,7 @@ def test_manual_method_then_full_load_is_safe_and_10pct_less_headroom_ooms(
     ids=["total-not-int", "model-use-not-int", "util-over-free", "no-kv-blocks",
          "max-len-over-kv", "oom-kv-alloc", "oom-warmup"],
 )
-def test_startup_failures(sim: object, env: dict[str, str], args: list[str], text: str) -> None:
+def test_startup_failures(sim: StartSim, env: dict[str, str], args: list[str], text: str) -> None:
     code, log = run_to_exit(sim, *args, env=env)
     assert code == 1
     assert text in log
@@ -261,8 +269,8 @@ def test_startup_failures(sim: object, env: dict[str, str], args: list[str], tex
         assert "Total device memory should be set by environ 'ASCEND_TOTAL_MEMORY_GB'" in log
 
 
-def test_weights_oom_at_start_dumps_pool(sim: object) -> None:
-    s = sim("--model", "qwen3-32b", "--max-model-len", "4096", env={  # type: ignore[operator]
+def test_weights_oom_at_start_dumps_pool(sim: StartSim) -> None:
+    s = sim("--model", "qwen3-32b", "--max-model-len", "4096", env={
         "ASCEND_TOTAL_MEMORY_GB": "32", "vLLM_MODEL_MEMORY_USE_GB": "20", "GLOG_v": "1",
         "PRETUNER_SIM_PROFILE": "910b-32"})
     assert s.wait_exit() == 1
@@ -272,9 +280,9 @@ def test_weights_oom_at_start_dumps_pool(sim: object) -> None:
 
 
 @pytest.mark.slow
-def test_oom_during_request_gives_500_and_kills_the_server(sim: object) -> None:
+def test_oom_during_request_gives_500_and_kills_the_server(sim: StartSim) -> None:
     # 18 GiB holds the weights and the 8k warm-up but not a 16k prefill.
-    s = sim("--max-model-len", "16384", "--max-num-seqs", "1", env={  # type: ignore[operator]
+    s = sim("--max-model-len", "16384", "--max-num-seqs", "1", env={
         "ASCEND_TOTAL_MEMORY_GB": "64", "vLLM_MODEL_MEMORY_USE_GB": "18", "GLOG_v": "1"})
     s.wait_ready()
     assert requests.get(f"{s.url}/health", timeout=5).status_code == 200
@@ -292,10 +300,10 @@ def test_oom_during_request_gives_500_and_kills_the_server(sim: object) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_prints_nothing_and_glog_hides_info(sim: object) -> None:
-    quiet = sim(*PRERUN, env={"ASCEND_TOTAL_MEMORY_GB": "64",  # type: ignore[operator]
+def test_sigkill_prints_nothing_and_glog_hides_info(sim: StartSim) -> None:
+    quiet = sim(*PRERUN, env={"ASCEND_TOTAL_MEMORY_GB": "64",
                               "vLLM_MODEL_MEMORY_USE_GB": "50", "ASCEND_RT_VISIBLE_DEVICES": "1"})
-    killed = sim(*PRERUN, env=PRERUN_ENV)  # type: ignore[operator]
+    killed = sim(*PRERUN, env=PRERUN_ENV)
     quiet.wait_ready()
     killed.wait_ready()
     assert killed.complete(list(range(100))).status_code == 200
@@ -314,9 +322,9 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_api_models_stream_text_and_unknown_flags(sim: object) -> None:
+def test_api_models_stream_text_and_unknown_flags(sim: StartSim) -> None:
     port = _free_port()
-    s = sim("--max_model_len", "4096", "--enforce-eager", "--swap-space", "4",  # type: ignore
+    s = sim("--max_model_len", "4096", "--enforce-eager", "--swap-space", "4",
             "--port", str(port), "--sim-startup-s", "0.8",
             "--served-model-name", MODEL, "other-name", "--trust-remote-code",
             "--distributed-executor-backend", "mp", "--tensor-parallel-size", "1",
@@ -348,9 +356,9 @@ def test_api_models_stream_text_and_unknown_flags(sim: object) -> None:
 
 
 @pytest.mark.slow
-def test_tp_across_nodes_writes_rank_logs_per_node(sim: object, tmp_path: Path) -> None:
+def test_tp_across_nodes_writes_rank_logs_per_node(sim: StartSim, tmp_path: Path) -> None:
     logs = tmp_path / "glog"
-    s = sim("--tensor-parallel-size", "4", "--sim-nodes", "2",  # type: ignore[operator]
+    s = sim("--tensor-parallel-size", "4", "--sim-nodes", "2",
             "--max-model-len", "8192", "--sim-pool-format", "2.6",
             env={"ASCEND_TOTAL_MEMORY_GB": "64", "vLLM_MODEL_MEMORY_USE_GB": "30",
                  "GLOG_v": "1", "GLOG_logtostderr": "0", "GLOG_log_dir": str(logs),
@@ -379,11 +387,11 @@ def test_tp_across_nodes_writes_rank_logs_per_node(sim: object, tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_launcher_sigint_loses_the_dump_sigterm_to_group_keeps_it(sim: object) -> None:
+def test_launcher_sigint_loses_the_dump_sigterm_to_group_keeps_it(sim: StartSim) -> None:
     env = {**PRERUN_ENV, "PRETUNER_SIM_TEARDOWN_S": "0.6"}
-    lost = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)  # type: ignore
+    lost = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)
     env["ASCEND_RT_VISIBLE_DEVICES"] = "1"
-    kept = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)  # type: ignore
+    kept = sim(*PRERUN, "--sim-teardown-s", "0.6", env=env, launcher=True)
     lost.wait_ready()
     kept.wait_ready()
     for s in (lost, kept):
@@ -405,7 +413,7 @@ def test_launcher_sigint_loses_the_dump_sigterm_to_group_keeps_it(sim: object) -
 
 
 @pytest.mark.slow
-def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
+def test_npu_smi_shows_the_running_server(sim: StartSim, tmp_path: Path) -> None:
     state = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
     env["PRETUNER_SIM_STATE_DIR"] = str(state)
@@ -419,18 +427,19 @@ def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
         text = subprocess.run(["npu-smi", "info"], capture_output=True, text=True, check=True,
                               env=env, timeout=30).stdout
         rows = [ln for ln in text.splitlines() if "0000:" in ln]
-        return [tuple(map(int, re.findall(r"(\d+)\s*/\s*(\d+)", r)[-1])) for r in rows]
+        pairs = [re.findall(r"(\d+)\s*/\s*(\d+)", r)[-1] for r in rows]
+        return [(int(used), int(total)) for used, total in pairs]
 
     idle = hbm()
     assert len(idle) == 8
     assert idle[0] == (3379, 65536)
-    s = sim(env={"ASCEND_TOTAL_MEMORY_GB": "64",  # type: ignore[operator]
+    s = sim(env={"ASCEND_TOTAL_MEMORY_GB": "64",
                  "vLLM_MODEL_MEMORY_USE_GB": "50", "ASCEND_RT_VISIBLE_DEVICES": "3"})
     s.wait_ready()
     busy = hbm()
     assert busy[3] == (3379 + 700 + 58982, 65536)
     assert busy[0] == (3379, 65536)
-    second = sim(env={"ASCEND_TOTAL_MEMORY_GB": "64",  # type: ignore[operator]
+    second = sim(env={"ASCEND_TOTAL_MEMORY_GB": "64",
                       "vLLM_MODEL_MEMORY_USE_GB": "50", "ASCEND_RT_VISIBLE_DEVICES": "3"})
     assert second.wait_exit() == 1
     assert "free memory size is less than half of total memory size" in second.log
@@ -440,13 +449,13 @@ def test_npu_smi_shows_the_running_server(sim: object, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_prompt_inside_the_watermark_is_dropped_with_an_empty_200(sim: object) -> None:
+def test_prompt_inside_the_watermark_is_dropped_with_an_empty_200(sim: StartSim) -> None:
     # 0.9 x 64 GiB - 55 GiB = 2.6 GiB of KV = 1,183 blocks of 16 x 147,456 B: a 16,383-token
     # prompt needs 1,024 of them beside the 1 % watermark (11). At util 0.8947 the cache has
     # 1,028 blocks: the prompt fits it, but would leave 4 < 10 watermark blocks: never admitted.
     for util, dropped in (("0.9", False), ("0.8947", True)):
         env = {**PRERUN_ENV, "vLLM_MODEL_MEMORY_USE_GB": "55"}
-        s = sim(*PRERUN, "--gpu-memory-utilization", util, env=env)  # type: ignore[operator]
+        s = sim(*PRERUN, "--gpu-memory-utilization", util, env=env)
         s.wait_ready()
         r = s.complete(list(range(16383)), max_tokens=1)
         assert r.status_code == 200, r.text
@@ -459,9 +468,9 @@ def test_prompt_inside_the_watermark_is_dropped_with_an_empty_200(sim: object) -
 
 
 @pytest.mark.slow
-def test_chunked_prefill_is_on_by_default_above_32k(sim: object) -> None:
+def test_chunked_prefill_is_on_by_default_above_32k(sim: StartSim) -> None:
     env = {**PRERUN_ENV, "vLLM_MODEL_MEMORY_USE_GB": "40"}
-    s = sim("--max-model-len", "40960", "--max-num-seqs", "1", env=env)  # type: ignore[operator]
+    s = sim("--max-model-len", "40960", "--max-num-seqs", "1", env=env)
     s.wait_ready()
     assert "Chunked prefill is enabled with max_num_batched_tokens=2048." in s.log
     r = s.complete(list(range(40000)), max_tokens=1)

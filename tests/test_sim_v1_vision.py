@@ -145,11 +145,13 @@ def test_growth_needs_distinct_images_and_never_shrinks() -> None:
 @pytest.mark.slow
 def test_a_configuration_proven_at_start_up_fails_under_a_soak() -> None:
     spec = resolve("qwen3-vl-8b")
-    shape = {"seed": 0, "max_model_len": 65536, "max_num_seqs": 8,
-             "max_num_batched_tokens": 32768, "tp": 2}
-    fresh = max_kv_bytes(spec, "cuda-64", images=Images(soak=0), **shape)
-    soaked = max_kv_bytes(spec, "cuda-64", images=Images(soak=200), **shape)
-    longer = max_kv_bytes(spec, "cuda-64", images=Images(soak=600), **shape)
+
+    def kv(soak: int) -> int:
+        return max_kv_bytes(spec, "cuda-64", images=Images(soak=soak), seed=0,
+                            max_model_len=65536, max_num_seqs=8, max_num_batched_tokens=32768,
+                            tp=2)
+
+    fresh, soaked, longer = kv(0), kv(200), kv(600)
     assert longer <= soaked < fresh - GIB  # the soak takes over a GiB of what start-up allowed
     argv = ["qwen3-vl-8b", "--max-model-len", "65536", "--max-num-seqs", "8",
             "--max-num-batched-tokens", "32768", "-tp", "2",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -58,11 +59,11 @@ def test_figures_from_the_phases() -> None:
 # -- the loop against a card whose memory grows under the soak -------------------------------
 
 
-def _cfg(**kw: object) -> V1Config:
-    base: dict[str, object] = {"model": SPEC, "card_gib": 64, "bytes_per_token": BPT,
+def _cfg(**kw: Any) -> V1Config:
+    base: dict[str, Any] = {"model": SPEC, "card_gib": 64, "bytes_per_token": BPT,
                                "max_model_len": 65536, "max_num_seqs": 8,
                                "max_num_batched_tokens": 32768, "tp": 2}
-    return V1Config(**{**base, **kw})  # type: ignore[arg-type]
+    return V1Config(**{**base, **kw})
 
 
 def _quiet(phase: str, detail: str) -> None:

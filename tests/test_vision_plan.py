@@ -271,7 +271,7 @@ def test_hf_folder_reads_vision_config(tmp_path: Path) -> None:
     spec = resolve(str(tmp_path))
     assert spec.vision is not None
     assert spec.vision == VisionSpec(**{
-        **{f: getattr(VL8, f) for f in VL8.__slots__},  # type: ignore[union-attr]
+        **{f: getattr(VL8, f) for f in VisionSpec.__slots__},
         "pixels_source": spec.vision.pixels_source,
     })  # fmt: skip
     assert spec.vision.pixels_source.startswith("assumed")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -254,7 +255,9 @@ def _outcome(s: LaunchSettings, kind: OutcomeKind, peak: int, alloc: int | None 
         device_reader="vmdata", device_total_mib=BUDGET_MIB)
 
 
-def budget_card(non_kv_mib: int, calls: list[LaunchSettings]):
+def budget_card(
+    non_kv_mib: int, calls: list[LaunchSettings]
+) -> Callable[[LaunchSettings], LaunchOutcome]:
     """A CPU budget: the KV is one allocation, refused whole when non-KV + KV > budget."""
 
     def execute(s: LaunchSettings) -> LaunchOutcome:

@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import NormalizedName, canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
@@ -69,7 +69,8 @@ def requirements(wheel: Path, extras: set[str]) -> list[Requirement]:
     return found
 
 
-def closure(roots: list[str], have: set[str], skip: set[str], into: Path) -> None:
+def closure(roots: list[str], have: set[NormalizedName], skip: set[NormalizedName],
+            into: Path) -> None:
     """Fetch `root` and every requirement the machine lacks, extras included, breadth first.
     A later requirement that the fetched version does not meet fetches again: vllm 0.24 pins
     apache-tvm-ffi 0.1.9 for flashinfer (skipped), xgrammar 0.2.8 needs 0.1.11 or later."""

@@ -120,6 +120,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=30)
 
 
+def served_by(script: Path, env: dict[str, str], log: Path) -> tuple[int, dict[str, Any]]:
+    """The port `script` was started on and its server's reply to a short completion; the
+    server is stopped again."""
+    port = free_port()
+    server = start_script(script, port, env, log)
+    try:
+        return port, answers(server, port, log)
+    finally:
+        stop(server)
+
+
 @pytest.mark.slow
 def test_the_written_serve_script_starts_a_server_that_serves(
         tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
@@ -131,13 +142,8 @@ def test_the_written_serve_script_starts_a_server_that_serves(
     assert run.proc.returncode == 0, run.proc.stderr
     kv = run.report()["final"]["kv_cache_memory_bytes"]
 
-    port = free_port()
-    server = start_script(out / "serve.sh", port, env, tmp_path / "serve.log")
-    try:
-        body = answers(server, port, tmp_path / "serve.log")
-        assert body["usage"]["completion_tokens"] == 2
-    finally:
-        stop(server)
+    _, body = served_by(out / "serve.sh", env, tmp_path / "serve.log")
+    assert body["usage"]["completion_tokens"] == 2
     assert f"'kv_cache_memory_bytes': {kv}" in (tmp_path / "serve.log").read_text()
 
     deploy = tmp_path / "deploy"
@@ -151,14 +157,9 @@ def test_the_written_serve_script_starts_a_server_that_serves(
                     f"printf '%s\\n' \"$@\" > {shlex.quote(str(argv_file))}\n"
                     f"exec {shlex.quote(sys.executable)} -m pretuner.sim vllm \"$@\"\n")
     fake.chmod(0o755)
-    port = free_port()
     env_fake = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
-    server = start_script(deploy / "serve.sh", port, env_fake, tmp_path / "deploy.log")
-    try:
-        body = answers(server, port, tmp_path / "deploy.log")
-        assert body["usage"]["completion_tokens"] == 2
-    finally:
-        stop(server)
+    port, body = served_by(deploy / "serve.sh", env_fake, tmp_path / "deploy.log")
+    assert body["usage"]["completion_tokens"] == 2
     argv = argv_file.read_text().split("\n")
     assert argv[:2] == ["serve", "Qwen/Qwen3-8B"]
     flags = dict(zip(argv[2::2], argv[3::2], strict=False))

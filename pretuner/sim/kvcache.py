@@ -80,7 +80,7 @@ class CacheLayout:
 
     def block_bytes(self, block_size: int) -> int:
         """One block across every layer of the stage: the unit the engine allocates."""
-        return sum(self.page_bytes(block_size) for _ in range(self.layers))
+        return self.layers * self.page_bytes(block_size)
 
     @property
     def bytes_per_token(self) -> int:

@@ -1,5 +1,5 @@
 """One strict jinja2 environment over the packaged startup-file templates
-(`pretuner/scripts/templates`) and its quoting filters: every file pretuner writes for people
+(`pretuner/deploy/templates`) and its quoting filters: every file pretuner writes for people
 to run (startup scripts, the Ray restart lines) is rendered here."""
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def systemd_text(value: object) -> str:
 @cache
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("pretuner.scripts", "templates"),
+        loader=jinja2.PackageLoader("pretuner.deploy", "templates"),
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # noqa: S701  (shell scripts, not HTML; every value is shell-quoted)
         trim_blocks=True,

@@ -35,8 +35,8 @@ from pathlib import Path
 from pretuner.engines.vllm_v1 import SIM_PROFILES
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
-from pretuner.plan import PlanConfig
-from pretuner.plan_propose import propose
+from pretuner.plan.layout import PlanConfig
+from pretuner.plan.propose import propose
 from pretuner.sim.v1 import inproc
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes

@@ -40,7 +40,7 @@ from typing import TypedDict
 from pretuner.errors import CardBusyError, InfeasibleError, PretunerError
 from pretuner.method import PrerunInputs, derive
 from pretuner.models import builtin_specs, resolve
-from pretuner.plan import PlanConfig, plan, smallest_weights_layout
+from pretuner.plan.layout import PlanConfig, plan, smallest_weights_layout
 from pretuner.sim import memory as mem
 from pretuner.sim.truth import max_length, max_safe_kv
 from pretuner.tune.backends import sim_profile

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.analyze import AnalyzeConfig, analyze
+from pretuner.analyze.r01 import AnalyzeConfig, analyze
 from pretuner.errors import InfeasibleError, NothingFoundError
 from pretuner.logscan import Truncation
 from pretuner.models import resolve

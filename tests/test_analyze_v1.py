@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pretuner.analyze_v1_inputs import read_memory_series, read_v1_run
+from pretuner.analyze.v1_inputs import read_memory_series, read_v1_run
 from tests.helpers import invoke, shared
 
 REAL = shared("real-logs")

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pretuner.devices import DeviceMemory, DeviceReadError, select_reader
-from pretuner.devices.emulated import EmulatedReader
 from pretuner.devices.npu_smi import NpuSmiReader, npu_memory
 from pretuner.devices.npu_table import parse_npu_smi
 from pretuner.devices.nvidia import (
@@ -22,6 +21,7 @@ from pretuner.devices.nvidia import (
 )
 from pretuner.sim.memory import PROFILES
 from pretuner.sim.npusmi import CardUse, render, write_shim
+from pretuner.sim.reader import EmulatedReader
 from tests.helpers import shared
 
 NVML_SERIES = ("real-logs", "vllm-0.24-h100", "nvml-series.tsv")

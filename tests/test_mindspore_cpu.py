@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.backends.mindspore_cpu.dims import Dims
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import OomKind, scan_paths
 from pretuner.models import resolve
+from pretuner.sim.mindspore_cpu.dims import Dims
 from tests.helpers import cli_env, require, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

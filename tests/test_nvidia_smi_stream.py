@@ -18,7 +18,7 @@ import pytest
 
 from pretuner.devices import DeviceMemory, DeviceReadError, nvidia_stream, select_reader
 from pretuner.devices.nvidia_stream import NvidiaSmiStreamReader
-from pretuner.launch.groups import group_alive, group_members
+from pretuner.procgroups import group_alive, group_members
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.smi import main as emulated_smi
 from pretuner.sim.v1.smi import publish

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models import ModelSpec, builtin_specs, lookup
-from pretuner.plan import PlanConfig, plan
+from pretuner.plan.layout import PlanConfig, plan
 from pretuner.units import GIB
 from tests.helpers import invoke
 

@@ -10,6 +10,10 @@ from typing import Any
 
 import pytest
 
+from pretuner.deploy.context import ScriptOptions
+from pretuner.deploy.context_v1 import config_entries, layout_flags, node_env
+from pretuner.deploy.render import render_scripts
+from pretuner.deploy.targets import Target
 from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
@@ -19,10 +23,6 @@ from pretuner.presets.catalog import derivation_lines, kv_words
 from pretuner.presets.model import KvBasis, Preset, preset_from_dict
 from pretuner.presets.v1 import flag_value, preset_from_v1_report, split_command
 from pretuner.redact import SecretArg
-from pretuner.scripts.context import ScriptOptions
-from pretuner.scripts.context_v1 import config_entries, layout_flags, node_env
-from pretuner.scripts.render import render_scripts
-from pretuner.scripts.targets import Target
 
 R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", "MODEL_MEMORY")
 KV = 12 * 2**30 + 12345  # not a whole number of blocks: the engine floors it

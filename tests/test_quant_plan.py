@@ -12,8 +12,8 @@ import pytest
 from pretuner.models import lookup
 from pretuner.models.hf import spec_from_folder
 from pretuner.models.quant import Quantization, from_config, from_flag, param_split, quantized_bytes
-from pretuner.plan import PlanConfig, plan
-from pretuner.plan_propose import propose
+from pretuner.plan.layout import PlanConfig, plan
+from pretuner.plan.propose import propose
 from pretuner.units import GIB
 from tests.helpers import CONFIGS, invoke
 

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pretuner.deploy.context import ScriptOptions
+from pretuner.deploy.render import render_scripts
+from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 from pretuner.presets import get_preset
 from pretuner.redact import (
@@ -24,9 +27,6 @@ from pretuner.redact import (
     redact_command_text,
     restore_command_text,
 )
-from pretuner.scripts.context import ScriptOptions
-from pretuner.scripts.render import render_scripts
-from pretuner.scripts.targets import Target
 from pretuner.tune.record import RunRecord
 from pretuner.tune.records import RunReport
 from pretuner.tune.report import serve_sh, tuned_env

@@ -16,7 +16,7 @@ from pretuner.cli.app import error_json
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import BadInputError, InfeasibleError, ServerFailedError
 from pretuner.models import lookup
-from pretuner.plan import PlanConfig, plan
+from pretuner.plan.layout import PlanConfig, plan
 from pretuner.tune.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 from pretuner.tune.settings import LaunchSettings, Purpose

@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
+from pretuner import procgroups as groups
 from pretuner.errors import ExitCode
-from pretuner.launch import groups, orphans
-from pretuner.launch.groups import report_stops_to
+from pretuner.launch import orphans
 from pretuner.launch.orphans import PID_FILE, read_pid_file, write_pid_file
 from pretuner.launch.process import ServerProcess
+from pretuner.procgroups import report_stops_to
 from pretuner.tune.ownership import DiskFullError, FolderInUseError, lock_folder
 from pretuner.tune.record import RunRecord
 from tests.helpers import cli_env, invoke, processes_holding, run_cli

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from pretuner.deploy.context import ScriptOptions
+from pretuner.deploy.render import render_scripts, write_scripts
+from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 from pretuner.presets import Preset, builtin_presets, get_preset, preset_from_report
-from pretuner.scripts.context import ScriptOptions
-from pretuner.scripts.render import render_scripts, write_scripts
-from pretuner.scripts.targets import Target
 from tests.helpers import cli_env, invoke
 
 GOLDEN = Path(__file__).parent / "golden"

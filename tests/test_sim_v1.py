@@ -27,9 +27,9 @@ from typing import Any
 
 import pytest
 
-from pretuner.devices.emulated import EmulatedReader
 from pretuner.devices.nvidia import parse_nvidia_smi_csv
 from pretuner.models import resolve
+from pretuner.sim.reader import EmulatedReader
 from pretuner.sim.v1 import inproc
 from pretuner.sim.v1.config import UsageError, human_bytes, parse
 from pretuner.sim.v1.http import DEAD_BODY, length_error

@@ -25,11 +25,11 @@ from typing import Any
 
 import pytest
 
-from pretuner.devices.emulated import EmulatedReader
 from pretuner.launch import images as I
 from pretuner.launch.png import png_bytes, png_data_url, png_size
 from pretuner.models import resolve
 from pretuner.models.vision import image_tokens, max_image_tokens
+from pretuner.sim.reader import EmulatedReader
 from pretuner.sim.v1 import inproc
 from pretuner.sim.v1.chat import (
     ASSISTANT_TOKENS,

@@ -25,7 +25,7 @@ from pretuner.models.vision import (
     vision_bytes_per_card,
     vision_params,
 )
-from pretuner.plan import PlanConfig, plan
+from pretuner.plan.layout import PlanConfig, plan
 from pretuner.units import GIB
 from tests.helpers import CONFIGS, invoke
 

@@ -18,8 +18,8 @@ from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
-    from pretuner.analyze import AnalyzeResult
-    from pretuner.analyze_v1_result import V1Analysis
+    from pretuner.analyze.r01 import AnalyzeResult
+    from pretuner.analyze.v1_result import V1Analysis
 
 # The analysis is imported where it runs: `pretuner --help` and a usage error answer without
 # loading it (tests/test_cli_startup.py).
@@ -127,8 +127,8 @@ def analyze_cmd(
     shows and the --kv-cache-memory-bytes to try; with --memory-series and the device total,
     what the card could hold.
     """
-    from pretuner.analyze import AnalyzeConfig, analyze_logs, assumed_line
-    from pretuner.analyze_v1_result import V1Analysis
+    from pretuner.analyze.r01 import AnalyzeConfig, analyze_logs, assumed_line
+    from pretuner.analyze.v1_result import V1Analysis
     from pretuner.envfile import env_file_text
     from pretuner.models import resolve
 
@@ -186,7 +186,7 @@ def analyze_cmd(
 
 
 def render_analysis(r: AnalyzeResult) -> str:
-    from pretuner.analyze import assumed_line, dumped_ranks
+    from pretuner.analyze.r01 import assumed_line, dumped_ranks
     from pretuner.derivation_text import derivation_lines
 
     worst = r.worst

@@ -13,13 +13,13 @@ from pretuner.errors import ExitCode
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models.quant import METHODS, from_flag
 from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, parse_limit_mm_per_prompt
-from pretuner.plan_weights import ENGINES, is_v1, render_weights_plan
+from pretuner.plan.weights import ENGINES, is_v1, render_weights_plan
 from pretuner.units import GIB
 
 if TYPE_CHECKING:
     from pretuner.models.vision import VisionPlan
-    from pretuner.plan import PlanResult
-    from pretuner.plan_propose import Proposal
+    from pretuner.plan.layout import PlanResult
+    from pretuner.plan.propose import Proposal
 
 # Only what the options' help and defaults name is imported here; the planner is imported
 # where it runs, so `pretuner --help` answers at once (tests/test_cli_startup.py).
@@ -122,8 +122,8 @@ def plan_cmd(
     """Predict weights, activations, KV cache and max-num-seqs per card (no launch)."""
     from pretuner.devices.cpu import host_available_bytes
     from pretuner.models import resolve
-    from pretuner.plan import PlanConfig, plan
-    from pretuner.plan_propose import propose, render_proposal
+    from pretuner.plan.layout import PlanConfig, plan
+    from pretuner.plan.propose import propose, render_proposal
 
     cfg = PlanConfig(
         model=resolve(model),
@@ -174,7 +174,7 @@ def plan_cmd(
 
 def _show_nothing_fits(proposal: Proposal, swap_gib: float, as_json: bool) -> NoReturn:
     """Nothing serves the length on these cards: say what would, exit INFEASIBLE (4)."""
-    from pretuner.plan_propose import render_proposal
+    from pretuner.plan.propose import render_proposal
 
     if as_json:
         echo_json({"fits": False, "proposal": proposal.to_json()})

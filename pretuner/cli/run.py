@@ -267,8 +267,8 @@ def run_cmd(
     from pretuner.cli.progress import Progress
     from pretuner.cli.run_render import RAY_DRY_RUN, dry_run_json, render_dry_run, render_summary
     from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
-    from pretuner.launch.groups import report_stops_to
     from pretuner.launch.process import install_signal_handlers
+    from pretuner.procgroups import report_stops_to
     from pretuner.tune.entry import RunOptions, dry_run, engine_for, run_tuning
     from pretuner.tune.v1.entry import V1RunOutcome
 

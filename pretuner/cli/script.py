@@ -11,12 +11,12 @@ import typer
 from pretuner import validate as v
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
+from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
-from pretuner.scripts.targets import Target
 
 if TYPE_CHECKING:
+    from pretuner.deploy.given import GivenValues
     from pretuner.presets.model import Preset
-    from pretuner.scripts.given import GivenValues
 
 # The presets and the templates are imported where they are used: `pretuner --help` and a
 # usage error answer without loading them (tests/test_cli_startup.py).
@@ -61,7 +61,7 @@ def values_from_flags(
     weights_format: str | None,
 ) -> GivenValues:
     """The hand-tuned values, once every required flag is there (`given`: flag -> value)."""
-    from pretuner.scripts.given import GivenValues
+    from pretuner.deploy.given import GivenValues
 
     missing = [flag for flag, value in given.items() if value is None]
     if missing:
@@ -193,10 +193,10 @@ def script_cmd(
     ),
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
+    from pretuner.deploy.context import ScriptOptions
+    from pretuner.deploy.given import preset_from_values
+    from pretuner.deploy.render import render_scripts, write_scripts
     from pretuner.presets import resolve_preset
-    from pretuner.scripts.context import ScriptOptions
-    from pretuner.scripts.given import preset_from_values
-    from pretuner.scripts.render import render_scripts, write_scripts
 
     if util is not None:
         v.finite("--util", util, example="0.9")

@@ -28,7 +28,7 @@ from pretuner.devices.base import (
     keep,
 )
 from pretuner.devices.nvidia import QUERY, NvidiaSmiReader, parse_nvidia_smi_csv
-from pretuner.launch.groups import group_alive, wait_group_gone
+from pretuner.procgroups import group_alive, wait_group_gone
 
 log = logging.getLogger(__name__)
 

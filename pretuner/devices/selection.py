@@ -24,7 +24,7 @@ def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
     On "cpu" the device is a memory budget imposed on the server's processes: read only
     where a budget is given (`budget_mib`) and /proc shows processes."""
     if kind == "emulated":
-        from pretuner.devices.emulated import EmulatedReader
+        from pretuner.sim.reader import EmulatedReader
 
         return EmulatedReader(env, frozenset(range(count)))
     if kind == "ascend":

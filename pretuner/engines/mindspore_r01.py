@@ -34,7 +34,7 @@ def default_serve_command(backend: Backend, engine_version: str | None) -> tuple
     if backend is Backend.SIM:
         return list(SIM_COMMAND), True
     if backend is Backend.MINDSPORE_CPU:
-        return [sys.executable, "-m", "pretuner.backends.mindspore_cpu", "serve"], True
+        return [sys.executable, "-m", "pretuner.sim.mindspore_cpu", "serve"], True
     if engine_version is not None and _version_tuple(engine_version) >= (0, 3):
         return list(V03_COMMAND), False
     return list(R01_COMMAND), True

@@ -135,7 +135,7 @@ def read_pid_file(path: Path) -> ServerPid | None:
 
 
 def _live_members(pgid: int) -> list[int]:
-    from pretuner.launch.groups import group_members
+    from pretuner.procgroups import group_members
 
     return group_members(pgid)
 

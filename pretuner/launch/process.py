@@ -29,14 +29,6 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from pretuner.errors import ServerFailedError
-from pretuner.launch.groups import (
-    KILL_WAIT_S,
-    group_alive,
-    group_members,
-    note,
-    proc_available,
-    wait_group_gone,
-)
 from pretuner.launch.orphans import (
     PID_FILE,
     parent_death_guard,
@@ -44,6 +36,14 @@ from pretuner.launch.orphans import (
     write_pid_file,
 )
 from pretuner.launch.probe import get_ok
+from pretuner.procgroups import (
+    KILL_WAIT_S,
+    group_alive,
+    group_members,
+    note,
+    proc_available,
+    wait_group_gone,
+)
 from pretuner.redact import redact_argv
 
 log = logging.getLogger(__name__)

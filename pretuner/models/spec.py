@@ -66,7 +66,7 @@ class ModelSpec:
     num_experts: int = 0
     active_params: int | None = None
     default_weights: str | None = None  # the format users deploy on Ascend when not told
-    # Models of the CPU reference server (pretuner.backends.mindspore_cpu): attention keeps a
+    # Models of the CPU reference server (pretuner.sim.mindspore_cpu): attention keeps a
     # (heads, T, T) score matrix instead of a flash kernel's tiles, and there is no device
     # workspace (None: plan's Ascend default).
     eager_attention: bool = False

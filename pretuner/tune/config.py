@@ -12,7 +12,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
-from pretuner.plan import PlanConfig, PlanResult, plan
+from pretuner.plan.layout import PlanConfig, PlanResult, plan
 from pretuner.tune import budget as bud
 from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB

@@ -16,7 +16,7 @@ from pretuner.errors import (
 )
 from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
 from pretuner.method import per_sequence_bytes
-from pretuner.plan import PlanConfig, activation_bytes, smallest_weights_layout
+from pretuner.plan.layout import PlanConfig, activation_bytes, smallest_weights_layout
 from pretuner.tune import budget as bud
 from pretuner.tune import busy
 from pretuner.tune.config import (

@@ -218,7 +218,7 @@ def tune_in_process(
     opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
 ) -> TuneResult:
     """The whole loop against the emulated server run in this process (benchmarks, tests)."""
-    from pretuner.tune.emulated import inprocess_executor
+    from pretuner.sim.executor import inprocess_executor
 
     cfg, _, ctx, _, _ = _setup(opts, card)
     execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)  # samples no card

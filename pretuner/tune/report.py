@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from pretuner import __version__
+from pretuner.deploy.context import ScriptOptions
+from pretuner.deploy.render import render_scripts
+from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
-from pretuner.plan import PlanResult
+from pretuner.plan.layout import PlanResult
 from pretuner.presets.model import preset_from_report
 from pretuner.redact import one_line, redact_argv
-from pretuner.scripts.context import ScriptOptions
-from pretuner.scripts.render import render_scripts
-from pretuner.scripts.targets import Target
 from pretuner.tune.asked import first_validation_seqs, given_up
 from pretuner.tune.budget import outside_pool_mib
 from pretuner.tune.loop import TuneResult

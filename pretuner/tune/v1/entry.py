@@ -22,7 +22,7 @@ from pretuner.launch.images import ImageShape, image_shape
 from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
-from pretuner.plan import PlanConfig, PlanResult
+from pretuner.plan.layout import PlanConfig, PlanResult
 from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
@@ -334,7 +334,7 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
     """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
     tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
     from pretuner.engines.base import Family
-    from pretuner.tune.v1.emulated import inprocess_v1_executor
+    from pretuner.sim.v1.executor import inprocess_v1_executor
 
     choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
     setup = v1_setup(opts, choice)

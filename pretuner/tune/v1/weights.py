@@ -17,8 +17,8 @@ from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models.quant import METHODS, from_flag
 from pretuner.models.spec import ModelSpec
-from pretuner.plan import PlanConfig, PlanResult, plan
-from pretuner.plan_propose import propose
+from pretuner.plan.layout import PlanConfig, PlanResult, plan
+from pretuner.plan.propose import propose
 from pretuner.tune.records import V1Weights
 from pretuner.units import GIB
 

@@ -16,9 +16,9 @@ import random
 import time
 from collections.abc import Callable
 
-from pretuner.backends.mindspore_cpu.network import Seq, TinyLM
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory
 from pretuner.sim.logs import VllmLog
+from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
 from pretuner.sim.scheduler import Seq as SchedSeq
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pretuner.analyze_v1_inputs import DevicePeak
+from pretuner.analyze.v1_inputs import DevicePeak
 from pretuner.engines.v1_log import V1Log
 from pretuner.pinned import PinnedBudget
 from pretuner.units import GIB, MIB

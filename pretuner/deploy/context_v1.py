@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from pretuner import __version__
+from pretuner.deploy.context import KIND_TAG, ScriptOptions, check_env_names, split_secrets
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.vllm_v1 import DEFAULT_UTIL, NIC_VARS, RAY_RESOURCE, ROWS, V1Engine, V1Row
 from pretuner.errors import BadInputError
 from pretuner.presets.model import R01_MEMORY_VARS, Preset, PresetKind
 from pretuner.presets.v1 import flag_value
 from pretuner.redact import SecretArg, one_line
-from pretuner.scripts.context import KIND_TAG, ScriptOptions, check_env_names, split_secrets
 from pretuner.units import GIB
 
 KV_FLAG = "--kv-cache-memory-bytes"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from pretuner.deploy.context import ScriptOptions, build_context
+from pretuner.deploy.context_v1 import build_v1_context
+from pretuner.deploy.targets import Target, files_for
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
 from pretuner.presets.model import KvBasis, Preset
-from pretuner.scripts.context import ScriptOptions, build_context
-from pretuner.scripts.context_v1 import build_v1_context
-from pretuner.scripts.targets import Target, files_for
 from pretuner.templating import render_template
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretuner.analyze_v1 import V1Config, analyze_v1
-from pretuner.analyze_v1_inputs import read_memory_series, read_v1_run
-from pretuner.analyze_v1_result import V1Analysis
+from pretuner.analyze.v1 import V1Config, analyze_v1
+from pretuner.analyze.v1_inputs import read_memory_series, read_v1_run
+from pretuner.analyze.v1_result import V1Analysis
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult, scan_paths

@@ -23,7 +23,7 @@ from pretuner.models.spec import ModelSpec
 from pretuner.units import GIB
 
 if TYPE_CHECKING:
-    from pretuner.plan import PlanConfig
+    from pretuner.plan.layout import PlanConfig
 
 R01 = "vllm-mindspore-r01"
 V1_ENGINES = ("vllm", "vllm-ascend", "vllm-mindspore", "vllm-cpu")

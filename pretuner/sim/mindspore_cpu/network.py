@@ -27,7 +27,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from pretuner.backends.mindspore_cpu.dims import Dims
+from pretuner.sim.mindspore_cpu.dims import Dims
 
 _DTYPE = ms.float32
 _MASKED = -1e9

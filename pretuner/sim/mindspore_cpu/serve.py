@@ -20,13 +20,13 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pretuner.backends.mindspore_cpu import card
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.engine import EngineLimits
 from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import VllmLog
+from pretuner.sim.mindspore_cpu import card
 from pretuner.sim.r01_checks import (
     StartupFailed,
     check_kv_blocks,
@@ -38,12 +38,12 @@ from pretuner.sim.r01_config import ServeConfig, UsageError, build_parser, parse
 from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:
-    from pretuner.backends.mindspore_cpu.engine import MsEngine
+    from pretuner.sim.mindspore_cpu.engine import MsEngine
 
 VLLM_VERSION = "0.6.6.post1"
 WARMUP_TOKENS_CAP = 8192  # r0.1 warms up with one prefill of min(8192, max_model_len) tokens
 POOL_GROWTH = "1GB"
-_WHERE = ('  File "pretuner/backends/mindspore_cpu/serve.py", in start\n')
+_WHERE = ('  File "pretuner/sim/mindspore_cpu/serve.py", in start\n')
 
 
 class Server:
@@ -107,9 +107,9 @@ class Server:
         import mindspore as ms  # late: `--help` and usage errors do not pay for the import
         from mindspore import ops
 
-        from pretuner.backends.mindspore_cpu.dims import Dims
-        from pretuner.backends.mindspore_cpu.engine import MsEngine
-        from pretuner.backends.mindspore_cpu.network import Seq, TinyLM
+        from pretuner.sim.mindspore_cpu.dims import Dims
+        from pretuner.sim.mindspore_cpu.engine import MsEngine
+        from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
 
         ms.set_device("CPU")
         ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -163,7 +163,7 @@ class Server:
 
 
 def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m pretuner.backends.mindspore_cpu serve") -> int:
+         prog: str = "python -m pretuner.sim.mindspore_cpu serve") -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if "-h" in args or "--help" in args:
         build_parser(prog).print_help()

@@ -14,8 +14,8 @@ from typing import Any
 
 from pretuner.errors import PretunerError
 from pretuner.models.quant import Quantization, from_flag
-from pretuner.plan import TP_CANDIDATES, PlanConfig, PlanResult, plan
-from pretuner.plan_weights import loaded
+from pretuner.plan.layout import TP_CANDIDATES, PlanConfig, PlanResult, plan
+from pretuner.plan.weights import loaded
 from pretuner.units import GIB
 
 SHORTER = (16384, 8192, 4096, 2048, 1024, 512)

@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pretuner import plan_weights as pw
 from pretuner import validate as v
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import KV_DTYPES, kv_bytes_per_token, kv_tokens, num_kv_blocks
@@ -19,6 +18,7 @@ from pretuner.method import DEFAULT_HEADROOM_GIB, check_launch_settings
 from pretuner.models.quant import Quantization
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, VisionPlan, plan_images
+from pretuner.plan import weights as pw
 from pretuner.units import GIB
 
 LADDER = (16384, 8192, 4096)
@@ -73,7 +73,7 @@ class PlanConfig:
     image_limit: int | None = None
     max_num_batched_tokens: int | None = None
     mm_processor_cache_gib: float = DEFAULT_MM_PROCESSOR_CACHE_GIB
-    # Big models on small cards (pretuner.plan_weights); the defaults plan as before.
+    # Big models on small cards (pretuner.plan.weights); the defaults plan as before.
     quantization: Quantization | None = None
     cpu_offload_gib: float = 0.0
     swap_space_gib: float = 0.0

@@ -15,11 +15,11 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from pretuner.analyze_v1_inputs import (
+from pretuner.analyze.v1_inputs import (
     DevicePeak,
     V1Run,
 )
-from pretuner.analyze_v1_result import HELD_FROM_TOKENS, BackOff, Suggestion, V1Analysis
+from pretuner.analyze.v1_result import HELD_FROM_TOKENS, BackOff, Suggestion, V1Analysis
 from pretuner.engines.v1_log import V1Log
 from pretuner.errors import BadInputError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token

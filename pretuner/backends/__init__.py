@@ -1,1 +1,0 @@
-"""Servers pretuner can drive besides vLLM-MindSpore and the emulated card."""

@@ -32,17 +32,17 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretuner.engines.vllm_v1 import SIM_PROFILES
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.plan.layout import PlanConfig
 from pretuner.plan.propose import propose
+from pretuner.sim.plugin import V1_CARDS as SIM_PROFILES
 from pretuner.sim.v1 import inproc
+from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes
 from pretuner.speed import Speed
 from pretuner.tune.options import RunOptions
-from pretuner.tune.v1.entry import tune_v1_in_process
 from pretuner.tune.v1.loop import V1Result
 from pretuner.units import GIB
 

@@ -42,9 +42,10 @@ from pretuner.method import PrerunInputs, derive
 from pretuner.models import builtin_specs, resolve
 from pretuner.plan.layout import PlanConfig, plan, smallest_weights_layout
 from pretuner.sim import memory as mem
+from pretuner.sim.executor import tune_in_process
+from pretuner.sim.plugin import R01_CARDS
 from pretuner.sim.truth import max_length, max_safe_kv
-from pretuner.tune.backends import sim_profile
-from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning, tune_in_process
+from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning
 from pretuner.tune.loop import CardInfo, TuneResult
 from pretuner.units import GIB, MIB
 
@@ -124,7 +125,7 @@ def _env(case: Case, work: str) -> dict[str, str]:
 
 def card_info(case: Case) -> CardInfo:
     """What the emulated npu-smi shows: the driver's and the tenant's share used."""
-    prof = mem.PROFILES[sim_profile(case.card)]
+    prof = mem.PROFILES[R01_CARDS[case.card]]
     used = prof.driver_reserved_mib + case.occupied_mib
     return CardInfo(case.card, prof.total_mib - used, "emulated npu-smi")
 
@@ -138,7 +139,7 @@ def models_of(res: TuneResult, case: Case) -> list[mem.CardModel]:
 
 
 def free_bytes(case: Case) -> int:
-    return mem.PROFILES[sim_profile(case.card)].free_bytes - case.occupied_mib * MIB
+    return mem.PROFILES[R01_CARDS[case.card]].free_bytes - case.occupied_mib * MIB
 
 
 def truth_len(models: list[mem.CardModel], case: Case) -> int:

@@ -324,14 +324,15 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
     """Benchmarks and decision tests run the emulated server in process: on a busy 24 GB card
     it must decide what the real processes, HTTP and npu-smi sampler decide, reserve included."""
     from pretuner.sim import memory as mem
-    from pretuner.tune.backends import sim_profile
+    from pretuner.sim.executor import tune_in_process
+    from pretuner.sim.plugin import R01_CARDS
     from pretuner.tune.config import CardInfo, TuneResult
-    from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning, tune_in_process
+    from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning
 
     for key, value in cli_env().items():
         monkeypatch.setenv(key, value)
     occupied = 1500
-    prof = mem.PROFILES[sim_profile(24)]
+    prof = mem.PROFILES[R01_CARDS[24]]
 
     def opts(name: str) -> RunOptions:
         env = {"PRETUNER_SIM_OCCUPIED_MIB": str(occupied), "PRETUNER_SIM_STARTUP_S": "0.05",

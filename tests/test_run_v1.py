@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import requests
 
+from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.v1.entry import tune_v1_in_process
 from pretuner.units import GIB
 from tests.helpers import (
     CONFIGS,

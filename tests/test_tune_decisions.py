@@ -22,9 +22,10 @@ from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
+from pretuner.sim.executor import tune_in_process
+from pretuner.sim.plugin import R01_CARDS
 from pretuner.sim.truth import max_length, seqs_supported
 from pretuner.tune import budget as bud
-from pretuner.tune.backends import sim_profile
 from pretuner.tune.config import (
     CardInfo,
     TuneConfig,
@@ -32,7 +33,7 @@ from pretuner.tune.config import (
     kv_prerun_bytes,
     pool_on_demand,
 )
-from pretuner.tune.entry import RunOptions, tune_in_process
+from pretuner.tune.entry import RunOptions
 from pretuner.tune.loop import Tuner
 from pretuner.tune.search import Measured, WaModel
 from pretuner.tune.settings import LaunchSettings, Purpose
@@ -283,7 +284,7 @@ def emulated(model: str, card: int, length: int, seed: int, occupied_mib: int = 
     env = {"PRETUNER_SIM_STARTUP_S": "0", "PRETUNER_SIM_TEARDOWN_S": "0",
            "PRETUNER_SIM_OCCUPIED_MIB": str(occupied_mib),
            "PRETUNER_SIM_STATE_DIR": str(work / "card")}
-    prof = mem.PROFILES[sim_profile(card)]
+    prof = mem.PROFILES[R01_CARDS[card]]
     info = CardInfo(card, prof.total_mib - prof.driver_reserved_mib - occupied_mib, "emulated")
     opts = RunOptions(model=model, backend="sim", card_gib=card, max_model_len=length,
                       min_model_len=4096, seed=seed, sim_env=env, **kw)

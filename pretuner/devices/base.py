@@ -43,6 +43,23 @@ class DeviceReader(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A process holding memory on one of the run's devices, as the device tool lists it."""
+
+    device: int
+    pid: int
+    name: str
+    memory_mib: int
+
+
+def holders(reader: DeviceReader) -> tuple[Holder, ...]:
+    """The processes holding memory on the reader's devices, where its tool lists them (NVML,
+    the emulated card); nothing where it cannot tell."""
+    hook = getattr(reader, "holders", None)
+    return tuple(hook()) if callable(hook) else ()
+
+
 def attach(reader: DeviceReader | None, pid: int) -> None:
     """Tell a reader that measures the server's own processes (the CPU budget) which launch
     to follow; a device reader (a card's total use) has no `attach` and needs none."""

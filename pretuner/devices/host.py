@@ -1,7 +1,7 @@
 """The host's memory, where offloaded weights (`--cpu-offload-gb`) and swap space live.
 
 A real host is read from /proc/meminfo (measured); the emulated card's host is the emulator's
-(`PRETUNER_SIM_HOST_MIB`, simulated), since that is the host its server checks against.
+(simulated, asked of the emulator plugin), since that is the host its server checks against.
 """
 
 from __future__ import annotations
@@ -27,16 +27,9 @@ class HostMemory:
 def host_memory(device_kind: str, env: Mapping[str, str]) -> HostMemory | None:
     """The memory of the host the server runs on; None where it cannot be read."""
     if device_kind == "emulated":
-        from pretuner.sim.v1 import offload
+        from pretuner.emulation import emulator
 
-        profile = env.get("PRETUNER_SIM_PROFILE") or "h100-80"
-        if profile not in offload.SPEEDS:
-            return None
-        raw = env.get(offload.HOST_ENV)
-        host_mib = int(raw) if raw and raw.isdigit() else None
-        return HostMemory(offload.host_available_bytes(profile, host_mib),
-                          offload.host_total_bytes(profile, host_mib), "simulated",
-                          "the emulated host")
+        return emulator().host_memory(env)
     available, total = host_available_bytes(), host_total_bytes()
     if available is None or total is None:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pretuner.devices.base import (
@@ -10,6 +11,7 @@ from pretuner.devices.base import (
     CommandReader,
     DeviceMemory,
     DeviceReadError,
+    Holder,
     Sample,
 )
 from pretuner.devices.npu_table import decode_output
@@ -108,3 +110,21 @@ class NvmlReader:
         except Exception as err:  # NVMLError_*: the library's own hierarchy
             raise DeviceReadError(f"NVML: {err}") from err
         return Sample(tuple(found)) if found else None
+
+    def holders(self) -> tuple[Holder, ...]:
+        found = []
+        try:
+            for index, handle in self.handles:
+                for proc in self.nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    used = int(proc.usedGpuMemory or 0) // MIB
+                    found.append(Holder(index, int(proc.pid), _process_name(proc.pid), used))
+        except Exception as err:  # NVMLError_*: no verdict on holders, the sample still stands
+            raise DeviceReadError(f"NVML: {err}") from err
+        return tuple(found)
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text(encoding="utf-8").strip() or "?"
+    except OSError:
+        return "?"  # another container's process: NVML sees it, /proc does not

@@ -24,9 +24,9 @@ def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
     On "cpu" the device is a memory budget imposed on the server's processes: read only
     where a budget is given (`budget_mib`) and /proc shows processes."""
     if kind == "emulated":
-        from pretuner.sim.reader import EmulatedReader
+        from pretuner.emulation import emulator
 
-        return EmulatedReader(env, frozenset(range(count)))
+        return emulator().device_reader(env, frozenset(range(count)))
     if kind == "ascend":
         exe = shutil.which("npu-smi", path=env.get("PATH"))
         if exe is None:

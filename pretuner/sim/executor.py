@@ -23,7 +23,11 @@ from pretuner.launch.process import read_tail
 from pretuner.logscan import scan_paths
 from pretuner.logscan.lines import DeviceMemoryInit, parse_line
 from pretuner.sim import inproc
-from pretuner.tune.settings import SIM_COMMAND, LaunchCommand, LaunchSettings
+from pretuner.sim.plugin import EMULATOR
+from pretuner.tune.entry import RunOptions, _setup
+from pretuner.tune.execute import Phase
+from pretuner.tune.loop import CardInfo, Tuner, TuneResult
+from pretuner.tune.settings import LaunchCommand, LaunchSettings
 
 DECODE_TOKENS = 16
 
@@ -40,9 +44,8 @@ def inprocess_executor(
         n = next(counter)
         t0 = time.monotonic()
         cmd = build(settings, 0)
-        argv = cmd.argv[len(SIM_COMMAND):] if cmd.argv[: len(SIM_COMMAND)] == list(
-            SIM_COMMAND
-        ) else cmd.argv
+        prefix = EMULATOR.server_command("r01")
+        argv = cmd.argv[len(prefix):] if cmd.argv[: len(prefix)] == prefix else cmd.argv
         count, plen, gen = workload(settings, decode_tokens)
         res = inproc.run(argv, cmd.env, [plen] * count, gen)
         folder = workdir / f"launch-{n}"
@@ -95,3 +98,12 @@ def _init_free_mib(log: str) -> list[int]:
             if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
                 found.append(event.device_free_mib)
     return found
+
+
+def tune_in_process(
+    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
+) -> TuneResult:
+    """The whole loop against the emulated server run in this process (benchmarks, tests)."""
+    cfg, _, ctx, _, _ = _setup(opts, card)
+    execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)  # samples no card
+    return Tuner(cfg, execute, phase or (lambda p, d: None)).run()

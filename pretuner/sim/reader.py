@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceMemory, Sample, keep
+from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceMemory, Holder, Sample, keep
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES
-from pretuner.sim.npusmi import read_cards
+from pretuner.sim.npusmi import TENANT_PID, read_cards
 
 
 class EmulatedReader:
@@ -39,3 +39,19 @@ class EmulatedReader:
         total = self.profile.total_mib
         return keep(tuple(DeviceMemory(c.npu, c.hbm_used_mib, total) for c in cards),
                     self.devices)
+
+    def holders(self) -> tuple[Holder, ...]:
+        """The processes the emulated tool lists on the run's devices (the tenant of
+        PRETUNER_SIM_OCCUPIED_MIB, live emulated servers)."""
+        if self.cuda is not None:
+            from pretuner.sim.v1.smi import read_gpus
+
+            return tuple(Holder(g.index, pid, "python3", mib)
+                         for g in read_gpus(self.cuda, self.state, self.tenant_mib)
+                         for pid, mib in g.processes
+                         if self.devices is None or g.index in self.devices)
+        return tuple(Holder(c.npu, pid, "python3", mib)
+                     for c in read_cards(self.profile, self.state, self.node, self.tenant_mib)
+                     for pid, mib in ((TENANT_PID, c.tenant_mib), (c.pid, c.process_mib))
+                     if pid is not None and mib
+                     and (self.devices is None or c.npu in self.devices))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 
 from pretuner.devices.npu_table import NpuCard, decode_output, parse_npu_processes, parse_npu_smi
@@ -15,8 +14,6 @@ from pretuner.tune.loop import LEN_LADDER, CardInfo
 from pretuner.tune.settings import Backend
 
 log = logging.getLogger(__name__)
-
-SIM_PROFILES = {64: "910b-64", 32: "910b-32", 24: "310p-24"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,25 +104,16 @@ def _npu_smi_text(argv: list[str], env: dict[str, str] | None = None) -> str:
     return decode_output(proc.stdout)  # non-UTF-8 bytes must not kill `pretuner run`
 
 
-def sim_profile(card_gib: int | None) -> str:
-    if card_gib is None:
-        return SIM_PROFILES[64]
-    if card_gib not in SIM_PROFILES:
-        sizes = ", ".join(str(k) for k in SIM_PROFILES)
-        raise BadInputError(
-            f"the emulated card has no {card_gib} GiB profile", hint=f"use --card {sizes}"
-        )
-    return SIM_PROFILES[card_gib]
-
-
 def detect_card(choice: BackendChoice, card_gib: int | None, sim_env: dict[str, str]) -> CardInfo:
     """Card size and free memory: from npu-smi (the emulated one for the sim) unless given."""
     if card_gib is not None and card_gib < 1:
         raise BadInputError(f"card size {card_gib} GiB is invalid", hint="e.g. --card 64")
     text, source = "", "given"
     if choice.backend is Backend.SIM:
-        argv = [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
-        text, source = _npu_smi_text(argv, env=sim_env), "emulated npu-smi"
+        from pretuner.emulation import emulator
+
+        text = _npu_smi_text(emulator().smi_command(), env=sim_env)
+        source = "emulated npu-smi"
     elif choice.backend is Backend.VLLM_MINDSPORE:
         text, source = _npu_smi_text([shutil.which("npu-smi") or "npu-smi", "info"]), "npu-smi"
     cards = parse_npu_smi(text)

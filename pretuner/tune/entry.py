@@ -214,17 +214,6 @@ def _setup(
     return cfg, choice, ctx, base_cmd + model_args, extra_env
 
 
-def tune_in_process(
-    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
-) -> TuneResult:
-    """The whole loop against the emulated server run in this process (benchmarks, tests)."""
-    from pretuner.sim.executor import inprocess_executor
-
-    cfg, _, ctx, _, _ = _setup(opts, card)
-    execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)  # samples no card
-    return Tuner(cfg, execute, phase or (lambda p, d: None)).run()
-
-
 def dry_run(opts: RunOptions) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
     cfg, choice, ctx, _, _ = _setup(opts)

@@ -7,9 +7,10 @@ import os
 import shutil
 import subprocess
 
+from pretuner.emulation import emulator
 from pretuner.errors import BadInputError
 from pretuner.models import ModelSpec, local_model_path
-from pretuner.tune.backends import BackendChoice, sim_profile
+from pretuner.tune.backends import BackendChoice
 from pretuner.tune.options import RunOptions
 from pretuner.tune.settings import Backend
 
@@ -19,17 +20,9 @@ def sim_env(
 ) -> dict[str, str]:
     if choice.backend is not Backend.SIM:
         return dict(opts.sim_env)
-    env = {
-        "PRETUNER_SIM_PROFILE": sim_profile(opts.card_gib),
-        "PRETUNER_SIM_SEED": str(opts.seed),
-        "PRETUNER_SIM_WEIGHTS_FORMAT": weights_format,
-    }
-    if nodes > 1:
-        env["PRETUNER_SIM_NODES"] = str(nodes)
-    # Emulator knobs the user exported (another profile, a truth file...) win.
-    env.update({k: v for k, v in os.environ.items() if k.startswith("PRETUNER_SIM_")})
-    env.update(opts.sim_env)
-    return env
+    env = emulator().launch_env("r01", opts.card_gib, opts.seed, os.environ,
+                                weights_format=weights_format, nodes=nodes)
+    return {**env, **opts.sim_env}
 
 
 def server_model_arg(model: str, spec: ModelSpec, backend: Backend) -> str:

@@ -8,7 +8,6 @@ from pretuner.engines.base import LaunchSettings as LaunchSettings
 from pretuner.engines.base import Purpose as Purpose
 from pretuner.engines.mindspore_r01 import CHUNKED_BY_DEFAULT_ABOVE as CHUNKED_BY_DEFAULT_ABOVE
 from pretuner.engines.mindspore_r01 import R01_COMMAND as R01_COMMAND
-from pretuner.engines.mindspore_r01 import SIM_COMMAND as SIM_COMMAND
 from pretuner.engines.mindspore_r01 import V03_COMMAND as V03_COMMAND
 from pretuner.engines.mindspore_r01 import Backend as Backend
 from pretuner.engines.mindspore_r01 import _version_tuple as _version_tuple

@@ -17,15 +17,21 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pretuner.engines.base import Family
 from pretuner.engines.outcome import Exercised, LaunchOutcome, tally
+from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
-from pretuner.engines.vllm_v1 import SIM_COMMAND
 from pretuner.launch import probe
 from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
+from pretuner.sim.plugin import EMULATOR
 from pretuner.speed import Speed
+from pretuner.tune.execute import Phase
+from pretuner.tune.options import RunOptions
 from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
+from pretuner.tune.v1.entry import v1_setup
+from pretuner.tune.v1.loop import V1Result, V1Tuner
 
 if TYPE_CHECKING:
     from pretuner.sim.v1.inproc import V1InprocRun
@@ -67,8 +73,8 @@ def inprocess_v1_executor(
         n = next(counter)
         t0 = time.monotonic()
         cmd = build(s, 0)
-        argv = cmd.argv[len(SIM_COMMAND):] if cmd.argv[: len(SIM_COMMAND)] == list(
-            SIM_COMMAND) else cmd.argv
+        prefix = EMULATOR.server_command("v1")
+        argv = cmd.argv[len(prefix):] if cmd.argv[: len(prefix)] == prefix else cmd.argv
         if argv[:1] == ["serve"]:
             argv = argv[1:]
         plen: int | None
@@ -129,3 +135,13 @@ def emulated_speed(res: V1InprocRun, s: LaunchSettings, prompt_len: int | None) 
                  decode_s=round(res.first_decode_s or 0.0, 4), load_requests=len(burst),
                  load_tokens=res.load_tokens,
                  load_s=round(res.load_s, 4) if res.load_s else None, how="emulated clock")
+
+
+def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = None) -> V1Result:
+    """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
+    tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
+    choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
+    setup = v1_setup(opts, choice)
+    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token,
+                                    images=setup.images, soak=setup.soak, seed=opts.seed)
+    return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from pretuner.engines.base import Target
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args, sim_profile
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError, PretunerError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import ImageShape, image_shape
@@ -120,11 +121,9 @@ class V1RunOutcome:
 
 
 def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
-    env = {"PRETUNER_SIM_PROFILE": sim_profile(card_gib), "PRETUNER_SIM_SEED": str(opts.seed)}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("PRETUNER_SIM_")
-                and k != "PRETUNER_SIM_PROFILE"})  # an r0.1 profile means nothing here
-    env.update(opts.sim_env)
-    return env
+    from pretuner.emulation import emulator
+
+    return {**emulator().launch_env("v1", card_gib, opts.seed, os.environ), **opts.sim_env}
 
 
 def _card_gib(opts: RunOptions, engine: V1Engine, env: dict[str, str]) -> int:
@@ -202,7 +201,7 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                       server_env=_server_env(opts.model, choice.simulated),
                       mm_flags=vision.flags,
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
-                      knobs=knobs)
+                      knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))
     max_len = opts.max_model_len or row.default_max_model_len or DEFAULT_MAX_MODEL_LEN
     block = _block_size(opts, row)
     p = plan_or_propose(plan_config(PlanConfig(
@@ -328,16 +327,3 @@ def _with_deployment(meta: v1report.V1Meta, deployment: Any) -> v1report.V1Meta:
     from dataclasses import replace
 
     return replace(meta, deployment=deployment)
-
-
-def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = None) -> V1Result:
-    """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
-    tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
-    from pretuner.engines.base import Family
-    from pretuner.sim.v1.executor import inprocess_v1_executor
-
-    choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
-    setup = v1_setup(opts, choice)
-    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token,
-                                    images=setup.images, soak=setup.soak, seed=opts.seed)
-    return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

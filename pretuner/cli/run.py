@@ -216,7 +216,8 @@ def run_cmd(
         None,
         "--serve-cmd",
         metavar="COMMAND",
-        help="Server command to use instead of the backend's.",
+        help="Your command that starts the engine (another venv, a container, a wrapper), launched "
+        "and written to serve.sh in place of the engine's own; pretuner's flags follow it.",
     ),
     out: str | None = typer.Option(  # a str: typer reads '' as Path('.'), the current folder
         None, "--out", metavar="DIR", help="Run folder (default: a new one under runs/)."

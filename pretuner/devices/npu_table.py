@@ -80,6 +80,10 @@ class NpuProcess:
     name: str
     memory_mib: int
 
+    @property
+    def device(self) -> int:
+        return self.npu_id
+
 
 _PROC_CHIP = re.compile(r"(\d+)(?:\s+(\d+))?")
 

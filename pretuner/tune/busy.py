@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pretuner.devices.npu_table import NpuProcess
+from pretuner.devices.base import DeviceReader, Holding, holders
 from pretuner.errors import CardBusyError
 
 # The most an idle card's driver and firmware take, as a share of the card: 5 % on a 910B3
@@ -24,21 +24,21 @@ def normal_free_mib(card_gib: int) -> int:
     return int(card_gib * 1024 * (1 - NORMAL_DRIVER_SHARE))
 
 
-def looks_busy(card_gib: int, free_mib: int, holders: Sequence[NpuProcess] = ()) -> bool:
+def looks_busy(card_gib: int, free_mib: int, holders: Sequence[Holding] = ()) -> bool:
     """Another process holds memory: npu-smi lists one, or far less is free than idle."""
     return bool(holders) or free_mib < normal_free_mib(card_gib)
 
 
-def describe_holders(holders: Sequence[NpuProcess]) -> str:
+def describe_holders(held: Sequence[Holding], device_word: str = "NPU") -> str:
     """'pid 4242 (python3, 40,000 MiB on NPU 0, 1)' per process, or '' when none is known."""
-    by_pid: dict[int, list[NpuProcess]] = {}
-    for p in holders:
+    by_pid: dict[int, list[Holding]] = {}
+    for p in held:
         by_pid.setdefault(p.pid, []).append(p)
     parts = []
     for pid, rows in by_pid.items():
-        npus = ", ".join(str(r.npu_id) for r in rows)
+        devices = ", ".join(str(r.device) for r in rows)
         parts.append(f"pid {pid} ({rows[0].name}, {max(r.memory_mib for r in rows):,} MiB on "
-                     f"NPU {npus})")
+                     f"{device_word} {devices})")
     return "; ".join(parts)
 
 
@@ -48,26 +48,60 @@ def card_busy_error(
     free_mib: int,
     source: str,
     need_mib: int,
-    holders: Sequence[NpuProcess] = (),
+    holders: Sequence[Holding] = (),
     log_path: str | None = None,
     why: str | None = None,
+    device_word: str = "NPU",
+    pick_hint: str = "ASCEND_RT_VISIBLE_DEVICES",
+    tool: str = "npu-smi info",
+    total_mib: int | None = None,
 ) -> CardBusyError:
     """The error for a card too busy to measure anything on."""
-    held = describe_holders(holders)
+    held = describe_holders(holders, device_word)
     who = f"; held by {held}" if held else ""
     where = f"; log {log_path}" if log_path else ""
     needs = f"the pre-run needs {need_mib:,} MiB"
     hint = (
         "stop those processes (an orphaned server of an earlier run?) or pick an idle card "
-        "(ASCEND_RT_VISIBLE_DEVICES), then run again; nothing was concluded about the model"
+        f"({pick_hint}), then run again; nothing was concluded about the model"
         if held
-        else "check `npu-smi info` and `ps -ef | grep python` for another server on the card, "
+        else f"check `{tool}` and `ps -ef | grep python` for another server on the card, "
         "stop it or pick an idle card, then run again; nothing was concluded about the model"
     )
     return CardBusyError(
-        f"the card is busy: {max(0, free_mib):,} MiB of its {card_gib * 1024:,} MiB free "
-        f"({source}), "
+        f"the card is busy: {max(0, free_mib):,} MiB of its "
+        f"{total_mib or card_gib * 1024:,} MiB free ({source}), "
         f"an idle {card_gib} GiB card has at least {normal_free_mib(card_gib):,} MiB free and "
         f"{why or needs}{who}{where}",
         hint=hint,
     )
+
+
+# What a device kind is called, how a user picks another, and the tool that lists its holders.
+DEVICE_WORDS = {"cuda": ("GPU", "CUDA_VISIBLE_DEVICES", "nvidia-smi"),
+                "ascend": ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "npu-smi info")}
+
+
+def refuse_busy_devices(reader: DeviceReader | None, util: float, source: str,
+                        kind: str) -> None:
+    """Before the first launch of an engine that checks its share of the device at start-up
+    (vLLM's V1 worker refuses to start when less than `util` x total is free): a device that
+    cannot give that share because other processes hold its memory is busy (exit 8, with the
+    MiB in use and the pids where the tool lists them), not a model that does not fit."""
+    sample = reader.sample() if reader is not None else None
+    if sample is None or kind not in DEVICE_WORDS:
+        return  # a budgeted CPU "card" holds nothing before its server starts
+    device_word, pick_hint, tool = DEVICE_WORDS[kind]
+    for d in sample.devices:
+        free_mib = d.total_mib - d.used_mib
+        need_mib = int(util * d.total_mib)
+        card_gib = round(d.total_mib / 1024)
+        held = holders(reader) if reader is not None else ()
+        if free_mib < need_mib and looks_busy(card_gib, free_mib, held):
+            raise card_busy_error(
+                card_gib=card_gib, free_mib=free_mib, source=source, need_mib=need_mib,
+                holders=held, device_word=device_word, pick_hint=pick_hint, tool=tool,
+                total_mib=d.total_mib,
+                why=f"{d.used_mib:,} MiB are in use on {device_word} {d.device}; the engine "
+                f"starts only with {need_mib:,} MiB free (--gpu-memory-utilization {util:g} of "
+                f"{d.total_mib:,} MiB)")

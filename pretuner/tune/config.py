@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pretuner.devices.npu_table import NpuProcess
+from pretuner.devices.base import Holding
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
@@ -42,7 +42,7 @@ class CardInfo:
     free_mib: int | None
     source: str  # "given", "npu-smi", "sim npu-smi"
     # Processes npu-smi listed as holding memory on the card(s) before the run (other tenants).
-    holders: tuple[NpuProcess, ...] = ()
+    holders: tuple[Holding, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

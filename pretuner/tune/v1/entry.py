@@ -25,6 +25,7 @@ from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
 from pretuner.plan.layout import PlanConfig, PlanResult
 from pretuner.report_html.page import refresh_run_page
+from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
 from pretuner.tune.records import V1Report
@@ -273,6 +274,10 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
     if setup.ctx.device_reader is None:
         phase("device", "no device memory reader here: the engine's own profiling will be "
               "pinned, nothing measured beyond it")
+    kind = "cuda" if setup.engine.simulated else setup.engine.row.device
+    refuse_busy_devices(setup.ctx.device_reader, setup.cfg.util,
+                        f"{setup.ctx.device_reader.name if setup.ctx.device_reader else ''} "
+                        "before the run", kind)
     tuner = V1Tuner(setup.cfg, recorded_executor(record, setup.ctx, phase), phase,
                     on_decision=lambda d: record.append("decision", **d))
     tuner.decide("layout", setup.layout_reason, tp=setup.cfg.tp, pp=setup.cfg.pp)

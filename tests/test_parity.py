@@ -1,0 +1,79 @@
+"""Capabilities of the pipeline, the same on every engine (ARCHITECTURE.md rule 1): a busy
+card, a `--serve-cmd` wrapper, the dry run. One scenario table, run over the r0.1 engine and
+every V1 engine, all on the emulated card (no stack installed here); vLLM on CPU runs the same
+scenarios for real in the engine tier (tests/test_vllm_cpu.py)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import cli_env, invoke, run_cli
+
+# engine -> (its emulated card's --card, the emulated server a wrapper hands over to)
+ENGINES = {
+    "vllm-mindspore-r01": (64, ["launch", "vllm.entrypoints.openai.api_server"]),
+    "vllm": (80, ["vllm", "serve"]),
+    "vllm-ascend": (80, ["vllm", "serve"]),
+    "vllm-mindspore": (80, ["vllm", "serve"]),
+}
+TENANT_PID = 4242  # the pid the emulated tools show for PRETUNER_SIM_OCCUPIED_MIB
+
+
+def wrapper(tmp_path: Path, engine: str) -> tuple[str, Path]:
+    """A user's own start command: records its argv, then hands over to the emulated server."""
+    seen = tmp_path / "wrapper-argv.jsonl"
+    script = tmp_path / "my-serve.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"with open({str(seen)!r}, 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"os.execv(sys.executable, [sys.executable, '-m', 'pretuner.sim', "
+        f"*{ENGINES[engine][1]!r}, *sys.argv[1:]])\n", encoding="utf-8")
+    return shlex.join([sys.executable, str(script)]), seen
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_dry_run_shows_the_serve_cmd_as_the_first_launch(tmp_path: Path, engine: str) -> None:
+    cmd, _ = wrapper(tmp_path, engine)
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json",
+                  "--serve-cmd", cmd)
+    assert proc.returncode == 0, proc.stderr
+    shown = json.loads(proc.stdout)
+    assert shown["simulated"] is True
+    assert shown["first_launch"]["argv"][:2] == shlex.split(cmd)
+    assert not (tmp_path / "wrapper-argv.jsonl").exists()  # a dry run launches nothing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_busy_card_is_refused_with_its_holder(tmp_path: Path, engine: str) -> None:
+    card, _ = ENGINES[engine]
+    # What another tenant holds: more than an idle card's driver takes, less than the card.
+    env = cli_env(PRETUNER_SIM_OCCUPIED_MIB=str(card * 1024 * 5 // 8))
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--card", str(card),
+                   "--out", str(tmp_path / "r"), env=env, timeout=120)
+    assert proc.returncode == 8, proc.stderr  # busy, not "does not fit" (4)
+    assert "busy" in proc.stderr
+    assert f"pid {TENANT_PID}" in proc.stderr
+    assert "nothing was concluded about the model" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_serve_cmd_is_launched_and_deployed(tmp_path: Path, engine: str) -> None:
+    card, _ = ENGINES[engine]
+    cmd, seen = wrapper(tmp_path, engine)
+    run = tmp_path / "r"
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--card", str(card),
+                   "--serve-cmd", cmd, "--max-model-len", "4096", "--min-model-len", "4096",
+                   "--out", str(run), env=cli_env(), timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    launches = [json.loads(line) for line in seen.read_text(encoding="utf-8").splitlines()]
+    assert len(launches) == len(list(run.glob("launch-*")))  # every launch went through it
+    assert all("qwen3-8b" in argv for argv in launches)
+    assert cmd in (run / "serve.sh").read_text(encoding="utf-8")  # production starts it too

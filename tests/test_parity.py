@@ -77,3 +77,22 @@ def test_the_serve_cmd_is_launched_and_deployed(tmp_path: Path, engine: str) -> 
     assert len(launches) == len(list(run.glob("launch-*")))  # every launch went through it
     assert all("qwen3-8b" in argv for argv in launches)
     assert cmd in (run / "serve.sh").read_text(encoding="utf-8")  # production starts it too
+
+
+@pytest.mark.parametrize(("engine", "given", "launched"), [
+    ("vllm-ascend", "16", 16),  # given, though it is vLLM's default: kept
+    ("vllm-ascend", None, 128),  # not given: the engine's own
+    ("vllm", None, 16),
+    ("vllm", "32", 32),
+    ("vllm-mindspore-r01", None, 16),
+])
+def test_a_block_size_given_is_kept_and_one_not_given_is_the_engines(
+        engine: str, given: str | None, launched: int) -> None:
+    flags = ["--block-size", given] if given else []
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json", *flags)
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads(proc.stdout)["first_launch"]
+    assert first["settings"]["block_size"] == launched
+    argv = first["argv"]
+    shown = int(argv[argv.index("--block-size") + 1]) if "--block-size" in argv else None
+    assert shown in (launched, None if given is None else launched)

@@ -177,8 +177,10 @@ def run_cmd(
     nodes: int | None = typer.Option(
         None, "--nodes", metavar="N", help="Nodes (default: from the layout)."
     ),
-    block_size: int = typer.Option(
-        16, "--block-size", metavar="TOKENS", help="KV block size in tokens (r0.1: 16)."
+    block_size: int | None = typer.Option(
+        None, "--block-size", metavar="TOKENS",
+        help="KV block size in tokens (default the engine's: 16 on r0.1 and vLLM, 128 on "
+        "vllm-ascend and vLLM on CPU).",
     ),
     kv_cache_dtype: KvDtype = typer.Option(
         KvDtype.AUTO,

@@ -158,7 +158,7 @@ def _setup(
         tp=1 if choice.backend is Backend.MINDSPORE_CPU else opts.tp,
         pp=opts.pp,
         nodes=opts.nodes,
-        block_size=opts.block_size,
+        block_size=16 if opts.block_size is None else opts.block_size,  # r0.1's kernels: 16
         kv_cache_dtype=opts.kv_cache_dtype,
         weights_format=opts.weights_format,
         headroom_gib=opts.headroom_gib,

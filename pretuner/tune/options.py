@@ -72,7 +72,8 @@ def check_run_options(o: RunOptions) -> None:
     v.int_range("--pp", o.pp, 1)
     if o.nodes is not None:
         v.int_range("--nodes", o.nodes, 1)
-    v.choice("--block-size", o.block_size, v.BLOCK_SIZES)
+    if o.block_size is not None:
+        v.choice("--block-size", o.block_size, v.BLOCK_SIZES)
     v.choice("--kv-cache-dtype", o.kv_cache_dtype, KV_DTYPES)
     if o.headroom_gib is not None:
         v.non_negative("--headroom-gb", o.headroom_gib, example="1")
@@ -178,7 +179,7 @@ class RunOptions:
     tp: int | None = None
     pp: int = 1
     nodes: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's own
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None
     headroom_gib: float | None = None  # base headroom; None: scaled to the measurement

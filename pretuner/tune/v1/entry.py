@@ -159,15 +159,11 @@ def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | No
 
 
 def _block_size(opts: RunOptions, row: V1Row) -> int:
-    """--block-size when given, else the engine's own (vLLM on CPU: 128, vllm-ascend: 128): the
-    KV arithmetic counts the engine's whole blocks, and forcing pretuner's 16 on an engine
-    whose kernels prefer another size would tune a configuration nobody runs."""
-    from dataclasses import fields
-
-    from pretuner.tune.entry import RunOptions
-
-    default = next(f.default for f in fields(RunOptions) if f.name == "block_size")
-    return row.default_block_size if opts.block_size == default else opts.block_size
+    """--block-size when given (even where it equals another engine's default), else the
+    engine's own (vLLM on CPU: 128, vllm-ascend: 128): the KV arithmetic counts the engine's
+    whole blocks, and forcing pretuner's 16 on an engine whose kernels prefer another size
+    would tune a configuration nobody runs."""
+    return row.default_block_size if opts.block_size is None else opts.block_size
 
 
 def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:

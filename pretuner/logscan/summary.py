@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 from pretuner.logscan.events import (
     AvailableKvMemory,
-    AvailableMemory,
     BlockCounts,
     DeviceMemoryInit,
     KvCacheSize,
@@ -135,8 +134,10 @@ class Summariser:
                 self.ignored.append(event)
             else:
                 self.ignored_omitted += 1
-        elif not isinstance(event, AvailableMemory):  # its total is not reported
+        elif isinstance(event, PoolDumpHeader | PartialPoolDump | PoolDump | DeviceMemoryInit
+                        | MemoryStat | OomEvent):
             self._per_rank(state, ev, event, pid)
+        # the rest (AvailableMemory, a V1 engine's start-up) is not what a scan reports
 
     def _figure(self, name: str, value: float) -> None:
         self.smallest[name] = min(self.smallest.get(name, value), value)

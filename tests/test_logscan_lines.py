@@ -14,7 +14,6 @@ from pretuner.logscan.events import (
     EngineStartFailed,
     GraphsCaptured,
     KvPinned,
-    MaxModelLen,
     SchedulerDump,
     ServerReady,
     V1EngineConfig,
@@ -410,7 +409,7 @@ VLLM_CASES = [
         EngineArgs(None, 4096),
         id="args-profiled",
     ),
-    pytest.param(VLLM + "Using max model len 32768", MaxModelLen(32768), id="max-model-len"),
+    pytest.param(VLLM + "Using max model len 32768", EngineArgs(None, 32768), id="max-model-len"),
     pytest.param(
         VLLM + "Initializing a V1 LLM engine (v0.24.0) with config: model='m', "
         "tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1",

@@ -26,7 +26,6 @@ from pretuner.logscan.events import (
     KvPinned,
     LogEvent,
     MaxConcurrency,
-    MaxModelLen,
     ModelLoaded,
     OomEvent,
     OomKind,
@@ -137,8 +136,6 @@ class V1Log:
                 return replace(self, pinned_kv_bytes=_or(self.pinned_kv_bytes,
                                                          e.kv_cache_memory_bytes),
                                max_model_len=_or(self.max_model_len, e.max_model_len))
-            case MaxModelLen():
-                return replace(self, max_model_len=_or(self.max_model_len, e.tokens))
             case V1EngineConfig():
                 return replace(self, tp=_or(self.tp, e.tp), pp=_or(self.pp, e.pp), v1_lines=True)
             case ServerReady():

@@ -7,7 +7,7 @@ lines fast and stream their events, `summary` aggregates them per rank in bounde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from pretuner.errors import BadInputError
@@ -21,12 +21,14 @@ from pretuner.logscan.result import (
     TruncatedRecord,
     Truncation,
 )
-from pretuner.logscan.scanner import Unreadable, iter_log_files, iter_scan
+from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
 from pretuner.logscan.summary import summarize_items
 
 
-def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResult:
-    """Scan log files and folders (recursively, `.gz` included) and summarise per rank."""
+def scan_paths(paths: Sequence[Path], *, workers: int | None = None,
+               each: Callable[[LogEvent], object] | None = None) -> ScanResult:
+    """Scan log files and folders (recursively, `.gz` included) and summarise per rank;
+    `each` sees every event too, in file order (what a summary does not keep)."""
     for path in paths:
         if not Path(path).exists() and not Path(path).is_symlink():
             raise BadInputError(
@@ -39,7 +41,15 @@ def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResu
             files.append(file)
         else:
             unreadable.append(Unreadable(file, problem))
-    return summarize_items(iter_scan(files, workers=workers), unreadable)
+    items = iter_scan(files, workers=workers)
+    return summarize_items(items if each is None else _tapped(items, each), unreadable)
+
+
+def _tapped(items: Iterable[ScanItem], each: Callable[[LogEvent], object]) -> Iterator[ScanItem]:
+    for item in items:
+        if isinstance(item, Located):
+            each(item.event)
+        yield item
 
 
 __all__ = [

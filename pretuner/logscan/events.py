@@ -145,8 +145,7 @@ class KvPinned:
 
 @dataclass(frozen=True, slots=True)
 class CpuKvSet:
-    """vLLM on CPU: `Explicitly set (1.0/11.96) GiB for KV cache` (pinned), or `Auto set
-    (2.7/11.34) GiB ... 0.7 GiB memory was consumed by non-kv usages.` (profiled)."""
+    """vLLM on CPU: `Explicitly set (1.0/11.96) GiB for KV cache` (pinned) or `Auto set ...`."""
 
     pinned: bool
     kv_gib: float
@@ -170,8 +169,7 @@ class ChunkedPrefill:
 
 @dataclass(frozen=True, slots=True)
 class EncoderBudget:
-    """A vision-language model's encoder cache: `... a budget of 2048 tokens, and profiled with
-    2 image items of the maximum feature size.`"""
+    """`Encoder cache will be initialized with a budget of 2048 tokens, and profiled with 2 ...`"""
 
     budget_tokens: int
     profiled_items: int
@@ -179,8 +177,7 @@ class EncoderBudget:
 
 @dataclass(frozen=True, slots=True)
 class DeviceRefused:
-    """`Free memory on device (40.1/79.18 GiB) on startup is less than desired GPU memory
-    utilization (0.9, 71.26 GiB)`."""
+    """`... (40.1/79.18 GiB) on startup is less than desired GPU memory utilization (0.9, ...)`"""
 
     free_gib: float
     total_gib: float
@@ -190,24 +187,16 @@ class DeviceRefused:
 
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
-    """The API server's echo of its arguments: `non-default args: {... 'max_model_len': 32768,
-    'kv_cache_memory_bytes': 63350767616}` (the exact pinned bytes)."""
+    """`non-default args: {'max_model_len': 32768, 'kv_cache_memory_bytes': 63350767616}` (the
+    pinned bytes exactly), or `Using max model len 32768`."""
 
     kv_cache_memory_bytes: int | None
     max_model_len: int | None
 
 
 @dataclass(frozen=True, slots=True)
-class MaxModelLen:
-    """`Using max model len 32768`."""
-
-    tokens: int
-
-
-@dataclass(frozen=True, slots=True)
 class V1EngineConfig:
-    """`Initializing a V1 LLM engine (v0.24.0) with config: ... tensor_parallel_size=1,
-    pipeline_parallel_size=1, ...`."""
+    """`Initializing a V1 LLM engine (v0.24.0) with config: ... tensor_parallel_size=1, ...`"""
 
     tp: int | None
     pp: int | None
@@ -220,22 +209,19 @@ class ServerReady:
 
 @dataclass(frozen=True, slots=True)
 class EngineStartFailed:
-    """`EngineCore failed to start.`, or the API server's `Engine core initialization failed.
-    ... Failed core proc(s): {'EngineCore_DP0': -9}` (a process ended by that signal)."""
+    """`EngineCore failed to start.`, `... Failed core proc(s): {'EngineCore_DP0': -9}`."""
 
     killed_by_signal: int | None
 
 
 @dataclass(frozen=True, slots=True)
 class EngineDied:
-    """`EngineCore encountered a fatal error`: it died serving (a stopped server logs only
-    EngineDeadError while it shuts down)."""
+    """`EngineCore encountered a fatal error` (a stopped server logs only EngineDeadError)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerDump:
-    """`Dumping scheduler output for model execution: ...` of the step that killed the engine;
-    `prefill`: the step scheduled new requests."""
+    """`Dumping scheduler output` of the step that killed the engine (`prefill`: new requests)."""
 
     prefill: bool
 
@@ -263,7 +249,6 @@ LogEvent = (
     | EncoderBudget
     | DeviceRefused
     | EngineArgs
-    | MaxModelLen
     | V1EngineConfig
     | ServerReady
     | EngineStartFailed

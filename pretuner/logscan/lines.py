@@ -31,7 +31,6 @@ from pretuner.logscan.events import (
     Located,
     LogEvent,
     MaxConcurrency,
-    MaxModelLen,
     MemoryStat,
     MemoryStatKind,
     ModelLoaded,
@@ -448,7 +447,7 @@ def _v1(text: str) -> LogEvent | None:
         return EngineArgs(_int(pinned.group(1)) if pinned else None,
                           _int(length.group(1)) if length else None)
     if (found := _USING_MAX_LEN.search(text)) is not None:
-        return MaxModelLen(_int(found.group(1)))
+        return EngineArgs(None, _int(found.group(1)))
     if any(marker in text for marker in _START_FAILED):
         killed = _KILLED.search(text)
         return EngineStartFailed(_int(killed.group(1)) if killed else None)

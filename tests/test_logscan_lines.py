@@ -5,26 +5,20 @@ from __future__ import annotations
 import pytest
 
 from pretuner.logscan.events import (
+    AvailableKvMemory,
+    AvailableMemory,
+    BlockCounts,
     ChunkedPrefill,
     CpuKvSet,
+    DeviceMemoryInit,
     DeviceRefused,
     EncoderBudget,
     EngineArgs,
     EngineDied,
     EngineStartFailed,
     GraphsCaptured,
-    KvPinned,
-    SchedulerDump,
-    ServerReady,
-    V1EngineConfig,
-)
-from pretuner.logscan.lines import (
-    ANCHORS,
-    AvailableKvMemory,
-    AvailableMemory,
-    BlockCounts,
-    DeviceMemoryInit,
     KvCacheSize,
+    KvPinned,
     KvReserved,
     LoadingStarted,
     MaxConcurrency,
@@ -34,12 +28,13 @@ from pretuner.logscan.lines import (
     OomEvent,
     OomKind,
     Origin,
-    PoolDump,
-    PoolFormat,
     PromptIgnored,
-    parse_line,
-    parse_origin,
+    SchedulerDump,
+    ServerReady,
+    V1EngineConfig,
 )
+from pretuner.logscan.lines import ANCHORS, parse_line, parse_origin
+from pretuner.logscan.pooldump import PoolDump, PoolFormat
 
 PREFIX = (
     "[INFO] PRE_ACT(1234,7f44c3888b80,python):2025-05-16-23:06:54.123.456 "

@@ -42,15 +42,6 @@ class Analysis(Protocol):
     """What either method gives: the CLI prints, writes and serialises it the same way."""
 
     def to_json(self) -> dict[str, Any]: ...
-
-    def text(self) -> str:
-        """What `pretuner analyze` prints."""
-        ...
-
-    def out_text(self, command: str) -> str:
-        """The `--out` file: the env file (r0.1) or the flag to try (V1)."""
-        ...
-
-    def json_warnings(self) -> list[str]:
-        """What `--json` says on stderr beside the object."""
-        ...
+    def text(self) -> str: ...  # what `pretuner analyze` prints
+    def out_text(self, command: str) -> str: ...  # --out: the env file (r0.1), the flag (V1)
+    def json_warnings(self) -> list[str]: ...  # said on stderr beside the --json object

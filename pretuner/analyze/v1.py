@@ -52,9 +52,6 @@ class DevicePeak:
     phase_peaks_mib: dict[str, int] = field(default_factory=dict)
     runs: tuple[str, ...] = ()  # the run labels of an NVML series (`run:phase`)
 
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "runs": list(self.runs)}
-
 
 def read_memory_series(text: str, file: str) -> DevicePeak:
     """The device peak of a pretuner launch's memory.tsv, an NVML series
@@ -150,11 +147,6 @@ class Suggestion:
             return None
         return self.kv_tokens / self.max_model_len
 
-    @property
-    def from_log(self) -> bool:
-        """Whether this only repeats the KV the log's run held (no device peak to go further)."""
-        return self.basis.startswith("log:")
-
     def lines(self) -> list[str]:
         about = "" if self.kv_tokens_exact else "about "
         out = []
@@ -164,7 +156,7 @@ class Suggestion:
             out.append(f"KV tokens at {self.kv_bytes // MIB:,} MiB: {about}{self.kv_tokens:,} "
                        f"(derived){at}")
         gain = self.gain_bytes
-        if self.from_log:
+        if self.basis.startswith("log:"):  # the KV the log's run held: no peak to go further
             out.append("the KV cache of the log's run, pinned: no gain until the device peak "
                        "is measured")
         elif gain is not None and self.held_kv_bytes is not None:
@@ -222,10 +214,6 @@ class V1Analysis:
     next_step: str
     provenance: dict[str, str]
 
-    @property
-    def held_kv_from_tokens(self) -> bool:
-        return self.held_kv_source == HELD_FROM_TOKENS
-
     def text(self) -> str:
         """The log's figures with their provenance, then the arithmetic."""
         log = self.log
@@ -272,7 +260,8 @@ class V1Analysis:
                          f"{self.bytes_per_token_source}")
         if self.held_kv_bytes is not None:
             held = f"{self.held_kv_bytes / MIB:,.1f} MiB ({self.held_kv_bytes / GIB:.2f} GiB)"
-            if self.held_kv_from_tokens and log.kv_tokens is not None and self.bytes_per_token:
+            if (self.held_kv_source == HELD_FROM_TOKENS and log.kv_tokens is not None
+                    and self.bytes_per_token):
                 lines.append(
                     f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
                     f"{self.held_kv_bytes:,} B = {held}, derived"
@@ -358,7 +347,7 @@ class V1Analysis:
             "pp": self.pp,
             "kv_bytes_per_token": self.bytes_per_token,
             "held_kv_bytes": self.held_kv_bytes,
-            "device": None if self.series is None else self.series.to_json(),
+            "device": None if self.series is None else asdict(self.series),
             "total_mib": self.total_mib,
             "budget": None if budget is None else {
                 "peak_mib": budget.peak_mib,

@@ -66,15 +66,12 @@ class V1Log:
     start_failed: bool = False
     engine_dead: bool = False  # the engine died while serving (HTTP 500 from then on)
     ready: bool = False
-    # The engine sized its KV cache, so the weights were in: vLLM on CPU prints no weights
-    # figure, but its "Explicitly/Auto set ... GiB for KV cache" comes after the model loaded.
-    kv_sized: bool = False
     killed_by_signal: int | None = None  # an engine process died of this signal at start-up
     pinned_kv_bytes: int | None = None  # --kv-cache-memory-bytes exactly, as the API echoed it
     max_model_len: int | None = None
     tp: int | None = None
     pp: int | None = None
-    v1_lines: bool = False  # a line only a V1 engine writes
+    v1_engine: bool = False  # "Initializing a V1 LLM engine"
     pool_dump: bool = False  # a MindSpore pool dump: the r0.1 method's log
     prefill_died: bool = False  # the step that killed the engine scheduled new requests
 
@@ -82,6 +79,12 @@ class V1Log:
     def kv_gib(self) -> float | None:
         """The KV cache the engine allocated: pinned, else what profiling gave it."""
         return self.pinned_kv_gib if self.pinned_kv_gib is not None else self.available_kv_gib
+
+    @property
+    def kv_sized(self) -> bool:
+        """The engine sized its KV cache, so the weights were in: vLLM on CPU prints no weights
+        figure, but its "Explicitly/Auto set ... GiB for KV cache" comes after the model loaded."""
+        return self.kv_gib is not None or self.kv_tokens is not None
 
     @property
     def weights_loaded(self) -> bool:
@@ -94,7 +97,7 @@ class V1Log:
     @property
     def is_v1(self) -> bool:
         """Whether this is a V1 engine's log (a MindSpore pool dump makes it r0.1's)."""
-        return self.v1_lines and not self.pool_dump
+        return (self.v1_engine or self.kv_sized) and not self.pool_dump
 
     def add(self, e: LogEvent) -> V1Log:
         """This log with one more event, in log order."""
@@ -102,21 +105,19 @@ class V1Log:
             case ModelLoaded():
                 return replace(self, weights_gib=_or(self.weights_gib, e.weights_gib))
             case AvailableKvMemory():
-                return replace(self, available_kv_gib=_or(self.available_kv_gib, e.gib),
-                               kv_sized=True, v1_lines=True)
+                return replace(self, available_kv_gib=_or(self.available_kv_gib, e.gib))
             case KvPinned():
                 free = _or(self.initial_free_gib, e.initial_free_gib)
-                return replace(self, initial_free_gib=free, kv_sized=True, v1_lines=True,
+                return replace(self, initial_free_gib=free,
                                pinned_kv_gib=_or(self.pinned_kv_gib, e.kv_gib))
             case CpuKvSet():
-                log = replace(self, non_kv_gib=_or(self.non_kv_gib, e.non_kv_gib), kv_sized=True,
-                              v1_lines=True)
+                log = replace(self, non_kv_gib=_or(self.non_kv_gib, e.non_kv_gib))
                 if e.pinned:
                     return replace(log, pinned_kv_gib=_or(self.pinned_kv_gib, e.kv_gib))
                 return replace(log, available_kv_gib=_or(self.available_kv_gib, e.kv_gib))
             case KvCacheSize():
                 tokens = e.tokens if self.kv_tokens is None else min(self.kv_tokens, e.tokens)
-                log = replace(self, kv_tokens=tokens, kv_sized=True, v1_lines=True)
+                log = replace(self, kv_tokens=tokens)
                 return log if e.concurrency is None else log.add(e.concurrency)
             case MaxConcurrency():
                 return replace(self, max_concurrency=_or(self.max_concurrency, e.concurrency),
@@ -137,7 +138,7 @@ class V1Log:
                                                          e.kv_cache_memory_bytes),
                                max_model_len=_or(self.max_model_len, e.max_model_len))
             case V1EngineConfig():
-                return replace(self, tp=_or(self.tp, e.tp), pp=_or(self.pp, e.pp), v1_lines=True)
+                return replace(self, tp=_or(self.tp, e.tp), pp=_or(self.pp, e.pp), v1_engine=True)
             case ServerReady():
                 return replace(self, ready=True)
             case EngineStartFailed():

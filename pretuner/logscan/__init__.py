@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from pretuner.errors import BadInputError
 from pretuner.logscan.follow import LogFollower
@@ -24,11 +25,18 @@ from pretuner.logscan.result import (
 from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
 from pretuner.logscan.summary import summarize_items
 
+T = TypeVar("T")
 
-def scan_paths(paths: Sequence[Path], *, workers: int | None = None,
-               each: Callable[[LogEvent], object] | None = None) -> ScanResult:
-    """Scan log files and folders (recursively, `.gz` included) and summarise per rank;
-    `each` sees every event too, in file order (what a summary does not keep)."""
+
+def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResult:
+    """Scan log files and folders (recursively, `.gz` included) and summarise per rank."""
+    return fold_scan(paths, None, lambda acc, _: acc, workers=workers)[0]
+
+
+def fold_scan(paths: Sequence[Path], start: T, add: Callable[[T, LogEvent], T], *,
+              workers: int | None = None) -> tuple[ScanResult, T]:
+    """`scan_paths`, and every event folded into `start` in file order on the way (what a
+    summary does not keep, like a V1 engine's facts)."""
     for path in paths:
         if not Path(path).exists() and not Path(path).is_symlink():
             raise BadInputError(
@@ -41,15 +49,16 @@ def scan_paths(paths: Sequence[Path], *, workers: int | None = None,
             files.append(file)
         else:
             unreadable.append(Unreadable(file, problem))
-    items = iter_scan(files, workers=workers)
-    return summarize_items(items if each is None else _tapped(items, each), unreadable)
+    acc = start
 
+    def folding(items: Iterable[ScanItem]) -> Iterator[ScanItem]:
+        nonlocal acc
+        for item in items:
+            if isinstance(item, Located):
+                acc = add(acc, item.event)
+            yield item
 
-def _tapped(items: Iterable[ScanItem], each: Callable[[LogEvent], object]) -> Iterator[ScanItem]:
-    for item in items:
-        if isinstance(item, Located):
-            each(item.event)
-        yield item
+    return summarize_items(folding(iter_scan(files, workers=workers)), unreadable), acc
 
 
 __all__ = [
@@ -64,6 +73,7 @@ __all__ = [
     "ScanResult",
     "TruncatedRecord",
     "Truncation",
+    "fold_scan",
     "parse_line",
     "parse_origin",
     "scan_paths",

@@ -1,9 +1,9 @@
-"""Pure per-line parser for the memory lines of MindSpore, vLLM and vllm-ascend.
+"""Pure per-line parser for the memory lines of MindSpore r0.1, vLLM V0 and the V1 engines (vLLM,
+vllm-ascend, vLLM-MindSpore >= 0.3).
 
-`parse_line` turns one log line (bytes or str, any garbage) into a typed event or None, and
-`parse_origin` reads the process that wrote it. Nothing here touches files: the scanner finds
-candidate lines with `ANCHORS` and hands them over one by one. The event types live in
-`events` and are re-exported here.
+`parse_line` turns one log line (bytes or str, any garbage) into a typed event (`events`) or
+None, and `parse_origin` reads the process that wrote it. Nothing here touches files: the
+scanner finds candidate lines with `ANCHORS` and hands them over one by one.
 """
 
 from __future__ import annotations
@@ -42,16 +42,7 @@ from pretuner.logscan.events import (
     ServerReady,
     V1EngineConfig,
 )
-from pretuner.logscan.pooldump import (
-    HEADER_TEXT,
-    SUMMARY_START,
-    PartialPoolDump,
-    PoolDump,
-    PoolDumpHeader,
-    PoolFormat,
-    parse_pool_dump,
-    parse_pool_header,
-)
+from pretuner.logscan.pooldump import HEADER_TEXT, SUMMARY_START, parse_pool_dump, parse_pool_header
 
 _READY = ("Starting vLLM server on", "Application startup complete")
 _START_FAILED = ("EngineCore failed to start", "Engine core initialization failed")
@@ -193,8 +184,7 @@ _REFUSED = re.compile(
     r"utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)"
 )
 _ARG_KV_BYTES = re.compile(r"'kv_cache_memory_bytes': (\d+)")
-_ARG_MAX_LEN = re.compile(r"'max_model_len': (\d+)")
-_USING_MAX_LEN = re.compile(r"Using max model len (\d+)")
+_MAX_LEN = re.compile(r"(?:'max_model_len': |Using max model len )(\d+)")
 _TP = re.compile(r"tensor_parallel_size=(\d+)")
 _PP = re.compile(r"pipeline_parallel_size=(\d+)")
 _KILLED = re.compile(r"Failed core proc\(s\): \{[^}]*: -(\d+)\}")  # -9: the OOM killer
@@ -442,12 +432,10 @@ def _v1(text: str) -> LogEvent | None:
     if "Initializing a V1 LLM engine" in text:
         tp, pp = _TP.search(text), _PP.search(text)
         return V1EngineConfig(_int(tp.group(1)) if tp else None, _int(pp.group(1)) if pp else None)
-    pinned, length = _ARG_KV_BYTES.search(text), _ARG_MAX_LEN.search(text)
+    pinned, length = _ARG_KV_BYTES.search(text), _MAX_LEN.search(text)
     if pinned or length:
         return EngineArgs(_int(pinned.group(1)) if pinned else None,
                           _int(length.group(1)) if length else None)
-    if (found := _USING_MAX_LEN.search(text)) is not None:
-        return EngineArgs(None, _int(found.group(1)))
     if any(marker in text for marker in _START_FAILED):
         killed = _KILLED.search(text)
         return EngineStartFailed(_int(killed.group(1)) if killed else None)
@@ -460,29 +448,13 @@ def _v1(text: str) -> LogEvent | None:
     return None
 
 
-__all__ = [
+__all__ = [  # what the rest of pretuner takes from here; the events are in `events`
     "ANCHORS",
-    "AvailableKvMemory",
-    "AvailableMemory",
-    "BlockCounts",
     "DeviceMemoryInit",
-    "KvCacheSize",
-    "KvReserved",
-    "LoadingStarted",
     "Located",
     "LogEvent",
-    "MaxConcurrency",
-    "MemoryStat",
-    "MemoryStatKind",
-    "ModelLoaded",
     "OomEvent",
     "OomKind",
-    "Origin",
-    "PartialPoolDump",
-    "PoolDump",
-    "PoolDumpHeader",
-    "PoolFormat",
-    "PromptIgnored",
     "locate_line",
     "parse_line",
     "parse_origin",

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.analyze.r01 import AnalyzeConfig, analyze
+from pretuner.analyze import AnalyzeConfig
+from pretuner.analyze.front import analyze_logs
+from pretuner.analyze.r01 import R01Analysis
 from pretuner.errors import InfeasibleError, NothingFoundError
 from pretuner.logscan import Truncation
 from pretuner.models import resolve
@@ -67,7 +69,8 @@ def test_scan_text_says_truncated(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cut", [cut_in_summary, cut_after_header], ids=["cut", "missing"])
 def test_analyze_counts_the_cut_rank(tmp_path: Path, cut: Callable[[int], bytes]) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut(0)})
-    result = analyze(config(folder))
+    result = analyze_logs(config(folder))
+    assert isinstance(result, R01Analysis)
     assert (result.tp, result.tp_source) == (2, "derived")  # not 1: rank 0 wrote a dump
     assert (result.worst.rank, result.worst.pid, result.worst.actual_peak_mib) == (1, 10559, 512)
     [record] = result.scan.truncated
@@ -100,7 +103,7 @@ def test_analyze_refuses_when_the_cut_rank_peaked_higher(tmp_path: Path) -> None
     """Rank 1 printed `peak used mem:512M` before its cut: the 128 MiB of rank 0 is too low."""
     folder = cut_rank_dir(tmp_path, {1: cut_in_summary(1)})
     with pytest.raises(InfeasibleError, match=r"pid 10559.*at least 512 MiB"):
-        analyze(config(folder))
+        analyze_logs(config(folder))
     done = invoke("analyze", str(folder), *ARGS)
     assert done.returncode == 4
     assert "rank 1 (pid 10559) wrote a truncated memory-pool dump" in done.stderr
@@ -110,7 +113,7 @@ def test_analyze_refuses_when_the_cut_rank_peaked_higher(tmp_path: Path) -> None
 def test_analyze_with_every_dump_cut(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {0: cut_in_summary(0), 1: cut_after_header(1)})
     with pytest.raises(NothingFoundError, match=r"2 truncated, first: rank 0 \(pid 10537\)"):
-        analyze(config(folder))
+        analyze_logs(config(folder))
     done = invoke("analyze", str(folder), *ARGS)
     assert done.returncode == 3
     assert "no complete pool dump" in done.stderr

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from pretuner.analyze.v1_inputs import read_memory_series, read_v1_run
+from pretuner.analyze.v1 import read_memory_series
+from pretuner.engines.v1_log import read_v1_log
 from tests.helpers import invoke, shared
 
 REAL = shared("real-logs")
@@ -415,19 +416,20 @@ def test_read_memory_series(
         (["INFO [gpu_worker.py:508] Available KV cache memory: 54.79 GiB"], True),
         (["INFO [cpu_worker.py:260] Explicitly set (1.0/11.96) GiB for KV cache on node 0."], True),
         (["INFO [kv_cache_utils.py:2146] GPU KV cache size: 398,992 tokens",
-          "actual peak used mem:29614M. Weight used size:0M"], False),
+          "The dynamic memory pool stat info : {\"in used mem\":1MB}, actual peak used "
+          "mem:29614M. Weight used size:0M"], False),
         (["[INFO] nothing about memory"], False),
     ],
 )  # fmt: skip
-def test_read_v1_run_tells_v1_from_r01(lines: list[str], is_v1: bool) -> None:
-    assert read_v1_run(iter(lines), ("f",)).is_v1 is is_v1
+def test_the_v1_reader_tells_v1_from_r01(lines: list[str], is_v1: bool) -> None:
+    assert read_v1_log(iter(lines)).is_v1 is is_v1
 
 
-def test_read_v1_run_reads_what_the_v1_reader_skips() -> None:
+def test_the_v1_reader_reads_what_analyze_needs() -> None:
     lines = (H100 / "F-kv59g-mbt32k.log").read_text().splitlines()
-    run = read_v1_run(iter(lines), ("F",))
-    assert run.pinned_kv_bytes == 59 * GIB
-    assert run.max_model_len == 32_768
-    assert (run.tp, run.pp) == (1, 1)
-    assert run.prefill_died is True
-    assert run.log.engine_dead is True
+    log = read_v1_log(iter(lines))
+    assert log.pinned_kv_bytes == 59 * GIB
+    assert log.max_model_len == 32_768
+    assert (log.tp, log.pp) == (1, 1)
+    assert log.prefill_died is True
+    assert log.engine_dead is True

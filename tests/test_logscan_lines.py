@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from pretuner.logscan.lines import (
-    ANCHORS,
+from pretuner.logscan.events import (
     AvailableKvMemory,
     AvailableMemory,
     BlockCounts,
+    ChunkedPrefill,
+    CpuKvSet,
     DeviceMemoryInit,
+    DeviceRefused,
+    EncoderBudget,
+    EngineArgs,
+    EngineDied,
+    EngineStartFailed,
+    GraphsCaptured,
     KvCacheSize,
+    KvPinned,
     KvReserved,
     LoadingStarted,
     MaxConcurrency,
@@ -20,12 +28,13 @@ from pretuner.logscan.lines import (
     OomEvent,
     OomKind,
     Origin,
-    PoolDump,
-    PoolFormat,
     PromptIgnored,
-    parse_line,
-    parse_origin,
+    SchedulerDump,
+    ServerReady,
+    V1EngineConfig,
 )
+from pretuner.logscan.lines import ANCHORS, parse_line, parse_origin
+from pretuner.logscan.pooldump import PoolDump, PoolFormat
 
 PREFIX = (
     "[INFO] PRE_ACT(1234,7f44c3888b80,python):2025-05-16-23:06:54.123.456 "
@@ -249,6 +258,14 @@ OOM_CASES = [
         OomKind.MAX_MODEL_LEN_TOO_LARGE,
         {"max_model_len": 32768, "estimated_max_model_len": 21456},
         id="v1-estimated",
+    ),    pytest.param(
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+        "allocate memory: you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate "
+        "memory)",
+        OomKind.DEVICE_OOM,
+        {"alloc_bytes": 8 * 2**30, "message": "DefaultCPUAllocator: can't allocate memory: you "
+         "tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)"},
+        id="vllm-cpu-allocator",
     ),
 ]
 
@@ -275,6 +292,11 @@ VLLM_CASES = [
         id="model-loading",
     ),
     pytest.param(
+        VLLM + "Model loading took 56.88 GiB memory and 0.842889 seconds",
+        ModelLoaded(56.88, 0.842889),
+        id="model-loading-memory",
+    ),
+    pytest.param(
         "INFO 05-16 23:06:54 model_runner.py:1115] Loading model weights took 27.5376 GB",
         ModelLoaded(27.5376, None),
         id="ascend-weights",
@@ -293,6 +315,12 @@ VLLM_CASES = [
     ),
     pytest.param(VLLM + "GPU KV cache size: 645,120 tokens", KvCacheSize(645120), id="kv-tokens"),
     pytest.param(VLLM + "NPU KV cache size: 7,216 tokens", KvCacheSize(7216), id="npu-kv-tokens"),
+    pytest.param(
+        VLLM + "CPU KV cache size: 1,048,576 tokens, Maximum concurrency for 4,096 tokens per "
+        "request: 256.00x",
+        KvCacheSize(1048576, MaxConcurrency(4096, 256.0)),
+        id="cpu-kv-tokens-and-concurrency",
+    ),
     pytest.param(
         VLLM + "Maximum concurrency for 4,096 tokens per request: 265.25x",
         MaxConcurrency(4096, 265.25),
@@ -325,6 +353,95 @@ VLLM_CASES = [
         "exceeds limit of 4096",
         PromptIgnored(5000, 4096),
         id="v0-prompt-ignored-limit",
+    ),    # V1 engines beyond their KV cache size
+    pytest.param(
+        VLLM + "Initial free memory 78.66 GiB, reserved 59.0 GiB memory for KV Cache as specified "
+        "by kv_cache_memory_bytes config and skipped memory profiling.",
+        KvPinned(78.66, 59.0),
+        id="v1-pinned",
+    ),
+    pytest.param(
+        VLLM + "Explicitly set (1.0/11.96) GiB for KV cache on node 0.",
+        CpuKvSet(True, 1.0, 11.96, None),
+        id="cpu-pinned",
+    ),
+    pytest.param(
+        VLLM + "Auto set (2.7/11.34) GiB for KV cache on node 0, with 3.4 GiB requested memory "
+        "for the worker. 0.7 GiB memory was consumed by non-kv usages.",
+        CpuKvSet(False, 2.7, 11.34, 0.7),
+        id="cpu-profiled",
+    ),
+    pytest.param(
+        VLLM + "Graph capturing finished in 8 secs, took 1.01 GiB",
+        GraphsCaptured(1.01),
+        id="graphs",
+    ),
+    pytest.param(
+        VLLM + "Chunked prefill is enabled with max_num_batched_tokens=8192.",
+        ChunkedPrefill(8192),
+        id="chunked-prefill",
+    ),
+    pytest.param(
+        VLLM + "Encoder cache will be initialized with a budget of 2048 tokens, and profiled "
+        "with 2 image items of the maximum feature size.",
+        EncoderBudget(2048, 2),
+        id="encoder-budget",
+    ),
+    pytest.param(
+        "ValueError: Free memory on device cuda:0 (40.1/79.18 GiB) on startup is less than "
+        "desired GPU memory utilization (0.9, 71.26 GiB). Decrease GPU memory utilization",
+        DeviceRefused(40.1, 79.18, 0.9, 71.26),
+        id="device-refused",
+    ),
+    pytest.param(
+        VLLM + "non-default args: {'model': 'm', 'max_model_len': 32768, "
+        "'kv_cache_memory_bytes': 63350767616}",
+        EngineArgs(63350767616, 32768),
+        id="args-pinned",
+    ),
+    pytest.param(
+        VLLM + "non-default args: {'model': 'm', 'max_model_len': 4096}",
+        EngineArgs(None, 4096),
+        id="args-profiled",
+    ),
+    pytest.param(VLLM + "Using max model len 32768", EngineArgs(None, 32768), id="max-model-len"),
+    pytest.param(
+        VLLM + "Initializing a V1 LLM engine (v0.24.0) with config: model='m', "
+        "tensor_parallel_size=2, pipeline_parallel_size=1, data_parallel_size=1",
+        V1EngineConfig(2, 1),
+        id="v1-config",
+    ),
+    pytest.param(
+        VLLM + "Starting vLLM server on http://0.0.0.0:8011", ServerReady(), id="ready"
+    ),
+    pytest.param("INFO:     Application startup complete.", ServerReady(), id="ready-uvicorn"),
+    pytest.param("ERROR [core.py:1231] EngineCore failed to start.", EngineStartFailed(None),
+                 id="start-failed"),
+    pytest.param(
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {'EngineCore_DP0': -9}",
+        EngineStartFailed(9),
+        id="start-killed",
+    ),
+    pytest.param(
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {}",
+        EngineStartFailed(None),
+        id="start-failed-api",
+    ),
+    pytest.param("ERROR [core.py:1233] EngineCore encountered a fatal error.", EngineDied(),
+                 id="engine-dead"),
+    pytest.param(
+        "ERROR [dump_input.py:79] Dumping scheduler output for model execution: "
+        "SchedulerOutput(scheduled_new_reqs=[NewRequestData(req_id=x)], ...)",
+        SchedulerDump(True),
+        id="died-on-prefill",
+    ),
+    pytest.param(
+        "ERROR [dump_input.py:79] Dumping scheduler output for model execution: "
+        "SchedulerOutput(scheduled_new_reqs=[], ...)",
+        SchedulerDump(False),
+        id="died-on-decode",
     ),
 ]
 

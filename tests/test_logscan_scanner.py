@@ -11,7 +11,8 @@ import pytest
 
 from pretuner.errors import BadInputError
 from pretuner.logscan import OomKind, OomPhase, scan_paths
-from pretuner.logscan.lines import LogEvent, PoolDump
+from pretuner.logscan.lines import LogEvent
+from pretuner.logscan.pooldump import PoolDump
 from pretuner.logscan.scanner import WINDOW_BYTES, iter_log_files, rank_from_path, scan_files
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

@@ -12,14 +12,8 @@ from pathlib import Path
 import pytest
 
 from pretuner.logscan import LogFollower, Truncation, scan_paths
-from pretuner.logscan.lines import (
-    PartialPoolDump,
-    PoolDump,
-    PoolDumpHeader,
-    PoolFormat,
-    parse_line,
-    split_writers,
-)
+from pretuner.logscan.lines import parse_line, split_writers
+from pretuner.logscan.pooldump import PartialPoolDump, PoolDump, PoolDumpHeader, PoolFormat
 from pretuner.logscan.scanner import scan_files
 
 RANK_DIR = Path(__file__).parent / "fixtures" / "logs" / "ms_rank_dir"

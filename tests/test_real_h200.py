@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pretuner.analyze.v1_inputs import read_memory_series
+from pretuner.analyze.v1 import read_memory_series
 from pretuner.engines.v1_launch import read_log
 from pretuner.units import MIB
 from tests.helpers import invoke

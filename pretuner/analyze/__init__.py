@@ -1,0 +1,47 @@
+"""`analyze`: logs a user already has -> what the run shows and the configuration to try.
+
+`front.analyze_logs` is the one entry: it reads the logs once and gives them to the method they
+belong to, `r01` (MindSpore pool dumps: the documented pre-run method) or `v1` (a V1 engine's
+KV lines: the `--kv-cache-memory-bytes` to try). Here: what both take and give. (The front is
+its own module so that the methods can import these without a cycle.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from pretuner.method import DEFAULT_HEADROOM_GIB
+from pretuner.models.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyzeConfig:
+    """What the user says about the run the logs come from; None: not given."""
+
+    paths: tuple[Path, ...]
+    model: ModelSpec | None  # the r0.1 method needs it; a V1 log can derive bytes/token
+    tp: int | None = None  # default: the ranks found (r0.1), the log's (V1)
+    pp: int | None = None  # default: the log's (V1), else 1
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    # The r0.1 pre-run's card and settings: a log does not say them; None: the card size the
+    # log printed, the method's defaults said as assumed (`r01.ASSUMED`).
+    card_gib: int | None = None
+    util: float | None = None
+    model_use_gib: int | None = None
+    max_model_len: int | None = None
+    headroom_gib: float = DEFAULT_HEADROOM_GIB
+    max_num_batched_tokens: int | None = None
+    memory_series: Path | None = None  # V1: an NVML series or nvidia-smi CSV of the run
+    card_total_mib: int | None = None  # V1: the device total (default: the nvidia-smi CSV's)
+
+
+class Analysis(Protocol):
+    """What either method gives: the CLI prints, writes and serialises it the same way."""
+
+    def to_json(self) -> dict[str, Any]: ...
+    def text(self) -> str: ...  # what `pretuner analyze` prints
+    def out_text(self, command: str) -> str: ...  # --out: the env file (r0.1), the flag (V1)
+    def json_warnings(self) -> list[str]: ...  # said on stderr beside the --json object

@@ -1,29 +1,19 @@
-"""`analyze`: the manual pre-run method applied to logs a user already has."""
+"""The r0.1 method on logs a user already has: every rank's `actual peak used` in MindSpore's
+pool dumps, and the documented pre-run method (vLLM-MindSpore's guide) applied to the worst."""
 
 from __future__ import annotations
 
-import gzip
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pretuner.analyze.v1 import V1Config, analyze_v1
-from pretuner.analyze.v1_inputs import read_memory_series, read_v1_run
-from pretuner.analyze.v1_result import V1Analysis
+from pretuner.analyze import AnalyzeConfig
+from pretuner.derivation_text import derivation_lines
+from pretuner.envfile import env_file_text
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
-from pretuner.logscan import RankSummary, ScanResult, scan_paths
-from pretuner.logscan.files import iter_log_files
+from pretuner.logscan import RankSummary, ScanResult
 from pretuner.logscan.summary import truncated_json
-from pretuner.method import (
-    DEFAULT_HEADROOM_GIB,
-    Derivation,
-    PrerunInputs,
-    derive,
-    per_sequence_bytes,
-)
-from pretuner.models.spec import ModelSpec
+from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.units import GIB, MIB
 
 NO_PEAK_HINT = (
@@ -33,41 +23,17 @@ NO_PEAK_HINT = (
     "GLOG_log_dir/rank_*/logs/)"
 )
 
-
-@dataclass(frozen=True, slots=True)
-class AnalyzeConfig:
-    paths: tuple[Path, ...]
-    model: ModelSpec | None  # the r0.1 method needs it; a V1 log can derive bytes/token
-    card_gib: int | None = None  # default: the card size the log printed
-    # The r0.1 pre-run's settings: a log does not say them; None: the method's defaults, said
-    # as assumed in every output (`ASSUMED`).
-    util: float | None = None
-    model_use_gib: int | None = None
-    max_model_len: int | None = None
-    tp: int | None = None  # default: the number of ranks found in the logs
-    pp: int = 1
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    headroom_gib: float = DEFAULT_HEADROOM_GIB
-    max_num_batched_tokens: int | None = None
-    memory_series: Path | None = None  # V1: an NVML series or nvidia-smi CSV of the run
-    card_total_mib: int | None = None  # V1: the device total (default: the nvidia-smi CSV's)
-
-
-# The seed's pre-run settings, used where the user gave none: (flag, field, value).
-ASSUMED = (("--util", "util", 0.9), ("--model-use-gb", "model_use_gib", 50),
-           ("--max-model-len", "max_model_len", 16384))
+# The seed's pre-run settings, taken where the user gave none and said as assumed.
+ASSUMED_UTIL, ASSUMED_MODEL_USE_GIB, ASSUMED_MAX_MODEL_LEN = 0.9, 50, 16384
 
 
 def assumed_settings(cfg: AnalyzeConfig) -> dict[str, float]:
     """The pre-run settings not given, as `flag -> the method's default` it takes for them."""
-    return {flag: value for flag, name, value in ASSUMED if getattr(cfg, name) is None}
-
-
-def prerun_settings(cfg: AnalyzeConfig) -> dict[str, float]:
-    """The pre-run's util, model-use and max_model_len: as given, else the method's."""
-    return {name: value if getattr(cfg, name) is None else getattr(cfg, name)
-            for _, name, value in ASSUMED}
+    return {flag: value for flag, given, value in (
+        ("--util", cfg.util, ASSUMED_UTIL),
+        ("--model-use-gb", cfg.model_use_gib, ASSUMED_MODEL_USE_GIB),
+        ("--max-model-len", cfg.max_model_len, ASSUMED_MAX_MODEL_LEN),
+    ) if given is None}
 
 
 def assumed_line(assumed: dict[str, float]) -> str | None:
@@ -79,7 +45,9 @@ def assumed_line(assumed: dict[str, float]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class AnalyzeResult:
+class R01Analysis:
+    """The worst rank's peak, and the method's derivation from it."""
+
     model: str
     scan: ScanResult
     worst: RankSummary  # the rank whose peak decides
@@ -144,80 +112,52 @@ class AnalyzeResult:
             },
         }
 
+    def text(self) -> str:
+        worst = self.worst
+        lines = [f"{self.model}, TP{self.tp} ({self.tp_source}), {self.kv_bytes_per_token:,} "
+                 "B/token KV per card", "actual peak used per rank (measured):"]
+        for rank in dumped_ranks(self.scan):
+            who = f"rank {rank.rank}" if rank.rank is not None else f"pid {rank.pid}"
+            mark = "  <- worst" if rank is worst else ""
+            if rank.truncated_dumps:
+                mark += f"  ({rank.truncated_dumps} truncated dump(s))"
+            peak = "unknown" if rank.actual_peak_mib is None else f"{rank.actual_peak_mib:,} MiB"
+            lines.append(f"  {who}: {peak}  ({rank.file}:{rank.line}){mark}")
+        lines += [f"warning: {cut.describe()}" for cut in self.scan.truncated]
+        if self.scan.truncated_omitted:
+            lines.append(f"warning: {self.scan.truncated_omitted:,} more truncated dump(s), not "
+                         "listed")
+        if self.scan.truncated:
+            lines.append(
+                "warning: the worst peak above comes from the complete dumps only and may be "
+                "too low; for a sure figure, pre-run again and stop the server gracefully"
+            )
+        lines += ["", *derivation_lines(self.derivation, card_source=self.card_source)]
+        said = assumed_line(self.assumed)
+        if said is not None:
+            lines += ["", f"warning: {said}"]
+        return "\n".join(lines)
+
+    def out_text(self, command: str) -> str:
+        return env_file_text(self.derivation.final, [
+            command,
+            f"model {self.model}, card {self.card_gib} GiB, TP{self.tp}; worst-rank actual "
+            f"peak {self.derivation.actual_peak_bytes // MIB:,} MiB (measured)",
+            *(f"warning: {cut.describe()}" for cut in self.scan.truncated),
+        ])
+
+    def json_warnings(self) -> list[str]:
+        said = assumed_line(self.assumed)
+        return [cut.describe() for cut in self.scan.truncated] + ([] if said is None else [said])
+
 
 def dumped_ranks(scan: ScanResult) -> list[RankSummary]:
     """The ranks that wrote a pool dump, complete or truncated: each is one rank of the TP."""
     return [r for r in scan.ranks if r.actual_peak_mib is not None or r.truncated_dumps]
 
 
-def analyze_logs(cfg: AnalyzeConfig) -> AnalyzeResult | V1Analysis:
-    """The analysis the logs call for: a V1 engine's log (its KV lines and no MindSpore pool
-    dump) gets `analyze_v1`, any other the r0.1 method."""
-    _check_paths(cfg.paths)
-    if cfg.memory_series is not None and not cfg.memory_series.is_file():
-        raise BadInputError(
-            f"--memory-series {str(cfg.memory_series)!r} is not a file",
-            hint="pass the NVML series (TSV) or nvidia-smi CSV sampled during the run",
-        )
-    scan = scan_paths(cfg.paths)
-    if not dumped_ranks(scan):
-        files = tuple(f for f, problem in iter_log_files(cfg.paths) if problem is None)
-        run = read_v1_run(_log_lines(files), files)
-        if run.is_v1:
-            series = None
-            if cfg.memory_series is not None:
-                series = read_memory_series(_series_text(cfg.memory_series),
-                                            str(cfg.memory_series))
-            return analyze_v1(V1Config(
-                run=run, series=series, card_total_mib=cfg.card_total_mib, model=cfg.model,
-                # --pp defaults to 1: a V1 log that says otherwise is believed
-                tp=cfg.tp, pp=cfg.pp if cfg.pp != 1 else None, kv_cache_dtype=cfg.kv_cache_dtype,
-                block_size=cfg.block_size,
-            ))
-    return _method(cfg, scan)
-
-
-def _check_paths(paths: tuple[Path, ...]) -> None:
-    for path in paths:
-        if not path.exists():
-            raise BadInputError(f"log path {str(path)!r} does not exist", hint="check the path")
-
-
-def _log_lines(files: tuple[str, ...]) -> Iterator[str]:
-    """Every line of the files in order, gzip or plain, streamed."""
-    for file in files:
-        try:
-            with open(file, "rb") as probe:
-                gz = probe.read(2) == b"\x1f\x8b"
-            opener = gzip.open if gz else open
-            with opener(file, "rt", encoding="utf-8", errors="replace") as stream:
-                yield from stream
-        except EOFError:  # a gzip cut short: its lines so far are what there is
-            continue
-        except OSError as err:
-            raise BadInputError(
-                f"log file {file!r} cannot be read: {err}", hint="check its permissions"
-            ) from None
-
-
-def _series_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError as err:
-        raise BadInputError(
-            f"--memory-series {str(path)!r} cannot be read: {err.strerror or err}",
-            hint="pass the NVML series (TSV) or nvidia-smi CSV sampled during the run",
-        ) from None
-
-
-def analyze(cfg: AnalyzeConfig) -> AnalyzeResult:
-    """Scan the logs, take the worst rank's peak, and apply the method."""
-    _check_paths(cfg.paths)
-    return _method(cfg, scan_paths(cfg.paths))
-
-
-def _method(cfg: AnalyzeConfig, scan: ScanResult) -> AnalyzeResult:
-    """The r0.1 method on scanned logs."""
+def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
+    """Take the worst rank's peak and apply the method."""
     if cfg.model is None:
         raise BadInputError(
             "--model is required for a MindSpore r0.1 log (the method needs the model's KV "
@@ -266,23 +206,24 @@ def _method(cfg: AnalyzeConfig, scan: ScanResult) -> AnalyzeResult:
         tp, tp_source = cfg.tp, "given"
     else:
         tp, tp_source = max(1, len(dumped_ranks(scan))), "derived"
-    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
-    prerun = prerun_settings(cfg)
+    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp or 1, kv_dtype=cfg.kv_cache_dtype)
     derivation = derive(
         PrerunInputs(
             card_gib=card,
-            util=float(prerun["util"]),
-            model_use_gib=int(prerun["model_use_gib"]),
+            util=cfg.util if cfg.util is not None else ASSUMED_UTIL,
+            model_use_gib=(cfg.model_use_gib if cfg.model_use_gib is not None
+                           else ASSUMED_MODEL_USE_GIB),
             actual_peak_mib=worst.actual_peak_mib,
             kv_bytes_per_token=bpt,
             block_size=cfg.block_size,
-            max_model_len=int(prerun["max_model_len"]),
+            max_model_len=(cfg.max_model_len if cfg.max_model_len is not None
+                           else ASSUMED_MAX_MODEL_LEN),
             headroom_gib=cfg.headroom_gib,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             per_seq_bytes=per_sequence_bytes(cfg.model.vocab_size),
         )
     )
-    return AnalyzeResult(
+    return R01Analysis(
         model=cfg.model.name,
         scan=scan,
         worst=worst,

@@ -6,24 +6,21 @@ what the card could hold (`pretuner.pinned.derive_pinned`). Without one, only wh
 proves: a run that was ready holds its KV cache (pinning it keeps it), and a run that ran out
 of memory needs less KV by the allocation that failed plus the margin (`back_off_bytes`).
 Either way the figure is a candidate until a run under the worst-case request proves it.
-
-Pure: lines and texts in, a typed result out; the caller reads the files.
 """
 
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
-from pretuner.analyze.v1_inputs import (
-    DevicePeak,
-    V1Run,
-)
-from pretuner.analyze.v1_result import HELD_FROM_TOKENS, BackOff, Suggestion, V1Analysis
+from pretuner.analyze import AnalyzeConfig
+from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
+from pretuner.devices.series import parse_memory_tsv
 from pretuner.engines.v1_log import V1Log
 from pretuner.errors import BadInputError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
-from pretuner.models.spec import ModelSpec
 from pretuner.pinned import (
     MARGIN_FLOOR_MIB,
     PinnedBudget,
@@ -38,27 +35,347 @@ from pretuner.units import GIB, MIB
 # A KV figure from the log and tokens x bytes/token from --model further apart than this
 # means the model, TP or KV dtype given is not the one that ran (the log prints 1-2 decimals).
 MISMATCH_SHARE = 0.02
+HELD_FROM_TOKENS = "derived: KV tokens x bytes/token"
+SERIES_HINT = "pass the NVML series (TSV) or nvidia-smi CSV sampled during the run"
 
 
 @dataclass(frozen=True, slots=True)
-class V1Config:
-    run: V1Run
-    series: DevicePeak | None = None
-    card_total_mib: int | None = None  # the device total, MiB as NVML counts it
-    model: ModelSpec | None = None
-    tp: int | None = None  # default: the log's tensor_parallel_size, else 1
-    pp: int | None = None  # default: the log's pipeline_parallel_size, else 1
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
+class DevicePeak:
+    """The worst device's highest sample in a memory series file, MiB."""
+
+    file: str
+    source: str  # "nvml" (the NVML series), "nvidia-smi" (its CSV), or the reader that wrote
+    # pretuner's own launch-N/memory.tsv
+    samples: int
+    peak_mib: int
+    total_mib: int | None  # the nvidia-smi CSV and memory.tsv say it; the NVML series does not
+    phase_peaks_mib: dict[str, int] = field(default_factory=dict)
+    runs: tuple[str, ...] = ()  # the run labels of an NVML series (`run:phase`)
 
 
-def analyze_v1(cfg: V1Config) -> V1Analysis:
+def read_memory_series(text: str, file: str) -> DevicePeak:
+    """The device peak of a pretuner launch's memory.tsv, an NVML series
+    (`epoch<TAB>phase<TAB>used_mib` rows) or repeated
+    `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`."""
+    launch = parse_memory_tsv(0, text)
+    if launch.rows:
+        phases: dict[str, int] = {}
+        for row in launch.rows:
+            phases[row.phase] = max(phases.get(row.phase, 0), row.used_mib)
+        return DevicePeak(file, launch.reader or "memory.tsv", len({r.t_s for r in launch.rows}),
+                          max(phases.values()), launch.total_mib, phases)
+    points = parse_nvml_series(text)
+    if points:
+        runs = tuple(dict.fromkeys(p.run for p in points if p.run is not None))
+        return DevicePeak(file, "nvml", len(points), max(p.used_mib for p in points), None,
+                          series_peaks(points), runs)
+    rows = parse_nvidia_smi_csv(text)
+    if rows:
+        worst = max(rows, key=lambda r: r.used_mib)
+        return DevicePeak(file, "nvidia-smi", len(rows), worst.used_mib, worst.total_mib)
+    raise BadInputError(
+        f"--memory-series {file!r} holds no memory samples",
+        hint="give a pretuner launch's memory.tsv, NVML series rows "
+        "`EPOCH_S<TAB>PHASE<TAB>USED_MIB` or the output of "
+        "`nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits` "
+        "sampled during the run",
+    )
+
+
+def read_series_file(path: Path) -> DevicePeak:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise BadInputError(
+            f"--memory-series {str(path)!r} cannot be read: {err.strerror or err}",
+            hint=SERIES_HINT,
+        ) from None
+    return read_memory_series(text, str(path))
+
+
+@dataclass(frozen=True, slots=True)
+class BackOff:
+    """The next pinned KV after an OOM: the KV the run had less the failed allocation and the
+    margin, rounded down to a MiB (`pretuner.pinned.back_off_bytes`)."""
+
+    from_kv_bytes: int
+    alloc_bytes: int | None
+    margin_mib: int
+    margin_basis: str
+    kv_bytes: int
+
+    def lines(self) -> list[str]:
+        alloc = "no size in the OOM" if self.alloc_bytes is None else "failed allocation"
+        alloc_mib = (self.alloc_bytes or 0) / MIB
+        return [
+            f"back-off = KV in the log {self.from_kv_bytes / MIB:,.1f} MiB (measured) - {alloc} "
+            f"{alloc_mib:,.1f} MiB (measured) - margin {self.margin_mib:,} MiB "
+            f"({self.margin_basis}) = {self.kv_bytes // MIB:,} MiB "
+            f"({self.kv_bytes / GIB:.2f} GiB, derived), rounded down to a MiB",
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Suggestion:
+    """The `--kv-cache-memory-bytes` to try, and what it holds next to the log's run."""
+
+    kv_bytes: int
+    basis: str  # "measured peak", "log: ready run", "back-off"
+    kv_tokens: int | None  # at the bytes/token below; None when it is not known
+    kv_tokens_exact: bool  # False when the bytes/token was derived from a rounded GiB figure
+    held_kv_bytes: int | None  # the log's KV, for the gain
+    held_kv_tokens: int | None
+    max_model_len: int | None
+
+    @property
+    def flag(self) -> str:
+        return f"--kv-cache-memory-bytes {self.kv_bytes}"
+
+    @property
+    def gain_bytes(self) -> int | None:
+        return None if self.held_kv_bytes is None else self.kv_bytes - self.held_kv_bytes
+
+    @property
+    def gain_tokens(self) -> int | None:
+        if self.kv_tokens is None or self.held_kv_tokens is None:
+            return None
+        return self.kv_tokens - self.held_kv_tokens
+
+    @property
+    def max_concurrency(self) -> float | None:
+        if self.kv_tokens is None or not self.max_model_len:
+            return None
+        return self.kv_tokens / self.max_model_len
+
+    def lines(self) -> list[str]:
+        about = "" if self.kv_tokens_exact else "about "
+        out = []
+        if self.kv_tokens is not None:
+            conc = self.max_concurrency
+            at = f"; {conc:.2f}x at max_model_len {self.max_model_len:,}" if conc else ""
+            out.append(f"KV tokens at {self.kv_bytes // MIB:,} MiB: {about}{self.kv_tokens:,} "
+                       f"(derived){at}")
+        gain = self.gain_bytes
+        if self.basis.startswith("log:"):  # the KV the log's run held: no peak to go further
+            out.append("the KV cache of the log's run, pinned: no gain until the device peak "
+                       "is measured")
+        elif gain is not None and self.held_kv_bytes is not None:
+            line = (f"gain vs the log: {self.kv_bytes / MIB:,.1f} MiB - "
+                    f"{self.held_kv_bytes / MIB:,.1f} MiB = {gain / MIB:+,.1f} MiB "
+                    f"({gain / GIB:+.2f} GiB)")
+            if self.gain_tokens is not None and self.held_kv_tokens is not None:
+                line += (f", {self.kv_tokens:,} - {self.held_kv_tokens:,} tokens = "
+                         f"{about}{self.gain_tokens:+,} tokens")
+            out.append(line)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        conc = self.max_concurrency
+        return {
+            "kv_bytes": self.kv_bytes,
+            "kv_mib": self.kv_bytes // MIB,
+            "kv_gib": round(self.kv_bytes / GIB, 2),
+            "flag": self.flag,
+            "basis": self.basis,
+            "kv_tokens": self.kv_tokens,
+            "kv_tokens_exact": self.kv_tokens_exact,
+            "max_concurrency": None if conc is None else round(conc, 2),
+            "held_kv_bytes": self.held_kv_bytes,
+            "held_kv_tokens": self.held_kv_tokens,
+            "gain_bytes": self.gain_bytes,
+            "gain_tokens": self.gain_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class V1Analysis:
+    """What a V1 log shows, with where each figure comes from, and the KV budget to try."""
+
+    files: tuple[str, ...]
+    outcome: str  # one line: ready / failed at start-up / died serving ...
+    oom_phase: str | None  # "start-up", "prefill", "serving"
+    log: V1Log
+    kv_mode: str | None  # "pinned" (--kv-cache-memory-bytes) or "profiled" (util)
+    kv_in_log_bytes: int | None  # the KV the run asked for: pinned exactly, else profiled
+    tp: int
+    pp: int
+    bytes_per_token: int | None
+    bytes_per_token_source: str | None
+    held_kv_bytes: int | None  # the KV cache the run held
+    held_kv_source: str | None
+    series: DevicePeak | None
+    total_mib: int | None
+    total_source: str | None
+    budget: PinnedBudget | None  # with a measured peak and a total
+    back_off: BackOff | None  # after an OOM
+    suggestion: Suggestion | None
+    warnings: tuple[str, ...]
+    notes: tuple[str, ...]
+    next_step: str
+    provenance: dict[str, str]
+
+    def text(self) -> str:
+        """The log's figures with their provenance, then the arithmetic."""
+        log = self.log
+        rows: list[tuple[str, str]] = []
+        if log.weights_gib is not None:
+            rows.append(("weights", f"{log.weights_gib:.2f} GiB"))
+        if log.kv_gib is not None and self.kv_mode is not None:
+            kv = f"{log.kv_gib:.2f} GiB, {self.kv_mode}"
+            if self.kv_mode == "pinned" and self.kv_in_log_bytes is not None:
+                kv += f" (--kv-cache-memory-bytes {self.kv_in_log_bytes})"
+            elif self.kv_mode == "profiled":
+                kv += " (what profiling left under --gpu-memory-utilization)"
+            rows.append(("KV cache", kv))
+        if log.kv_tokens is not None:
+            rows.append(("KV tokens", f"{log.kv_tokens:,}"))
+        if log.max_concurrency is not None:
+            at = f" at max_model_len {log.max_model_len:,}" if log.max_model_len else ""
+            rows.append(("concurrency", f"{log.max_concurrency:.2f}x{at}"))
+        if log.graphs_gib is not None:
+            rows.append(("graph capture", f"{log.graphs_gib:.2f} GiB (after the KV allocation)"))
+        if log.non_kv_gib is not None:
+            rows.append(("non-KV (profiled)", f"{log.non_kv_gib:.2f} GiB"))
+        if log.max_num_batched_tokens is not None:
+            rows.append(("max_num_batched_tokens", f"{log.max_num_batched_tokens:,}"))
+        if self.oom_phase is not None:
+            size = (
+                f"{log.oom_alloc_bytes / MIB:,.1f} MiB"
+                if log.oom_alloc_bytes is not None
+                else "size not printed"
+            )
+            rows.append(("out of memory", f"{size} at {self.oom_phase}: {log.oom_text}"))
+        if log.estimated_max_len is not None:
+            rows.append(("longest sequence", f"{log.estimated_max_len:,} tokens (estimated)"))
+        lines = [
+            f"V1 engine log: {', '.join(self.files)}",
+            f"outcome: {self.outcome}",
+            "",
+            "what the log shows (measured from the log):",
+        ]
+        width = max((len(k) for k, _ in rows), default=0)
+        lines += [f"  {k.ljust(width)}  {val}" for k, val in rows]
+        if self.bytes_per_token is not None:
+            lines.append(f"KV bytes/token: {self.bytes_per_token:,} B, "
+                         f"{self.bytes_per_token_source}")
+        if self.held_kv_bytes is not None:
+            held = f"{self.held_kv_bytes / MIB:,.1f} MiB ({self.held_kv_bytes / GIB:.2f} GiB)"
+            if (self.held_kv_source == HELD_FROM_TOKENS and log.kv_tokens is not None
+                    and self.bytes_per_token):
+                lines.append(
+                    f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
+                    f"{self.held_kv_bytes:,} B = {held}, derived"
+                )
+            else:
+                lines.append(f"KV held: {held}, {self.held_kv_source}")
+        if self.series is not None:
+            phases = ", ".join(f"{k} {val:,}" for k, val in self.series.phase_peaks_mib.items())
+            lines.append(
+                f"device peak: {self.series.peak_mib:,} MiB over {self.series.samples:,} samples "
+                f"(measured, {self.series.source} series {self.series.file})"
+                + (f"; per phase, MiB: {phases}" if phases else "")
+            )
+        if self.total_mib is not None:
+            lines.append(f"device total: {self.total_mib:,} MiB, {self.total_source}")
+        lines.append("")
+        if self.warnings:
+            lines += [f"WARNING: {w}" for w in self.warnings] + [""]
+        if self.budget is not None:
+            lines.append("what the card could hold (from the measured device peak):")
+            lines += [f"  {x}" for x in self.budget.lines()]
+        elif self.back_off is not None:
+            lines.append("what the next run can hold (back-off from the out-of-memory error):")
+            lines += [f"  {x}" for x in self.back_off.lines()]
+        elif self.suggestion is not None:
+            lines.append("what the log proves (no device peak):")
+        if self.suggestion is not None:
+            lines += [f"  {x}" for x in self.suggestion.lines()]
+        lines += [f"note: {n}" for n in self.notes]
+        if self.suggestion is not None:
+            s = self.suggestion
+            lines += ["", f"try:  {s.flag}  ({s.kv_bytes / GIB:.2f} GiB, {s.basis})"]
+        lines.append(f"next: {self.next_step}")
+        return "\n".join(lines)
+
+    def out_text(self, command: str) -> str:
+        """The flag to try, with where it comes from."""
+        lines = [f"# {command} (V1 engine log)", f"# {self.outcome}"]
+        if self.suggestion is None:
+            lines.append("# no --kv-cache-memory-bytes to suggest: see the warnings")
+        else:
+            s = self.suggestion
+            lines += [
+                f"# {s.basis}: {s.kv_bytes / GIB:.2f} GiB; a candidate until validated",
+                f"# {self.next_step}",
+                s.flag,
+            ]
+        lines += [f"# warning: {w}" for w in self.warnings]
+        return "\n".join(lines) + "\n"
+
+    def json_warnings(self) -> list[str]:
+        return []  # the object holds them
+
+    def to_json(self) -> dict[str, Any]:
+        log = self.log
+        budget = self.budget
+        return {
+            "engine": "v1",
+            "files": list(self.files),
+            "outcome": self.outcome,
+            "ready": log.ready,
+            "start_failed": log.start_failed,
+            "engine_dead": log.engine_dead,
+            "weights_gib": log.weights_gib,
+            "kv_mode": self.kv_mode,
+            "kv_gib": log.kv_gib,
+            "kv_in_log_bytes": self.kv_in_log_bytes,
+            "kv_tokens": log.kv_tokens,
+            "max_model_len": log.max_model_len,
+            "max_concurrency": log.max_concurrency,
+            "graphs_gib": log.graphs_gib,
+            "non_kv_gib_log": log.non_kv_gib,
+            "max_num_batched_tokens": log.max_num_batched_tokens,
+            "oom": None if self.oom_phase is None else {
+                "alloc_bytes": log.oom_alloc_bytes,
+                "text": log.oom_text,
+                "phase": self.oom_phase,
+            },
+            "estimated_max_len": log.estimated_max_len,
+            "no_kv_memory": log.no_kv_memory,
+            "refused_free_gib": log.refused_free_gib,
+            "tp": self.tp,
+            "pp": self.pp,
+            "kv_bytes_per_token": self.bytes_per_token,
+            "held_kv_bytes": self.held_kv_bytes,
+            "device": None if self.series is None else asdict(self.series),
+            "total_mib": self.total_mib,
+            "budget": None if budget is None else {
+                "peak_mib": budget.peak_mib,
+                "held_kv_bytes": self.held_kv_bytes,
+                "held_kv_mib": round(budget.held_kv_mib, 1),
+                "non_kv_mib": round(budget.non_kv_mib, 1),
+                "total_mib": budget.total_mib,
+                "margin_mib": budget.margin_mib,
+                "kv_mib": budget.kv_mib,
+                "kv_bytes": budget.kv_bytes,
+                "source": budget.source,
+            },
+            "back_off": None if self.back_off is None else asdict(self.back_off),
+            "suggestion": None if self.suggestion is None else self.suggestion.to_json(),
+            "warnings": list(self.warnings),
+            "notes": list(self.notes),
+            "next_step": self.next_step,
+            "provenance": self.provenance,
+        }
+
+
+def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Analysis:
     """What the log shows, and the pinned KV that the measurements support."""
-    run, log = cfg.run, cfg.run.log
+    series = read_series_file(cfg.memory_series) if cfg.memory_series is not None else None
     if log.kv_gib is None and log.kv_tokens is None and not log.failed_oom \
             and not log.no_kv_memory and log.refused_free_gib is None:
         raise NothingFoundError(
-            f"the V1 log {', '.join(run.files)} shows no KV cache size and no failure",
+            f"the V1 log {', '.join(files)} shows no KV cache size and no failure",
             hint="pass the whole server log from its start (with the EngineCore/Worker lines "
             "at INFO level) up to the first requests",
         )
@@ -68,45 +385,45 @@ def analyze_v1(cfg: V1Config) -> V1Analysis:
     for key, value in (("weights_gib", log.weights_gib), ("kv_gib", log.kv_gib),
                        ("kv_tokens", log.kv_tokens), ("max_concurrency", log.max_concurrency),
                        ("graphs_gib", log.graphs_gib), ("oom_alloc_bytes", log.oom_alloc_bytes),
-                       ("max_model_len", run.max_model_len),
+                       ("max_model_len", log.max_model_len),
                        ("max_num_batched_tokens", log.max_num_batched_tokens)):
         if value is not None:
             prov[key] = "measured (log)"
-    tp = cfg.tp if cfg.tp is not None else run.tp or 1
-    pp = cfg.pp if cfg.pp is not None else run.pp or 1
-    kv_mode, kv_in_log = _kv_in_log(run)
+    tp = cfg.tp if cfg.tp is not None else log.tp or 1
+    pp = cfg.pp if cfg.pp is not None else log.pp or 1
+    kv_mode, kv_in_log = _kv_in_log(log)
     if kv_in_log is not None:
         prov["kv_in_log_bytes"] = ("measured (log: the echoed --kv-cache-memory-bytes)"
-                                   if run.pinned_kv_bytes is not None else "measured (log, GiB)")
-    bpt, bpt_exact, bpt_source = _bytes_per_token(cfg, run, tp, pp, warnings)
+                                   if log.pinned_kv_bytes is not None else "measured (log, GiB)")
+    bpt, bpt_exact, bpt_source = _bytes_per_token(cfg, log, tp, pp, warnings)
     if bpt_source is not None:
         prov["kv_bytes_per_token"] = bpt_source
     held, held_source = _held_kv(log, kv_in_log, bpt, bpt_exact)
     if held_source is not None:
         prov["held_kv_bytes"] = held_source
-    total_mib, total_source = _total(cfg, warnings)
-    if total_mib is not None and cfg.series is not None and cfg.series.peak_mib > total_mib:
+    total_mib, total_source = _total(cfg, series, warnings)
+    if total_mib is not None and series is not None and series.peak_mib > total_mib:
         raise BadInputError(
-            f"the memory series peak {cfg.series.peak_mib:,} MiB is above the device total "
+            f"the memory series peak {series.peak_mib:,} MiB is above the device total "
             f"{total_mib:,} MiB",
             hint="pass the device's own total as --card-total-mib (NVML memory.total)",
         )
-    if cfg.series is not None and total_mib is None:
+    if series is not None and total_mib is None:
         raise BadInputError(
-            f"--memory-series {cfg.series.file!r} gives the peak but not the device total",
+            f"--memory-series {series.file!r} gives the peak but not the device total",
             hint="pass --card-total-mib (NVML's memory.total, e.g. `nvidia-smi "
             "--query-gpu=memory.total --format=csv,noheader,nounits`: 81559 on an H100 80GB)",
         )
     if total_source is not None:
         prov["total_mib"] = total_source
-    if cfg.series is not None:
-        prov["device_peak_mib"] = f"measured ({cfg.series.source} series {cfg.series.file})"
-        if len(cfg.series.runs) > 1:
-            warnings.append(f"the memory series holds {len(cfg.series.runs)} runs "
-                            f"({', '.join(cfg.series.runs)}): its peak is the highest of them; "
+    if series is not None:
+        prov["device_peak_mib"] = f"measured ({series.source} series {series.file})"
+        if len(series.runs) > 1:
+            warnings.append(f"the memory series holds {len(series.runs)} runs "
+                            f"({', '.join(series.runs)}): its peak is the highest of them; "
                             "pass the series of the run that wrote this log")
-    oom_phase = _oom_phase(run)
-    outcome = _outcome(run, oom_phase)
+    oom_phase = _oom_phase(log)
+    outcome = _outcome(log, oom_phase)
 
     budget: PinnedBudget | None = None
     back_off: BackOff | None = None
@@ -115,10 +432,10 @@ def analyze_v1(cfg: V1Config) -> V1Analysis:
     basis: str | None = None
     device_oom = _device_oom(log)
     if device_oom and kv_in_log is not None:
-        if cfg.series is not None:
+        if series is not None:
             warnings.append(
                 f"the memory series was not used: the run ran out of memory, so its peak "
-                f"({cfg.series.peak_mib:,} MiB) is less than what the run needed"
+                f"({series.peak_mib:,} MiB) is less than what the run needed"
             )
         margin_total, margin_basis = _margin_total(total_mib, log)
         back = back_off_bytes(kv_in_log, log.oom_alloc_bytes, margin_total)  # None: the margin
@@ -144,8 +461,8 @@ def analyze_v1(cfg: V1Config) -> V1Analysis:
                         "cache size: nothing to back off from; pin a --kv-cache-memory-bytes "
                         "well below the free memory and measure again")
     elif log.ready and held is not None:
-        if cfg.series is not None and total_mib is not None:
-            budget = derive_pinned(total_mib, cfg.series.peak_mib, held, cfg.series.source)
+        if series is not None and total_mib is not None:
+            budget = derive_pinned(total_mib, series.peak_mib, held, series.source)
             _check_budget(budget, log, warnings)
             kv_bytes, basis = budget.kv_bytes, "measured peak"
             prov["budget"] = "derived"
@@ -182,23 +499,23 @@ def analyze_v1(cfg: V1Config) -> V1Analysis:
             "--gpu-memory-utilization asked more; lower it, or pin --kv-cache-memory-bytes"
         )
     if kv_bytes is not None and basis is not None:
-        suggestion = _suggest(kv_bytes, basis, log, held, bpt, bpt_exact, cfg.block_size,
-                              run.max_model_len)
+        suggestion = Suggestion(kv_bytes, basis, kv_tokens_for(kv_bytes, bpt, cfg.block_size)
+                                if bpt else None, bpt_exact, held, log.kv_tokens,
+                                log.max_model_len)
     return V1Analysis(
-        files=run.files,
+        files=files,
         outcome=outcome,
         oom_phase=oom_phase,
         log=log,
         kv_mode=kv_mode,
         kv_in_log_bytes=kv_in_log,
-        max_model_len=run.max_model_len,
         tp=tp,
         pp=pp,
         bytes_per_token=bpt,
         bytes_per_token_source=bpt_source,
         held_kv_bytes=held,
         held_kv_source=held_source,
-        series=cfg.series,
+        series=series,
         total_mib=total_mib,
         total_source=total_source,
         budget=budget,
@@ -206,17 +523,16 @@ def analyze_v1(cfg: V1Config) -> V1Analysis:
         suggestion=suggestion,
         warnings=tuple(warnings),
         notes=tuple(notes),
-        next_step=_next_step(cfg, run, suggestion, tp),
+        next_step=_next_step(cfg, log, suggestion, tp),
         provenance=prov,
     )
 
 
-def _kv_in_log(run: V1Run) -> tuple[str | None, int | None]:
+def _kv_in_log(log: V1Log) -> tuple[str | None, int | None]:
     """The KV cache the run asked for: the pinned bytes (exact when the arguments were echoed),
     else the KV that profiling gave it."""
-    log = run.log
-    if run.pinned_kv_bytes is not None:
-        return "pinned", run.pinned_kv_bytes
+    if log.pinned_kv_bytes is not None:
+        return "pinned", log.pinned_kv_bytes
     if log.pinned_kv_gib is not None:
         return "pinned", int(log.pinned_kv_gib * GIB)
     if log.available_kv_gib is not None:
@@ -225,11 +541,10 @@ def _kv_in_log(run: V1Run) -> tuple[str | None, int | None]:
 
 
 def _bytes_per_token(
-    cfg: V1Config, run: V1Run, tp: int, pp: int, warnings: list[str]
+    cfg: AnalyzeConfig, log: V1Log, tp: int, pp: int, warnings: list[str]
 ) -> tuple[int | None, bool, str | None]:
     """KV bytes per token on one device, whether it is exact, and where it comes from."""
-    log = run.log
-    _, kv_in_log = _kv_in_log(run)
+    _, kv_in_log = _kv_in_log(log)
     if cfg.model is not None:
         bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=pp, kv_dtype=cfg.kv_cache_dtype)
         if log.kv_tokens and kv_in_log:
@@ -261,8 +576,8 @@ def _held_kv(
     return None, None
 
 
-def _total(cfg: V1Config, warnings: list[str]) -> tuple[int | None, str | None]:
-    series = cfg.series
+def _total(cfg: AnalyzeConfig, series: DevicePeak | None,
+           warnings: list[str]) -> tuple[int | None, str | None]:
     measured = series.total_mib if series is not None else None
     if cfg.card_total_mib is not None:
         if measured is not None and measured != cfg.card_total_mib:
@@ -292,17 +607,15 @@ def _device_oom(log: V1Log) -> bool:
     return log.oom_text is not None and not log.no_kv_memory and log.estimated_max_len is None
 
 
-def _oom_phase(run: V1Run) -> str | None:
-    log = run.log
+def _oom_phase(log: V1Log) -> str | None:
     if not _device_oom(log):
         return None
     if log.ready:
-        return "prefill" if run.prefill_died else "serving"
+        return "prefill" if log.prefill_died else "serving"
     return "start-up"
 
 
-def _outcome(run: V1Run, oom_phase: str | None) -> str:
-    log = run.log
+def _outcome(log: V1Log, oom_phase: str | None) -> str:
     oom = f"out of memory ({log.oom_text})" if log.oom_text else "out of memory"
     if oom_phase == "start-up":
         when = " after the KV cache was sized" if log.kv_tokens is not None else ""
@@ -347,29 +660,13 @@ def _check_budget(budget: PinnedBudget, log: V1Log, warnings: list[str]) -> None
         warnings.append("the measured non-KV peak leaves no room for a KV cache on this device")
 
 
-def _suggest(
-    kv_bytes: int, basis: str, log: V1Log, held: int | None, bpt: int | None, exact: bool,
-    block_size: int, max_model_len: int | None,
-) -> Suggestion:
-    tokens = kv_tokens_for(kv_bytes, bpt, block_size) if bpt else None
-    return Suggestion(
-        kv_bytes=kv_bytes,
-        basis=basis,
-        kv_tokens=tokens,
-        kv_tokens_exact=exact,
-        held_kv_bytes=held,
-        held_kv_tokens=log.kv_tokens,
-        max_model_len=max_model_len,
-    )
-
-
-def _next_step(cfg: V1Config, run: V1Run, suggestion: Suggestion | None, tp: int) -> str:
+def _next_step(cfg: AnalyzeConfig, log: V1Log, suggestion: Suggestion | None, tp: int) -> str:
     argv = ["pretuner", "run", "--engine", "vllm", "--model",
             cfg.model.name if cfg.model is not None else "MODEL"]
-    if run.max_model_len is not None:
-        argv += ["--max-model-len", str(run.max_model_len)]
-    if run.log.max_num_batched_tokens is not None:
-        argv += ["--max-num-batched-tokens", str(run.log.max_num_batched_tokens)]
+    if log.max_model_len is not None:
+        argv += ["--max-model-len", str(log.max_model_len)]
+    if log.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(log.max_num_batched_tokens)]
     if tp > 1:
         argv += ["--tp", str(tp)]
     if suggestion is None:

@@ -7,8 +7,9 @@ lines fast and stream their events, `summary` aggregates them per rank in bounde
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from pretuner.errors import BadInputError
 from pretuner.logscan.follow import LogFollower
@@ -21,12 +22,21 @@ from pretuner.logscan.result import (
     TruncatedRecord,
     Truncation,
 )
-from pretuner.logscan.scanner import Unreadable, iter_log_files, iter_scan
+from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
 from pretuner.logscan.summary import summarize_items
+
+T = TypeVar("T")
 
 
 def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResult:
     """Scan log files and folders (recursively, `.gz` included) and summarise per rank."""
+    return fold_scan(paths, None, lambda acc, _: acc, workers=workers)[0]
+
+
+def fold_scan(paths: Sequence[Path], start: T, add: Callable[[T, LogEvent], T], *,
+              workers: int | None = None) -> tuple[ScanResult, T]:
+    """`scan_paths`, and every event folded into `start` in file order on the way (what a
+    summary does not keep, like a V1 engine's facts)."""
     for path in paths:
         if not Path(path).exists() and not Path(path).is_symlink():
             raise BadInputError(
@@ -39,7 +49,16 @@ def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResu
             files.append(file)
         else:
             unreadable.append(Unreadable(file, problem))
-    return summarize_items(iter_scan(files, workers=workers), unreadable)
+    acc = start
+
+    def folding(items: Iterable[ScanItem]) -> Iterator[ScanItem]:
+        nonlocal acc
+        for item in items:
+            if isinstance(item, Located):
+                acc = add(acc, item.event)
+            yield item
+
+    return summarize_items(folding(iter_scan(files, workers=workers)), unreadable), acc
 
 
 __all__ = [
@@ -54,6 +73,7 @@ __all__ = [
     "ScanResult",
     "TruncatedRecord",
     "Truncation",
+    "fold_scan",
     "parse_line",
     "parse_origin",
     "scan_paths",

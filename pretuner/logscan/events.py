@@ -91,18 +91,19 @@ class AvailableMemory:
 
 
 @dataclass(frozen=True, slots=True)
-class KvCacheSize:
-    """`GPU KV cache size: 645,120 tokens`."""
-
-    tokens: int
-
-
-@dataclass(frozen=True, slots=True)
 class MaxConcurrency:
     """`Maximum concurrency for 4,096 tokens per request: 265.25x`."""
 
     tokens_per_request: int
     concurrency: float
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheSize:
+    """`GPU KV cache size: 645,120 tokens` (vLLM on CPU goes on `, Maximum concurrency ...`)."""
+
+    tokens: int
+    concurrency: MaxConcurrency | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +132,99 @@ class PromptIgnored:
     prompt_tokens: int
     limit: int | None
 
+# -- V1 engines (vLLM >= 0.8, vllm-ascend, vLLM-MindSpore >= 0.3): their start-up and death --
+
+
+@dataclass(frozen=True, slots=True)
+class KvPinned:
+    """`Initial free memory 78.66 GiB, reserved 59.0 GiB memory for KV Cache` (pinned bytes)."""
+
+    initial_free_gib: float
+    kv_gib: float
+
+
+@dataclass(frozen=True, slots=True)
+class CpuKvSet:
+    """vLLM on CPU: `Explicitly set (1.0/11.96) GiB for KV cache` (pinned) or `Auto set ...`."""
+
+    pinned: bool
+    kv_gib: float
+    node_gib: float
+    non_kv_gib: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class GraphsCaptured:
+    """`Graph capturing finished in 8 secs, took 1.01 GiB`: after the KV cache was allocated."""
+
+    gib: float
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkedPrefill:
+    """`Chunked prefill is enabled with max_num_batched_tokens=8192.`"""
+
+    max_num_batched_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderBudget:
+    """`Encoder cache will be initialized with a budget of 2048 tokens, and profiled with 2 ...`"""
+
+    budget_tokens: int
+    profiled_items: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRefused:
+    """`... (40.1/79.18 GiB) on startup is less than desired GPU memory utilization (0.9, ...)`"""
+
+    free_gib: float
+    total_gib: float
+    util: float
+    desired_gib: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """`non-default args: {'max_model_len': 32768, 'kv_cache_memory_bytes': 63350767616}` (the
+    pinned bytes exactly), or `Using max model len 32768`."""
+
+    kv_cache_memory_bytes: int | None
+    max_model_len: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class V1EngineConfig:
+    """`Initializing a V1 LLM engine (v0.24.0) with config: ... tensor_parallel_size=1, ...`"""
+
+    tp: int | None
+    pp: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerReady:
+    """`Starting vLLM server on http://...` or uvicorn's `Application startup complete.`"""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStartFailed:
+    """`EngineCore failed to start.`, `... Failed core proc(s): {'EngineCore_DP0': -9}`."""
+
+    killed_by_signal: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDied:
+    """`EngineCore encountered a fatal error` (a stopped server logs only EngineDeadError)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerDump:
+    """`Dumping scheduler output` of the step that killed the engine (`prefill`: new requests)."""
+
+    prefill: bool
+
 
 LogEvent = (
     PoolDump
@@ -148,6 +242,18 @@ LogEvent = (
     | KvReserved
     | BlockCounts
     | PromptIgnored
+    | KvPinned
+    | CpuKvSet
+    | GraphsCaptured
+    | ChunkedPrefill
+    | EncoderBudget
+    | DeviceRefused
+    | EngineArgs
+    | V1EngineConfig
+    | ServerReady
+    | EngineStartFailed
+    | EngineDied
+    | SchedulerDump
 )
 
 
@@ -170,23 +276,3 @@ class Located:
     rank: int | None
     text: str
 
-
-__all__ = [
-    "AvailableKvMemory",
-    "AvailableMemory",
-    "BlockCounts",
-    "DeviceMemoryInit",
-    "KvCacheSize",
-    "KvReserved",
-    "LoadingStarted",
-    "Located",
-    "LogEvent",
-    "MaxConcurrency",
-    "MemoryStat",
-    "MemoryStatKind",
-    "ModelLoaded",
-    "OomEvent",
-    "OomKind",
-    "Origin",
-    "PromptIgnored",
-]

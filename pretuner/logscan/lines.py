@@ -1,9 +1,9 @@
-"""Pure per-line parser for the memory lines of MindSpore, vLLM and vllm-ascend.
+"""Pure per-line parser for the memory lines of MindSpore r0.1, vLLM V0 and the V1 engines (vLLM,
+vllm-ascend, vLLM-MindSpore >= 0.3).
 
-`parse_line` turns one log line (bytes or str, any garbage) into a typed event or None, and
-`parse_origin` reads the process that wrote it. Nothing here touches files: the scanner finds
-candidate lines with `ANCHORS` and hands them over one by one. The event types live in
-`events` and are re-exported here.
+`parse_line` turns one log line (bytes or str, any garbage) into a typed event (`events`) or
+None, and `parse_origin` reads the process that wrote it. Nothing here touches files: the
+scanner finds candidate lines with `ANCHORS` and hands them over one by one.
 """
 
 from __future__ import annotations
@@ -15,8 +15,17 @@ from pretuner.logscan.events import (
     AvailableKvMemory,
     AvailableMemory,
     BlockCounts,
+    ChunkedPrefill,
+    CpuKvSet,
     DeviceMemoryInit,
+    DeviceRefused,
+    EncoderBudget,
+    EngineArgs,
+    EngineDied,
+    EngineStartFailed,
+    GraphsCaptured,
     KvCacheSize,
+    KvPinned,
     KvReserved,
     LoadingStarted,
     Located,
@@ -29,17 +38,17 @@ from pretuner.logscan.events import (
     OomKind,
     Origin,
     PromptIgnored,
+    SchedulerDump,
+    ServerReady,
+    V1EngineConfig,
 )
-from pretuner.logscan.pooldump import (
-    HEADER_TEXT,
-    SUMMARY_START,
-    PartialPoolDump,
-    PoolDump,
-    PoolDumpHeader,
-    PoolFormat,
-    parse_pool_dump,
-    parse_pool_header,
-)
+from pretuner.logscan.pooldump import HEADER_TEXT, SUMMARY_START, parse_pool_dump, parse_pool_header
+
+_READY = ("Starting vLLM server on", "Application startup complete")
+_START_FAILED = ("EngineCore failed to start", "Engine core initialization failed")
+# Only this one: a stopped server also logs EngineDeadError while it shuts down.
+_DEAD = "EngineCore encountered a fatal error"
+_SCHEDULER_DUMP = "Dumping scheduler output"
 
 # Literal texts of which every recognised line contains at least one. Each is at least 15
 # bytes long: the scanner relies on that to find them through aligned 8-byte words.
@@ -71,6 +80,19 @@ ANCHORS: tuple[bytes, ...] = (
     b"reserved for KV Cache",
     b", # CPU blocks: ",
     b"is too long and exceeds",  # vLLM V0 ignored a prompt (block manager capacity or limit)
+    b"you tried to allocate",  # vLLM on CPU: DefaultCPUAllocator
+    # V1 engines: their KV cache, layout and arguments, readiness and death
+    b"memory for KV Cache",
+    b"GiB for KV cache",
+    b"Graph capturing finished",
+    b"Chunked prefill is enabled",
+    b"Encoder cache will be initialized",
+    b"on startup is less than desired",
+    b"'kv_cache_memory_bytes': ",
+    b"'max_model_len': ",
+    b"Using max model len",
+    b"Initializing a V1 LLM engine",
+    *(marker.encode() for marker in (*_READY, *_START_FAILED, _DEAD, _SCHEDULER_DUMP)),
 )
 
 MAX_PARSED_CHARS = 16384  # a longer "line" is garbage around a real hit: keep its head only
@@ -132,7 +154,9 @@ _SEQ_TOO_LONG = re.compile(
 _MAX_SEQ_LEN = re.compile(r"max seq len \((\d+)\)")
 _ESTIMATED = re.compile(r"estimated maximum model length is (\d+)")
 
-_MODEL_LOADING = re.compile(r"Model loading took (" + _NUM + r") ?(GiB|GB) and (" + _NUM + r") ?s")
+_MODEL_LOADING = re.compile(
+    r"Model loading took (" + _NUM + r") ?(GiB|GB)(?: memory)?(?: and (" + _NUM + r") ?s)?"
+)
 _WEIGHTS_LOADING = re.compile(r"Loading model weights took (" + _NUM + r") ?(GiB|GB)")
 _AVAILABLE_KV = re.compile(r"Available KV cache memory: (" + _NUM + r") ?GiB")
 _AVAILABLE_MEMORY = re.compile(r"Available memory: (-?\d+), total memory: (\d+)")
@@ -144,6 +168,27 @@ _IGNORED = re.compile(
     r"|limit of (\d+))"
 )
 _BLOCKS = re.compile(r"# (?:GPU|NPU|npu|gpu) blocks: (\d+), # CPU blocks: (\d+)")
+
+_CPU_ALLOC = re.compile(r"you tried to allocate (\d+) bytes")
+_KV_PINNED = re.compile(
+    r"Initial free memory (" + _NUM + r") ?GiB, reserved (" + _NUM + r") ?GiB memory for KV Cache"
+)
+_CPU_SET = re.compile(r"(Auto|Explicitly) set \((" + _NUM + r")/(" + _NUM + r")\) GiB for KV cache")
+_CPU_NON_KV = re.compile(r"(" + _NUM + r") GiB memory was consumed by non-kv usages")
+_GRAPHS = re.compile(r"Graph capturing finished in \d+ secs?, took (" + _NUM + r") ?GiB")
+_BATCHED = re.compile(r"max_num_batched_tokens=(\d+)")
+_ENCODER = re.compile(r"Encoder cache will be initialized with a budget of (\d+) tokens, and "
+                      r"profiled with (\d+) \w+ items")
+_REFUSED = re.compile(
+    r"\((" + _NUM + r")/(" + _NUM + r") GiB\) on startup is less than desired (?:GPU|CPU) memory "
+    r"utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)"
+)
+_ARG_KV_BYTES = re.compile(r"'kv_cache_memory_bytes': (\d+)")
+_MAX_LEN = re.compile(r"(?:'max_model_len': |Using max model len )(\d+)")
+_TP = re.compile(r"tensor_parallel_size=(\d+)")
+_PP = re.compile(r"pipeline_parallel_size=(\d+)")
+_KILLED = re.compile(r"Failed core proc\(s\): \{[^}]*: -(\d+)\}")  # -9: the OOM killer
+_NEW_REQUESTS = "scheduled_new_reqs=[NewRequestData("  # the dumped step was a prefill
 
 _UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
@@ -292,6 +337,11 @@ def _oom(text: str) -> OomEvent | None:
     if found:
         size = _float(found.group(1)) * _UNIT_BYTES[found.group(2)]
         return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(size))
+    found = _CPU_ALLOC.search(text)
+    if found:
+        start = text.find("DefaultCPUAllocator")
+        return OomEvent(OomKind.DEVICE_OOM, text[start:] if start >= 0 else found.group(0),
+                        alloc_bytes=_int(found.group(1)))
     found = _MAX_DEVICE_MEMORY.search(text)
     if found:
         free = _FREE_DEVICE.search(text)
@@ -331,7 +381,8 @@ def _vllm(text: str) -> LogEvent | None:
         return LoadingStarted()
     found = _MODEL_LOADING.search(text)
     if found:
-        return ModelLoaded(_float(found.group(1)), _float(found.group(3)))
+        return ModelLoaded(_float(found.group(1)),
+                           _float(found.group(3)) if found.group(3) else None)
     found = _WEIGHTS_LOADING.search(text)
     if found:
         return ModelLoaded(_float(found.group(1)), None)
@@ -342,11 +393,13 @@ def _vllm(text: str) -> LogEvent | None:
     if found:
         return AvailableMemory(max(0, _int(found.group(1))), _int(found.group(2)))
     found = _KV_SIZE.search(text)
+    concurrency = _CONCURRENCY.search(text)
+    at = (MaxConcurrency(_int(concurrency.group(1)), _float(concurrency.group(2)))
+          if concurrency else None)
     if found:
-        return KvCacheSize(_int(found.group(1)))
-    found = _CONCURRENCY.search(text)
-    if found:
-        return MaxConcurrency(_int(found.group(1)), _float(found.group(2)))
+        return KvCacheSize(_int(found.group(1)), at)
+    if at is not None:
+        return at
     found = _KV_RESERVED.search(text)
     if found:
         return KvReserved(_float(found.group(1)))
@@ -356,32 +409,52 @@ def _vllm(text: str) -> LogEvent | None:
     found = _IGNORED.search(text)
     if found:
         return PromptIgnored(_int(found.group(1)), _int(found.group(2)) if found.group(2) else None)
+    return _v1(text)
+
+
+def _v1(text: str) -> LogEvent | None:
+    """The lines of V1 engines beyond their KV cache size: pinned or CPU KV, layout, arguments,
+    readiness and death."""
+    if (found := _KV_PINNED.search(text)) is not None:
+        return KvPinned(_float(found.group(1)), _float(found.group(2)))
+    if (found := _CPU_SET.search(text)) is not None:
+        non_kv = _CPU_NON_KV.search(text)
+        return CpuKvSet(found.group(1) == "Explicitly", _float(found.group(2)),
+                        _float(found.group(3)), _float(non_kv.group(1)) if non_kv else None)
+    if (found := _GRAPHS.search(text)) is not None:
+        return GraphsCaptured(_float(found.group(1)))
+    if "Chunked prefill is enabled" in text and (found := _BATCHED.search(text)) is not None:
+        return ChunkedPrefill(_int(found.group(1)))
+    if (found := _ENCODER.search(text)) is not None:
+        return EncoderBudget(_int(found.group(1)), _int(found.group(2)))
+    if (found := _REFUSED.search(text)) is not None:
+        return DeviceRefused(*(_float(found.group(i)) for i in range(1, 5)))
+    if "Initializing a V1 LLM engine" in text:
+        tp, pp = _TP.search(text), _PP.search(text)
+        return V1EngineConfig(_int(tp.group(1)) if tp else None, _int(pp.group(1)) if pp else None)
+    pinned, length = _ARG_KV_BYTES.search(text), _MAX_LEN.search(text)
+    if pinned or length:
+        return EngineArgs(_int(pinned.group(1)) if pinned else None,
+                          _int(length.group(1)) if length else None)
+    if any(marker in text for marker in _START_FAILED):
+        killed = _KILLED.search(text)
+        return EngineStartFailed(_int(killed.group(1)) if killed else None)
+    if _DEAD in text:
+        return EngineDied()
+    if _SCHEDULER_DUMP in text:
+        return SchedulerDump(_NEW_REQUESTS in text)
+    if any(marker in text for marker in _READY):
+        return ServerReady()
     return None
 
 
-__all__ = [
+__all__ = [  # what the rest of pretuner takes from here; the events are in `events`
     "ANCHORS",
-    "AvailableKvMemory",
-    "AvailableMemory",
-    "BlockCounts",
     "DeviceMemoryInit",
-    "KvCacheSize",
-    "KvReserved",
-    "LoadingStarted",
     "Located",
     "LogEvent",
-    "MaxConcurrency",
-    "MemoryStat",
-    "MemoryStatKind",
-    "ModelLoaded",
     "OomEvent",
     "OomKind",
-    "Origin",
-    "PartialPoolDump",
-    "PoolDump",
-    "PoolDumpHeader",
-    "PoolFormat",
-    "PromptIgnored",
     "locate_line",
     "parse_line",
     "parse_origin",

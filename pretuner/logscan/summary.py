@@ -14,10 +14,10 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pretuner.logscan.events import (
     AvailableKvMemory,
-    AvailableMemory,
     BlockCounts,
     DeviceMemoryInit,
     KvCacheSize,
@@ -47,6 +47,13 @@ from pretuner.logscan.result import (
     writer,
 )
 from pretuner.logscan.scanner import FileDone, FileScan, FileStart, ScanItem
+
+N = TypeVar("N", int, float)
+
+
+def _least(value: N, least: N | None) -> N:
+    return value if least is None else min(value, least)
+
 
 MAX_OOM_KEYS = 4096  # OOM reports remembered per file to drop their echoes (most recent kept)
 
@@ -87,8 +94,12 @@ class Summariser:
         self.ignored_omitted = 0
         self.truncated: list[TruncatedRecord] = []
         self.truncated_omitted = 0
-        self.smallest: dict[str, float] = {}
-        self.largest: dict[str, float] = {}
+        # The vLLM figures: the smallest of each (the rank that decides), the largest weights.
+        self.kv_tokens: int | None = None
+        self.kv_gib: float | None = None
+        self.concurrency: float | None = None
+        self.kv_blocks: int | None = None
+        self.weights_gib: float | None = None
         self._file: _FileState | None = None
 
     def feed(self, items: Iterable[ScanItem]) -> Summariser:
@@ -121,26 +132,25 @@ class Summariser:
             state.loading = True
         elif isinstance(event, ModelLoaded):
             state.loaded = True
-            self._figure("weights", event.weights_gib)
+            if self.weights_gib is None or event.weights_gib > self.weights_gib:
+                self.weights_gib = event.weights_gib
         elif isinstance(event, KvCacheSize):
-            self._figure("tokens", event.tokens)
+            self.kv_tokens = _least(event.tokens, self.kv_tokens)
         elif isinstance(event, AvailableKvMemory | KvReserved):
-            self._figure("kv_gib", event.gib)
+            self.kv_gib = _least(event.gib, self.kv_gib)
         elif isinstance(event, MaxConcurrency):
-            self._figure("concurrency", event.concurrency)
+            self.concurrency = _least(event.concurrency, self.concurrency)
         elif isinstance(event, BlockCounts):
-            self._figure("blocks", event.device_blocks)
+            self.kv_blocks = _least(event.device_blocks, self.kv_blocks)
         elif isinstance(event, PromptIgnored):
             if len(self.ignored) < MAX_EXAMPLES:
                 self.ignored.append(event)
             else:
                 self.ignored_omitted += 1
-        elif not isinstance(event, AvailableMemory):  # its total is not reported
+        elif isinstance(event, PoolDumpHeader | PartialPoolDump | PoolDump | DeviceMemoryInit
+                        | MemoryStat | OomEvent):
             self._per_rank(state, ev, event, pid)
-
-    def _figure(self, name: str, value: float) -> None:
-        self.smallest[name] = min(self.smallest.get(name, value), value)
-        self.largest[name] = max(self.largest.get(name, value), value)
+        # the rest (AvailableMemory, a V1 engine's start-up) is not what a scan reports
 
     def _acc(self, ev: Located, pid: int | None) -> RankAcc:
         if ev.rank is not None:
@@ -292,18 +302,17 @@ class Summariser:
         with_peak = [r for r in ranks if r.actual_peak_mib is not None]
         worst = max(with_peak, key=lambda r: r.actual_peak_mib or 0) if with_peak else None
         cards = [r.card_mib for r in ranks if r.card_mib]
-        small, large = self.smallest, self.largest
         return ScanResult(
             files=tuple(self.files),
             ranks=ranks,
             worst=worst,
             oom=tuple(dataclasses.replace(o, rank=self._rank(o.rank, o.pid)) for o in self.oom),
             card_mib=max(cards) if cards else None,
-            kv_cache_tokens=int(small["tokens"]) if "tokens" in small else None,
-            available_kv_gib=small.get("kv_gib"),
-            max_concurrency=small.get("concurrency"),
-            weights_gib=large.get("weights"),
-            kv_blocks=int(small["blocks"]) if "blocks" in small else None,
+            kv_cache_tokens=self.kv_tokens,
+            available_kv_gib=self.kv_gib,
+            max_concurrency=self.concurrency,
+            weights_gib=self.weights_gib,
+            kv_blocks=self.kv_blocks,
             unreadable=tuple(unreadable) + tuple(self.errors),
             lines_scanned=self.lines,
             bytes_scanned=self.bytes_read,

@@ -220,7 +220,7 @@ def test_text_model_refuses_an_image_limit() -> None:
 
 def test_cli_plan_vl_text_shows_images_block() -> None:
     proc = invoke(
-        "plan", "--model", "qwen3-vl-8b", "--card", "64", "--tp", "2",
+        "plan", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
         "--limit-mm-per-prompt", "image=2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -236,7 +236,7 @@ def test_cli_plan_vl_text_shows_images_block() -> None:
 
 def test_cli_plan_vl_json_has_vision_key() -> None:
     proc = invoke(
-        "plan", "--model", "qwen3-vl-8b", "--card", "64", "--tp", "2",
+        "plan", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
         "--limit-mm-per-prompt", '{"image": 2}', "--max-num-batched-tokens", "32K",
         "--max-model-len", "65536", "--json",
     )  # fmt: skip

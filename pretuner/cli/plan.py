@@ -32,9 +32,8 @@ Examples:
   pretuner plan --model deepseek-r1-distill-llama-70b --card 32 --engine vllm --max-model-len 8K
 
 \b
-The flags plan shares with `pretuner run` mean what they mean there, with the same defaults
-and checks: plan shows the layout that run would launch. Exit codes: 2 bad input, 4 the
-weights fit no layout of these cards (plan then says what would).""",
+The flags it shares with `pretuner run` take run's defaults and checks: plan shows the layout
+run would launch. Exit codes: 2 bad input, 4 no layout fits (plan says what would).""",
 )
 def plan_cmd(
     model: str = typer.Option(
@@ -142,8 +141,10 @@ def plan_cmd(
         quantization=quantization.strip().lower() if quantization else None,
         cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space,
     )  # fmt: skip
-    cfg = dataclasses.replace(
-        run_layout_options(opts), kv_gib=kv_gib, image_limit=_image_limit(limit_mm_per_prompt),
+    cfg = run_layout_options(opts)
+    limits = parse_limit_mm_per_prompt(limit_mm_per_prompt) if limit_mm_per_prompt else {}
+    cfg = dataclasses.replace(  # no image key: None, vLLM then allows 999
+        cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
         max_num_batched_tokens=max_num_batched_tokens, cards_per_node=cards_per_node,
         mm_processor_cache_gib=(DEFAULT_MM_PROCESSOR_CACHE_GIB if mm_processor_cache_gb is None
                                 else mm_processor_cache_gb))
@@ -162,14 +163,6 @@ def plan_cmd(
         echo_json(result.to_json())
     else:
         typer.echo(render_plan(result))
-
-
-def _image_limit(text: str | None) -> int | None:
-    """The image count of --limit-mm-per-prompt; None when the flag or the image key is absent
-    (vLLM then allows 999)."""
-    if text is None:
-        return None
-    return parse_limit_mm_per_prompt(text).get("image")
 
 
 def render_images(vp: VisionPlan) -> list[str]:

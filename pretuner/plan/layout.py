@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pretuner import validate as v
 from pretuner.devices import select_reader
@@ -25,7 +25,8 @@ from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, VisionPlan, p
 from pretuner.plan import weights as pw
 from pretuner.units import GIB
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the flags run and plan share, as the run was given them and resolved them
+    from pretuner.tune.config import TuneConfig
     from pretuner.tune.options import RunOptions
 
 LADDER = (16384, 8192, 4096)
@@ -45,28 +46,9 @@ MIN_KV_SHARE = 0.10
 BETTER_PER_CARD = 2.0
 
 
-class LayoutFlags(Protocol):
-    """The flags run, plan and analyze share that shape a layout (`RunOptions`, `TuneConfig`)."""
-
-    @property
-    def util(self) -> float: ...
-    @property
-    def tp(self) -> int | None: ...
-    @property
-    def pp(self) -> int: ...
-    @property
-    def nodes(self) -> int | None: ...
-    @property
-    def kv_cache_dtype(self) -> str: ...
-    @property
-    def weights_format(self) -> str | None: ...
-    @property
-    def headroom_gib(self) -> float | None: ...
-
-
 def layout_options(
-    flags: LayoutFlags, *, model: ModelSpec, card_gib: int, max_model_len: int, block_size: int,
-    engine: str | None = None, knobs: Knobs | None = None,
+    flags: RunOptions | TuneConfig, *, model: ModelSpec, card_gib: int, max_model_len: int,
+    block_size: int, engine: str | None = None, knobs: Knobs | None = None,
 ) -> PlanConfig:
     """The layout options of a run's flags once the card, length and block are resolved: one
     construction for `run` (r0.1 and V1) and `plan`, so the two cannot decide apart."""
@@ -178,6 +160,12 @@ class LengthPlan:
     def fits(self) -> bool:
         return self.max_num_seqs >= 1
 
+    def to_json(self) -> dict[str, Any]:
+        return {"max_model_len": self.max_model_len,
+                "activation_gib": round(self.activation_bytes / GIB, 3),
+                "model_use_gib": self.model_use_gib, "max_kv_gib": round(self.kv_bytes / GIB, 3),
+                "max_kv_tokens": self.kv_tokens, "max_num_seqs": self.max_num_seqs}
+
 
 @dataclass(frozen=True, slots=True)
 class PlanResult:
@@ -201,7 +189,6 @@ class PlanResult:
     weights_plan: pw.WeightsPlan | None = None
 
     def to_json(self) -> dict[str, Any]:
-        req = self.requested
         return {
             "model": self.model,
             "card_gib": self.card_gib,
@@ -211,24 +198,10 @@ class PlanResult:
             "nodes": self.nodes,
             "weights_format": self.weights_format,
             "weights_gib_per_card": round(self.weights_bytes_per_card / GIB, 3),
-            "activation_gib": round(req.activation_bytes / GIB, 3),
-            "model_use_gib": req.model_use_gib,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "block_size": self.block_size,
-            "max_kv_gib": round(req.kv_bytes / GIB, 3),
-            "max_kv_tokens": req.kv_tokens,
-            "max_num_seqs": req.max_num_seqs,
-            "max_model_len": req.max_model_len,
-            "ladder": [
-                {
-                    "max_model_len": lp.max_model_len,
-                    "model_use_gib": lp.model_use_gib,
-                    "max_kv_gib": round(lp.kv_bytes / GIB, 3),
-                    "max_kv_tokens": lp.kv_tokens,
-                    "max_num_seqs": lp.max_num_seqs,
-                }
-                for lp in self.ladder
-            ],
+            **self.requested.to_json(),
+            "ladder": [lp.to_json() for lp in self.ladder],
             "layout_reason": self.layout_reason,
             "rejected_layouts": [{"tp": tp, "reason": why} for tp, why in self.rejected],
             "notes": list(self.notes),

@@ -78,15 +78,7 @@ class Step:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "quantization": self.quantization,
-            "cpu_offload_gib": self.cpu_offload_gib,
-            "fits": self.fits,
-            "card_weights_gib": round(self.card_weights_gib, 3),
-            "host_gib": round(self.host_gib, 3),
-            "max_num_seqs": self.max_num_seqs,
-            "why": self.why,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,15 +92,7 @@ class Proposal:
     swap_gib: float = 0.0  # --swap-space per card, in the host figure
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "tp": self.tp,
-            "max_model_len": self.max_model_len,
-            "tried": [s.to_json() for s in self.tried],
-            "chosen": self.chosen.to_json() if self.chosen else None,
-            "flags": list(self.flags),
-            "alternatives": list(self.alternatives),
-            "provenance": "predicted",
-        }
+        return {**dataclasses.asdict(self), "provenance": "predicted"}
 
 
 def _try(
@@ -128,7 +112,8 @@ def _try(
         if seqs
         else f"weights leave {r.requested.kv_tokens:,} KV tokens, under {cfg.max_model_len:,}"
     )
-    step = Step(name, offload, seqs >= 1, r.weights_bytes_per_card / GIB, host, seqs, why)
+    weights_gib = round(r.weights_bytes_per_card / GIB, 3)
+    step = Step(name, offload, seqs >= 1, weights_gib, round(host, 3), seqs, why)
     return step, (r if step.fits else None)
 
 

@@ -264,7 +264,8 @@ def plan(cfg: PlanConfig) -> PlanResult:
         )
     if cfg.cards_per_node < 1:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
-    _check_vision_options(cfg)
+    if cfg.max_num_batched_tokens is not None:
+        v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
     rejected: list[tuple[int, str]] = []
     notes: list[str] = []
@@ -294,6 +295,7 @@ def plan(cfg: PlanConfig) -> PlanResult:
     kv_query = None
     if cfg.kv_gib is not None:
         kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
+    wp = pw.weights_plan(cfg, tp * cfg.pp)
     return PlanResult(
         vision=_vision_plan(cfg, tp),
         model=cfg.model.name,
@@ -302,9 +304,9 @@ def plan(cfg: PlanConfig) -> PlanResult:
         tp=tp,
         pp=cfg.pp,
         nodes=nodes,
-        weights_format=pw.weights_plan(cfg, 1).quantization or fmt.name,
+        weights_format=wp.quantization or fmt.name,
         weights_bytes_per_card=weights,
-        weights_plan=pw.weights_plan(cfg, tp * cfg.pp),
+        weights_plan=wp,
         kv_bytes_per_token=bpt,
         block_size=cfg.block_size,
         requested=requested,
@@ -314,18 +316,6 @@ def plan(cfg: PlanConfig) -> PlanResult:
         kv_query=kv_query,
         notes=tuple(notes),
     )
-
-
-def _check_vision_options(cfg: PlanConfig) -> None:
-    if cfg.image_limit is not None:
-        v.int_range("--limit-mm-per-prompt image", cfg.image_limit, 0)
-    if cfg.max_num_batched_tokens is not None:
-        v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
-    if cfg.model.vision is None and cfg.image_limit:
-        raise BadInputError(
-            f"--limit-mm-per-prompt: {cfg.model.name} is text-only and takes no images",
-            hint="drop --limit-mm-per-prompt, or plan a vision-language model (qwen3-vl-8b)",
-        )
 
 
 def _vision_plan(cfg: PlanConfig, tp: int) -> VisionPlan | None:

@@ -63,6 +63,38 @@ def test_plan_refuses_non_finite_and_odd_values(flags: list[str]) -> None:
     assert flags[0] in done.stderr
 
 
+# Issue 26: `plan --engine vllm` turned these into exit 4 "infeasible"; both commands refuse
+# them alike (the same exit 2 and the same line), on a V1 engine and on r0.1.
+BAD_PLAN_AND_RUN = [
+    pytest.param(["--gpu-memory-utilization", "95"], "--util 95.0 is outside (0, 1]", id="util"),
+    pytest.param(["--card", "0"], "card size 0 GiB is invalid", id="card-0"),
+    pytest.param(["--block-size", "17"], "--block-size 17 is not supported", id="block-17"),
+    pytest.param(["--max-model-len", "0"], "--max-model-len 0 is invalid", id="len-0"),
+    pytest.param(["--engine", "vllm-gpu"], "unknown engine 'vllm-gpu'", id="engine"),
+    pytest.param(["--tp", "0"], "--tp 0 is invalid", id="tp-0"),
+    pytest.param(["--headroom-gb", "-1"], "--headroom-gb -1.0 is negative", id="headroom"),
+    pytest.param(["--quantization", "awq"], "no quantization_config", id="awq-on-bf16"),
+    pytest.param(["--cpu-offload-gb", "-1"], "--cpu-offload-gb -1.0 is negative", id="offload"),
+    pytest.param(["--limit-mm-per-prompt", "image=2"], "is a text model", id="text-model-images"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "says"), BAD_PLAN_AND_RUN)
+@pytest.mark.parametrize("engine", ["vllm", "auto"])
+def test_plan_refuses_bad_input_as_run_does(flags: list[str], says: str, engine: str) -> None:
+    argv = ["--model", "qwen3-8b", "--card", "80", "--engine", engine, *flags]
+    if "--engine" in flags:
+        argv = ["--model", "qwen3-8b", "--card", "80", *flags]
+    ran = invoke("run", *argv, "--dry-run")
+    planned = invoke("plan", *argv)
+    assert (planned.returncode, planned.stderr) == (ran.returncode, ran.stderr)
+    assert planned.returncode == 2
+    [line] = planned.stderr.strip().splitlines()
+    assert line.startswith("pretuner: error: ")
+    if engine == "vllm" or "--engine" in flags:  # r0.1 refuses V1 flags first, in its own words
+        assert says in line
+
+
 def _journal(folder: Path, *lines: str) -> Path:
     folder.mkdir()
     (folder / "journal.jsonl").write_text("".join(line + "\n" for line in lines))

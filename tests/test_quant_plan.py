@@ -144,27 +144,31 @@ def test_proposal_for_a_card_that_serves_as_is() -> None:
     assert p.chosen.label == "unquantized"
 
 
-def test_cli_70b_on_32g_text_and_json() -> None:
-    args = (
-        "plan",
-        "--card",
-        "32",
-        "--model",
-        LLAMA70,
-        "--engine",
-        "vllm",
-        "--max-model-len",
-        "8192",
-    )
+def test_cli_70b_on_one_32g_card_proposes_then_plans_the_proposal() -> None:
+    """Run refuses 70B bf16 on one 32 GB card (exit 4), and so does plan, saying what would
+    serve it there; the proposed flags then plan (and run) as a layout of their own."""
+    args = ("plan", "--card", "32", "--model", LLAMA70, "--engine", "vllm", "--tp", "1",
+            "--max-model-len", "8192")  # fmt: skip
     proc = invoke(*args)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 4, proc.stderr
     assert "proposed: bitsandbytes-nf4-dq + --cpu-offload-gb" in proc.stdout
     assert "--quantization bitsandbytes --cpu-offload-gb" in proc.stdout
     assert "host memory" in proc.stdout
-    data = json.loads(invoke(*args, "--json").stdout)
+    assert "--quantization bitsandbytes --cpu-offload-gb" in proc.stderr  # run's hint too
+    assert len(proc.stderr.strip().splitlines()) == 1
+    err = json.loads(invoke(*args, "--json").stdout)
+    assert err["exit_code"] == 4
+    assert err["fits"] is False
+    chosen = err["proposal"]["chosen"]
+    assert chosen["quantization"] == "bitsandbytes-nf4-dq"
+    assert chosen["cpu_offload_gib"] >= 1
+    proposed = invoke(*args, "--quantization", "bitsandbytes", "--cpu-offload-gb",
+                      str(chosen["cpu_offload_gib"]), "--json")  # fmt: skip
+    assert proposed.returncode == 0, proposed.stderr
+    data = json.loads(proposed.stdout)
     wp = data["weights_plan"]
     assert wp["quantization"] == "bitsandbytes-nf4-dq"
-    assert wp["cpu_offload_gib_per_card"] == data["proposal"]["chosen"]["cpu_offload_gib"]
+    assert wp["cpu_offload_gib_per_card"] == chosen["cpu_offload_gib"]
     assert wp["host_fits"] in (True, False)
     assert data["max_num_seqs"] >= 1
 

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
-from pretuner.errors import ExitCode
-from pretuner.method import DEFAULT_HEADROOM_GIB
-from pretuner.models.quant import METHODS, from_flag
-from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, parse_limit_mm_per_prompt
-from pretuner.plan.weights import ENGINES, is_v1, render_weights_plan
+from pretuner.models.quant import METHODS
+from pretuner.models.vision import parse_limit_mm_per_prompt
 from pretuner.units import GIB
 
 if TYPE_CHECKING:
     from pretuner.models.vision import VisionPlan
     from pretuner.plan.layout import PlanResult
-    from pretuner.plan.propose import Proposal
 
 # Only what the options' help and defaults name is imported here; the planner is imported
 # where it runs, so `pretuner --help` answers at once (tests/test_cli_startup.py).
@@ -27,30 +23,34 @@ if TYPE_CHECKING:
 
 @app.command(
     "plan",
-    short_help="Predict weights, KV cache and max-num-seqs per card (no launch).",
+    short_help="Predict the layout run would launch: weights, KV cache, max-num-seqs (no launch).",
     epilog="""\b
 Examples:
   pretuner plan --model deepseek-v3 --card 64
   pretuner plan --model qwen3-8b --card 24 --max-model-len 32K --kv-cache-dtype fp8 --json
-  pretuner plan --model qwen3-vl-8b --card 64 --tp 2 --limit-mm-per-prompt image=2
-  pretuner plan --model deepseek-r1-distill-llama-70b --card 32 --engine vllm --max-model-len 8K""",
+  pretuner plan --model qwen3-vl-8b --engine vllm --card 64 --tp 2 --limit-mm-per-prompt image=2
+  pretuner plan --model deepseek-r1-distill-llama-70b --card 32 --engine vllm --max-model-len 8K
+
+\b
+The flags it shares with `pretuner run` take run's defaults and checks: plan shows the layout
+run would launch. Exit codes: 2 bad input, 4 no layout fits (plan says what would).""",
 )
 def plan_cmd(
     model: str = typer.Option(
         ..., "--model", "-m", metavar="MODEL", help="Registry name, alias, or local HF folder."
     ),
-    card: int = typer.Option(
-        ..., "--card", metavar="GIB", help="Card memory in GiB (ASCEND_TOTAL_MEMORY_GB)."
+    card: int | None = typer.Option(
+        None, "--card", metavar="GIB", help="Card GiB (default: as run, what the device reports)."
     ),
     util: float = typer.Option(
         0.9, *UTIL_FLAGS, metavar="FRACTION", help="--gpu-memory-utilization."
     ),
-    max_model_len: int = typer.Option(
-        16384,
+    max_model_len: int | None = typer.Option(
+        None,
         "--max-model-len",
         metavar="TOKENS",
         parser=human_int,
-        help="Tokens per request (32K, 32k...).",
+        help="Tokens per request (32K, 32k...; default the engine's, as run).",
     ),
     tp: int | None = typer.Option(
         None, *TP_FLAGS, metavar="N", help="Tensor parallel size (default: chosen)."
@@ -63,17 +63,16 @@ def plan_cmd(
     kv_cache_dtype: KvDtype = typer.Option(
         KvDtype.AUTO, "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
     ),
-    block_size: int = typer.Option(
-        16, "--block-size", metavar="TOKENS", help="KV block size in tokens (r0.1: 16)."
+    block_size: int | None = typer.Option(
+        None, "--block-size", metavar="TOKENS",
+        help="KV block size in tokens (default the engine's: 16 on r0.1 and vLLM, 128 on "
+        "vllm-ascend and vLLM on CPU).",
     ),
     weights_format: str | None = typer.Option(
         None, "--weights-format", metavar="FORMAT", help="Checkpoint format, e.g. bf16, w8a8."
     ),
-    headroom_gb: float = typer.Option(
-        DEFAULT_HEADROOM_GIB,
-        "--headroom-gb",
-        metavar="GIB",
-        help="GiB added to weights+activations.",
+    headroom_gb: float | None = typer.Option(
+        None, "--headroom-gb", metavar="GIB", help="GiB added to weights+activations (0.5)."
     ),
     kv_gib: float | None = typer.Option(
         None, "--kv-gib", metavar="GIB", help="Also say how many tokens fit in this many GiB."
@@ -82,8 +81,8 @@ def plan_cmd(
         None,
         "--limit-mm-per-prompt",
         metavar="LIMITS",
-        help="VL models: images per prompt, vLLM's forms image=2 or '{\"image\": 2}' "
-        "(default vLLM's 999, capped by what fits in --max-model-len).",
+        help="VL models (V1 engines): images per prompt, vLLM's forms image=2 or "
+        "'{\"image\": 2}' (default vLLM's 999, capped by what fits in --max-model-len).",
     ),
     max_num_batched_tokens: int | None = typer.Option(
         None,
@@ -92,103 +91,78 @@ def plan_cmd(
         parser=human_int,
         help="VL models: sizes vLLM's encoder cache (default vLLM's, 8192).",
     ),
-    mm_processor_cache_gb: float = typer.Option(
-        DEFAULT_MM_PROCESSOR_CACHE_GIB,
+    mm_processor_cache_gb: float | None = typer.Option(
+        None,
         "--mm-processor-cache-gb",
         metavar="GIB",
-        help="VL models: vLLM's preprocessor cache, host memory per API server.",
+        help="VL models: vLLM's preprocessor cache, host memory per API server (default 4).",
     ),
-    engine: str | None = typer.Option(
-        None,
+    engine: str = typer.Option(
+        "auto",
         "--engine",
         metavar="NAME",
-        help=f"{' | '.join(ENGINES)} (default: r0.1's arithmetic). A V1 engine plans --tp "
-        "cards (default 1) and, when they are too small, proposes quantization, then offload.",
+        help="auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu, "
+        "as run picks it. When the weights fit no layout of these cards, a V1 engine's plan "
+        "proposes quantization, then offload.",
     ),
     quantization: str | None = typer.Option(
         None,
         "--quantization",
         metavar="METHOD",
-        help=f"vLLM's --quantization: {' | '.join(METHODS)} (bitsandbytes loads 4-bit).",
+        help=f"V1 engines: vLLM's --quantization: {' | '.join(METHODS)} (bitsandbytes loads "
+        "4-bit).",
     ),
     cpu_offload_gb: float = typer.Option(
         0.0, "--cpu-offload-gb", metavar="GIB", help="Weights per card kept in host memory."
     ),
-    swap_space: float = typer.Option(
-        0.0, "--swap-space", metavar="GIB", help="Host memory per card for preempted KV blocks."
+    swap_space: float | None = typer.Option(
+        None, "--swap-space", metavar="GIB", help="Host memory per card for preempted KV blocks."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Predict weights, activations, KV cache and max-num-seqs per card (no launch)."""
+    """Predict the layout `pretuner run` would launch, and its weights, activations, KV cache
+    and max-num-seqs per card (no launch)."""
+    import dataclasses
+
     from pretuner.devices.cpu import host_available_bytes
-    from pretuner.models import resolve
-    from pretuner.plan.layout import PlanConfig, plan
-    from pretuner.plan.propose import propose, render_proposal
+    from pretuner.errors import InfeasibleError
+    from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB
+    from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
+    from pretuner.plan.weights import is_v1
+    from pretuner.tune.layout import run_layout_options
+    from pretuner.tune.options import RunOptions
 
-    cfg = PlanConfig(
-        model=resolve(model),
-        card_gib=card,
-        util=util,
-        max_model_len=max_model_len,
-        tp=tp,
-        pp=pp,
-        nodes=nodes,
-        cards_per_node=cards_per_node,
-        kv_cache_dtype=kv_dtype(kv_cache_dtype),
-        block_size=block_size,
-        weights_format=weights_format,
-        headroom_gib=headroom_gb,
-        kv_gib=kv_gib,
-        image_limit=_image_limit(limit_mm_per_prompt),
-        max_num_batched_tokens=max_num_batched_tokens,
-        mm_processor_cache_gib=mm_processor_cache_gb,
-        quantization=from_flag(quantization) if quantization else None,
-        cpu_offload_gib=cpu_offload_gb,
-        swap_space_gib=swap_space,
-        engine=engine,
-        host_available_bytes=(
-            host_available_bytes() if engine or cpu_offload_gb or swap_space else None
-        ),
-    )
-    proposal: Proposal | None = None
-    if is_v1(engine) and quantization is None and not cpu_offload_gb:
-        proposal, found = propose(cfg)
-        if found is None:
-            _show_nothing_fits(proposal, swap_space, as_json)
-        result = found
-    else:
-        result = plan(cfg)
+    opts = RunOptions(
+        model=model, engine=engine, card_gib=card, util=util, max_model_len=max_model_len,
+        tp=tp, pp=pp, nodes=nodes, block_size=block_size, kv_cache_dtype=kv_dtype(kv_cache_dtype),
+        weights_format=weights_format, headroom_gib=headroom_gb,
+        max_num_batched_tokens=max_num_batched_tokens, limit_mm_per_prompt=limit_mm_per_prompt,
+        mm_processor_cache_gb=mm_processor_cache_gb,
+        quantization=quantization.strip().lower() if quantization else None,
+        cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space,
+    )  # fmt: skip
+    cfg = run_layout_options(opts)
+    limits = parse_limit_mm_per_prompt(limit_mm_per_prompt) if limit_mm_per_prompt else {}
+    cfg = dataclasses.replace(  # no image key: None, vLLM then allows 999
+        cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
+        max_num_batched_tokens=max_num_batched_tokens, cards_per_node=cards_per_node,
+        mm_processor_cache_gib=(DEFAULT_MM_PROCESSOR_CACHE_GIB if mm_processor_cache_gb is None
+                                else mm_processor_cache_gb))
+    if is_v1(cfg.engine) or cpu_offload_gb:
+        cfg = dataclasses.replace(cfg, host_available_bytes=host_available_bytes())
+    try:
+        result = decide_layout(cfg)
+    except InfeasibleError as err:  # say what would serve it: stdout, or the error's JSON
+        if proposes(cfg):
+            proposal, _ = propose(cfg)
+            err.report = {"fits": False, "proposal": proposal.to_json()}
+            if not as_json:
+                typer.echo("\n".join(render_proposal(proposal)))
+        raise
     if as_json:
-        data = result.to_json()
-        if proposal is not None:
-            data["proposal"] = proposal.to_json()
-        echo_json(data)
+        echo_json(result.to_json())
     else:
-        text = render_plan(result)
-        if proposal is not None and (
-            proposal.chosen is None or proposal.chosen.label != "unquantized"
-        ):
-            text += "\n\n" + "\n".join(render_proposal(proposal, swap_space))
-        typer.echo(text)
-
-
-def _show_nothing_fits(proposal: Proposal, swap_gib: float, as_json: bool) -> NoReturn:
-    """Nothing serves the length on these cards: say what would, exit INFEASIBLE (4)."""
-    from pretuner.plan.propose import render_proposal
-
-    if as_json:
-        echo_json({"fits": False, "proposal": proposal.to_json()})
-    else:
-        typer.echo("\n".join(render_proposal(proposal, swap_gib)))
-    raise typer.Exit(int(ExitCode.INFEASIBLE))
-
-
-def _image_limit(text: str | None) -> int | None:
-    """The image count of --limit-mm-per-prompt; None when the flag or the image key is absent
-    (vLLM then allows 999)."""
-    if text is None:
-        return None
-    return parse_limit_mm_per_prompt(text).get("image")
+        typer.echo(render_plan(result))
 
 
 def render_images(vp: VisionPlan) -> list[str]:
@@ -225,6 +199,7 @@ def render_images(vp: VisionPlan) -> list[str]:
 
 
 def render_plan(r: PlanResult) -> str:
+    from pretuner.plan.weights import render_weights_plan
     from pretuner.presets.compare import preset_line
 
     lines = [
@@ -240,30 +215,22 @@ def render_plan(r: PlanResult) -> str:
         f"KV cache: {r.kv_bytes_per_token:,} bytes per token per card, block {r.block_size}",
         "",
     ]
+    # r0.1 is told an integer model-use GiB; a V1 engine's KV cache is pinned in bytes.
+    r01 = r.requested.model_use_gib is not None
     rows = [
         (
             f"{lp.max_model_len:,}",
             f"{lp.activation_bytes / GIB:.2f}",
-            lp.model_use_gib,
+            *((lp.model_use_gib,) if r01 else ()),
             f"{lp.kv_bytes / GIB:.2f}",
             f"{lp.kv_tokens:,}",
             lp.max_num_seqs,
         )
         for lp in (r.requested, *r.ladder)
     ]
-    lines.append(
-        table(
-            (
-                "max_model_len",
-                "activation GiB",
-                "model-use GiB",
-                "KV GiB",
-                "KV tokens",
-                "max-num-seqs",
-            ),
-            rows,
-        )
-    )
+    head = ("max_model_len", "activation GiB", *(("model-use GiB",) if r01 else ()), "KV GiB",
+            "KV tokens", "max-num-seqs")  # fmt: skip
+    lines.append(table(head, rows))
     if not r.requested.fits:
         lines.append(
             f"\n{r.requested.max_model_len:,} tokens does not fit one sequence on this layout."

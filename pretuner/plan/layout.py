@@ -8,20 +8,29 @@ with a measurement. The activation heuristic is deliberately simple and document
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretuner import validate as v
+from pretuner.devices import select_reader
+from pretuner.engines.v1_knobs import Knobs
+from pretuner.engines.vllm_v1 import V1Row
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.kvmath import KV_DTYPES, kv_bytes_per_token, kv_tokens, num_kv_blocks
-from pretuner.method import DEFAULT_HEADROOM_GIB, check_launch_settings
-from pretuner.models.quant import Quantization
+from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
+from pretuner.method import DEFAULT_HEADROOM_GIB
+from pretuner.models.quant import Quantization, from_flag
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB, VisionPlan, plan_images
 from pretuner.plan import weights as pw
 from pretuner.units import GIB
 
+if TYPE_CHECKING:  # the flags run and plan share, as the run was given them and resolved them
+    from pretuner.tune.config import TuneConfig
+    from pretuner.tune.options import RunOptions
+
 LADDER = (16384, 8192, 4096)
+V1_MAX_MODEL_LEN = 16384  # a V1 run's length when neither --max-model-len nor its row says
 TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)
 # Non-weight memory a server holds whatever the length: CANN/HCCL buffers, kernel workspace,
 # the sampler. Measured runs replace it; 1 GiB matches the "non-framework < 1 GiB" of seed 003.
@@ -35,6 +44,54 @@ MIN_KV_SHARE = 0.10
 # 16k sequence at TP1, about nine at TP2); step by step, so the proposal stops where the next
 # doubling of cards no longer doubles what each card serves.
 BETTER_PER_CARD = 2.0
+
+
+def layout_options(
+    flags: RunOptions | TuneConfig, *, model: ModelSpec, card_gib: int, max_model_len: int,
+    block_size: int, engine: str | None = None, knobs: Knobs | None = None,
+) -> PlanConfig:
+    """The layout options of a run's flags once the card, length and block are resolved: one
+    construction for `run` (r0.1 and V1) and `plan`, so the two cannot decide apart."""
+    quant = knobs.quantization if knobs else None
+    return PlanConfig(
+        model=model, card_gib=card_gib, util=flags.util, max_model_len=max_model_len,
+        tp=flags.tp, pp=flags.pp, nodes=flags.nodes, kv_cache_dtype=flags.kv_cache_dtype,
+        block_size=block_size, weights_format=flags.weights_format,
+        headroom_gib=DEFAULT_HEADROOM_GIB if flags.headroom_gib is None else flags.headroom_gib,
+        quantization=from_flag(quant) if quant else None,
+        cpu_offload_gib=knobs.cpu_offload_gib if knobs else 0.0,
+        swap_space_gib=knobs.swap_gib if knobs else 0.0, engine=engine,
+    )  # fmt: skip
+
+
+def v1_layout_options(
+    opts: RunOptions, row: V1Row, simulated: bool, model: ModelSpec, knobs: Knobs
+) -> PlanConfig:
+    """A V1 run's layout options: its card (`card_gib_for`), the engine's length and block size
+    when none is given (vLLM on CPU, vllm-ascend: 128; the KV arithmetic counts the engine's
+    whole blocks, even where --block-size equals another engine's default), the weights as the
+    knobs load them."""
+    return layout_options(
+        opts, model=model, card_gib=card_gib_for(row, simulated, opts.card_gib),
+        max_model_len=opts.max_model_len or row.default_max_model_len or V1_MAX_MODEL_LEN,
+        block_size=row.default_block_size if opts.block_size is None else opts.block_size,
+        engine=row.name, knobs=knobs,
+    )  # fmt: skip
+
+
+def card_gib_for(row: V1Row, simulated: bool, card_gib: int | None) -> int:
+    """The card a V1 layout is sized on, for `run` and `plan` alike: --card when given, else
+    the emulated H100 (80), a budgeted CPU's default, or the smallest device the reader shows."""
+    if card_gib is not None or simulated:
+        return card_gib or 80
+    if row.default_card_gib is not None:  # a budgeted CPU "card": no device to read
+        return row.default_card_gib
+    reader = select_reader(row.device, dict(os.environ), 1)
+    sample = reader.sample() if reader is not None else None
+    if sample is None:
+        raise BadInputError(f"no device size: no {row.device} device memory reader here",
+                            hint="pass --card (the device's GB, e.g. --card 80)")
+    return round(min(d.total_mib for d in sample.devices) / 1024)
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
@@ -56,6 +113,11 @@ def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PlanConfig:
+    """The layout options `run` and `plan` share, with their defaults resolved (the card's
+    size, the engine's length and block size); None where the layout may choose (tp, nodes)
+    or the checkpoint decides (weights format, quantization). `RunOptions.check()` has
+    refused bad values before one is built: both commands meet the same refusals."""
+
     model: ModelSpec
     card_gib: int
     util: float = 0.9
@@ -77,7 +139,7 @@ class PlanConfig:
     quantization: Quantization | None = None
     cpu_offload_gib: float = 0.0
     swap_space_gib: float = 0.0
-    engine: str | None = None  # None: vLLM-MindSpore r0.1's integer model-use GiB
+    engine: str | None = None  # None: vLLM-MindSpore r0.1's integer model-use GiB; else V1
     host_available_bytes: int | None = None
 
 
@@ -87,7 +149,9 @@ class LengthPlan:
 
     max_model_len: int
     activation_bytes: int
-    model_use_gib: int  # predicted vLLM_MODEL_MEMORY_USE_GB (integer, headroom included)
+    # r0.1: the predicted vLLM_MODEL_MEMORY_USE_GB (integer, headroom included); a V1 engine
+    # has no such variable (its KV cache is pinned in bytes): None.
+    model_use_gib: int | None
     kv_bytes: int
     kv_tokens: int
     max_num_seqs: int
@@ -95,6 +159,12 @@ class LengthPlan:
     @property
     def fits(self) -> bool:
         return self.max_num_seqs >= 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_model_len": self.max_model_len,
+                "activation_gib": round(self.activation_bytes / GIB, 3),
+                "model_use_gib": self.model_use_gib, "max_kv_gib": round(self.kv_bytes / GIB, 3),
+                "max_kv_tokens": self.kv_tokens, "max_num_seqs": self.max_num_seqs}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +189,6 @@ class PlanResult:
     weights_plan: pw.WeightsPlan | None = None
 
     def to_json(self) -> dict[str, Any]:
-        req = self.requested
         return {
             "model": self.model,
             "card_gib": self.card_gib,
@@ -129,24 +198,10 @@ class PlanResult:
             "nodes": self.nodes,
             "weights_format": self.weights_format,
             "weights_gib_per_card": round(self.weights_bytes_per_card / GIB, 3),
-            "activation_gib": round(req.activation_bytes / GIB, 3),
-            "model_use_gib": req.model_use_gib,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "block_size": self.block_size,
-            "max_kv_gib": round(req.kv_bytes / GIB, 3),
-            "max_kv_tokens": req.kv_tokens,
-            "max_num_seqs": req.max_num_seqs,
-            "max_model_len": req.max_model_len,
-            "ladder": [
-                {
-                    "max_model_len": lp.max_model_len,
-                    "model_use_gib": lp.model_use_gib,
-                    "max_kv_gib": round(lp.kv_bytes / GIB, 3),
-                    "max_kv_tokens": lp.kv_tokens,
-                    "max_num_seqs": lp.max_num_seqs,
-                }
-                for lp in self.ladder
-            ],
+            **self.requested.to_json(),
+            "ladder": [lp.to_json() for lp in self.ladder],
             "layout_reason": self.layout_reason,
             "rejected_layouts": [{"tp": tp, "reason": why} for tp, why in self.rejected],
             "notes": list(self.notes),
@@ -161,8 +216,9 @@ class PlanResult:
 
 def _length_plan(cfg: PlanConfig, tp: int, weights: int, bpt: int, length: int) -> LengthPlan:
     act = activation_bytes(cfg.model, length, tp)
-    model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib)
-    used = weights + act + int(cfg.headroom_gib * GIB) if pw.is_v1(cfg.engine) else model_use * GIB
+    v1 = pw.is_v1(cfg.engine)
+    model_use = None if v1 else math.ceil((weights + act) / GIB + cfg.headroom_gib)
+    used = weights + act + int(cfg.headroom_gib * GIB) if model_use is None else model_use * GIB
     budget = int(cfg.card_gib * GIB * cfg.util) - used
     blocks = num_kv_blocks(budget, bpt, cfg.block_size)
     tokens = blocks * cfg.block_size
@@ -193,23 +249,10 @@ def _nodes_for(cfg: PlanConfig, tp: int) -> int:
 
 
 def plan(cfg: PlanConfig) -> PlanResult:
-    """Predict the memory split and pick (or check) the parallel layout."""
-    check_launch_settings(cfg.card_gib, cfg.util, 1)  # card < 1, util outside (0, 1] or nan
-    v.int_range("--card", cfg.card_gib, 1, v.MAX_CARD_GIB)
-    v.non_negative("--headroom-gb", cfg.headroom_gib, example="1")
+    """Predict the memory split and pick (or check) the parallel layout (the values run and
+    plan share were checked by `RunOptions.check()`; plan's own ones are checked here)."""
     if cfg.kv_gib is not None:
         v.positive("--kv-gib", cfg.kv_gib, example="36")
-    v.choice("--block-size", cfg.block_size, v.BLOCK_SIZES)
-    v.choice("--kv-cache-dtype", cfg.kv_cache_dtype, KV_DTYPES)
-    v.int_range("--pp", cfg.pp, 1)
-    if cfg.tp is not None:
-        v.int_range("--tp", cfg.tp, 1)
-    if cfg.nodes is not None:
-        v.int_range("--nodes", cfg.nodes, 1)
-    if cfg.max_model_len < 1:
-        raise BadInputError(
-            f"--max-model-len {cfg.max_model_len} is invalid", hint="use e.g. 16384"
-        )
     limit = cfg.model.max_position_embeddings
     if cfg.max_model_len > limit:
         raise BadInputError(
@@ -221,8 +264,8 @@ def plan(cfg: PlanConfig) -> PlanResult:
         )
     if cfg.cards_per_node < 1:
         raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
-    _check_vision_options(cfg)
-    pw.check_options(cfg)
+    if cfg.max_num_batched_tokens is not None:
+        v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
     rejected: list[tuple[int, str]] = []
     notes: list[str] = []
@@ -251,9 +294,8 @@ def plan(cfg: PlanConfig) -> PlanResult:
     ladder = tuple(_length_plan(cfg, tp, weights, bpt, n) for n in LADDER if n < cfg.max_model_len)
     kv_query = None
     if cfg.kv_gib is not None:
-        if cfg.kv_gib <= 0:
-            raise BadInputError(f"--kv-gib {cfg.kv_gib} must be positive", hint="e.g. --kv-gib 36")
         kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
+    wp = pw.weights_plan(cfg, tp * cfg.pp)
     return PlanResult(
         vision=_vision_plan(cfg, tp),
         model=cfg.model.name,
@@ -262,9 +304,9 @@ def plan(cfg: PlanConfig) -> PlanResult:
         tp=tp,
         pp=cfg.pp,
         nodes=nodes,
-        weights_format=pw.weights_plan(cfg, 1).quantization or fmt.name,
+        weights_format=wp.quantization or fmt.name,
         weights_bytes_per_card=weights,
-        weights_plan=pw.weights_plan(cfg, tp * cfg.pp),
+        weights_plan=wp,
         kv_bytes_per_token=bpt,
         block_size=cfg.block_size,
         requested=requested,
@@ -274,19 +316,6 @@ def plan(cfg: PlanConfig) -> PlanResult:
         kv_query=kv_query,
         notes=tuple(notes),
     )
-
-
-def _check_vision_options(cfg: PlanConfig) -> None:
-    if cfg.image_limit is not None:
-        v.int_range("--limit-mm-per-prompt image", cfg.image_limit, 0)
-    if cfg.max_num_batched_tokens is not None:
-        v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
-    v.non_negative("--mm-processor-cache-gb", cfg.mm_processor_cache_gib, example="4")
-    if cfg.model.vision is None and cfg.image_limit:
-        raise BadInputError(
-            f"--limit-mm-per-prompt: {cfg.model.name} is text-only and takes no images",
-            hint="drop --limit-mm-per-prompt, or plan a vision-language model (qwen3-vl-8b)",
-        )
 
 
 def _vision_plan(cfg: PlanConfig, tp: int) -> VisionPlan | None:

@@ -1,4 +1,5 @@
-"""When the card is too small: the cheapest way to serve the requested length on it.
+"""The layout `run` launches and `plan` headlines (`decide_layout`), and when the card is too
+small, the cheapest way to serve the requested length on it.
 
 Quantize first (vLLM's in-flight fp8, then bitsandbytes 4-bit), and offload to host memory
 only the weights that are still missing, in whole GiB (`--cpu-offload-gb` is paid on every
@@ -12,13 +13,49 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pretuner.errors import PretunerError
+from pretuner.errors import BadInputError, InfeasibleError, PretunerError
 from pretuner.models.quant import Quantization, from_flag
 from pretuner.plan.layout import TP_CANDIDATES, PlanConfig, PlanResult, plan
-from pretuner.plan.weights import loaded
+from pretuner.plan.weights import is_v1, loaded
 from pretuner.units import GIB
 
 SHORTER = (16384, 8192, 4096, 2048, 1024, 512)
+V1_MAX_CARDS = 8  # pretuner drives a V1 engine on one node of at most this many devices
+
+
+def decide_layout(cfg: PlanConfig) -> PlanResult:
+    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines.
+
+    Never quantizes on its own: weights that do not fit the cards asked for are refused
+    (exit 4), with what `propose` would serve them with on those cards.
+    """
+    try:
+        p = plan(cfg)
+    except InfeasibleError as err:
+        if not proposes(cfg):
+            raise
+        proposal, _ = propose(cfg)
+        if proposal.chosen is not None:
+            flags = " ".join(f for f in proposal.flags if not f.startswith("--max-model-len"))
+            err.hint = (f"{err.hint}; or on TP{proposal.tp}: {flags} ({proposal.chosen.label}, "
+                        "predicted; a run with them measures it)")
+        raise
+    if is_v1(cfg.engine) and p.tp * p.pp > V1_MAX_CARDS:
+        raise BadInputError(
+            f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
+            f"node of at most {V1_MAX_CARDS} devices so far",
+            hint="use a smaller --tp/--pp on one node, or the r0.1 method for multi-node "
+            "(--engine vllm-mindspore-r01 --ray-address ...)",
+        )
+    return p
+
+
+def proposes(cfg: PlanConfig) -> bool:
+    """Whether weights that fit no layout get a proposal: a V1 engine loading a 16-bit
+    checkpoint as stored (quantization and offload are its flags)."""
+    return is_v1(cfg.engine) and not (
+        cfg.quantization or cfg.cpu_offload_gib or cfg.model.quantization is not None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,15 +78,7 @@ class Step:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "quantization": self.quantization,
-            "cpu_offload_gib": self.cpu_offload_gib,
-            "fits": self.fits,
-            "card_weights_gib": round(self.card_weights_gib, 3),
-            "host_gib": round(self.host_gib, 3),
-            "max_num_seqs": self.max_num_seqs,
-            "why": self.why,
-        }
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,17 +89,10 @@ class Proposal:
     chosen: Step | None
     flags: tuple[str, ...]  # the vLLM flags of the chosen combination
     alternatives: tuple[str, ...]
+    swap_gib: float = 0.0  # --swap-space per card, in the host figure
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "tp": self.tp,
-            "max_model_len": self.max_model_len,
-            "tried": [s.to_json() for s in self.tried],
-            "chosen": self.chosen.to_json() if self.chosen else None,
-            "flags": list(self.flags),
-            "alternatives": list(self.alternatives),
-            "provenance": "predicted",
-        }
+        return {**dataclasses.asdict(self), "provenance": "predicted"}
 
 
 def _try(
@@ -90,7 +112,8 @@ def _try(
         if seqs
         else f"weights leave {r.requested.kv_tokens:,} KV tokens, under {cfg.max_model_len:,}"
     )
-    step = Step(name, offload, seqs >= 1, r.weights_bytes_per_card / GIB, host, seqs, why)
+    weights_gib = round(r.weights_bytes_per_card / GIB, 3)
+    step = Step(name, offload, seqs >= 1, weights_gib, round(host, 3), seqs, why)
     return step, (r if step.fits else None)
 
 
@@ -160,10 +183,12 @@ def propose(cfg: PlanConfig) -> tuple[Proposal, PlanResult | None]:
     chosen, result = _smallest(cfg, tried)
     flags = _flags(cfg, chosen) if chosen else ()
     alts = _alternatives(cfg, tp, chosen)
-    return Proposal(tp, cfg.max_model_len, tuple(tried), chosen, flags, tuple(alts)), result
+    proposal = Proposal(tp, cfg.max_model_len, tuple(tried), chosen, flags, tuple(alts),
+                        cfg.swap_space_gib)
+    return proposal, result
 
 
-def render_proposal(p: Proposal, swap_gib: float) -> list[str]:
+def render_proposal(p: Proposal) -> list[str]:
     lines = [f"proposal for {p.max_model_len:,} tokens on {p.tp} card(s) (predicted):"]
     for s in p.tried:
         mark = "serves" if s.fits else "no"
@@ -172,7 +197,7 @@ def render_proposal(p: Proposal, swap_gib: float) -> list[str]:
         host = p.chosen.host_gib
         lines.append(
             f"  proposed: {p.chosen.label}; host memory {host:.2f} GiB "
-            f"({p.chosen.cpu_offload_gib} GiB offload + {swap_gib:g} GiB swap per card)"
+            f"({p.chosen.cpu_offload_gib} GiB offload + {p.swap_gib:g} GiB swap per card)"
         )
         lines.append(f"  vLLM flags: {' '.join(p.flags)}")
     else:

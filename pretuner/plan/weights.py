@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pretuner import validate as v
+from pretuner.engines.registry import R01
 from pretuner.errors import BadInputError
 from pretuner.models.quant import Quantization, param_split, quantized_bytes
 from pretuner.models.spec import ModelSpec
@@ -25,9 +25,8 @@ from pretuner.units import GIB
 if TYPE_CHECKING:
     from pretuner.plan.layout import PlanConfig
 
-R01 = "vllm-mindspore-r01"
-V1_ENGINES = ("vllm", "vllm-ascend", "vllm-mindspore", "vllm-cpu")
-ENGINES = (R01, *V1_ENGINES)
+IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bit checkpoint
+
 
 
 def is_v1(engine: str | None) -> bool:
@@ -50,6 +49,13 @@ def loaded(
         return fmt.total_bytes, spec.quantization
     if quant is None:
         return fmt.total_bytes, None
+    if quant.method not in IN_FLIGHT:
+        raise BadInputError(
+            f"--quantization {quant.method} loads a checkpoint exported as {quant.method}; "
+            f"{spec.name} has no quantization_config (vLLM quantizes while loading only with "
+            f"{' or '.join(IN_FLIGHT)})",
+            hint=f"use --quantization bitsandbytes, or --model a {quant.method} checkpoint folder",
+        )
     native = spec.weights_format(None).name
     if weights_format is not None and weights_format.lower() not in (native, "bf16", "fp16"):
         raise BadInputError(
@@ -75,13 +81,6 @@ def card_weights_bytes(cfg: PlanConfig, cards: int) -> int:
     """Weights left on each card: the loaded share minus what --cpu-offload-gb moves."""
     total, _ = loaded(cfg.model, cfg.weights_format, cfg.quantization)
     return total // cards - offloaded_bytes(cfg.model, total, cards, cfg.cpu_offload_gib)
-
-
-def check_options(cfg: PlanConfig) -> None:
-    v.non_negative("--cpu-offload-gb", cfg.cpu_offload_gib, example="20")
-    v.non_negative("--swap-space", cfg.swap_space_gib, example="4")
-    if cfg.engine is not None:
-        v.choice("--engine", cfg.engine, ENGINES)
 
 
 @dataclass(frozen=True, slots=True)

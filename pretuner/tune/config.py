@@ -12,7 +12,8 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
-from pretuner.plan.layout import PlanConfig, PlanResult, plan
+from pretuner.plan.layout import PlanResult, layout_options
+from pretuner.plan.propose import decide_layout
 from pretuner.tune import budget as bud
 from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB
@@ -100,21 +101,9 @@ Executor = Callable[[LaunchSettings], LaunchOutcome]
 
 
 def plan_for(cfg: TuneConfig) -> PlanResult:
-    return plan(
-        PlanConfig(
-            model=cfg.model,
-            card_gib=cfg.card.card_gib,
-            util=cfg.util,
-            max_model_len=cfg.max_model_len,
-            tp=cfg.tp,
-            pp=cfg.pp,
-            nodes=cfg.nodes,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            block_size=cfg.block_size,
-            weights_format=cfg.weights_format,
-            headroom_gib=0.5 if cfg.headroom_gib is None else cfg.headroom_gib,
-        )
-    )
+    return decide_layout(layout_options(cfg, model=cfg.model, card_gib=cfg.card.card_gib,
+                                        max_model_len=cfg.max_model_len,
+                                        block_size=cfg.block_size))
 
 
 floor_to = bud.floor_to

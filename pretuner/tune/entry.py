@@ -28,6 +28,7 @@ from pretuner.tune.backends import (
 from pretuner.tune.config import pool_on_demand
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.failure import record_failure
+from pretuner.tune.layout import check_r01_flags
 from pretuner.tune.loop import (
     CardInfo,
     TuneConfig,
@@ -38,7 +39,6 @@ from pretuner.tune.loop import (
     recorded_executor,
 )
 from pretuner.tune.options import RunOptions as RunOptions
-from pretuner.tune.options import v1_only_flags
 from pretuner.tune.ownership import (
     check_no_orphans,
     claim_new_folder,
@@ -108,25 +108,7 @@ def _setup(
     opts: RunOptions, card: CardInfo | None = None
 ) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
     opts.check()
-    if opts.server_args:
-        raise BadInputError("--server-arg (and a --config key pretuner does not read) passes "
-                            "flags to a V1 engine's server; the r0.1 "
-                            "method builds its own command",
-                            hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
-                            "whole command with --serve-cmd")
-    image_flags = [flag for flag, value in (
-        ("--limit-mm-per-prompt", opts.limit_mm_per_prompt),
-        ("--mm-processor-cache-gb", opts.mm_processor_cache_gb), ("--soak", opts.soak),
-        ("--soak-minutes", opts.soak_minutes)) if value is not None]
-    if image_flags:
-        raise BadInputError(f"{', '.join(image_flags)}: the r0.1 method sends no images "
-                            "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
-                            hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
-                            f"for a vision-language model, or drop {' '.join(image_flags)}")
-    if v1_only := v1_only_flags(opts):
-        raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
-                            "flag; the r0.1 method builds its own command",
-                            hint="name a V1 engine (--engine vllm|...)")
+    check_r01_flags(opts)
     spec = resolve(opts.model)
     if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
         names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)

@@ -23,7 +23,8 @@ from pretuner.launch.images import ImageShape, image_shape
 from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
-from pretuner.plan.layout import PlanConfig, PlanResult
+from pretuner.plan.layout import PlanResult, v1_layout_options
+from pretuner.plan.propose import decide_layout
 from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
@@ -35,10 +36,7 @@ from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.v1.report_memory import VisionMeta
 from pretuner.tune.v1.weights import (
     check_host,
-    check_quantization,
     knobs_of,
-    plan_config,
-    plan_or_propose,
     weights_record,
     widen_hint,
 )
@@ -47,10 +45,8 @@ from pretuner.units import MIB
 if TYPE_CHECKING:
     from pretuner.tune.entry import RunOptions
 
-DEFAULT_MAX_MODEL_LEN = 16384
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 MAX_NUM_SEQS = 4096
-DEVICES_PER_NODE = 8
 # A vision-language model's validation runs this soak unless --soak/--soak-minutes say
 # otherwise: memory that grows with distinct images shows within a few hundred requests.
 DEFAULT_SOAK = 200
@@ -127,19 +123,6 @@ def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
     return {**emulator().launch_env("v1", card_gib, opts.seed, os.environ), **opts.sim_env}
 
 
-def _card_gib(opts: RunOptions, engine: V1Engine, env: dict[str, str]) -> int:
-    if opts.card_gib is not None or engine.simulated:
-        return opts.card_gib or 80
-    if engine.row.default_card_gib is not None:  # a budgeted CPU "card": no device to read
-        return engine.row.default_card_gib
-    reader = select_reader(engine.device_kind, {**os.environ, **env}, 1)
-    sample = reader.sample() if reader is not None else None
-    if sample is None:
-        raise BadInputError(f"no device size: no {engine.device_kind} device memory reader here",
-                            hint="pass --card (the device's GB, e.g. --card 80)")
-    return round(min(d.total_mib for d in sample.devices) / 1024)
-
-
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 
@@ -156,14 +139,6 @@ def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | No
         raise BadInputError(f"the model folder {model} has no weights (no *.safetensors, *.bin)",
                             hint="serve random weights of the config's shapes with "
                             "--server-arg '--load-format dummy', or add the checkpoint")
-
-
-def _block_size(opts: RunOptions, row: V1Row) -> int:
-    """--block-size when given (even where it equals another engine's default), else the
-    engine's own (vLLM on CPU: 128, vllm-ascend: 128): the KV arithmetic counts the engine's
-    whole blocks, and forcing pretuner's 16 on an engine whose kernels prefer another size
-    would tune a configuration nobody runs."""
-    return row.default_block_size if opts.block_size is None else opts.block_size
 
 
 def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
@@ -189,9 +164,8 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     _check_weights(opts.model, choice.simulated, server_args)
     spec = resolve(opts.model)
     vision = vision_setup(opts, spec)
-    check_quantization(spec, knobs)
-    probe_engine = V1Engine(row, choice.simulated, choice.version)
-    card = _card_gib(opts, probe_engine, {})
+    layout = v1_layout_options(opts, row, choice.simulated, spec, knobs)
+    card = layout.card_gib
     sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
                       server_args=server_args,
@@ -199,19 +173,12 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                       mm_flags=vision.flags,
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
                       knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))
-    max_len = opts.max_model_len or row.default_max_model_len or DEFAULT_MAX_MODEL_LEN
-    block = _block_size(opts, row)
-    p = plan_or_propose(plan_config(PlanConfig(
-        model=spec, card_gib=card, util=opts.util, max_model_len=max_len, tp=opts.tp,
-        pp=opts.pp, kv_cache_dtype=opts.kv_cache_dtype, block_size=block,
-        weights_format=opts.weights_format), knobs), knobs)
-    if p.tp * p.pp > DEVICES_PER_NODE or opts.ray_address:
-        raise BadInputError(
-            f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
-            f"node of at most {DEVICES_PER_NODE} devices so far",
-            hint="use a smaller --tp/--pp on one node, or the r0.1 method for multi-node "
-            "(--engine vllm-mindspore-r01 --ray-address ...)",
-        )
+    max_len, block = layout.max_model_len, layout.block_size
+    p = decide_layout(layout)
+    if opts.ray_address:
+        raise BadInputError("--ray-address: pretuner drives V1 engines on one node so far",
+                            hint="drop --ray-address, or use the r0.1 method for multi-node "
+                            "(--engine vllm-mindspore-r01 --ray-address ...)")
     host = host_memory(engine.device_kind, {**os.environ, **sim_env}) if knobs.active else None
     host_line = check_host(p, knobs, host)
     bpt = kv_bytes_per_token(spec, tp=p.tp, pp=p.pp, kv_dtype=opts.kv_cache_dtype)

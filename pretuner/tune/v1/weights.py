@@ -8,24 +8,20 @@ KV cache is derived and proven.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from pretuner import validate as v
 from pretuner.devices.host import HostMemory
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.models.quant import METHODS, from_flag
-from pretuner.models.spec import ModelSpec
-from pretuner.plan.layout import PlanConfig, PlanResult, plan
-from pretuner.plan.propose import propose
+from pretuner.models.quant import METHODS
+from pretuner.plan.layout import PlanResult
 from pretuner.tune.records import V1Weights
 from pretuner.units import GIB
 
 if TYPE_CHECKING:
     from pretuner.tune.options import RunOptions
 
-IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bit checkpoint
 SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host's total
 
 
@@ -65,50 +61,6 @@ def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knob
     if knobs.swap_space_gib is not None:
         v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
     return knobs, tuple(rest)
-
-
-def check_quantization(spec: ModelSpec, knobs: Knobs) -> None:
-    """What vLLM would refuse at start-up, refused before a run folder exists (exit 2)."""
-    method = knobs.quantization
-    if method is None:
-        return
-    stored = spec.quantization
-    if stored is not None and stored.method != method:
-        raise BadInputError(
-            f"--quantization {method}: {spec.name} is already quantized with {stored.method} "
-            "(its config.json quantization_config)",
-            hint=f"drop --quantization or pass --quantization {stored.method}")
-    if stored is None and method not in IN_FLIGHT:
-        raise BadInputError(
-            f"--quantization {method} loads a checkpoint exported as {method}; {spec.name} has "
-            "no quantization_config (vLLM quantizes while loading only with "
-            f"{' or '.join(IN_FLIGHT)})",
-            hint=f"use --quantization bitsandbytes, or --model a {method} checkpoint folder")
-
-
-def plan_config(base: PlanConfig, knobs: Knobs) -> PlanConfig:
-    """The run's plan with the weights as they will be loaded and offloaded (the layout rules
-    stay the run's own: no `engine`, so a run without knobs plans exactly as before)."""
-    return dataclasses.replace(
-        base, quantization=from_flag(knobs.quantization) if knobs.quantization else None,
-        cpu_offload_gib=knobs.cpu_offload_gib, swap_space_gib=knobs.swap_gib)
-
-
-def plan_or_propose(cfg: PlanConfig, knobs: Knobs) -> PlanResult:
-    """`plan(cfg)`; when the weights do not fit the cards asked for and no knob was given,
-    the refusal's hint also names what `plan --engine` proposes for these cards."""
-    try:
-        return plan(cfg)
-    except InfeasibleError as err:
-        if knobs.quantization or knobs.cpu_offload_gib or cfg.model.quantization is not None:
-            raise
-        proposal, _ = propose(dataclasses.replace(cfg, engine="vllm"))  # as `plan` says it
-        if proposal.chosen is None:
-            raise
-        flags = " ".join(f for f in proposal.flags if not f.startswith("--max-model-len"))
-        raise InfeasibleError(err.message, hint=f"{err.hint}; or on TP{proposal.tp}: {flags} "
-                              f"({proposal.chosen.label}, predicted by `pretuner plan "
-                              "--engine vllm`; a run with them measures it)") from None
 
 
 def check_host(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> str | None:

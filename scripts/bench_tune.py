@@ -149,7 +149,7 @@ def truth_len(models: list[mem.CardModel], case: Case) -> int:
 
 
 def one(case: Case, work: str) -> Row:
-    opts = RunOptions(model=case.model, backend="sim", card_gib=case.card,
+    opts = RunOptions(model=case.model, engine="sim", card_gib=case.card,
                       max_model_len=case.length, min_model_len=MIN_LEN, tp=case.tp,
                       seed=case.seed, sim_env=_env(case, work))
     folder = Path(tempfile.mkdtemp(prefix="run-", dir=work))
@@ -292,7 +292,7 @@ def compare_subprocess(cases_: list[Case], rows: list[Row], count: int, work: st
         case, row = cases_[i], rows[i]
         env = {**_env(case, work), "PRETUNER_SIM_STARTUP_S": "0.05",
                "PRETUNER_SIM_TEARDOWN_S": "0.02"}
-        opts = RunOptions(model=case.model, backend="sim", card_gib=case.card,
+        opts = RunOptions(model=case.model, engine="sim", card_gib=case.card,
                           max_model_len=case.length, min_model_len=MIN_LEN, tp=case.tp,
                           seed=case.seed, sim_env=env,
                           out=tempfile.mkdtemp(prefix="sub-", dir=work) + "/run")

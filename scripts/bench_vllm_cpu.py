@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pretuner.engines.base import LaunchSettings
 from pretuner.engines.v1_launch import V1Hooks, read_log
 from pretuner.engines.vllm_v1 import ROWS, engine_python
 from pretuner.errors import ServerFailedError
@@ -41,7 +42,6 @@ from pretuner.launch.command import LaunchCommand
 from pretuner.launch.process import ServerProcess
 from pretuner.models import resolve
 from pretuner.tune.execute import LaunchContext, free_port
-from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -28,7 +28,7 @@ def measure(model: str, card: int, length: int, out: Path) -> dict[str, object]:
         _pretuner("plan", "--model", model, "--card", str(card), "--max-model-len", str(length),
                   "--tp", "1", "--json").stdout
     )
-    run = _pretuner("run", "--backend", "mindspore-cpu", "--model", model, "--card", str(card),
+    run = _pretuner("run", "--engine", "mindspore-cpu", "--model", model, "--card", str(card),
                     "--max-model-len", str(length), "--min-model-len", str(length),
                     "--no-validate", "--out", str(out))
     row: dict[str, object] = {

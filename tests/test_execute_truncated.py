@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from pretuner.cluster.collect import NodeScan, merge_node_scans, scan_node_folder
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.errors import ServerFailedError
 from pretuner.launch.collect import LocalCollector
-from pretuner.tune.settings import LaunchSettings, Purpose
 from tests.test_logscan_truncated import cut_after_header, cut_in_summary, cut_rank_dir
 
 SETTINGS = LaunchSettings(

@@ -56,7 +56,7 @@ def fallback_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, ob
     require("mindspore", "PRETUNER_MINDSPORE_REQUIRED")
     out = tmp_path_factory.mktemp("mindspore") / "run"
     proc = run_cli(
-        "run", "--backend", "mindspore-cpu", "--model", "tiny-llama", "--card", "2",
+        "run", "--engine", "mindspore-cpu", "--model", "tiny-llama", "--card", "2",
         "--max-model-len", "4096", "--util", "0.7", "--out", str(out),
         env=cli_env(), timeout=900,
     )

@@ -190,20 +190,13 @@ def test_validation_oom_on_the_second_node_is_gathered(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     from pretuner.cluster.session import ClusterPlan, ray_cluster
+    from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
+    from pretuner.engines.mindspore_r01 import SIM, R01Engine
     from pretuner.engines.outcome import OutcomeKind
     from pretuner.models import resolve
     from pretuner.tune.execute import LaunchContext, run_launch
     from pretuner.tune.record import RunRecord
-    from pretuner.tune.settings import (
-        Backend,
-        LaunchCommand,
-        LaunchSettings,
-        Purpose,
-        build_launch,
-        default_serve_command,
-    )
 
-    base, _ = default_serve_command(Backend.SIM, None)
     sim_env = {
         **FAST_SIM,
         "PRETUNER_SIM_STATE_DIR": str(tmp_path / "card"),
@@ -211,11 +204,10 @@ def test_validation_oom_on_the_second_node_is_gathered(
         "PRETUNER_SIM_RANK_SKEW": "12=2",  # under full load, only rank 12 overflows
     }
 
+    engine = R01Engine(SIM, True, None, "test", nodes=2, launch_env=sim_env)
+
     def build(s: LaunchSettings, port: int) -> LaunchCommand:
-        return build_launch(
-            s, base_command=base, model_as_flag=True, model="deepseek-v3",
-            served_name="deepseek-v3", host="127.0.0.1", port=port, nodes=2, extra_env=sim_env,
-        )  # fmt: skip
+        return engine.command(s, Target("deepseek-v3", "deepseek-v3", "127.0.0.1", port))
 
     # What the tuner validates for seed 0 when it reads only the head's ranks.
     settings = LaunchSettings(Purpose.VALIDATE, 64, 0.936, 46, 16384, 12, 16384, 16, 16)

@@ -18,6 +18,7 @@ import pytest
 from pretuner.deploy.context import ScriptOptions
 from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
+from pretuner.engines.base import LaunchCommand
 from pretuner.errors import BadInputError
 from pretuner.presets import get_preset
 from pretuner.redact import (
@@ -30,7 +31,6 @@ from pretuner.redact import (
 from pretuner.tune.record import RunRecord
 from pretuner.tune.records import RunReport
 from pretuner.tune.report import serve_sh, tuned_env
-from pretuner.tune.settings import LaunchCommand
 from tests.helpers import cli_env, invoke, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -65,9 +65,8 @@ def test_the_outcome_record_is_what_report_json_holds(
 ) -> None:
     for key, value in cli_env().items():
         monkeypatch.setenv(key, value)
-    engine = "vllm" if name == "v1" else "auto"
+    engine = "vllm" if name == "v1" else "sim"
     opts = RunOptions(model="qwen3-8b", card_gib=80 if name == "v1" else 64, engine=engine,
-                      backend="auto" if name == "v1" else "sim",
                       max_model_len=32768 if name == "v1" else None, out=str(tmp_path / "run"))
     outcome = run_tuning(opts, lambda phase, detail: None)
     assert isinstance(outcome.report, METHODS[name][1])

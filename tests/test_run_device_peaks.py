@@ -68,7 +68,7 @@ def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(entry, "select_reader", lambda kind, env, count=1: None)
     said: list[tuple[str, str]] = []
-    opts = entry.RunOptions(model="qwen3-8b", card_gib=64, backend="sim",
+    opts = entry.RunOptions(model="qwen3-8b", card_gib=64, engine="sim",
                             out=str(tmp_path / "run"))
     outcome = entry.run_tuning(opts, lambda name, detail: said.append((name, detail)))
     assert isinstance(outcome, entry.RunOutcome)  # no --engine: the r0.1 method

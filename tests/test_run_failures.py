@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from pretuner.cli.app import error_json
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import BadInputError, InfeasibleError, ServerFailedError
 from pretuner.models import lookup
 from pretuner.plan.layout import PlanConfig, plan
 from pretuner.tune.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
-from pretuner.tune.settings import LaunchSettings, Purpose
 from tests.helpers import R01_INFEASIBLE, FinishedRun, cli_env, invoke, run_cli
 
 INFEASIBLE = ("run", *R01_INFEASIBLE)  # qwen3-8b at 40,960 tokens on 24 GiB: exit 4

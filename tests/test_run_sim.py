@@ -338,7 +338,7 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
         env = {"PRETUNER_SIM_OCCUPIED_MIB": str(occupied), "PRETUNER_SIM_STARTUP_S": "0.05",
                "PRETUNER_SIM_TEARDOWN_S": "0.02",
                "PRETUNER_SIM_STATE_DIR": str(tmp_path / f"card-{name}")}
-        return RunOptions(model="qwen3-8b", backend="sim", card_gib=24, max_model_len=16384,
+        return RunOptions(model="qwen3-8b", engine="sim", card_gib=24, max_model_len=16384,
                           seed=2, sim_env=env, out=str(tmp_path / name))
 
     card = CardInfo(24, prof.total_mib - prof.driver_reserved_mib - occupied, "emulated npu-smi")

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.engines.v1_log import read_v1_log
 from pretuner.engines.vllm_v1 import ROWS, V1Engine
 from pretuner.errors import ServerFailedError
 from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.tune.options import RunOptions
-from pretuner.tune.settings import LaunchSettings, Purpose
 from tests.helpers import FAST_SIM, FinishedRun, cli_env, invoke, run_cli
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"

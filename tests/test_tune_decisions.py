@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models import resolve
@@ -36,7 +37,6 @@ from pretuner.tune.config import (
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.loop import Tuner
 from pretuner.tune.search import Measured, WaModel
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 
 # -- canned outcomes ------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def emulated(model: str, card: int, length: int, seed: int, occupied_mib: int = 
            "PRETUNER_SIM_STATE_DIR": str(work / "card")}
     prof = mem.PROFILES[R01_CARDS[card]]
     info = CardInfo(card, prof.total_mib - prof.driver_reserved_mib - occupied_mib, "emulated")
-    opts = RunOptions(model=model, backend="sim", card_gib=card, max_model_len=length,
+    opts = RunOptions(model=model, engine="sim", card_gib=card, max_model_len=length,
                       min_model_len=4096, seed=seed, sim_env=env, **kw)
     res = tune_in_process(opts, work, info)
     spec = resolve(model)

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
 from pretuner.launch import images as I
 from pretuner.models import resolve
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.loop import V1Config, V1Tuner
 from pretuner.tune.v1.soak import soak_figures
 from pretuner.units import GIB, MIB

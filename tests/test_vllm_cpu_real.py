@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.registry import choose_engine
 from pretuner.engines.vllm_v1 import ROWS, engine_python
@@ -23,7 +24,6 @@ from pretuner.errors import NotValidatedError
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.loop import recorded_executor
 from pretuner.tune.record import RunRecord
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.entry import v1_setup
 from pretuner.tune.v1.loop import V1Tuner
 from pretuner.units import GIB, MIB

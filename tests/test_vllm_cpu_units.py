@@ -15,7 +15,7 @@ import pytest
 from pretuner.devices import select_reader
 from pretuner.devices.base import attach
 from pretuner.devices.cpu import CpuBudgetReader, session_of, vm_data_kib
-from pretuner.engines.base import Target
+from pretuner.engines.base import LaunchSettings, Purpose, Target
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.engines.registry import choose_engine
 from pretuner.engines.v1_launch import classify
@@ -24,7 +24,6 @@ from pretuner.engines.vllm_v1 import ROWS, V1Engine, engine_python, parse_server
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.loop import V1Config, V1Tuner
 from pretuner.units import GIB, MIB
 from tests.helpers import shared

@@ -57,19 +57,18 @@ def run_cmd(
         help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
         "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
     ),
-    backend: str = typer.Option(
-        "auto",
-        "--backend",
-        metavar="NAME",
-        help="auto | vllm-mindspore | sim | mindspore-cpu (real MindSpore on CPU; never auto).",
+    backend: str | None = typer.Option(
+        None, "--backend", metavar="NAME", hidden=True,
+        help="The old name of --engine (sim, mindspore-cpu, vllm-mindspore), one release more.",
     ),
     engine: str = typer.Option(
         "auto",
         "--engine",
         metavar="NAME",
-        help="auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. "
-        "A V1 engine (all but r01) gets its KV cache pinned with --kv-cache-memory-bytes; "
-        "without its stack or devices the emulated vLLM server runs (simulated figures).",
+        help="auto | vllm-mindspore-r01 | sim (its emulated card) | mindspore-cpu (real "
+        "MindSpore on CPU) | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. A V1 engine "
+        "(vllm*) gets its KV cache pinned with --kv-cache-memory-bytes; an engine without its "
+        "stack or devices runs emulated (simulated figures).",
     ),
     max_num_seqs: int | None = typer.Option(
         None,
@@ -270,18 +269,23 @@ def run_cmd(
     from pretuner.cli.progress import Progress
     from pretuner.cli.run_render import RAY_DRY_RUN, dry_run_json, render_dry_run, render_summary
     from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
+    from pretuner.engines.base import Family
+    from pretuner.engines.registry import choose_engine, engine_of_backend
     from pretuner.launch.process import install_signal_handlers
     from pretuner.procgroups import report_stops_to
-    from pretuner.tune.entry import RunOptions, dry_run, engine_for, run_tuning
+    from pretuner.tune.entry import RunOptions, dry_run, run_tuning
     from pretuner.tune.v1.entry import V1RunOutcome
 
     if resume is not None:
         refuse_flags_with_resume(ctx, dry)
     elif model is None:
         raise typer.BadParameter("--model is required (or --resume RUN)", param_hint="--model")
+    if backend is not None:
+        engine = engine_of_backend(backend, engine)
+        typer.echo(f"pretuner: --backend is the old name of --engine and goes in the next "
+                   f"release: use --engine {engine}", err=True)
     opts = RunOptions(
         model=model or "",
-        backend=backend,
         engine=engine,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -318,18 +322,18 @@ def run_cmd(
         enforce_eager=enforce_eager,
         min_tokens_per_s=min_tokens_per_s,
     )
-    if dry and as_json:
-        echo_json(
-            v1_dry_run_json(opts)
-            if engine_for(opts) is not None
-            else dry_run_json(dry_run(opts), ray_address)
-        )
+    chosen = choose_engine(opts.engine) if dry else None
+    if chosen is not None and chosen.family is Family.V1 and as_json:
+        echo_json(v1_dry_run_json(opts))
         return
-    if dry and engine_for(opts) is not None:
+    if chosen is not None and chosen.family is Family.V1:
         typer.echo(render_v1_dry_run(opts))
         return
-    if dry:
-        typer.echo(render_dry_run(dry_run(opts)))
+    if chosen is not None and as_json:
+        echo_json(dry_run_json(dry_run(opts, chosen.r01()), ray_address))
+        return
+    if chosen is not None:
+        typer.echo(render_dry_run(dry_run(opts, chosen.r01())))
         if ray_address:
             typer.echo(RAY_DRY_RUN.format(address=ray_address))
         return

@@ -30,9 +30,10 @@ def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
     return {
         "dry_run": True,
         "method": "r0.1",
-        "backend": d.backend.backend.value,
-        "backend_reason": d.backend.reason,
-        "simulated": d.backend.simulated,
+        "engine": d.engine.name,
+        "engine_reason": d.engine.reason,
+        "backend": d.engine.server,  # what serves (report.json's `backend`)
+        "simulated": d.engine.simulated,
         "card_gib": d.card.card_gib,
         "card_source": d.card.source,
         "free_mib": d.card.free_mib,
@@ -44,10 +45,10 @@ def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
 
 def render_dry_run(d: DryRun) -> str:
     lines = []
-    if d.backend.simulated:
+    if d.engine.simulated:
         lines.append(SIM_BANNER)
     lines += [
-        f"backend: {d.backend.backend.value} ({d.backend.reason})",
+        f"engine: {d.engine.name} ({d.engine.reason})",
         f"card: {d.card.card_gib} GiB ({d.card.source}), free "
         + (f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"),
         f"layout: {d.layout_reason}",

@@ -96,10 +96,18 @@ class Deployment:
 
 
 class Engine(Protocol):
-    name: str  # "vllm", "vllm-ascend", "vllm-mindspore", "vllm-cpu", "vllm-mindspore-r01"
-    family: Family
-    device_kind: str  # the DeviceReader kind: "cuda", "ascend", "cpu", "emulated"
-    simulated: bool  # the emulated server stands in for the real one
+    """An engine as the pipeline sees it: r0.1 (`mindspore_r01.R01Engine`: vLLM-MindSpore
+    r0.1, its emulated card, MindSpore on CPU) or V1 (`vllm_v1.V1Engine`: vLLM, vllm-ascend,
+    vLLM-MindSpore 0.3+, vLLM on CPU, each real or emulated)."""
+
+    @property
+    def name(self) -> str: ...  # the registry's name: "vllm", "sim", "vllm-mindspore-r01"...
+    @property
+    def family(self) -> Family: ...  # which tuning method sizes its KV cache
+    @property
+    def device_kind(self) -> str: ...  # the DeviceReader kind: cuda, ascend, cpu, emulated
+    @property
+    def simulated(self) -> bool: ...  # the emulator stands in for the real server
 
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         """The launch's argv and environment (pure)."""

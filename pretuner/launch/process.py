@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from pretuner.errors import ServerFailedError
+from pretuner.errors import BadInputError, ServerFailedError
 from pretuner.launch.orphans import (
     PID_FILE,
     parent_death_guard,
@@ -350,3 +351,29 @@ def install_signal_handlers() -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+def check_server_installed(base_cmd: list[str]) -> None:
+    """Refuse, before a run folder exists, a server command whose program or Python module is
+    not installed here (exit 2), instead of finding out from the first launch's log."""
+    program = shutil.which(base_cmd[0])
+    if program is None:
+        raise BadInputError(
+            f"the server command {base_cmd[0]!r} is not on PATH",
+            hint="install the engine (pip install vllm-mindspore) in this environment, pass "
+            "the whole command with --serve-cmd, or --engine sim for the emulated card",
+        )
+    if len(base_cmd) > 2 and base_cmd[1] == "-m":
+        module = base_cmd[2].split(".")[0]
+        probe = subprocess.run(
+            [program, "-c", f"import importlib.util, sys; "
+             f"sys.exit(importlib.util.find_spec({module!r}) is None)"],
+            capture_output=True, timeout=60, check=False,
+        )
+        if probe.returncode != 0:
+            raise BadInputError(
+                f"{base_cmd[0]} ({program}) cannot import {module!r}: the engine is not "
+                "installed for it",
+                hint="install the engine (pip install vllm-mindspore) for that Python, pass "
+                "the whole command with --serve-cmd, or --engine sim for the emulated card",
+            )

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pretuner.engines.registry import R01
+from pretuner.engines.mindspore_r01 import NAMES as R01_NAMES
 from pretuner.errors import BadInputError
 from pretuner.models.quant import Quantization, param_split, quantized_bytes
 from pretuner.models.spec import ModelSpec
@@ -31,7 +31,7 @@ IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bi
 
 def is_v1(engine: str | None) -> bool:
     """V1 engines size KV from the exact non-KV bytes, not r0.1's integer model-use GiB."""
-    return engine is not None and engine != R01
+    return engine is not None and engine not in R01_NAMES
 
 
 def loaded(

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pretuner.engines.mindspore_r01 import outcome_of
+from pretuner.engines.base import LaunchCommand, LaunchSettings
+from pretuner.engines.mindspore_r01 import SIM, R01Engine, outcome_of
 from pretuner.engines.outcome import LaunchOutcome, tally, workload
 from pretuner.errors import ServerFailedError
 from pretuner.launch.collect import rank_peaks
@@ -27,7 +28,6 @@ from pretuner.sim.plugin import EMULATOR
 from pretuner.tune.entry import RunOptions, _setup
 from pretuner.tune.execute import Phase
 from pretuner.tune.loop import CardInfo, Tuner, TuneResult
-from pretuner.tune.settings import LaunchCommand, LaunchSettings
 
 DECODE_TOKENS = 16
 
@@ -104,6 +104,7 @@ def tune_in_process(
     opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
 ) -> TuneResult:
     """The whole loop against the emulated server run in this process (benchmarks, tests)."""
-    cfg, _, ctx, _, _ = _setup(opts, card)
-    execute = inprocess_executor(ctx.build, workdir, ctx.decode_tokens)  # samples no card
-    return Tuner(cfg, execute, phase or (lambda p, d: None)).run()
+    engine = R01Engine(SIM, True, None, "in-process emulated card")
+    setup = _setup(opts, engine, card)
+    execute = inprocess_executor(setup.ctx.build, workdir, setup.ctx.decode_tokens)
+    return Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

@@ -7,7 +7,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pretuner.devices.base import Holding
+from pretuner.devices.npu_smi import CardInfo as CardInfo
+from pretuner.engines.base import LaunchSettings
+from pretuner.engines.mindspore_r01 import LEN_LADDER as LEN_LADDER
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
@@ -15,11 +17,9 @@ from pretuner.models.spec import ModelSpec
 from pretuner.plan.layout import PlanResult, layout_options
 from pretuner.plan.propose import decide_layout
 from pretuner.tune import budget as bud
-from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB
 
 UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
-LEN_LADDER = (16384, 8192, 4096)
 VLLM_V0_WATERMARK = 0.01  # vLLM 0.6's block manager keeps 1 % of the KV blocks free
 DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's budget when chunked prefill is on
 CHUNK_GRID = 1024  # a larger chunk budget is a multiple of this
@@ -35,15 +35,6 @@ TIGHTEN_MARGIN_SHARE = 0.001
 EDGE_MARGIN_FLOOR_BYTES = 2 * MIB
 LEARN_MARGIN = 0.10  # a validation OOM's per-sequence cost is inflated by this
 CHUNKED_GROWING_SHARE = 0.1  # see WaModel.growing_share
-
-
-@dataclass(frozen=True, slots=True)
-class CardInfo:
-    card_gib: int
-    free_mib: int | None
-    source: str  # "given", "npu-smi", "sim npu-smi"
-    # Processes npu-smi listed as holding memory on the card(s) before the run (other tenants).
-    holders: tuple[Holding, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pretuner.engines.base import LaunchSettings
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import (
     CardBusyError,
@@ -36,7 +37,6 @@ from pretuner.tune.search import (
     Budget,
     WaModel,
 )
-from pretuner.tune.settings import LaunchSettings
 from pretuner.units import GIB, MIB
 
 log = logging.getLogger(__name__)

@@ -11,20 +11,16 @@ from typing import TYPE_CHECKING
 
 from pretuner import __version__
 from pretuner.devices import select_reader
-from pretuner.engines.base import Family
+from pretuner.devices.npu_smi import detect_card
+from pretuner.engines.base import Family, LaunchCommand, LaunchSettings, Target
+from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine
 from pretuner.engines.outcome import LaunchOutcome
-from pretuner.engines.registry import EngineChoice, choose_engine
+from pretuner.engines.registry import choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
+from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
 from pretuner.report_html.page import refresh_run_page
-from pretuner.tune.backends import (
-    BackendChoice,
-    choose_backend,
-    detect_card,
-    engine_version,
-    lengths_for,
-)
 from pretuner.tune.config import pool_on_demand
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.failure import record_failure
@@ -50,15 +46,6 @@ from pretuner.tune.ownership import (
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.records import RunReport
 from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
-from pretuner.tune.server_cmd import check_server_installed, server_model_arg, sim_env
-from pretuner.tune.settings import (
-    Backend,
-    LaunchCommand,
-    LaunchSettings,
-    _version_tuple,
-    build_launch,
-    default_serve_command,
-)
 from pretuner.tune.v1.entry import V1RunOutcome, tune_v1_recorded, v1_setup
 
 if TYPE_CHECKING:
@@ -66,12 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# What each backend's server runs on, for its device memory reader.
-DEVICE_KINDS = {
-    Backend.SIM: "emulated",
-    Backend.VLLM_MINDSPORE: "ascend",
-    Backend.MINDSPORE_CPU: "cpu",
-}
 NO_READER = "no device memory reader here: measuring from the logs only"
 
 
@@ -80,12 +61,12 @@ class RunOutcome:
     record: Path
     report: RunReport  # report.json is report.model_dump(mode="json")
     result: TuneResult
-    backend: BackendChoice
+    engine: R01Engine
 
 
 @dataclass(frozen=True, slots=True)
 class DryRun:
-    backend: BackendChoice
+    engine: R01Engine
     card: CardInfo
     prerun: LaunchSettings
     command: LaunchCommand
@@ -104,43 +85,49 @@ def _check_lengths(max_len: int, min_len: int) -> None:
         )
 
 
-def _setup(
-    opts: RunOptions, card: CardInfo | None = None
-) -> tuple[TuneConfig, BackendChoice, LaunchContext, list[str], dict[str, str]]:
+@dataclass(frozen=True, slots=True)
+class R01Setup:
+    """Everything an r0.1 run needs before its first launch."""
+
+    cfg: TuneConfig
+    engine: R01Engine
+    ctx: LaunchContext
+    serve_argv: list[str]  # the server command with its model, before the tuned flags
+
+
+def _setup(opts: RunOptions, engine: R01Engine, card: CardInfo | None = None) -> R01Setup:
     opts.check()
     check_r01_flags(opts)
     spec = resolve(opts.model)
-    if opts.backend == Backend.MINDSPORE_CPU.value and not spec.eager_attention:
-        names = " or --model ".join(s.name for s in builtin_specs() if s.eager_attention)
-        raise BadInputError(
-            f"--backend mindspore-cpu serves the CPU reference models, not {spec.name}",
-            hint=f"use --model {names}, or --backend sim",
-        )
-    if opts.backend == Backend.MINDSPORE_CPU.value and (opts.tp or 1) * opts.pp != 1:
-        raise BadInputError(
-            f"--backend mindspore-cpu runs one card; TP{opts.tp or 1} x PP{opts.pp} needs several",
-            hint="drop --tp/--pp (the reference server is a single process)",
-        )
-    choice = choose_backend(opts.backend)
-    lengths = lengths_for(choice.backend)
+    engine.check_model(spec, opts.tp, opts.pp,
+                       [s.name for s in builtin_specs() if s.eager_attention])
+    lengths = engine.lengths
     max_len = lengths.max_model_len if opts.max_model_len is None else opts.max_model_len
     min_len = (
         min(lengths.min_model_len, max_len) if opts.min_model_len is None else opts.min_model_len
     )
     _check_lengths(max_len, min_len)
-    base_env = sim_env(opts, choice, spec.weights_format(opts.weights_format).name, 1)
+
+    def card_env(weights_format: str, nodes: int) -> dict[str, str]:
+        env = engine.card_env(opts.card_gib, opts.seed, os.environ,
+                              weights_format=weights_format, nodes=nodes)
+        return {**env, **opts.sim_env}
+
     if card is None:
-        card = detect_card(choice, opts.card_gib, {**os.environ, **base_env})
+        base_env = card_env(spec.weights_format(opts.weights_format).name, 1)
+        source = "emulated npu-smi" if engine.simulated else "npu-smi"
+        card = detect_card(engine.smi_command(), source, opts.card_gib,
+                           {**os.environ, **base_env})
     cfg = TuneConfig(
         model=spec,
         card=card,
         util=opts.util,
         max_model_len=max_len,
         min_model_len=min_len,
-        tp=1 if choice.backend is Backend.MINDSPORE_CPU else opts.tp,
+        tp=1 if engine.device_kind == "cpu" else opts.tp,
         pp=opts.pp,
         nodes=opts.nodes,
-        block_size=16 if opts.block_size is None else opts.block_size,  # r0.1's kernels: 16
+        block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
         kv_cache_dtype=opts.kv_cache_dtype,
         weights_format=opts.weights_format,
         headroom_gib=opts.headroom_gib,
@@ -149,35 +136,24 @@ def _setup(
         validate=opts.validate,
         model_use_gib=opts.model_use_gib,
         len_ladder=lengths.ladder,
-        provenance="simulated" if choice.simulated else "measured",
+        provenance="simulated" if engine.simulated else "measured",
     )
     if opts.model_use_gib is not None:
         check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
     p = plan_for(cfg)
-    extra_env = sim_env(opts, choice, p.weights_format, p.nodes)
+    extra_env = card_env(p.weights_format, p.nodes)
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
-    if opts.serve_cmd:
-        base_cmd, model_as_flag = shlex.split(opts.serve_cmd), True
-        if not base_cmd:
-            raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
-    else:
-        base_cmd, model_as_flag = default_serve_command(choice.backend, choice.engine_version)
-        check_server_installed(base_cmd)
+    if opts.serve_cmd is not None and not shlex.split(opts.serve_cmd):
+        raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
+    engine = replace(engine, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")), nodes=p.nodes,
+                     launch_env=extra_env)
+    if not engine.serve_cmd:
+        check_server_installed(engine.base_command()[0])
     served = spec.name
-    model_arg = server_model_arg(opts.model, spec, choice.backend)
+    target = Target(engine.model_arg(opts.model, spec), served, opts.host, 0)
 
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return build_launch(
-            settings,
-            base_command=base_cmd,
-            model_as_flag=model_as_flag,
-            model=model_arg,
-            served_name=served,
-            host=opts.host,
-            port=port,
-            nodes=p.nodes,
-            extra_env=extra_env,
-        )
+        return engine.command(settings, replace(target, port=port))
 
     ctx = LaunchContext(
         build=build,
@@ -188,20 +164,20 @@ def _setup(
         stop_grace_s=opts.stop_grace_s,
         seed=opts.seed,
         decode_tokens=lengths.decode_tokens,
-        device_reader=select_reader(
-            DEVICE_KINDS[choice.backend], {**os.environ, **extra_env}, p.tp * p.pp
-        ),
+        device_reader=select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp),
     )
-    model_args = ["--model", model_arg] if model_as_flag else [model_arg]
-    return cfg, choice, ctx, base_cmd + model_args, extra_env
+    base, model_as_flag = engine.base_command()
+    return R01Setup(cfg, engine, ctx,
+                    [*base, *(["--model", target.model] if model_as_flag else [target.model])])
 
 
-def dry_run(opts: RunOptions) -> DryRun:
+def dry_run(opts: RunOptions, engine: R01Engine) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
-    cfg, choice, ctx, _, _ = _setup(opts)
-    tuner = Tuner(cfg, _no_launch, lambda phase, detail: None)
-    settings = tuner.prerun_settings(prerun_util(cfg), cfg.max_model_len)
-    return DryRun(choice, cfg.card, settings, ctx.build(settings, 0), tuner.plan.layout_reason)
+    setup = _setup(opts, engine)
+    tuner = Tuner(setup.cfg, _no_launch, lambda phase, detail: None)
+    settings = tuner.prerun_settings(prerun_util(setup.cfg), setup.cfg.max_model_len)
+    return DryRun(engine, setup.cfg.card, settings, setup.ctx.build(settings, 0),
+                  tuner.plan.layout_reason)
 
 
 def _no_launch(settings: LaunchSettings) -> LaunchOutcome:
@@ -232,42 +208,25 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
     return record, opts
 
 
-def engine_for(opts: RunOptions) -> EngineChoice | None:
-    """The V1 engine `opts` asks for, or None for the r0.1 method (`--backend`)."""
-    if opts.engine == "auto":
-        if opts.backend == Backend.VLLM_MINDSPORE.value:
-            version = engine_version()  # 0.3 and later are V1: the r0.1 variables are ignored
-            if version is not None and _version_tuple(version) >= (0, 3):
-                return choose_engine("vllm-mindspore")
-        if opts.backend != "auto":
-            return None  # --backend names an r0.1 backend
-    choice = choose_engine(opts.engine)
-    if choice.family is Family.V1 and opts.backend != "auto":
-        raise BadInputError(f"--engine {opts.engine} and --backend {opts.backend} both name the "
-                            "server", hint="keep --engine (--backend is the r0.1 method's)")
-    return choice if choice.family is Family.V1 else None
-
-
 def run_tuning(
     opts: RunOptions, phase: Phase, resume: Path | None = None
 ) -> RunOutcome | V1RunOutcome:
     """Tune, journal every launch and decision, and write the result files."""
     asked = opts if resume is None else _recorded_options(resume)
-    v1 = engine_for(asked) if asked is not None else None
-    if v1 is not None:
+    choice = choose_engine(asked.engine) if asked is not None else None
+    if choice is not None and choice.family is Family.V1:
         if resume is None:
-            v1_setup(opts, v1)  # refuse bad input before a run folder exists
+            v1_setup(opts, choice)  # refuse bad input before a run folder exists
         return _tune(opts, phase, resume, None)
-    if resume is None:
-        _setup(opts)  # refuse bad input before a run folder exists
-    if asked is None or not asked.ray_address:
+    if resume is None and choice is not None:
+        _setup(opts, choice.r01())  # refuse bad input before a run folder exists
+    if asked is None or choice is None or not asked.ray_address:
         return _tune(opts, phase, resume, None)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
 
-    cfg, choice, *_ = _setup(asked)
-    p = plan_for(cfg)
-    plan = ClusterPlan(p.tp * p.pp, p.nodes, emulated=choice.backend is Backend.SIM)
+    p = plan_for(_setup(asked, choice.r01()).cfg)
+    plan = ClusterPlan(p.tp * p.pp, p.nodes, emulated=choice.simulated)
     with ray_cluster(asked.ray_address, plan, phase) as collectors:
         return _tune(opts, phase, resume, collectors)
 
@@ -289,10 +248,10 @@ def _tune(
     try:
         if resume is not None:  # we hold the lock: a live server of this run is our orphan
             stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
-        v1 = engine_for(opts)
-        if v1 is not None:
-            return tune_v1_recorded(record, opts, phase, v1)
-        return _tune_recorded(record, opts, phase, collectors)
+        choice = choose_engine(opts.engine)
+        if choice.family is Family.V1:
+            return tune_v1_recorded(record, opts, phase, choice)
+        return _tune_recorded(record, opts, phase, choice.r01(), collectors)
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it
         raise
@@ -308,9 +267,11 @@ def _tune(
 
 
 def _tune_recorded(
-    record: RunRecord, opts: RunOptions, phase: Phase, collectors: RayCollectors | None
+    record: RunRecord, opts: RunOptions, phase: Phase, engine: R01Engine,
+    collectors: RayCollectors | None
 ) -> RunOutcome:
-    cfg, choice, ctx, serve_argv, _ = _setup(opts)
+    setup = _setup(opts, engine)
+    cfg, ctx = setup.cfg, setup.ctx
     if collectors is not None:
         ctx = replace(ctx, collector=collectors)
         record.append("cluster", **collectors.info)
@@ -325,10 +286,10 @@ def _tune_recorded(
     )
     meta = RunMeta(
         run_id=record.path.name,
-        backend=choice.backend.value,
-        simulated=choice.simulated,
+        backend=engine.server,
+        simulated=engine.simulated,
         card_source=cfg.card.source,
-        model_arg=server_model_arg(opts.model, cfg.model, choice.backend),
+        model_arg=engine.model_arg(opts.model, cfg.model),
         kv_cache_dtype=cfg.kv_cache_dtype,
         cluster=collectors.info if collectors is not None else None,
         asked_max_model_len=cfg.max_model_len,
@@ -341,11 +302,11 @@ def _tune_recorded(
         if isinstance(err, PretunerError):  # not on Ctrl-C: that run stays resumable
             record_failure(record, tuner, err, meta)
         raise
-    rep = report_json(result, meta, serve_argv)
+    rep = report_json(result, meta, setup.serve_argv)
     record.write_json("report.json", rep.model_dump(mode="json"))
     record.write("report.md", report_md(rep, result))
     record.write("tuned.env", tuned_env(rep, result))
     record.write("serve.sh", serve_sh(rep, result), executable=True)
     refresh_run_page(record.path)
     record.append("run_finished", validated=result.validated)
-    return RunOutcome(record.path, rep, result, choice)
+    return RunOutcome(record.path, rep, result, engine)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
+from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
     Exercised,
@@ -34,7 +35,6 @@ from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.speed import Speed
 from pretuner.tune.crash import device_busy
 from pretuner.tune.record import RunRecord
-from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 
 log = logging.getLogger(__name__)
 

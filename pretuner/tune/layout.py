@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 
+from pretuner.devices.npu_smi import detect_card
+from pretuner.engines.mindspore_r01 import BLOCK_SIZE
 from pretuner.engines.registry import choose_engine
 from pretuner.engines.vllm_v1 import ROWS, parse_server_args
 from pretuner.errors import BadInputError
 from pretuner.models import resolve
 from pretuner.plan.layout import PlanConfig, layout_options, v1_layout_options
-from pretuner.tune.backends import choose_backend, detect_card, lengths_for
 from pretuner.tune.options import RunOptions, v1_only_flags
-from pretuner.tune.server_cmd import sim_env
 from pretuner.tune.v1.entry import vision_setup
 from pretuner.tune.v1.weights import knobs_of
 
@@ -29,15 +29,19 @@ def run_layout_options(opts: RunOptions) -> PlanConfig:
         vision_setup(opts, spec)  # a text model refuses the image options
         return v1_layout_options(opts, ROWS[choice.name], choice.simulated, spec, knobs)
     check_r01_flags(opts)
-    backend = choose_backend(opts.backend)
+    engine = choice.r01()
     card = opts.card_gib
     if card is None:
-        env = sim_env(opts, backend, spec.weights_format(opts.weights_format).name, 1)
-        card = detect_card(backend, None, {**os.environ, **env}).card_gib
+        env = engine.card_env(None, opts.seed, os.environ,
+                              weights_format=spec.weights_format(opts.weights_format).name,
+                              nodes=1)
+        card = detect_card(engine.smi_command(), "npu-smi", None,
+                           {**os.environ, **env, **opts.sim_env}).card_gib
     given = opts.max_model_len
     return layout_options(
-        opts, model=spec, card_gib=card, block_size=opts.block_size or 16,  # r0.1's kernels: 16
-        max_model_len=lengths_for(backend.backend).max_model_len if given is None else given,
+        opts, model=spec, card_gib=card,
+        block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
+        max_model_len=engine.lengths.max_model_len if given is None else given,
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pretuner.engines.base import LaunchSettings
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.tune.config import (
     LEN_LADDER,
@@ -29,7 +30,6 @@ from pretuner.tune.config import (
 from pretuner.tune.execute import LaunchContext, Phase, run_launch
 from pretuner.tune.prerun import PrerunSearch
 from pretuner.tune.record import RunRecord
-from pretuner.tune.settings import LaunchSettings
 from pretuner.tune.validation import Validation
 
 __all__ = [

@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 # RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
 RETUNE_FLAGS = (
-    ("engine", "--engine"), ("backend", "--backend"), ("card_gib", "--card"),
+    ("engine", "--engine"), ("card_gib", "--card"),
     ("max_model_len", "--max-model-len"), ("min_model_len", "--min-model-len"),
     ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
     ("util", "--util"), ("tp", "--tp"), ("pp", "--pp"), ("nodes", "--nodes"),
@@ -170,11 +170,10 @@ class RunOptions:
     """Everything `pretuner run` was asked; journaled so that --resume rebuilds the same run."""
 
     model: str
-    backend: str = "auto"
-    engine: str = "auto"  # auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore | ...
+    engine: str = "auto"  # auto | a name of pretuner.engines.registry.ENGINES
     card_gib: int | None = None
     util: float = 0.9
-    max_model_len: int | None = None  # default: the backend's (lengths_for)
+    max_model_len: int | None = None  # default: the engine's
     min_model_len: int | None = None
     tp: int | None = None
     pp: int = 1
@@ -242,6 +241,12 @@ class RunOptions:
     def from_json(cls, data: Any, made_by: str | None = None) -> RunOptions:
         """The options a journal recorded, refused with the key at fault (another version's run,
         a hand edit) instead of a traceback."""
+        if isinstance(data, dict) and "backend" in data:  # recorded before --engine named all
+            from pretuner.engines.registry import engine_of_backend
+
+            data = dict(data)
+            data["engine"] = engine_of_backend(str(data.pop("backend")),
+                                               str(data.get("engine", "auto")))
         return options_from_json(cls, data, made_by)
 
     def check(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import (
     InfeasibleError,
@@ -24,7 +25,6 @@ from pretuner.tune.search import (
     kv_blocks_for_one,
     next_length,
 )
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB
 
 

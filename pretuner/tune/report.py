@@ -19,6 +19,7 @@ from pretuner.deploy.context import ScriptOptions
 from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
+from pretuner.engines.mindspore_r01 import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.plan.layout import PlanResult
@@ -38,7 +39,6 @@ from pretuner.tune.records import (
     Step,
     StepSettings,
 )
-from pretuner.tune.settings import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.units import GIB
 
 # The outcome of a launch that raised before it had one (the server died at start, hung...).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import (
     InfeasibleError,
@@ -25,7 +26,6 @@ from pretuner.tune.config import (
 )
 from pretuner.tune.crash import crash_error
 from pretuner.tune.deriving import Deriving
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.units import GIB, MIB
 
 

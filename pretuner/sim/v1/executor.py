@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pretuner.engines.base import Family
+from pretuner.engines.base import Family, LaunchCommand, LaunchSettings, Purpose
 from pretuner.engines.outcome import Exercised, LaunchOutcome, tally
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
@@ -29,7 +29,6 @@ from pretuner.sim.plugin import EMULATOR
 from pretuner.speed import Speed
 from pretuner.tune.execute import Phase
 from pretuner.tune.options import RunOptions
-from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 from pretuner.tune.v1.entry import v1_setup
 from pretuner.tune.v1.loop import V1Result, V1Tuner
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
 from pretuner.devices.host import HostMemory, host_memory
-from pretuner.engines.base import Target
+from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
@@ -30,7 +30,6 @@ from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
 from pretuner.tune.records import V1Report
-from pretuner.tune.settings import LaunchCommand, LaunchSettings, Purpose
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.v1.report_memory import VisionMeta

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models.spec import ModelSpec
@@ -40,7 +41,6 @@ from pretuner.pinned import (
     margin_mib,
     one_sequence_bytes,
 )
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.soak import soak_figures
 from pretuner.units import GIB, MIB
 

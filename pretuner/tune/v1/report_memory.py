@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
 from pretuner.launch.images import IMAGE_WRAP_TOKENS, ImageShape, worst_case_images
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.pinned import kv_held_bytes
 from pretuner.tune.records import V1Images, V1Memory, V1Report, V1Soak
-from pretuner.tune.settings import LaunchSettings, Purpose
 from pretuner.tune.v1.soak import HOLD_DOUBLINGS, soak_figures
 from pretuner.units import MIB
 

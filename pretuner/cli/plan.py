@@ -29,7 +29,7 @@ Examples:
   pretuner plan --model deepseek-v3 --card 64
   pretuner plan --model qwen3-8b --card 24 --max-model-len 32K --kv-cache-dtype fp8 --json
   pretuner plan --model qwen3-vl-8b --engine vllm --card 64 --tp 2 --limit-mm-per-prompt image=2
-  pretuner plan --model deepseek-r1-distill-llama-70b --card 32 --engine vllm --max-model-len 8K
+  pretuner plan -m deepseek-r1-distill-llama-70b --card 32 --engine vllm --tp 1 --max-model-len 8K
 
 \b
 The flags it shares with `pretuner run` take run's defaults and checks: plan shows the layout
@@ -199,11 +199,14 @@ def render_images(vp: VisionPlan) -> list[str]:
 
 
 def render_plan(r: PlanResult) -> str:
+    from pretuner.engines.registry import R01
     from pretuner.plan.weights import render_weights_plan
     from pretuner.presets.compare import preset_line
 
+    engine = (r.weights_plan.engine if r.weights_plan else None) or R01
     lines = [
-        f"{r.model} on {r.card_gib} GiB cards, util {r.util} (all figures predicted, no launch)",
+        f"{r.model} on {r.card_gib} GiB cards, util {r.util}, {engine} (all figures predicted, "
+        "no launch)",
         f"layout: TP{r.tp} x PP{r.pp} on {r.nodes} node(s) - {r.layout_reason}",
     ]
     for tp, why in r.rejected:

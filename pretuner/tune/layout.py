@@ -1,6 +1,6 @@
-"""The layout options `pretuner run` resolves for its flags, without launching or emulating
-anything: what `pretuner plan` decides on. The same checks (the same exit-2 refusals), the same
-card sizing and the engine's own defaults as the run's setup, so plan cannot decide apart.
+"""The layout options `pretuner run` resolves for its flags, without starting a server: what
+`pretuner plan` decides on. The same checks in the same order (the same exit-2 refusals), the
+same card sizing and the engine's own defaults as the run's setup, so plan cannot decide apart.
 """
 
 from __future__ import annotations
@@ -21,14 +21,15 @@ from pretuner.tune.v1.weights import knobs_of
 
 def run_layout_options(opts: RunOptions) -> PlanConfig:
     """The layout options a run of `opts` decides on; bad input refused as `run` refuses it."""
-    opts.check()
     choice = choose_engine(opts.engine)
-    spec = resolve(opts.model)
+    opts.check()
     if choice.name in ROWS:
         knobs, _ = knobs_of(opts, parse_server_args(opts.server_args))
+        spec = resolve(opts.model)
         vision_setup(opts, spec)  # a text model refuses the image options
         return v1_layout_options(opts, ROWS[choice.name], choice.simulated, spec, knobs)
     check_r01_flags(opts)
+    spec = resolve(opts.model)
     engine = choice.r01()
     card = opts.card_gib
     if card is None:

@@ -27,7 +27,7 @@ class AnalyzeConfig:
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     # The r0.1 pre-run's card and settings: a log does not say them; None: the card size the
-    # log printed, the method's defaults said as assumed (`r01.ASSUMED`).
+    # log printed, the method's defaults said as assumed (`r01.ASSUMED_UTIL`...).
     card_gib: int | None = None
     util: float | None = None
     model_use_gib: int | None = None

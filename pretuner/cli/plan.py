@@ -199,7 +199,7 @@ def render_images(vp: VisionPlan) -> list[str]:
 
 
 def render_plan(r: PlanResult) -> str:
-    from pretuner.engines.registry import R01
+    from pretuner.engines.mindspore_r01 import R01
     from pretuner.plan.weights import render_weights_plan
     from pretuner.presets.compare import preset_line
 

@@ -83,14 +83,15 @@ def breakdown_memory(rep: dict[str, Any]) -> Breakdown | None:
                                                    "pinned_kv_mib"))
     if total is None or non_kv is None or kv is None:
         return None
-    how = rep.get("provenance") or "measured"
+    how = str(rep.get("provenance") or "measured")
     parts = [Segment("non-KV peak before the soak (weights, activations, graphs, encoder)",
-                     non_kv, f"measured, {how}", "weights")]
+                     non_kv, how, "weights")]
     growth, held = _num(m.get("soak_growth_mib")), _num(m.get("held_back_mib"))
     if growth:
-        parts.append(Segment("growth under the soak", growth, f"measured, {how}", "growth"))
+        parts.append(Segment("growth under the soak", growth, how, "growth"))
     if held:
-        parts.append(Segment("held back for more growth", held, f"measured, {how}", "margin"))
+        parts.append(Segment("held back for more growth", held, f"derived from the {how} soak",
+                             "margin"))
     parts.append(Segment("pinned KV cache", kv, "derived", "kv"))
     return with_remainder(total, f"device total {total:,.0f} MiB ({total / GIB_MIB:.2f} GiB), "
                           f"launch {m.get('launch')} at its worst moment", parts,
@@ -110,10 +111,9 @@ def breakdown_v1(rep: dict[str, Any]) -> Breakdown | None:
     kv = kv_bytes / 2**20 if kv_bytes is not None else _num(d.get("pinned_kv_mib"))
     if total is None or non_kv is None or kv is None:
         return None
-    how = rep.get("provenance") or rep.get("measured_by")
+    how = str(rep.get("provenance") or "measured")
     parts = [
-        Segment("non-KV peak (weights, activations, graphs)", non_kv,
-                f"measured, {how}" if how else "measured", "weights"),
+        Segment("non-KV peak (weights, activations, graphs)", non_kv, how, "weights"),
         Segment("pinned KV cache", kv, "derived", "kv"),
     ]
     margin = _num(d.get("margin_mib"))

@@ -19,6 +19,7 @@ from pretuner.tune.asked import given_up
 from pretuner.tune.records import (
     Asked,
     Decision,
+    Provenance,
     V1Baseline,
     V1Derivation,
     V1FailureReport,
@@ -107,7 +108,7 @@ def report_json(r: V1Result, m: V1Meta) -> V1Report:
         validated=r.validated,
         launches=len(r.outcomes),
         measured_by=r.measured_by,
-        provenance="simulated" if m.simulated else "measured",
+        provenance=_tag(m),
         final=V1Final(
             kv_cache_memory_bytes=f.kv_cache_bytes,
             kv_cache_gib=round((f.kv_cache_bytes or 0) / GIB, 3),
@@ -146,11 +147,15 @@ def report_json(r: V1Result, m: V1Meta) -> V1Report:
         images=images_record(m.vision, proof or _any_launch(r), f.max_model_len)
         if m.vision is not None else None,
         soak=soak_record(proof, m.vision.soak) if proof and m.vision else None,
-        memory=memory_record(proof, m.bytes_per_token) if proof else None,
+        memory=memory_record(proof, m.bytes_per_token, _tag(m)) if proof else None,
         weights=weights,
         speed=speed_record(speed),
         min_tokens_per_s=m.min_tokens_per_s,
     )
+
+
+def _tag(m: V1Meta) -> Provenance:
+    return "simulated" if m.simulated else "measured"
 
 
 def _any_launch(r: V1Result) -> LaunchOutcome | None:

@@ -63,8 +63,9 @@ def soak_record(o: LaunchOutcome, asked: Soak) -> V1Soak | None:
         peak_after_mib=f.peak_after_mib)
 
 
-def memory_record(o: LaunchOutcome, bytes_per_token: int) -> V1Memory | None:
-    """The final configuration's device, from its own validation's samples."""
+def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory | None:
+    """The final configuration's device, from its own validation's samples; `tag` is what the
+    samples are: "measured" on a real device, "simulated" on an emulated one."""
     total, kv = o.device_total_mib, o.settings.kv_cache_bytes
     held = kv_held_bytes(o.kv_tokens, bytes_per_token, o.kv_gib)
     if total is None or kv is None or held is None or not o.device_peaks_mib:
@@ -79,12 +80,12 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int) -> V1Memory | None:
     lines = [
         f"non-KV peak: the worst moment before any soak (weights, activations, graphs"
         f"{', the encoder' if f is not None else ''}) = device peak {peak:,} MiB - KV held "
-        f"{held / MIB:,.1f} MiB | {non_kv:,.1f} | measured",
+        f"{held / MIB:,.1f} MiB | {non_kv:,.1f} | {tag}",
     ]
     if f is not None:
         lines += [
             f"growth under the soak: the peak from the soak on ({f.peak_after_mib:,} MiB) above "
-            f"the peak before it | {growth:,} | measured",
+            f"the peak before it | {growth:,} | {tag}",
             f"held back for more growth: {HOLD_DOUBLINGS} x what the soak's second half still "
             f"added ({f.after_mib:,} - {f.half_mib:,} MiB) | {hold:,} | derived, kept free",
         ]
@@ -92,7 +93,7 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int) -> V1Memory | None:
         f"pinned KV cache (--kv-cache-memory-bytes {kv}) | {pinned:,.1f} | derived",
         f"free at the worst moment (the rest; the pinned KV's unallocated tail, "
         f"{pinned - held / MIB:,.1f} MiB, is in it) | {free:,.1f} | computed",
-        f"device total | {total:,} | measured",
+        f"device total | {total:,} | {tag}",
     ]
     return V1Memory(launch=o.n, device_total_mib=total, kv_held_mib=round(held / MIB, 1),
                     non_kv_peak_mib=round(non_kv, 1), soak_growth_mib=growth,

@@ -20,6 +20,7 @@ from typing import Any
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
+from pretuner.tune.records import R01Derivation, RunReport
 from pretuner.units import GIB
 
 
@@ -355,71 +356,77 @@ def pinned_problems(p: Preset, bpt: int) -> list[str]:
     return problems
 
 
-def _real_model_arg(rep: dict[str, Any]) -> str:
+def _real_model_arg(rep: RunReport) -> str:
     """What the real server loads: the emulated card took the registry name, the real
     vLLM-MindSpore needs the Hugging Face id (a folder stays a folder)."""
-    arg = str(rep["model_arg"])
-    if not rep["simulated"] or Path(arg).exists() or arg != rep["model"]:
+    arg = rep.model_arg
+    if not rep.simulated or Path(arg).exists() or arg != rep.model:
         return arg
     return resolve(arg).hf_id or arg
 
 
-def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: str) -> Preset:
-    """A run record's report.json as a preset (measured, or simulated on the emulated card)."""
-    if rep.get("method") == "v1-pinned-kv":
+def numeric_flags(argv: list[str]) -> dict[str, int | float]:
+    """The server flags that take a number, by vLLM's long name (`--max-model-len 16384` ->
+    max_model_len: 16384); the parallel sizes are the preset's own fields."""
+    out: dict[str, int | float] = {}
+    for flag, value in zip(argv, [*argv[1:], ""], strict=True):
+        key = flag.removeprefix("--").replace("-", "_")
+        if not flag.startswith("--") or key.endswith("parallel_size"):
+            continue
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+    return out
+
+
+def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) -> Preset:
+    """A run record as a preset (measured, or simulated on the emulated card)."""
+    d = rep.derivation
+    if not isinstance(d, R01Derivation):
         from pretuner.presets.v1 import preset_from_v1_report
 
-        return preset_from_v1_report(rep, name=name, date=date)
+        return preset_from_v1_report(rep, d, name=name, date=date)
+    f = rep.final
+    flags = numeric_flags(f.flags)
+    kind = PresetKind.SIMULATED if rep.simulated else PresetKind.MEASURED
+    default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g-{kind.value}-{rep.run_id}"
     try:
-        flags = {
-            k: v
-            for k, v in rep["final"]["flags"].items()
-            if not k.endswith("parallel_size") and type(v) in (int, float)
-        }
-        d = rep["derivation"]
-        kind = PresetKind.SIMULATED if rep["simulated"] else PresetKind.MEASURED
-        default = f"{rep['model']}-tp{rep['tp']}-{rep['card_gib']}g-{kind.value}-{rep['run_id']}"
-        return Preset(
-            name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
-            kind=kind,
-            model=rep["model"],
-            model_path=_real_model_arg(rep),
-            card_gib=int(rep["card_gib"]),
-            tp=int(rep["tp"]),
-            pp=int(rep["pp"]),
-            nodes=int(rep["nodes"]),
-            cards_per_node=8 if int(rep["nodes"]) > 1 else int(rep["tp"]) * int(rep["pp"]),
-            weights_format=rep["weights_format"],
-            kv_cache_dtype=rep.get("kv_cache_dtype", "auto"),
-            engine="emulated vllm-mindspore" if rep["simulated"] else "vllm-mindspore",
-            engine_version="0.1",
-            env=dict(rep["final"]["env"]),
-            flags=flags,
-            kv_bytes_per_token=int(rep["kv_bytes_per_token"]),
-            kv_basis=KvBasis.MODEL_USE,
-            kv_gib=round(
-                model_use_budget_bytes(
-                    int(rep["card_gib"]),
-                    float(flags["gpu_memory_utilization"]),
-                    int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"]),
-                )
-                / GIB,
-                2,
-            ),
-            kv_tokens=int(rep["max_kv_tokens"]),
-            date=date,
-            source=f"pretuner {rep['pretuner_version']} run {rep['run_id']} "
-            f"({'emulated card' if rep['simulated'] else rep['backend']})",
-            notes="validated under full load" if rep["validated"] else "NOT validated",
-            run_id=rep["run_id"],
-            figures={
-                "actual_peak_mib": d["actual_peak_mib"],
-                "kv_prerun_gib": d["kv_prerun_gib"],
-                "weights_act_gib": d["weights_act_gib"],
-                "headroom_gib": d["headroom_gib"],
-            },
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise BadInputError(
-            f"the run record lacks {err} in report.json", hint="pass a finished run folder"
-        ) from None
+        model_use = int(f.env["vLLM_MODEL_MEMORY_USE_GB"])
+    except (KeyError, ValueError) as err:
+        raise BadInputError(f"the run record lacks {err} in report.json",
+                            hint="pass a finished run folder") from None
+    return Preset(
+        name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
+        kind=kind,
+        model=rep.model,
+        model_path=_real_model_arg(rep),
+        card_gib=rep.card_gib,
+        tp=rep.tp,
+        pp=rep.pp,
+        nodes=rep.nodes,
+        cards_per_node=8 if rep.nodes > 1 else rep.tp * rep.pp,
+        weights_format=rep.weights_format,
+        kv_cache_dtype=rep.kv_cache_dtype,
+        engine="emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
+        engine_version="0.1",
+        env=dict(f.env),
+        flags=flags,
+        kv_bytes_per_token=rep.kv_bytes_per_token,
+        kv_basis=KvBasis.MODEL_USE,
+        kv_gib=round(model_use_budget_bytes(rep.card_gib, d.util, model_use) / GIB, 2),
+        kv_tokens=f.kv_tokens or 0,
+        date=date,
+        source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
+        f"({'emulated card' if rep.simulated else rep.engine})",
+        notes="validated under full load" if rep.validated else "NOT validated",
+        run_id=rep.run_id,
+        figures={
+            "actual_peak_mib": d.actual_peak_mib,
+            "kv_prerun_gib": d.kv_prerun_gib,
+            "weights_act_gib": d.weights_act_gib,
+            "headroom_gib": d.headroom_gib,
+        },
+    )

@@ -17,7 +17,6 @@ from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
-from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.backends import (
     BackendChoice,
     choose_backend,
@@ -49,7 +48,7 @@ from pretuner.tune.ownership import (
 )
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.records import RunReport
-from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
+from pretuner.tune.report import RunMeta, report_json, write_report
 from pretuner.tune.server_cmd import check_server_installed, server_model_arg, sim_env
 from pretuner.tune.settings import (
     Backend,
@@ -362,6 +361,8 @@ def _tune_recorded(
         cluster=collectors.info if collectors is not None else None,
         asked_max_model_len=cfg.max_model_len,
         retune_command=tuple(opts.command_line()),
+        engine_version=choice.engine_version, engine_reason=choice.reason,
+        device_kind=DEVICE_KINDS[choice.backend],
     )
     try:
         result = tuner.run()
@@ -371,10 +372,6 @@ def _tune_recorded(
             record_failure(record, tuner, err, meta)
         raise
     rep = report_json(result, meta, serve_argv)
-    record.write_json("report.json", rep.model_dump(mode="json"))
-    record.write("report.md", report_md(rep, result))
-    record.write("tuned.env", tuned_env(rep, result))
-    record.write("serve.sh", serve_sh(rep, result), executable=True)
-    refresh_run_page(record.path)
+    write_report(record, rep)
     record.append("run_finished", validated=result.validated)
     return RunOutcome(record.path, rep, result, choice)

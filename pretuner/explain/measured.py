@@ -12,11 +12,6 @@ from pretuner.explain.flags import FLAGS, FlagDoc
 from pretuner.tune.records import PinnedDerivation, R01Derivation, RunReport, V1Weights
 
 DEFAULT_SWAP_GIB = 4.0
-NO_WEIGHTS = V1Weights(quantization=None, loaded_as="?", cpu_offload_gib=0, swap_space_gib=None,
-                       enforce_eager=False, loaded_gib_per_card=0, offloaded_gib_per_card=0,
-                       card_weights_gib=0, card_weights_log_gib=None, host_offload_gib=0,
-                       host_swap_gib=0, host_available_gib=None, host_total_gib=None,
-                       host_provenance=None)
 
 
 def _flag(flags: list[str], name: str) -> str | None:
@@ -31,9 +26,9 @@ def _pinned(rep: RunReport) -> PinnedDerivation | None:
     return rep.derivation if isinstance(rep.derivation, PinnedDerivation) else None
 
 
-def _weights(rep: RunReport) -> V1Weights:
+def _weights(rep: RunReport) -> V1Weights | None:
     d = _pinned(rep)
-    return d.weights if d is not None and d.weights is not None else NO_WEIGHTS
+    return d.weights if d is not None else None
 
 
 def _speed(rep: RunReport) -> str | None:
@@ -47,7 +42,7 @@ def _speed(rep: RunReport) -> str | None:
 
 def _offload(rep: RunReport) -> list[str]:
     w, tag = _weights(rep), rep.provenance
-    if not w.cpu_offload_gib:
+    if w is None or not w.cpu_offload_gib:
         return ["not given: every weight stays on the card"]
     lines = [f"--cpu-offload-gb {w.cpu_offload_gib:g}: {w.offloaded_gib_per_card:.2f} GiB "
              f"of the {w.loaded_gib_per_card:.2f} GiB of weights per card in host memory, "
@@ -63,12 +58,12 @@ def _offload(rep: RunReport) -> list[str]:
 
 def _swap(rep: RunReport) -> list[str]:
     w = _weights(rep)
-    given = w.swap_space_gib
+    given = w.swap_space_gib if w is not None else None
     value = DEFAULT_SWAP_GIB if given is None else given
     source = "given" if given is not None else "the engine's default"
     line = (f"--swap-space {value:g} GiB per GPU ({source}); V1 engine: checked against the "
             "host at start-up, holds no KV")
-    if w.host_total_gib:
+    if w is not None and w.host_total_gib:
         line += (f"; {w.host_swap_gib:.2f} GiB of the host's {w.host_total_gib:.2f} GiB "
                  f"= {w.host_swap_gib / w.host_total_gib:.1%} (refused above 70 %, "
                  f"{w.host_provenance})")
@@ -109,14 +104,15 @@ def _batched(rep: RunReport) -> list[str]:
 
 
 def _eager(rep: RunReport) -> list[str]:
-    out = ["given: no CUDA-graph pool on the card" if _weights(rep).enforce_eager else
+    w = _weights(rep)
+    out = ["given: no CUDA-graph pool on the card" if w is not None and w.enforce_eager else
            "not given: CUDA graphs captured (their pool is in the non-KV peak)"]
     return out + [s for s in (_speed(rep),) if s]
 
 
 def _quant(rep: RunReport) -> list[str]:
     w = _weights(rep)
-    if w is NO_WEIGHTS:
+    if w is None:
         return ["no weights block in this run record"]
     lines = [f"{w.quantization or 'not given'}: the linear layers load as "
              f"{w.loaded_as}, {w.loaded_gib_per_card:.2f} GiB per card (predicted)"]

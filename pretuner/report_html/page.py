@@ -14,7 +14,15 @@ from pretuner.files import write_atomic
 from pretuner.report_html.breakdown import breakdown
 from pretuner.report_html.charts import Bar, Chart, bar, chart
 from pretuner.report_html.inputs import Decision, LaunchMemory, RunFiles, read_run
-from pretuner.tune.records import AnyReport, FailureReport, PinnedDerivation, RunReport, Step
+from pretuner.tune.records import (
+    AnyReport,
+    FailureReport,
+    PinnedDerivation,
+    RunReport,
+    Step,
+    device_words,
+    kv_words,
+)
 
 PAGE = "report.html"
 log = logging.getLogger(__name__)
@@ -37,13 +45,9 @@ def headline(rep: AnyReport) -> tuple[str, list[Fact]]:
     """The page's title line and the facts beneath it, either method."""
     version = f" {rep.engine_version}" if rep.engine_version else ""
     facts = [Fact("engine", f"{rep.engine}{version} ({rep.engine_reason})"),
-             Fact("card", f"{rep.card_gib} GiB ({rep.card_source}), {rep.device_kind}")]
+             Fact("card", device_words(rep))]
     if isinstance(rep, RunReport):
-        f, d = rep.final, rep.derivation
-        pinned = (f"--kv-cache-memory-bytes {d.kv_cache_memory_bytes} ("
-                  if isinstance(d, PinnedDerivation) else "(")
-        facts.append(Fact("KV cache per card", f"{f.kv_gib:.2f} GiB = {f.kv_tokens or 0:,} "
-                          f"tokens {pinned}derived; tokens {rep.provenance})"))
+        facts.append(Fact("KV cache per card", kv_words(rep)))
     facts.append(Fact("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
     if isinstance(rep, RunReport):
         facts.append(Fact("shape", f"max_model_len {rep.final.max_model_len:,}, "

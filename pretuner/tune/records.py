@@ -309,6 +309,7 @@ class _RunHead(Record):
     launches: int
     steps: list[Step]
     decisions: list[Decision]
+    retune_command: list[str]  # `pretuner run` with this run's options: the same run again
 
     @model_serializer(mode="wrap")
     def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -326,7 +327,6 @@ class RunReport(_RunHead):
     derivation: Derivation
     asked: Asked
     given_up: list[str]  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
-    retune_command: list[str]  # `pretuner run` with this run's options: the same run again
     cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
 
 
@@ -371,3 +371,28 @@ def report_of(data: Any) -> AnyReport:
     if "error" in data:
         return FailureReport.model_validate(data)
     return RunReport.model_validate(data)
+
+
+# -- the words every reader of a record says the same way ----------------------------------------
+
+
+def device_words(rep: AnyReport) -> str:
+    """The devices as the run knew them: a real device's total as its reader measured it; a V1
+    engine's --card is the device's GB, r0.1's the card's GiB (ASCEND_TOTAL_MEMORY_GB)."""
+    d = rep.derivation if isinstance(rep, RunReport) else None
+    if isinstance(d, R01Derivation) or (isinstance(rep, FailureReport) and rep.method == "r0.1"):
+        return f"{rep.card_gib} GiB card(s) ({rep.card_source})"
+    if rep.device_kind == "cpu":
+        return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
+                "vLLM on CPU has no device)")
+    if not rep.simulated and isinstance(d, PinnedDerivation) and d.budget is not None:
+        return f"{d.budget.device_total_mib:,} MiB device(s) (measured)"
+    return f"{rep.card_gib} GB device(s)"
+
+
+def kv_words(rep: RunReport) -> str:
+    """The KV cache per card, in GiB and tokens, and how each figure came about."""
+    f, d = rep.final, rep.derivation
+    how = ("derived" if isinstance(d, R01Derivation) else
+           f"--kv-cache-memory-bytes {d.kv_cache_memory_bytes}, derived; tokens {rep.provenance}")
+    return f"{f.kv_gib:.2f} GiB = {f.kv_tokens or 0:,} tokens ({how})"

@@ -40,6 +40,7 @@ def _head(d: dict[str, Any], **fields: Any) -> dict[str, Any]:
                      for s in d.get("steps", [])]
     head.setdefault("validated", False)
     head.setdefault("launches", len(d.get("steps", [])))
+    head["retune_command"] = d.get("retune_command", [])
     return head
 
 
@@ -76,7 +77,7 @@ def _r01(d: dict[str, Any]) -> dict[str, Any]:
 def _asked(d: dict[str, Any], max_model_len: int, max_num_seqs: int | None) -> dict[str, Any]:
     return {"asked": d.get("asked") or {"max_model_len": max_model_len,
                                         "max_num_seqs": max_num_seqs},
-            "given_up": d.get("given_up", []), "retune_command": d.get("retune_command", [])}
+            "given_up": d.get("given_up", [])}
 
 
 def _v1(d: dict[str, Any]) -> dict[str, Any]:

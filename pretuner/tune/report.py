@@ -49,6 +49,8 @@ from pretuner.tune.records import (
     StepSettings,
     V1Speed,
     decision_text,
+    device_words,
+    kv_words,
 )
 from pretuner.tune.settings import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.tune.v1.report_sections import pinned_sections, v1_files
@@ -123,7 +125,7 @@ def _r01_head(meta: RunMeta, p: PlanResult, steps: Sequence[Step],
         "pp": p.pp, "nodes": p.nodes, "weights_format": p.weights_format,
         "kv_cache_dtype": meta.kv_cache_dtype, "kv_bytes_per_token": p.kv_bytes_per_token,
         "validated": validated, "launches": len(steps), "steps": list(steps),
-        "decisions": list(decisions),
+        "decisions": list(decisions), "retune_command": list(meta.retune_command),
     }
 
 
@@ -178,7 +180,6 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
-        retune_command=list(meta.retune_command),
         cluster=meta.cluster,
     )
 
@@ -242,24 +243,6 @@ def status_words(rep: RunReport) -> str:
                     if rep.given_up else "")
 
 
-def device_words(rep: AnyReport) -> str:
-    """The devices as the run knew them: a real device's total as its reader measured it; a V1
-    engine's --card is the device's GB, r0.1's the card's GiB (ASCEND_TOTAL_MEMORY_GB)."""
-    d = _derivation(rep)
-    if isinstance(d, R01Derivation) or (isinstance(rep, FailureReport) and rep.method == "r0.1"):
-        return f"{rep.card_gib} GiB card(s) ({rep.card_source})"
-    if rep.device_kind == "cpu":
-        return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
-                "vLLM on CPU has no device)")
-    if not rep.simulated and isinstance(d, PinnedDerivation) and d.budget is not None:
-        return f"{d.budget.device_total_mib:,} MiB device(s) (measured)"
-    return f"{rep.card_gib} GB device(s)"
-
-
-def _derivation(rep: AnyReport) -> R01Derivation | PinnedDerivation | None:
-    return rep.derivation if isinstance(rep, RunReport) else None
-
-
 def _run_lines(rep: AnyReport) -> list[str]:
     """Where and how the run ran: the same lines for a success and a failure."""
     lines = [f"> {SIM_NOTE}", ""] if rep.simulated else []
@@ -306,14 +289,6 @@ def report_md(rep: RunReport) -> str:
     return "\n".join(lines)
 
 
-def kv_words(rep: RunReport) -> str:
-    """The KV cache per card, in GiB and tokens, and how each figure came about."""
-    f, d = rep.final, rep.derivation
-    how = ("derived" if isinstance(d, R01Derivation) else
-           f"--kv-cache-memory-bytes {d.kv_cache_memory_bytes}, derived; tokens {rep.provenance}")
-    return f"{f.kv_gib:.2f} GiB = {f.kv_tokens or 0:,} tokens ({how})"
-
-
 def failure_md(rep: FailureReport) -> str:
     """report.md of a failed run: the reason and the fix first."""
     code = rep.exit_code
@@ -331,8 +306,9 @@ def failure_md(rep: FailureReport) -> str:
               "serve.sh was written", *launch_lines(rep)]
     if details:
         lines += ["", "## Details", "", "```", details.rstrip("\n"), "```"]
-    lines += ["", f"Re-run after the fix: `pretuner run --model {rep.model_arg} --card "
-              f"{rep.card_gib}` with the options the fix names"]
+    again = rep.retune_command or ["pretuner", "run", "--model", rep.model_arg, "--card",
+                                   str(rep.card_gib)]
+    lines += ["", f"Re-run after the fix: `{shlex.join(again)}` with the options the fix names"]
     return "\n".join(lines) + "\n"
 
 

@@ -78,6 +78,7 @@ def _head(m: V1Meta, steps: list[Step], decisions: Iterable[Decision], validated
         else m.weights_format, "kv_cache_dtype": m.kv_cache_dtype,
         "kv_bytes_per_token": m.bytes_per_token, "validated": validated,
         "launches": len(steps), "steps": steps, "decisions": list(decisions),
+        "retune_command": list(m.retune_command),
     }
 
 
@@ -124,7 +125,6 @@ def report_json(r: V1Result, m: V1Meta) -> RunReport:
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs)
         + ([slow] if slow else []),
-        retune_command=list(m.retune_command),
     )
 
 

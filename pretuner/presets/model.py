@@ -20,6 +20,7 @@ from typing import Any
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
+from pretuner.presets.v1 import pinned_fields
 from pretuner.tune.records import R01Derivation, RunReport
 from pretuner.units import GIB
 
@@ -383,50 +384,40 @@ def numeric_flags(argv: list[str]) -> dict[str, int | float]:
 
 
 def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) -> Preset:
-    """A run record as a preset (measured, or simulated on the emulated card)."""
+    """A run record as a preset (measured, or simulated on the emulated card): what every run
+    records, and the method's own figures (`_r01_fields`, `presets.v1.pinned_fields`)."""
     d = rep.derivation
-    if not isinstance(d, R01Derivation):
-        from pretuner.presets.v1 import preset_from_v1_report
-
-        return preset_from_v1_report(rep, d, name=name, date=date)
-    f = rep.final
-    flags = numeric_flags(f.flags)
     kind = PresetKind.SIMULATED if rep.simulated else PresetKind.MEASURED
-    default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g-{kind.value}-{rep.run_id}"
+    r01 = isinstance(d, R01Derivation)
+    fields = _r01_fields(rep, d) if isinstance(d, R01Derivation) else pinned_fields(rep, d)
+    engine = "" if r01 else f"-{rep.engine}"
+    default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g{engine}-{kind.value}-{rep.run_id}"
+    return Preset(
+        name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
+        kind=kind, model=rep.model, card_gib=rep.card_gib, tp=rep.tp, pp=rep.pp,
+        nodes=rep.nodes, weights_format=rep.weights_format, kv_cache_dtype=rep.kv_cache_dtype,
+        env=dict(rep.final.env), kv_bytes_per_token=rep.kv_bytes_per_token,
+        kv_tokens=rep.final.kv_tokens or 0, date=date,
+        source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
+        f"({'emulated card' if rep.simulated else rep.engine})",
+        run_id=rep.run_id, kv_basis=KvBasis.MODEL_USE if r01 else KvBasis.PINNED, **fields,
+    )
+
+
+def _r01_fields(rep: RunReport, d: R01Derivation) -> dict[str, Any]:
+    """An r0.1 run's preset fields: its variables, its flags, the pre-run's figures."""
     try:
-        model_use = int(f.env["vLLM_MODEL_MEMORY_USE_GB"])
+        model_use = int(rep.final.env["vLLM_MODEL_MEMORY_USE_GB"])
     except (KeyError, ValueError) as err:
         raise BadInputError(f"the run record lacks {err} in report.json",
                             hint="pass a finished run folder") from None
-    return Preset(
-        name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
-        kind=kind,
-        model=rep.model,
-        model_path=_real_model_arg(rep),
-        card_gib=rep.card_gib,
-        tp=rep.tp,
-        pp=rep.pp,
-        nodes=rep.nodes,
-        cards_per_node=8 if rep.nodes > 1 else rep.tp * rep.pp,
-        weights_format=rep.weights_format,
-        kv_cache_dtype=rep.kv_cache_dtype,
-        engine="emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
-        engine_version="0.1",
-        env=dict(f.env),
-        flags=flags,
-        kv_bytes_per_token=rep.kv_bytes_per_token,
-        kv_basis=KvBasis.MODEL_USE,
-        kv_gib=round(model_use_budget_bytes(rep.card_gib, d.util, model_use) / GIB, 2),
-        kv_tokens=f.kv_tokens or 0,
-        date=date,
-        source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
-        f"({'emulated card' if rep.simulated else rep.engine})",
-        notes="validated under full load" if rep.validated else "NOT validated",
-        run_id=rep.run_id,
-        figures={
-            "actual_peak_mib": d.actual_peak_mib,
-            "kv_prerun_gib": d.kv_prerun_gib,
-            "weights_act_gib": d.weights_act_gib,
-            "headroom_gib": d.headroom_gib,
-        },
-    )
+    return {
+        "model_path": _real_model_arg(rep),
+        "cards_per_node": 8 if rep.nodes > 1 else rep.tp * rep.pp,
+        "engine": "emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
+        "engine_version": "0.1", "flags": numeric_flags(rep.final.flags),
+        "kv_gib": round(model_use_budget_bytes(rep.card_gib, d.util, model_use) / GIB, 2),
+        "notes": "validated under full load" if rep.validated else "NOT validated",
+        "figures": {"actual_peak_mib": d.actual_peak_mib, "kv_prerun_gib": d.kv_prerun_gib,
+                    "weights_act_gib": d.weights_act_gib, "headroom_gib": d.headroom_gib},
+    }

@@ -1,13 +1,12 @@
-"""A V1 engine run's report.json as a preset: the KV cache pinned with
-`--kv-cache-memory-bytes`, and the server command the run proved (pure)."""
+"""A V1 engine run's record as a preset: the KV cache pinned with `--kv-cache-memory-bytes`,
+and the server command the run proved (pure)."""
 
 from __future__ import annotations
 
-import re
+from typing import Any
 
 from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
-from pretuner.presets.model import KvBasis, Preset, PresetKind
 from pretuner.tune.records import PinnedDerivation, RunReport
 from pretuner.units import GIB
 
@@ -33,9 +32,8 @@ def split_command(command: list[str], flags: list[str]) -> tuple[list[str], str]
     return command[: -n - 1], command[-n - 1]
 
 
-def preset_from_v1_report(rep: RunReport, d: PinnedDerivation, *, name: str | None,
-                          date: str) -> Preset:
-    """A V1 run record as a pinned preset (measured, or simulated on the emulated card).
+def pinned_fields(rep: RunReport, d: PinnedDerivation) -> dict[str, Any]:
+    """A V1 run's preset fields (`presets.model.preset_from_report` adds what every run has).
 
     A simulated run's own serve command starts the emulated server; the preset keeps the real
     engine's command with the same flags (`final.engine_serve_command`)."""
@@ -49,7 +47,7 @@ def preset_from_v1_report(rep: RunReport, d: PinnedDerivation, *, name: str | No
     if d.kv_cache_memory_bytes is None:
         raise BadInputError("the V1 run record pinned no KV cache",
                             hint="pass a finished run folder")
-    num_flags: dict[str, int | float] = {
+    flags: dict[str, int | float] = {
         "max_model_len": f.max_model_len,
         "max_num_seqs": f.max_num_seqs,
         "max_num_batched_tokens": f.max_num_batched_tokens,
@@ -57,45 +55,21 @@ def preset_from_v1_report(rep: RunReport, d: PinnedDerivation, *, name: str | No
     }
     util = flag_value(f.flags, "--gpu-memory-utilization")
     if util is not None:
-        num_flags["gpu_memory_utilization"] = float(util)
-    kind = PresetKind.SIMULATED if rep.simulated else PresetKind.MEASURED
-    default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g-{engine}-{kind.value}-{rep.run_id}"
+        flags["gpu_memory_utilization"] = float(util)
     notes = ["validated under full load" if rep.validated else "NOT validated"]
     if rep.simulated:
         notes.append(
             "figures simulated on the emulated card; the server command is the "
             f"real {engine}'s with the run's flags"
         )
-    return Preset(
-        name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
-        kind=kind,
-        model=rep.model,
-        model_path=model_path,
-        card_gib=rep.card_gib,
-        tp=rep.tp,
-        pp=rep.pp,
-        nodes=rep.nodes,
-        cards_per_node=rep.tp * rep.pp // rep.nodes,
-        weights_format=rep.weights_format,
-        kv_cache_dtype=rep.kv_cache_dtype,
-        engine=engine,
-        engine_version=rep.engine_version,
-        env=dict(f.env),
-        flags=num_flags,
-        kv_bytes_per_token=rep.kv_bytes_per_token,
-        kv_basis=KvBasis.PINNED,
-        kv_gib=round(d.kv_cache_memory_bytes / GIB, 2),
-        kv_tokens=f.kv_tokens or 0,
-        date=date,
-        source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
-        f"({'emulated card' if rep.simulated else engine})",
-        notes="; ".join(notes),
-        run_id=rep.run_id,
-        figures=_figures(d),
-        kv_cache_memory_bytes=d.kv_cache_memory_bytes,
-        server_command=server_command,
-        server_flags=list(f.flags),
-    )
+    return {
+        "model_path": model_path, "cards_per_node": rep.tp * rep.pp // rep.nodes,
+        "engine": engine, "engine_version": rep.engine_version, "flags": flags,
+        "kv_gib": round(d.kv_cache_memory_bytes / GIB, 2),
+        "notes": "; ".join(notes), "figures": _figures(d),
+        "kv_cache_memory_bytes": d.kv_cache_memory_bytes, "server_command": server_command,
+        "server_flags": list(f.flags),
+    }
 
 
 def _figures(d: PinnedDerivation) -> dict[str, float]:

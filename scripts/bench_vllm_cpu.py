@@ -254,7 +254,7 @@ def read_tuned(out: Path, wall_s: float) -> Tuned:
     rep = json.loads((out / "report.json").read_text(encoding="utf-8"))
     if not rep["validated"]:
         raise RuntimeError(f"the run in {out} is not validated")
-    kv = rep["final"]["kv_cache_memory_bytes"]
+    kv = rep["derivation"]["kv_cache_memory_bytes"]
     step = next(s for s in reversed(rep["steps"])
                 if s["outcome"] == "ok" and s["settings"]["kv_cache_bytes"] == kv)
     cmd = json.loads((out / f"launch-{step['n']}" / "command.json").read_text(encoding="utf-8"))

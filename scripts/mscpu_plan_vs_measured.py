@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pretuner.tune.records import R01Derivation, RunReport, read_report
+
 
 def _pretuner(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -39,10 +41,13 @@ def measure(model: str, card: int, length: int, out: Path) -> dict[str, object]:
     if run.returncode != 0:
         row["measured"] = f"no fit (exit {run.returncode}): {run.stderr.strip()[-120:]}"
         return row
-    report = json.loads((out / "report.json").read_text("utf-8"))
-    der = report["derivation"]
-    row.update(peak_mib=der["actual_peak_mib"], wa_gib=der["weights_act_gib"],
-               kv_tokens=report["max_kv_tokens"], seqs=report["final"]["flags"]["max_num_seqs"])
+    report = read_report(out)
+    if not isinstance(report, RunReport) or not isinstance(report.derivation, R01Derivation):
+        row["measured"] = "the run left no r0.1 derivation"
+        return row
+    der = report.derivation
+    row.update(peak_mib=der.actual_peak_mib, wa_gib=der.weights_act_gib,
+               kv_tokens=report.final.kv_tokens, seqs=report.final.max_num_seqs)
     return row
 
 

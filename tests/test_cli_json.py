@@ -19,7 +19,7 @@ def test_a_failure_under_json_is_a_json_object_too(args: tuple[str, ...], error_
     proc = invoke(*args, "--json")
     assert proc.returncode == 2
     data = json.loads(proc.stdout)
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2
     assert data["error_type"] == error_type
     assert data["exit_code"] == 2
     assert data["hint"]
@@ -69,4 +69,4 @@ def test_every_json_object_starts_with_its_schema_version(args: tuple[str, ...])
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert list(data)[0] == "schema_version"
-    assert data["schema_version"] == 1
+    assert data["schema_version"] == 2

@@ -3,42 +3,56 @@ and the speed verdict's arithmetic (`pretuner.speed`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pretuner.explain import FLAGS, find, measured_lines, report_section
 from pretuner.speed import Speed, too_slow
+from pretuner.tune.records import (
+    PinnedDerivation,
+    RunReport,
+    V1Baseline,
+    V1Speed,
+    V1Weights,
+    read_report,
+)
 from tests.helpers import invoke
 
 GOLDEN_R01 = Path(__file__).parent / "golden" / "run" / "report.json"
+H200 = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200" / "run8k"
 
 
-def v1_report() -> dict[str, Any]:
-    """A V1 report.json's fields the explanations read (a 70B on a 32 GB card)."""
-    return {
-        "method": "v1-pinned-kv", "provenance": "simulated", "validated": True,
-        "final": {"kv_cache_memory_bytes": 3898605568, "kv_cache_gib": 3.631,
-                  "kv_tokens": 11888, "max_model_len": 8192, "max_num_seqs": 8,
-                  "max_num_batched_tokens": 8192,
-                  "flags": ["--max-model-len", "8192", "--kv-cache-memory-bytes", "3898605568",
-                            "--quantization", "bitsandbytes", "--cpu-offload-gb", "14",
-                            "--enforce-eager"]},
-        "baseline": {"util": 0.9, "kv_tokens": 10256, "kv_tokens_gain": 1.159},
-        "derivation": {"non_kv_peak_mib": 29020.0, "lines": ["non-KV peak = ...",
-                                                             "pinned KV = ..."]},
-        "weights": {"quantization": "bitsandbytes", "loaded_as": "bitsandbytes-nf4-dq",
-                    "cpu_offload_gib": 14.0, "swap_space_gib": None, "enforce_eager": True,
-                    "loaded_gib_per_card": 36.803, "offloaded_gib_per_card": 14.0,
-                    "card_weights_gib": 22.803, "card_weights_log_gib": 22.82,
-                    "host_offload_gib": 14.0, "host_swap_gib": 4.0,
-                    "host_available_gib": 124.16, "host_total_gib": 128.0,
-                    "host_provenance": "simulated"},
-        "speed": {"prompt_tokens": 8176, "ttft_s": 15.33, "decode_tokens": 15,
-                  "decode_s": 15.96, "decode_tokens_per_s": 0.9399},
-    }
+def v1_report() -> RunReport:
+    """A V1 run's record (a 70B on a 32 GB card): a real run's, with the figures the
+    explanations read."""
+    base = read_report(H200)
+    assert isinstance(base, RunReport)
+    d = base.derivation
+    assert isinstance(d, PinnedDerivation)
+    assert d.budget is not None
+    flags = ["--max-model-len", "8192", "--kv-cache-memory-bytes", "3898605568",
+             "--quantization", "bitsandbytes", "--cpu-offload-gb", "14", "--enforce-eager"]
+    return base.model_copy(update={
+        "simulated": True, "provenance": "simulated", "validated": True,
+        "final": base.final.model_copy(update={"kv_gib": 3.631, "kv_tokens": 11888,
+                                               "max_model_len": 8192, "max_num_seqs": 8,
+                                               "flags": flags}),
+        "derivation": d.model_copy(update={
+            "kv_cache_memory_bytes": 3898605568,
+            "baseline": V1Baseline(util=0.9, kv_tokens=10256, kv_tokens_gain=1.159),
+            "budget": d.budget.model_copy(update={
+                "non_kv_peak_mib": 29020.0, "lines": ["non-KV peak = ...", "pinned KV = ..."]}),
+            "weights": V1Weights(
+                quantization="bitsandbytes", loaded_as="bitsandbytes-nf4-dq",
+                cpu_offload_gib=14.0, swap_space_gib=None, enforce_eager=True,
+                loaded_gib_per_card=36.803, offloaded_gib_per_card=14.0, card_weights_gib=22.803,
+                card_weights_log_gib=22.82, host_offload_gib=14.0, host_swap_gib=4.0,
+                host_available_gib=124.16, host_total_gib=128.0, host_provenance="simulated"),
+            "speed": V1Speed(prompt_tokens=8176, ttft_s=15.33, decode_tokens=15, decode_s=15.96,
+                             load_requests=1, load_tokens=15, load_s=None, how="streamed",
+                             decode_tokens_per_s=0.9399, load_tokens_per_s=None)}),
+    })
 
 
 @pytest.mark.parametrize("spelling", ["--cpu-offload-gb", "cpu-offload-gb", "cpu_offload_gb",
@@ -76,7 +90,8 @@ def test_a_v1_runs_figures(flag: str, says: str) -> None:
 
 
 def test_an_r01_runs_variables() -> None:
-    rep = json.loads(GOLDEN_R01.read_text())
+    rep = read_report(GOLDEN_R01)  # an r0.1 report.json of schema 1: it still reads
+    assert isinstance(rep, RunReport)
     doc = find("vLLM_MODEL_MEMORY_USE_GB")
     assert doc is not None
     lines = measured_lines(doc, rep)

@@ -94,5 +94,5 @@ def test_run_falls_back_on_real_oom(fallback_run: tuple[dict[str, object], Path]
     assert "shorten max_model_len" in journal
     final = report["final"]
     assert isinstance(final, dict)
-    assert final["flags"]["max_model_len"] < 4096
-    assert report["given_up"] == [f"max_model_len {final['flags']['max_model_len']:,} < 4,096 asked"]
+    assert final["max_model_len"] < 4096
+    assert report["given_up"] == [f"max_model_len {final['max_model_len']:,} < 4,096 asked"]

@@ -18,6 +18,7 @@ from pretuner.presets import (
     preset_from_report,
     preset_to_json,
 )
+from pretuner.tune.records import RunReport, read_report
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -74,7 +75,8 @@ def test_unknown_preset_suggests() -> None:
 
 
 def test_from_report_is_consistent() -> None:
-    rep = json.loads((GOLDEN / "run" / "report.json").read_text())
+    rep = read_report(GOLDEN / "run")  # a report.json of schema 1: it still reads
+    assert isinstance(rep, RunReport)
     p = preset_from_report(rep, date="2026-01-01")
     assert p.kind.value == "simulated"
     assert check_preset(p) == []

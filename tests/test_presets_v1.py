@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,11 +19,12 @@ from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
-from pretuner.presets import builtin_presets, check_preset, preset_to_json
+from pretuner.presets import builtin_presets, check_preset, preset_from_report, preset_to_json
 from pretuner.presets.catalog import derivation_lines, kv_words
 from pretuner.presets.model import KvBasis, Preset, preset_from_dict
-from pretuner.presets.v1 import flag_value, preset_from_v1_report, split_command
+from pretuner.presets.v1 import flag_value, split_command
 from pretuner.redact import SecretArg
+from pretuner.tune.records import PinnedDerivation, RunReport, read_report
 
 R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", "MODEL_MEMORY")
 KV = 12 * 2**30 + 12345  # not a whole number of blocks: the engine floors it
@@ -66,37 +68,28 @@ def v1_preset(
     return preset_from_dict(data, "test")
 
 
-# A V1 run's report.json, as pretuner/tune/v1/report.py writes it (the fields presets read).
-REPORT: dict[str, Any] = {
-    "pretuner_version": "0.1.0",
-    "run_id": "r1",
-    "method": "v1-pinned-kv",
-    "engine": "vllm",
-    "engine_version": None,
-    "simulated": True,
-    "model": "qwen3-8b",
-    "model_arg": "qwen3-8b",
-    "card_gib": 80,
-    "tp": 1,
-    "pp": 1,
-    "validated": True,
-    "final": {
-        "kv_cache_memory_bytes": 64084770816,
-        "kv_tokens": 434592,
-        "max_model_len": 32768,
-        "max_num_seqs": 256,
-        "max_num_batched_tokens": 8192,
-        "flags": ["--max-model-len", "32768", "--kv-cache-memory-bytes", "64084770816"],
-        "env": {},
-        "serve_command": ["/py", "-m", "pretuner.sim", "vllm", "serve", "qwen3-8b",
-                          "--max-model-len", "32768", "--kv-cache-memory-bytes", "64084770816"],
-        "engine_serve_command": ["vllm", "serve", "Qwen/Qwen3-8B", "--max-model-len", "32768",
-                                 "--kv-cache-memory-bytes", "64084770816"],
-    },
-    "baseline": {"kv_tokens": 398992},
-    "derivation": {"device_total_mib": 81559, "device_peak_mib": 76143,
-                   "non_kv_peak_mib": 20034.8, "margin_mib": 408},
-}  # fmt: skip
+H200 = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200" / "run8k"
+FLAGS = ["--max-model-len", "32768", "--kv-cache-memory-bytes", "64084770816"]
+
+
+def v1_record() -> RunReport:
+    """A V1 run's record (a real run's, made an emulated one's: the fields presets read)."""
+    base = read_report(H200)
+    assert isinstance(base, RunReport)
+    assert isinstance(base.derivation, PinnedDerivation)
+    return base.model_copy(update={
+        "run_id": "r1", "simulated": True, "provenance": "simulated", "model_arg": "qwen3-8b",
+        "card_gib": 80, "validated": True,
+        "final": base.final.model_copy(update={
+            "kv_tokens": 434592, "max_model_len": 32768, "max_num_seqs": 256,
+            "max_num_batched_tokens": 8192, "flags": FLAGS, "env": {},
+            "serve_command": ["/py", "-m", "pretuner.sim", "vllm", "serve", "qwen3-8b", *FLAGS],
+            "engine_serve_command": ["vllm", "serve", "Qwen/Qwen3-8B", *FLAGS]}),
+        "derivation": base.derivation.model_copy(update={"kv_cache_memory_bytes": 64084770816}),
+    })
+
+
+REPORT = v1_record()
 
 
 @pytest.mark.parametrize(
@@ -186,7 +179,7 @@ def test_node_env_names_the_nic_in_the_device_terms(engine: str, want: dict[str,
 
 
 def test_a_v1_report_becomes_a_pinned_preset_that_agrees_with_the_math() -> None:
-    p = preset_from_v1_report(REPORT, name=None, date="-")
+    p = preset_from_report(REPORT, date="-")
     assert p.kv_basis is KvBasis.PINNED
     assert p.kind.value == "simulated"
     assert p.engine == "vllm"
@@ -199,12 +192,9 @@ def test_a_v1_report_becomes_a_pinned_preset_that_agrees_with_the_math() -> None
 
 
 def test_a_measured_v1_report_keeps_its_own_command() -> None:
-    rep = REPORT | {"simulated": False}
-    rep["final"] = REPORT["final"] | {
-        "serve_command": ["vllm", "serve", "/models/q", *REPORT["final"]["flags"]],
-        "engine_serve_command": None,
-    }
-    p = preset_from_v1_report(rep, name="mine", date="-")
+    rep = REPORT.model_copy(update={"simulated": False, "final": REPORT.final.model_copy(update={
+        "serve_command": ["vllm", "serve", "/models/q", *FLAGS], "engine_serve_command": None})})
+    p = preset_from_report(rep, name="mine", date="-")
     assert (p.name, p.kind.value, p.model_path) == ("mine", "measured", "/models/q")
 
 
@@ -218,7 +208,7 @@ def test_a_measured_v1_report_keeps_its_own_command() -> None:
     ],
 )
 def test_check_rejects_a_tampered_pinned_preset(change: dict[str, Any], says: str) -> None:
-    data = preset_to_json(preset_from_v1_report(REPORT, name=None, date="-")) | change
+    data = preset_to_json(preset_from_report(REPORT, date="-")) | change
     problems = check_preset(preset_from_dict(data, "x"))
     assert any(says in problem for problem in problems), problems
 
@@ -237,7 +227,7 @@ def test_check_rejects_a_tampered_pinned_preset(change: dict[str, Any], says: st
     ],
 )  # fmt: skip
 def test_json_form_rejects_bad_pinned_presets(change: dict[str, Any], says: str) -> None:
-    data = preset_to_json(preset_from_v1_report(REPORT, name=None, date="-")) | change
+    data = preset_to_json(preset_from_report(REPORT, date="-")) | change
     with pytest.raises(BadInputError, match=says):
         preset_from_dict(data, "x")
 
@@ -250,7 +240,7 @@ def test_v1_keys_stay_off_other_presets() -> None:
 
 
 def test_show_words_for_a_pinned_preset() -> None:
-    p = preset_from_v1_report(REPORT, name=None, date="-")
+    p = preset_from_report(REPORT, date="-")
     assert kv_words(p) == "59.68 GiB pinned"
     assert any("--kv-cache-memory-bytes 64084770816" in line for line in derivation_lines(p))
 

@@ -180,8 +180,8 @@ def test_a_rank_on_the_second_node_ooms_and_the_tuner_falls_back(
     fallback = {d["decision"] for d in rep["decisions"]}
     assert fallback & {"shorten max_model_len", "prefill in chunks"}
     assert rep["validated"] is True
-    flags = rep["final"]["flags"]
-    assert min(flags["max_model_len"], flags["max_num_batched_tokens"]) < 16384
+    final = rep["final"]
+    assert min(final["max_model_len"], final["max_num_batched_tokens"]) < 16384
     assert {s["worst_node"] for s in steps} == {cluster.worker_label}
     assert all(_scan(out, s["n"])["worst_rank"] == 12 for s in steps)
 

@@ -29,8 +29,8 @@ from pretuner.redact import (
     restore_command_text,
 )
 from pretuner.tune.record import RunRecord
-from pretuner.tune.records import RunReport
-from pretuner.tune.report import serve_sh, tuned_env
+from pretuner.tune.records import RunReport, read_report
+from pretuner.tune.report import run_files
 from tests.helpers import cli_env, invoke, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -146,15 +146,12 @@ EVIL_ID = "r\ntouch pwned\nx"
 
 
 def test_run_id_with_a_newline_is_one_comment(tmp_path: Path) -> None:
-    rep = json.loads((GOLDEN / "run" / "report.json").read_text())
-    rep["run_id"] = EVIL_ID
-    rep["final"]["serve_command"] = [sys.executable, str(_stub(tmp_path))]
-    # The golden report.json predates some fields; serve.sh and tuned.env read none of them.
-    rep |= {"kv_cache_dtype": "auto", "steps": [], "launches": 0}
-    rep["derivation"]["headroom_total_gib"] = rep["derivation"]["headroom_gib"]
-    record = RunReport.model_validate(rep)
-    for name, text in (("serve.sh", serve_sh(record, None)),
-                       ("tuned.env", tuned_env(record, None))):
+    golden = read_report(GOLDEN / "run")  # an r0.1 report.json of schema 1: it still reads
+    assert isinstance(golden, RunReport)
+    record = golden.model_copy(update={"run_id": EVIL_ID, "final": golden.final.model_copy(
+        update={"serve_command": [sys.executable, str(_stub(tmp_path)), *golden.final.flags]})})
+    files = run_files(record)
+    for name, text in (("serve.sh", files["serve.sh"]), ("tuned.env", files["tuned.env"])):
         assert "\ntouch pwned" not in text
         assert "# run r?touch pwned?x: " in text
         script = tmp_path / name

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pretuner.presets.model import numeric_flags
 from tests.helpers import R01_QWEN_32_CHUNKED, R01_QWEN_64, FinishedRun
 
 pytestmark = pytest.mark.slow
@@ -35,8 +36,12 @@ class Run:
     @property
     def block_gib(self) -> float:
         """One KV block: what the method's block flooring may leave unused."""
-        flags = self.rep["final"]["flags"]
-        return float(flags["block_size"] * self.rep["kv_bytes_per_token"] / GIB)
+        return float(self.flags["block_size"] * self.rep["kv_bytes_per_token"] / GIB)
+
+    @property
+    def flags(self) -> dict[str, int | float]:
+        """The final server flags that take a number, by their long names."""
+        return numeric_flags(self.rep["final"]["flags"])
 
     def line(self, pattern: str) -> re.Match[str]:
         m = re.search(pattern, self.md, re.MULTILINE)
@@ -96,8 +101,8 @@ def test_memory_table_adds_up_to_the_pool_cap(runs: Callable[[str], Run], name: 
     assert wa == pytest.approx(d["weights_act_gib"], abs=SHOWN + 1e-4)
     assert headroom == pytest.approx(d["headroom_total_gib"], abs=SHOWN + 1e-4)
     assert rounding == pytest.approx(d["rounding_cost_gib"], abs=SHOWN + 1e-4)
-    assert kv == pytest.approx(rep["max_kv_gib"], abs=SHOWN + 1e-4)
-    util = rep["final"]["flags"]["gpu_memory_utilization"]
+    assert kv == pytest.approx(rep["final"]["kv_gib"], abs=SHOWN + 1e-4)
+    util = r.flags["gpu_memory_utilization"]
     assert cap == pytest.approx(rep["card_gib"] * util, abs=SHOWN)
     # The parts fill the pool: up to one KV block is left when the KV cache is block-floored.
     assert wa + headroom + rounding + kv == pytest.approx(cap, abs=4 * SHOWN + r.block_gib)
@@ -105,7 +110,7 @@ def test_memory_table_adds_up_to_the_pool_cap(runs: Callable[[str], Run], name: 
     model_use = int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"])
     exact = d["weights_act_gib"] + d["headroom_total_gib"] + d["rounding_cost_gib"]
     assert exact == pytest.approx(model_use, abs=3e-4)
-    left = rep["card_gib"] * util - model_use - rep["max_kv_gib"]
+    left = rep["card_gib"] * util - model_use - rep["final"]["kv_gib"]
     assert -2e-4 <= left <= r.block_gib + 2e-4
 
 
@@ -142,7 +147,7 @@ def test_derivation_steps_match_report_json(runs: Callable[[str], Run], name: st
     m = re.fullmatch(r"([\d.]+) GiB / ([\d,]+) B/token, block (\d+)", formula)
     assert m is not None, formula
     max_kv, block = num(m.group(1)), int(m.group(3))
-    assert (int(num(m.group(2))), block) == (bpt, rep["final"]["flags"]["block_size"])
+    assert (int(num(m.group(2))), block) == (bpt, r.flags["block_size"])
     tokens = int(num(result.removesuffix(" tokens")))
     assert tokens % block == 0
     assert tokens == pytest.approx(max_kv * GIB / bpt, abs=SHOWN * GIB / bpt + block)
@@ -172,7 +177,7 @@ def test_derivation_step_3_subtracts_from_the_cap_it_prints(
     m = re.fullmatch(r"([\d.]+) GiB - ([\d.]+) GiB", formula)
     assert m is not None, formula
     cap, wa = num(m.group(1)), num(m.group(2))
-    flags = r.rep["final"]["flags"]
+    flags = r.flags
     assert cap == pytest.approx(r.rep["card_gib"] * flags["gpu_memory_utilization"], abs=SHOWN)
     assert wa == pytest.approx(d["weights_act_gib"], abs=SHOWN + 1e-4)
     assert num(result.removesuffix(" GiB")) == pytest.approx(cap - wa, abs=3 * SHOWN)
@@ -182,7 +187,7 @@ def test_derivation_step_3_subtracts_from_the_cap_it_prints(
 def test_final_configuration_lines_add_up(runs: Callable[[str], Run], name: str) -> None:
     r = runs(name)
     rep, d = r.rep, r.rep["derivation"]
-    flags, bpt = rep["final"]["flags"], rep["kv_bytes_per_token"]
+    flags, bpt = r.flags, rep["kv_bytes_per_token"]
     model_use = int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"])
     seqs, length = flags["max_num_seqs"], flags["max_model_len"]
     # Headroom: base + per sequence beyond the first.
@@ -212,9 +217,9 @@ def test_final_configuration_lines_add_up(runs: Callable[[str], Run], name: str)
     assert cap == pytest.approx(rep["card_gib"] * flags["gpu_memory_utilization"], abs=SHOWN)
     assert minus == model_use
     assert kv == pytest.approx(cap - minus, abs=2 * SHOWN + r.block_gib)
-    assert kv == pytest.approx(rep["max_kv_gib"], abs=SHOWN + 1e-4)
-    assert tokens == rep["max_kv_tokens"]
-    assert tokens * bpt == pytest.approx(rep["max_kv_gib"] * GIB, abs=1e-4 * GIB)
+    assert kv == pytest.approx(rep["final"]["kv_gib"], abs=SHOWN + 1e-4)
+    assert tokens == rep["final"]["kv_tokens"]
+    assert tokens * bpt == pytest.approx(rep["final"]["kv_gib"] * GIB, abs=1e-4 * GIB)
     assert (shown_seqs, shown_len) == (seqs, length)
     assert seqs * length <= tokens
 
@@ -248,7 +253,7 @@ def memory_rows(md: str) -> list[tuple[str, float]]:
 @pytest.mark.parametrize("name", V1_SCENARIOS)
 def test_v1_memory_parts_add_up_to_the_device(v1_runs: Callable[[str], Run], name: str) -> None:
     r = v1_runs(name)
-    rep, mem = r.rep, r.rep["memory"]
+    rep, mem = r.rep, r.rep["derivation"]["memory"]
     rows = memory_rows(r.md)
     parts, (total_label, total) = rows[:-1], rows[-1]
     assert total_label == "device total"
@@ -267,8 +272,8 @@ def test_v1_memory_parts_add_up_to_the_device(v1_runs: Callable[[str], Run], nam
     assert held == pytest.approx(step["kv_tokens"] * kv_bytes_per_token(rep) / MIB,
                                  abs=SHOWN_MIB + 1e-6)
     pinned = next(v for k, v in values.items() if k.startswith("pinned KV cache"))
-    assert pinned == pytest.approx(rep["final"]["kv_cache_memory_bytes"] / MIB, abs=SHOWN_MIB)
-    soak = rep["soak"]
+    assert pinned == pytest.approx(rep["derivation"]["kv_cache_memory_bytes"] / MIB, abs=SHOWN_MIB)
+    soak = rep["derivation"]["soak"]
     if soak is None:
         assert peak == max(step["device_peaks_mib"].values())
         assert len(parts) == 3
@@ -297,7 +302,7 @@ def kv_bytes_per_token(rep: dict[str, Any]) -> int:
 
 def test_v1_soak_lines_add_up(v1_runs: Callable[[str], Run]) -> None:
     r = v1_runs("qwen3-vl-8b-64-soak")
-    soak = r.rep["soak"]
+    soak = r.rep["derivation"]["soak"]
     m = r.line(r"after the worst-case burst: ([\d,]+); after the soak's first half: ([\d,]+); "
                r"after the soak: ([\d,]+) = growth after load ([+-][\d,]+) MiB")
     before, half, after, growth = (num(g) for g in m.groups())

@@ -19,6 +19,16 @@ from pretuner.report_html import render_html
 from pretuner.report_html.breakdown import breakdown, breakdown_r01, breakdown_v1
 from pretuner.report_html.charts import bar, chart
 from pretuner.report_html.inputs import LaunchMemory, MemoryRow
+from pretuner.tune.records import (
+    Asked,
+    FailureReport,
+    PinnedDerivation,
+    R01Derivation,
+    RunReport,
+    V1Memory,
+    V1Soak,
+    read_report,
+)
 from tests.helpers import R01_QWEN_64, V1_QWEN_80_32K, FinishedRun, invoke
 
 # An attribute that loads something from elsewhere: a URL with a scheme or `//host`.
@@ -26,34 +36,50 @@ EXTERNAL = re.compile(r"""(?:src|href|xlink:href|action)\s*=\s*["']?\s*(?:[a-z][
                       re.IGNORECASE)
 
 
-def r01_report(**extra: object) -> dict[str, object]:
-    rep: dict[str, object] = {
-        "run_id": "r", "model": "qwen3-8b", "card_gib": 64, "simulated": True, "validated": True,
-        "launches": 2, "max_kv_gib": 39.9485, "max_kv_tokens": 290896,
-        "derivation": {"weights_act_gib": 19.2063, "headroom_total_gib": 0.2248,
-                       "rounding_cost_gib": 0.5689},
-        "final": {"flags": {"gpu_memory_utilization": 0.9367, "max_model_len": 16384,
-                            "max_num_seqs": 17}},
-    }
-    rep.update(extra)
-    return rep
+GOLDEN_RUN = Path(__file__).parent / "golden" / "run"  # an r0.1 report.json of schema 1
+H200 = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200" / "run8k"
 
 
-def v1_report(**extra: object) -> dict[str, object]:
-    rep: dict[str, object] = {
-        "run_id": "v", "method": "v1-pinned-kv", "engine": "vllm", "model": "qwen3-8b",
-        "card_gib": 80, "validated": True, "launches": 2, "simulated": True,
-        "derivation": {"device_total_mib": 81559, "non_kv_peak_mib": 20034.8, "margin_mib": 408},
-        "final": {"kv_cache_memory_bytes": 64084770816, "kv_cache_gib": 59.684,
-                  "kv_tokens": 434592, "max_model_len": 32768, "max_num_seqs": 256},
-    }
-    rep.update(extra)
-    return rep
+def r01_report(**extra: object) -> RunReport:
+    base = read_report(GOLDEN_RUN)
+    assert isinstance(base, RunReport)
+    assert isinstance(base.derivation, R01Derivation)
+    return base.model_copy(update={
+        "run_id": "r", "final": base.final.model_copy(update={"kv_gib": 39.9485,
+                                                              "kv_tokens": 290896}),
+        "derivation": base.derivation.model_copy(update={
+            "weights_act_gib": 19.2063, "headroom_total_gib": 0.2248,
+            "rounding_cost_gib": 0.5689, "util": 0.9367}),
+    } | extra)
+
+
+def v1_report(pinned: dict[str, object] | None = None, **extra: object) -> RunReport:
+    """A V1 run's record; `pinned` changes its derivation."""
+    base = read_report(H200)
+    assert isinstance(base, RunReport)
+    assert isinstance(base.derivation, PinnedDerivation)
+    d = base.derivation
+    assert d.budget is not None
+    budget = d.budget.model_copy(update={"device_total_mib": 81559, "non_kv_peak_mib": 20034.8,
+                                         "margin_mib": 408})
+    return base.model_copy(update={
+        "run_id": "v", "card_gib": 80, "simulated": True, "provenance": "simulated",
+        "final": base.final.model_copy(update={"kv_gib": 59.684, "kv_tokens": 434592,
+                                               "max_model_len": 32768}),
+        "derivation": d.model_copy(update={"kv_cache_memory_bytes": 64084770816,
+                                           "budget": budget} | (pinned or {})),
+    } | extra)
+
+
+def pinned(rep: RunReport) -> PinnedDerivation:
+    assert isinstance(rep.derivation, PinnedDerivation)
+    return rep.derivation
 
 
 def test_r01_breakdown_sums_to_the_card() -> None:
-    b = breakdown_r01(r01_report())
-    assert b is not None
+    rep = r01_report()
+    assert isinstance(rep.derivation, R01Derivation)
+    b = breakdown_r01(rep, rep.derivation)
     assert b.total_mib == 64 * 1024
     assert sum(s.mib for s in b.segments) == pytest.approx(b.total_mib)
     kinds = [s.kind for s in b.segments]
@@ -63,7 +89,8 @@ def test_r01_breakdown_sums_to_the_card() -> None:
 
 
 def test_v1_breakdown_sums_to_the_device() -> None:
-    b = breakdown_v1(v1_report())
+    rep = v1_report()
+    b = breakdown_v1(rep, pinned(rep))
     assert b is not None
     assert b.total_mib == 81559
     assert sum(s.mib for s in b.segments) == pytest.approx(81559)
@@ -72,14 +99,15 @@ def test_v1_breakdown_sums_to_the_device() -> None:
 
 
 def test_v1_breakdown_of_a_soaked_final_configuration() -> None:
-    memory = {"launch": 4, "device_total_mib": 65536, "kv_held_mib": 47337.8,
-              "non_kv_peak_mib": 16084.2, "soak_growth_mib": 1458, "held_back_mib": 442,
-              "pinned_kv_mib": 47338.0, "free_mib": 213.8, "lines": []}
-    b = breakdown_v1(v1_report(memory=memory))
+    memory = V1Memory(launch=4, device_total_mib=65536, kv_held_mib=47337.8,
+                      non_kv_peak_mib=16084.2, soak_growth_mib=1458, held_back_mib=442,
+                      pinned_kv_mib=47338.0, free_mib=213.8, lines=[])
+    rep = v1_report({"memory": memory})
+    b = breakdown_v1(rep, pinned(rep))
     assert b is not None
     assert [s.kind for s in b.segments] == ["weights", "growth", "margin", "kv", "free"]
     assert sum(s.mib for s in b.segments) == pytest.approx(65536)
-    assert b.segments[-1].mib == pytest.approx(memory["free_mib"])  # report.json's remainder
+    assert b.segments[-1].mib == pytest.approx(memory.free_mib)  # report.json's remainder
     assert "launch 4" in b.total_label
 
 
@@ -87,25 +115,35 @@ def test_soak_phases_are_tinted_and_its_levels_drawn(tmp_path: Path) -> None:
     phases = ["load", "images", "soak-1", "soak-2", "reset", "after-soak"]
     tsv = "# launch 1\nt_s\tphase\tdevice\tused_mib\n" + "".join(
         f"{t / 10}\t{p}\t0\t{60000 + 200 * t}\n" for t, p in enumerate(phases))
-    soak = {"launch": 1, "before_mib": 60200, "after_mib": 60600}
-    html = render_html(write_run(tmp_path / "run", v1_report(soak=soak), tsv))
+    soak = V1Soak(launch=1, requests_asked=20, minutes_asked=None, requests=20,
+                  before_mib=60200, half_mib=60400, after_mib=60600, after_reset_mib=None,
+                  reset_status=None, growth_mib=400, reset_gave_back_mib=None,
+                  second_half_mib=200, held_back_mib=400, peak_before_mib=60200,
+                  peak_after_mib=60600)
+    html = render_html(write_run(tmp_path / "run", v1_report({"soak": soak}), tsv))
     assert html.count('class="band soak"') == 4
     assert "after the soak 60,600 MiB (+400 MiB)" in html
     assert "before the soak 60,200 MiB" in html
 
 
 def test_a_failed_run_has_no_breakdown() -> None:
-    assert breakdown(r01_report(derivation={}, max_kv_gib=None)) is None
-    assert breakdown(v1_report(derivation={})) is None
+    rep = r01_report()
+    head = {k: v for k, v in rep if k in FailureReport.model_fields}
+    failed = FailureReport(**head, method="r0.1", error="x", hint=None, exit_code=4,
+                           error_type="InfeasibleError", server_log=None)
+    assert breakdown(failed) is None
+    assert breakdown(v1_report({"budget": None})) is None  # no device sampled
 
 
 @given(total=st.floats(1, 1e6), parts=st.lists(st.floats(0, 1e5), min_size=1, max_size=5))
 def test_segments_always_sum_to_the_card_or_say_the_overrun(total: float,
                                                             parts: list[float]) -> None:
-    rep = v1_report(derivation={"device_total_mib": total, "non_kv_peak_mib": parts[0],
-                                "margin_mib": sum(parts[1:])},
-                    final={"kv_cache_memory_bytes": 0})
-    b = breakdown_v1(rep)
+    rep = v1_report()
+    d = pinned(rep)
+    assert d.budget is not None
+    budget = d.budget.model_copy(update={"device_total_mib": total, "non_kv_peak_mib": parts[0],
+                                         "margin_mib": sum(parts[1:])})
+    b = breakdown_v1(rep, d.model_copy(update={"kv_cache_memory_bytes": 0, "budget": budget}))
     assert b is not None
     assert all(s.mib >= 0 for s in b.segments)
     assert sum(s.mib for s in b.segments) == pytest.approx(total + b.overrun_mib)
@@ -127,9 +165,9 @@ def test_chart_marks_phases_devices_and_caps() -> None:
     assert chart(LaunchMemory(1, None, None, ()), []) is None
 
 
-def write_run(folder: Path, rep: dict[str, object], tsv: str | None = None) -> Path:
+def write_run(folder: Path, rep: RunReport, tsv: str | None = None) -> Path:
     folder.mkdir()
-    (folder / "report.json").write_text(json.dumps(rep))
+    (folder / "report.json").write_text(json.dumps(rep.model_dump(mode="json")))
     (folder / "journal.jsonl").write_text(json.dumps(
         {"event": "decision", "decision": "derive", "reason": "<b>19 GiB</b> & more"}) + "\n")
     if tsv is not None:
@@ -139,11 +177,12 @@ def write_run(folder: Path, rep: dict[str, object], tsv: str | None = None) -> P
 
 
 def test_page_escapes_and_shows_what_was_given_up(tmp_path: Path) -> None:
+    base = r01_report()
+    step = base.steps[1].model_copy(update={"n": 1, "settings": base.steps[1].settings.model_copy(
+        update={"util": 0.9367})})
     rep = r01_report(model="<script>alert(1)</script>",
-                     asked={"max_model_len": 16384, "max_num_seqs": None},
-                     given_up=["max_model_len 11,264 < 16,384 asked"],
-                     steps=[{"n": 1, "purpose": "validate", "outcome": "ok",
-                             "settings": {"util": 0.9367}}])
+                     asked=Asked(max_model_len=16384, max_num_seqs=None),
+                     given_up=["max_model_len 11,264 < 16,384 asked"], steps=[step])
     tsv = "# launch 1: read by fake; total_mib=65536\nt_s\tphase\tdevice\tused_mib\n" \
           "0.0\tlaunch\t0\t100\n1.0\tload\t0\t60000\n"
     html = render_html(write_run(tmp_path / "run", rep, tsv))
@@ -158,8 +197,8 @@ def test_page_escapes_and_shows_what_was_given_up(tmp_path: Path) -> None:
 
 
 def test_page_without_asked_or_samples(tmp_path: Path) -> None:
-    html = render_html(write_run(tmp_path / "run", v1_report(simulated=False)))
-    assert 'class="banner asked"' not in html
+    html = render_html(write_run(tmp_path / "run", v1_report(simulated=False,
+                                                             provenance="measured")))
     assert "given up" not in html
     assert "SIMULATED" not in html
     assert "No launch has a memory.tsv" in html

@@ -1,5 +1,6 @@
-"""report.json is a typed record: what a run writes validates back into the same record, an
-unknown key is refused, and the sums a V1 derivation prints add up."""
+"""report.json is one typed record: what a run writes, by either method, validates back into the
+same record, the method's own figures are a union told apart by `method`, an unknown key is
+refused, a report.json of schema 1 still reads, and the sums a V1 derivation prints add up."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from pretuner.tune.entry import RunOptions, run_tuning
-from pretuner.tune.records import FailureReport, RunReport, V1Report
+from pretuner.tune.records import (
+    SCHEMA_VERSION,
+    FailureReport,
+    PinnedDerivation,
+    R01Derivation,
+    RunReport,
+    read_report,
+    report_of,
+)
 from tests.helpers import (
     R01_INFEASIBLE,
     R01_QWEN_64,
@@ -26,8 +35,8 @@ pytestmark = pytest.mark.slow
 
 # Each method's canonical run (tests/conftest.py), with --json, and its record.
 METHODS: dict[str, tuple[tuple[str, ...], type[BaseModel]]] = {
-    "r01": (R01_QWEN_64, RunReport),
-    "v1": (V1_QWEN_80_32K, V1Report),
+    "r01": (R01_QWEN_64, R01Derivation),
+    "v1": (V1_QWEN_80_32K, PinnedDerivation),
 }
 
 
@@ -50,8 +59,10 @@ def cli_runs(finished_run: Callable[..., FinishedRun]) -> dict[str, CliRun]:
 
 @pytest.mark.parametrize("name", METHODS)
 def test_report_json_of_a_cli_run_round_trips(cli_runs: dict[str, CliRun], name: str) -> None:
-    run, model = cli_runs[name], METHODS[name][1]
+    run, model = cli_runs[name], RunReport
     record = model.model_validate(run.rep)
+    assert isinstance(record.derivation, METHODS[name][1])  # told apart by `method`
+    assert run.rep["schema_version"] == SCHEMA_VERSION
     assert model.model_validate_json(run.text) == record
     assert model.model_validate(run.printed) == record  # `--json` prints the same record
     dumped = record.model_dump(mode="json")
@@ -69,31 +80,41 @@ def test_the_outcome_record_is_what_report_json_holds(
     opts = RunOptions(model="qwen3-8b", card_gib=80 if name == "v1" else 64, engine=engine,
                       max_model_len=32768 if name == "v1" else None, out=str(tmp_path / "run"))
     outcome = run_tuning(opts, lambda phase, detail: None)
-    assert isinstance(outcome.report, METHODS[name][1])
+    assert isinstance(outcome.report.derivation, METHODS[name][1])
     text = (outcome.record / "report.json").read_text()
-    assert type(outcome.report).model_validate_json(text) == outcome.report
+    assert RunReport.model_validate_json(text) == outcome.report == read_report(outcome.record)
 
 
 @pytest.mark.parametrize("name", METHODS)
-@pytest.mark.parametrize("where", ["top", "final", "step", "settings"])
+@pytest.mark.parametrize("where", ["top", "final", "derivation", "step", "settings"])
 def test_an_unknown_key_is_refused(cli_runs: dict[str, CliRun], name: str, where: str) -> None:
-    rep, model = json.loads(cli_runs[name].text), METHODS[name][1]
-    block = {"top": rep, "final": rep["final"], "step": rep["steps"][0],
-             "settings": rep["steps"][0]["settings"]}[where]
+    rep = json.loads(cli_runs[name].text)
+    block = {"top": rep, "final": rep["final"], "derivation": rep["derivation"],
+             "step": rep["steps"][0], "settings": rep["steps"][0]["settings"]}[where]
     block["kv_cache_gb"] = 1  # a typo'd key
     with pytest.raises(ValidationError, match="kv_cache_gb"):
-        model.model_validate(rep)
+        RunReport.model_validate(rep)
+
+
+def test_a_derivation_is_one_methods_and_no_other(cli_runs: dict[str, CliRun]) -> None:
+    rep = json.loads(cli_runs["v1"].text)
+    rep["derivation"]["method"] = "r0.1"  # the pinned method's figures under r0.1's name
+    with pytest.raises(ValidationError, match="r0.1"):
+        RunReport.model_validate(rep)
+    rep["derivation"]["method"] = "guess"
+    with pytest.raises(ValidationError, match="method"):
+        RunReport.model_validate(rep)
 
 
 def test_a_missing_key_is_refused(cli_runs: dict[str, CliRun]) -> None:
     rep = json.loads(cli_runs["v1"].text)
     del rep["final"]["kv_tokens"]
     with pytest.raises(ValidationError, match="kv_tokens"):
-        V1Report.model_validate(rep)
+        RunReport.model_validate(rep)
 
 
 def test_a_record_is_frozen(cli_runs: dict[str, CliRun]) -> None:
-    record = V1Report.model_validate(cli_runs["v1"].rep)
+    record = RunReport.model_validate(cli_runs["v1"].rep)
     with pytest.raises(ValidationError):
         record.validated = False
 
@@ -113,9 +134,30 @@ def test_a_failure_report_validates(finished_run: Callable[..., FinishedRun]) ->
     run = finished_run(*R01_INFEASIBLE)  # does not fit
     assert run.proc.returncode == 4, run.proc.stderr
     rep = run.report()
-    record = FailureReport.model_validate(rep)
+    record = report_of(rep)
+    assert isinstance(record, FailureReport)
     assert record.model_dump(mode="json") == rep
-    assert record.error_type == "InfeasibleError"
+    assert (record.error_type, record.method) == ("InfeasibleError", "r0.1")
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200"
+GOLDEN = Path(__file__).parent / "golden" / "run"
+
+
+@pytest.mark.parametrize(("folder", "method"), [
+    pytest.param(GOLDEN, R01Derivation, id="r01-before-the-sampler"),
+    pytest.param(FIXTURES / "run8k", PinnedDerivation, id="v1-real-h200"),
+])
+def test_a_report_of_schema_1_still_reads(folder: Path, method: type[BaseModel]) -> None:
+    old = json.loads((folder / "report.json").read_text())
+    assert old.get("schema_version", 1) == 1
+    rep = read_report(folder)
+    assert isinstance(rep, RunReport)
+    assert isinstance(rep.derivation, method)
+    assert rep.run_id == old["run_id"]
+    assert rep.final.kv_tokens == old.get("max_kv_tokens") or old["final"]["kv_tokens"]
+    # Upgraded once, the record round-trips as schema 2.
+    assert report_of(rep.model_dump(mode="json")) == rep
 
 
 # -- the printed arithmetic -----------------------------------------------------------------
@@ -140,7 +182,9 @@ def _sum_of(line: str) -> tuple[float, float]:
 
 
 def test_every_printed_sum_of_the_v1_derivation_adds_up(cli_runs: dict[str, CliRun]) -> None:
-    d = V1Report.model_validate(cli_runs["v1"].rep).derivation
+    pinned = RunReport.model_validate(cli_runs["v1"].rep).derivation
+    assert isinstance(pinned, PinnedDerivation)
+    d = pinned.budget
     assert d is not None
     assert len(d.lines) == 2
     for line in d.lines:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.engines.outcome import LaunchOutcome
+from pretuner.tune.records import R01Derivation
 from tests.helpers import R01_QWEN_64, FinishedRun, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
@@ -76,4 +77,6 @@ def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
     steps = outcome.report.steps
     assert len(steps) >= 2
     assert all(s.device_reader is None and s.device_peaks_mib == {} for s in steps)
-    assert "no device reading of memory outside the pool" in outcome.report.derivation.final_util_source
+    d = outcome.report.derivation
+    assert isinstance(d, R01Derivation)
+    assert "no device reading of memory outside the pool" in d.final_util_source

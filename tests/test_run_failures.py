@@ -141,7 +141,7 @@ def test_server_that_dies_at_start_is_listed_as_a_failed_launch(tmp_path: Path) 
     assert lines[2].startswith("- reason: server exited")
     assert "last log lines" not in "\n".join(lines[:8])  # the log tail goes under Details
     assert "## Details" in md
-    assert re.search(r"^\| 1 \| prerun \| .+ \| failed \| - \| - \|$", md, re.MULTILINE)
+    assert re.search(r"^\| 1 \| prerun \| .+ \| failed \| - \| - \| - \|$", md, re.MULTILINE)
 
 
 def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> None:
@@ -149,7 +149,7 @@ def test_error_before_a_run_folder_prints_the_error_object(tmp_path: Path) -> No
     assert proc.returncode == 2
     obj = json.loads(proc.stdout)
     assert obj == {
-        "schema_version": 1,
+        "schema_version": 2,
         "error": "unknown model 'deepseek-v4'",
         "hint": obj["hint"],
         "exit_code": 2,
@@ -207,7 +207,7 @@ def test_failure_md_puts_the_reason_and_the_fix_first() -> None:
         "- fix: read the server log and the decisions below",
         "- server log: s.log",
     ]
-    assert "| 1 | prerun | 0.9 | 50 | 16,384 | 1 | failed | - | - |" in lines
+    assert "| 1 | prerun | util 0.9, model-use 50 GiB | 16,384 | 1 | failed | - | - | - |" in lines
     assert "- **layout**: TP1" in lines
     assert "```\nlast log lines:\nboom\n```" in md
 

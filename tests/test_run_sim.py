@@ -49,7 +49,7 @@ def test_run_validates_in_two_launches(finished_run: Callable[..., FinishedRun])
     page = (out / "report.html").read_text()  # written by the run itself
     assert "SIMULATED" in page
     assert "http://" not in page
-    assert rep["backend"] == "sim"
+    assert rep["engine"] == "sim"
     assert rep["simulated"] is True
     assert rep["validated"] is True
     assert rep["launches"] == 2
@@ -59,15 +59,15 @@ def test_run_validates_in_two_launches(finished_run: Callable[..., FinishedRun])
     assert (
         steps[1]["requests_ok"]
         == steps[1]["requests_total"]
-        == rep["final"]["flags"]["max_num_seqs"]
+        == rep["final"]["max_num_seqs"]
     )
     env = rep["final"]["env"]
     assert env["ASCEND_TOTAL_MEMORY_GB"] == "64"
     assert int(env["vLLM_MODEL_MEMORY_USE_GB"]) >= 1
-    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "gpu_memory_utilization", "block_size", "tensor_parallel_size"):  # fmt: skip
-        assert key in rep["final"]["flags"]
-    assert rep["max_kv_tokens"] >= rep["final"]["flags"]["max_num_seqs"] * 16384
+    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
+                 "--gpu-memory-utilization", "--block-size", "--tensor-parallel-size"):
+        assert flag in rep["final"]["flags"]
+    assert rep["final"]["kv_tokens"] >= rep["final"]["max_num_seqs"] * 16384
     for name in ("tuned.env", "serve.sh", "report.md", "journal.jsonl"):
         assert (out / name).is_file()
     assert (out / "serve.sh").stat().st_mode & stat.S_IXUSR
@@ -273,10 +273,10 @@ def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(
     assert chunked
     assert all(s["settings"]["max_model_len"] == 40960 for s in chunked)
     assert "prefill in chunks" in [d["decision"] for d in rep["decisions"]]
-    flags = rep["final"]["flags"]
-    assert flags["max_model_len"] == 40960
-    assert flags["max_num_batched_tokens"] < 40960
-    assert flags["enable_chunked_prefill"] is True
+    final = rep["final"]
+    assert final["max_model_len"] == 40960
+    assert final["max_num_batched_tokens"] < 40960
+    assert "--enable-chunked-prefill" in final["flags"]
     argv = json.loads((out / f"launch-{len(steps)}" / "command.json").read_text())["argv"]
     assert "--enable-chunked-prefill" in argv
     assert "--enable-chunked-prefill" in (out / "serve.sh").read_text()
@@ -295,7 +295,7 @@ def test_length_fallback_narrows_to_the_longest_that_fits(tmp_path: Path) -> Non
     assert rep["launches"] <= 6
     decisions = [d["decision"] for d in rep["decisions"]]
     assert "keep max_model_len" in decisions
-    final_len = rep["final"]["flags"]["max_model_len"]
+    final_len = rep["final"]["max_model_len"]
     assert 16384 <= final_len < 40960
     failed = [s["settings"]["max_model_len"] for s in rep["steps"] if s["outcome"] != "ok"]
     assert min(failed) > final_len

@@ -96,14 +96,14 @@ def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: 
     data = json.loads(preset.read_text())
     assert data["server_flags"][-len(FLAGS):] == FLAGS
     assert data["weights_format"] == "bitsandbytes-nf4-dq"
-    assert data["figures"]["decode_tokens_per_s"] == rep["speed"]["decode_tokens_per_s"]
+    assert data["figures"]["decode_tokens_per_s"] == rep["derivation"]["speed"]["decode_tokens_per_s"]
     assert data["figures"]["cpu_offload_gib"] == 14.0
 
 
 @pytest.mark.slow  # small_run: an emulated run end to end, 8 s here
 def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run: Path) -> None:
     rep = json.loads((small_run / "report.json").read_text())
-    w = rep["weights"]
+    w = rep["derivation"]["weights"]
     assert w["quantization"] == "bitsandbytes"
     assert w["enforce_eager"]
     assert w["offloaded_gib_per_card"] == 14.0
@@ -112,7 +112,7 @@ def test_the_record_says_where_the_weights_live_and_what_the_fit_costs(small_run
         w["card_weights_gib"] + w["offloaded_gib_per_card"], abs=0.002)
     assert w["card_weights_log_gib"] == pytest.approx(w["card_weights_gib"], abs=0.1)
     assert w["host_provenance"] == "simulated"
-    speed = rep["speed"]
+    speed = rep["derivation"]["speed"]
     assert speed["how"] == "streamed"
     assert speed["decode_tokens"] == 15
     assert speed["decode_tokens_per_s"] > 0
@@ -143,7 +143,7 @@ def test_a_configuration_slower_than_asked_exits_9_with_its_files(tmp_path: Path
     assert proc.returncode == 9, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep["validated"]
-    assert rep["min_tokens_per_s"] == 1e9
+    assert rep["derivation"]["min_tokens_per_s"] == 1e9
     (slow,) = rep["given_up"]
     assert slow.startswith("decode ")
     assert "< 1e+09 asked (--min-tokens-per-s)" in slow

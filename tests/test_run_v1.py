@@ -58,14 +58,14 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
     assert rep["simulated"]
     assert rep["engine"] == "vllm"
     assert rep["launches"] <= 3
-    kv = rep["final"]["kv_cache_memory_bytes"]
+    kv = rep["derivation"]["kv_cache_memory_bytes"]
     assert 59 * GIB <= kv < 61 * GIB  # the real card: 60 GiB fits, 61 GiB dies at start-up
     assert rep["final"]["kv_tokens"] >= 1.08 * UTIL_090_TOKENS
-    assert rep["baseline"]["kv_tokens"] is not None
+    assert rep["derivation"]["baseline"]["kv_tokens"] is not None
     for step in rep["steps"]:  # every launch carries its sampled peaks
         assert step["device_reader"] == "emulated", step
         assert step["device_peaks_mib"], step
-    d = rep["derivation"]
+    d = rep["derivation"]["budget"]
     # the printed arithmetic adds up (figures rounded to 0.1 MiB, the result floored to a MiB)
     assert d["non_kv_peak_mib"] == pytest.approx(d["device_peak_mib"] - d["held_kv_mib"], abs=0.1)
     assert 0 <= d["device_total_mib"] - d["non_kv_peak_mib"] - d["margin_mib"] - d[
@@ -140,7 +140,7 @@ def test_the_written_serve_script_starts_a_server_that_serves(
     run = finished_run(*V1_QWEN_80_8K)  # serve.sh writes nothing beside itself
     out, env = run.folder, cli_env(**FAST_SIM)
     assert run.proc.returncode == 0, run.proc.stderr
-    kv = run.report()["final"]["kv_cache_memory_bytes"]
+    kv = run.report()["derivation"]["kv_cache_memory_bytes"]
 
     _, body = served_by(out / "serve.sh", env, tmp_path / "serve.log")
     assert body["usage"]["completion_tokens"] == 2
@@ -203,7 +203,7 @@ def test_in_process_and_subprocess_runs_decide_the_same(
     proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
-    assert rep["final"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
+    assert rep["derivation"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
                                                                   rel=0.01)
 
 
@@ -225,7 +225,7 @@ def test_a_v1_run_names_the_real_engine_command_and_becomes_a_pinned_preset(
     (preset,) = (tmp_path / "presets").glob("*.json")
     data = json.loads(preset.read_text())
     assert data["kv_basis"] == "pinned"
-    assert data["kv_cache_memory_bytes"] == rep["final"]["kv_cache_memory_bytes"]
+    assert data["kv_cache_memory_bytes"] == rep["derivation"]["kv_cache_memory_bytes"]
     assert "vLLM_MODEL_MEMORY_USE_GB" not in data["env"]
 
 

@@ -15,10 +15,11 @@ import pytest
 from pretuner.devices.series import parse_memory_tsv
 from pretuner.launch.images import image_shape, worst_case_images
 from pretuner.models import resolve
-from pretuner.presets.v1 import preset_from_v1_report
+from pretuner.presets import preset_from_report
 from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives
 from pretuner.tune.entry import RunOptions
+from pretuner.tune.records import RunReport, read_report
 from pretuner.tune.v1.entry import DEFAULT_SOAK
 from tests.helpers import FinishedRun, invoke
 
@@ -39,7 +40,7 @@ def test_the_worst_case_and_the_soak_ran_through_the_chat_api(
         run: tuple[Path, dict[str, Any]]) -> None:
     out, rep = run
     assert rep["validated"]
-    images = rep["images"]
+    images = rep["derivation"]["images"]
     assert images["image_limit"] == 1
     assert images["image_limit_source"] == "--limit-mm-per-prompt"
     # 16,384 tokens hold no 4096 x 4096 image (16,384 tokens) beside the template and text:
@@ -52,7 +53,7 @@ def test_the_worst_case_and_the_soak_ran_through_the_chat_api(
     assert (images["encoder_budget_tokens"], images["encoder_profiled_images"]) == (16384, 1)
     assert images["flags"] == ["--limit-mm-per-prompt", '{"image":1}',
                                "--mm-processor-cache-gb", "2"]
-    soak = rep["soak"]
+    soak = rep["derivation"]["soak"]
     assert soak["requests"] == 24
     assert soak["reset_status"] == 200  # the tuning launch ran in vLLM's dev mode
     assert soak["reset_gave_back_mib"] == 0  # as seed 001: the reset gives nothing back
@@ -77,7 +78,7 @@ def test_the_proven_kv_survives_the_same_load_in_the_emulators_truth(
     spec = resolve("qwen3-vl-8b")
     argv = ["qwen3-vl-8b", "--max-model-len", "16384", "--max-num-seqs", "4", "-tp", "2",
             "--max-num-batched-tokens", str(f["max_num_batched_tokens"]),
-            "--kv-cache-memory-bytes", str(f["kv_cache_memory_bytes"])]
+            "--kv-cache-memory-bytes", str(rep["derivation"]["kv_cache_memory_bytes"])]
     env = {"PRETUNER_SIM_PROFILE": "cuda-64", "PRETUNER_SIM_SEED": "0",
            "PRETUNER_SIM_STARTUP_S": "0"}
     assert survives(spec, argv, env, 4, f["max_num_batched_tokens"], Images(1, 24, 0))
@@ -109,7 +110,9 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
     assert "VLLM_SERVER_DEV_MODE" not in serve  # the reset route was for the tuning only
     config = (out / "vllm-config.yaml").read_text()
     assert "mm_processor_cache_gb: 2" in config
-    preset = preset_from_v1_report(rep, name=None, date="2026-01-01")
+    record = read_report(out)
+    assert isinstance(record, RunReport)
+    preset = preset_from_report(record, date="2026-01-01")
     assert preset.server_flags is not None
     flags = preset.server_flags
     assert flags[flags.index("--limit-mm-per-prompt") + 1] == '{"image":1}'

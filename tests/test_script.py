@@ -12,7 +12,6 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,6 +20,7 @@ from pretuner.deploy.render import render_scripts, write_scripts
 from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 from pretuner.presets import Preset, builtin_presets, get_preset, preset_from_report
+from pretuner.tune.records import RunReport, read_report
 from tests.helpers import cli_env, invoke
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -29,7 +29,8 @@ ALL = [Target.SERVE, Target.ENV, Target.CONFIG, Target.RAY, Target.SYSTEMD]
 
 
 def _run_preset() -> Preset:
-    rep: dict[str, Any] = json.loads((GOLDEN / "run" / "report.json").read_text())
+    rep = read_report(GOLDEN / "run")  # an r0.1 report.json of schema 1: it still reads
+    assert isinstance(rep, RunReport)
     return preset_from_report(rep, date="-")
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from pretuner.presets import check_preset, load_preset_file, preset_from_report
 from pretuner.presets.model import preset_from_dict
+from pretuner.tune.records import RunReport, read_report
 from tests.helpers import V1_QWEN_80_8K, FinishedRun, invoke
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ def bash_n(text: str) -> None:
 def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path) -> None:
     rep = report(v1_run)
     final = rep["final"]
-    kv = final["kv_cache_memory_bytes"]
+    kv = rep["derivation"]["kv_cache_memory_bytes"]
     out = tmp_path / "files"
     proc = invoke("script", str(v1_run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
@@ -85,7 +86,7 @@ def test_script_ray_target_for_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
     argv = exec_argv(head)
     assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
     assert argv[-2:] == ["--distributed-executor-backend", "ray"]
-    assert f"--kv-cache-memory-bytes {report(v1_run)['final']['kv_cache_memory_bytes']}" in head
+    assert f"--kv-cache-memory-bytes {report(v1_run)['derivation']['kv_cache_memory_bytes']}" in head
     for text in (head, worker):
         assert "? GPU'" in text
         for word in R01_WORDS:
@@ -108,11 +109,13 @@ def test_presets_add_round_trips_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
     assert data["kv_basis"] == "pinned"
     assert data["kind"] == "simulated"
     assert data["engine"] == "vllm"
-    assert data["kv_cache_memory_bytes"] == rep["final"]["kv_cache_memory_bytes"]
+    assert data["kv_cache_memory_bytes"] == rep["derivation"]["kv_cache_memory_bytes"]
     assert data["kv_tokens"] == rep["final"]["kv_tokens"]
     p = load_preset_file(path)
     assert check_preset(p) == []
-    assert p == preset_from_report(rep, name="my-v1", date=p.date)
+    record = read_report(v1_run)
+    assert isinstance(record, RunReport)
+    assert p == preset_from_report(record, name="my-v1", date=p.date)
 
     show = invoke("presets", "show", str(path))
     assert show.returncode == 0, show.stderr

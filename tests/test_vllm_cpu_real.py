@@ -84,7 +84,7 @@ def test_pretuner_run_tunes_the_real_server_under_the_budget(tmp_path: Path) -> 
         assert step["device_reader"] == "vmdata"
         assert step["device_total_mib"] == BUDGET_MIB
         assert 300 < max(step["device_peaks_mib"].values()) <= BUDGET_MIB
-    d = rep["derivation"]
+    d = rep["derivation"]["budget"]
     assert 300 < d["non_kv_peak_mib"] < 2048
     assert d["pinned_kv_mib"] == int(BUDGET_MIB - d["non_kv_peak_mib"] - MARGIN_MIB)
     # The non-KV peak does not depend on the KV size: every proven launch shows the same.
@@ -94,7 +94,7 @@ def test_pretuner_run_tunes_the_real_server_under_the_budget(tmp_path: Path) -> 
                 "kv_cache_bytes"] / MIB
             assert abs(non_kv - d["non_kv_peak_mib"]) < 64, step
             assert step["requests_ok"] == step["requests_total"] == 5  # 1 alone + 4 at once
-    final = rep["final"]["kv_cache_memory_bytes"]
+    final = rep["derivation"]["kv_cache_memory_bytes"]
     assert d["pinned_kv_mib"] * MIB <= final < (BUDGET_MIB - d["non_kv_peak_mib"]) * MIB
     serve = (out / "serve.sh").read_text(encoding="utf-8")
     assert "export HF_HUB_OFFLINE=1" in serve

@@ -82,7 +82,7 @@ def test_pretuner_run_tunes_a_vision_model_on_the_real_server(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr[-3000:]
     rep = json.loads(done.stdout)
     assert (rep["engine"], rep["simulated"], rep["validated"]) == ("vllm-cpu", False, True)
-    images = rep["images"]
+    images = rep["derivation"]["images"]
     assert images["tokens_per_image"] == 1024
     assert images["max_image_px"] == [1024, 1024]
     assert images["worst_case_images"] >= 1
@@ -96,9 +96,9 @@ def test_pretuner_run_tunes_a_vision_model_on_the_real_server(tmp_path: Path) ->
     assert prerun["purpose"] == "prerun"
     # The launch that proved the final configuration (a tightened one after it may have died
     # on the budget: seen in CI, an OOM in a request; the proven one then stands).
-    mem = rep["memory"]
+    mem = rep["derivation"]["memory"]
     [proof] = [s for s in rep["steps"] if s["n"] == mem["launch"]]
-    assert proof["settings"]["kv_cache_bytes"] == rep["final"]["kv_cache_memory_bytes"]
+    assert proof["settings"]["kv_cache_bytes"] == rep["derivation"]["kv_cache_memory_bytes"]
     assert proof["outcome"] == "ok"
     assert proof["soak_requests"] == 4
     assert proof["reset_status"] == 200  # pretuner turns the server's dev mode on to reset
@@ -109,7 +109,7 @@ def test_pretuner_run_tunes_a_vision_model_on_the_real_server(tmp_path: Path) ->
              + mem["pinned_kv_mib"] + mem["free_mib"])
     assert parts == pytest.approx(BUDGET_MIB, abs=0.11)
     assert mem["free_mib"] >= 0
-    final = rep["final"]["kv_cache_memory_bytes"]
+    final = rep["derivation"]["kv_cache_memory_bytes"]
     assert 0 < final < BUDGET_MIB * 2**20
     serve = (out / "serve.sh").read_text()
     assert f"--kv-cache-memory-bytes {final}" in serve

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import difflib
-import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -15,6 +14,7 @@ from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
     from pretuner.explain import FlagDoc
+    from pretuner.tune.records import RunReport
 
 # The flag texts are imported where they are read: `pretuner --help` and a usage error answer
 # without them (tests/test_cli_startup.py).
@@ -78,14 +78,11 @@ def render(doc: FlagDoc, figures: list[str] | None, run: Path | None) -> str:
     return "\n".join(lines)
 
 
-def _report(run: Path) -> dict[str, Any]:
-    path = run / "report.json"
-    try:
-        rep = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as err:
-        raise BadInputError(f"cannot read {str(path)!r}: {err}",
-                            hint="pass a finished run folder (pretuner run --out DIR)") from None
-    if not isinstance(rep, dict) or "final" not in rep:
-        raise BadInputError(f"{str(path)!r} is not a finished run's record",
+def _report(run: Path) -> RunReport:
+    from pretuner.tune.records import RunReport, read_report
+
+    rep = read_report(run)
+    if not isinstance(rep, RunReport):
+        raise BadInputError(f"{str(run)!r} is not a finished run's record",
                             hint="pass a folder where `pretuner run` finished")
     return rep

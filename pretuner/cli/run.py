@@ -267,14 +267,19 @@ def run_cmd(
     may be given (a changed option would make the journal describe another run).
     """
     from pretuner.cli.progress import Progress
-    from pretuner.cli.run_render import RAY_DRY_RUN, dry_run_json, render_dry_run, render_summary
-    from pretuner.cli.run_v1 import render_v1_dry_run, render_v1_summary, v1_dry_run_json
+    from pretuner.cli.run_render import (
+        RAY_DRY_RUN,
+        dry_run_json,
+        render_dry_run,
+        render_summary,
+        render_v1_dry_run,
+        v1_dry_run_json,
+    )
     from pretuner.engines.base import Family
     from pretuner.engines.registry import choose_engine, engine_of_backend
     from pretuner.launch.process import install_signal_handlers
     from pretuner.procgroups import report_stops_to
     from pretuner.tune.entry import RunOptions, dry_run, run_tuning
-    from pretuner.tune.v1.entry import V1RunOutcome
 
     if resume is not None:
         refuse_flags_with_resume(ctx, dry)
@@ -353,10 +358,8 @@ def run_cmd(
         restore()
     if as_json:
         echo_json(outcome.report.model_dump(mode="json"))  # report.json, as written
-    elif isinstance(outcome, V1RunOutcome):
-        typer.echo(render_v1_summary(outcome))
     else:
-        typer.echo(render_summary(outcome))
+        typer.echo(render_summary(outcome.report, outcome.record))
     if not outcome.result.validated and opts.validate:
         raise typer.Exit(int(ExitCode.NOT_VALIDATED))
     if outcome.report.given_up:

@@ -1,20 +1,24 @@
-"""What `pretuner run` prints for the r0.1 method: the dry run (text and JSON) and the summary
-of a finished run."""
+"""What `pretuner run` prints: the summary of a finished run (one renderer, either method, from
+its record) and each method's dry run (text and JSON), which has no record yet."""
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
 from typing import Any
 
 from pretuner.cli.render import table
+from pretuner.engines.base import LaunchSettings
+from pretuner.engines.registry import choose_engine
+from pretuner.launch.images import worst_case_images
 from pretuner.presets.compare import preset_line
-from pretuner.tune.entry import DryRun, RunOutcome
-from pretuner.tune.records import Cluster, Step
-from pretuner.units import GIB
+from pretuner.tune.entry import DryRun, RunOptions
+from pretuner.tune.records import Cluster, PinnedDerivation, RunReport, Step, device_words, kv_words
+from pretuner.tune.report import SIM_NOTE, kv_asked, step_peak_mib
+from pretuner.tune.v1.entry import V1Setup, first_launch, v1_setup
+from pretuner.tune.v1.report_sections import summary_lines
 
-SIM_BANNER = (
-    "*** EMULATED CARD: no Ascend stack here, so pretuner drives its emulated vLLM-MindSpore "
-    "server. Every figure below is SIMULATED, not measured. ***"
-)
+SIM_BANNER = f"*** {SIM_NOTE} ***"
 
 RAY_DRY_RUN = (
     "with --ray-address {address}: pretuner first checks the cluster (nodes, NPUs, versions, "
@@ -22,6 +26,69 @@ RAY_DRY_RUN = (
     "RAY_ADDRESS, GLOG_logtostderr=0, GLOG_log_dir=<launch>/glog and these variables in the "
     "launch's Ray job runtime env, and reads every node's logs on that node."
 )
+
+
+def v1_dry_run_json(opts: RunOptions) -> dict[str, Any]:
+    """`run --dry-run --json` for a V1 engine: what the first launch would be, as data."""
+    setup = v1_setup(opts, choose_engine(opts.engine))
+    settings, cmd = first_launch(setup)
+    shown = cmd.redacted()
+    return {"dry_run": True, "method": "v1-pinned-kv", "engine": setup.choice.name,
+            "engine_reason": setup.choice.reason, "simulated": setup.engine.simulated,
+            "layout": setup.layout_reason,
+            "device_reader": setup.ctx.device_reader.name if setup.ctx.device_reader else None,
+            "first_launch": {"settings": settings.to_json(), "argv": shown.argv,
+                             "env": shown.env},
+            "images": _images_json(setup)}
+
+
+def _images_json(setup: V1Setup) -> dict[str, Any] | None:
+    """A vision-language model's worst case and soak, as the run will send them (predicted)."""
+    shape = setup.images
+    if shape is None:
+        return None
+    count, side = worst_case_images(shape, setup.cfg.max_model_len, 1)
+    return {"image_limit": shape.image_limit, "worst_case_images": count,
+            "worst_case_image_px": [side, side], "tokens_per_image": shape.tokens_per_image,
+            "soak_requests": setup.soak.requests, "soak_minutes": setup.soak.minutes}
+
+
+def render_v1_dry_run(opts: RunOptions) -> str:
+    setup = v1_setup(opts, choose_engine(opts.engine))
+    settings, cmd = first_launch(setup)
+    lines = [SIM_BANNER] if setup.engine.simulated else []
+    lines += [
+        f"engine: {setup.choice.name} ({setup.choice.reason})",
+        f"layout: {setup.layout_reason}",
+        f"device reader: {setup.ctx.device_reader.name if setup.ctx.device_reader else 'none'}",
+        f"pre-run: {_prerun_kv(settings)}, max_model_len {settings.max_model_len:,}, "
+        f"max-num-seqs {settings.max_num_seqs}, "
+        f"max-num-batched-tokens {settings.max_num_batched_tokens:,}",
+        *_images_words(setup),
+        "first launch:",
+        "  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items()),
+        "  " + shlex.join(cmd.argv),
+    ]
+    return "\n".join(lines)
+
+
+def _images_words(setup: V1Setup) -> list[str]:
+    shape = setup.images
+    if shape is None:
+        return []
+    if shape.is_text_only:
+        return ["images: none (--limit-mm-per-prompt image=0): text-only requests"]
+    count, side = worst_case_images(shape, setup.cfg.max_model_len, 1)
+    soak = f"then a soak of {setup.soak.words()}" if setup.soak.on else "no soak (--soak 0)"
+    return [f"images: the worst case carries {count} image(s) of {side}x{side} px "
+            f"({shape.tokens_per_image:,} tokens each) through the chat API; validation: the "
+            f"longest text prefill, the image burst, {soak}, the burst again"]
+
+
+def _prerun_kv(s: LaunchSettings) -> str:
+    if s.kv_cache_bytes is None:
+        return f"util {s.util:g} (the engine profiles)"
+    return f"{s.kv_cache_bytes / 2**20:,.2f} MiB of KV pinned (one max-length sequence)"
 
 
 def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
@@ -60,50 +127,43 @@ def render_dry_run(d: DryRun) -> str:
     return "\n".join(lines)
 
 
-def render_summary(o: RunOutcome) -> str:
-    rep = o.report
-    f = o.result.derivation.final
-    lines = []
-    if rep.simulated:
-        lines.append(SIM_BANNER)
+def render_summary(rep: RunReport, record: Path) -> str:
+    """The summary `pretuner run` prints of a finished run, either method."""
+    f, d, tag = rep.final, rep.derivation, rep.provenance
+    lines = [SIM_BANNER] if rep.simulated else []
     status = "VALIDATED under full load" if rep.validated else "NOT VALIDATED"
     if rep.validated and rep.given_up:
         status = f"VALIDATED, BUT LESS THAN ASKED ({'; '.join(rep.given_up)})"
-    tag = rep.provenance.actual_peak_mib
-    rows = [
-        (s.n, s.purpose, s.settings.util, s.settings.model_use_gib,
-         f"{s.settings.max_model_len:,}", s.settings.max_num_seqs, s.outcome,
-         f"{s.worst_peak_mib:,}" if s.worst_peak_mib else "-",
-         "-" if s.seconds is None else f"{s.seconds:.1f}")
-        for s in rep.steps
-    ]  # fmt: skip
+    rows = []
+    for s in rep.steps:
+        peak = step_peak_mib(s)
+        rows.append((s.n, s.purpose, kv_asked(s), f"{s.settings.max_model_len:,}",
+                     s.settings.max_num_seqs, s.outcome, f"{peak:,}" if peak else "-",
+                     f"{s.kv_tokens:,}" if s.kv_tokens else "-",
+                     "-" if s.seconds is None else f"{s.seconds:.1f}"))
     lines += [
-        f"{rep.model} on {rep.card_gib} GiB cards, TP{rep.tp} x PP{rep.pp}, "
+        f"{rep.model} on {rep.engine}, {device_words(rep)}, TP{rep.tp} x PP{rep.pp}, "
         f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",
         "",
-        table(
-            (
-                "#",
-                "purpose",
-                "util",
-                "model-use GiB",
-                "max_model_len",
-                "seqs",
-                "outcome",
-                f"worst peak MiB ({tag})",
-                "s",
-            ),
-            rows,
-        ),  # fmt: skip
+        table(("#", "purpose", "KV", "max_model_len", "seqs", "outcome",
+               f"worst peak MiB ({tag})", f"KV tokens ({tag})", "s"), rows),
         "",
-        f"KV cache per card: {f.kv_bytes / GIB:.2f} GiB = {f.kv_tokens:,} tokens (derived)",
     ]
+    if isinstance(d, PinnedDerivation):
+        lines += summary_lines(rep, d)
+    lines.append(f"KV cache per card: {kv_words(rep)}")
     lines += [f"export {k}={v}" for k, v in f.env.items()]
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in rep.final.flags.items())
-    lines += [flags, preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens, tag)]
+    lines.append(shlex.join(f.serve_command))
+    if f.engine_serve_command:
+        lines.append("with the real engine (to be measured there): "
+                     f"{shlex.join(f.engine_serve_command)}")
+    lines.append(preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens or 0, tag))
     if rep.cluster is not None:
         lines.append(cluster_line(rep.cluster, rep.steps))
-    lines += ["", f"run record: {o.record}  (report.md, report.html, tuned.env, serve.sh)"]
+    files = sorted(p.name for p in record.iterdir()
+                   if p.is_file() and not p.name.startswith(".")
+                   and p.name not in ("report.json", "journal.jsonl"))
+    lines += ["", f"run record: {record}  ({', '.join(files)})"]
     return "\n".join(lines)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,18 +23,13 @@ if TYPE_CHECKING:
 
 def preset_from_run_dir(run_dir: Path) -> Preset:
     from pretuner.presets import preset_from_report
+    from pretuner.tune.records import FailureReport, read_report
 
-    path = Path(run_dir) / "report.json"
-    try:
-        rep = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as err:
+    rep = read_report(Path(run_dir))
+    if isinstance(rep, FailureReport):  # the reason, no configuration
+        reason = rep.error.partition("\n")[0]
         raise BadInputError(
-            f"cannot read {str(path)!r}: {err}", hint="pass a finished run folder"
-        ) from None
-    if "error" in rep:  # a failed run's report: the reason, no configuration
-        reason = str(rep["error"]).partition("\n")[0]
-        raise BadInputError(
-            f"run {str(run_dir)!r} failed (exit {rep.get('exit_code')}): {reason}",
+            f"run {str(run_dir)!r} failed (exit {rep.exit_code}): {reason}",
             hint="a failed run has no configuration; see its report.md",
         )
     return preset_from_report(rep, date="-")

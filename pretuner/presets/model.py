@@ -20,6 +20,8 @@ from typing import Any
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
+from pretuner.presets.v1 import pinned_fields
+from pretuner.tune.records import R01Derivation, RunReport
 from pretuner.units import GIB
 
 
@@ -355,71 +357,67 @@ def pinned_problems(p: Preset, bpt: int) -> list[str]:
     return problems
 
 
-def _real_model_arg(rep: dict[str, Any]) -> str:
+def _real_model_arg(rep: RunReport) -> str:
     """What the real server loads: the emulated card took the registry name, the real
     vLLM-MindSpore needs the Hugging Face id (a folder stays a folder)."""
-    arg = str(rep["model_arg"])
-    if not rep["simulated"] or Path(arg).exists() or arg != rep["model"]:
+    arg = rep.model_arg
+    if not rep.simulated or Path(arg).exists() or arg != rep.model:
         return arg
     return resolve(arg).hf_id or arg
 
 
-def preset_from_report(rep: dict[str, Any], *, name: str | None = None, date: str) -> Preset:
-    """A run record's report.json as a preset (measured, or simulated on the emulated card)."""
-    if rep.get("method") == "v1-pinned-kv":
-        from pretuner.presets.v1 import preset_from_v1_report
+def numeric_flags(argv: list[str]) -> dict[str, int | float]:
+    """The server flags that take a number, by vLLM's long name (`--max-model-len 16384` ->
+    max_model_len: 16384); the parallel sizes are the preset's own fields."""
+    out: dict[str, int | float] = {}
+    for flag, value in zip(argv, [*argv[1:], ""], strict=True):
+        key = flag.removeprefix("--").replace("-", "_")
+        if not flag.startswith("--") or key.endswith("parallel_size"):
+            continue
+        for kind in (int, float):
+            try:
+                out[key] = kind(value)
+                break
+            except ValueError:
+                continue
+    return out
 
-        return preset_from_v1_report(rep, name=name, date=date)
+
+def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) -> Preset:
+    """A run record as a preset (measured, or simulated on the emulated card): what every run
+    records, and the method's own figures (`_r01_fields`, `presets.v1.pinned_fields`)."""
+    d = rep.derivation
+    kind = PresetKind.SIMULATED if rep.simulated else PresetKind.MEASURED
+    r01 = isinstance(d, R01Derivation)
+    fields = _r01_fields(rep, d) if isinstance(d, R01Derivation) else pinned_fields(rep, d)
+    engine = "" if r01 else f"-{rep.engine}"
+    default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g{engine}-{kind.value}-{rep.run_id}"
+    return Preset(
+        name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
+        kind=kind, model=rep.model, card_gib=rep.card_gib, tp=rep.tp, pp=rep.pp,
+        nodes=rep.nodes, weights_format=rep.weights_format, kv_cache_dtype=rep.kv_cache_dtype,
+        env=dict(rep.final.env), kv_bytes_per_token=rep.kv_bytes_per_token,
+        kv_tokens=rep.final.kv_tokens or 0, date=date,
+        source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
+        f"({'emulated card' if rep.simulated else rep.engine})",
+        run_id=rep.run_id, kv_basis=KvBasis.MODEL_USE if r01 else KvBasis.PINNED, **fields,
+    )
+
+
+def _r01_fields(rep: RunReport, d: R01Derivation) -> dict[str, Any]:
+    """An r0.1 run's preset fields: its variables, its flags, the pre-run's figures."""
     try:
-        flags = {
-            k: v
-            for k, v in rep["final"]["flags"].items()
-            if not k.endswith("parallel_size") and type(v) in (int, float)
-        }
-        d = rep["derivation"]
-        kind = PresetKind.SIMULATED if rep["simulated"] else PresetKind.MEASURED
-        default = f"{rep['model']}-tp{rep['tp']}-{rep['card_gib']}g-{kind.value}-{rep['run_id']}"
-        return Preset(
-            name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
-            kind=kind,
-            model=rep["model"],
-            model_path=_real_model_arg(rep),
-            card_gib=int(rep["card_gib"]),
-            tp=int(rep["tp"]),
-            pp=int(rep["pp"]),
-            nodes=int(rep["nodes"]),
-            cards_per_node=8 if int(rep["nodes"]) > 1 else int(rep["tp"]) * int(rep["pp"]),
-            weights_format=rep["weights_format"],
-            kv_cache_dtype=rep.get("kv_cache_dtype", "auto"),
-            engine="emulated vllm-mindspore" if rep["simulated"] else "vllm-mindspore",
-            engine_version="0.1",
-            env=dict(rep["final"]["env"]),
-            flags=flags,
-            kv_bytes_per_token=int(rep["kv_bytes_per_token"]),
-            kv_basis=KvBasis.MODEL_USE,
-            kv_gib=round(
-                model_use_budget_bytes(
-                    int(rep["card_gib"]),
-                    float(flags["gpu_memory_utilization"]),
-                    int(rep["final"]["env"]["vLLM_MODEL_MEMORY_USE_GB"]),
-                )
-                / GIB,
-                2,
-            ),
-            kv_tokens=int(rep["max_kv_tokens"]),
-            date=date,
-            source=f"pretuner {rep['pretuner_version']} run {rep['run_id']} "
-            f"({'emulated card' if rep['simulated'] else rep['backend']})",
-            notes="validated under full load" if rep["validated"] else "NOT validated",
-            run_id=rep["run_id"],
-            figures={
-                "actual_peak_mib": d["actual_peak_mib"],
-                "kv_prerun_gib": d["kv_prerun_gib"],
-                "weights_act_gib": d["weights_act_gib"],
-                "headroom_gib": d["headroom_gib"],
-            },
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise BadInputError(
-            f"the run record lacks {err} in report.json", hint="pass a finished run folder"
-        ) from None
+        model_use = int(rep.final.env["vLLM_MODEL_MEMORY_USE_GB"])
+    except (KeyError, ValueError) as err:
+        raise BadInputError(f"the run record lacks {err} in report.json",
+                            hint="pass a finished run folder") from None
+    return {
+        "model_path": _real_model_arg(rep),
+        "cards_per_node": 8 if rep.nodes > 1 else rep.tp * rep.pp,
+        "engine": "emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
+        "engine_version": "0.1", "flags": numeric_flags(rep.final.flags),
+        "kv_gib": round(model_use_budget_bytes(rep.card_gib, d.util, model_use) / GIB, 2),
+        "notes": "validated under full load" if rep.validated else "NOT validated",
+        "figures": {"actual_peak_mib": d.actual_peak_mib, "kv_prerun_gib": d.kv_prerun_gib,
+                    "weights_act_gib": d.weights_act_gib, "headroom_gib": d.headroom_gib},
+    }

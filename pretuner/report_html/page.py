@@ -7,14 +7,22 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
 from pretuner.files import write_atomic
-from pretuner.report_html.breakdown import breakdown, is_v1
+from pretuner.report_html.breakdown import breakdown
 from pretuner.report_html.charts import Bar, Chart, bar, chart
 from pretuner.report_html.inputs import Decision, LaunchMemory, RunFiles, read_run
+from pretuner.tune.records import (
+    AnyReport,
+    FailureReport,
+    PinnedDerivation,
+    RunReport,
+    Step,
+    device_words,
+    kv_words,
+)
 
 PAGE = "report.html"
 log = logging.getLogger(__name__)
@@ -33,91 +41,59 @@ class LaunchView:
     chart: Chart | None
 
 
-def _gib(value: Any) -> str:
-    return f"{float(value):.2f} GiB" if isinstance(value, int | float) else "?"
+def headline(rep: AnyReport) -> tuple[str, list[Fact]]:
+    """The page's title line and the facts beneath it, either method."""
+    version = f" {rep.engine_version}" if rep.engine_version else ""
+    facts = [Fact("engine", f"{rep.engine}{version} ({rep.engine_reason})"),
+             Fact("card", device_words(rep))]
+    if isinstance(rep, RunReport):
+        facts.append(Fact("KV cache per card", kv_words(rep)))
+    facts.append(Fact("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
+    if isinstance(rep, RunReport):
+        facts.append(Fact("shape", f"max_model_len {rep.final.max_model_len:,}, "
+                          f"max-num-seqs {rep.final.max_num_seqs}"))
+    return f"{rep.model}, {rep.launches:,} launch(es)", facts
 
 
-def _int(value: Any) -> str:
-    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "?"
+def asked_lines(rep: AnyReport) -> tuple[str | None, list[str]]:
+    """What was asked and what was given up against it (a failed run: nothing)."""
+    if not isinstance(rep, RunReport):
+        return None, []
+    seqs = rep.asked.max_num_seqs
+    said = (f"asked: max_model_len {rep.asked.max_model_len:,}, max-num-seqs "
+            + ("as many as fit" if seqs is None else f"{seqs:,}"))
+    return said, list(rep.given_up)
 
 
-def headline(rep: dict[str, Any]) -> tuple[str, list[Fact]]:
-    """The page's title line and the facts beneath it, r0.1 or V1."""
-    title = f"{rep.get('model', '?')}, {_int(rep.get('launches'))} launch(es)"
-    facts: list[Fact] = []
-    final = rep.get("final") or {}
-    if is_v1(rep):
-        version = rep.get("engine_version")
-        facts.append(Fact("engine", f"{rep.get('engine', '?')}"
-                               + (f" {version}" if version else "")
-                               + f" ({rep.get('method')})"))
-        total = (rep.get("derivation") or {}).get("device_total_mib")
-        facts.append(Fact("card", f"{rep.get('card_gib', '?')} GB {rep.get('device_kind', '')}"
-                          + (f", {_int(total)} MiB" if total is not None else "")))
-        if "kv_cache_memory_bytes" in final:
-            facts.append(Fact("KV cache (pinned)",
-                              f"--kv-cache-memory-bytes {final['kv_cache_memory_bytes']} "
-                              f"({_gib(final.get('kv_cache_gib'))}) = "
-                              f"{_int(final.get('kv_tokens'))} KV tokens"))
-        shape = final
-    else:
-        facts.append(Fact("engine", f"vLLM-MindSpore r0.1, backend {rep.get('backend', '?')}"))
-        facts.append(Fact("card", f"{rep.get('card_gib', '?')} GiB ({rep.get('card_source', '')})"))
-        if "max_kv_gib" in rep:
-            facts.append(Fact("KV cache per card", f"{_gib(rep['max_kv_gib'])} = "
-                              f"{_int(rep.get('max_kv_tokens'))} tokens"))
-        shape = final.get("flags") or {}
-    facts.append(Fact("layout", f"TP{rep.get('tp', '?')} x PP{rep.get('pp', '?')}"))
-    if "max_model_len" in shape:
-        facts.append(Fact("shape", f"max_model_len {_int(shape['max_model_len'])}, "
-                          f"max-num-seqs {_int(shape.get('max_num_seqs'))}"))
-    return title, facts
+def _step(rep: AnyReport, n: int) -> Step | None:
+    return next((s for s in rep.steps if s.n == n), None)
 
 
-def asked_lines(rep: dict[str, Any]) -> tuple[str | None, list[str]]:
-    """What was asked and what was given up against it, when the report says (else nothing)."""
-    asked = rep.get("asked")
-    said = None
-    if isinstance(asked, dict):
-        seqs = asked.get("max_num_seqs")
-        said = (f"asked: max_model_len {_int(asked.get('max_model_len'))}, max-num-seqs "
-                + ("as many as fit" if seqs is None else _int(seqs)))
-    given_up = rep.get("given_up")
-    lines = [str(g) for g in given_up] if isinstance(given_up, list) else []
-    return said, lines
-
-
-def launch_caps(rep: dict[str, Any], mem: LaunchMemory) -> list[tuple[float, str, str]]:
-    """The dashed lines of a launch's chart: the card, and r0.1's pool cap card x util."""
+def launch_caps(rep: AnyReport, mem: LaunchMemory) -> list[tuple[float, str, str]]:
+    """The dashed lines of a launch's chart: the card, r0.1's pool cap card x util, the soak."""
     caps: list[tuple[float, str, str]] = []
-    card_gib = rep.get("card_gib")
-    total = mem.total_mib
-    if total is None and isinstance(card_gib, int | float) and not is_v1(rep):
-        total = int(card_gib * 1024)
+    s = _step(rep, mem.n)
+    pool = s is not None and s.settings.model_use_gib > 0  # r0.1: a pool capped at card x util
+    total = mem.total_mib if mem.total_mib is not None or not pool else rep.card_gib * 1024
     if total is not None:
         caps.append((float(total), f"card total {total:,} MiB", "card"))
-    steps = [s for s in rep.get("steps") or [] if isinstance(s, dict) and s.get("n") == mem.n]
-    settings = (steps[0].get("settings") or {}) if steps else {}
-    util = settings.get("util")
-    if not is_v1(rep) and isinstance(util, int | float) and isinstance(card_gib, int | float):
-        cap = card_gib * 1024 * util
+    if pool and s is not None:
+        util = s.settings.util
+        cap = rep.card_gib * 1024 * util
         caps.append((cap, f"card x util {util:g} = {cap:,.0f} MiB", "util"))
-    soak = rep.get("soak")
-    if isinstance(soak, dict) and soak.get("launch") == mem.n:
-        before, after = soak.get("before_mib"), soak.get("after_mib")
-        if isinstance(before, int) and isinstance(after, int):
-            caps.append((float(before), f"before the soak {before:,} MiB", "soak"))
-            caps.append((float(after), f"after the soak {after:,} MiB ({after - before:+,} "
-                         "MiB)", "soak"))
+    d = rep.derivation if isinstance(rep, RunReport) else None
+    soak = d.soak if isinstance(d, PinnedDerivation) else None
+    if soak is not None and soak.launch == mem.n:
+        before, after = soak.before_mib, soak.after_mib
+        caps.append((float(before), f"before the soak {before:,} MiB", "soak"))
+        caps.append((float(after), f"after the soak {after:,} MiB ({after - before:+,} MiB)",
+                     "soak"))
     return caps
 
 
-def launch_title(rep: dict[str, Any], n: int) -> str:
-    steps = [s for s in rep.get("steps") or [] if isinstance(s, dict) and s.get("n") == n]
-    if not steps:
-        return f"launch {n}"
-    s = steps[0]
-    return f"launch {n}: {s.get('purpose', '?')}, outcome {s.get('outcome', '?')}"
+def launch_title(rep: AnyReport, n: int) -> str:
+    s = _step(rep, n)
+    return f"launch {n}" if s is None else f"launch {n}: {s.purpose}, outcome {s.outcome}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,12 +124,12 @@ def page_of(files: RunFiles) -> Page:
     launches = tuple(LaunchView(m.n, launch_title(rep, m.n), chart(m, launch_caps(rep, m)))
                      for m in files.memory)
     return Page(
-        run=str(rep.get("run_id") or files.folder.name),
+        run=rep.run_id or files.folder.name,
         title=title,
-        simulated=rep.get("simulated") is True,
-        validated=rep.get("validated") is True,
-        error=str(rep["error"]).partition("\n")[0] if rep.get("error") else None,
-        hint=str(rep["hint"]) if rep.get("hint") else None,
+        simulated=rep.simulated,
+        validated=rep.validated,
+        error=rep.error.partition("\n")[0] if isinstance(rep, FailureReport) else None,
+        hint=rep.hint if isinstance(rep, FailureReport) else None,
         facts=tuple(facts),
         asked=asked,
         given_up=tuple(given_up),

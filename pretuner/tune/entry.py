@@ -20,7 +20,6 @@ from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
-from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.config import pool_on_demand
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.failure import record_failure
@@ -45,7 +44,7 @@ from pretuner.tune.ownership import (
 )
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.records import RunReport
-from pretuner.tune.report import RunMeta, report_json, report_md, serve_sh, tuned_env
+from pretuner.tune.report import RunMeta, report_json, write_report
 from pretuner.tune.v1.entry import V1RunOutcome, tune_v1_recorded, v1_setup
 
 if TYPE_CHECKING:
@@ -294,6 +293,8 @@ def _tune_recorded(
         cluster=collectors.info if collectors is not None else None,
         asked_max_model_len=cfg.max_model_len,
         retune_command=tuple(opts.command_line()),
+        engine_version=engine.version, engine_reason=engine.reason,
+        device_kind=engine.device_kind,
     )
     try:
         result = tuner.run()
@@ -303,10 +304,6 @@ def _tune_recorded(
             record_failure(record, tuner, err, meta)
         raise
     rep = report_json(result, meta, setup.serve_argv)
-    record.write_json("report.json", rep.model_dump(mode="json"))
-    record.write("report.md", report_md(rep, result))
-    record.write("tuned.env", tuned_env(rep, result))
-    record.write("serve.sh", serve_sh(rep, result), executable=True)
-    refresh_run_page(record.path)
+    write_report(record, rep)
     record.append("run_finished", validated=result.validated)
     return RunOutcome(record.path, rep, result, engine)

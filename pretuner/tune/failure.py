@@ -7,17 +7,19 @@ every decision. A Ctrl-C writes none of this: that run stays resumable.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from pretuner.errors import PretunerError, ServerFailedError
-from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.loop import Tuner
 from pretuner.tune.record import RunRecord
 from pretuner.tune.records import Step
-from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
-
-log = logging.getLogger(__name__)
+from pretuner.tune.report import (
+    RunMeta,
+    failure_json,
+    step_json,
+    unfinished_step,
+    write_failure,
+)
 
 
 def record_failure(record: RunRecord, tuner: Tuner, err: PretunerError, meta: RunMeta) -> None:
@@ -27,16 +29,7 @@ def record_failure(record: RunRecord, tuner: Tuner, err: PretunerError, meta: Ru
     if started is not None:
         n = int(started["n"])
         steps.append(unfinished_step(n, started["settings"], _log_of(record, n, err)))
-    rep = failure_json(err, meta, tuner.plan, steps, tuner.state.decisions)
-    try:
-        record.write_json("report.json", rep.model_dump(mode="json"))
-        record.write("report.md", failure_md(rep))
-    except (OSError, PretunerError) as write_err:
-        # The run's own error is what the user must see; the journal still has every event.
-        log.warning("could not write the failure report in %s: %s", record.path, write_err)
-        return
-    refresh_run_page(record.path)
-    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error
+    write_failure(record, failure_json(err, meta, tuner.plan, steps, tuner.state.decisions), err)
 
 
 def _unfinished_launch(record: RunRecord, steps: list[Step]) -> dict[str, Any] | None:

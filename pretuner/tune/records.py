@@ -1,21 +1,37 @@
-"""report.json as typed records: what a run, r0.1 or V1, succeeded or failed, leaves behind.
+"""report.json as one typed record: what a run leaves behind, on every engine, by either method.
 
-The producers (`tune.report`, `tune.v1.report`) build these; report.json is
-`record.model_dump(mode="json")`, and a report.json read back validates into the same record.
-Field order is report.json's key order: presets, `pretuner script` and `--resume` read those
-files, so a field is renamed or moved only together with them. Unknown keys are refused.
+The producers (`tune.report`, `tune.v1.report`) build a `RunReport` (or a `FailureReport`);
+report.json is `record.model_dump(mode="json")`. What both tuning methods share is a field of
+the record; what one method alone has is its `derivation`, a union told apart by `method`.
+Readers (presets, report.md, report.html, `explain`, the CLI) take the record, never a dict:
+`read_report` validates a report.json, and upgrades one an earlier pretuner wrote (schema 1).
+Unknown keys are refused.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
+
+from pretuner.errors import BadInputError
+from pretuner.tune.records_schema1 import upgrade
 
 Provenance = Literal["simulated", "measured"]
+Method = Literal["r0.1", "v1-pinned-kv"]
 # The shape of every JSON object pretuner prints or writes; raised when a key changes meaning or
 # goes away (a new key does not raise it). A report.json without it predates it: version 1.
-SCHEMA_VERSION = 1
+# 2: one record for both methods, the method's own figures under `derivation`.
+SCHEMA_VERSION = 2
 
 
 class Record(BaseModel):
@@ -24,7 +40,7 @@ class Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-# -- one launch (both methods) --------------------------------------------------------------
+# -- one launch ------------------------------------------------------------------------------
 
 
 class StepSettings(Record):
@@ -43,6 +59,22 @@ class StepSettings(Record):
     kv_cache_dtype: str = "auto"
     chunked_prefill: bool = False
     kv_cache_bytes: int | None = None  # V1 engines: the pinned KV; None: the engine profiles
+
+
+class V1Speed(Record):
+    """A validation's speed: the max-length request alone (streamed), then the concurrent load
+    (`pretuner.speed.Speed`; seconds by the client's clock, or the emulated card's)."""
+
+    prompt_tokens: int
+    ttft_s: float
+    decode_tokens: int
+    decode_s: float
+    load_requests: int
+    load_tokens: int
+    load_s: float | None
+    how: str
+    decode_tokens_per_s: float | None
+    load_tokens_per_s: float | None
 
 
 class Step(Record):
@@ -64,37 +96,77 @@ class Step(Record):
     seconds: float | None
     overhead_s: float | None
     log: str | None
-
-
-class V1Speed(Record):
-    """A validation's speed: the max-length request alone (streamed), then the concurrent load
-    (`pretuner.speed.Speed`; seconds by the client's clock, or the emulated card's)."""
-
-    prompt_tokens: int
-    ttft_s: float
-    decode_tokens: int
-    decode_s: float
-    load_requests: int
-    load_tokens: int
-    load_s: float | None
-    how: str
-    decode_tokens_per_s: float | None
-    load_tokens_per_s: float | None
-
-
-class V1Step(Step):
-    """One launch of a V1 engine: the r0.1 fields and what the engine's log says of its KV."""
-
-    kv_tokens: int | None
-    kv_gib: float | None
-    device_total_mib: int | None
-    oom_alloc_bytes: int | None
-    # Since issue 18: each phase's last sample, and a vision-language validation's soak.
-    device_last_mib: dict[str, int] = {}
+    # What a V1 engine's log says of its KV, and a validation's soak and speed.
+    kv_tokens: int | None = None
+    kv_gib: float | None = None
+    device_total_mib: int | None = None
+    oom_alloc_bytes: int | None = None
+    device_last_mib: dict[str, int] = {}  # phase -> its last sample
     soak_requests: int = 0
     reset_status: int | None = None
-    speed: V1Speed | None = None  # validations since the small-GPU issue
+    speed: V1Speed | None = None
     weights_gib: float | None = None  # the engine's "Model loading took": weights on the card
+
+
+# Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
+# values for a derive...) next to `decision` and `reason` (r0.1) or `detail` (V1), exactly as
+# the journal records them.
+Decision = dict[str, Any]
+
+# The Ray cluster stays a dict: it is `RayCollectors.info` as the journal's `cluster` event
+# records it (gcs_address, nodes with node/ranks/local); pretuner.cluster owns its shape.
+Cluster = dict[str, Any]
+
+
+def decision_text(d: Decision) -> str:
+    """What a decision says, whichever method made it."""
+    return str(d.get("reason") or d.get("detail") or "")
+
+
+class Asked(Record):
+    """What the user asked for, beside what the run gives (`given_up` says the difference)."""
+
+    max_model_len: int
+    # V1: --max-num-seqs; r0.1: what the method derived from the pre-run before any validation
+    # taught it otherwise (None: no validation ran).
+    max_num_seqs: int | None
+
+
+class Final(Record):
+    """What production runs with, in the engine's own flags."""
+
+    env: dict[str, str]
+    flags: list[str]  # the server's argv after the model
+    serve_command: list[str]  # [*command, model, *flags]; secrets redacted (read from env)
+    engine_serve_command: list[str] | None  # a simulated run: what the real engine would run
+    notes: list[str]
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_tokens: int | None  # r0.1: derived; V1: the validation's log (None: it did not say)
+    kv_gib: float
+
+
+# -- r0.1 (ASCEND_TOTAL_MEMORY_GB / vLLM_MODEL_MEMORY_USE_GB) -----------------------------------
+
+
+class R01Derivation(Record):
+    """The pre-run method's figures, worst rank, rounded as report.md prints them."""
+
+    method: Literal["r0.1"] = "r0.1"
+    kv_prerun_gib: float
+    actual_peak_mib: int
+    weights_act_gib: float
+    headroom_gib: float
+    headroom_total_gib: float
+    rounding_cost_gib: float
+    final_util_source: str
+    util: float  # --gpu-memory-utilization: the pool cap is card x util
+    lines: list[str]  # the derivation as report.md prints it
+    memory_rows: list[str]  # report.md's memory per card: "part | GiB | how"
+
+
+# -- V1 (--kv-cache-memory-bytes) -------------------------------------------------------------
 
 
 class V1Weights(Record):
@@ -118,139 +190,6 @@ class V1Weights(Record):
     host_provenance: str | None  # "measured" (/proc/meminfo) or "simulated" (emulated host)
 
 
-# Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
-# values for a derive...) next to `decision` and `reason` (r0.1) or `detail` (V1), exactly as
-# the journal records them.
-Decision = dict[str, Any]
-
-# The Ray cluster stays a dict: it is `RayCollectors.info` as the journal's `cluster` event
-# records it (gcs_address, nodes with node/ranks/local); pretuner.cluster owns its shape.
-Cluster = dict[str, Any]
-
-
-# -- r0.1 (ASCEND_TOTAL_MEMORY_GB / vLLM_MODEL_MEMORY_USE_GB) -----------------------------------
-
-
-class Derivation(Record):
-    """The method's figures, worst rank, rounded as report.md prints them."""
-
-    kv_prerun_gib: float
-    actual_peak_mib: int
-    weights_act_gib: float
-    headroom_gib: float
-    headroom_total_gib: float
-    rounding_cost_gib: float
-    final_util_source: str
-
-
-class Final(Record):
-    """What production runs with."""
-
-    env: dict[str, str]
-    # Server flags by vLLM's long name (underscores): ints, a float util, bools, a dtype; which
-    # flags appear depends on the run (pipeline_parallel_size only above PP1...).
-    flags: dict[str, Any]
-    serve_command: list[str]  # secrets redacted: serve.sh reads them from the environment
-
-
-class ReportProvenance(Record):
-    actual_peak_mib: Provenance
-    final: Literal["derived"]
-
-
-class _OmitNoCluster(Record):
-    """A single-node run's report.json has no `cluster` key at all (not a null).
-
-    The field itself is each subclass's last one: a field declared here would come first.
-    """
-
-    @model_serializer(mode="wrap")
-    def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
-        if getattr(self, "cluster", None) is None:
-            data.pop("cluster", None)
-        return data
-
-
-class Asked(Record):
-    """What the user asked for, beside what the run gives (`given_up` says the difference)."""
-
-    max_model_len: int
-    # V1: --max-num-seqs; r0.1: what the method derived from the pre-run before any validation
-    # taught it otherwise (None: no validation ran).
-    max_num_seqs: int | None
-
-
-class _RunHead(_OmitNoCluster):
-    """The fields every r0.1 report.json starts with, succeeded or failed, in this order."""
-
-    schema_version: int = SCHEMA_VERSION
-    pretuner_version: str
-    run_id: str
-    backend: str
-    simulated: bool
-    model: str
-    model_arg: str
-    card_gib: int
-    card_source: str
-    tp: int
-    pp: int
-    nodes: int
-    weights_format: str
-    kv_cache_dtype: str
-    kv_bytes_per_token: int
-    launches: int
-    steps: list[Step]
-    decisions: list[Decision]
-
-
-class RunReport(_RunHead):
-    """report.json of an r0.1 run that finished (validated or not)."""
-
-    validated: bool
-    derivation: Derivation
-    final: Final
-    max_kv_tokens: int
-    max_kv_gib: float
-    provenance: ReportProvenance
-    # Since pretuner 0.1 of 2026-11-25: an earlier report.json lacks them and still reads.
-    asked: Asked | None = None
-    given_up: list[str] = []  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
-    retune_command: list[str] = []  # `pretuner run` with this run's options: the same run again
-    cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
-
-
-class FailureReport(_RunHead):
-    """report.json of an r0.1 run a `PretunerError` stopped: why, the fix, what was done."""
-
-    validated: Literal[False] = False
-    error: str
-    hint: str | None
-    exit_code: int
-    error_type: str
-    server_log: str | None
-    cluster: Cluster | None = None
-
-
-# -- V1 (--kv-cache-memory-bytes) -------------------------------------------------------------
-
-
-class V1Final(Record):
-    """What production runs with, in the engine's own flags."""
-
-    kv_cache_memory_bytes: int | None
-    kv_cache_gib: float
-    kv_tokens: int | None
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    flags: list[str]  # the server's argv after the model
-    env: dict[str, str]
-    notes: list[str]
-    serve_command: list[str]
-    engine_serve_command: list[str] | None  # a simulated run: what the real engine would run
-
-
 class V1Baseline(Record):
     """What the engine's own profiling gave at the pre-run util (None: it did not profile)."""
 
@@ -259,7 +198,7 @@ class V1Baseline(Record):
     kv_tokens_gain: float | None  # pinned KV tokens / profiled ones
 
 
-class V1Derivation(Record):
+class V1Budget(Record):
     """The pinned KV from the sampled device peak; `lines` are the printed sums."""
 
     device_total_mib: int
@@ -322,64 +261,138 @@ class V1Memory(Record):
     lines: list[str]
 
 
-class V1Report(Record):
-    """report.json of a V1 run that finished (validated or not)."""
+class PinnedDerivation(Record):
+    """The V1 method: a pre-run with the production shape, the device sampled, the KV pinned."""
 
-    schema_version: int = SCHEMA_VERSION
-    pretuner_version: str
-    run_id: str
     method: Literal["v1-pinned-kv"] = "v1-pinned-kv"
-    engine: str
-    engine_version: str | None
-    engine_reason: str
-    simulated: bool
-    model: str
-    model_arg: str
-    card_gib: int
-    device_kind: str  # "cpu": --card is a memory budget, not a device
-    tp: int
-    pp: int
-    validated: bool
-    launches: int
     measured_by: str
-    provenance: Provenance
-    final: V1Final
+    kv_cache_memory_bytes: int | None
     baseline: V1Baseline
-    derivation: V1Derivation | None  # None: no device memory sampled, the profiled KV pinned
-    decisions: list[Decision]
-    steps: list[V1Step]
-    asked: Asked | None = None  # the three: an earlier report.json lacks them and still reads
-    given_up: list[str] = []  # exit 9 when not empty
-    retune_command: list[str] = []  # `pretuner run` with this run's options: the same run again
-    # Since issue 18: a vision-language model's images and soak; every run's final memory.
-    images: V1Images | None = None
+    budget: V1Budget | None  # None: no device memory sampled, the profiled KV pinned
+    memory: V1Memory | None = None  # the final configuration's device at its worst
+    images: V1Images | None = None  # a vision-language model's images
     soak: V1Soak | None = None
-    memory: V1Memory | None = None
-    # Since the small-GPU issue (an earlier report.json lacks them and still reads):
     weights: V1Weights | None = None
     speed: V1Speed | None = None  # the final configuration's validation
     min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
 
 
-class V1FailureReport(Record):
-    """report.json of a V1 run a `PretunerError` stopped."""
+Derivation = Annotated[R01Derivation | PinnedDerivation, Field(discriminator="method")]
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+class _RunHead(Record):
+    """The fields every report.json starts with, succeeded or failed, in this order."""
 
     schema_version: int = SCHEMA_VERSION
     pretuner_version: str
     run_id: str
-    method: Literal["v1-pinned-kv"] = "v1-pinned-kv"
     engine: str
+    engine_version: str | None
     engine_reason: str
     simulated: bool
+    provenance: Provenance  # what every figure the engine (or its emulator) produced is
     model: str
     model_arg: str
     card_gib: int
-    validated: Literal[False] = False
+    card_source: str
+    device_kind: str  # "cpu": --card is a memory budget, not a device
+    tp: int
+    pp: int
+    nodes: int
+    weights_format: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    validated: bool
     launches: int
+    steps: list[Step]
+    decisions: list[Decision]
+    retune_command: list[str]  # `pretuner run` with this run's options: the same run again
+
+    @model_serializer(mode="wrap")
+    def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A single-node run's report.json has no `cluster` key at all (not a null)."""
+        data: dict[str, Any] = handler(self)
+        if getattr(self, "cluster", None) is None:
+            data.pop("cluster", None)
+        return data
+
+
+class RunReport(_RunHead):
+    """report.json of a run that finished (validated or not)."""
+
+    final: Final
+    derivation: Derivation
+    asked: Asked
+    given_up: list[str]  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
+    cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
+
+
+class FailureReport(_RunHead):
+    """report.json of a run a `PretunerError` stopped: why, the fix, what was done."""
+
+    method: Method
     error: str
     hint: str | None
     exit_code: int
     error_type: str
     server_log: str | None
-    decisions: list[Decision]
-    steps: list[V1Step]
+    cluster: Cluster | None = None
+
+
+AnyReport = RunReport | FailureReport
+
+
+def read_report(path: Path) -> AnyReport:
+    """A run folder's report.json (or the file itself) as its record."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "report.json"
+    try:
+        data = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInputError(f"cannot read {str(path)!r}: {err}",
+                            hint="pass a run folder that has a report.json") from None
+    try:
+        return report_of(data)
+    except (ValidationError, KeyError, TypeError, ValueError) as err:
+        raise BadInputError(f"{str(path)!r} is not a pretuner run record: {err}",
+                            hint="pass a run folder written by `pretuner run`") from None
+
+
+def report_of(data: Any) -> AnyReport:
+    """report.json's data as its record; an earlier pretuner's (schema 1) is upgraded."""
+    if not isinstance(data, dict):
+        raise ValueError("report.json is not a JSON object")
+    if data.get("schema_version", 1) < 2:
+        data = upgrade(data)
+    if "error" in data:
+        return FailureReport.model_validate(data)
+    return RunReport.model_validate(data)
+
+
+# -- the words every reader of a record says the same way ----------------------------------------
+
+
+def device_words(rep: AnyReport) -> str:
+    """The devices as the run knew them: a real device's total as its reader measured it; a V1
+    engine's --card is the device's GB, r0.1's the card's GiB (ASCEND_TOTAL_MEMORY_GB)."""
+    d = rep.derivation if isinstance(rep, RunReport) else None
+    if isinstance(d, R01Derivation) or (isinstance(rep, FailureReport) and rep.method == "r0.1"):
+        return f"{rep.card_gib} GiB card(s) ({rep.card_source})"
+    if rep.device_kind == "cpu":
+        return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
+                "vLLM on CPU has no device)")
+    if not rep.simulated and isinstance(d, PinnedDerivation) and d.budget is not None:
+        return f"{d.budget.device_total_mib:,} MiB device(s) (measured)"
+    return f"{rep.card_gib} GB device(s)"
+
+
+def kv_words(rep: RunReport) -> str:
+    """The KV cache per card, in GiB and tokens, and how each figure came about."""
+    f, d = rep.final, rep.derivation
+    how = ("derived" if isinstance(d, R01Derivation) else
+           f"--kv-cache-memory-bytes {d.kv_cache_memory_bytes}, derived; tokens {rep.provenance}")
+    return f"{f.kv_gib:.2f} GiB = {f.kv_tokens or 0:,} tokens ({how})"

@@ -1,14 +1,19 @@
-"""The files a run leaves for people: report.json, report.md, tuned.env and serve.sh.
+"""The files a run leaves for people, on every engine: report.json (one typed `RunReport`),
+report.md, and the files that start production.
 
-report.json is a typed record (`tune.records`) dumped as JSON; report.md and the scripts are
-rendered from that record.
+report.json is the record dumped as JSON; report.md and the startup files are rendered from the
+record alone, by one writer: what both methods share is written once, and a method adds its own
+sections (`tune.v1.report_sections` for the pinned KV) only where the methods really differ.
+Every figure says its provenance: the record's `provenance` ("simulated" on an emulated engine,
+"measured" on a real one), "derived" from those, or "predicted".
 
 A run that fails (a `PretunerError`) leaves report.json and report.md too, with the reason, the
-fix, every launch and every decision; never tuned.env or serve.sh.
+fix, every launch and every decision; never the startup files.
 """
 
 from __future__ import annotations
 
+import logging
 import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,33 +26,50 @@ from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
 from pretuner.engines.mindspore_r01 import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.engines.outcome import LaunchOutcome
+from pretuner.envfile import server_args
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.plan.layout import PlanResult
 from pretuner.presets.model import preset_from_report
 from pretuner.redact import one_line, redact_argv
+from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.asked import first_validation_seqs, given_up
 from pretuner.tune.budget import outside_pool_mib
 from pretuner.tune.loop import TuneResult
+from pretuner.tune.record import RunRecord
 from pretuner.tune.records import (
+    AnyReport,
     Asked,
     Decision,
-    Derivation,
     FailureReport,
     Final,
-    ReportProvenance,
+    PinnedDerivation,
+    Provenance,
+    R01Derivation,
     RunReport,
     Step,
     StepSettings,
+    V1Speed,
+    decision_text,
+    device_words,
+    kv_words,
 )
+from pretuner.tune.v1.report_sections import pinned_sections, v1_files
 from pretuner.units import GIB
 
+log = logging.getLogger(__name__)
 # The outcome of a launch that raised before it had one (the server died at start, hung...).
 UNFINISHED = "failed"
+SIM_NOTE = ("EMULATED: no real engine or device ran here: pretuner drove its emulated server "
+            "on an emulated card, so every figure is SIMULATED, not measured.")
+
+
+def provenance(simulated: bool) -> Provenance:
+    return "simulated" if simulated else "measured"
 
 
 @dataclass(frozen=True, slots=True)
 class RunMeta:
-    """What a report says about the run besides the tuning: where and how it ran."""
+    """What a report says about an r0.1 run besides the tuning: where and how it ran."""
 
     run_id: str
     backend: str
@@ -58,26 +80,25 @@ class RunMeta:
     cluster: dict[str, Any] | None = None  # multi-node via Ray: the nodes and their ranks
     asked_max_model_len: int | None = None  # None: the final's
     retune_command: tuple[str, ...] = ()  # RunOptions.command_line()
+    engine_version: str | None = None
+    engine_reason: str = ""
+    device_kind: str = "ascend"
 
 
 def step_json(o: LaunchOutcome) -> Step:
     """One launch as report.json's `steps[]` shows it."""
     return Step(
-        n=o.n,
-        purpose=o.settings.purpose.value,
-        settings=StepSettings(**o.settings.to_json()),
-        outcome=o.kind.value,
-        worst_peak_mib=o.worst_peak_mib,
-        worst_node=o.worst_node,
-        rank_peaks_mib=o.rank_peaks_mib,
-        device_reader=o.device_reader,
-        device_peaks_mib=o.device_peaks_mib,
-        requests_ok=o.requests_ok,
-        requests_total=o.requests_total,
-        oom_text=o.oom_text,
-        seconds=o.total_s,
-        overhead_s=o.overhead_s,
-        log=o.log_path,
+        n=o.n, purpose=o.settings.purpose.value, settings=StepSettings(**o.settings.to_json()),
+        outcome=o.kind.value, worst_peak_mib=o.worst_peak_mib, worst_node=o.worst_node,
+        rank_peaks_mib=o.rank_peaks_mib, device_reader=o.device_reader,
+        device_peaks_mib=o.device_peaks_mib, requests_ok=o.requests_ok,
+        requests_total=o.requests_total, oom_text=o.oom_text, seconds=o.total_s,
+        overhead_s=o.overhead_s, log=o.log_path, kv_tokens=o.kv_tokens, kv_gib=o.kv_gib,
+        device_total_mib=o.device_total_mib, oom_alloc_bytes=o.oom_alloc_bytes,
+        device_last_mib=o.device_last_mib, soak_requests=o.soak_requests,
+        reset_status=o.reset_status,
+        speed=V1Speed(**o.speed.to_json()) if o.speed is not None else None,
+        weights_gib=o.weights_gib,
     )
 
 
@@ -85,71 +106,58 @@ def unfinished_step(n: int, settings: dict[str, Any], log: str | None) -> Step:
     """A launch that raised before it had an outcome (`settings` as the journal has them);
     nothing was measured."""
     return Step(
-        n=n,
-        purpose=settings["purpose"],
-        settings=StepSettings.model_validate(settings),
-        outcome=UNFINISHED,
-        worst_peak_mib=None,
-        worst_node=None,
-        rank_peaks_mib={},
-        device_reader=None,
-        device_peaks_mib={},
-        requests_ok=None,
-        requests_total=None,
-        oom_text=None,
-        seconds=None,
-        overhead_s=None,
-        log=log,
+        n=n, purpose=settings["purpose"], settings=StepSettings.model_validate(settings),
+        outcome=UNFINISHED, worst_peak_mib=None, worst_node=None, rank_peaks_mib={},
+        device_reader=None, device_peaks_mib={}, requests_ok=None, requests_total=None,
+        oom_text=None, seconds=None, overhead_s=None, log=log,
     )
 
 
-def _run_fields(
-    meta: RunMeta,
-    p: PlanResult,
-    steps: Sequence[Step],
-    decisions: Iterable[Decision],
-) -> dict[str, Any]:
-    """The fields a success and a failure report share, in report.json's order."""
+def _r01_head(meta: RunMeta, p: PlanResult, steps: Sequence[Step],
+              decisions: Iterable[Decision], validated: bool) -> dict[str, Any]:
+    """The fields an r0.1 success and failure report share, in report.json's order."""
     return {
-        "pretuner_version": __version__,
-        "run_id": meta.run_id,
-        "backend": meta.backend,
-        "simulated": meta.simulated,
-        "model": p.model,
-        "model_arg": meta.model_arg,
-        "card_gib": p.card_gib,
-        "card_source": meta.card_source,
-        "tp": p.tp,
-        "pp": p.pp,
-        "nodes": p.nodes,
-        "weights_format": p.weights_format,
-        "kv_cache_dtype": meta.kv_cache_dtype,
-        "kv_bytes_per_token": p.kv_bytes_per_token,
-        "launches": len(steps),
-        "steps": list(steps),
-        "decisions": list(decisions),
+        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.backend,
+        "engine_version": meta.engine_version, "engine_reason": meta.engine_reason,
+        "simulated": meta.simulated, "provenance": provenance(meta.simulated),
+        "model": p.model, "model_arg": meta.model_arg, "card_gib": p.card_gib,
+        "card_source": meta.card_source, "device_kind": meta.device_kind, "tp": p.tp,
+        "pp": p.pp, "nodes": p.nodes, "weights_format": p.weights_format,
+        "kv_cache_dtype": meta.kv_cache_dtype, "kv_bytes_per_token": p.kv_bytes_per_token,
+        "validated": validated, "launches": len(steps), "steps": list(steps),
+        "decisions": list(decisions), "retune_command": list(meta.retune_command),
     }
 
 
 def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> RunReport:
-    """The record of a finished run; report.json is its `model_dump(mode="json")`."""
+    """The record of a finished r0.1 run; report.json is its `model_dump(mode="json")`."""
     d, p = result.derivation, result.plan
     f = d.final
+    tag = provenance(meta.simulated)
     asked_len = meta.asked_max_model_len or f.max_model_len
     asked_seqs = first_validation_seqs(result.outcomes)
-    flags: dict[str, Any] = {**f.flags, "tensor_parallel_size": p.tp}
+    values: dict[str, Any] = {**f.flags, "tensor_parallel_size": p.tp}
     if p.pp > 1:
-        flags["pipeline_parallel_size"] = p.pp
+        values["pipeline_parallel_size"] = p.pp
     chunk_flag = chunked_prefill_flag(f.max_model_len, f.chunked_prefill)
     if chunk_flag is not None:
-        flags["enable_chunked_prefill"] = chunk_flag
+        values["enable_chunked_prefill"] = chunk_flag
     server_dtype = server_kv_cache_dtype(meta.kv_cache_dtype)
     if server_dtype is not None:
-        flags["kv_cache_dtype"] = server_dtype
+        values["kv_cache_dtype"] = server_dtype
+    flags = server_args(values)
+    cap_gib = f.ascend_total_memory_gb * f.gpu_memory_utilization
     return RunReport(
-        **_run_fields(meta, p, [step_json(o) for o in result.outcomes], result.decisions),
-        validated=result.validated,
-        derivation=Derivation(
+        **_r01_head(meta, p, [step_json(o) for o in result.outcomes], result.decisions,
+                    result.validated),
+        final=Final(
+            env=f.env, flags=flags,
+            serve_command=redact_argv([*serve_command, *flags]),  # serve.sh reads a secret
+            engine_serve_command=None, notes=[], max_model_len=f.max_model_len,
+            max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
+            kv_tokens=f.kv_tokens, kv_gib=round(f.kv_bytes / GIB, 4),
+        ),
+        derivation=R01Derivation(
             kv_prerun_gib=round(d.kv_prerun_gib, 4),
             actual_peak_mib=d.actual_peak_bytes // 2**20,
             weights_act_gib=round(d.weights_act_gib, 4),
@@ -157,88 +165,23 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
             headroom_total_gib=round(d.headroom_total_gib, 4),
             rounding_cost_gib=round(d.rounding_cost_bytes / GIB, 4),
             final_util_source=result.final_util_source,
-        ),
-        final=Final(
-            env=f.env,
-            flags=flags,
-            serve_command=redact_argv(serve_command),  # serve.sh reads a secret from env
-        ),
-        max_kv_tokens=f.kv_tokens,
-        max_kv_gib=round(f.kv_bytes / GIB, 4),
-        provenance=ReportProvenance(
-            actual_peak_mib="simulated" if meta.simulated else "measured", final="derived"
+            util=f.gpu_memory_utilization,
+            lines=derivation_lines(d, card_source=meta.card_source, provenance=tag),
+            memory_rows=[
+                f"weights + activations (pre-run) | {d.weights_act_gib:.2f} | derived from "
+                f"the {tag} peak",
+                f"headroom (base + per sequence) | {d.headroom_total_gib:.2f} | given + derived",
+                f"rounding to integer model-use | {d.rounding_cost_bytes / GIB:.2f} | derived",
+                f"KV cache | {f.kv_bytes / GIB:.2f} | derived",
+                f"pool cap (card x util) | {cap_gib:.2f} | derived",
+                *_proof_rows(result.validation, cap_gib, tag, result.pool_on_demand),
+            ],
         ),
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
-        retune_command=list(meta.retune_command),
         cluster=meta.cluster,
     )
-
-
-def failure_json(
-    err: PretunerError,
-    meta: RunMeta,
-    p: PlanResult,
-    steps: Sequence[Step],
-    decisions: Iterable[Decision],
-) -> FailureReport:
-    """The record of a run stopped by `err`: why, the fix, and everything done until then."""
-    return FailureReport(
-        **_run_fields(meta, p, steps, decisions),
-        validated=False,
-        error=err.message,
-        hint=err.hint,
-        exit_code=int(err.exit_code),
-        error_type=type(err).__name__,
-        server_log=err.log_path if isinstance(err, ServerFailedError) else None,
-        cluster=meta.cluster,
-    )
-
-
-def report_md(rep: RunReport, result: TuneResult) -> str:
-    d = result.derivation
-    status = "validated under full load" if rep.validated else "NOT validated"
-    if rep.validated and rep.given_up:
-        status += f", but less than asked: {'; '.join(rep.given_up)} (exit 9)"
-    lines = [
-        f"# pretuner run {one_line(rep.run_id)}",
-        "",
-        *_run_lines(rep),
-        f"- result: {status} after {rep.launches} launch(es)",
-        f"- KV cache per card: {rep.max_kv_gib:.2f} GiB = {rep.max_kv_tokens:,} tokens",
-        *_cluster_lines(rep),
-        *_launch_lines(rep),
-        "",
-        "## Derivation",
-        "",
-        "```",
-    ]
-    lines += derivation_lines(d, card_source=rep.card_source,
-                              provenance="simulated" if rep.simulated else "measured")
-    lines += ["```", "", "## Memory per card (worst rank)", ""]
-    f = d.final
-    cap_gib = f.ascend_total_memory_gb * f.gpu_memory_utilization
-    tag = "simulated" if rep.simulated else "measured"
-    lines += [
-        "| part | GiB | provenance |",
-        "|---|---|---|",
-        f"| weights + activations (pre-run) | {d.weights_act_gib:.2f} | derived from the peak |",
-        f"| headroom (base + per sequence) | {d.headroom_total_gib:.2f} | given + derived |",
-        f"| rounding to integer model-use | {d.rounding_cost_bytes / GIB:.2f} | derived |",
-        f"| KV cache | {f.kv_bytes / GIB:.2f} | derived |",
-        f"| pool cap (card x util) | {cap_gib:.2f} | derived |",
-        *_proof_rows(result.validation, cap_gib, tag, result.pool_on_demand),
-        "",
-        "## Start the server",
-        "",
-        "```sh",
-        "./serve.sh   # or: set -a; . ./tuned.env; set +a",
-        "```",
-        "",
-        f"Re-tune: `{shlex.join(rep.retune_command)}`",
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def _proof_rows(
@@ -246,37 +189,108 @@ def _proof_rows(
 ) -> list[str]:
     """What the validation left below the cap, and what the device held outside the pool."""
     if validation is None or validation.worst_peak_mib is None:
-        return ["| validation margin (cap - worst-rank peak under load) | - | no validation |"]
+        return ["validation margin (cap - worst-rank peak under load) | - | no validation"]
     peak = validation.worst_peak_mib / 1024
-    rows = [f"| validation margin (cap - worst-rank peak under load) | {cap_gib - peak:.2f} | "
-            f"{tag} peak {validation.worst_peak_mib:,} MiB |"]
+    rows = [f"validation margin (cap - worst-rank peak under load) | {cap_gib - peak:.2f} | "
+            f"{tag} peak {validation.worst_peak_mib:,} MiB"]
     device = max(validation.device_peaks_mib.values(), default=None)
     total, free = validation.device_total_mib, validation.device_free_mib
     if device is None:
-        rows.append("| outside the pool (device peak - pool peak) | - | no device reader |")
+        rows.append("outside the pool (device peak - pool peak) | - | no device reader")
     elif on_demand:
-        rows.append("| outside the pool | - | not told apart: MindSpore's pool grows on demand "
-                    f"(enable_vmm); {tag}: device peak {device:,} MiB |")
+        rows.append("outside the pool | - | not told apart: MindSpore's pool grows on demand "
+                    f"(enable_vmm); {tag}: device peak {device:,} MiB")
     elif total is None or free is None:
-        rows.append(f"| outside the pool (device peak - pool peak) | {device / 1024 - peak:.2f} "
-                    f"| {tag}: device {device:,} MiB ({validation.device_reader}) |")
+        rows.append(f"outside the pool (device peak - pool peak) | {device / 1024 - peak:.2f} "
+                    f"| {tag}: device {device:,} MiB ({validation.device_reader})")
     else:
         # MindSpore takes its whole pool at start: what the device held beyond that and what
         # was in use when it read the free memory came after, from other components.
-        cap_mib = cap_gib * 1024
-        after = outside_pool_mib(device, total, free, cap_mib)
+        after = outside_pool_mib(device, total, free, cap_gib * 1024)
         rows += [
-            f"| in use before the pool (device total - free at MindSpore's init) | "
+            f"in use before the pool (device total - free at MindSpore's init) | "
             f"{(total - free) / 1024:.2f} | {tag}: {total:,} MiB ({validation.device_reader}) "
-            f"- {free:,} MiB free (init line) |",
-            f"| outside the pool after init (device peak - that - pool cap) | {after / 1024:.2f} "
-            f"| {tag}: device peak {device:,} MiB |",
+            f"- {free:,} MiB free (init line)",
+            f"outside the pool after init (device peak - that - pool cap) | {after / 1024:.2f} "
+            f"| {tag}: device peak {device:,} MiB",
         ]
     return rows
 
 
+def failure_json(err: PretunerError, meta: RunMeta, p: PlanResult, steps: Sequence[Step],
+                 decisions: Iterable[Decision]) -> FailureReport:
+    """The record of an r0.1 run stopped by `err`: why, the fix, and everything done."""
+    return FailureReport(**_r01_head(meta, p, steps, decisions, False), method="r0.1",
+                         **failure_fields(err), cluster=meta.cluster)
+
+
+def failure_fields(err: PretunerError) -> dict[str, Any]:
+    """What a failure report says of the error, whichever method the run used."""
+    return {"error": err.message, "hint": err.hint, "exit_code": int(err.exit_code),
+            "error_type": type(err).__name__,
+            "server_log": err.log_path if isinstance(err, ServerFailedError) else None}
+
+
+# -- report.md ------------------------------------------------------------------------------------
+
+
+def status_words(rep: RunReport) -> str:
+    """`validated under full load`, with what was given up against the ask (exit 9)."""
+    if not rep.validated:
+        return "NOT validated"
+    words = "validated under full load"
+    return words + (f", but less than asked: {'; '.join(rep.given_up)} (exit 9)"
+                    if rep.given_up else "")
+
+
+def _run_lines(rep: AnyReport) -> list[str]:
+    """Where and how the run ran: the same lines for a success and a failure."""
+    lines = [f"> {SIM_NOTE}", ""] if rep.simulated else []
+    version = f" {rep.engine_version}" if rep.engine_version else ""
+    lines += [
+        f"- engine: {rep.engine}{version} ({one_line(rep.engine_reason) or 'as asked'})",
+        f"- model: {rep.model} ({rep.weights_format}, `{one_line(rep.model_arg)}`), "
+        f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s), {device_words(rep)}",
+    ]
+    if rep.cluster is not None:
+        c = rep.cluster
+        nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])
+        lines.append(f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's logs scanned "
+                     "on that node")
+    return lines
+
+
+def report_md(rep: RunReport) -> str:
+    """report.md of a finished run, either method."""
+    f, d = rep.final, rep.derivation
+    lines = [f"# pretuner run {one_line(rep.run_id)}: "
+             f"{'VALIDATED' if rep.validated else 'NOT VALIDATED'}", "", *_run_lines(rep),
+             f"- result: {status_words(rep)} after {rep.launches} launch(es)",
+             f"- KV cache per card: {kv_words(rep)}",
+             f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
+             f"max-num-batched-tokens {f.max_num_batched_tokens:,}", ""]
+    if isinstance(d, R01Derivation):
+        lines += ["## Derivation", "", "```", *d.lines, "```", "",
+                  "## Memory per card (worst rank)", "", "| part | GiB | how |", "|---|---|---|",
+                  *[f"| {row} |" for row in d.memory_rows], ""]
+    else:
+        lines += pinned_sections(rep, d)
+    lines += launch_lines(rep)
+    lines += ["", "## Start production", "", "```sh",
+              "./serve.sh" + ("   # or: set -a; . ./tuned.env; set +a" if f.env else ""),
+              "```", ""]
+    lines += [f"- {note}" for note in f.notes] + ([""] if f.notes else [])
+    if f.engine_serve_command:
+        lines += ["The figures above are simulated. With the real engine and a real device, the "
+                  "same flags are (run `pretuner run` there to measure and prove them):", "",
+                  "```sh", shlex.join(f.engine_serve_command), "```", ""]
+    if rep.retune_command:
+        lines += [f"Re-tune: `{shlex.join(rep.retune_command)}`", ""]
+    return "\n".join(lines)
+
+
 def failure_md(rep: FailureReport) -> str:
-    """report.md of a failed run (`failure_json`): the reason and the fix first."""
+    """report.md of a failed run: the reason and the fix first."""
     code = rep.exit_code
     reason, _, details = rep.error.partition("\n")  # a server failure adds its log tail
     lines = [
@@ -287,21 +301,14 @@ def failure_md(rep: FailureReport) -> str:
     ]
     if rep.server_log:
         lines.append(f"- server log: {rep.server_log}")
-    lines += [
-        "",
-        *_run_lines(rep),
-        f"- result: NOT validated, stopped after {rep.launches} launch(es); no tuned.env or "
-        "serve.sh was written",
-        *_cluster_lines(rep),
-        *_launch_lines(rep),
-    ]
+    lines += ["", *_run_lines(rep),
+              f"- result: NOT validated, stopped after {rep.launches} launch(es); no tuned.env or "
+              "serve.sh was written", *launch_lines(rep)]
     if details:
         lines += ["", "## Details", "", "```", details.rstrip("\n"), "```"]
-    lines += [
-        "",
-        f"Re-run after the fix: `pretuner run --model {rep.model_arg} --card {rep.card_gib}`"
-        " with the options the fix names",
-    ]
+    again = rep.retune_command or ["pretuner", "run", "--model", rep.model_arg, "--card",
+                                   str(rep.card_gib)]
+    lines += ["", f"Re-run after the fix: `{shlex.join(again)}` with the options the fix names"]
     return "\n".join(lines) + "\n"
 
 
@@ -312,67 +319,85 @@ def _exit_name(code: int) -> str:
         return "error"
 
 
-def _run_lines(rep: RunReport | FailureReport) -> list[str]:
-    tag = "SIMULATED (emulated card)" if rep.simulated else "measured"
-    return [
-        f"- model: {rep.model} ({rep.weights_format}), TP{rep.tp} x PP{rep.pp} on "
-        f"{rep.nodes} node(s)",
-        f"- card: {rep.card_gib} GiB ({rep.card_source}); backend {rep.backend}; "
-        f"figures {tag}",
-    ]
+def kv_asked(s: Step) -> str:
+    """How a launch sized its KV cache: pinned bytes, r0.1's model-use, or the engine's util."""
+    st = s.settings
+    if st.kv_cache_bytes:
+        return f"{st.kv_cache_bytes / GIB:.2f} GiB pinned"
+    if st.model_use_gib:
+        return f"util {st.util}, model-use {st.model_use_gib} GiB"
+    return f"util {st.util}"
 
 
-def _launch_lines(rep: RunReport | FailureReport) -> list[str]:
+def step_peak_mib(s: Step) -> int | None:
+    """The launch's peak: the worst rank's pool (r0.1's logs), else the sampled device's."""
+    if s.worst_peak_mib is not None:
+        return s.worst_peak_mib
+    return max(s.device_peaks_mib.values(), default=None)
+
+
+def launch_lines(rep: AnyReport) -> list[str]:
     """The launch table and the decisions, as both a success and a failure report show them."""
     lines = ["", "## Launches", ""]
     if rep.steps:
-        lines += [
-            "| # | purpose | util | model-use GiB | max_model_len | max-num-seqs | outcome | "
-            "worst peak MiB | seconds |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
+        lines += ["| # | purpose | KV asked | max_model_len | max-num-seqs | outcome | "
+                  f"peak MiB ({rep.provenance}) | KV tokens | seconds |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     else:
         lines.append("No launch was made.")
     for s in rep.steps:
-        st = s.settings
-        peak = f"{s.worst_peak_mib:,}" if s.worst_peak_mib else "-"
+        peak = step_peak_mib(s)
+        shown = f"{peak:,}" if peak else "-"
         if s.worst_node:
-            peak += f" on {s.worst_node}"
+            shown += f" on {s.worst_node}"
+        tokens = f"{s.kv_tokens:,}" if s.kv_tokens else "-"
         seconds = "-" if s.seconds is None else f"{s.seconds:.1f}"
-        lines.append(
-            f"| {s.n} | {s.purpose} | {st.util} | {st.model_use_gib} | "
-            f"{st.max_model_len:,} | {st.max_num_seqs} | {s.outcome} | {peak} | "
-            f"{seconds} |"
-        )
+        lines.append(f"| {s.n} | {s.purpose} | {kv_asked(s)} | {s.settings.max_model_len:,} | "
+                     f"{s.settings.max_num_seqs} | {s.outcome} | {shown} | {tokens} | "
+                     f"{seconds} |")
     lines += ["", "## Decisions", ""]
-    lines += [f"- **{x['decision']}**: {x['reason']}" for x in rep.decisions]
+    lines += [f"- **{x['decision']}**: {decision_text(x)}" for x in rep.decisions]
     return lines
 
 
-def _cluster_lines(rep: RunReport | FailureReport) -> list[str]:
-    if rep.cluster is None:
-        return []
-    c = rep.cluster
-    nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])
-    return [
-        f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's logs scanned on that node"
-    ]
+# -- the startup files --------------------------------------------------------------------------
 
 
-def tuned_env(rep: RunReport, result: TuneResult | None) -> str:
-    """The run's environment alone, rendered from templates/tuned.env.j2."""
-    return _render(rep, Target.ENV, "tuned.env")
-
-
-def serve_sh(rep: RunReport, result: TuneResult | None) -> str:
-    """The run's own server command (the emulated one on a simulated run) with the tuned values."""
-    return _render(rep, Target.SERVE, "serve.sh")
-
-
-def _render(rep: RunReport, target: Target, name: str) -> str:
-    # Presets read report.json files (`pretuner preset add`), so they get the JSON form.
-    preset = preset_from_report(rep.model_dump(mode="json"), date="-")
-    status = "validated under full load" if rep.validated else "NOT validated"
+def run_files(rep: RunReport) -> dict[str, str]:
+    """The files that start production, by name: the engine's own (serve.sh first)."""
+    f = rep.final
+    if isinstance(rep.derivation, PinnedDerivation):  # the engine's flags, its own templates
+        status = "validated under the worst-case load" if rep.validated else "NOT validated"
+        header = [f"pretuner {rep.pretuner_version} run {rep.run_id}: {status}",
+                  f"{rep.engine}: {rep.model} on {device_words(rep)}, KV pinned at "
+                  f"{f.kv_gib:.2f} GiB", *([SIM_NOTE] if rep.simulated else [])]
+        return v1_files(rep, rep.derivation, header)
+    # Presets read the run record (`pretuner preset add`): the r0.1 files come from its preset.
+    preset = preset_from_report(rep, date="-")
     # The header line `# run <id>: <status>` is built and made one line by the script context.
-    opts = ScriptOptions(command=tuple(rep.final.serve_command), status=status)
-    return render_scripts(preset, opts, [target])[name]
+    opts = ScriptOptions(command=tuple(f.serve_command[: len(f.serve_command) - len(f.flags)]),
+                         status="validated under full load" if rep.validated else "NOT validated")
+    files = render_scripts(preset, opts, [Target.ENV, Target.SERVE])
+    return {"serve.sh": files["serve.sh"], "tuned.env": files["tuned.env"]}
+
+
+def write_report(record: RunRecord, rep: RunReport) -> None:
+    """A finished run's files: report.json, report.md, the startup files, report.html."""
+    record.write_json("report.json", rep.model_dump(mode="json"))
+    record.write("report.md", report_md(rep))
+    for name, text in run_files(rep).items():
+        record.write(name, text, executable=name.endswith(".sh"))
+    refresh_run_page(record.path)
+
+
+def write_failure(record: RunRecord, rep: FailureReport, err: PretunerError) -> None:
+    """A failed run's report.json, report.md and report.html, attached to `err`."""
+    try:
+        record.write_json("report.json", rep.model_dump(mode="json"))
+        record.write("report.md", failure_md(rep))
+    except (OSError, PretunerError) as write_err:
+        # The run's own error is what the user must see; the journal still has every event.
+        log.warning("could not write the failure report in %s: %s", record.path, write_err)
+        return
+    refresh_run_page(record.path)
+    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error

@@ -25,11 +25,11 @@ from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
 from pretuner.plan.layout import PlanResult, v1_layout_options
 from pretuner.plan.propose import decide_layout
-from pretuner.report_html.page import refresh_run_page
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
-from pretuner.tune.records import V1Report
+from pretuner.tune.records import RunReport
+from pretuner.tune.report import write_failure, write_report
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.v1.report_memory import VisionMeta
@@ -111,7 +111,7 @@ def vision_setup(opts: RunOptions, spec: ModelSpec) -> Vision:
 @dataclass(frozen=True, slots=True)
 class V1RunOutcome:
     record: Path
-    report: V1Report  # report.json is report.model_dump(mode="json")
+    report: RunReport  # report.json is report.model_dump(mode="json")
     result: V1Result
     choice: EngineChoice
 
@@ -261,6 +261,8 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
         vision=vision_meta(setup, opts),
         weights=weights_record(setup.plan, setup.engine.knobs, setup.host, None),
         min_tokens_per_s=opts.min_tokens_per_s,
+        card_source="--card" if opts.card_gib is not None else "the device's size",
+        weights_format=setup.plan.weights_format, kv_cache_dtype=setup.cfg.kv_cache_dtype,
     )
     try:
         result = tuner.run()
@@ -269,23 +271,13 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
             widen_hint(err, setup.engine.knobs)
         record.append("run_stopped", error=f"{type(err).__name__}: {err}")
         if isinstance(err, PretunerError):
-            failure = v1report.failure_json(
-                err, meta, [v1report.step(o) for o in tuner.outcomes], tuner.decisions)
-            failed = failure.model_dump(mode="json")
-            record.write_json("report.json", failed)
-            record.write("report.md", v1report.failure_md(failure))
-            refresh_run_page(record.path)
-            err.report = failed  # `run --json` prints it beside the error
+            failure = v1report.failure_json(err, meta, tuner.outcomes, tuner.decisions,
+                                            setup.cfg.tp, setup.cfg.pp)
+            write_failure(record, failure, err)
         raise
     meta = _with_deployment(meta, setup.engine.deploy(result.final))
     rep = v1report.report_json(result, meta)
-    record.write_json("report.json", rep.model_dump(mode="json"))
-    record.write("report.md", v1report.report_md(rep))
-    record.write("serve.sh", v1report.serve_sh(rep), executable=True)
-    record.write("vllm-config.yaml", v1report.vllm_config(rep))
-    record.write("tuned.env", v1report.tuned_env(rep))
-    record.write("pretuner-serve.service", v1report.systemd_unit(rep))
-    refresh_run_page(record.path)
+    write_report(record, rep)
     record.append("run_finished", validated=result.validated)
     return V1RunOutcome(record.path, rep, result, choice)
 

@@ -1,7 +1,7 @@
 """The parts of a V1 run's record that say where the device's memory went (pure): the final
 configuration's memory at its worst moment, the soak's growth, and a vision-language model's
 images. Every printed sum is built here from the figures report.json keeps, so that it adds up
-(`tests/test_report_arithmetic_v1.py` recomputes it)."""
+(`tests/test_report_arithmetic.py` recomputes it); `report_sections` prints them."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
-from pretuner.launch.images import IMAGE_WRAP_TOKENS, ImageShape, worst_case_images
-from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
+from pretuner.launch.images import ImageShape, worst_case_images
 from pretuner.pinned import kv_held_bytes
-from pretuner.tune.records import V1Images, V1Memory, V1Report, V1Soak
+from pretuner.tune.records import V1Images, V1Memory, V1Soak
 from pretuner.tune.v1.soak import HOLD_DOUBLINGS, soak_figures
 from pretuner.units import MIB
 
@@ -63,8 +62,9 @@ def soak_record(o: LaunchOutcome, asked: Soak) -> V1Soak | None:
         peak_after_mib=f.peak_after_mib)
 
 
-def memory_record(o: LaunchOutcome, bytes_per_token: int) -> V1Memory | None:
-    """The final configuration's device, from its own validation's samples."""
+def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory | None:
+    """The final configuration's device, from its own validation's samples; `tag` is what the
+    samples are: "measured" on a real device, "simulated" on an emulated one."""
     total, kv = o.device_total_mib, o.settings.kv_cache_bytes
     held = kv_held_bytes(o.kv_tokens, bytes_per_token, o.kv_gib)
     if total is None or kv is None or held is None or not o.device_peaks_mib:
@@ -79,12 +79,12 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int) -> V1Memory | None:
     lines = [
         f"non-KV peak: the worst moment before any soak (weights, activations, graphs"
         f"{', the encoder' if f is not None else ''}) = device peak {peak:,} MiB - KV held "
-        f"{held / MIB:,.1f} MiB | {non_kv:,.1f} | measured",
+        f"{held / MIB:,.1f} MiB | {non_kv:,.1f} | {tag}",
     ]
     if f is not None:
         lines += [
             f"growth under the soak: the peak from the soak on ({f.peak_after_mib:,} MiB) above "
-            f"the peak before it | {growth:,} | measured",
+            f"the peak before it | {growth:,} | {tag}",
             f"held back for more growth: {HOLD_DOUBLINGS} x what the soak's second half still "
             f"added ({f.after_mib:,} - {f.half_mib:,} MiB) | {hold:,} | derived, kept free",
         ]
@@ -92,73 +92,9 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int) -> V1Memory | None:
         f"pinned KV cache (--kv-cache-memory-bytes {kv}) | {pinned:,.1f} | derived",
         f"free at the worst moment (the rest; the pinned KV's unallocated tail, "
         f"{pinned - held / MIB:,.1f} MiB, is in it) | {free:,.1f} | computed",
-        f"device total | {total:,} | measured",
+        f"device total | {total:,} | {tag}",
     ]
     return V1Memory(launch=o.n, device_total_mib=total, kv_held_mib=round(held / MIB, 1),
                     non_kv_peak_mib=round(non_kv, 1), soak_growth_mib=growth,
                     held_back_mib=hold, pinned_kv_mib=round(pinned, 1),
                     free_mib=round(free, 1), lines=lines)
-
-
-def memory_md(rep: V1Report) -> list[str]:
-    """report.md's breakdown of the final configuration's device, and the soak, if any."""
-    lines: list[str] = []
-    m, tag = rep.memory, rep.provenance
-    if m is not None:
-        lines += [f"## Memory of the final configuration (launch {m.launch}, device MiB, {tag})",
-                  "", "| part | MiB | how |", "|---|---|---|"]
-        lines += [f"| {row} |" for row in m.lines] + [""]
-    s = rep.soak
-    if s is not None:
-        asked = " or ".join(
-            ([f"{s.requests_asked:,} requests"] if s.requests_asked is not None else [])
-            + ([f"{s.minutes_asked:g} min"] if s.minutes_asked is not None else []))
-        reset = (f"after it: {s.after_reset_mib:,} MiB, gave back {s.reset_gave_back_mib:,} MiB"
-                 if s.after_reset_mib is not None else "the server did not reset (vLLM serves "
-                 "the route with VLLM_SERVER_DEV_MODE=1)")
-        lines += [
-            f"## Soak (launch {s.launch}, device MiB, {tag})", "",
-            f"- {s.requests:,} mixed image requests answered (asked: {asked}); image sizes and "
-            "counts varied, every image distinct",
-            f"- after the worst-case burst: {s.before_mib:,}; after the soak's first half: "
-            f"{s.half_mib:,}; after the soak: {s.after_mib:,} = growth after load "
-            f"{s.growth_mib:+,} MiB",
-            f"- POST /reset_mm_cache: HTTP {s.reset_status or 'no answer'}; {reset}",
-            f"- the second half still added {s.second_half_mib:,} MiB: {HOLD_DOUBLINGS} x that "
-            f"= {s.held_back_mib:,} MiB held back as headroom (room for a "
-            "run 4 times as long)",
-            f"- peak before the soak {s.peak_before_mib:,}, from the soak on "
-            f"{s.peak_after_mib:,} (the worst-case burst again after it included)"]
-        if not settled(s):
-            lines.append(f"- NOT SETTLED: the second half added {s.second_half_mib:,} of the "
-                         f"soak's {s.growth_mib:,} MiB; memory was still growing fast: a longer "
-                         "--soak measures more of it")
-        lines.append("")
-    return lines
-
-
-def settled(s: V1Soak) -> bool:
-    """A soak whose second half added at most a quarter of its growth: memory had slowed."""
-    return 4 * s.second_half_mib <= max(0, s.growth_mib)
-
-
-def images_md(rep: V1Report) -> list[str]:
-    i = rep.images
-    if i is None:
-        return []
-    w, h = i.max_image_px
-    cw, ch = i.worst_case_image_px
-    budget = ("the engine's log did not say" if i.encoder_budget_tokens is None else
-              f"{i.encoder_budget_tokens:,} tokens, profiled with {i.encoder_profiled_images} "
-              "images of the largest size (the engine's log)")
-    limit = "vLLM's 999" if i.image_limit == VLLM_DEFAULT_MM_LIMIT else str(i.image_limit)
-    cache = ("vLLM's default (4 GiB of host memory per API server)"
-             if i.mm_processor_cache_gb is None else f"{i.mm_processor_cache_gb:g} GiB (host)")
-    return ["## Images", "",
-            f"- images per prompt: {limit} ({i.image_limit_source}); largest image {w}x{h} px "
-            f"= {i.tokens_per_image:,} tokens (+{IMAGE_WRAP_TOKENS} around each)",
-            f"- the worst case sent: {i.worst_case_images} image(s) of {cw}x{ch} px per request, "
-            "text filling the rest of max_model_len (chat API)",
-            f"- encoder cache budget: {budget}",
-            f"- processor cache: {cache}",
-            f"- flags: {' '.join(i.flags) or 'none'}", ""]

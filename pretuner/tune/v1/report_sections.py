@@ -1,0 +1,209 @@
+"""What only the pinned-KV (V1) method adds to a run's report.md, summary and startup files
+(pure, from the record): where the device's memory went (the final configuration at its worst
+moment, the soak), a vision-language model's images, where the weights live, the speed, what
+each memory flag does, and the files in the engine's own terms (`--kv-cache-memory-bytes`,
+never r0.1's variables). Every printed sum is the record's (`tests/test_report_arithmetic.py`
+recomputes them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pretuner.explain import report_section
+from pretuner.launch.images import IMAGE_WRAP_TOKENS
+from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
+from pretuner.speed import Speed
+from pretuner.templating import render_template
+from pretuner.tune.records import PinnedDerivation, RunReport, V1Soak, V1Weights
+from pretuner.tune.v1.soak import HOLD_DOUBLINGS
+
+
+def weights_lines(w: V1Weights, tag: str) -> list[str]:
+    """Per card: loaded, offloaded, left on the card; the host's bill (sums that add up)."""
+    lines = [f"loaded as {w.loaded_as}"
+             + (f" (--quantization {w.quantization})" if w.quantization else "")
+             + f": {w.loaded_gib_per_card:.2f} GiB per card = {w.card_weights_gib:.2f} GiB on "
+             f"the card + {w.offloaded_gib_per_card:.2f} GiB offloaded (predicted)"]
+    if w.card_weights_log_gib is not None:
+        lines.append(f"on the card, as the engine loaded them: {w.card_weights_log_gib:.2f} GiB "
+                     f"({tag}, 'Model loading took')")
+    if w.offloaded_gib_per_card:
+        host = (f"host memory: {w.host_offload_gib:.2f} GiB of pinned weights "
+                "(--cpu-offload-gb, read over PCIe every step)")
+        if w.host_available_gib is not None:
+            host += f", of {w.host_available_gib:.2f} GiB available ({w.host_provenance})"
+        lines.append(host)
+    swap = "given" if w.swap_space_gib is not None else "the engine's default"
+    lines.append(f"--swap-space: {w.host_swap_gib:.2f} GiB ({swap}) checked against the host's "
+                 + (f"{w.host_total_gib:.2f} GiB" if w.host_total_gib else "memory")
+                 + "; the V1 engine holds no KV there")
+    if w.enforce_eager:
+        lines.append("--enforce-eager: no CUDA-graph pool on the card")
+    return lines
+
+
+def speed_line(rep: RunReport, d: PinnedDerivation) -> str | None:
+    s = d.speed
+    if s is None:
+        return None
+    line = Speed(s.prompt_tokens, s.ttft_s, s.decode_tokens, s.decode_s, s.load_requests,
+                 s.load_tokens, s.load_s, s.how).words(rep.provenance)
+    if d.min_tokens_per_s is not None:
+        line += f"; asked at least {d.min_tokens_per_s:g} tokens/s (--min-tokens-per-s)"
+    return line
+
+
+def pinned_sections(rep: RunReport, d: PinnedDerivation) -> list[str]:
+    """report.md's sections of the pinned method, between the result and the launches."""
+    tag = rep.provenance
+    lines = images_md(d)
+    if d.weights is not None:
+        lines += ["## Weights", ""] + [f"- {x}" for x in weights_lines(d.weights, tag)] + [""]
+    speed = speed_line(rep, d)
+    if speed is not None:
+        lines += ["## Speed", "", "- the validation's max-length request alone, then its "
+                  f"concurrent load: {speed}", ""]
+    lines += report_section(rep)
+    lines += ["## Derivation", "", f"- method: pre-run with the production shape, memory "
+              f"sampled ({d.measured_by}), KV pinned with --kv-cache-memory-bytes"]
+    if d.budget is not None:
+        lines += [f"- {line}" for line in d.budget.lines]
+    else:
+        lines.append("- no device memory was sampled: the engine's own profiled KV is pinned "
+                     "(nothing gained over its profiling, but proven)")
+    base = d.baseline
+    if base.kv_tokens:
+        gain = f"; the pinned KV holds {base.kv_tokens_gain:.3f}x that" if base.kv_tokens_gain \
+            else ""
+        lines.append(f"- the engine's own profiling at util {base.util}: "
+                     f"{base.kv_tokens:,} KV tokens ({tag}){gain}")
+    return lines + [""] + memory_md(rep, d)
+
+
+def summary_lines(rep: RunReport, d: PinnedDerivation) -> list[str]:
+    """The run summary's lines of the pinned method: the sums, the soak, the device at its
+    worst, the engine's own profiling, the weights and the speed."""
+    tag = rep.provenance
+    lines = list(d.budget.lines) if d.budget is not None else []
+    if (k := d.soak) is not None:
+        lines.append(f"soak: {k.requests:,} mixed image requests; device {k.before_mib:,} -> "
+                     f"{k.after_mib:,} MiB ({k.growth_mib:+,} MiB after load, {tag}); "
+                     f"/reset_mm_cache HTTP {k.reset_status or 'no answer'}"
+                     + (f", gave back {k.reset_gave_back_mib:,} MiB"
+                        if k.reset_gave_back_mib is not None else "")
+                     + f"; {k.held_back_mib:,} MiB held back for more growth")
+    if (m := d.memory) is not None:
+        lines.append(f"device at its worst moment (launch {m.launch}, MiB, {tag}):")
+        lines += ["  " + row.replace(" | ", ": ", 1).replace(" | ", ", ") for row in m.lines]
+    base = d.baseline
+    if base.kv_tokens and base.kv_tokens_gain:
+        lines.append(f"the engine's own profiling at util {base.util}: {base.kv_tokens:,} "
+                     f"tokens ({tag}); pinned holds {base.kv_tokens_gain:.3f}x that")
+    w = d.weights
+    if w is not None and (w.quantization or w.offloaded_gib_per_card or w.enforce_eager
+                          or w.swap_space_gib is not None):
+        lines.append("weights: " + "; ".join(weights_lines(w, tag)))
+    speed = speed_line(rep, d)
+    if speed is not None:
+        lines.append(f"speed: {speed}")
+    return lines
+
+
+def memory_md(rep: RunReport, d: PinnedDerivation) -> list[str]:
+    """report.md's breakdown of the final configuration's device, and the soak, if any."""
+    lines: list[str] = []
+    m, tag = d.memory, rep.provenance
+    if m is not None:
+        lines += [f"## Memory of the final configuration (launch {m.launch}, device MiB, {tag})",
+                  "", "| part | MiB | how |", "|---|---|---|"]
+        lines += [f"| {row} |" for row in m.lines] + [""]
+    s = d.soak
+    if s is not None:
+        asked = " or ".join(
+            ([f"{s.requests_asked:,} requests"] if s.requests_asked is not None else [])
+            + ([f"{s.minutes_asked:g} min"] if s.minutes_asked is not None else []))
+        reset = (f"after it: {s.after_reset_mib:,} MiB, gave back {s.reset_gave_back_mib:,} MiB"
+                 if s.after_reset_mib is not None else "the server did not reset (vLLM serves "
+                 "the route with VLLM_SERVER_DEV_MODE=1)")
+        lines += [
+            f"## Soak (launch {s.launch}, device MiB, {tag})", "",
+            f"- {s.requests:,} mixed image requests answered (asked: {asked}); image sizes and "
+            "counts varied, every image distinct",
+            f"- after the worst-case burst: {s.before_mib:,}; after the soak's first half: "
+            f"{s.half_mib:,}; after the soak: {s.after_mib:,} = growth after load "
+            f"{s.growth_mib:+,} MiB",
+            f"- POST /reset_mm_cache: HTTP {s.reset_status or 'no answer'}; {reset}",
+            f"- the second half still added {s.second_half_mib:,} MiB: {HOLD_DOUBLINGS} x that "
+            f"= {s.held_back_mib:,} MiB held back as headroom (room for a "
+            "run 4 times as long)",
+            f"- peak before the soak {s.peak_before_mib:,}, from the soak on "
+            f"{s.peak_after_mib:,} (the worst-case burst again after it included)"]
+        if not settled(s):
+            lines.append(f"- NOT SETTLED: the second half added {s.second_half_mib:,} of the "
+                         f"soak's {s.growth_mib:,} MiB; memory was still growing fast: a longer "
+                         "--soak measures more of it")
+        lines.append("")
+    return lines
+
+
+def settled(s: V1Soak) -> bool:
+    """A soak whose second half added at most a quarter of its growth: memory had slowed."""
+    return 4 * s.second_half_mib <= max(0, s.growth_mib)
+
+
+def images_md(d: PinnedDerivation) -> list[str]:
+    i = d.images
+    if i is None:
+        return []
+    w, h = i.max_image_px
+    cw, ch = i.worst_case_image_px
+    budget = ("the engine's log did not say" if i.encoder_budget_tokens is None else
+              f"{i.encoder_budget_tokens:,} tokens, profiled with {i.encoder_profiled_images} "
+              "images of the largest size (the engine's log)")
+    limit = "vLLM's 999" if i.image_limit == VLLM_DEFAULT_MM_LIMIT else str(i.image_limit)
+    cache = ("vLLM's default (4 GiB of host memory per API server)"
+             if i.mm_processor_cache_gb is None else f"{i.mm_processor_cache_gb:g} GiB (host)")
+    return ["## Images", "",
+            f"- images per prompt: {limit} ({i.image_limit_source}); largest image {w}x{h} px "
+            f"= {i.tokens_per_image:,} tokens (+{IMAGE_WRAP_TOKENS} around each)",
+            f"- the worst case sent: {i.worst_case_images} image(s) of {cw}x{ch} px per request, "
+            "text filling the rest of max_model_len (chat API)",
+            f"- encoder cache budget: {budget}",
+            f"- processor cache: {cache}",
+            f"- flags: {' '.join(i.flags) or 'none'}", ""]
+
+
+def v1_files(rep: RunReport, d: PinnedDerivation, header: list[str],
+             install_dir: str = "/etc/pretuner") -> dict[str, str]:
+    """serve.sh, vllm-config.yaml (`vllm serve --config`), tuned.env and a systemd unit."""
+    f = rep.final
+    config: dict[str, Any] = {}  # the tuned flags by their long names, no dashes
+    i = 0
+    while i < len(f.flags):
+        key = f.flags[i].removeprefix("--").replace("-", "_")
+        takes_value = i + 1 < len(f.flags) and not f.flags[i + 1].startswith("--")
+        value: Any = f.flags[i + 1] if takes_value else True  # `--enforce-eager` alone
+        config[key] = int(value) if isinstance(value, str) and value.isdigit() else value
+        i += 2 if takes_value else 1
+    env = dict(f.env)
+    env["PRETUNER_KV_CACHE_MEMORY_BYTES"] = str(d.kv_cache_memory_bytes)
+    w = d.weights  # the weights knobs the run proved, when given (serve.sh has the flags)
+    if w is not None and w.quantization:
+        env["PRETUNER_QUANTIZATION"] = w.quantization
+    if w is not None and w.cpu_offload_gib:
+        env["PRETUNER_CPU_OFFLOAD_GB"] = f"{w.cpu_offload_gib:g}"
+    if w is not None and w.swap_space_gib is not None:
+        env["PRETUNER_SWAP_SPACE_GB"] = f"{w.swap_space_gib:g}"
+    if w is not None and w.enforce_eager:
+        env["PRETUNER_ENFORCE_EAGER"] = "1"
+    return {
+        "serve.sh": render_template("serve.sh.j2", {"header": header, "secret_checks": [],
+                                                    "env": f.env, "argv": f.serve_command}),
+        "vllm-config.yaml": render_template("vllm-config.yaml.j2",
+                                            {"header": header, "config": config}),
+        "tuned.env": render_template("tuned.env.j2", {"header": header, "env": env}),
+        "pretuner-serve.service": render_template("systemd.service.j2", {
+            "header": header, "env_path": f"{install_dir}/tuned.env",
+            "unit_description": f"{rep.engine} serving {rep.model} (tuned by pretuner)",
+            "argv": f.serve_command}),
+    }

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pretuner.tune.records import R01Derivation, RunReport, read_report
+from pretuner.report.records import R01Derivation, RunReport, read_report
 
 
 def _pretuner(*args: str) -> subprocess.CompletedProcess[str]:

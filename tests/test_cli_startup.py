@@ -16,7 +16,7 @@ import pytest
 # Loaded by a command when it runs, never to print help or refuse a flag.
 HEAVY = ("numpy", "pydantic", "jinja2", "requests", "rich", "yaml", "pretuner.tune",
          "pretuner.analyze.r01", "pretuner.logscan", "pretuner.launch", "pretuner.engines",
-         "pretuner.sim", "pretuner.devices", "pretuner.presets", "pretuner.report_html",
+         "pretuner.sim", "pretuner.devices", "pretuner.presets", "pretuner.report.html",
          "pretuner.deploy.context", "pretuner.deploy.render", "pretuner.cli.progress")
 
 # Runs every argv given (or every command's --help) through the console entry point in one

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.explain import FLAGS, find, measured_lines, report_section
-from pretuner.speed import Speed, too_slow
-from pretuner.tune.records import (
+from pretuner.report.records import (
     PinnedDerivation,
     RunReport,
     V1Baseline,
@@ -17,6 +16,7 @@ from pretuner.tune.records import (
     V1Weights,
     read_report,
 )
+from pretuner.speed import Speed, too_slow
 from tests.helpers import invoke
 
 GOLDEN_R01 = Path(__file__).parent / "golden" / "run" / "report.json"

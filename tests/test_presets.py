@@ -18,7 +18,7 @@ from pretuner.presets import (
     preset_from_report,
     preset_to_json,
 )
-from pretuner.tune.records import RunReport, read_report
+from pretuner.report.records import RunReport, read_report
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -24,7 +24,7 @@ from pretuner.presets.catalog import derivation_lines, kv_words
 from pretuner.presets.model import KvBasis, Preset, preset_from_dict
 from pretuner.presets.v1 import flag_value, split_command
 from pretuner.redact import SecretArg
-from pretuner.tune.records import PinnedDerivation, RunReport, read_report
+from pretuner.report.records import PinnedDerivation, RunReport, read_report
 
 R01_WORDS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB", "model-use", "MODEL_MEMORY")
 KV = 12 * 2**30 + 12345  # not a whole number of blocks: the engine floors it

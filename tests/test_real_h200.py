@@ -75,7 +75,7 @@ def test_analyze_reads_the_runs_own_series_and_derives_the_same_pinned_kv() -> N
 
 def test_a_real_device_is_named_by_its_measured_total() -> None:
     # The H200's 143,771 MiB, not "140 GB" (its GiB, floored, under the wrong unit).
-    from pretuner.tune.records import device_words, read_report
+    from pretuner.report.records import device_words, read_report
 
     rep = read_report(H200 / "run32k")  # a report.json of schema 1: it still reads
     assert device_words(rep) == "143,771 MiB device(s) (measured)"

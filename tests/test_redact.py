@@ -28,8 +28,8 @@ from pretuner.redact import (
     redact_command_text,
     restore_command_text,
 )
+from pretuner.report.records import RunReport, read_report
 from pretuner.tune.record import RunRecord
-from pretuner.tune.records import RunReport, read_report
 from pretuner.tune.report import run_files
 from tests.helpers import cli_env, invoke, run_cli
 

@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pretuner.report_html import render_html
-from pretuner.report_html.breakdown import breakdown, breakdown_r01, breakdown_v1
-from pretuner.report_html.charts import bar, chart
-from pretuner.report_html.inputs import LaunchMemory, MemoryRow
-from pretuner.tune.records import (
+from pretuner.report.html import render_html
+from pretuner.report.html.breakdown import breakdown, breakdown_r01, breakdown_v1
+from pretuner.report.html.charts import bar, chart
+from pretuner.report.html.inputs import LaunchMemory, MemoryRow
+from pretuner.report.records import (
     Asked,
     FailureReport,
     PinnedDerivation,

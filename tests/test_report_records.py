@@ -13,8 +13,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from pretuner.tune.entry import RunOptions, run_tuning
-from pretuner.tune.records import (
+from pretuner.report.records import (
     SCHEMA_VERSION,
     FailureReport,
     PinnedDerivation,
@@ -23,6 +22,7 @@ from pretuner.tune.records import (
     read_report,
     report_of,
 )
+from pretuner.tune.entry import RunOptions, run_tuning
 from tests.helpers import (
     R01_INFEASIBLE,
     R01_QWEN_64,

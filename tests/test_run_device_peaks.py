@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.engines.outcome import LaunchOutcome
-from pretuner.tune.records import R01Derivation
+from pretuner.report.records import R01Derivation
 from tests.helpers import R01_QWEN_64, FinishedRun, cli_env, run_cli
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import BadInputError, InfeasibleError, ServerFailedError
 from pretuner.models import lookup
 from pretuner.plan.layout import PlanConfig, plan
-from pretuner.tune.records import Step
+from pretuner.report.records import Step
 from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
 from tests.helpers import R01_INFEASIBLE, FinishedRun, cli_env, invoke, run_cli
 

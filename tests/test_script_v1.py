@@ -15,7 +15,7 @@ import pytest
 
 from pretuner.presets import check_preset, load_preset_file, preset_from_report
 from pretuner.presets.model import preset_from_dict
-from pretuner.tune.records import RunReport, read_report
+from pretuner.report.records import RunReport, read_report
 from tests.helpers import V1_QWEN_80_8K, FinishedRun, invoke
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
     from pretuner.explain import FlagDoc
-    from pretuner.tune.records import RunReport
+    from pretuner.report.records import RunReport
 
 # The flag texts are imported where they are read: `pretuner --help` and a usage error answer
 # without them (tests/test_cli_startup.py).
@@ -79,7 +79,7 @@ def render(doc: FlagDoc, figures: list[str] | None, run: Path | None) -> str:
 
 
 def _report(run: Path) -> RunReport:
-    from pretuner.tune.records import RunReport, read_report
+    from pretuner.report.records import RunReport, read_report
 
     rep = read_report(run)
     if not isinstance(rep, RunReport):

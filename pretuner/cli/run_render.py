@@ -12,8 +12,15 @@ from pretuner.engines.base import LaunchSettings
 from pretuner.engines.registry import choose_engine
 from pretuner.launch.images import worst_case_images
 from pretuner.presets.compare import preset_line
+from pretuner.report.records import (
+    Cluster,
+    PinnedDerivation,
+    RunReport,
+    Step,
+    device_words,
+    kv_words,
+)
 from pretuner.tune.entry import DryRun, RunOptions
-from pretuner.tune.records import Cluster, PinnedDerivation, RunReport, Step, device_words, kv_words
 from pretuner.tune.report import SIM_NOTE, kv_asked, step_peak_mib
 from pretuner.tune.v1.entry import V1Setup, first_launch, v1_setup
 from pretuner.tune.v1.report_sections import summary_lines

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def preset_from_run_dir(run_dir: Path) -> Preset:
     from pretuner.presets import preset_from_report
-    from pretuner.tune.records import FailureReport, read_report
+    from pretuner.report.records import FailureReport, read_report
 
     rep = read_report(Path(run_dir))
     if isinstance(rep, FailureReport):  # the reason, no configuration

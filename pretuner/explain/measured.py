@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pretuner.explain.flags import FLAGS, FlagDoc
-from pretuner.tune.records import PinnedDerivation, R01Derivation, RunReport, V1Weights
+from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport, V1Weights
 
 DEFAULT_SWAP_GIB = 4.0
 

@@ -21,7 +21,7 @@ from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
 from pretuner.presets.v1 import pinned_fields
-from pretuner.tune.records import R01Derivation, RunReport
+from pretuner.report.records import R01Derivation, RunReport
 from pretuner.units import GIB
 
 

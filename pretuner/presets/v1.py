@@ -7,7 +7,7 @@ from typing import Any
 
 from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
-from pretuner.tune.records import PinnedDerivation, RunReport
+from pretuner.report.records import PinnedDerivation, RunReport
 from pretuner.units import GIB
 
 

@@ -20,6 +20,7 @@ from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
+from pretuner.report.records import RunReport
 from pretuner.tune.config import pool_on_demand
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.failure import record_failure
@@ -43,7 +44,6 @@ from pretuner.tune.ownership import (
     stop_own_orphans,
 )
 from pretuner.tune.record import RunRecord, check_folder_name
-from pretuner.tune.records import RunReport
 from pretuner.tune.report import RunMeta, report_json, write_report
 from pretuner.tune.v1.entry import V1RunOutcome, tune_v1_recorded, v1_setup
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from pretuner.errors import PretunerError, ServerFailedError
+from pretuner.report.records import Step
 from pretuner.tune.loop import Tuner
 from pretuner.tune.record import RunRecord
-from pretuner.tune.records import Step
 from pretuner.tune.report import (
     RunMeta,
     failure_json,

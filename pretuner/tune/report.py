@@ -31,12 +31,8 @@ from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.plan.layout import PlanResult
 from pretuner.presets.model import preset_from_report
 from pretuner.redact import one_line, redact_argv
-from pretuner.report_html.page import refresh_run_page
-from pretuner.tune.asked import first_validation_seqs, given_up
-from pretuner.tune.budget import outside_pool_mib
-from pretuner.tune.loop import TuneResult
-from pretuner.tune.record import RunRecord
-from pretuner.tune.records import (
+from pretuner.report.html.page import refresh_run_page
+from pretuner.report.records import (
     AnyReport,
     Asked,
     Decision,
@@ -53,6 +49,10 @@ from pretuner.tune.records import (
     device_words,
     kv_words,
 )
+from pretuner.tune.asked import first_validation_seqs, given_up
+from pretuner.tune.budget import outside_pool_mib
+from pretuner.tune.loop import TuneResult
+from pretuner.tune.record import RunRecord
 from pretuner.tune.v1.report_sections import pinned_sections, v1_files
 from pretuner.units import GIB
 

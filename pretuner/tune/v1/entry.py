@@ -25,10 +25,10 @@ from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
 from pretuner.plan.layout import PlanResult, v1_layout_options
 from pretuner.plan.propose import decide_layout
+from pretuner.report.records import RunReport
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.record import RunRecord
-from pretuner.tune.records import RunReport
 from pretuner.tune.report import write_failure, write_report
 from pretuner.tune.v1 import report as v1report
 from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner

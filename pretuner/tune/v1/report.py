@@ -14,9 +14,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
-from pretuner.speed import too_slow
-from pretuner.tune.asked import given_up
-from pretuner.tune.records import (
+from pretuner.report.records import (
     Asked,
     Decision,
     FailureReport,
@@ -28,6 +26,8 @@ from pretuner.tune.records import (
     V1Budget,
     V1Weights,
 )
+from pretuner.speed import too_slow
+from pretuner.tune.asked import given_up
 from pretuner.tune.report import failure_fields, provenance, step_json
 from pretuner.tune.v1.loop import V1Result
 from pretuner.tune.v1.report_memory import (

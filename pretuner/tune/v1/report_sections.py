@@ -12,9 +12,9 @@ from typing import Any
 from pretuner.explain import report_section
 from pretuner.launch.images import IMAGE_WRAP_TOKENS
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
+from pretuner.report.records import PinnedDerivation, RunReport, V1Soak, V1Weights
 from pretuner.speed import Speed
 from pretuner.templating import render_template
-from pretuner.tune.records import PinnedDerivation, RunReport, V1Soak, V1Weights
 from pretuner.tune.v1.soak import HOLD_DOUBLINGS
 
 

@@ -16,7 +16,7 @@ from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models.quant import METHODS
 from pretuner.plan.layout import PlanResult
-from pretuner.tune.records import V1Weights
+from pretuner.report.records import V1Weights
 from pretuner.units import GIB
 
 if TYPE_CHECKING:

@@ -11,10 +11,10 @@ from pathlib import Path
 import jinja2
 
 from pretuner.files import write_atomic
-from pretuner.report_html.breakdown import breakdown
-from pretuner.report_html.charts import Bar, Chart, bar, chart
-from pretuner.report_html.inputs import Decision, LaunchMemory, RunFiles, read_run
-from pretuner.tune.records import (
+from pretuner.report.html.breakdown import breakdown
+from pretuner.report.html.charts import Bar, Chart, bar, chart
+from pretuner.report.html.inputs import Decision, LaunchMemory, RunFiles, read_run
+from pretuner.report.records import (
     AnyReport,
     FailureReport,
     PinnedDerivation,
@@ -147,7 +147,7 @@ def page_of(files: RunFiles) -> Page:
 @cache
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.PackageLoader("pretuner.report_html", "templates"),
+        loader=jinja2.PackageLoader("pretuner.report.html", "templates"),
         undefined=jinja2.StrictUndefined,
         autoescape=True,  # every value is text from the run: escaped
         keep_trailing_newline=True,

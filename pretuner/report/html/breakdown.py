@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pretuner.tune.records import (
+from pretuner.report.records import (
     AnyReport,
     PinnedDerivation,
     R01Derivation,

@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from pretuner.errors import BadInputError
-from pretuner.tune.records_schema1 import upgrade
+from pretuner.report.schema1 import upgrade
 
 Provenance = Literal["simulated", "measured"]
 Method = Literal["r0.1", "v1-pinned-kv"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pretuner.devices.series import LaunchMemory, MemoryRow, parse_memory_tsv
-from pretuner.tune.records import AnyReport, decision_text, read_report
+from pretuner.report.records import AnyReport, decision_text, read_report
 
 __all__ = ["LaunchMemory", "MemoryRow", "RunFiles", "parse_memory_tsv", "read_run"]
 

@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretuner.sim.engine import EngineLimits, OutOfMemory, check_step, oom_text
+from pretuner.sim.engine import EngineLimits, OutOfMemory, check_step, log_oom
 from pretuner.sim.r01_checks import WHERE_MS, StartupFailed, traceback_text
 from pretuner.sim.r01_config import UsageError, parse
 from pretuner.sim.scheduler import Scheduler, Seq
@@ -109,11 +109,7 @@ def _serve(server: Server, limits: EngineLimits, prompts: Sequence[int],
             check_step(server.pools, limits.pool_cap_bytes, plan.prefill_shape(), plan.running)
         except OutOfMemory as oom:
             pool = server.pools[oom.rank]
-            pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
-                         "MallocForKernelOutput",
-                         f"#umsg#Memory not enough:#umsg#"
-                         f"{oom_text(oom.device_id, oom.kernel, oom.alloc_size)}")
-            pool.log.pool_dump(pool.stats(), server.cfg.pool_format)
+            log_oom(pool.log, oom, pool.stats(), server.cfg.pool_format)
             server.vlog.error("engine.py:135", f"RuntimeError('{oom}')")
             for rid in ids:
                 out.setdefault(rid, Reply(500, None, None, "Internal Server Error"))

@@ -32,8 +32,15 @@ from typing import TYPE_CHECKING, TextIO
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
-from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.engine import (
+    LOAD_OOM,
+    Engine,
+    EngineLimits,
+    OutOfMemory,
+    RankPool,
+    check_step,
+    log_oom,
+)
 from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
@@ -57,6 +64,7 @@ from pretuner.sim.r01_config import (
     build_parser,
     parse,
 )
+from pretuner.sim.r01_http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.r01_state import CardState, write_truth
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB
@@ -267,11 +275,8 @@ class Server:
             if r.model.static_bytes > cap:
                 oom = OutOfMemory(r.rank, r.device_id, "Default/model/embedding-Embedding/"
                                   "Gather-op0", r.model.weights_bytes // 61 + 512)
-                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/device/res_manager/"
-                          "memory_manager.cc:312", "MallocWorkSpaceDynamicMem",
-                          f"#umsg#Memory not enough:#umsg#{oom}")
                 pool.peak_dynamic = cap - r.model.static_bytes
-                r.log.pool_dump(pool.stats(), cfg.pool_format)
+                log_oom(r.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
                 raise oom
         if self._sleep(2 * self._phase_s):
             return None
@@ -290,11 +295,8 @@ class Server:
             if r.model.static_bytes + kv > cap:
                 oom = OutOfMemory(r.rank, r.device_id, "kv_cache", kv // max(1, r.model.spec
                                                                              .num_layers))
-                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/device/res_manager/"
-                          "memory_manager.cc:312", "MallocWorkSpaceDynamicMem",
-                          f"#umsg#Memory not enough:#umsg#{oom}")
-                r.log.pool_dump(pool.stats(extra_dynamic=cap - r.model.static_bytes),
-                                cfg.pool_format)
+                log_oom(r.log, oom, pool.stats(extra_dynamic=cap - r.model.static_bytes),
+                        cfg.pool_format, LOAD_OOM)
                 raise oom
             pool.kv_bytes = kv
         if self._sleep(self._phase_s):
@@ -308,9 +310,7 @@ class Server:
             check_step(self.pools, cap, mem.whole([warm]), 1)
         except OutOfMemory as oom:
             pool = self.pools[oom.rank]
-            pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
-                         "MallocForKernelOutput", f"#umsg#Memory not enough:#umsg#{oom}")
-            pool.log.pool_dump(pool.stats(), cfg.pool_format)
+            log_oom(pool.log, oom, pool.stats(), cfg.pool_format)
             raise
         if self._sleep(self._phase_s):
             return None

@@ -24,7 +24,6 @@ from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.engine import EngineLimits
-from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu import card
 from pretuner.sim.r01_checks import (
@@ -35,6 +34,7 @@ from pretuner.sim.r01_checks import (
     verify_vllm_config,
 )
 from pretuner.sim.r01_config import ServeConfig, UsageError, build_parser, parse
+from pretuner.sim.r01_http import ApiConfig, SimHTTPServer, serve_in_thread
 from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:

@@ -14,9 +14,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pretuner.sim.argv import UsageError
 from pretuner.sim.engine import EngineLimits, OutOfMemory, check_step, log_oom
 from pretuner.sim.r01_checks import WHERE_MS, StartupFailed, traceback_text
-from pretuner.sim.r01_config import UsageError, parse
+from pretuner.sim.r01_config import parse
 from pretuner.sim.scheduler import Scheduler, Seq
 from pretuner.sim.serve import Server
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TextIO
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import serve_main
 from pretuner.sim.engine import (
     LOAD_OOM,
     Engine,
@@ -60,7 +61,6 @@ from pretuner.sim.r01_config import (
     NODE_LOG_DIRS_ENV,
     VLLM_VERSION,
     ServeConfig,
-    UsageError,
     build_parser,
     parse,
 )
@@ -412,13 +412,5 @@ class Server:
 
 def main(argv: Sequence[str] | None = None, prog: str = "pretuner sim serve") -> int:
     """Run the emulated server until a signal or a crash; returns the exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        build_parser(prog).print_help()
-        return 0
-    try:
-        cfg = parse(args, dict(os.environ))
-    except UsageError as err:
-        sys.stderr.write(f"{prog}: error: {err}\n")
-        return 2
-    return Server(cfg).run()
+    return serve_main(sys.argv[1:] if argv is None else argv, prog, lambda: build_parser(prog),
+                      parse, lambda cfg: Server(cfg).run())

@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.launch.images import LoadPhase, MMRequest, Request
+from pretuner.sim.argv import UsageError
 from pretuner.sim.inproc import Reply
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images
-from pretuner.sim.v1.config import UsageError, V1Config, parse
+from pretuner.sim.v1.config import V1Config, parse
 from pretuner.sim.v1.engine import EngineCore, print_fatal
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES

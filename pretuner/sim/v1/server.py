@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pretuner.sim.argv import serve_main
+from pretuner.sim.state import Published, state_dir
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, boot
-from pretuner.sim.v1.config import UsageError, V1Config, build_parser, parse
+from pretuner.sim.v1.config import V1Config, build_parser, parse
 from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
 from pretuner.sim.v1.memory import CUDA_PROFILES
@@ -69,14 +71,10 @@ class _Publisher:
         self.state = state
         self.devices = devices
         self.stop = stop
-        self.paths: list[Path] = []
-        self._lock = threading.Lock()
-        self._gone = False
+        self.files = Published()
 
     def level(self, process_bytes: int) -> None:
-        with self._lock:
-            if not self._gone:
-                self.paths = publish(self.state, self.devices, os.getpid(), process_bytes)
+        publish(self.state, self.devices, os.getpid(), process_bytes, self.files)
         time.sleep(HOLD_S)
 
     def pause(self, seconds: float) -> None:
@@ -84,16 +82,11 @@ class _Publisher:
             raise Stopped
 
     def unpublish(self) -> None:
-        with self._lock:
-            self._gone = True
-            for path in self.paths:
-                path.unlink(missing_ok=True)
+        self.files.remove()
 
 
 class Server:
     def __init__(self, cfg: V1Config) -> None:
-        from pretuner.sim.state import state_dir
-
         self.cfg = cfg
         self.stop = StopFlag()
         self.log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET)
@@ -184,14 +177,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] != "serve":
         sys.stderr.write(USAGE)
         return 2
-    rest = args[1:]
-    if "-h" in rest or "--help" in rest:
-        build_parser().print_help()
-        return 0
-    try:
-        cfg = parse(rest, dict(os.environ))
-    except (UsageError, SystemExit) as err:
-        if isinstance(err, UsageError):
-            sys.stderr.write(f"vllm serve: error: {err}\n")
-        return 2
-    return Server(cfg).run()
+    return serve_main(args[1:], "vllm serve", build_parser, parse,
+                      lambda cfg: Server(cfg).run())

@@ -213,11 +213,6 @@ class V1Card:
         per_token = 3 * s.intermediate_size / self.tp + self.coeffs.profile_hidden * s.hidden_size
         return int(batched_tokens * s.dtype_bytes * per_token)
 
-    def profile_non_kv_bytes(self, batched_tokens: int) -> int:
-        """Profiling's non-KV figure: weights + persistent + the dummy step's activation."""
-        return (self.weights_bytes + self.persistent_bytes
-                + self.profile_activation_bytes(batched_tokens))
-
     def base_bytes(self, context_bytes: int) -> int:
         """Process memory after profiling, before the KV cache."""
         return context_bytes + self.weights_bytes + self.persistent_bytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 _WORDS = ("the", "card", "memory", "pool", "token", "block", "cache", "model", "ascend", "peak")
 PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
            503: "Service Unavailable"}
+ANY_HOST = "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
 
 
 def count_tokens(text: str) -> int:
@@ -53,6 +55,31 @@ def completion(rid: str, model: str, text: str, prompt_len: int,
             "usage": usage(prompt_len, generated)}
 
 
+def stream_choice(head: dict[str, Any], text: str, finish: str | None) -> dict[str, Any]:
+    """One streamed `/v1/completions` event: `head` (id, object, created, model) + a token."""
+    return {**head, "choices": [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": finish, "stop_reason": None}]}
+
+
+def access_line(host: str, port: int, method: str, path: str, code: int) -> str:
+    """uvicorn's access line (without its `INFO:` prefix)."""
+    return f'{host}:{port} - "{method} {path} HTTP/1.1" {code} {PHRASES.get(code, "")}'
+
+
+def print_routes(info: Callable[[str, str], None], where: tuple[str, str],
+                 routes: Sequence[tuple[str, str]]) -> None:
+    """vLLM's `Available routes are:` block, logged from `where` (the head's, each route's)."""
+    info(where[0], "Available routes are:")
+    for route, methods in routes:
+        info(where[1], f"Route: {route}, Methods: {methods}")
+
+
+def uvicorn_started(log: AccessLog, pid: int) -> None:
+    for line in (f"Started server process [{pid}]", "Waiting for application startup.",
+                 "Application startup complete."):
+        log.uvicorn(line)
+
+
 @dataclass(frozen=True, slots=True)
 class ApiConfig:
     served_names: tuple[str, ...]
@@ -84,6 +111,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: FrontServer
     separators: tuple[str, str] | None = None  # json.dumps'; None: Python's default
+    chunked = False  # streams in chunks (r0.1), else until the connection closes (V1)
     posts: tuple[str, ...] = ("/v1/completions",)
     not_object = "body is not an object"
 
@@ -101,8 +129,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _access(self, code: int) -> None:
         host, port = self.client_address[:2]
-        self.server.log.uvicorn(f'{host}:{port} - "{self.command} {self.path} HTTP/1.1" '
-                                f"{code} {PHRASES.get(code, '')}")
+        self.server.log.uvicorn(access_line(host, port, self.command, self.path, code))
 
     def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
         self.send_response(code)
@@ -117,6 +144,30 @@ class Handler(BaseHTTPRequestHandler):
 
     def _error(self, code: int, message: str, kind: str = "BadRequestError") -> None:
         self._json(code, self.error_body(message, kind, code))
+
+    def _open_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream; charset=utf-8")
+        if self.chunked:
+            self.send_header("transfer-encoding", "chunked")
+        else:
+            self.send_header("connection", "close")
+            self.close_connection = True
+        self.end_headers()
+
+    def _event(self, obj: dict[str, Any] | str) -> None:
+        """A server-sent event: `data: ...` and a blank line."""
+        data = obj if isinstance(obj, str) else json.dumps(obj, separators=self.separators)
+        raw = f"data: {data}\n\n".encode()
+        self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n" if self.chunked else raw)
+        self.wfile.flush()
+
+    def _close_stream(self) -> None:
+        self._event("[DONE]")
+        if self.chunked:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        self._access(200)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
         if self.path == "/health":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from pretuner.sim.argv import UsageError
 from pretuner.sim.engine import EngineLimits, OutOfMemory, check_step, log_oom
-from pretuner.sim.r01_checks import WHERE_MS, StartupFailed, traceback_text
+from pretuner.sim.r01_checks import StartupFailed
 from pretuner.sim.r01_config import parse
 from pretuner.sim.scheduler import Scheduler, Seq
 from pretuner.sim.serve import Server
@@ -57,19 +57,12 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     server = Server(cfg, stream)
     try:
         limits = server.boot()
-    except StartupFailed as err:
-        server.card.unpublish()
-        stream.write(traceback_text(err.exc_type, err.message, err.where))
-        return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
-    except OutOfMemory as oom:
-        server.card.unpublish()
-        stream.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
-        return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
+    except (StartupFailed, OutOfMemory) as err:
+        code = server.failed_start(err)  # the traceback first, then the log is complete
+        return InprocRun(stream.getvalue(), (), False, code, *_device(server))
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)
     if crashed:
-        server.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server "
-                          "process")
         server.card.unpublish()
         return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
@@ -111,7 +104,7 @@ def _serve(server: Server, limits: EngineLimits, prompts: Sequence[int],
         except OutOfMemory as oom:
             pool = server.pools[oom.rank]
             log_oom(pool.log, oom, pool.stats(), server.cfg.pool_format)
-            server.vlog.error("engine.py:135", f"RuntimeError('{oom}')")
+            server.print_crash(oom)
             for rid in ids:
                 out.setdefault(rid, Reply(500, None, None, "Internal Server Error"))
             return tuple(out[rid] for rid in ids), True

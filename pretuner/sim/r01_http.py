@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 import uuid
@@ -21,6 +20,7 @@ from pretuner.sim.http import (
     detokenize,
     prompt_length,
     serve_in_thread,
+    stream_choice,
 )
 from pretuner.sim.logs import VllmLog
 
@@ -48,6 +48,7 @@ class SimHTTPServer(FrontServer):
 
 class _Handler(Handler):
     server: SimHTTPServer
+    chunked = True
 
     def error_body(self, message: str, kind: str, code: int) -> dict[str, Any]:
         return {"object": "error", "message": message, "type": kind, "param": None,
@@ -105,36 +106,19 @@ class _Handler(Handler):
                 self.server.on_request_done()
 
     def _stream(self, req: Request, tokens: queue.Queue[int], model: str) -> None:
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream; charset=utf-8")
-        self.send_header("transfer-encoding", "chunked")
-        self.end_headers()
-        head = {"id": req.request_id, "object": "text_completion",
-                "created": int(time.time()), "model": model}
-
-        def chunk(data: str) -> None:
-            raw = f"data: {data}\n\n".encode()
-            self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
-            self.wfile.flush()
-
-        def choice(text: str, finish: str | None) -> str:
-            return json.dumps({**head, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                    "finish_reason": finish,
-                                                    "stop_reason": None}]})
-
+        self._open_stream()
+        head = {"id": req.request_id, "object": "text_completion", "created": int(time.time()),
+                "model": model}
         sent = 0
         while sent < req.max_tokens:
             tok = tokens.get()
             if tok == -2:  # ignored by the scheduler: an empty, finished choice
-                chunk(choice("", "length"))
+                self._event(stream_choice(head, "", "length"))
                 break
             if tok < 0:
-                chunk(json.dumps(self.error_body("Internal Server Error",
-                                                 "InternalServerError", 500)))
+                self._event(self.error_body("Internal Server Error", "InternalServerError", 500))
                 break
             sent += 1
-            chunk(choice(detokenize([tok]), "length" if sent == req.max_tokens else None))
-        chunk("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
-        self._access(200)
+            self._event(stream_choice(head, detokenize([tok]),
+                                      "length" if sent == req.max_tokens else None))
+        self._close_stream()

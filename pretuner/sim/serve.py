@@ -42,6 +42,7 @@ from pretuner.sim.engine import (
     check_step,
     log_oom,
 )
+from pretuner.sim.http import ANY_HOST, print_routes, uvicorn_started
 from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
@@ -71,6 +72,11 @@ from pretuner.units import GIB
 
 if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
+
+ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "GET"),
+          ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
+          ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
+          ("/v1/embeddings", "POST"))
 
 @dataclass
 class _Rank:
@@ -141,16 +147,8 @@ class Server:
     def _run(self) -> int:
         try:
             server = self._start()
-        except StartupFailed as err:
-            self.card.unpublish()
-            sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
-            sys.stderr.flush()
-            return 1
-        except OutOfMemory as oom:
-            self.card.unpublish()
-            sys.stderr.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
-            sys.stderr.flush()
-            return 1
+        except (StartupFailed, OutOfMemory) as err:
+            return self.failed_start(err)
         if server is None:  # stopped during startup
             return self._graceful()
         while not self.stop.wait(0.1):
@@ -324,7 +322,7 @@ class Server:
                              seed=cfg.seed)
         self.engine.start()
         api = ApiConfig(cfg.served_names, cfg.model, mml)
-        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        host = cfg.host or ANY_HOST
         try:
             server = SimHTTPServer((host, cfg.port), self.engine, api, log)
             server.health = self._health
@@ -335,17 +333,9 @@ class Server:
                                 WHERE_MS) from None
         port = server.server_address[1]
         log.info("api_server.py:640", "Using supplied chat template:\nNone")
-        log.info("launcher.py:19", "Available routes are:")
-        for route, methods in (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"),
-                               ("/health", "GET"), ("/tokenize", "POST"),
-                               ("/detokenize", "POST"), ("/v1/models", "GET"),
-                               ("/version", "GET"), ("/v1/chat/completions", "POST"),
-                               ("/v1/completions", "POST"), ("/v1/embeddings", "POST")):
-            log.info("launcher.py:27", f"Route: {route}, Methods: {methods}")
+        print_routes(log.info, ("launcher.py:19", "launcher.py:27"), ROUTES)
         serve_in_thread(server)
-        log.uvicorn(f"Started server process [{os.getpid()}]")
-        log.uvicorn("Waiting for application startup.")
-        log.uvicorn("Application startup complete.")
+        uvicorn_started(log, os.getpid())
         log.uvicorn(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
         return server
 
@@ -397,10 +387,22 @@ class Server:
         self.card.unpublish()
         return 0
 
-    def _crash_exit(self, server: SimHTTPServer) -> int:
-        why = self.dead or self._health()
+    def failed_start(self, err: StartupFailed | OutOfMemory) -> int:
+        """The traceback the real server dies with before it serves; its exit code."""
+        self.card.unpublish()
+        out = self.stream or sys.stderr
+        out.write(traceback_text(err.exc_type, err.message, err.where)
+                  if isinstance(err, StartupFailed)
+                  else traceback_text("RuntimeError", str(err), WHERE_MS))
+        out.flush()
+        return 1
+
+    def print_crash(self, why: object) -> None:
         self.vlog.error("engine.py:135", f"RuntimeError('{why}')")
         self.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server process")
+
+    def _crash_exit(self, server: SimHTTPServer) -> int:
+        self.print_crash(self.dead or self._health())
         time.sleep(0.2)  # let the handlers send their 500s
         server.shutdown()
         server.server_close()

@@ -25,6 +25,7 @@ from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import serve_main
 from pretuner.sim.engine import EngineLimits
+from pretuner.sim.http import ANY_HOST
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu import card
 from pretuner.sim.r01_checks import (
@@ -149,7 +150,7 @@ class Server:
         limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap_bytes)
         self.engine = MsEngine(net, limits, log, lambda _err: self.crashed.set(), seed=cfg.seed)
         self.engine.start()
-        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        host = cfg.host or ANY_HOST
         try:
             server = SimHTTPServer((host, cfg.port), self.engine,
                                    ApiConfig(cfg.served_names, cfg.model, mml), log)

@@ -12,7 +12,6 @@ Access lines are uvicorn's, behind the APIServer prefix.
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 import uuid
@@ -160,11 +159,6 @@ class _Handler(front.Handler):
             return None
         return pending.req.generated
 
-    def _event(self, obj: dict[str, Any] | str) -> None:
-        data = obj if isinstance(obj, str) else json.dumps(obj, separators=self.separators)
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
-
     def _stream(self, pending: Pending, model: str, with_usage: bool) -> None:
         """Server-sent events, one per token; the headers go once the first token (or the
         engine's death) is known, so a request the engine never ran gets the plain 500."""
@@ -172,20 +166,15 @@ class _Handler(front.Handler):
         if first is None:
             self._json(500, DEAD_BODY)
             return
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream; charset=utf-8")
-        self.send_header("connection", "close")
-        self.end_headers()
-        self.close_connection = True
+        self._open_stream()
         req, created = pending.req, int(time.time())
         head = {"id": req.request_id, "object": "text_completion", "created": created,
                 "model": model}
         count: int | None = first
         while count is not None:
             last = count >= req.max_tokens
-            self._event({**head, "choices": [{
-                "index": 0, "text": detokenize([count - 1]), "logprobs": None,
-                "finish_reason": "length" if last else None, "stop_reason": None}]})
+            self._event(front.stream_choice(head, detokenize([count - 1]),
+                                            "length" if last else None))
             count = None if last else _next_token(pending)
         if pending.error is not None:
             self._event(DEAD_BODY)
@@ -193,8 +182,7 @@ class _Handler(front.Handler):
             self._event({**head, "choices": [], "usage": {
                 "prompt_tokens": req.prompt_len, "completion_tokens": req.generated,
                 "total_tokens": req.prompt_len + req.generated}})
-        self._event("[DONE]")
-        self._access(200)
+        self._close_stream()
 
 
 def _next_token(pending: Pending) -> int | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pretuner.sim.argv import serve_main
+from pretuner.sim.http import ANY_HOST, print_routes, uvicorn_started
 from pretuner.sim.state import Published, state_dir
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, boot
@@ -130,7 +131,7 @@ class Server:
 
     def _open(self, engine: Engine, booted: Booted) -> V1HTTPServer:
         cfg, log = self.cfg, self.log
-        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        host = cfg.host or ANY_HOST
         api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
                         dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
         http = V1HTTPServer((host, cfg.port), engine, api, log)
@@ -142,21 +143,22 @@ class Server:
         engine.stop()
         http.shutdown()
         http.server_close()
-        self.log.uvicorn("Shutting down")
-        self.log.uvicorn("Waiting for application shutdown.")
-        self.log.uvicorn("Application shutdown complete.")
+        print_stopped(self.log)
 
 
 def print_ready(log: L.V1Log, host: str, port: int, dev: bool = False) -> None:
     """What the APIServer prints once the engine is up and the socket is open."""
     log.api("api_server.py:577", "Supported tasks: ['generate']")
     log.api("api_server.py:581", f"Starting vLLM server on http://{host}:{port}")
-    log.api("launcher.py:37", "Available routes are:")
-    for route, methods in ROUTES + (DEV_ROUTES if dev else ()):
-        log.api("launcher.py:46", f"Route: {route}, Methods: {methods}")
-    log.uvicorn(f"Started server process [{log.api_pid}]")
-    log.uvicorn("Waiting for application startup.")
-    log.uvicorn("Application startup complete.")
+    print_routes(log.api, ("launcher.py:37", "launcher.py:46"),
+                 ROUTES + (DEV_ROUTES if dev else ()))
+    uvicorn_started(log, log.api_pid)
+
+
+def print_stopped(log: L.V1Log) -> None:
+    for line in ("Shutting down", "Waiting for application shutdown.",
+                 "Application shutdown complete."):
+        log.uvicorn(line)
 
 
 def print_shutdown(log: L.V1Log, signal_name: str) -> None:

@@ -168,22 +168,32 @@ class Engine(EngineThread):
         with self._cond:
             while not self._stop and self.sched.idle:
                 self._cond.wait(timeout=1.0)
-            if self._stop:
-                return None
+            return None if self._stop else self.plan()
+
+    def plan(self) -> StepPlan:
+        """The scheduler's next step; the prompts it ignores are answered at once."""
+        with self._cond:
             plan = self.sched.plan()
             self._drop_ignored(plan)
             return plan
+
+    def check(self, plan: StepPlan) -> bool:
+        """Account the step in every rank's pool; False (the engine now dead) when a rank
+        cannot fit it."""
+        try:
+            check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
+                       plan.running)
+        except OutOfMemory as oom:
+            self._crash(oom)
+            return False
+        return True
 
     def _loop(self) -> None:
         while (plan := self._next_plan()) is not None:
             if plan.empty:
                 time.sleep(DECODE_STEP_S)  # waiting for KV blocks: nothing can run
                 continue
-            try:
-                check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
-                           plan.running)
-            except OutOfMemory as oom:
-                self._crash(oom)
+            if not self.check(plan):
                 return
             tokens = plan.prefill_tokens
             if plan.chunks:
@@ -192,7 +202,7 @@ class Engine(EngineThread):
             time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if plan.chunks
                        else DECODE_STEP_S)
             with self._cond:
-                self._advance(plan)
+                self.advance(plan)
                 self.tally.prompt_tokens += tokens
                 self._maybe_metrics()
 
@@ -205,7 +215,8 @@ class Engine(EngineThread):
             if req.on_token is not None:
                 req.on_token(-2)
 
-    def _advance(self, plan: StepPlan) -> None:
+    def advance(self, plan: StepPlan) -> None:
+        """Apply a step that ran: each request gets the tokens it sampled."""
         before = {s.request_id: s.generated for s in self.sched.running + plan.admitted}
         done = self.sched.commit(plan)
         for seq in self.sched.running + done:

@@ -81,6 +81,16 @@ def uvicorn_started(log: AccessLog, pid: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Reply:
+    """What one completion request got, as the HTTP client would see it (in-process runs)."""
+
+    status: int
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ApiConfig:
     served_names: tuple[str, ...]
     model_root: str

@@ -16,21 +16,12 @@ from dataclasses import dataclass
 
 from pretuner.sim.argv import UsageError
 from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, Request
+from pretuner.sim.http import Reply
 from pretuner.sim.r01_checks import StartupFailed
 from pretuner.sim.r01_config import parse
 from pretuner.sim.serve import Server
 
 MAX_STEPS = 10_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """What one completion request got, as the HTTP client would see it."""
-
-    status: int
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

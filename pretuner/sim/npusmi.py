@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretuner.files import write_atomic
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
 from pretuner.sim.state import TENANT_PID, env_int, read_live, state_dir
 
@@ -123,8 +124,5 @@ def write_shim(directory: Path, python: str) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "npu-smi"
-    tmp = directory / ".npu-smi.tmp"
-    tmp.write_text(SHIM.format(python=shlex.quote(python)), encoding="utf-8")
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, SHIM.format(python=shlex.quote(python)), executable=True,
+                        overwrite=True)

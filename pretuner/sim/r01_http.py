@@ -19,12 +19,10 @@ from pretuner.sim.http import (
     completion,
     detokenize,
     prompt_length,
-    serve_in_thread,
     stream_choice,
 )
 from pretuner.sim.logs import VllmLog
 
-__all__ = ["ApiConfig", "SimHTTPServer", "serve_in_thread"]
 _PLAIN = "text/plain; charset=utf-8"
 
 

@@ -11,10 +11,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
 
+from pretuner.files import write_atomic
 from pretuner.sim import memory as mem
 from pretuner.sim.logs import RankWriter
 from pretuner.sim.r01_checks import WHERE_MS, StartupFailed
-from pretuner.sim.state import Published, state_dir, write_atomic
+from pretuner.sim.state import Published, state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
@@ -116,4 +117,4 @@ def write_truth(path: Path, models: list[mem.CardModel], profile: mem.CardProfil
     data["max_num_seqs"] = seqs
     data["max_num_batched_tokens"] = batched
     data["kv_blocks"] = blocks
-    write_atomic(path, json.dumps(data, indent=2) + "\n")
+    write_atomic(path, json.dumps(data, indent=2) + "\n", overwrite=True)

@@ -42,7 +42,7 @@ from pretuner.sim.engine import (
     check_step,
     log_oom,
 )
-from pretuner.sim.http import ANY_HOST, print_routes, uvicorn_started
+from pretuner.sim.http import ANY_HOST, ApiConfig, print_routes, serve_in_thread, uvicorn_started
 from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
@@ -65,7 +65,7 @@ from pretuner.sim.r01_config import (
     build_parser,
     parse,
 )
-from pretuner.sim.r01_http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.r01_state import CardState, write_truth
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB

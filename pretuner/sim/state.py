@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pretuner.files import write_atomic
+
 STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
 TENANT_PID = 4242  # the pid the device tools show for the other tenant (OCCUPIED_MIB)
 
@@ -48,12 +50,6 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def read_live(path: Path) -> dict[str, Any] | None:
     """A state file whose writer still runs; None when absent, unreadable or stale."""
     try:
@@ -78,7 +74,7 @@ class Published:
             if self._gone:
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps(data))
+            write_atomic(path, json.dumps(data), overwrite=True)
             if path not in self.paths:
                 self.paths.append(path)
 

@@ -25,7 +25,7 @@ from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import serve_main
 from pretuner.sim.engine import EngineLimits
-from pretuner.sim.http import ANY_HOST
+from pretuner.sim.http import ANY_HOST, ApiConfig, serve_in_thread
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu import card
 from pretuner.sim.r01_checks import (
@@ -36,7 +36,7 @@ from pretuner.sim.r01_checks import (
     verify_vllm_config,
 )
 from pretuner.sim.r01_config import ServeConfig, build_parser, parse
-from pretuner.sim.r01_http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:

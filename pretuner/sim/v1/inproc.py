@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from pretuner.launch.images import LoadPhase, MMRequest, Request
 from pretuner.sim.argv import UsageError
-from pretuner.sim.http import ANY_HOST, access_line
-from pretuner.sim.inproc import Reply
+from pretuner.sim.http import ANY_HOST, Reply, access_line
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images

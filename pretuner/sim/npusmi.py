@@ -18,7 +18,8 @@ from pathlib import Path
 
 from pretuner.files import write_atomic
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
-from pretuner.sim.state import TENANT_PID, env_int, read_live, state_dir
+from pretuner.sim.state import TENANT_PID as TENANT_PID  # re-exported: readers list it
+from pretuner.sim.state import env_int, read_live, state_dir
 
 VERSION = "23.0.6"
 _BUS = ("C1", "01", "41", "81", "C2", "02", "42", "82")

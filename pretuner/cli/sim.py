@@ -4,6 +4,7 @@ CUDA card with vLLM 0.24 (`sim vllm serve`, `sim nvidia-smi`); all figures simul
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
@@ -26,69 +27,31 @@ Examples:
 app.add_typer(sim_app, name="sim")
 
 _PASS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+# Each runs `python -m pretuner.sim NAME ...` in this process (the emulator's own argv).
+_COMMANDS = {
+    "serve": "Run the emulated server; takes the vLLM-MindSpore command line "
+             "(see `pretuner sim serve --help`).",
+    "launch": "r0.1 launcher: run the server as a subprocess.run child, like "
+              "`python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server ...`.",
+    "npu-smi": "Print `npu-smi info` for the emulated cards.",
+    "vllm": "Emulated vLLM 0.24 on an emulated CUDA card: `pretuner sim vllm serve MODEL ...` "
+            "takes `vllm serve`'s command line (PRETUNER_SIM_PROFILE picks the card).",
+    "nvidia-smi": "Print `nvidia-smi` (table or --query-gpu CSV) for the emulated CUDA cards.",
+}
 
 
-@sim_app.command(
-    "serve",
-    context_settings=_PASS,
-    add_help_option=False,
-    help="Run the emulated server; takes the vLLM-MindSpore command line "
-    "(see `pretuner sim serve --help`).",
-)
-def serve(ctx: typer.Context) -> None:
-    from pretuner.sim.serve import main
+def _passthrough(name: str) -> Callable[[typer.Context], None]:
+    def run(ctx: typer.Context) -> None:
+        from pretuner.sim.__main__ import main
 
-    raise typer.Exit(main(list(ctx.args)))
+        raise typer.Exit(main([name, *ctx.args]))
+
+    return run
 
 
-@sim_app.command(
-    "launch",
-    context_settings=_PASS,
-    add_help_option=False,
-    help="r0.1 launcher: run the server as a subprocess.run child, like "
-    "`python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server ...`.",
-)
-def launch(ctx: typer.Context) -> None:
-    from pretuner.sim.launcher import main
-
-    raise typer.Exit(main(list(ctx.args)))
-
-
-@sim_app.command(
-    "npu-smi",
-    context_settings=_PASS,
-    add_help_option=False,
-    help="Print `npu-smi info` for the emulated cards.",
-)
-def npu_smi(ctx: typer.Context) -> None:
-    from pretuner.sim.npusmi import main
-
-    raise typer.Exit(main(list(ctx.args)))
-
-
-@sim_app.command(
-    "vllm",
-    context_settings=_PASS,
-    add_help_option=False,
-    help="Emulated vLLM 0.24 on an emulated CUDA card: `pretuner sim vllm serve MODEL ...` "
-    "takes `vllm serve`'s command line (PRETUNER_SIM_PROFILE picks the card).",
-)
-def vllm(ctx: typer.Context) -> None:
-    from pretuner.sim.v1.server import main
-
-    raise typer.Exit(main(list(ctx.args)))
-
-
-@sim_app.command(
-    "nvidia-smi",
-    context_settings=_PASS,
-    add_help_option=False,
-    help="Print `nvidia-smi` (table or --query-gpu CSV) for the emulated CUDA cards.",
-)
-def nvidia_smi(ctx: typer.Context) -> None:
-    from pretuner.sim.v1.smi import main
-
-    raise typer.Exit(main(list(ctx.args)))
+for _name, _help in _COMMANDS.items():
+    sim_app.command(_name, context_settings=_PASS, add_help_option=False,
+                    help=_help)(_passthrough(_name))
 
 
 @sim_app.command("install-shim")

@@ -3,9 +3,14 @@ servers light). `vllm serve ...` is the emulated vLLM 0.24 on a CUDA card (`pret
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-USAGE = "usage: python -m pretuner.sim {serve,launch,npu-smi,vllm,nvidia-smi} ...\n"
+# command -> the module whose main(argv) runs it
+COMMANDS = {"serve": "pretuner.sim.serve", "launch": "pretuner.sim.launcher",
+            "npu-smi": "pretuner.sim.npusmi", "vllm": "pretuner.sim.v1.server",
+            "nvidia-smi": "pretuner.sim.v1.smi"}
+USAGE = f"usage: python -m pretuner.sim {{{','.join(COMMANDS)}}} ...\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,29 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         sys.stdout.write(USAGE)
         return 0 if args else 2
-    cmd, rest = args[0], args[1:]
-    if cmd == "serve":
-        from pretuner.sim.serve import main as serve
-
-        return serve(rest)
-    if cmd == "launch":
-        from pretuner.sim.launcher import main as launch
-
-        return launch(rest)
-    if cmd == "npu-smi":
-        from pretuner.sim.npusmi import main as npu_smi
-
-        return npu_smi(rest)
-    if cmd == "vllm":
-        from pretuner.sim.v1.server import main as vllm
-
-        return vllm(rest)
-    if cmd == "nvidia-smi":
-        from pretuner.sim.v1.smi import main as nvidia_smi
-
-        return nvidia_smi(rest)
-    sys.stderr.write(USAGE + f"unknown command {cmd!r}\n")
-    return 2
+    module = COMMANDS.get(args[0])
+    if module is None:
+        sys.stderr.write(USAGE + f"unknown command {args[0]!r}\n")
+        return 2
+    return int(importlib.import_module(module).main(args[1:]))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,19 @@
-"""The emulated servers' command-line spelling rule, shared by the r0.1 and V1 servers."""
+"""The emulated servers' shared command line: vLLM's spelling rule, the flags every vLLM
+server takes, the emulator's knobs from the environment, and the `main` both servers run."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+C = TypeVar("C")
+
+
+class UsageError(Exception):
+    """A command line or emulator setting the server refuses before it starts."""
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
@@ -14,3 +25,67 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
             arg = name.replace("_", "-") + eq + value
         out.append(arg)
     return out
+
+
+def server_parser(prog: str, description: str, epilog: str, *,
+                  length: Callable[[str], int] = int,
+                  model_help: str | None = None) -> argparse.ArgumentParser:
+    """A parser with the flags both emulated vLLM servers read the same way; `length` parses
+    --max-model-len and --max-num-batched-tokens."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    p.add_argument("model_tag", nargs="?", default=None, help=model_help)
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--max-model-len", type=length, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=length, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    return p
+
+
+def parse_known(parser: argparse.ArgumentParser, argv: Sequence[str],
+                no_model: str) -> tuple[argparse.Namespace, str, tuple[str, ...]]:
+    """(namespace, model, ignored flags); UsageError(`no_model`) without a model."""
+    ns, unknown = parser.parse_known_args(list(argv))
+    model = ns.model or ns.model_tag
+    if not model:
+        raise UsageError(no_model)
+    return ns, model, tuple(unknown)
+
+
+def env_values(env: Mapping[str, str], wanted: Mapping[str, tuple[str, Any]],
+               given: Mapping[str, object] | None = None) -> dict[str, Any]:
+    """The emulator's knobs: key -> (variable, default), converted to the default's type; a
+    value in `given` (a `--sim-*` option) wins. UsageError for one that does not convert."""
+    given = given or {}
+    out = {}
+    try:
+        for key, (name, default) in wanted.items():
+            raw = given.get(key)
+            raw = raw if raw is not None and raw != "" else env.get(name) or None
+            convert: Callable[[Any], Any] = int if default is None else type(default)
+            out[key] = default if raw is None else convert(raw)
+    except ValueError as err:
+        raise UsageError(f"bad emulator setting: {err}") from None
+    return out
+
+
+def serve_main(args: Sequence[str], prog: str, parser: Callable[[], argparse.ArgumentParser],
+               parse: Callable[[list[str], dict[str, str]], C],
+               serve: Callable[[C], int]) -> int:
+    """`--help`, the configuration (exit 2 on a usage error), then the server's exit code."""
+    if "-h" in args or "--help" in args:
+        parser().print_help()
+        return 0
+    try:
+        cfg = parse(list(args), dict(os.environ))
+    except UsageError as err:
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        return 2
+    except SystemExit as stop:  # argparse printed its own error
+        return stop.code if isinstance(stop.code, int) else 2
+    return serve(cfg)

@@ -9,7 +9,6 @@ dump, every request in flight fails and the engine is dead. A prompt the schedul
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import threading
@@ -18,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim.logs import PoolStats, RankWriter, VllmLog
+from pretuner.sim.loop import EngineThread, Throughput
 from pretuner.sim.memory import CardModel, Prefill
 from pretuner.sim.scheduler import Scheduler, SchedulerLimits, Seq, StepPlan
 
@@ -101,6 +101,18 @@ def oom_text(device_id: int, kernel: str, alloc_size: int) -> str:
             f"alloc size: {alloc_size}B.")
 
 
+STEP_OOM = ("mindspore/ccsrc/runtime/pynative/op_runner.cc:585", "MallocForKernelOutput")
+LOAD_OOM = ("mindspore/ccsrc/runtime/device/res_manager/memory_manager.cc:312",
+            "MallocWorkSpaceDynamicMem")
+
+
+def log_oom(log: RankWriter, oom: OutOfMemory, stats: PoolStats, pool_format: str,
+            where: tuple[str, str] = STEP_OOM) -> None:
+    """MindSpore's lines when a rank's pool cannot serve an allocation: the error, the dump."""
+    log.log("ERROR", "DEVICE", *where, f"#umsg#Memory not enough:#umsg#{oom}")
+    log.pool_dump(stats, pool_format)
+
+
 _KERNELS = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-Attention/"
             "FlashAttentionScore-op0",
             "Default/model-LlamaModel/layers-CellList/0-DecoderLayer/feed_forward-FeedForward/"
@@ -125,37 +137,23 @@ def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: i
                                         pool.model.dynamic_bytes_no_frag(prefill, running))
 
 
-class Engine:
+class Engine(EngineThread):
     """Continuous batching over threads: requests really overlap in the same steps."""
 
     def __init__(self, pools: Sequence[RankPool], limits: EngineLimits, log: VllmLog,
                  on_dead: Callable[[OutOfMemory], None], *, pool_format: str = "2.5",
                  seed: int = 0) -> None:
+        super().__init__("engine")
         self.pools = list(pools)
         self.pool_format = pool_format
         self.limits = limits
         self.log = log
         self._on_dead = on_dead
-        self._cond = threading.Condition()
         self.sched = Scheduler(limits.scheduler())
         self._requests: dict[str, Request] = {}
-        self._stop = False
         self.dead: OutOfMemory | None = None
         self._rng = random.Random(seed)  # noqa: S311 - fake output tokens
-        self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._prompt_tokens = 0
-        self._gen_tokens = 0
-        self._last_metrics = time.monotonic()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout=5)
+        self.tally = Throughput(METRICS_EVERY_S)
 
     def submit(self, req: Request) -> None:
         with self._cond:
@@ -165,23 +163,37 @@ class Engine:
             self.sched.add(Seq(req.request_id, req.prompt_len, req.max_tokens))
             self._cond.notify_all()
 
+    def _next_plan(self) -> StepPlan | None:
+        """The next step's plan once there is work; None when stopped."""
+        with self._cond:
+            while not self._stop and self.sched.idle:
+                self._cond.wait(timeout=1.0)
+            return None if self._stop else self.plan()
+
+    def plan(self) -> StepPlan:
+        """The scheduler's next step; the prompts it ignores are answered at once."""
+        with self._cond:
+            plan = self.sched.plan()
+            self._drop_ignored(plan)
+            return plan
+
+    def check(self, plan: StepPlan) -> bool:
+        """Account the step in every rank's pool; False (the engine now dead) when a rank
+        cannot fit it."""
+        try:
+            check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
+                       plan.running)
+        except OutOfMemory as oom:
+            self._crash(oom)
+            return False
+        return True
+
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and self.sched.idle:
-                    self._cond.wait(timeout=1.0)
-                if self._stop:
-                    return
-                plan = self.sched.plan()
-                self._drop_ignored(plan)
+        while (plan := self._next_plan()) is not None:
             if plan.empty:
                 time.sleep(DECODE_STEP_S)  # waiting for KV blocks: nothing can run
                 continue
-            try:
-                check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
-                           plan.running)
-            except OutOfMemory as oom:
-                self._crash(oom)
+            if not self.check(plan):
                 return
             tokens = plan.prefill_tokens
             if plan.chunks:
@@ -190,8 +202,8 @@ class Engine:
             time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if plan.chunks
                        else DECODE_STEP_S)
             with self._cond:
-                self._advance(plan)
-                self._prompt_tokens += tokens
+                self.advance(plan)
+                self.tally.prompt_tokens += tokens
                 self._maybe_metrics()
 
     def _drop_ignored(self, plan: StepPlan) -> None:
@@ -203,7 +215,8 @@ class Engine:
             if req.on_token is not None:
                 req.on_token(-2)
 
-    def _advance(self, plan: StepPlan) -> None:
+    def advance(self, plan: StepPlan) -> None:
+        """Apply a step that ran: each request gets the tokens it sampled."""
         before = {s.request_id: s.generated for s in self.sched.running + plan.admitted}
         done = self.sched.commit(plan)
         for seq in self.sched.running + done:
@@ -211,43 +224,40 @@ class Engine:
             for _ in range(seq.generated - before.get(seq.request_id, 0)):
                 tok = self._rng.randrange(100, 30000)
                 req.output.append(tok)
-                self._gen_tokens += 1
+                self.tally.generated += 1
                 if req.on_token is not None:
                     req.on_token(tok)
         for seq in done:
             self._requests.pop(seq.request_id).finished.set()
 
     def _maybe_metrics(self) -> None:
-        now = time.monotonic()
-        span = now - self._last_metrics
-        if span < METRICS_EVERY_S:
+        rates = self.tally.due()
+        if rates is None:
             return
-        used = self.sched.used_blocks
-        usage = 100.0 * used / self.limits.num_blocks if self.limits.num_blocks else 0.0
+        usage = 100.0 * self.sched.used_blocks / self.limits.num_blocks \
+            if self.limits.num_blocks else 0.0
         self.log.info(
             "metrics.py:467",
-            f"Avg prompt throughput: {self._prompt_tokens / span:.1f} tokens/s, "
-            f"Avg generation throughput: {self._gen_tokens / span:.1f} tokens/s, "
+            f"Avg prompt throughput: {rates[0]:.1f} tokens/s, "
+            f"Avg generation throughput: {rates[1]:.1f} tokens/s, "
             f"Running: {len(self.sched.running)} reqs, Swapped: 0 reqs, "
             f"Pending: {len(self.sched.waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
             f"CPU KV cache usage: 0.0%.")
-        self._prompt_tokens = self._gen_tokens = 0
-        self._last_metrics = now
 
     def _crash(self, oom: OutOfMemory) -> None:
         pool = self.pools[oom.rank]
-        pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
-                     "MallocForKernelOutput",
-                     f"#umsg#Memory not enough:#umsg#{oom}")
-        pool.log.pool_dump(pool.stats(), self.pool_format)
+        log_oom(pool.log, oom, pool.stats(), self.pool_format)
+        self._fail_all(oom, str(oom))
+        self._on_dead(oom)
+
+    def _fail_all(self, dead: OutOfMemory, error: str) -> None:
         with self._cond:
-            self.dead = oom
+            self.dead = dead
             self.sched.abort_all()
             victims = list(self._requests.values())
             self._requests.clear()
         for req in victims:
-            req.error = str(oom)
+            req.error = error
             req.finished.set()
             if req.on_token is not None:
                 req.on_token(-1)
-        self._on_dead(oom)

@@ -1,4 +1,4 @@
-"""The emulated server run in this process, stepping its scheduler synchronously.
+"""The emulated server run in this process, stepping its engine synchronously.
 
 Same command line, environment, boot sequence, scheduler, memory accounting and log lines as
 `pretuner sim serve`; no process, no HTTP, no clocks. A benchmark scores thousands of tuning
@@ -14,23 +14,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretuner.sim.engine import EngineLimits, OutOfMemory, check_step, oom_text
-from pretuner.sim.r01_checks import WHERE_MS, StartupFailed, traceback_text
-from pretuner.sim.r01_config import UsageError, parse
-from pretuner.sim.scheduler import Scheduler, Seq
+from pretuner.sim.argv import UsageError
+from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, Request
+from pretuner.sim.http import Reply
+from pretuner.sim.r01_checks import StartupFailed
+from pretuner.sim.r01_config import parse
 from pretuner.sim.serve import Server
 
 MAX_STEPS = 10_000_000
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """What one completion request got, as the HTTP client would see it."""
-
-    status: int
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,19 +47,12 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     server = Server(cfg, stream)
     try:
         limits = server.boot()
-    except StartupFailed as err:
-        server.card.unpublish()
-        stream.write(traceback_text(err.exc_type, err.message, err.where))
-        return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
-    except OutOfMemory as oom:
-        server.card.unpublish()
-        stream.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
-        return InprocRun(stream.getvalue(), (), False, 1, *_device(server))
+    except (StartupFailed, OutOfMemory) as err:
+        code = server.failed_start(err)  # the traceback first, then the log is complete
+        return InprocRun(stream.getvalue(), (), False, code, *_device(server))
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)
     if crashed:
-        server.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server "
-                          "process")
         server.card.unpublish()
         return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
@@ -85,43 +69,33 @@ def _device(server: Server) -> tuple[int, int]:
 
 def _serve(server: Server, limits: EngineLimits, prompts: Sequence[int],
            max_tokens: int) -> tuple[tuple[Reply, ...], bool]:
-    out: dict[str, Reply] = {}
-    ids = [f"cmpl-{i}" for i in range(len(prompts))]
-    sched = Scheduler(limits.scheduler())
-    for rid, n in zip(ids, prompts, strict=True):
-        if n + max_tokens > limits.max_model_len:
-            out[rid] = Reply(400, None, None, "maximum context length exceeded")
-            continue
-        sched.add(Seq(rid, n, max_tokens))
-    seqs = {s.request_id: s for s in sched.waiting}
+    """The server's engine stepped in this process until every request is answered."""
+    engine = Engine(server.pools, limits, server.vlog, lambda _oom: None,
+                    pool_format=server.cfg.pool_format, seed=server.cfg.seed)
+    reqs = [Request(f"cmpl-{i}", n, max_tokens) for i, n in enumerate(prompts)]
+    for req in reqs:
+        if req.prompt_len + max_tokens <= limits.max_model_len:
+            engine.submit(req)
+    crashed = False
     for _ in range(MAX_STEPS):
-        if sched.idle:
+        if engine.sched.idle:
             break
-        plan = sched.plan()
-        for ignored in plan.ignored:
-            server.vlog.warning("scheduler.py:1097", ignored.warning)
-            out[ignored.seq.request_id] = Reply(200, ignored.seq.prompt_len, 0)
+        plan = engine.plan()
         if plan.empty:
             if not plan.ignored:  # a bug, not a case: a real server would wait forever
                 raise RuntimeError("the emulated scheduler made no progress")
             continue
-        try:
-            check_step(server.pools, limits.pool_cap_bytes, plan.prefill_shape(), plan.running)
-        except OutOfMemory as oom:
-            pool = server.pools[oom.rank]
-            pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
-                         "MallocForKernelOutput",
-                         f"#umsg#Memory not enough:#umsg#"
-                         f"{oom_text(oom.device_id, oom.kernel, oom.alloc_size)}")
-            pool.log.pool_dump(pool.stats(), server.cfg.pool_format)
-            server.vlog.error("engine.py:135", f"RuntimeError('{oom}')")
-            for rid in ids:
-                out.setdefault(rid, Reply(500, None, None, "Internal Server Error"))
-            return tuple(out[rid] for rid in ids), True
-        for seq in sched.commit(plan):
-            out[seq.request_id] = Reply(200, seq.prompt_len, seq.generated)
-    for rid in ids:
-        if rid not in out:
-            s = seqs[rid]
-            out[rid] = Reply(200, s.prompt_len, s.generated)
-    return tuple(out[rid] for rid in ids), False
+        if not engine.check(plan):
+            server.print_crash(engine.dead)
+            crashed = True
+            break
+        engine.advance(plan)
+    return tuple(_reply(r, limits.max_model_len) for r in reqs), crashed
+
+
+def _reply(req: Request, max_model_len: int) -> Reply:
+    if req.prompt_len + req.max_tokens > max_model_len:
+        return Reply(400, None, None, "maximum context length exceeded")
+    if req.error is not None:
+        return Reply(500, None, None, "Internal Server Error")
+    return Reply(200, req.prompt_len, len(req.output))

@@ -10,23 +10,21 @@ processes are ignored. `PRETUNER_SIM_NODE` selects which emulated node this npu-
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretuner.files import write_atomic
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
+from pretuner.sim.state import TENANT_PID as TENANT_PID  # re-exported: readers list it
+from pretuner.sim.state import env_int, read_live, state_dir
 
 VERSION = "23.0.6"
 _BUS = ("C1", "01", "41", "81", "C2", "02", "42", "82")
 _BORDER = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 _DOUBLE = "+" + "=" * 27 + "+" + "=" * 15 + "+" + "=" * 52 + "+"
-
-
-# The pid npu-smi shows for the emulated other tenant (PRETUNER_SIM_OCCUPIED_MIB).
-TENANT_PID = 4242
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,35 +80,14 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _alive(pid: int) -> bool:
-    """A running process (an unreaped zombie holds no card memory)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
-
-
 def read_cards(profile: CardProfile, state: Path, node: int,
                tenant_mib: int = 0) -> list[CardUse]:
     """Every card of the node: idle ones show the driver reservation (and the tenant) only."""
     cards = []
     for npu in range(profile.cards_per_node):
-        path = state / f"node{node}-npu{npu}.json"
         use = CardUse(npu, profile.driver_reserved_mib + tenant_mib, tenant_mib=tenant_mib)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            data = None
-        if isinstance(data, dict) and _alive(int(data.get("pid", 0))):
+        data = read_live(state / f"node{node}-npu{npu}.json")
+        if data is not None:
             used = int(data["used_mib"])
             use = CardUse(npu, used + tenant_mib, int(data.get("rank_pid") or data["pid"]),
                           used - profile.driver_reserved_mib, tenant_mib)
@@ -127,14 +104,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"Error: unsupported command {' '.join(args)!r} (the emulated npu-smi "
                          "knows `info`)\n")
         return 1
-    from pretuner.sim.state import state_dir
-
     env = dict(os.environ)
     profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
                            PROFILES[DEFAULT_PROFILE])
-    node = int(env.get("PRETUNER_SIM_NODE", "0") or 0)
-    tenant = int(env.get("PRETUNER_SIM_OCCUPIED_MIB", "0") or 0)
-    sys.stdout.write(render(profile, read_cards(profile, state_dir(env), node, tenant)))
+    cards = read_cards(profile, state_dir(env), env_int(env, "PRETUNER_SIM_NODE"),
+                       env_int(env, "PRETUNER_SIM_OCCUPIED_MIB"))
+    sys.stdout.write(render(profile, cards))
     return 0
 
 
@@ -150,8 +125,5 @@ def write_shim(directory: Path, python: str) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "npu-smi"
-    tmp = directory / ".npu-smi.tmp"
-    tmp.write_text(SHIM.format(python=shlex.quote(python)), encoding="utf-8")
-    tmp.chmod(0o755)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, SHIM.format(python=shlex.quote(python)), executable=True,
+                        overwrite=True)

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import normalize_argv
+from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
+from pretuner.sim.argv import env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.logs import POOL_FORMATS
 
 VLLM_VERSION = "0.6.6.post1"
@@ -34,35 +35,22 @@ NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
 
 
 def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=(
-            "Emulated vLLM-MindSpore r0.1 (vLLM 0.6.6) OpenAI server on an emulated Ascend "
-            "card. Takes the real command line and environment (ASCEND_TOTAL_MEMORY_GB, "
-            "vLLM_MODEL_MEMORY_USE_GB, GLOG_v, GLOG_logtostderr, GLOG_log_dir, "
-            "ASCEND_RT_VISIBLE_DEVICES) and prints the real log lines, including the memory "
-            "pool dump with `actual peak used mem` at a graceful stop. All memory figures are "
-            "SIMULATED. Unknown flags are ignored."),
-        epilog=(
-            "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
-            "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
-            "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
-            "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
-            "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
-            "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node."),
-    )
-    p.add_argument("model_tag", nargs="?", help="model (registry name or local HF folder)")
-    p.add_argument("--model", help="model (registry name or local HF folder)")
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p = server_parser(
+        prog,
+        "Emulated vLLM-MindSpore r0.1 (vLLM 0.6.6) OpenAI server on an emulated Ascend card. "
+        "Takes the real command line and environment (ASCEND_TOTAL_MEMORY_GB, "
+        "vLLM_MODEL_MEMORY_USE_GB, GLOG_v, GLOG_logtostderr, GLOG_log_dir, "
+        "ASCEND_RT_VISIBLE_DEVICES) and prints the real log lines, including the memory pool "
+        "dump with `actual peak used mem` at a graceful stop. All memory figures are "
+        "SIMULATED. Unknown flags are ignored.",
+        "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
+        "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
+        "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
+        "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
+        "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
+        "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node.",
+        model_help="model (registry name or local HF folder)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--distributed-executor-backend", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -140,53 +128,43 @@ class ServeConfig:
     occupied_mib: int = 0  # another tenant's share of every card
 
 
-class UsageError(Exception):
-    pass
-
-
 def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
     """Command line + environment -> config. Raises UsageError for sim options out of range."""
-    ns, unknown = build_parser().parse_known_args(normalize_argv(argv))
-    model = ns.model or ns.model_tag
-    if not model:
-        raise UsageError("a model is required: pass it as --model M (or positionally)")
-
-    def pick(opt: object, key: str, default: str) -> str:
-        return str(opt) if opt is not None else env.get(SIM_ENV[key]) or default
-
-    try:
-        seed = int(pick(ns.sim_seed, "seed", str(mem.DEFAULT_SEED)))
-        startup = float(pick(ns.sim_startup_s, "startup_s", str(DEFAULT_STARTUP_S)))
-        teardown = float(pick(ns.sim_teardown_s, "teardown_s", str(DEFAULT_TEARDOWN_S)))
-        nodes = int(pick(ns.sim_nodes, "nodes", "1"))
-        occupied = int(pick(ns.sim_occupied_mib, "occupied_mib", "0"))
-    except ValueError as err:
-        raise UsageError(f"bad emulator setting: {err}") from None
-    profile = pick(ns.sim_profile, "profile", mem.DEFAULT_PROFILE)
-    if profile not in mem.PROFILES:
-        raise UsageError(f"unknown card profile {profile!r}; choose one of: "
+    ns, model, ignored = parse_known(build_parser(), normalize_argv(argv),
+                                     "a model is required: pass it as --model M (or "
+                                     "positionally)")
+    knobs = env_values(env, {
+        "seed": (SIM_ENV["seed"], mem.DEFAULT_SEED),
+        "startup_s": (SIM_ENV["startup_s"], DEFAULT_STARTUP_S),
+        "teardown_s": (SIM_ENV["teardown_s"], DEFAULT_TEARDOWN_S),
+        "nodes": (SIM_ENV["nodes"], 1), "occupied_mib": (SIM_ENV["occupied_mib"], 0),
+        "profile": (SIM_ENV["profile"], mem.DEFAULT_PROFILE),
+        "pool_format": (SIM_ENV["pool_format"], "2.5"), "truth": (SIM_ENV["truth"], ""),
+        "rank_skew": (SIM_ENV["rank_skew"], ""),
+        "ray_address": (SIM_ENV["ray_address"], ""),
+        "weights_format": (SIM_ENV["weights_format"], ""),
+    }, {key: getattr(ns, f"sim_{key}") for key in SIM_ENV})
+    if knobs["profile"] not in mem.PROFILES:
+        raise UsageError(f"unknown card profile {knobs['profile']!r}; choose one of: "
                          f"{', '.join(mem.PROFILES)}")
-    pool_format = pick(ns.sim_pool_format, "pool_format", "2.5")
-    if pool_format not in POOL_FORMATS:
-        raise UsageError(f"unknown pool format {pool_format!r}; choose one of: "
+    if knobs["pool_format"] not in POOL_FORMATS:
+        raise UsageError(f"unknown pool format {knobs['pool_format']!r}; choose one of: "
                          f"{', '.join(POOL_FORMATS)}")
-    truth = ns.sim_truth or env.get(SIM_ENV["truth"]) or None
-    skew = _rank_skew(ns.sim_rank_skew or env.get(SIM_ENV["rank_skew"]) or "")
-    ray_address = ns.sim_ray_address or env.get(SIM_ENV["ray_address"]) or (
-        env.get("RAY_ADDRESS") if ns.distributed_executor_backend == "ray" else None
-    ) or None
-    weights = ns.sim_weights_format or env.get(SIM_ENV["weights_format"]) or None
+    ray_address = knobs["ray_address"] or (
+        env.get("RAY_ADDRESS") if ns.distributed_executor_backend == "ray" else None) or None
     return ServeConfig(
         model=model, host=ns.host, port=ns.port, max_model_len=ns.max_model_len,
         max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
         util=ns.gpu_memory_utilization, tp=ns.tensor_parallel_size,
         pp=ns.pipeline_parallel_size, block_size=ns.block_size,
         served_names=tuple(ns.served_model_name or (model,)),
-        kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=profile, seed=seed,
-        truth=truth, pool_format=pool_format, startup_s=max(0.0, startup),
-        teardown_s=max(0.0, teardown), weights_format=weights, nodes=max(1, nodes),
-        env=dict(env), ignored=tuple(unknown), rank_skew=skew, ray_address=ray_address,
-        chunked_prefill=ns.enable_chunked_prefill, occupied_mib=max(0, occupied),
+        kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=knobs["profile"],
+        seed=knobs["seed"], truth=knobs["truth"] or None, pool_format=knobs["pool_format"],
+        startup_s=max(0.0, knobs["startup_s"]), teardown_s=max(0.0, knobs["teardown_s"]),
+        weights_format=knobs["weights_format"] or None, nodes=max(1, knobs["nodes"]),
+        env=dict(env), ignored=ignored, rank_skew=_rank_skew(knobs["rank_skew"]),
+        ray_address=ray_address, chunked_prefill=ns.enable_chunked_prefill,
+        occupied_mib=max(0, knobs["occupied_mib"]),
     )
 
 

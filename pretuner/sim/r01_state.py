@@ -11,10 +11,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Protocol
 
+from pretuner.files import write_atomic
 from pretuner.sim import memory as mem
 from pretuner.sim.logs import RankWriter
 from pretuner.sim.r01_checks import WHERE_MS, StartupFailed
-from pretuner.sim.state import state_dir
+from pretuner.sim.state import Published, state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
@@ -41,22 +42,16 @@ class CardState:
     def __init__(self, env: Mapping[str, str], profile: mem.CardProfile) -> None:
         self.env = env
         self.profile = profile
-        self.files: list[Path] = []
+        self.files = Published()
         self.peak_mib = 0  # the most this server published for one of its cards
 
     def publish(self, ranks: Sequence[OnCard], used_bytes: int) -> None:
         self.peak_mib = max(self.peak_mib, used_bytes // MIB)
         state = state_dir(self.env)
-        state.mkdir(parents=True, exist_ok=True)
         for r in ranks:
-            path = state / f"node{r.node}-npu{r.device_id}.json"
-            data = {"pid": os.getpid(), "rank_pid": r.pid, "profile": self.profile.name,
-                    "used_mib": used_bytes // MIB, "process_name": "python3"}
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data), encoding="utf-8")
-            os.replace(tmp, path)
-            if path not in self.files:
-                self.files.append(path)
+            self.files.write(state / f"node{r.node}-npu{r.device_id}.json", {
+                "pid": os.getpid(), "rank_pid": r.pid, "profile": self.profile.name,
+                "used_mib": used_bytes // MIB, "process_name": "python3"})
 
     def occupied_bytes(self, ranks: Sequence[OnCard]) -> int:
         """The most any other live emulated server holds on one of these ranks' cards."""
@@ -103,8 +98,7 @@ class CardState:
         self.publish(ranks, (p.driver_reserved_mib + p.cann_mib) * MIB + cap)
 
     def unpublish(self) -> None:
-        for path in self.files:
-            path.unlink(missing_ok=True)
+        self.files.remove()
 
 
 def write_truth(path: Path, models: list[mem.CardModel], profile: mem.CardProfile, *,
@@ -123,6 +117,4 @@ def write_truth(path: Path, models: list[mem.CardModel], profile: mem.CardProfil
     data["max_num_seqs"] = seqs
     data["max_num_batched_tokens"] = batched
     data["kv_blocks"] = blocks
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n", overwrite=True)

@@ -159,9 +159,6 @@ class RayRanks:
                 "to see if you have enough resources."
             ) from None
 
-    def node_of(self, rank: int) -> int:
-        return self.placement.nodes.index(self.placement.node_of_rank(rank))
-
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Ping every actor in the background; report the first one that died."""
 

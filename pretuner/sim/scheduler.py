@@ -23,9 +23,11 @@ Rules reproduced from vLLM 0.6.6's V0 scheduler and block manager:
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from pretuner.sim.loop import SchedulerBase, SeqBase, blocks_for
+
+__all__ = ["blocks_for"]
 WATERMARK = 0.01
 
 
@@ -33,28 +35,13 @@ def watermark_blocks(num_blocks: int) -> int:
     return int(WATERMARK * num_blocks)
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 @dataclass
-class Seq:
-    """One request as the scheduler tracks it."""
-
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    computed: int = 0  # prompt tokens already prefilled
-    generated: int = 0
-    blocks: int = 0
+class Seq(SeqBase):
+    """A V0 sequence: `computed` counts the prompt tokens already prefilled."""
 
     @property
     def prefilling(self) -> bool:
         return self.computed < self.prompt_len
-
-    @property
-    def done(self) -> bool:
-        return self.generated >= self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,22 +107,13 @@ def limit_warning(prompt_len: int, limit: int) -> str:
     return f"Input prompt ({prompt_len} tokens) is too long and exceeds limit of {limit}"
 
 
-class Scheduler:
+class Scheduler(SchedulerBase[Seq]):
     """The V0 scheduler and block manager of one engine."""
 
     def __init__(self, limits: SchedulerLimits) -> None:
+        super().__init__(limits.num_blocks)
         self.limits = limits
-        self.free_blocks = limits.num_blocks
         self.watermark = watermark_blocks(limits.num_blocks)
-        self.waiting: deque[Seq] = deque()
-        self.running: list[Seq] = []
-
-    def add(self, seq: Seq) -> None:
-        self.waiting.append(seq)
-
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
 
     def _can_allocate(self, seq: Seq) -> str:
         need = blocks_for(seq.prompt_len, self.limits.block_size)
@@ -244,7 +222,3 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         return victims
-
-    @property
-    def used_blocks(self) -> int:
-        return self.limits.num_blocks - self.free_blocks

@@ -32,8 +32,17 @@ from typing import TYPE_CHECKING, TextIO
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, check_step
-from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.argv import serve_main
+from pretuner.sim.engine import (
+    LOAD_OOM,
+    Engine,
+    EngineLimits,
+    OutOfMemory,
+    RankPool,
+    check_step,
+    log_oom,
+)
+from pretuner.sim.http import ANY_HOST, ApiConfig, print_routes, serve_in_thread, uvicorn_started
 from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
@@ -53,16 +62,21 @@ from pretuner.sim.r01_config import (
     NODE_LOG_DIRS_ENV,
     VLLM_VERSION,
     ServeConfig,
-    UsageError,
     build_parser,
     parse,
 )
+from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.r01_state import CardState, write_truth
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB
 
 if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
+
+ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "GET"),
+          ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
+          ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
+          ("/v1/embeddings", "POST"))
 
 @dataclass
 class _Rank:
@@ -133,16 +147,8 @@ class Server:
     def _run(self) -> int:
         try:
             server = self._start()
-        except StartupFailed as err:
-            self.card.unpublish()
-            sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
-            sys.stderr.flush()
-            return 1
-        except OutOfMemory as oom:
-            self.card.unpublish()
-            sys.stderr.write(traceback_text("RuntimeError", str(oom), WHERE_MS))
-            sys.stderr.flush()
-            return 1
+        except (StartupFailed, OutOfMemory) as err:
+            return self.failed_start(err)
         if server is None:  # stopped during startup
             return self._graceful()
         while not self.stop.wait(0.1):
@@ -267,11 +273,8 @@ class Server:
             if r.model.static_bytes > cap:
                 oom = OutOfMemory(r.rank, r.device_id, "Default/model/embedding-Embedding/"
                                   "Gather-op0", r.model.weights_bytes // 61 + 512)
-                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/device/res_manager/"
-                          "memory_manager.cc:312", "MallocWorkSpaceDynamicMem",
-                          f"#umsg#Memory not enough:#umsg#{oom}")
                 pool.peak_dynamic = cap - r.model.static_bytes
-                r.log.pool_dump(pool.stats(), cfg.pool_format)
+                log_oom(r.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
                 raise oom
         if self._sleep(2 * self._phase_s):
             return None
@@ -290,11 +293,8 @@ class Server:
             if r.model.static_bytes + kv > cap:
                 oom = OutOfMemory(r.rank, r.device_id, "kv_cache", kv // max(1, r.model.spec
                                                                              .num_layers))
-                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/device/res_manager/"
-                          "memory_manager.cc:312", "MallocWorkSpaceDynamicMem",
-                          f"#umsg#Memory not enough:#umsg#{oom}")
-                r.log.pool_dump(pool.stats(extra_dynamic=cap - r.model.static_bytes),
-                                cfg.pool_format)
+                log_oom(r.log, oom, pool.stats(extra_dynamic=cap - r.model.static_bytes),
+                        cfg.pool_format, LOAD_OOM)
                 raise oom
             pool.kv_bytes = kv
         if self._sleep(self._phase_s):
@@ -308,9 +308,7 @@ class Server:
             check_step(self.pools, cap, mem.whole([warm]), 1)
         except OutOfMemory as oom:
             pool = self.pools[oom.rank]
-            pool.log.log("ERROR", "DEVICE", "mindspore/ccsrc/runtime/pynative/op_runner.cc:585",
-                         "MallocForKernelOutput", f"#umsg#Memory not enough:#umsg#{oom}")
-            pool.log.pool_dump(pool.stats(), cfg.pool_format)
+            log_oom(pool.log, oom, pool.stats(), cfg.pool_format)
             raise
         if self._sleep(self._phase_s):
             return None
@@ -324,7 +322,7 @@ class Server:
                              seed=cfg.seed)
         self.engine.start()
         api = ApiConfig(cfg.served_names, cfg.model, mml)
-        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        host = cfg.host or ANY_HOST
         try:
             server = SimHTTPServer((host, cfg.port), self.engine, api, log)
             server.health = self._health
@@ -335,17 +333,9 @@ class Server:
                                 WHERE_MS) from None
         port = server.server_address[1]
         log.info("api_server.py:640", "Using supplied chat template:\nNone")
-        log.info("launcher.py:19", "Available routes are:")
-        for route, methods in (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"),
-                               ("/health", "GET"), ("/tokenize", "POST"),
-                               ("/detokenize", "POST"), ("/v1/models", "GET"),
-                               ("/version", "GET"), ("/v1/chat/completions", "POST"),
-                               ("/v1/completions", "POST"), ("/v1/embeddings", "POST")):
-            log.info("launcher.py:27", f"Route: {route}, Methods: {methods}")
+        print_routes(log.info, ("launcher.py:19", "launcher.py:27"), ROUTES)
         serve_in_thread(server)
-        log.uvicorn(f"Started server process [{os.getpid()}]")
-        log.uvicorn("Waiting for application startup.")
-        log.uvicorn("Application startup complete.")
+        uvicorn_started(log, os.getpid())
         log.uvicorn(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
         return server
 
@@ -397,10 +387,22 @@ class Server:
         self.card.unpublish()
         return 0
 
-    def _crash_exit(self, server: SimHTTPServer) -> int:
-        why = self.dead or self._health()
+    def failed_start(self, err: StartupFailed | OutOfMemory) -> int:
+        """The traceback the real server dies with before it serves; its exit code."""
+        self.card.unpublish()
+        out = self.stream or sys.stderr
+        out.write(traceback_text(err.exc_type, err.message, err.where)
+                  if isinstance(err, StartupFailed)
+                  else traceback_text("RuntimeError", str(err), WHERE_MS))
+        out.flush()
+        return 1
+
+    def print_crash(self, why: object) -> None:
         self.vlog.error("engine.py:135", f"RuntimeError('{why}')")
         self.vlog.error("launcher.py:101", "AsyncLLMEngine has failed, terminating server process")
+
+    def _crash_exit(self, server: SimHTTPServer) -> int:
+        self.print_crash(self.dead or self._health())
         time.sleep(0.2)  # let the handlers send their 500s
         server.shutdown()
         server.server_close()
@@ -412,13 +414,5 @@ class Server:
 
 def main(argv: Sequence[str] | None = None, prog: str = "pretuner sim serve") -> int:
     """Run the emulated server until a signal or a crash; returns the exit code."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        build_parser(prog).print_help()
-        return 0
-    try:
-        cfg = parse(args, dict(os.environ))
-    except UsageError as err:
-        sys.stderr.write(f"{prog}: error: {err}\n")
-        return 2
-    return Server(cfg).run()
+    return serve_main(sys.argv[1:] if argv is None else argv, prog, lambda: build_parser(prog),
+                      parse, lambda cfg: Server(cfg).run())

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pretuner.sim.memory import (
-    CHUNKED_PREFILL_ABOVE,
     DEFAULT_CHUNK_TOKENS,
     CardModel,
     full_load_prefill,
@@ -54,13 +53,6 @@ def seqs_supported(kv_bytes: int, block_bytes: int, block_size: int, max_model_l
     blocks = max(0, kv_bytes // block_bytes)
     usable = blocks - watermark_blocks(blocks)
     return max(0, usable // blocks_for(max_model_len, block_size))
-
-
-def default_batched(max_model_len: int, chunked: bool | None = None) -> tuple[int, bool]:
-    """vLLM 0.6.6's defaults: chunked prefill above 32K with a 2048-token budget."""
-    if chunked is None:
-        chunked = max_model_len > CHUNKED_PREFILL_ABOVE
-    return (DEFAULT_CHUNK_TOKENS if chunked else max(max_model_len, 2048)), chunked
 
 
 def max_safe_kv(models: Sequence[CardModel], free_bytes: int, max_model_len: int, *,

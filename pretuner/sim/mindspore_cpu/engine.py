@@ -73,14 +73,7 @@ class MsEngine(Engine):
         self._filled.pop(request_id, None)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stop and self.sched.idle:
-                    self._cond.wait(timeout=1.0)
-                if self._stop:
-                    return
-                plan = self.sched.plan()
-                self._drop_ignored(plan)
+        while (plan := self._next_plan()) is not None:
             if plan.empty:
                 time.sleep(0.01)
                 continue
@@ -95,12 +88,12 @@ class MsEngine(Engine):
                 self._fail(err)
                 return
             with self._cond:
-                self._prompt_tokens += plan.prefill_tokens
+                self.tally.prompt_tokens += plan.prefill_tokens
                 done = self.sched.commit(plan)
                 for seq, tok in zip(stepping, produced, strict=True):
                     req = self._requests[seq.request_id]
                     req.output.append(tok)
-                    self._gen_tokens += 1
+                    self.tally.generated += 1
                     if req.on_token is not None:
                         req.on_token(tok)
                 for seq in done:
@@ -110,16 +103,7 @@ class MsEngine(Engine):
 
     def _fail(self, err: BaseException) -> None:
         self.log.error("engine.py:135", f"RuntimeError({str(err).splitlines()[0]!r})")
-        with self._cond:
-            self.failure = err
-            self.sched.abort_all()
-            victims = list(self._requests.values())
-            self._requests.clear()
+        self.failure = err
         # The HTTP layer only asks whether the engine is dead; the real text is in the log.
-        self.dead = OutOfMemory(0, 0, "see the MindSpore log", 0)
-        for req in victims:
-            req.error = str(err)
-            req.finished.set()
-            if req.on_token is not None:
-                req.on_token(-1)
+        self._fail_all(OutOfMemory(0, 0, "see the MindSpore log", 0), str(err))
         self._on_failure(err)

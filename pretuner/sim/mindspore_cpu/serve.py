@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import serve_main
 from pretuner.sim.engine import EngineLimits
-from pretuner.sim.http import ApiConfig, SimHTTPServer, serve_in_thread
+from pretuner.sim.http import ANY_HOST, ApiConfig, serve_in_thread
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu import card
 from pretuner.sim.r01_checks import (
@@ -34,7 +35,8 @@ from pretuner.sim.r01_checks import (
     traceback_text,
     verify_vllm_config,
 )
-from pretuner.sim.r01_config import ServeConfig, UsageError, build_parser, parse
+from pretuner.sim.r01_config import ServeConfig, build_parser, parse
+from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:
@@ -148,7 +150,7 @@ class Server:
         limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap_bytes)
         self.engine = MsEngine(net, limits, log, lambda _err: self.crashed.set(), seed=cfg.seed)
         self.engine.start()
-        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        host = cfg.host or ANY_HOST
         try:
             server = SimHTTPServer((host, cfg.port), self.engine,
                                    ApiConfig(cfg.served_names, cfg.model, mml), log)
@@ -164,13 +166,5 @@ class Server:
 
 def main(argv: Sequence[str] | None = None,
          prog: str = "python -m pretuner.sim.mindspore_cpu serve") -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in args or "--help" in args:
-        build_parser(prog).print_help()
-        return 0
-    try:
-        cfg = parse(args, dict(os.environ))
-    except UsageError as err:
-        sys.stderr.write(f"{prog}: error: {err}\n")
-        return 2
-    return Server(cfg).run()
+    return serve_main(sys.argv[1:] if argv is None else argv, prog, lambda: build_parser(prog),
+                      parse, lambda cfg: Server(cfg).run())

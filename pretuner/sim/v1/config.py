@@ -12,11 +12,11 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pretuner.sim.argv import normalize_argv
+from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
+from pretuner.sim.argv import env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, DEFAULT_SEED
 
 DEFAULT_STARTUP_S = 1.0
-DEFAULT_PORT = 8000
 DEFAULT_BATCHED_TOKENS = 8192
 KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 ENV = {
@@ -32,10 +32,6 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
-class UsageError(Exception):
-    """A command line or emulator setting the server refuses before it starts."""
-
-
 def human_bytes(raw: str) -> int:
     """`--kv-cache-memory-bytes`: an integer, or K/M/G/T (powers of 1024; lower case: 1000)."""
     m = _SIZE.match(raw)
@@ -47,26 +43,15 @@ def human_bytes(raw: str) -> int:
 
 
 def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, description="Emulated vLLM 0.24 OpenAI server on an emulated CUDA card "
-        "(all memory figures are SIMULATED). Unknown flags are ignored.",
-        epilog="Emulator settings (env only): PRETUNER_SIM_PROFILE (" + ", ".join(CUDA_PROFILES)
+    p = server_parser(
+        prog, "Emulated vLLM 0.24 OpenAI server on an emulated CUDA card (all memory figures "
+        "are SIMULATED). Unknown flags are ignored.",
+        "Emulator settings (env only): PRETUNER_SIM_PROFILE (" + ", ".join(CUDA_PROFILES)
         + "), PRETUNER_SIM_SEED, PRETUNER_SIM_STATE_DIR, PRETUNER_SIM_OCCUPIED_MIB, "
         "PRETUNER_SIM_STARTUP_S, PRETUNER_SIM_HOST_MIB (the emulated host's memory), "
         "PRETUNER_SIM_TIME_SCALE (1: the emulated card's own speed); CUDA_VISIBLE_DEVICES as "
-        "CUDA reads it.")
-    p.add_argument("model_tag", nargs="?", default=None)
-    p.add_argument("--model", default=None)
-    p.add_argument("--host", default=None)
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--max-model-len", type=human_bytes, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=human_bytes, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        "CUDA reads it.", length=human_bytes)
     p.add_argument("--kv-cache-memory-bytes", type=human_bytes, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", "-q", default=None)
@@ -194,23 +179,18 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
     """argv after `vllm serve` + environment -> config; UsageError for what argparse accepts
     but the emulator cannot run."""
     args, dotted = _mm_limits(normalize_argv(argv))
-    ns, unknown = build_parser().parse_known_args(args)
-    model = ns.model or ns.model_tag
-    if not model:
-        raise UsageError("a model is required: vllm serve MODEL [options]")
+    ns, model, ignored = parse_known(build_parser(), args,
+                                     "a model is required: vllm serve MODEL [options]")
     profile = env.get(ENV["profile"]) or DEFAULT_CUDA_PROFILE
     if profile not in CUDA_PROFILES:
         raise UsageError(f"{ENV['profile']}={profile!r} is not a CUDA profile; choose one of: "
                          f"{', '.join(CUDA_PROFILES)}")
-    try:
-        sim_seed = int(env.get(ENV["seed"]) or DEFAULT_SEED)
-        startup = float(env.get(ENV["startup_s"]) or DEFAULT_STARTUP_S)
-        occupied = int(env.get(ENV["occupied_mib"]) or 0)
-        host = env.get(ENV["host_mib"])
-        host_mib = int(host) if host else None
-        scale = float(env.get(ENV["time_scale"]) or 1.0)
-    except ValueError as err:
-        raise UsageError(f"bad emulator setting: {err}") from None
+    knobs = env_values(env, {"seed": (ENV["seed"], DEFAULT_SEED),
+                             "startup_s": (ENV["startup_s"], DEFAULT_STARTUP_S),
+                             "occupied_mib": (ENV["occupied_mib"], 0),
+                             "host_mib": (ENV["host_mib"], None),
+                             "time_scale": (ENV["time_scale"], 1.0)})
+    host_mib = knobs["host_mib"]
     return V1Config(
         model=model, host=ns.host, port=ns.port,
         served_names=tuple(ns.served_model_name or (model,)),
@@ -220,13 +200,14 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
         block_size=ns.block_size, tp=ns.tensor_parallel_size,
         kv_cache_dtype=KV_DTYPES[ns.kv_cache_dtype], enforce_eager=ns.enforce_eager,
         load_format=ns.load_format, seed=ns.seed if ns.seed is not None else 0,
-        non_default=_non_default(ns, model, _given(args)), profile=profile, sim_seed=sim_seed,
-        startup_s=max(0.0, startup), occupied_mib=max(0, occupied),
+        non_default=_non_default(ns, model, _given(args)), profile=profile,
+        sim_seed=knobs["seed"], startup_s=max(0.0, knobs["startup_s"]),
+        occupied_mib=max(0, knobs["occupied_mib"]),
         visible=_visible(env.get("CUDA_VISIBLE_DEVICES")), env=dict(env),
-        ignored=tuple(unknown), image_limit=image_limit(ns.limit_mm_per_prompt, dotted),
+        ignored=ignored, image_limit=image_limit(ns.limit_mm_per_prompt, dotted),
         mm_processor_cache_gib=(4.0 if ns.mm_processor_cache_gb is None
                                 else max(0.0, ns.mm_processor_cache_gb)),
         quantization=ns.quantization,
         cpu_offload_gib=max(0.0, ns.cpu_offload_gb), swap_space_gib=max(0.0, ns.swap_space),
         host_mib=host_mib if host_mib is None else max(1, host_mib),
-        time_scale=max(0.0, scale))
+        time_scale=max(0.0, knobs["time_scale"]))

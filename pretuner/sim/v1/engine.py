@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pretuner.sim.loop import EngineThread, Throughput
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted
 from pretuner.sim.v1.memory import Alloc, first_failure, peak_of
@@ -99,7 +100,7 @@ def print_fatal(log: L.V1Log, core: EngineCore, result: StepResult) -> None:
              f"SchedulerOutput(total_num_scheduled_tokens={result.tokens})", level="ERROR")
     log.core("dump_input.py:81", f"Dumping scheduler stats: SchedulerStats(num_running_reqs="
              f"{len(sched.running)}, num_waiting_reqs={len(sched.waiting)}, kv_cache_usage="
-             f"{sched.used_blocks() / max(1, sched.limits.num_blocks)})", level="ERROR")
+             f"{sched.used_blocks / max(1, sched.limits.num_blocks)})", level="ERROR")
     log.block(L.CORE, "ERROR", L.WHERE_FATAL,
               L.fatal_step_lines(result.oom or "", result.gate_up_width))
     log.block(L.API, "ERROR", "async_llm.py:704", L.dead_handler_lines())
@@ -117,35 +118,22 @@ class EngineDead(RuntimeError):
     pass
 
 
-class Engine:
+class Engine(EngineThread):
     """The core in a thread: the HTTP handlers submit and wait."""
 
     def __init__(self, core: EngineCore, log: L.V1Log, level: Callable[[int], None],
                  step_s: Callable[[int], float]) -> None:
+        super().__init__("engine-core")
         self.core = core
         self.log = log
         self._level = level
         self._step_s = step_s
-        self._cond = threading.Condition()
         self._pending: dict[str, Pending] = {}
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="engine-core", daemon=True)
-        self._since = time.monotonic()
-        self._prompt_tokens = 0
-        self._generated = 0
+        self.tally = Throughput(METRICS_S)
 
     @property
     def dead(self) -> bool:
         return self.core.dead is not None
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join(timeout=5)
 
     def submit(self, req: Req) -> Pending:
         with self._cond:
@@ -201,20 +189,17 @@ class Engine:
 
     def _metrics(self, result: StepResult) -> None:
         """vLLM's periodic `Engine 000: ...` line, every METRICS_S while there is work."""
-        self._prompt_tokens += result.prefill_tokens
-        self._generated += result.rows
-        now = time.monotonic()
-        elapsed = now - self._since
-        if elapsed < METRICS_S:
+        self.tally.prompt_tokens += result.prefill_tokens
+        self.tally.generated += result.rows
+        rates = self.tally.due()
+        if rates is None:
             return
         sched = self.core.sched
-        usage = 100 * sched.used_blocks() / max(1, sched.limits.num_blocks)
-        self.log.api("loggers.py:273", f"Engine 000: Avg prompt throughput: "
-                     f"{self._prompt_tokens / elapsed:.1f} tokens/s, Avg generation throughput: "
-                     f"{self._generated / elapsed:.1f} tokens/s, Running: {len(sched.running)} "
-                     f"reqs, Waiting: {len(sched.waiting)} reqs, GPU KV cache usage: "
-                     f"{usage:.1f}%, Prefix cache hit rate: 0.0%")
-        self._since, self._prompt_tokens, self._generated = now, 0, 0
+        usage = 100 * sched.used_blocks / max(1, sched.limits.num_blocks)
+        self.log.api("loggers.py:273", f"Engine 000: Avg prompt throughput: {rates[0]:.1f} "
+                     f"tokens/s, Avg generation throughput: {rates[1]:.1f} tokens/s, Running: "
+                     f"{len(sched.running)} reqs, Waiting: {len(sched.waiting)} reqs, GPU KV "
+                     f"cache usage: {usage:.1f}%, Prefix cache hit rate: 0.0%")
 
     def _fail_all(self) -> None:
         with self._cond:

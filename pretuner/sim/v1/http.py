@@ -12,30 +12,23 @@ Access lines are uvicorn's, behind the APIServer prefix.
 
 from __future__ import annotations
 
-import json
 import queue
 import time
 import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from pretuner.sim.http import count_tokens, detokenize
+from pretuner.sim import http as front
+from pretuner.sim.http import detokenize, prompt_length, usage
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.chat import ChatError, chat_max_tokens, parse_chat
 from pretuner.sim.v1.engine import Engine, EngineDead, Pending
 from pretuner.sim.v1.mm import MMItem, VisionCard
 from pretuner.sim.v1.scheduler import Req
 
-_PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
-            503: "Service Unavailable"}
-
 
 @dataclass(frozen=True, slots=True)
-class ApiConfig:
-    served_names: tuple[str, ...]
-    model_root: str
-    max_model_len: int
+class ApiConfig(front.ApiConfig):
     vision: VisionCard | None = None
     dev_mode: bool = False  # VLLM_SERVER_DEV_MODE=1: the development routes exist
 
@@ -60,90 +53,38 @@ def length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str | 
     return None
 
 
-def prompt_length(prompt: object) -> int | None:
-    """Tokens of a prompt given as text or token ids (a batch of one); None when invalid."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        return len(prompt) if all(isinstance(t, int) for t in prompt) else None
-    return count_tokens(str(prompt)) if isinstance(prompt, str) else None
-
-
-class V1HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 2048  # uvicorn's backlog: a full load connects at once
-
+class V1HTTPServer(front.FrontServer):
     def __init__(self, addr: tuple[str, int], engine: Engine, api: ApiConfig,
                  log: L.V1Log) -> None:
-        super().__init__(addr, _Handler)
+        super().__init__(addr, _Handler, api, log)
         self.engine = engine
-        self.api = api
-        self.log = log
+        self.v1_api = api
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(front.Handler):
     server: V1HTTPServer
+    separators = (",", ":")
+    posts = ("/v1/completions", "/v1/chat/completions")
+    not_object = "the body is not a JSON object"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
-        return
+    def error_body(self, message: str, kind: str, code: int) -> dict[str, Any]:
+        return error_body(message, kind, code)
 
-    def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(code)
-        self.send_header("content-type", ctype)
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        host, port = self.client_address[:2]
-        self.server.log.uvicorn(f'{host}:{port} - "{self.command} {self.path} HTTP/1.1" '
-                                f"{code} {_PHRASES.get(code, '')}")
-
-    def _json(self, code: int, obj: dict[str, Any]) -> None:
-        self._send(code, json.dumps(obj, separators=(",", ":")).encode())
-
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
-        if self.path == "/health":
-            self._send(503 if self.server.engine.dead else 200, b"")
-        elif self.path == "/v1/models":
-            api = self.server.api
-            now = int(time.time())
-            self._json(200, {"object": "list", "data": [
-                {"id": name, "object": "model", "created": now, "owned_by": "vllm",
-                 "root": api.model_root, "parent": None, "max_model_len": api.max_model_len,
-                 "permission": []} for name in api.served_names]})
-        else:
-            self._json(404, {"detail": "Not Found"})
+    def health(self) -> None:
+        self._send(503 if self.server.engine.dead else 200, b"")
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        if self.path == "/reset_mm_cache" and self.server.api.dev_mode:
+        if self.path == "/reset_mm_cache" and self.server.v1_api.dev_mode:
             self.server.engine.reset_mm_cache()
             self._send(200, b"")
             return
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._json(404, {"detail": "Not Found"})
-            return
-        try:
-            body = json.loads(self.rfile.read(int(self.headers.get("content-length", "0")))
-                              or b"{}")
-            if not isinstance(body, dict):
-                raise ValueError("the body is not a JSON object")
-        except ValueError as err:
-            self._json(400, error_body(f"Invalid request body: {err}", "BadRequestError", 400))
-            return
+        super().do_POST()
+
+    def post(self, body: dict[str, Any]) -> None:
         if self.path == "/v1/chat/completions":
             self._chat(body)
         else:
             self._complete(body)
-
-    def _model(self, body: dict[str, Any]) -> str | None:
-        api = self.server.api
-        model = body.get("model", api.served_names[0])
-        if model not in api.served_names:
-            self._json(404, error_body(f"The model `{model}` does not exist.", "NotFoundError",
-                                       404))
-            return None
-        return str(model)
 
     def _complete(self, body: dict[str, Any]) -> None:
         model = self._model(body)
@@ -153,8 +94,8 @@ class _Handler(BaseHTTPRequestHandler):
         raw_max = body.get("max_tokens")
         max_tokens = 16 if raw_max is None else raw_max
         if prompt_len is None or not isinstance(max_tokens, int) or max_tokens < 1:
-            self._json(400, error_body("prompt must be a string or a list of token ids and "
-                                       "max_tokens a positive integer", "BadRequestError", 400))
+            self._error(400, "prompt must be a string or a list of token ids and max_tokens a "
+                        "positive integer")
             return
         rid = f"cmpl-{uuid.uuid4().hex[:16]}-0"
         pending = self._submit(rid, prompt_len, max_tokens, ())
@@ -166,30 +107,23 @@ class _Handler(BaseHTTPRequestHandler):
             self._stream(pending, model, with_usage)
             return
         generated = self._wait(pending)
-        if generated is None:
-            return
-        self._json(200, {
-            "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": detokenize(list(range(generated))),
-                         "logprobs": None, "finish_reason": "length", "stop_reason": None,
-                         "prompt_logprobs": None}],
-            "usage": usage(prompt_len, generated),
-        })
+        if generated is not None:
+            self._json(200, front.completion(rid, model, detokenize(list(range(generated))),
+                                             prompt_len, generated))
 
     def _chat(self, body: dict[str, Any]) -> None:
-        api = self.server.api
+        api = self.server.v1_api
         model = self._model(body)
         if model is None:
             return
         try:
             prompt = parse_chat(body, api.vision)
         except ChatError as err:
-            self._json(400, error_body(err.message, "BadRequestError", 400))
+            self._error(400, err.message)
             return
         max_tokens = chat_max_tokens(body, api.max_model_len, prompt.prompt_len)
         if max_tokens is None:
-            self._json(400, error_body("max_tokens must be a positive integer",
-                                       "BadRequestError", 400))
+            self._error(400, "max_tokens must be a positive integer")
             return
         rid = f"chatcmpl-{uuid.uuid4().hex[:16]}"
         pending = self._submit(rid, prompt.prompt_len, max_tokens, prompt.images)
@@ -209,7 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Length check, then the engine's queue; None once an error was answered."""
         too_long = length_error(self.server.api.max_model_len, prompt_len, max_tokens)
         if too_long is not None:
-            self._json(400, error_body(too_long, "BadRequestError", 400))
+            self._error(400, too_long)
             return None
         try:
             return self.server.engine.submit(Req(rid, prompt_len, max_tokens, mm=images))
@@ -225,11 +159,6 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return pending.req.generated
 
-    def _event(self, obj: dict[str, Any] | str) -> None:
-        data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-        self.wfile.write(f"data: {data}\n\n".encode())
-        self.wfile.flush()
-
     def _stream(self, pending: Pending, model: str, with_usage: bool) -> None:
         """Server-sent events, one per token; the headers go once the first token (or the
         engine's death) is known, so a request the engine never ran gets the plain 500."""
@@ -237,30 +166,23 @@ class _Handler(BaseHTTPRequestHandler):
         if first is None:
             self._json(500, DEAD_BODY)
             return
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream; charset=utf-8")
-        self.send_header("connection", "close")
-        self.end_headers()
-        self.close_connection = True
+        self._open_stream()
         req, created = pending.req, int(time.time())
         head = {"id": req.request_id, "object": "text_completion", "created": created,
                 "model": model}
         count: int | None = first
         while count is not None:
             last = count >= req.max_tokens
-            self._event({**head, "choices": [{
-                "index": 0, "text": detokenize([count - 1]), "logprobs": None,
-                "finish_reason": "length" if last else None, "stop_reason": None}]})
+            self._event(front.stream_choice(head, detokenize([count - 1]),
+                                            "length" if last else None))
             count = None if last else _next_token(pending)
         if pending.error is not None:
-            self._event(error_body(L.ENGINE_DEAD, "InternalServerError", 500))
+            self._event(DEAD_BODY)
         elif with_usage:
             self._event({**head, "choices": [], "usage": {
                 "prompt_tokens": req.prompt_len, "completion_tokens": req.generated,
                 "total_tokens": req.prompt_len + req.generated}})
-        self._event("[DONE]")
-        host, port = self.client_address[:2]
-        self.server.log.uvicorn(f'{host}:{port} - "POST /v1/completions HTTP/1.1" 200 OK')
+        self._close_stream()
 
 
 def _next_token(pending: Pending) -> int | None:
@@ -272,7 +194,3 @@ def _next_token(pending: Pending) -> int | None:
             if pending.done.is_set() and pending.error is not None:
                 return None
 
-
-def usage(prompt_len: int, generated: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_len, "total_tokens": prompt_len + generated,
-            "completion_tokens": generated, "prompt_tokens_details": None}

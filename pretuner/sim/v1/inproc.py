@@ -15,11 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.launch.images import LoadPhase, MMRequest, Request
-from pretuner.sim.inproc import Reply
+from pretuner.sim.argv import UsageError
+from pretuner.sim.http import ANY_HOST, Reply, access_line
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images
-from pretuner.sim.v1.config import UsageError, V1Config, parse
+from pretuner.sim.v1.config import V1Config, parse
 from pretuner.sim.v1.engine import EngineCore, print_fatal
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
@@ -31,6 +32,7 @@ from pretuner.sim.v1.server import (
     devices_for,
     print_ready,
     print_shutdown,
+    print_stopped,
 )
 from pretuner.units import MIB
 
@@ -126,8 +128,7 @@ class _Client:
     def reply(self, status: int, prompt: int | None = None, completion: int | None = None,
               error: str | None = None, path: str = "/v1/completions") -> Reply:
         self.port += 1
-        phrase = {200: "OK", 400: "Bad Request", 500: "Internal Server Error"}[status]
-        self.log.uvicorn(f'127.0.0.1:{self.port} - "POST {path} HTTP/1.1" {status} {phrase}')
+        self.log.uvicorn(access_line("127.0.0.1", self.port, "POST", path, status))
         return Reply(status, prompt, completion, error)
 
 
@@ -206,8 +207,7 @@ def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave, mml: i
         status = 200 if client.dev_mode else 404
         if core.dead is None and core.mm is not None and client.dev_mode:
             core.mm.reset()
-        phrase = "OK" if status == 200 else "Not Found"
-        rec.log.uvicorn(f'127.0.0.1:40000 - "POST /reset_mm_cache HTTP/1.1" {status} {phrase}')
+        rec.log.uvicorn(access_line("127.0.0.1", 40000, "POST", "/reset_mm_cache", status))
     return [replies[i] for i in range(len(wave.requests))], status
 
 
@@ -242,7 +242,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
         rec.peaks["stop"] = rec.floor_mib
         return V1InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
     core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-    print_ready(log, cfg.host or "0.0.0.0", cfg.port)  # noqa: S104 - the address it would print
+    print_ready(log, cfg.host or ANY_HOST, cfg.port)
     client = _Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
     clock = booted.clock
@@ -270,9 +270,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     rec.phase = "stop"
     rec.level(core.level_bytes)
     print_shutdown(log, "SIGTERM")
-    for line in ("Shutting down", "Waiting for application shutdown.",
-                 "Application shutdown complete."):
-        log.uvicorn(line)
+    print_stopped(log)
     return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
                        dict(rec.last), reset, first_ttft_s=ttft, first_decode_s=decode,
                        load_s=load_s, load_tokens=generated)

@@ -57,10 +57,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, TypeVar
 
 from pretuner.models.spec import ModelSpec
 from pretuner.sim.kvcache import CacheLayout, cache_layout
 from pretuner.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.1] (seed != 0)
 DEFAULT_SEED = 0
@@ -133,12 +139,17 @@ _FIXED = frozenset({"sampler_copies", "step_hidden", "profile_hidden"})  # shape
 
 def perturbed(seed: int, base: Coefficients | None = None) -> Coefficients:
     """`base` (seed 0: exactly) or each size scaled by a seeded factor in [1 - P, 1 + P]."""
-    base = base or Coefficients()
+    return perturb(base or Coefficients(), f"pretuner-sim-v1-coefficients-{seed}", seed, _FIXED)
+
+
+def perturb(base: T, key: str, seed: int, fixed: frozenset[str] = frozenset()) -> T:
+    """Seed 0: `base` exactly; else each field but `fixed` scaled within +-PERTURBATION by a
+    generator seeded with `key`."""
     if seed == DEFAULT_SEED:
         return base
-    rng = random.Random(f"pretuner-sim-v1-coefficients-{seed}")  # noqa: S311 - not crypto
+    rng = random.Random(key)  # noqa: S311 - not crypto
     changes = {f.name: getattr(base, f.name) * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
-               for f in fields(base) if f.name not in _FIXED}
+               for f in fields(base) if f.name not in fixed}
     return replace(base, **changes)
 
 
@@ -212,11 +223,6 @@ class V1Card:
         s = self.spec
         per_token = 3 * s.intermediate_size / self.tp + self.coeffs.profile_hidden * s.hidden_size
         return int(batched_tokens * s.dtype_bytes * per_token)
-
-    def profile_non_kv_bytes(self, batched_tokens: int) -> int:
-        """Profiling's non-KV figure: weights + persistent + the dummy step's activation."""
-        return (self.weights_bytes + self.persistent_bytes
-                + self.profile_activation_bytes(batched_tokens))
 
     def base_bytes(self, context_bytes: int) -> int:
         """Process memory after profiling, before the KV cache."""

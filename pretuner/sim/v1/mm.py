@@ -39,9 +39,8 @@ it belongs to is not certain: the fit is the 8B one, as issue 18 reads it.
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 from pretuner.models.vision import (
     VLLM_DEFAULT_MM_LIMIT,
@@ -52,7 +51,7 @@ from pretuner.models.vision import (
     max_image_tokens,
     profiled_images,
 )
-from pretuner.sim.v1.memory import PERTURBATION, round_alloc
+from pretuner.sim.v1.memory import perturb, round_alloc
 
 FRAG_CLASS_TOKENS = 512  # images whose tokens differ by less share torch's cached blocks
 
@@ -68,13 +67,7 @@ class VisionCoefficients:
 
 def perturbed_vision(seed: int) -> VisionCoefficients:
     """Seed 0: exactly the calibration; else each coefficient scaled within +-PERTURBATION."""
-    base = VisionCoefficients()
-    if seed == 0:
-        return base
-    rng = random.Random(f"pretuner-sim-v1-vision-{seed}")  # noqa: S311 - not crypto
-    return replace(base, **{f.name: getattr(base, f.name)
-                            * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
-                            for f in fields(base)})
+    return perturb(VisionCoefficients(), f"pretuner-sim-v1-vision-{seed}", seed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,6 @@ from pretuner.models.spec import ModelSpec
 from pretuner.units import GIB, MIB
 
 HOST_ENV = "PRETUNER_SIM_HOST_MIB"
-TIME_SCALE_ENV = "PRETUNER_SIM_TIME_SCALE"
 PROCESS_HOST_MIB = 5 * 1024  # API server + EngineCore + torch + tokenizer, resident on the host
 HOST_SYSTEM_SHARE = 0.03  # what the system and page cache keep of the host's memory
 SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host total

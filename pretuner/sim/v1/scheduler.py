@@ -19,26 +19,16 @@ The rules kept from V1 (what decides memory and admission; prefix caching is lef
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
+from pretuner.sim.loop import SchedulerBase, SeqBase, blocks_for
 from pretuner.sim.v1.mm import MMItem, MMState
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 @dataclass
-class Req:
-    """One request as the scheduler tracks it."""
+class Req(SeqBase):
+    """A V1 request: it may be preempted, and carry images."""
 
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    computed: int = 0  # tokens whose KV is in the cache
-    generated: int = 0
-    blocks: int = 0
     preemptions: int = 0
     mm: tuple[MMItem, ...] = ()  # its images, by offset
     encoded: set[str] = field(default_factory=set)  # images whose outputs it holds
@@ -46,10 +36,6 @@ class Req:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.generated
-
-    @property
-    def done(self) -> bool:
-        return self.generated >= self.max_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,20 +74,11 @@ class Plan:
         return sum(n for r, n in self.scheduled if r.computed < r.prompt_len)
 
 
-class Scheduler:
+class Scheduler(SchedulerBase[Req]):
     def __init__(self, limits: Limits, mm: MMState | None = None) -> None:
+        super().__init__(limits.num_blocks)
         self.limits = limits
         self.mm = mm
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.free_blocks = limits.num_blocks
-
-    def add(self, req: Req) -> None:
-        self.waiting.append(req)
-
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
 
     def _preempt(self, victim: Req, plan: Plan) -> None:
         self.running.remove(victim)
@@ -203,6 +180,3 @@ class Scheduler:
                 req.blocks = 0
                 finished.append(req)
         return finished
-
-    def used_blocks(self) -> int:
-        return self.limits.num_blocks - self.free_blocks

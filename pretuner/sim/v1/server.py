@@ -16,9 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pretuner.sim.argv import serve_main
+from pretuner.sim.http import ANY_HOST, print_routes, uvicorn_started
+from pretuner.sim.state import Published, state_dir
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, boot
-from pretuner.sim.v1.config import UsageError, V1Config, build_parser, parse
+from pretuner.sim.v1.config import V1Config, build_parser, parse
 from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
 from pretuner.sim.v1.memory import CUDA_PROFILES
@@ -69,14 +72,10 @@ class _Publisher:
         self.state = state
         self.devices = devices
         self.stop = stop
-        self.paths: list[Path] = []
-        self._lock = threading.Lock()
-        self._gone = False
+        self.files = Published()
 
     def level(self, process_bytes: int) -> None:
-        with self._lock:
-            if not self._gone:
-                self.paths = publish(self.state, self.devices, os.getpid(), process_bytes)
+        publish(self.state, self.devices, os.getpid(), process_bytes, self.files)
         time.sleep(HOLD_S)
 
     def pause(self, seconds: float) -> None:
@@ -84,16 +83,11 @@ class _Publisher:
             raise Stopped
 
     def unpublish(self) -> None:
-        with self._lock:
-            self._gone = True
-            for path in self.paths:
-                path.unlink(missing_ok=True)
+        self.files.remove()
 
 
 class Server:
     def __init__(self, cfg: V1Config) -> None:
-        from pretuner.sim.state import state_dir
-
         self.cfg = cfg
         self.stop = StopFlag()
         self.log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET)
@@ -137,7 +131,7 @@ class Server:
 
     def _open(self, engine: Engine, booted: Booted) -> V1HTTPServer:
         cfg, log = self.cfg, self.log
-        host = cfg.host or "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
+        host = cfg.host or ANY_HOST
         api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
                         dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
         http = V1HTTPServer((host, cfg.port), engine, api, log)
@@ -149,21 +143,22 @@ class Server:
         engine.stop()
         http.shutdown()
         http.server_close()
-        self.log.uvicorn("Shutting down")
-        self.log.uvicorn("Waiting for application shutdown.")
-        self.log.uvicorn("Application shutdown complete.")
+        print_stopped(self.log)
 
 
 def print_ready(log: L.V1Log, host: str, port: int, dev: bool = False) -> None:
     """What the APIServer prints once the engine is up and the socket is open."""
     log.api("api_server.py:577", "Supported tasks: ['generate']")
     log.api("api_server.py:581", f"Starting vLLM server on http://{host}:{port}")
-    log.api("launcher.py:37", "Available routes are:")
-    for route, methods in ROUTES + (DEV_ROUTES if dev else ()):
-        log.api("launcher.py:46", f"Route: {route}, Methods: {methods}")
-    log.uvicorn(f"Started server process [{log.api_pid}]")
-    log.uvicorn("Waiting for application startup.")
-    log.uvicorn("Application startup complete.")
+    print_routes(log.api, ("launcher.py:37", "launcher.py:46"),
+                 ROUTES + (DEV_ROUTES if dev else ()))
+    uvicorn_started(log, log.api_pid)
+
+
+def print_stopped(log: L.V1Log) -> None:
+    for line in ("Shutting down", "Waiting for application shutdown.",
+                 "Application shutdown complete."):
+        log.uvicorn(line)
 
 
 def print_shutdown(log: L.V1Log, signal_name: str) -> None:
@@ -184,14 +179,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] != "serve":
         sys.stderr.write(USAGE)
         return 2
-    rest = args[1:]
-    if "-h" in rest or "--help" in rest:
-        build_parser().print_help()
-        return 0
-    try:
-        cfg = parse(rest, dict(os.environ))
-    except (UsageError, SystemExit) as err:
-        if isinstance(err, UsageError):
-            sys.stderr.write(f"vllm serve: error: {err}\n")
-        return 2
-    return Server(cfg).run()
+    return serve_main(args[1:], "vllm serve", build_parser, parse,
+                      lambda cfg: Server(cfg).run())

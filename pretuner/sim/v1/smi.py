@@ -3,13 +3,12 @@
 A running emulated vLLM server writes `$PRETUNER_SIM_STATE_DIR/cuda-gpu<i>-pid<pid>.json`
 (`{"pid": ..., "process_mib": ...}`) for each GPU it uses. A GPU's NVML `memory.used` is the
 profile's idle reservation + the tenant (`PRETUNER_SIM_OCCUPIED_MIB`) + every live server's
-process memory on it; entries of dead processes are ignored (`pretuner.sim.npusmi._alive`).
+process memory on it; entries of dead processes are ignored (`pretuner.sim.state.read_live`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import signal
 import sys
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from pretuner.sim.npusmi import TENANT_PID, _alive
+from pretuner.sim.state import TENANT_PID, Published, env_int, read_live, state_dir
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
 from pretuner.units import MIB
 
@@ -40,30 +39,24 @@ def state_path(state: Path, device: int, pid: int) -> Path:
     return state / f"cuda-gpu{device}-pid{pid}.json"
 
 
-def publish(state: Path, devices: Sequence[int], pid: int, process_bytes: int) -> list[Path]:
+def publish(state: Path, devices: Sequence[int], pid: int, process_bytes: int,
+            files: Published | None = None) -> list[Path]:
     """Write (atomically) this process's memory on each of its GPUs; returns the paths."""
-    state.mkdir(parents=True, exist_ok=True)
-    paths = []
+    files = files or Published()
     for device in devices:
-        path = state_path(state, device, pid)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"pid": pid, "process_mib": -(-process_bytes // MIB)}),
-                       encoding="utf-8")
-        os.replace(tmp, path)
-        paths.append(path)
-    return paths
+        files.write(state_path(state, device, pid),
+                    {"pid": pid, "process_mib": -(-process_bytes // MIB)})
+    return files.paths
 
 
 def _entries(state: Path, device: int) -> list[tuple[int, int]]:
     out = []
     for path in sorted(state.glob(f"cuda-gpu{device}-pid*.json")):
+        data = read_live(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            pid, mib = int(data["pid"]), int(data["process_mib"])
-        except (OSError, ValueError, KeyError, TypeError):
+            out += [(int(data["pid"]), int(data["process_mib"]))] if data else []
+        except (ValueError, KeyError, TypeError):
             continue
-        if _alive(pid):
-            out.append((pid, mib))
     return out
 
 
@@ -171,12 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`nvidia-smi [--query-gpu=F,... --format=csv[,noheader][,nounits]] [-i N] [-lms N]`;
     with `-lms N` (or `-l N` seconds) the output is printed again every N ms until SIGTERM or
     SIGINT, which end it quietly with 0."""
-    from pretuner.sim.state import state_dir
-
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
     profile = profile_from(env)
-    tenant = int(env.get("PRETUNER_SIM_OCCUPIED_MIB") or 0)
+    tenant = env_int(env, "PRETUNER_SIM_OCCUPIED_MIB")
     query, fmt, only, loop_ms = None, "", None, None
     it = iter(args)
     for arg in it:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from pretuner.launch.images import image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
-from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, VisionSpec
+from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.sim.kvcache import cache_layout
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
@@ -28,6 +28,7 @@ from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, KV_DTYPES, parse
 from pretuner.sim.v1.engine import EngineCore
+from pretuner.sim.v1.inproc import SimRequest, Wave, waves_of
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.scheduler import Req
 from pretuner.units import MIB
@@ -74,20 +75,10 @@ def _env(profile_name: str, seed: int, occupied_mib: int) -> dict[str, str]:
             ENV["occupied_mib"]: str(occupied_mib)}
 
 
-def _survives_images(booted: Booted, vision: VisionSpec, max_num_seqs: int, batched: int,
-                     images: Images) -> bool:
-    """The vision-language validation load (module docstring), soak included."""
-    from pretuner.sim.v1.inproc import Wave, waves_of
-
+def _survives(booted: Booted, max_num_seqs: int, batched: int, waves: list[Wave]) -> bool:
+    """Each wave through the engine (all at once, or `concurrency` in flight, then the cache
+    reset it asks for); False at the first step that runs out of memory."""
     core = EngineCore(booted, max_num_seqs, batched)
-    mml = booted.max_model_len
-    count = max(1, min(max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
-    shape = image_shape(vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
-                        else images.limit)
-    decode = min(VALIDATION_DECODE, max(1, mml // 2))
-    phases = validation_phases(shape, mml, decode, count, images.soak, images.seed,
-                               TEMPLATE_TOKENS)
-    waves: list[Wave] = waves_of(phases)
     ids = 0
     for wave in waves:
         todo = list(wave.requests)
@@ -107,23 +98,6 @@ def _survives_images(booted: Booted, vision: VisionSpec, max_num_seqs: int, batc
             live -= {req.request_id for req in result.finished}
         if wave.reset and core.mm is not None:
             core.mm.reset()
-    return True
-
-
-def _survives_load(booted: Booted, max_num_seqs: int, batched: int) -> bool:
-    """One max-length prompt alone, then as many at once as the KV cache holds."""
-    core = EngineCore(booted, max_num_seqs, batched)
-    mml = booted.max_model_len
-    concurrent = max(1, min(max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
-    for wave, count in enumerate((1, concurrent)):
-        for i in range(count):
-            core.sched.add(Req(f"truth-{wave}-{i}", mml - 1, 1))
-        for _ in range(MAX_STEPS):
-            result = core.step()
-            if result is None:
-                break
-            if result.oom is not None:
-                return False
     return True
 
 
@@ -167,9 +141,18 @@ def survives(spec: ModelSpec, argv: list[str], env: dict[str, str], max_num_seqs
     booted = boot(parse(argv, env), _Quiet(), spec=spec)
     if booted is None:
         return False
-    if images is not None and spec.vision is not None:
-        return _survives_images(booted, spec.vision, max_num_seqs, max_num_batched_tokens, images)
-    return _survives_load(booted, max_num_seqs, max_num_batched_tokens)
+    mml = booted.max_model_len
+    count = max(1, min(max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
+    if images is None or spec.vision is None:  # one max-length prompt, then `count` at once
+        one = SimRequest(mml - 1, 1)
+        return _survives(booted, max_num_seqs, max_num_batched_tokens,
+                         [Wave("probe", (one,)), Wave("load", (one,) * count)])
+    shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
+                        else images.limit)
+    decode = min(VALIDATION_DECODE, max(1, mml // 2))
+    phases = validation_phases(shape, mml, decode, count, images.soak, images.seed,
+                               TEMPLATE_TOKENS)
+    return _survives(booted, max_num_seqs, max_num_batched_tokens, waves_of(phases))
 
 
 def util_outcome(spec: ModelSpec, profile_name: str, *, util: float, seed: int,

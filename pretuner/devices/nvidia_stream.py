@@ -36,6 +36,7 @@ LOOP_MS = round(FASTEST_INTERVAL_S * 1000)  # nvidia-smi prints as often as we s
 TERM_WAIT_S = 2.0  # after SIGTERM, before SIGKILL
 KILL_WAIT_S = 2.0
 DRAIN_S = 1.0  # how long the output of an exited nvidia-smi is waited for
+EXIT_WAIT_S = 5.0  # how long one whose output ended may take to be reaped (a loaded host)
 # A sample() this long after the previous one (a new launch, a reader left idle) returns the
 # latest rows, not the highest since then: those rows describe a time nobody was measuring.
 STALE_GAP_S = 1.0
@@ -120,6 +121,11 @@ class _Stream:
     def exit_code(self) -> int | None:
         """The exit code once nvidia-smi has exited (its output read); None while it runs."""
         code = self.proc.poll()
+        if code is None and self.eof:
+            # Its output has ended, so it is exiting: under load the kernel may not have
+            # reaped it yet, and a None here would read as "still looping, no rows yet".
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self.proc.wait(EXIT_WAIT_S)
         if code is None:
             return None
         self.thread.join(DRAIN_S)  # the rest of its output

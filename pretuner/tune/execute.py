@@ -153,9 +153,10 @@ def run_launch(
             pass
         except ServerFailedError as err:
             failure = err
-        # A server that dropped a request is often still dying: a moment lets a crash be
-        # named one (its exit code) instead of an error answer.
-        exited = proc.poll_settled(CRASH_SETTLE_S if ok < total else 0.0)
+        # A server that dropped a request, or whose log just said out of memory, is often
+        # still dying: a moment lets a crash be named one (its own exit code) instead of a
+        # server pretuner stopped.
+        exited = proc.poll_settled(CRASH_SETTLE_S if ok < total or seen else 0.0)
         phase("stop", "SIGTERM to the process group, waiting for it to exit"
               + ("" if ctx.hooks else " (and write its memory-pool dump)"))
         s0 = time.monotonic()

@@ -140,7 +140,8 @@ def test_a_kv_the_budget_refuses_dies_at_start_up_and_is_backed_off_from(
     assert failed.kind is OutcomeKind.OOM_AT_START
     assert failed.oom_alloc_bytes == pinned  # the KV cache itself, refused whole
     assert "DefaultCPUAllocator: can't allocate memory" in (failed.oom_text or "")
-    assert failed.server_exit_code is not None
+    # Died of it, or was stopped once its log said so (None: vLLM's API server outlives its
+    # EngineCore by seconds, and pretuner stops a launch on the OOM line, as on CUDA).
     assert failed.server_exit_code != 0
     peak = max(failed.device_peaks_mib.values())
     assert 300 < peak < BUDGET_MIB  # sampled up to the refusal: all of it non-KV

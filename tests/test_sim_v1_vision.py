@@ -263,8 +263,10 @@ class Server:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, self.log()
-            m = re.search(r"Starting vLLM server on http://127\.0\.0\.1:(\d+)", self.log())
-            if m:
+            text = self.log()
+            m = re.search(r"Starting vLLM server on http://127\.0\.0\.1:(\d+)", text)
+            # Ready once uvicorn says so: the routes are logged between the two lines.
+            if m and "Application startup complete." in text:
                 self.port = int(m.group(1))
                 return
             time.sleep(0.02)

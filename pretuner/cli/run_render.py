@@ -106,7 +106,6 @@ def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
         "method": "r0.1",
         "engine": d.engine.name,
         "engine_reason": d.engine.reason,
-        "backend": d.engine.server,  # what serves (report.json's `backend`)
         "simulated": d.engine.simulated,
         "card_gib": d.card.card_gib,
         "card_source": d.card.source,

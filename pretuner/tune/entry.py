@@ -1,4 +1,12 @@
-"""`run_tuning(opts)`: the entrypoint behind `pretuner run` (typed config in, result out)."""
+"""`run_tuning(opts)`: the entrypoint behind `pretuner run` (typed config in, result out).
+
+One pipeline for every engine: the registry names the engine (`pretuner.engines.registry`),
+the run folder and its journal are opened, orphans of an earlier run are stopped, the engine's
+family picks the tuning method (r0.1: `_setup` here and `tune.loop.Tuner`; V1: `tune.v1`), the
+method's proof runs under full load, and one typed report and the start files are written.
+What does not depend on the engine lives here or in the modules it calls, once: resume, dry run,
+the busy-device refusal, `--serve-cmd`, provenance, redaction, exit codes.
+"""
 
 from __future__ import annotations
 

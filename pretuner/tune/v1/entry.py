@@ -1,5 +1,5 @@
-"""`pretuner run` for a V1 engine: its setup (engine, device, layout, launch context), the
-journaled loop, and the run's files."""
+"""The pinned-KV method's setup (engine, device, layout, launch context) and its journaled
+loop: the V1 family's half of the one pipeline in `pretuner.tune.entry`."""
 
 from __future__ import annotations
 

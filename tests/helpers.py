@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -163,6 +164,16 @@ def processes_holding(path: Path) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def wait_for(path: Path, text: str, timeout: float = 60) -> None:
+    """Until `text` appears in the file at `path` (a log, a captured stderr)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 def default_sigint() -> None:

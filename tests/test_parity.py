@@ -1,5 +1,5 @@
 """Capabilities of the pipeline, the same on every engine (ARCHITECTURE.md rule 1): a busy
-card, a `--serve-cmd` wrapper, the dry run. One scenario table, run over the r0.1 engine and
+card, a `--serve-cmd` wrapper, the dry run, the block size, Ctrl-C and --resume. One scenario table, run over the r0.1 engine and
 every V1 engine, all on the emulated card (no stack installed here); vLLM on CPU runs the same
 scenarios for real in the engine tier (tests/test_vllm_cpu.py)."""
 
@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import cli_env, invoke, run_cli
+from tests.helpers import cli_env, default_sigint, invoke, processes_holding, run_cli, wait_for
 
 # engine -> (its emulated card's --card, the emulated server a wrapper hands over to)
 ENGINES = {
@@ -96,3 +98,34 @@ def test_a_block_size_given_is_kept_and_one_not_given_is_the_engines(
     argv = first["argv"]
     shown = int(argv[argv.index("--block-size") + 1]) if "--block-size" in argv else None
     assert shown in (launched, None if given is None else launched)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_ctrl_c_while_the_server_loads_then_resume(tmp_path: Path, engine: str) -> None:
+    card, _ = ENGINES[engine]
+    out = tmp_path / "r"
+    env = cli_env(PRETUNER_SIM_STARTUP_S="1.5")  # a server that takes a moment to load
+    argv = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--engine", engine,
+            "--card", str(card), "--max-model-len", "4096", "--min-model-len", "4096",
+            "--out", str(out)]
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as err:
+        run = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                               stdin=subprocess.DEVNULL, preexec_fn=default_sigint)
+        try:
+            wait_for(stderr_path, " loading ")
+            run.send_signal(signal.SIGINT)
+            code = run.wait(timeout=60)
+        finally:
+            if run.poll() is None:
+                run.kill()
+    said = stderr_path.read_text(encoding="utf-8")
+    assert code == 130, said
+    assert said.strip().splitlines()[-1] == (
+        f"pretuner: interrupted; resume with: pretuner run --resume {out}")
+    for log in out.glob("launch-*/server.log"):
+        assert processes_holding(log) == [], f"a server of {log} survived pretuner"
+    resumed = run_cli("run", "--resume", str(out), "--json", env=env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["validated"] is True

@@ -23,20 +23,13 @@ from pretuner.launch.process import ServerProcess
 from pretuner.procgroups import report_stops_to
 from pretuner.tune.ownership import DiskFullError, FolderInUseError, lock_folder
 from pretuner.tune.record import RunRecord
-from tests.helpers import cli_env, invoke, processes_holding, run_cli
+from tests.helpers import cli_env, invoke, processes_holding, run_cli, wait_for
 
 FAKE = Path(__file__).parent / "fakes" / "fake_server.py"
 RUN = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--card", "64"]
 needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
-def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 def _gone(pid: int, timeout: float = 15) -> bool:
@@ -76,8 +69,8 @@ def _interrupted_run(tmp_path: Path, env: dict[str, str]) -> tuple[Path, Path]:
         pt = subprocess.Popen([*RUN, "--out", str(out)], env=env, stdout=subprocess.DEVNULL,
                               stderr=err, stdin=subprocess.DEVNULL)  # fmt: skip
         try:
-            _wait_for(stderr_path, " loading ")
-            _wait_for(out / "launch-1" / PID_FILE, "pgid")
+            wait_for(stderr_path, " loading ")
+            wait_for(out / "launch-1" / PID_FILE, "pgid")
             pt.send_signal(signal.SIGKILL)
             pt.wait(timeout=30)
         finally:

@@ -9,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from tests.helpers import (
     invoke,
     processes_holding,
     run_cli,
+    wait_for,
 )
 
 
@@ -198,13 +198,6 @@ def test_out_folder_is_never_overwritten(tmp_path: Path) -> None:
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def _wait_for(path: Path, text: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{text!r} never appeared in {path}")
 
 
 @pytest.mark.slow
@@ -220,7 +213,7 @@ def test_ctrl_c_leaves_no_orphan_and_resumes(tmp_path: Path, phase: str) -> None
                               stdin=subprocess.DEVNULL, preexec_fn=default_sigint)  # fmt: skip
         try:
             marker = {"loading": " loading ", "probe": " probe ", "validate": " load "}[phase]
-            _wait_for(stderr_path, marker)
+            wait_for(stderr_path, marker)
             pt.send_signal(signal.SIGINT)
             code = pt.wait(timeout=60)
         finally:

@@ -105,6 +105,8 @@ class Engine(Protocol):
     @property
     def family(self) -> Family: ...  # which tuning method sizes its KV cache
     @property
+    def device(self) -> str: ...  # what it runs on, emulated or not: cuda, ascend, cpu
+    @property
     def device_kind(self) -> str: ...  # the DeviceReader kind: cuda, ascend, cpu, emulated
     @property
     def simulated(self) -> bool: ...  # the emulator stands in for the real server

@@ -78,6 +78,10 @@ class R01Engine:
         return MINDSPORE_CPU if self.name == MINDSPORE_CPU else "vllm-mindspore"
 
     @property
+    def device(self) -> str:
+        return "cpu" if self.name == MINDSPORE_CPU else "ascend"
+
+    @property
     def device_kind(self) -> str:
         if self.simulated:
             return "emulated"

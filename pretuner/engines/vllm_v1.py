@@ -166,6 +166,10 @@ class V1Engine:
         return self.row.name
 
     @property
+    def device(self) -> str:
+        return self.row.device  # the emulated server stands in on an emulated CUDA card
+
+    @property
     def device_kind(self) -> str:
         return "emulated" if self.simulated else self.row.device
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pretuner.devices.base import DeviceReader, Holding, holders
+from pretuner.engines.base import Engine
 from pretuner.errors import CardBusyError
 
 # The most an idle card's driver and firmware take, as a share of the card: 5 % on a 910B3
@@ -82,12 +83,13 @@ DEVICE_WORDS = {"cuda": ("GPU", "CUDA_VISIBLE_DEVICES", "nvidia-smi"),
                 "ascend": ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "npu-smi info")}
 
 
-def refuse_busy_devices(reader: DeviceReader | None, util: float, source: str,
-                        kind: str) -> None:
+def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float) -> None:
     """Before the first launch of an engine that checks its share of the device at start-up
     (vLLM's V1 worker refuses to start when less than `util` x total is free): a device that
     cannot give that share because other processes hold its memory is busy (exit 8, with the
     MiB in use and the pids where the tool lists them), not a model that does not fit."""
+    kind = engine.device
+    source = f"{reader.name if reader is not None else 'no reader'}, before the run"
     sample = reader.sample() if reader is not None else None
     if sample is None or kind not in DEVICE_WORDS:
         return  # a budgeted CPU "card" holds nothing before its server starts

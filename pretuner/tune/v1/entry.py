@@ -236,10 +236,7 @@ def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
     if setup.ctx.device_reader is None:
         phase("device", "no device memory reader here: the engine's own profiling will be "
               "pinned, nothing measured beyond it")
-    kind = "cuda" if setup.engine.simulated else setup.engine.row.device
-    refuse_busy_devices(setup.ctx.device_reader, setup.cfg.util,
-                        f"{setup.ctx.device_reader.name if setup.ctx.device_reader else ''} "
-                        "before the run", kind)
+    refuse_busy_devices(setup.engine, setup.ctx.device_reader, setup.cfg.util)
     tuner = V1Tuner(setup.cfg, recorded_executor(record, setup.ctx, phase), phase,
                     on_decision=lambda d: record.append("decision", **d))
     tuner.decide("layout", setup.layout_reason, tp=setup.cfg.tp, pp=setup.cfg.pp)

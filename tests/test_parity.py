@@ -129,3 +129,14 @@ def test_ctrl_c_while_the_server_loads_then_resume(tmp_path: Path, engine: str) 
     resumed = run_cli("run", "--resume", str(out), "--json", env=env, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(resumed.stdout)["validated"] is True
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_a_dry_run_never_shows_a_secret(engine: str, as_json: bool) -> None:
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run",
+                  *(["--json"] if as_json else []),
+                  "--serve-cmd", "my-serve --api-key s3cret-value")
+    assert proc.returncode == 0, proc.stderr
+    assert "s3cret-value" not in proc.stdout + proc.stderr
+    assert "<redacted>" in proc.stdout

@@ -272,11 +272,8 @@ def run_cmd(
         dry_run_json,
         render_dry_run,
         render_summary,
-        render_v1_dry_run,
-        v1_dry_run_json,
     )
-    from pretuner.engines.base import Family
-    from pretuner.engines.registry import choose_engine, engine_of_backend
+    from pretuner.engines.registry import engine_of_backend
     from pretuner.launch.process import install_signal_handlers
     from pretuner.procgroups import report_stops_to
     from pretuner.tune.entry import RunOptions, dry_run, run_tuning
@@ -327,18 +324,11 @@ def run_cmd(
         enforce_eager=enforce_eager,
         min_tokens_per_s=min_tokens_per_s,
     )
-    chosen = choose_engine(opts.engine) if dry else None
-    if chosen is not None and chosen.family is Family.V1 and as_json:
-        echo_json(v1_dry_run_json(opts))
+    if dry and as_json:
+        echo_json(dry_run_json(dry_run(opts), ray_address))
         return
-    if chosen is not None and chosen.family is Family.V1:
-        typer.echo(render_v1_dry_run(opts))
-        return
-    if chosen is not None and as_json:
-        echo_json(dry_run_json(dry_run(opts, chosen.r01()), ray_address))
-        return
-    if chosen is not None:
-        typer.echo(render_dry_run(dry_run(opts, chosen.r01())))
+    if dry:
+        typer.echo(render_dry_run(dry_run(opts)))
         if ray_address:
             typer.echo(RAY_DRY_RUN.format(address=ray_address))
         return

@@ -9,7 +9,6 @@ from typing import Any
 
 from pretuner.cli.render import table
 from pretuner.engines.base import LaunchSettings
-from pretuner.engines.registry import choose_engine
 from pretuner.launch.images import worst_case_images
 from pretuner.presets.compare import preset_line
 from pretuner.report.records import (
@@ -20,9 +19,9 @@ from pretuner.report.records import (
     device_words,
     kv_words,
 )
-from pretuner.tune.entry import DryRun, RunOptions
+from pretuner.tune.entry import DryRun
 from pretuner.tune.report import SIM_NOTE, kv_asked, step_peak_mib
-from pretuner.tune.v1.entry import V1Setup, first_launch, v1_setup
+from pretuner.tune.v1.entry import V1Setup
 from pretuner.tune.v1.report_sections import summary_lines
 
 SIM_BANNER = f"*** {SIM_NOTE} ***"
@@ -35,18 +34,17 @@ RAY_DRY_RUN = (
 )
 
 
-def v1_dry_run_json(opts: RunOptions) -> dict[str, Any]:
-    """`run --dry-run --json` for a V1 engine: what the first launch would be, as data."""
-    setup = v1_setup(opts, choose_engine(opts.engine))
-    settings, cmd = first_launch(setup)
-    shown = cmd.redacted()
-    return {"dry_run": True, "method": "v1-pinned-kv", "engine": setup.choice.name,
-            "engine_reason": setup.choice.reason, "simulated": setup.engine.simulated,
-            "layout": setup.layout_reason,
-            "device_reader": setup.ctx.device_reader.name if setup.ctx.device_reader else None,
-            "first_launch": {"settings": settings.to_json(), "argv": shown.argv,
-                             "env": shown.env},
-            "images": _images_json(setup)}
+def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
+    """`run --dry-run --json`: what the first launch would be, as data (secrets redacted)."""
+    shown = d.command.redacted()
+    return {
+        "dry_run": True, "method": d.method, "engine": d.engine, "engine_reason": d.reason,
+        "simulated": d.simulated, "card_gib": d.card.card_gib, "card_source": d.card.source,
+        "free_mib": d.card.free_mib, "layout": d.layout_reason,
+        "device_reader": d.device_reader, "ray_address": ray_address,
+        "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
+        "images": _images_json(d.vision) if d.vision is not None else None,
+    }
 
 
 def _images_json(setup: V1Setup) -> dict[str, Any] | None:
@@ -60,21 +58,21 @@ def _images_json(setup: V1Setup) -> dict[str, Any] | None:
             "soak_requests": setup.soak.requests, "soak_minutes": setup.soak.minutes}
 
 
-def render_v1_dry_run(opts: RunOptions) -> str:
-    setup = v1_setup(opts, choose_engine(opts.engine))
-    settings, cmd = first_launch(setup)
-    lines = [SIM_BANNER] if setup.engine.simulated else []
+def render_dry_run(d: DryRun) -> str:
+    s = d.prerun
+    free = f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"
+    lines = [SIM_BANNER] if d.simulated else []
     lines += [
-        f"engine: {setup.choice.name} ({setup.choice.reason})",
-        f"layout: {setup.layout_reason}",
-        f"device reader: {setup.ctx.device_reader.name if setup.ctx.device_reader else 'none'}",
-        f"pre-run: {_prerun_kv(settings)}, max_model_len {settings.max_model_len:,}, "
-        f"max-num-seqs {settings.max_num_seqs}, "
-        f"max-num-batched-tokens {settings.max_num_batched_tokens:,}",
-        *_images_words(setup),
-        "first launch:",
-        "  " + " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items()),
-        "  " + shlex.join(cmd.argv),
+        f"engine: {d.engine} ({d.reason})",
+        f"card: {d.card.card_gib} GiB ({d.card.source}), free {free}",
+        f"layout: {d.layout_reason}",
+        f"device reader: {d.device_reader or 'none'}",
+        f"pre-run: {_prerun_kv(s)}, max_model_len {s.max_model_len:,}, "
+        f"max-num-seqs {s.max_num_seqs}, max-num-batched-tokens {s.max_num_batched_tokens:,}",
+        *(_images_words(d.vision) if d.vision is not None else []),
+        "launch 1 (pre-run) would be:",
+        f"  {d.command.shell_line()}",
+        f"then: {d.then}",
     ]
     return "\n".join(lines)
 
@@ -93,44 +91,11 @@ def _images_words(setup: V1Setup) -> list[str]:
 
 
 def _prerun_kv(s: LaunchSettings) -> str:
-    if s.kv_cache_bytes is None:
-        return f"util {s.util:g} (the engine profiles)"
-    return f"{s.kv_cache_bytes / 2**20:,.2f} MiB of KV pinned (one max-length sequence)"
-
-
-def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
-    """`run --dry-run --json` for the r0.1 method: what the first launch would be, as data."""
-    shown = d.command.redacted()
-    return {
-        "dry_run": True,
-        "method": "r0.1",
-        "engine": d.engine.name,
-        "engine_reason": d.engine.reason,
-        "simulated": d.engine.simulated,
-        "card_gib": d.card.card_gib,
-        "card_source": d.card.source,
-        "free_mib": d.card.free_mib,
-        "layout": d.layout_reason,
-        "ray_address": ray_address,
-        "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
-    }
-
-
-def render_dry_run(d: DryRun) -> str:
-    lines = []
-    if d.engine.simulated:
-        lines.append(SIM_BANNER)
-    lines += [
-        f"engine: {d.engine.name} ({d.engine.reason})",
-        f"card: {d.card.card_gib} GiB ({d.card.source}), free "
-        + (f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"),
-        f"layout: {d.layout_reason}",
-        "launch 1 (pre-run) would be:",
-        f"  {d.command.shell_line()}",
-        "then: read every rank's `actual peak used` after a graceful stop, derive, and validate "
-        "with max-num-seqs concurrent max-length requests (launch 2).",
-    ]
-    return "\n".join(lines)
+    if s.kv_cache_bytes is not None:
+        return f"{s.kv_cache_bytes / 2**20:,.2f} MiB of KV pinned (one max-length sequence)"
+    if s.model_use_gib:  # r0.1: the KV cache is what the two memory variables leave
+        return f"util {s.util:g}, vLLM_MODEL_MEMORY_USE_GB {s.model_use_gib}"
+    return f"util {s.util:g} (the engine profiles)"
 
 
 def render_summary(rep: RunReport, record: Path) -> str:

@@ -53,7 +53,13 @@ from pretuner.tune.ownership import (
 )
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.report import RunMeta, report_json, write_report
-from pretuner.tune.v1.entry import V1RunOutcome, tune_v1_recorded, v1_setup
+from pretuner.tune.v1.entry import (
+    V1RunOutcome,
+    V1Setup,
+    first_launch,
+    tune_v1_recorded,
+    v1_setup,
+)
 
 if TYPE_CHECKING:
     from pretuner.cluster.collector import RayCollectors
@@ -73,11 +79,19 @@ class RunOutcome:
 
 @dataclass(frozen=True, slots=True)
 class DryRun:
-    engine: R01Engine
+    """What a run's first launch would be, on any engine: nothing launched, nothing written."""
+
+    method: str  # "r0.1" or "v1-pinned-kv"
+    engine: str
+    reason: str  # why this engine (the registry's words)
+    simulated: bool
     card: CardInfo
+    layout_reason: str
+    device_reader: str | None
     prerun: LaunchSettings
     command: LaunchCommand
-    layout_reason: str
+    then: str  # what the run does after the pre-run
+    vision: V1Setup | None = None  # a vision-language model's images and soak (V1)
 
 
 def _check_lengths(max_len: int, min_len: int) -> None:
@@ -178,13 +192,33 @@ def _setup(opts: RunOptions, engine: R01Engine, card: CardInfo | None = None) ->
                     [*base, *(["--model", target.model] if model_as_flag else [target.model])])
 
 
-def dry_run(opts: RunOptions, engine: R01Engine) -> DryRun:
+def dry_run(opts: RunOptions) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
-    setup = _setup(opts, engine)
+    opts.check()
+    choice = choose_engine(opts.engine)
+    if choice.family is Family.V1:
+        v1 = v1_setup(opts, choice)
+        settings, command = first_launch(v1)
+        reader = v1.ctx.device_reader
+        card = CardInfo(v1.cfg.card_gib, None,
+                        "--card" if opts.card_gib is not None else "the device's size")
+        return DryRun("v1-pinned-kv", choice.name, choice.reason, choice.simulated, card,
+                      v1.layout_reason, reader.name if reader else None, settings, command,
+                      V1_THEN, v1 if v1.images is not None else None)
+    setup = _setup(opts, choice.r01())
     tuner = Tuner(setup.cfg, _no_launch, lambda phase, detail: None)
     settings = tuner.prerun_settings(prerun_util(setup.cfg), setup.cfg.max_model_len)
-    return DryRun(engine, setup.cfg.card, settings, setup.ctx.build(settings, 0),
-                  tuner.plan.layout_reason)
+    reader = setup.ctx.device_reader
+    return DryRun("r0.1", choice.name, choice.reason, choice.simulated, setup.cfg.card,
+                  tuner.plan.layout_reason, reader.name if reader else None, settings,
+                  setup.ctx.build(settings, 0), R01_THEN)
+
+
+R01_THEN = ("read every rank's `actual peak used` after a graceful stop, derive, and validate "
+            "with max-num-seqs concurrent max-length requests (launch 2).")
+V1_THEN = ("read the engine's own profile and the device's peak, pin --kv-cache-memory-bytes "
+           "below them by the measured margin, and validate with max-num-seqs concurrent "
+           "max-length requests (launch 2).")
 
 
 def _no_launch(settings: LaunchSettings) -> LaunchOutcome:

@@ -176,6 +176,12 @@ def wait_for(path: Path, text: str, timeout: float = 60) -> None:
     raise AssertionError(f"{text!r} never appeared in {path}")
 
 
+def first_launch_line(dry_run_text: str) -> str:
+    """The command line in `pretuner run --dry-run`'s text (env and argv, secrets redacted)."""
+    lines = dry_run_text.splitlines()
+    return lines[lines.index("launch 1 (pre-run) would be:") + 1]
+
+
 def default_sigint() -> None:
     """preexec_fn for a child a test interrupts with SIGINT: a shell's background job starts
     its children with SIGINT ignored, and Python then never raises KeyboardInterrupt."""

@@ -10,7 +10,7 @@ import typer
 
 from pretuner.cli.vocab import KvDtype, human_int, kv_dtype, read_vllm_config
 from pretuner.kvmath import KV_DTYPES
-from tests.helpers import invoke
+from tests.helpers import first_launch_line, invoke
 
 V1_DRY = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--dry-run")
 
@@ -75,7 +75,7 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) ->
     proc = invoke("run", "--engine", "vllm", "--config", str(cfg), "--max-num-seqs", "32",
                   "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.splitlines()[-1]
+    line = first_launch_line(proc.stdout)
     assert "--max-model-len 32768" in line
     assert "--gpu-memory-utilization 0.85" in line
     assert "--max-num-seqs 32" in line  # given on the command line: it wins

@@ -21,7 +21,7 @@ from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import DEFAULT_SOAK
-from tests.helpers import FinishedRun, invoke
+from tests.helpers import FinishedRun, first_launch_line, invoke
 
 ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
         "--max-model-len", "16384", "--max-num-seqs", "4", "--soak", "24",
@@ -168,7 +168,7 @@ def test_a_vllm_config_file_gives_the_image_flags(tmp_path: Path) -> None:
     proc = invoke("run", "--engine", "vllm", "--card", "64", "--config", str(cfg), "--dry-run",
                   "--max-model-len", "65536")
     assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.splitlines()[-1]
+    line = first_launch_line(proc.stdout)
     assert "--limit-mm-per-prompt '{\"image\":2,\"video\":0}'" in line
     assert "--mm-processor-cache-gb 0" in line
     assert "2 image(s) of 4096x4096 px" in proc.stdout

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.devices.npu_table import NpuCard, free_mib, parse_npu_smi, read_npu_smi
+from pretuner.devices.npu_smi import npu_smi_text
+from pretuner.devices.npu_table import NpuCard, free_mib, parse_npu_smi
 
 RULE = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 EQ = RULE.replace("-", "=")
@@ -118,6 +119,10 @@ def test_crlf_output() -> None:
 )
 def test_garbage_gives_no_cards(text: str) -> None:
     assert parse_npu_smi(text) == ()
+
+
+def read_npu_smi(executable: str, timeout_s: float = 10) -> tuple[NpuCard, ...]:
+    return parse_npu_smi(npu_smi_text([executable, "info"], timeout_s=timeout_s))
 
 
 def test_missing_executable_gives_no_cards(tmp_path: Path) -> None:

@@ -26,10 +26,12 @@ class CardInfo:
     holders: tuple[Holding, ...] = ()
 
 
-def npu_smi_text(argv: list[str], env: Mapping[str, str] | None = None) -> str:
-    """What an `npu-smi info` command prints; "" when it is missing or fails."""
+def npu_smi_text(argv: list[str], env: Mapping[str, str] | None = None,
+                 timeout_s: float = 30) -> str:
+    """What an `npu-smi info` command prints; "" when it is missing, fails or hangs."""
     try:
-        proc = subprocess.run(argv, capture_output=True, timeout=30, env=env, check=False)
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout_s, env=env, check=False)
     except (OSError, subprocess.TimeoutExpired) as err:
         log.debug("npu-smi not usable: %s", err)
         return ""

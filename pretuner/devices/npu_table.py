@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -119,34 +118,6 @@ def _sane(*digits: str) -> bool:
 def decode_output(raw: bytes | str) -> str:
     """npu-smi's output as text: bytes that are not UTF-8 become U+FFFD, never an error."""
     return raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")
-
-
-def read_npu_smi(executable: str = "npu-smi", timeout_s: float = 10) -> tuple[NpuCard, ...]:
-    """Run `npu-smi info` and parse it; () when it is missing, fails or hangs."""
-    try:
-        completed = subprocess.run(
-            [executable, "info"],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout_s,
-            check=False,
-        )
-    except FileNotFoundError:
-        log.debug("%s not found: no Ascend cards visible", executable)
-        return ()
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("could not run %s info: %s", executable, exc)
-        return ()
-    if completed.returncode != 0:
-        log.warning(
-            "%s info exited with code %d: %s",
-            executable,
-            completed.returncode,
-            completed.stderr.strip()[:500],
-        )
-    return parse_npu_smi(completed.stdout)
 
 
 def free_mib(card: NpuCard) -> int:

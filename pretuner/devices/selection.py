@@ -8,9 +8,6 @@ from pathlib import Path
 
 from pretuner.devices.base import DeviceReader
 
-# The kinds of device a backend runs on.
-KINDS = ("emulated", "ascend", "cuda", "cpu")
-
 
 def visible_devices(env: Mapping[str, str], variable: str, count: int) -> frozenset[int]:
     """The first `count` device indices the run uses: those listed in `variable`, else 0.."""

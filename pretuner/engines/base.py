@@ -47,12 +47,6 @@ class LaunchSettings:
         data["purpose"] = self.purpose.value
         return data
 
-    @property
-    def batched_policy(self) -> str:
-        if self.chunked_prefill:
-            return f"chunked prefill, {self.max_num_batched_tokens:,}-token steps"
-        return "whole-prompt prefill steps"
-
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LaunchSettings:
         fields = dict(data)

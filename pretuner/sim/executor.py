@@ -44,8 +44,7 @@ def inprocess_executor(
         n = next(counter)
         t0 = time.monotonic()
         cmd = build(settings, 0)
-        prefix = EMULATOR.server_command("r01")
-        argv = cmd.argv[len(prefix):] if cmd.argv[: len(prefix)] == prefix else cmd.argv
+        argv = EMULATOR.server_flags("r01", cmd.argv)
         count, plen, gen = workload(settings, decode_tokens)
         res = inproc.run(argv, cmd.env, [plen] * count, gen)
         folder = workdir / f"launch-{n}"

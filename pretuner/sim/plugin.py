@@ -61,6 +61,12 @@ class SimEmulator:
             env[f"{PREFIX}NODES"] = str(nodes)
         return {**env, **knobs}  # the knobs the user exported (another profile...) win
 
+    def server_flags(self, personality: Personality, argv: list[str]) -> list[str]:
+        """A launch's argv without the emulated server's command (what an in-process run
+        parses); a command that is not the emulator's (a --serve-cmd) is kept whole."""
+        prefix = self.server_command(personality)
+        return argv[len(prefix):] if argv[: len(prefix)] == prefix else argv
+
     def smi_command(self) -> list[str]:
         return [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
 

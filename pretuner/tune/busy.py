@@ -94,12 +94,13 @@ def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float
     if sample is None or kind not in DEVICE_WORDS:
         return  # a budgeted CPU "card" holds nothing before its server starts
     device_word, pick_hint, tool = DEVICE_WORDS[kind]
-    for d in sample.devices:
+    short = [d for d in sample.devices if d.total_mib - d.used_mib < int(util * d.total_mib)]
+    held = holders(reader) if short and reader is not None else ()  # one read, when it matters
+    for d in short:
         free_mib = d.total_mib - d.used_mib
         need_mib = int(util * d.total_mib)
         card_gib = round(d.total_mib / 1024)
-        held = holders(reader) if reader is not None else ()
-        if free_mib < need_mib and looks_busy(card_gib, free_mib, held):
+        if looks_busy(card_gib, free_mib, held):
             raise card_busy_error(
                 card_gib=card_gib, free_mib=free_mib, source=source, need_mib=need_mib,
                 holders=held, device_word=device_word, pick_hint=pick_hint, tool=tool,

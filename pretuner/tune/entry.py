@@ -194,8 +194,7 @@ def _setup(opts: RunOptions, engine: R01Engine, card: CardInfo | None = None) ->
 
 def dry_run(opts: RunOptions) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
-    opts.check()
-    choice = choose_engine(opts.engine)
+    choice = choose_engine(opts.engine)  # each setup checks the options
     if choice.family is Family.V1:
         v1 = v1_setup(opts, choice)
         settings, command = first_launch(v1)

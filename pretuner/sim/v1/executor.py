@@ -72,8 +72,7 @@ def inprocess_v1_executor(
         n = next(counter)
         t0 = time.monotonic()
         cmd = build(s, 0)
-        prefix = EMULATOR.server_command("v1")
-        argv = cmd.argv[len(prefix):] if cmd.argv[: len(prefix)] == prefix else cmd.argv
+        argv = EMULATOR.server_flags("v1", cmd.argv)
         if argv[:1] == ["serve"]:
             argv = argv[1:]
         plen: int | None

@@ -27,7 +27,7 @@ from pretuner.models import ModelSpec, local_model_path
 
 R01_COMMAND = ("python3", "-m", "vllm_mindspore.entrypoints", "vllm.entrypoints.openai.api_server")
 V03_COMMAND = ("vllm-mindspore", "serve")
-R01 = "vllm-mindspore-r01"  # the real engine (emulated where its stack or NPUs are missing)
+R01 = "vllm-mindspore-r01"  # the real engine (emulated where npu-smi shows no card)
 SIM = "sim"  # the emulated card, named
 MINDSPORE_CPU = "mindspore-cpu"  # real MindSpore on CPU serving the reference models
 NAMES = (R01, SIM, MINDSPORE_CPU)
@@ -83,9 +83,7 @@ class R01Engine:
 
     @property
     def device_kind(self) -> str:
-        if self.simulated:
-            return "emulated"
-        return "cpu" if self.name == MINDSPORE_CPU else "ascend"
+        return "emulated" if self.simulated else self.device
 
     @property
     def lengths(self) -> Lengths:

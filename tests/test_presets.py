@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.errors import BadInputError
-from pretuner.presets import (
+from pretuner.presets.model import (
     Preset,
     builtin_presets,
     check_preset,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pretuner.presets import builtin_presets
 from pretuner.presets.catalog import CATALOG_COMMAND, catalog_markdown
+from pretuner.presets.model import builtin_presets
 
 DOCS = Path(__file__).parent.parent / "docs" / "presets.md"
 

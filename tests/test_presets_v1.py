@@ -11,18 +11,25 @@ from typing import Any
 
 import pytest
 
-from pretuner.deploy.context import ScriptOptions
-from pretuner.deploy.context_v1 import config_entries, layout_flags, node_env
+from pretuner.deploy.context import ScriptOptions, config_entries, layout_flags, node_env
 from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
 from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
-from pretuner.presets import builtin_presets, check_preset, preset_from_report, preset_to_json
 from pretuner.presets.catalog import derivation_lines, kv_words
-from pretuner.presets.model import KvBasis, Preset, preset_from_dict
-from pretuner.presets.v1 import flag_value, split_command
+from pretuner.presets.model import (
+    KvBasis,
+    Preset,
+    builtin_presets,
+    check_preset,
+    flag_value,
+    preset_from_dict,
+    preset_from_report,
+    preset_to_json,
+    split_command,
+)
 from pretuner.redact import SecretArg
 from pretuner.report.records import PinnedDerivation, RunReport, read_report
 

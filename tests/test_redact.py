@@ -20,7 +20,7 @@ from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
 from pretuner.engines.base import LaunchCommand
 from pretuner.errors import BadInputError
-from pretuner.presets import get_preset
+from pretuner.presets.model import get_preset
 from pretuner.redact import (
     REDACTED,
     is_secret_name,

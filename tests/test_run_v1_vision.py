@@ -15,7 +15,7 @@ import pytest
 from pretuner.devices.series import parse_memory_tsv
 from pretuner.launch.images import image_shape, worst_case_images
 from pretuner.models import resolve
-from pretuner.presets import preset_from_report
+from pretuner.presets.model import preset_from_report
 from pretuner.report.records import RunReport, read_report
 from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives

@@ -19,7 +19,7 @@ from pretuner.deploy.context import ScriptOptions
 from pretuner.deploy.render import render_scripts, write_scripts
 from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
-from pretuner.presets import Preset, builtin_presets, get_preset, preset_from_report
+from pretuner.presets.model import Preset, builtin_presets, get_preset, preset_from_report
 from pretuner.report.records import RunReport, read_report
 from tests.helpers import cli_env, invoke
 

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.deploy.given import GivenValues, preset_from_values
-from pretuner.presets import check_preset, get_preset
-from pretuner.presets.model import PresetKind
+from pretuner.presets.model import PresetKind, check_preset, get_preset
 from tests.helpers import invoke
 
 # The DeepSeek-R1 W8A8 production deployment (2 nodes x 8 x 64 GB, TP16).

@@ -13,8 +13,12 @@ from typing import Any
 
 import pytest
 
-from pretuner.presets import check_preset, load_preset_file, preset_from_report
-from pretuner.presets.model import preset_from_dict
+from pretuner.presets.model import (
+    check_preset,
+    load_preset_file,
+    preset_from_dict,
+    preset_from_report,
+)
 from pretuner.report.records import RunReport, read_report
 from tests.helpers import V1_QWEN_80_8K, FinishedRun, invoke
 

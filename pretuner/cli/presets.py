@@ -37,8 +37,8 @@ def list_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print every preset's JSON, as a list."),
 ) -> None:
     """One line per preset."""
-    from pretuner.presets import all_presets, preset_to_json
-    from pretuner.presets.catalog import engine_words, kv_words
+    from pretuner.presets.catalog import kv_words
+    from pretuner.presets.model import all_presets, engine_words, preset_to_json
 
     if as_json:
         echo_json({"presets": [preset_to_json(p) for p in all_presets()]})
@@ -68,8 +68,8 @@ def show_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's JSON."),
 ) -> None:
     """A preset's configuration, source and derivation."""
-    from pretuner.presets import preset_to_json, resolve_preset
-    from pretuner.presets.catalog import derivation_lines, engine_words, kv_words
+    from pretuner.presets.catalog import derivation_lines, kv_words
+    from pretuner.presets.model import engine_words, preset_to_json, resolve_preset
 
     p = resolve_preset(name)
     if as_json:
@@ -100,7 +100,7 @@ def add_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's name and file."),
 ) -> None:
     """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
-    from pretuner.presets import all_presets, check_preset, preset_to_json, user_presets_dir
+    from pretuner.presets.model import all_presets, check_preset, preset_to_json, user_presets_dir
 
     p = preset_from_run_dir(run_dir)
     p = dataclasses.replace(p, name=name or p.name, date=datetime.date.today().isoformat())
@@ -131,8 +131,8 @@ def docs_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing file."),
 ) -> None:
     """The readable catalog (docs/presets.md)."""
-    from pretuner.presets import builtin_presets
     from pretuner.presets.catalog import catalog_markdown
+    from pretuner.presets.model import builtin_presets
 
     text = catalog_markdown(builtin_presets())
     if out is None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def preset_from_run_dir(run_dir: Path) -> Preset:
-    from pretuner.presets import preset_from_report
+    from pretuner.presets.model import preset_from_report
     from pretuner.report.records import FailureReport, read_report
 
     rep = read_report(Path(run_dir))
@@ -190,7 +190,7 @@ def script_cmd(
     from pretuner.deploy.context import ScriptOptions
     from pretuner.deploy.given import preset_from_values
     from pretuner.deploy.render import render_scripts, write_scripts
-    from pretuner.presets import resolve_preset
+    from pretuner.presets.model import resolve_preset
 
     if util is not None:
         v.finite("--util", util, example="0.9")

@@ -1,4 +1,9 @@
-"""What the startup scripts say, decided in pure Python; the templates only lay it out."""
+"""What the startup scripts say, decided in pure Python; the templates only lay it out.
+
+One context for every preset: an r0.1-family preset (its KV cache sized by vLLM-MindSpore's
+memory variables, for the `--engine-version` asked) or a pinned one (a V1 engine's
+`--kv-cache-memory-bytes`, with the server command its run proved). Only the words differ.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +14,24 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import (
     R01_COMMAND,
     V03_COMMAND,
     chunked_prefill_flag,
     server_kv_cache_dtype,
 )
+from pretuner.engines.vllm_v1 import DEFAULT_UTIL, NIC_VARS, RAY_RESOURCE, ROWS, V1Engine, V1Row
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
-from pretuner.presets.model import KvBasis, Preset, PresetKind
+from pretuner.presets.model import (
+    R01_MEMORY_VARS,
+    KvBasis,
+    Preset,
+    PresetKind,
+    engine_words,
+    flag_value,
+)
 from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
 from pretuner.units import GIB
 
@@ -39,8 +53,8 @@ class ScriptOptions:
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _BACKEND_VARS = ("vLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND")
-_MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")
-
+KV_FLAG = "--kv-cache-memory-bytes"
+RAY_BACKEND = ("--distributed-executor-backend", "ray")
 
 KIND_TAG = {
     PresetKind.MEASURED: "measured on real hardware",
@@ -80,14 +94,14 @@ def split_secrets(argv: list[str], env: dict[str, str]) -> Secrets:
     )
 
 
+def _check_line(var: str, what: str) -> str:
+    return f': "${{{var}:?export {var} ({what}); pretuner never writes a secret}}"'
+
+
 def check_env_names(env: dict[str, str], extra_env: dict[str, str]) -> dict[str, str]:
     """`env` with the user's --env on top; every name a valid shell variable name."""
-    out = dict(env)
-    for key, value in extra_env.items():
-        if not _ENV_NAME.match(key):
-            raise BadInputError(f"environment name {key!r} is invalid", hint="use e.g. FOO_BAR=1")
-        out[key] = value
-    bad = [k for k in out if not _ENV_NAME.match(k)]
+    out = {**env, **extra_env}
+    bad = [k for k in (*extra_env, *out) if not _ENV_NAME.match(k)]
     if bad:
         raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
     return out
@@ -103,32 +117,39 @@ def engine_tuple(version: str) -> tuple[int, int]:
     return nums[0], nums[1]
 
 
-def _model_use_gib(p: Preset) -> tuple[int, str | None]:
-    """The r0.1 model-use budget: the preset's own, or one re-expressed from its KV figure."""
-    if "vLLM_MODEL_MEMORY_USE_GB" in p.env:
-        return int(p.env["vLLM_MODEL_MEMORY_USE_GB"]), None
-    # Rounded up, so the KV cache is at most what the source measured.
-    use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
-    why = (
-        f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x {p.util:g} - "
-        f"{p.kv_gib:.2f}) = {use} GiB"
-    )
-    return use, why
+@dataclass(frozen=True, slots=True)
+class _Server:
+    """What one engine family puts in the scripts; `build_context` adds what every one shares."""
+
+    env: dict[str, str]  # before the user's --env and the secrets are taken out
+    argv: list[str]  # the whole server command
+    config: dict[str, Any]  # the YAML's keys
+    notes: list[str]  # before the secrets' notes
+    late_notes: list[str]  # after them
+    kv_line: str  # the header's KV cache line
+    engine: str  # the engine in the header's words
+    unit_engine: str  # in the systemd unit's description
+    retune: str  # `pretuner run` options that name the engine
+    ray_resource: str
 
 
-def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
-    """Every value the templates print, for one preset (or run record) and one engine version."""
+def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
+    """vLLM-MindSpore r0.1 and its later versions: the memory variables while they are read."""
     engine_version = opts.engine_version or "0.1"
     ver = engine_tuple(engine_version)
-    model_path = opts.model_path or p.model_path
     notes: list[str] = []
     env: dict[str, str] = {"GLOG_v": "2"}  # MindSpore WARNING; 0.3+ would set 3 otherwise
-    model_use, why = _model_use_gib(p)
     if ver < (0, 2):
         env["ASCEND_TOTAL_MEMORY_GB"] = str(p.card_gib)
-        env["vLLM_MODEL_MEMORY_USE_GB"] = str(model_use)
-        if why:
-            notes.append(why)
+        if "vLLM_MODEL_MEMORY_USE_GB" in p.env:
+            env["vLLM_MODEL_MEMORY_USE_GB"] = str(int(p.env["vLLM_MODEL_MEMORY_USE_GB"]))
+        else:  # rounded up, so the KV cache is at most what the source measured
+            use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
+            env["vLLM_MODEL_MEMORY_USE_GB"] = str(use)
+            notes.append(
+                f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
+                f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB"
+            )
     else:
         notes.append(
             f"vLLM-MindSpore {engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
@@ -137,12 +158,9 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     backend = next((p.env[k] for k in _BACKEND_VARS if k in p.env), None)
     if backend is not None:
         env["VLLM_MS_MODEL_BACKEND" if ver >= (0, 4) else "vLLM_MODEL_BACKEND"] = backend
-    for key, value in p.env.items():
-        if key not in _BACKEND_VARS and key not in _MEMORY_VARS:
-            env[key] = value
+    env |= {k: v for k, v in p.env.items() if k not in _BACKEND_VARS + R01_MEMORY_VARS}
     if p.nodes > 1:
         env.update(node_exports(opts.nic, p.cards_per_node))
-    env = check_env_names(env, opts.extra_env)
 
     flags: dict[str, int | float | str] = {**p.flags, "tensor_parallel_size": p.tp}
     # vLLM V0 (vLLM-MindSpore r0.1) refuses a batched budget below max_model_len unless
@@ -163,73 +181,201 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     if ver >= (0, 5):
         flags["kv_cache_memory_bytes"] = p.kv_bytes
         notes.append(
-            f"KV cache pinned with --kv-cache-memory-bytes {p.kv_bytes} "
+            f"KV cache pinned with {KV_FLAG} {p.kv_bytes} "
             f"({p.kv_bytes / GIB:.2f} GiB = {p.kv_tokens:,} tokens per card)"
         )
     elif ver >= (0, 2):
         notes.append(
             f"vLLM-MindSpore {engine_version} sizes the KV cache by profiling and has no "
-            "--kv-cache-memory-bytes: the tuned KV figure is not enforced; "
+            f"{KV_FLAG}: the tuned KV figure is not enforced; "
             "--gpu-memory-utilization is the only lever"
         )
-
     if opts.command is not None:
         base = list(opts.command)
     elif ver < (0, 3):
         base = [*R01_COMMAND, "--model", model_path]
     else:
         base = [*V03_COMMAND, model_path]
-    secrets = split_secrets(base + server_args(flags), env)
-    argv, env = secrets.argv, secrets.env
-    notes += secrets.notes
-
-    tag = KIND_TAG[p.kind]
-    if p.kind is PresetKind.GIVEN and p.notes:
-        notes.append(p.notes)  # the checks on hand-given values, e.g. an oversubscribed KV cache
-    basis = (
-        "card x util - model-use"
-        if p.kv_basis is KvBasis.MODEL_USE
-        else "the engine's own KV log line"
+    basis = "card x util - model-use" if p.kv_basis is KvBasis.MODEL_USE else (
+        "the engine's own KV log line")
+    return _Server(
+        env=env,
+        argv=base + server_args(flags),
+        config={k.replace("_", "-"): v for k, v in flags.items()},
+        notes=notes,
+        # the checks on hand-given values, e.g. an oversubscribed KV cache
+        late_notes=[p.notes] if p.kind is PresetKind.GIVEN and p.notes else [],
+        kv_line=f"KV cache {p.kv_gib:.2f} GiB/card = {p.kv_tokens:,} tokens at "
+        f"{p.kv_bytes_per_token:,} B/token, block {p.block_size} (from {basis})",
+        engine=f"vLLM-MindSpore {engine_version}",
+        unit_engine="vLLM-MindSpore",
+        retune="",
+        ray_resource="NPU",
     )
+
+
+def preset_flags(p: Preset, row: V1Row) -> list[str]:
+    """The flags after the model: the run's own, or (a preset without them) what the engine
+    deploys for the preset's values."""
+    if p.server_flags is not None:
+        return list(p.server_flags)
+    settings = LaunchSettings(
+        purpose=Purpose.VALIDATE,
+        card_gib=p.card_gib,
+        util=float(p.flags.get("gpu_memory_utilization", DEFAULT_UTIL)),
+        model_use_gib=0,
+        max_model_len=p.max_model_len,
+        max_num_seqs=int(p.flags["max_num_seqs"]),
+        max_num_batched_tokens=int(p.flags["max_num_batched_tokens"]),
+        block_size=p.block_size,
+        tp=p.tp,
+        pp=p.pp,
+        kv_cache_dtype=p.kv_cache_dtype,
+        kv_cache_bytes=p.kv_cache_memory_bytes,
+    )
+    return V1Engine(row, simulated=False).deploy(settings).argv()
+
+
+def layout_flags(flags: list[str], p: Preset) -> list[str]:
+    """`flags` with the parallel sizes and, across nodes, the Ray executor, where missing."""
+    out = list(flags)
+    for name, size in (("--tensor-parallel-size", p.tp), ("--pipeline-parallel-size", p.pp)):
+        if size > 1 and flag_value(out, name) is None:
+            out += [name, str(size)]
+    if p.nodes > 1 and flag_value(out, RAY_BACKEND[0]) is None:
+        out += RAY_BACKEND
+    return out
+
+
+def config_entries(flags: list[str | SecretArg]) -> dict[str, Any]:
+    """The flags as `vllm serve --config` YAML keys (long names with dashes); a switch is
+    `true`, a secret is left out (the scripts read it from the environment)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(flags):
+        word = flags[i]
+        nxt = flags[i + 1] if i + 1 < len(flags) else None
+        if isinstance(word, SecretArg):  # `--api-key=K` as one word
+            i += 1
+            continue
+        name, eq, inline = word.partition("=")
+        key = name.removeprefix("--")
+        if eq:
+            out[key], i = _scalar(inline), i + 1
+        elif isinstance(nxt, SecretArg):
+            i += 2
+        elif nxt is not None and not nxt.startswith("--"):
+            out[key], i = _scalar(nxt), i + 2
+        else:
+            out[key], i = True, i + 1
+    return out
+
+
+def _scalar(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def node_env(row: V1Row, nic: str, cards: int) -> dict[str, str]:
+    """What every node exports before `ray start`: the NIC in the device's terms, the cards."""
+    env = {var: nic for var in NIC_VARS[row.device]}
+    env[row.visible_devices_var] = ",".join(str(i) for i in range(cards))
+    return env
+
+
+def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
+    """A pinned (V1 engine) preset: the command and flags its run proved, none of r0.1's
+    variables."""
+    row = ROWS[p.engine]
+    if opts.engine_version is not None:
+        raise BadInputError(
+            f"--engine-version is for vLLM-MindSpore r0.1-family presets; {p.name} is a "
+            f"{p.engine} configuration (the engine comes from the preset)",
+            hint="drop --engine-version",
+        )
+    kv = p.kv_cache_memory_bytes or 0
+    flags = layout_flags(preset_flags(p, row), p)
+    env = {**row.env, **p.env}
+    if p.nodes > 1:
+        env.update(node_env(row, opts.nic, p.cards_per_node))
+    r01 = [k for k in R01_MEMORY_VARS if k in {**env, **opts.extra_env}]
+    if r01:
+        raise BadInputError(
+            f"{r01[0]} is vLLM-MindSpore r0.1's; {p.engine} ignores it",
+            hint=f"drop it: {KV_FLAG} sizes the KV cache",
+        )
+    late_notes = []
+    if p.kind is PresetKind.SIMULATED:
+        late_notes.append(
+            f"the figures are SIMULATED; the command is the real {p.engine}'s with the run's "
+            "flags: run `pretuner run` on the real device to measure and prove them"
+        )
+    return _Server(
+        env=env,
+        argv=list(opts.command)
+        if opts.command is not None
+        else [*(p.server_command or row.command), model_path, *flags],
+        config=config_entries(split_secrets(flags, {}).argv),
+        notes=[
+            f"KV cache pinned with {KV_FLAG} {kv} ({kv / GIB:.2f} GiB = {p.kv_tokens:,} tokens "
+            "per card): the engine skips its own memory profiling"
+        ],
+        late_notes=late_notes,
+        kv_line=f"KV cache {KV_FLAG} {kv} = {kv / GIB:.2f} GiB/card = {p.kv_tokens:,} tokens "
+        f"at {p.kv_bytes_per_token:,} B/token, block {p.block_size} (pinned)",
+        engine=engine_words(p),
+        unit_engine=engine_words(p),
+        retune=f" --engine {p.engine}",
+        # GPU, NPU or CPU: pretuner's own word, printed inside the scripts' quoted grep pattern.
+        ray_resource=RAY_RESOURCE[row.device],
+    )
+
+
+def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
+    """Every value the templates print, for one preset (or run record)."""
+    model_path = opts.model_path or p.model_path
+    pinned = p.kv_basis is KvBasis.PINNED
+    s = (_v1_server if pinned else _r01_server)(p, opts, model_path)
+    secrets = split_secrets(s.argv, check_env_names(s.env, opts.extra_env))
     figures = ", ".join(f"{k} {v:g}" for k, v in p.figures.items())
     header = [
         *([f"run {p.run_id or '-'}: {opts.status}"] if opts.status else []),
         f"model {p.model} ({p.weights_format}) from {model_path}",
         f"card {p.card_gib} GiB; layout TP{p.tp} x PP{p.pp} on {p.nodes} node(s), "
         f"{p.cards_per_node} card(s) per node",
-        f"KV cache {p.kv_gib:.2f} GiB/card = {p.kv_tokens:,} tokens at "
-        f"{p.kv_bytes_per_token:,} B/token, block {p.block_size} (from {basis})",
-        f"figures ({tag}): {figures or 'none beyond the KV cache'}",
+        s.kv_line,
+        f"figures ({KIND_TAG[p.kind]}): {figures or 'none beyond the KV cache'}",
         f"source: {p.source}",
         f"preset {p.name}; run {p.run_id or '-'}; rendered by pretuner {__version__} "
-        f"for vLLM-MindSpore {engine_version}",
-        f"re-tune: pretuner run --model {p.model} --card {p.card_gib} --tp {p.tp} "
+        f"for {s.engine}",
+        f"re-tune: pretuner run --model {p.model}{s.retune} --card {p.card_gib} --tp {p.tp} "
         f"--max-model-len {p.max_model_len}, then pretuner script RUN_DIR",
-        *notes,
+        *s.notes,
+        *secrets.notes,
+        *s.late_notes,
     ]
-    head_argv = list(argv)
-    if "distributed_executor_backend" not in flags:
-        head_argv += ["--distributed-executor-backend", "ray"]
+    head_argv = list(secrets.argv)
+    if flag_value([w for w in head_argv if isinstance(w, str)], RAY_BACKEND[0]) is None:
+        head_argv += RAY_BACKEND
     return {
         "header": [one_line(h) for h in header],
         "secret_checks": secrets.checks,
         "secret_env_checks": secrets.env_checks,
         "simulated": p.kind is PresetKind.SIMULATED,
-        "env": env,
-        "argv": argv,
+        "env": secrets.env,
+        "argv": secrets.argv,
         "head_argv": head_argv,
-        "config": {k.replace("_", "-"): v for k, v in flags.items()},
+        "config": s.config,
         "model_path": model_path,
         "nodes": p.nodes,
         "expected_npus": p.nodes * p.cards_per_node,
-        "ray_resource": "NPU",
+        "ray_resource": s.ray_resource,
         "ray_port": opts.ray_port,
         "head_ip": opts.head_ip or "",
         "env_path": f"{opts.install_dir.rstrip('/')}/tuned.env",
-        "unit_description": one_line(f"vLLM-MindSpore serving {p.model} (preset {p.name})"),
+        "unit_description": one_line(f"{s.unit_engine} serving {p.model} (preset {p.name})"),
     }
-
-
-def _check_line(var: str, what: str) -> str:
-    """A shell line that stops the script, naming the variable, when a secret is not exported."""
-    return f': "${{{var}:?export {var} ({what}); pretuner never writes a secret}}"'

@@ -6,11 +6,10 @@ import re
 from pathlib import Path
 
 from pretuner.deploy.context import ScriptOptions, build_context
-from pretuner.deploy.context_v1 import build_v1_context
 from pretuner.deploy.targets import Target, files_for
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
-from pretuner.presets.model import KvBasis, Preset
+from pretuner.presets.model import Preset
 from pretuner.templating import render_template
 
 
@@ -22,9 +21,7 @@ def render_scripts(p: Preset, opts: ScriptOptions, targets: list[Target]) -> dic
             "quotes or %",
             hint="e.g. /etc/pretuner",
         )
-    # A V1 engine preset pins its KV cache in bytes and carries the command its run proved.
-    pinned = p.kv_basis is KvBasis.PINNED
-    ctx = build_v1_context(p, opts) if pinned else build_context(p, opts)
+    ctx = build_context(p, opts)
     return {name: render_template(tpl, ctx) for name, tpl, _ in files_for(targets, p.nodes)}
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import shlex
 
-from pretuner.presets.model import KvBasis, Preset, PresetKind, model_use_budget_bytes
+from pretuner.presets.model import (
+    KvBasis,
+    Preset,
+    PresetKind,
+    engine_words,
+    model_use_budget_bytes,
+)
 from pretuner.units import GIB
 
 CATALOG_COMMAND = "pretuner presets docs --out docs/presets.md --overwrite"
@@ -101,10 +107,6 @@ def kv_words(p: Preset) -> str:
     if p.kv_basis is KvBasis.PINNED:
         return f"{p.kv_gib:.2f} GiB pinned"
     return f"{p.kv_gib:.2f} GiB ({p.kv_basis.value})"
-
-
-def engine_words(p: Preset) -> str:
-    return f"{p.engine} {p.engine_version}" if p.engine_version else p.engine
 
 
 def _sim(p: Preset) -> bool:

@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pretuner.report.html import render_html
+from pretuner.devices.series import LaunchMemory, MemoryRow
 from pretuner.report.html.breakdown import breakdown, breakdown_r01, breakdown_v1
 from pretuner.report.html.charts import bar, chart
-from pretuner.report.html.inputs import LaunchMemory, MemoryRow
+from pretuner.report.html.page import render_html
 from pretuner.report.records import (
     Asked,
     FailureReport,

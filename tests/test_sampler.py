@@ -169,8 +169,8 @@ def test_bounded_series_decimates_evenly() -> None:
 
 
 def test_series_tsv_rows_and_header() -> None:
+    from pretuner.devices.series import parse_memory_tsv
     from pretuner.launch.sampler import Sampled, SeriesPoint, series_tsv
-    from pretuner.report.html.inputs import parse_memory_tsv
 
     assert series_tsv(Sampled("fake"), 1) is None  # nothing sampled: no file
     sampled = Sampled("fake", {"load": 700}, 2, None, 1000,

@@ -29,7 +29,7 @@ def report_cmd(
 ) -> None:
     """Write one HTML page (no network, no script): the headline, the memory per card, memory
     over time of every launch, and the decisions."""
-    from pretuner.report.html import PAGE, write_html  # jinja2: not for `pretuner --help`
+    from pretuner.report.html.page import PAGE, write_html  # jinja2: not for `pretuner --help`
 
     target = out if out is not None else run_dir / PAGE
     if target.exists() and not overwrite:

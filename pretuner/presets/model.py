@@ -8,7 +8,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from functools import cache
 from importlib import resources
@@ -44,12 +44,6 @@ class KvBasis(str, Enum):
     PINNED = "pinned"
 
 
-_KEYS = {
-    "name", "kind", "model", "model_path", "card_gib", "tp", "pp", "nodes", "cards_per_node",
-    "weights_format", "kv_cache_dtype", "engine", "engine_version", "env", "flags",
-    "kv_bytes_per_token", "kv_basis", "kv_gib", "kv_tokens", "date", "source", "notes", "run_id",
-    "figures", "kv_cache_memory_bytes", "server_command", "server_flags",
-}  # fmt: skip
 # What a pinned (V1) preset's flags must hold; the others also need the util.
 _PINNED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
 _R01_FLAGS = ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "block_size")
@@ -110,6 +104,10 @@ class Preset:
         return self.kv_tokens * self.kv_bytes_per_token
 
 
+_KEYS = {f.name for f in fields(Preset)}
+_PINNED_KEYS = ("kv_cache_memory_bytes", "server_command", "server_flags")
+
+
 def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
     """Build a preset from its JSON form, rejecting unknown or missing keys (`presets show
     --json` adds `schema_version`, which is read past)."""
@@ -120,11 +118,9 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
             f"{origin}: unknown preset key(s) {', '.join(sorted(unknown))}",
             hint=f"valid keys: {', '.join(sorted(_KEYS))}",
         )
-    fields = dict(data)
     try:
-        fields["kind"] = PresetKind(data["kind"])
-        fields["kv_basis"] = KvBasis(data["kv_basis"])
-        preset = Preset(**fields)
+        kinds = {"kind": PresetKind(data["kind"]), "kv_basis": KvBasis(data["kv_basis"])}
+        preset = Preset(**(data | kinds))
     except (KeyError, TypeError, ValueError) as err:
         raise BadInputError(f"{origin}: invalid preset: {err}") from None
     if not _NAME.match(preset.name):
@@ -138,7 +134,7 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
             raise BadInputError(f"{origin}: flags lack {key!r}")
     if pinned:
         _check_pinned_fields(preset, origin)
-    elif {"kv_cache_memory_bytes", "server_command", "server_flags"} & set(data):
+    elif set(_PINNED_KEYS) & set(data):
         raise BadInputError(
             f"{origin}: kv_cache_memory_bytes, server_command and server_flags go with "
             f"kv_basis {KvBasis.PINNED.value!r} only",
@@ -172,40 +168,11 @@ def _check_pinned_fields(p: Preset, origin: str) -> None:
 
 
 def preset_to_json(p: Preset) -> dict[str, Any]:
-    return {
-        "name": p.name,
-        "kind": p.kind.value,
-        "model": p.model,
-        "model_path": p.model_path,
-        "card_gib": p.card_gib,
-        "tp": p.tp,
-        "pp": p.pp,
-        "nodes": p.nodes,
-        "cards_per_node": p.cards_per_node,
-        "weights_format": p.weights_format,
-        "kv_cache_dtype": p.kv_cache_dtype,
-        "engine": p.engine,
-        "engine_version": p.engine_version,
-        "env": dict(p.env),
-        "flags": dict(p.flags),
-        "kv_bytes_per_token": p.kv_bytes_per_token,
-        "kv_basis": p.kv_basis.value,
-        "kv_gib": p.kv_gib,
-        "kv_tokens": p.kv_tokens,
-        "date": p.date,
-        "source": p.source,
-        "notes": p.notes,
-        "run_id": p.run_id,
-        "figures": dict(p.figures),
-    } | (
-        {
-            "kv_cache_memory_bytes": p.kv_cache_memory_bytes,
-            "server_command": p.server_command,
-            "server_flags": p.server_flags,
-        }
-        if p.kv_basis is KvBasis.PINNED
-        else {}
-    )
+    data = asdict(p) | {"kind": p.kind.value, "kv_basis": p.kv_basis.value}
+    if p.kv_basis is not KvBasis.PINNED:
+        for key in _PINNED_KEYS:
+            del data[key]
+    return data
 
 
 def load_preset_file(path: Path) -> Preset:
@@ -389,7 +356,7 @@ def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) ->
     d = rep.derivation
     kind = PresetKind.SIMULATED if rep.simulated else PresetKind.MEASURED
     r01 = isinstance(d, R01Derivation)
-    fields = _r01_fields(rep, d) if isinstance(d, R01Derivation) else _pinned_fields(rep, d)
+    own = _r01_fields(rep, d) if isinstance(d, R01Derivation) else _pinned_fields(rep, d)
     engine = "" if r01 else f"-{rep.engine}"
     default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g{engine}-{kind.value}-{rep.run_id}"
     return Preset(
@@ -400,7 +367,7 @@ def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) ->
         kv_tokens=rep.final.kv_tokens or 0, date=date,
         source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
         f"({'emulated card' if rep.simulated else rep.engine})",
-        run_id=rep.run_id, kv_basis=KvBasis.MODEL_USE if r01 else KvBasis.PINNED, **fields,
+        run_id=rep.run_id, kv_basis=KvBasis.MODEL_USE if r01 else KvBasis.PINNED, **own,
     )
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pretuner.devices.series import LaunchMemory
 from pretuner.report.html.breakdown import GIB_MIB, Breakdown
-from pretuner.report.html.inputs import LaunchMemory
 
 # The phases of a vision-language validation's soak (`pretuner.tune.v1.soak`): tinted apart.
 SOAK_PHASES = frozenset({"soak-1", "soak-2", "reset", "after-soak"})

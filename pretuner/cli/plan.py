@@ -201,7 +201,7 @@ def render_images(vp: VisionPlan) -> list[str]:
 def render_plan(r: PlanResult) -> str:
     from pretuner.engines.mindspore_r01 import R01
     from pretuner.plan.weights import render_weights_plan
-    from pretuner.presets.compare import preset_line
+    from pretuner.presets.model import preset_line
 
     engine = (r.weights_plan.engine if r.weights_plan else None) or R01
     lines = [

@@ -10,7 +10,7 @@ from typing import Any
 from pretuner.cli.render import table
 from pretuner.engines.base import LaunchSettings
 from pretuner.launch.images import worst_case_images
-from pretuner.presets.compare import preset_line
+from pretuner.presets.model import preset_line
 from pretuner.report.records import (
     Cluster,
     PinnedDerivation,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -46,13 +46,7 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
 
 
 def values_from_flags(
-    model: str,
-    given: dict[str, int | float | None],
-    *,
-    pp: int,
-    nodes: int,
-    kv_cache_dtype: str,
-    weights_format: str | None,
+    model: str, given: dict[str, int | float | None], **rest: Any
 ) -> GivenValues:
     """The hand-tuned values, once every required flag is there (`given`: flag -> value)."""
     from pretuner.deploy.given import GivenValues
@@ -62,22 +56,10 @@ def values_from_flags(
         raise BadInputError(
             f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
         )
-    # `or 0` only narrows the type: nothing is None past the check above.
-    names = {flag.lstrip("-").replace("-", "_"): value for flag, value in given.items()}
+    # The fields are named as the flags, but for the two that name their unit.
+    v: dict[str, Any] = {flag[2:].replace("-", "_"): value for flag, value in given.items()}
     return GivenValues(
-        model=model,
-        card_gib=int(names["card"] or 0),
-        tp=int(names["tp"] or 0),
-        util=float(names["util"] or 0),
-        model_use_gib=int(names["model_use_gb"] or 0),
-        max_model_len=int(names["max_model_len"] or 0),
-        max_num_seqs=int(names["max_num_seqs"] or 0),
-        max_num_batched_tokens=int(names["max_num_batched_tokens"] or 0),
-        block_size=int(names["block_size"] or 0),
-        pp=pp,
-        nodes=nodes,
-        kv_cache_dtype=kv_cache_dtype,
-        weights_format=weights_format,
+        model=model, card_gib=v.pop("card"), model_use_gib=v.pop("model_use_gb"), **v, **rest
     )
 
 
@@ -210,7 +192,11 @@ def script_cmd(
             "give exactly one of RUN_DIR, --preset NAME or --model M (with the tuned values)",
             hint=f"{sum(sources)} given",
         )
-    if model is None:
+    if model is not None:
+        values = values_from_flags(model, given, pp=pp, nodes=nodes,
+                                   kv_cache_dtype=kv_cache_dtype, weights_format=weights_format)
+        p = preset_from_values(values)
+    else:
         extra = [flag for flag, value in given.items() if value is not None]
         extra += [
             flag
@@ -224,21 +210,7 @@ def script_cmd(
         ]
         if extra:
             raise BadInputError(f"{', '.join(extra)} only go with --model", hint="drop them")
-    if model is not None:
-        p = preset_from_values(
-            values_from_flags(
-                model,
-                given,
-                pp=pp,
-                nodes=nodes,
-                kv_cache_dtype=kv_cache_dtype,
-                weights_format=weights_format,
-            )
-        )
-    elif preset is not None:
-        p = resolve_preset(preset)
-    else:
-        p = preset_from_run_dir(Path(str(run_dir)))
+        p = preset_from_run_dir(run_dir) if run_dir is not None else resolve_preset(str(preset))
     opts = ScriptOptions(
         engine_version=engine_version,
         model_path=model_path,
@@ -248,15 +220,16 @@ def script_cmd(
         extra_env=_env_pairs(env),
     )
     files = render_scripts(p, opts, list(target))
-    if out is None and as_json:
-        echo_json({"files": files})
-        return
     if out is None:
-        for name, text in files.items():
-            typer.echo(f"==> {name} <==\n{text}")
+        if as_json:
+            echo_json({"files": files})
+        else:
+            for name, text in files.items():
+                typer.echo(f"==> {name} <==\n{text}")
         return
+    written = write_scripts(files, out)
     if as_json:
-        echo_json({"written": [str(path) for path in write_scripts(files, out)]})
-        return
-    for path in write_scripts(files, out):
-        typer.echo(str(path))
+        echo_json({"written": [str(path) for path in written]})
+    else:
+        for path in written:
+            typer.echo(str(path))

@@ -24,7 +24,7 @@ from pretuner.units import GIB
 
 
 class PresetKind(str, Enum):
-    """Where a preset's figures come from."""
+    """Where a preset's figures come from, the most trusted first."""
 
     MEASURED = "measured"  # a run record on real hardware
     PUBLISHED = "published"  # a public source, cited in `source`
@@ -239,25 +239,30 @@ def resolve_preset(name_or_path: str) -> Preset:
     return get_preset(name_or_path)
 
 
-_KIND_ORDER = {
-    PresetKind.MEASURED: 0,
-    PresetKind.PUBLISHED: 1,
-    PresetKind.SIMULATED: 2,
-    PresetKind.GIVEN: 3,
-}
-
-
 def find_preset(
     model: str, card_gib: int, tp: int, presets: tuple[Preset, ...] | None = None
 ) -> Preset | None:
-    """The preset for this model, card size and TP (measured first, then published, simulated)."""
+    """The preset for this model, card size and TP (in PresetKind's order: measured first)."""
     name = _model_name(model)
     hits = [
         p
         for p in (all_presets() if presets is None else presets)
         if p.model == name and p.card_gib == card_gib and p.tp == tp
     ]
-    return min(hits, key=lambda p: (_KIND_ORDER[p.kind], p.name)) if hits else None
+    return min(hits, key=lambda p: (list(PresetKind).index(p.kind), p.name)) if hits else None
+
+
+def preset_line(model: str, card_gib: int, tp: int, kv_tokens: int, what: str) -> str:
+    """One line for `run` and `plan`: the preset for this model, card and layout, if any."""
+    p = find_preset(model, card_gib, tp)
+    if p is None:
+        return f"preset: none for {model} on {card_gib} GiB cards at TP{tp}"
+    diff = kv_tokens - p.kv_tokens
+    pct = f" ({diff / p.kv_tokens:+.1%})" if p.kv_tokens else ""
+    return (
+        f"preset {p.name} ({p.kind.value}): {p.kv_tokens:,} KV tokens/card; this {what} result "
+        f"{kv_tokens:,} differs by {diff:+,}{pct}"
+    )
 
 
 def _model_name(model: str) -> str:

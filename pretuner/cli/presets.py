@@ -43,19 +43,8 @@ def list_cmd(
     if as_json:
         echo_json({"presets": [preset_to_json(p) for p in all_presets()]})
         return
-    rows = [
-        (
-            p.name,
-            p.kind.value,
-            p.model,
-            p.card_gib,
-            f"TP{p.tp}xPP{p.pp}",
-            engine_words(p),
-            kv_words(p),
-            f"{p.kv_tokens:,}",
-        )
-        for p in all_presets()
-    ]
+    rows = [(p.name, p.kind.value, p.model, p.card_gib, f"TP{p.tp}xPP{p.pp}", engine_words(p),
+             kv_words(p), f"{p.kv_tokens:,}") for p in all_presets()]
     head = ("preset", "kind", "model", "card GiB", "layout", "engine", "KV/card", "KV tokens/card")
     typer.echo(table(head, rows))
 
@@ -90,9 +79,7 @@ def add_cmd(
         None, "--name", metavar="NAME", help="Preset name (default: derived)."
     ),
     out: Path | None = typer.Option(
-        None,
-        "--out",
-        metavar="FILE",
+        None, "--out", metavar="FILE",
         help="Folder of preset files to add it to (default: your presets folder, "
         "$PRETUNER_PRESETS_DIR or ~/.local/share/pretuner/presets; a checkout's "
         "pretuner/presets/data to ship it).",

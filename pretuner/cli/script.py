@@ -78,21 +78,15 @@ def script_cmd(
         None, metavar="RUN_DIR", help="A run folder with report.json."
     ),
     preset: str | None = typer.Option(
-        None,
-        "--preset",
-        metavar="NAME|FILE",
+        None, "--preset", metavar="NAME|FILE",
         help="A preset name (or preset file) instead of a run.",
     ),
     target: list[Target] = typer.Option(
-        [Target.ALL],
-        "--target",
-        metavar="TARGET",
+        [Target.ALL], "--target", metavar="TARGET",
         help="serve | env | config | ray | systemd | all (repeatable).",
     ),
     engine_version: str | None = typer.Option(
-        None,
-        "--engine-version",
-        metavar="VERSION",
+        None, "--engine-version", metavar="VERSION",
         help="vLLM-MindSpore version the scripts are for (0.1, 0.5...; default 0.1). Not for "
         "a V1 engine run or preset: it names its engine.",
     ),
@@ -106,9 +100,7 @@ def script_cmd(
         None, "--head-ip", metavar="ADDRESS", help="Multi-node: the head's address."
     ),
     install_dir: str = typer.Option(
-        "/etc/pretuner",
-        "--install-dir",
-        metavar="DIR",
+        "/etc/pretuner", "--install-dir", metavar="DIR",
         help="Where the systemd unit finds tuned.env.",
     ),
     env: list[str] = typer.Option(
@@ -121,9 +113,7 @@ def script_cmd(
         False, "--json", help="Print {file name: content} as JSON (or, with --out, the paths)."
     ),
     model: str | None = typer.Option(
-        None,
-        "--model",
-        metavar="MODEL",
+        None, "--model", metavar="MODEL",
         help="Values tuned by hand instead of a run: the model (with --card...).",
     ),
     card: int | None = typer.Option(
@@ -138,9 +128,7 @@ def script_cmd(
         None, "--util", metavar="FRACTION", help="With --model: --gpu-memory-utilization."
     ),
     model_use_gb: int | None = typer.Option(
-        None,
-        "--model-use-gb",
-        metavar="GIB",
+        None, "--model-use-gb", metavar="GIB",
         help="With --model: vLLM_MODEL_MEMORY_USE_GB (whole GiB).",
     ),
     max_model_len: int | None = typer.Option(
@@ -156,15 +144,11 @@ def script_cmd(
         None, "--block-size", metavar="TOKENS", help="With --model."
     ),
     kv_cache_dtype: str = typer.Option(
-        "auto",
-        "--kv-cache-dtype",
-        metavar="DTYPE",
+        "auto", "--kv-cache-dtype", metavar="DTYPE",
         help="With --model: auto|bf16|fp16|int8|fp8|fp8_e4m3|fp8_e5m2|int8-mla.",
     ),
     weights_format: str | None = typer.Option(
-        None,
-        "--weights-format",
-        metavar="FORMAT",
+        None, "--weights-format", metavar="FORMAT",
         help="With --model: checkpoint format (bf16, w8a8...).",
     ),
 ) -> None:

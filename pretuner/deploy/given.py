@@ -1,7 +1,5 @@
-"""A preset from values a user tuned by hand (`pretuner script --model M --card ...`).
-
-Pure: the KV figures come from pretuner's own math, with r0.1's budget card*util - model-use.
-"""
+"""A preset from values a user tuned by hand (`pretuner script --model M --card ...`), its KV
+figures from pretuner's own math with r0.1's budget card*util - model-use (pure)."""
 
 from __future__ import annotations
 
@@ -35,30 +33,24 @@ class GivenValues:
     weights_format: str | None = None  # None: the model's usual format
 
 
-def _positive(values: GivenValues) -> None:
+def preset_from_values(v: GivenValues) -> Preset:
+    """The preset the scripts render from, with its KV figures checked against the math."""
     for flag, value in (
-        ("--card", values.card_gib),
-        ("--tp", values.tp),
-        ("--pp", values.pp),
-        ("--nodes", values.nodes),
-        ("--model-use-gb", values.model_use_gib),
-        ("--max-model-len", values.max_model_len),
-        ("--max-num-seqs", values.max_num_seqs),
-        ("--max-num-batched-tokens", values.max_num_batched_tokens),
-        ("--block-size", values.block_size),
+        ("--card", v.card_gib),
+        ("--tp", v.tp),
+        ("--pp", v.pp),
+        ("--nodes", v.nodes),
+        ("--model-use-gb", v.model_use_gib),
+        ("--max-model-len", v.max_model_len),
+        ("--max-num-seqs", v.max_num_seqs),
+        ("--max-num-batched-tokens", v.max_num_batched_tokens),
+        ("--block-size", v.block_size),
     ):
         if value < 1:
-            raise BadInputError(
-                f"{flag} {value} is invalid", hint="use a whole number of 1 or more"
-            )
-    if not 0 < values.util <= 1:
-        raise BadInputError(f"--util {values.util:g} is invalid", hint="use a value in (0, 1]")
-
-
-def preset_from_values(values: GivenValues) -> Preset:
-    """The preset the scripts render from, with its KV figures checked against the math."""
-    _positive(values)
-    v = values
+            raise BadInputError(f"{flag} {value} is invalid",
+                                hint="use a whole number of 1 or more")
+    if not 0 < v.util <= 1:
+        raise BadInputError(f"--util {v.util:g} is invalid", hint="use a value in (0, 1]")
     cards = v.tp * v.pp
     if cards % v.nodes:
         raise BadInputError(
@@ -104,35 +96,17 @@ def preset_from_values(values: GivenValues) -> Preset:
     model_path = v.model if Path(v.model).expanduser().is_dir() else spec.hf_id
     name = f"{spec.name}-tp{v.tp}-{v.card_gib}g-given"
     return Preset(
-        name=re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-"),
-        kind=PresetKind.GIVEN,
-        model=spec.name,
-        model_path=model_path,
-        card_gib=v.card_gib,
-        tp=v.tp,
-        pp=v.pp,
-        nodes=v.nodes,
-        cards_per_node=cards // v.nodes,
-        weights_format=fmt,
-        kv_cache_dtype=v.kv_cache_dtype,
-        engine="vllm-mindspore",
-        engine_version="0.1",
-        env={
-            "ASCEND_TOTAL_MEMORY_GB": str(v.card_gib),
-            "vLLM_MODEL_MEMORY_USE_GB": str(v.model_use_gib),
-        },
-        flags={
-            "max_model_len": v.max_model_len,
-            "max_num_seqs": v.max_num_seqs,
-            "max_num_batched_tokens": v.max_num_batched_tokens,
-            "gpu_memory_utilization": v.util,
-            "block_size": v.block_size,
-        },
-        kv_bytes_per_token=bpt,
-        kv_basis=KvBasis.MODEL_USE,
-        kv_gib=round(budget / GIB, 2),
-        kv_tokens=tokens,
-        date="-",
+        name=re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-"), kind=PresetKind.GIVEN,
+        model=spec.name, model_path=model_path, card_gib=v.card_gib, tp=v.tp, pp=v.pp,
+        nodes=v.nodes, cards_per_node=cards // v.nodes, weights_format=fmt,
+        kv_cache_dtype=v.kv_cache_dtype, engine="vllm-mindspore", engine_version="0.1",
+        env={"ASCEND_TOTAL_MEMORY_GB": str(v.card_gib),
+             "vLLM_MODEL_MEMORY_USE_GB": str(v.model_use_gib)},
+        flags={"max_model_len": v.max_model_len, "max_num_seqs": v.max_num_seqs,
+               "max_num_batched_tokens": v.max_num_batched_tokens,
+               "gpu_memory_utilization": v.util, "block_size": v.block_size},
+        kv_bytes_per_token=bpt, kv_basis=KvBasis.MODEL_USE, kv_gib=round(budget / GIB, 2),
+        kv_tokens=tokens, date="-",
         source=(
             f"values given on the command line: card {v.card_gib} GiB, util {v.util:g}, "
             f"model-use {v.model_use_gib} GiB, max-model-len {v.max_model_len}, "

@@ -39,15 +39,12 @@ class Breakdown:
 
 
 def with_remainder(total_mib: float, total_label: str, parts: list[Segment],
-                   remainder_label: str, remainder_kind: str,
-                   remainder_provenance: str = "derived: the card less the parts") -> Breakdown:
+                   remainder_label: str, remainder_kind: str) -> Breakdown:
     """`parts` and what is left of the card, so the segments sum to the card exactly."""
-    used = sum(p.mib for p in parts)
-    left = total_mib - used
-    overrun = max(0.0, -left)
-    segments = [*parts, Segment(remainder_label, max(0.0, left), remainder_provenance,
-                                remainder_kind)]
-    return Breakdown(total_mib, total_label, tuple(segments), overrun)
+    left = total_mib - sum(p.mib for p in parts)
+    rest = Segment(remainder_label, max(0.0, left), "derived: the card less the parts",
+                   remainder_kind)
+    return Breakdown(total_mib, total_label, (*parts, rest), max(0.0, -left))
 
 
 def breakdown_r01(rep: RunReport, d: R01Derivation) -> Breakdown:

@@ -22,11 +22,7 @@ def render_scripts(p: Preset, opts: ScriptOptions, targets: list[Target]) -> dic
             hint="e.g. /etc/pretuner",
         )
     ctx = build_context(p, opts)
-    return {name: render_template(tpl, ctx) for name, tpl, _ in files_for(targets, p.nodes)}
-
-
-def executable(name: str) -> bool:
-    return name.endswith(".sh")
+    return {name: render_template(tpl, ctx) for name, tpl in files_for(targets, p.nodes)}
 
 
 def write_scripts(files: dict[str, str], out: Path) -> list[Path]:
@@ -43,5 +39,6 @@ def write_scripts(files: dict[str, str], out: Path) -> list[Path]:
     except OSError as err:
         raise BadInputError(f"cannot create {str(out)!r}: {err.strerror}") from None
     return [
-        write_atomic(out / name, text, executable=executable(name)) for name, text in files.items()
+        write_atomic(out / name, text, executable=name.endswith(".sh"))
+        for name, text in files.items()
     ]

@@ -15,20 +15,17 @@ class Target(str, Enum):
     SYSTEMD = "systemd"
 
 
-# Target -> (file name, template, executable)
-_FILES: dict[Target, tuple[tuple[str, str, bool], ...]] = {
-    Target.SERVE: (("serve.sh", "serve.sh.j2", True),),
-    Target.ENV: (("tuned.env", "tuned.env.j2", False),),
-    Target.CONFIG: (("vllm-config.yaml", "vllm-config.yaml.j2", False),),
-    Target.RAY: (
-        ("ray-head.sh", "ray-head.sh.j2", True),
-        ("ray-worker.sh", "ray-worker.sh.j2", True),
-    ),
-    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2", False),),
+# Target -> (file name, template); a `.sh` is written executable
+_FILES: dict[Target, tuple[tuple[str, str], ...]] = {
+    Target.SERVE: (("serve.sh", "serve.sh.j2"),),
+    Target.ENV: (("tuned.env", "tuned.env.j2"),),
+    Target.CONFIG: (("vllm-config.yaml", "vllm-config.yaml.j2"),),
+    Target.RAY: (("ray-head.sh", "ray-head.sh.j2"), ("ray-worker.sh", "ray-worker.sh.j2")),
+    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2"),),
 }
 
 
-def files_for(targets: list[Target], nodes: int) -> list[tuple[str, str, bool]]:
+def files_for(targets: list[Target], nodes: int) -> list[tuple[str, str]]:
     """The files to render; `all` adds the Ray scripts only for a multi-node layout."""
     chosen: list[Target] = []
     for t in targets:
@@ -38,7 +35,7 @@ def files_for(targets: list[Target], nodes: int) -> list[tuple[str, str, bool]]:
                 chosen.append(Target.RAY)
         else:
             chosen.append(t)
-    out: list[tuple[str, str, bool]] = []
+    out: list[tuple[str, str]] = []
     for t in dict.fromkeys(chosen):
         out += _FILES[t]
     return out

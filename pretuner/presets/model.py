@@ -188,10 +188,9 @@ def load_preset_file(path: Path) -> Preset:
 @cache
 def builtin_presets() -> tuple[Preset, ...]:
     """Every preset shipped with the package, sorted by name."""
-    found = []
-    for entry in resources.files("pretuner.presets").joinpath("data").iterdir():
-        if entry.name.endswith(".json"):
-            found.append(preset_from_dict(json.loads(entry.read_text("utf-8")), entry.name))
+    data = resources.files("pretuner.presets").joinpath("data").iterdir()
+    found = [preset_from_dict(json.loads(e.read_text("utf-8")), e.name) for e in data
+             if e.name.endswith(".json")]
     return tuple(sorted(found, key=lambda p: p.name))
 
 
@@ -205,18 +204,10 @@ def user_presets_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "pretuner" / "presets"
 
 
-def user_presets() -> tuple[Preset, ...]:
-    """The presets `presets add` wrote for this user, sorted by name."""
-    folder = user_presets_dir()
-    if not folder.is_dir():
-        return ()
-    return tuple(sorted((load_preset_file(p) for p in folder.glob("*.json")),
-                        key=lambda p: p.name))
-
-
 def all_presets() -> tuple[Preset, ...]:
-    """The shipped presets, then the user's."""
-    return builtin_presets() + user_presets()
+    """The shipped presets, then those `presets add` wrote for this user, each sorted by name."""
+    found = [load_preset_file(p) for p in user_presets_dir().glob("*.json")]
+    return builtin_presets() + tuple(sorted(found, key=lambda p: p.name))
 
 
 def engine_words(p: Preset) -> str:

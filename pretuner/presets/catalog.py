@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
-
 from pretuner.presets.model import (
     KvBasis,
     Preset,
@@ -52,10 +50,6 @@ def derivation_lines(p: Preset) -> list[str]:
     return lines
 
 
-def start_command(p: Preset) -> list[str]:
-    return ["pretuner", "script", "--preset", p.name, "--out", f"serve-{p.name}"]
-
-
 def catalog_markdown(presets: tuple[Preset, ...]) -> str:
     """The whole catalog; deterministic, so CI can compare it with the committed copy."""
     lines = [
@@ -82,7 +76,8 @@ def catalog_markdown(presets: tuple[Preset, ...]) -> str:
     for p in presets:
         lines += ["", f"## {p.name}", ""]
         lines += [
-            f"- kind: {p.kind.value}" + (" (figures NOT measured)" if _sim(p) else ""),
+            f"- kind: {p.kind.value}"
+            + (" (figures NOT measured)" if p.kind is PresetKind.SIMULATED else ""),
             f"- model: {p.model} ({p.weights_format}), loaded from `{p.model_path}`",
             f"- card: {p.card_gib} GiB; layout TP{p.tp} x PP{p.pp} on {p.nodes} node(s), "
             f"{p.cards_per_node} card(s) per node",
@@ -96,9 +91,11 @@ def catalog_markdown(presets: tuple[Preset, ...]) -> str:
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in p.flags.items())
         lines += [f"- env: `{env}`", f"- flags: `{flags}`", "", "Derivation:", "", "```"]
         lines += derivation_lines(p)
-        lines += ["```", "", "Start:", "", "```sh", shlex.join(start_command(p))]
         first = "ray-head.sh" if p.nodes > 1 else "serve.sh"
-        lines += [f"cd serve-{p.name} && ./{first}", "```"]
+        # A preset's name is a shell word as it is (`model._NAME`).
+        lines += ["```", "", "Start:", "", "```sh",
+                  f"pretuner script --preset {p.name} --out serve-{p.name}",
+                  f"cd serve-{p.name} && ./{first}", "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -107,7 +104,3 @@ def kv_words(p: Preset) -> str:
     if p.kv_basis is KvBasis.PINNED:
         return f"{p.kv_gib:.2f} GiB pinned"
     return f"{p.kv_gib:.2f} GiB ({p.kv_basis.value})"
-
-
-def _sim(p: Preset) -> bool:
-    return p.kind is PresetKind.SIMULATED

@@ -99,30 +99,6 @@ class LaunchView:
     chart: Chart | None
 
 
-def headline(rep: AnyReport) -> tuple[str, list[Fact]]:
-    """The page's title line and the facts beneath it, either method."""
-    version = f" {rep.engine_version}" if rep.engine_version else ""
-    facts = [Fact("engine", f"{rep.engine}{version} ({rep.engine_reason})"),
-             Fact("card", device_words(rep))]
-    if isinstance(rep, RunReport):
-        facts.append(Fact("KV cache per card", kv_words(rep)))
-    facts.append(Fact("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
-    if isinstance(rep, RunReport):
-        facts.append(Fact("shape", f"max_model_len {rep.final.max_model_len:,}, "
-                          f"max-num-seqs {rep.final.max_num_seqs}"))
-    return f"{rep.model}, {rep.launches:,} launch(es)", facts
-
-
-def asked_lines(rep: AnyReport) -> tuple[str | None, list[str]]:
-    """What was asked and what was given up against it (a failed run: nothing)."""
-    if not isinstance(rep, RunReport):
-        return None, []
-    seqs = rep.asked.max_num_seqs
-    said = (f"asked: max_model_len {rep.asked.max_model_len:,}, max-num-seqs "
-            + ("as many as fit" if seqs is None else f"{seqs:,}"))
-    return said, list(rep.given_up)
-
-
 def _step(rep: AnyReport, n: int) -> Step | None:
     return next((s for s in rep.steps if s.n == n), None)
 
@@ -149,11 +125,6 @@ def launch_caps(rep: AnyReport, mem: LaunchMemory) -> list[tuple[float, str, str
     return caps
 
 
-def launch_title(rep: AnyReport, n: int) -> str:
-    s = _step(rep, n)
-    return f"launch {n}" if s is None else f"launch {n}: {s.purpose}, outcome {s.outcome}"
-
-
 @dataclass(frozen=True, slots=True)
 class Page:
     run: str
@@ -174,30 +145,47 @@ class Page:
 
 
 def page_of(files: RunFiles) -> Page:
-    """Everything the template shows, computed (pure but for nothing: `files` is read)."""
+    """Everything the template shows, computed from the run's files."""
     rep = files.report
-    title, facts = headline(rep)
-    asked, given_up = asked_lines(rep)
+    done = rep if isinstance(rep, RunReport) else None  # a failed run has no configuration
+    failed = rep if isinstance(rep, FailureReport) else None
+    version = f" {rep.engine_version}" if rep.engine_version else ""
+    facts = [Fact("engine", f"{rep.engine}{version} ({rep.engine_reason})"),
+             Fact("card", device_words(rep))]
+    if done is not None:
+        facts.append(Fact("KV cache per card", kv_words(done)))
+    facts.append(Fact("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
+    asked = None
+    if done is not None:
+        facts.append(Fact("shape", f"max_model_len {done.final.max_model_len:,}, "
+                          f"max-num-seqs {done.final.max_num_seqs}"))
+        seqs = done.asked.max_num_seqs
+        asked = (f"asked: max_model_len {done.asked.max_model_len:,}, max-num-seqs "
+                 + ("as many as fit" if seqs is None else f"{seqs:,}"))
     b = breakdown(rep)
-    launches = tuple(LaunchView(m.n, launch_title(rep, m.n), chart(m, launch_caps(rep, m)))
-                     for m in files.memory)
+    launches = []
+    for m in files.memory:
+        step = _step(rep, m.n)
+        title = f"launch {m.n}" + ("" if step is None else
+                                   f": {step.purpose}, outcome {step.outcome}")
+        launches.append(LaunchView(m.n, title, chart(m, launch_caps(rep, m))))
     return Page(
         run=rep.run_id or files.folder.name,
-        title=title,
+        title=f"{rep.model}, {rep.launches:,} launch(es)",
         simulated=rep.simulated,
         validated=rep.validated,
-        error=rep.error.partition("\n")[0] if isinstance(rep, FailureReport) else None,
-        hint=rep.hint if isinstance(rep, FailureReport) else None,
+        error=failed.error.partition("\n")[0] if failed is not None else None,
+        hint=failed.hint if failed is not None else None,
         facts=tuple(facts),
         asked=asked,
-        given_up=tuple(given_up),
+        given_up=tuple(done.given_up) if done is not None else (),
         bar=bar(b) if b is not None else None,
         legend=tuple((s.kind, f"{s.label}: {s.gib:.2f} GiB = {s.mib:,.1f} MiB ({s.provenance})")
                      for s in b.segments) if b is not None else (),
         total_label=b.total_label if b is not None else "",
         overrun=(f"the parts exceed the card by {b.overrun_mib:,.0f} MiB"
                  if b is not None and b.overrun_mib > 0 else None),
-        launches=launches,
+        launches=tuple(launches),
         decisions=files.decisions,
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pretuner.deploy.context import ScriptOptions, config_entries, layout_flags, node_env
+from pretuner.deploy.context import ScriptOptions, layout_flags, node_env
 from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
 from pretuner.engines.vllm_v1 import ROWS
@@ -24,6 +24,7 @@ from pretuner.presets.model import (
     Preset,
     builtin_presets,
     check_preset,
+    config_entries,
     flag_value,
     preset_from_dict,
     preset_from_report,

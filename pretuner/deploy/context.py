@@ -1,8 +1,6 @@
-"""What the startup scripts say, decided in pure Python; the templates only lay it out.
-
-One context for every preset: an r0.1-family preset (its KV cache sized by vLLM-MindSpore's
-memory variables, for the `--engine-version` asked) or a pinned one (a V1 engine's
-`--kv-cache-memory-bytes`, with the server command its run proved). Only the words differ.
+"""What the startup scripts say, decided in pure Python; the templates only lay it out. One
+context for an r0.1-family preset (vLLM-MindSpore's memory variables, for the `--engine-version`
+asked) and a pinned one (a V1 engine's `--kv-cache-memory-bytes` and the command its run proved).
 """
 
 from __future__ import annotations
@@ -29,6 +27,7 @@ from pretuner.presets.model import (
     KvBasis,
     Preset,
     PresetKind,
+    config_entries,
     engine_words,
     flag_value,
 )
@@ -245,39 +244,6 @@ def layout_flags(flags: list[str], p: Preset) -> list[str]:
     if p.nodes > 1 and flag_value(out, RAY_BACKEND[0]) is None:
         out += RAY_BACKEND
     return out
-
-
-def config_entries(flags: list[str | SecretArg]) -> dict[str, Any]:
-    """The flags as `vllm serve --config` YAML keys (long names with dashes); a switch is
-    `true`, a secret is left out (the scripts read it from the environment)."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(flags):
-        word = flags[i]
-        nxt = flags[i + 1] if i + 1 < len(flags) else None
-        if isinstance(word, SecretArg):  # `--api-key=K` as one word
-            i += 1
-            continue
-        name, eq, inline = word.partition("=")
-        key = name.removeprefix("--")
-        if eq:
-            out[key], i = _scalar(inline), i + 1
-        elif isinstance(nxt, SecretArg):
-            i += 2
-        elif nxt is not None and not nxt.startswith("--"):
-            out[key], i = _scalar(nxt), i + 2
-        else:
-            out[key], i = True, i + 1
-    return out
-
-
-def _scalar(text: str) -> int | float | str:
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
 
 
 def node_env(row: V1Row, nic: str, cards: int) -> dict[str, str]:

@@ -7,7 +7,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from functools import cache
@@ -19,6 +19,7 @@ from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
+from pretuner.redact import SecretArg
 from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport
 from pretuner.units import GIB
 
@@ -332,18 +333,8 @@ def _real_model_arg(rep: RunReport) -> str:
 def numeric_flags(argv: list[str]) -> dict[str, int | float]:
     """The server flags that take a number, by vLLM's long name (`--max-model-len 16384` ->
     max_model_len: 16384); the parallel sizes are the preset's own fields."""
-    out: dict[str, int | float] = {}
-    for flag, value in zip(argv, [*argv[1:], ""], strict=True):
-        key = flag.removeprefix("--").replace("-", "_")
-        if not flag.startswith("--") or key.endswith("parallel_size"):
-            continue
-        for kind in (int, float):
-            try:
-                out[key] = kind(value)
-                break
-            except ValueError:
-                continue
-    return out
+    return {key.replace("-", "_"): value for key, value in config_entries(argv).items()
+            if type(value) in (int, float) and not key.endswith("parallel-size")}
 
 
 def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) -> Preset:
@@ -396,6 +387,39 @@ def flag_value(flags: list[str], name: str) -> str | None:
     return None
 
 
+def config_entries(flags: Sequence[str | SecretArg]) -> dict[str, Any]:
+    """The flags as `vllm serve --config` YAML keys (long names with dashes); a switch is
+    `true`, a secret is left out (the scripts read it from the environment)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(flags):
+        word = flags[i]
+        nxt = flags[i + 1] if i + 1 < len(flags) else None
+        if isinstance(word, SecretArg):  # `--api-key=K` as one word
+            i += 1
+            continue
+        name, eq, inline = word.partition("=")
+        key = name.removeprefix("--")
+        if eq:
+            out[key], i = _scalar(inline), i + 1
+        elif isinstance(nxt, SecretArg):
+            i += 2
+        elif nxt is not None and not nxt.startswith("--"):
+            out[key], i = _scalar(nxt), i + 2
+        else:
+            out[key], i = True, i + 1
+    return out
+
+
+def _scalar(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
 def split_command(command: list[str], flags: list[str]) -> tuple[list[str], str]:
     """(the command before the model, the model) of `[*command, model, *flags]`."""
     n = len(flags)
@@ -408,11 +432,9 @@ def split_command(command: list[str], flags: list[str]) -> tuple[list[str], str]
 
 
 def _pinned_fields(rep: RunReport, d: PinnedDerivation) -> dict[str, Any]:
-    """A V1 run's preset fields (`presets.model.preset_from_report` adds what every run has).
-
-    A simulated run's own serve command starts the emulated server; the preset keeps the real
-    engine's command with the same flags (`final.engine_serve_command`)."""
+    """A V1 run's preset fields: the command it proved, its KV bytes, its figures."""
     f, engine = rep.final, rep.engine
+    # A simulated run's serve command starts the emulator: the preset keeps the real engine's.
     command = f.engine_serve_command if rep.simulated else None
     server_command, model_path = split_command(command or f.serve_command, f.flags)
     if engine not in ROWS:

@@ -1,10 +1,7 @@
 """report.json as pretuner wrote it before schema 2 (one schema per method), upgraded to the one
-record: presets, report.html and `explain` keep reading a run folder an earlier version left.
-
-Pure: dicts in, the schema-2 dict out (`records.report_of` validates it). What the old files
-did not say is filled as the old readers assumed it (kv dtype auto, one node, the model's own
-weights format, the bytes per token from the KV math).
-"""
+record (pure: dicts in, the schema-2 dict out). What the old files did not say is filled as the
+old readers assumed it (kv dtype auto, one node, the model's own weights format, the bytes per
+token from the KV math)."""
 
 from __future__ import annotations
 

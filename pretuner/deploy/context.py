@@ -63,36 +63,6 @@ KIND_TAG = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Secrets:
-    """A server command and environment with their secrets taken out (pretuner.redact)."""
-
-    argv: list[str | SecretArg]
-    env: dict[str, str]  # the environment without its secrets
-    notes: list[str]
-    checks: list[str]  # shell lines that stop a script when a secret is not exported
-    env_checks: list[str]  # those of the environment's secrets only
-
-
-def split_secrets(argv: list[str], env: dict[str, str]) -> Secrets:
-    """A secret (`--api-key K`, or the `<redacted>` a run record holds) is never written: the
-    scripts read it from an environment variable (pretuner.redact.secret_var)."""
-    words = classify_argv(argv)
-    secret_args = list({a.var: a for a in words if isinstance(a, SecretArg)}.values())
-    secret_env = [k for k in env if is_secret_name(k)]
-    where = "before starting (systemd: Environment= in a drop-in only root reads)"
-    notes = [f"secret {a.flag} is not written here: export {a.var} {where}" for a in secret_args]
-    notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
-    env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
-    return Secrets(
-        argv=words,
-        env={k: v for k, v in env.items() if k not in secret_env},
-        notes=notes,
-        checks=[_check_line(a.var, f"the server flag {a.flag}") for a in secret_args] + env_checks,
-        env_checks=env_checks,
-    )
-
-
 def _check_line(var: str, what: str) -> str:
     return f': "${{{var}:?export {var} ({what}); pretuner never writes a secret}}"'
 
@@ -285,7 +255,7 @@ def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
         argv=list(opts.command)
         if opts.command is not None
         else [*(p.server_command or row.command), model_path, *flags],
-        config=config_entries(split_secrets(flags, {}).argv),
+        config=config_entries(classify_argv(flags)),
         notes=[
             f"KV cache pinned with {KV_FLAG} {kv} ({kv / GIB:.2f} GiB = {p.kv_tokens:,} tokens "
             "per card): the engine skips its own memory profiling"
@@ -306,7 +276,17 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     model_path = opts.model_path or p.model_path
     pinned = p.kv_basis is KvBasis.PINNED
     s = (_v1_server if pinned else _r01_server)(p, opts, model_path)
-    secrets = split_secrets(s.argv, check_env_names(s.env, opts.extra_env))
+    # A secret (`--api-key K`, or the `<redacted>` a run record holds) is never written: the
+    # scripts read it from an environment variable (pretuner.redact.secret_var).
+    argv = classify_argv(s.argv)
+    secret_args = list({a.var: a for a in argv if isinstance(a, SecretArg)}.values())
+    env = check_env_names(s.env, opts.extra_env)
+    secret_env = [k for k in env if is_secret_name(k)]
+    where = "before starting (systemd: Environment= in a drop-in only root reads)"
+    secret_notes = [f"secret {a.flag} is not written here: export {a.var} {where}"
+                    for a in secret_args]
+    secret_notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
+    env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
     figures = ", ".join(f"{k} {v:g}" for k, v in p.figures.items())
     header = [
         *([f"run {p.run_id or '-'}: {opts.status}"] if opts.status else []),
@@ -321,19 +301,20 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         f"re-tune: pretuner run --model {p.model}{s.retune} --card {p.card_gib} --tp {p.tp} "
         f"--max-model-len {p.max_model_len}, then pretuner script RUN_DIR",
         *s.notes,
-        *secrets.notes,
+        *secret_notes,
         *s.late_notes,
     ]
-    head_argv = list(secrets.argv)
+    head_argv = list(argv)
     if flag_value([w for w in head_argv if isinstance(w, str)], RAY_BACKEND[0]) is None:
         head_argv += RAY_BACKEND
     return {
         "header": [one_line(h) for h in header],
-        "secret_checks": secrets.checks,
-        "secret_env_checks": secrets.env_checks,
+        "secret_checks": [_check_line(a.var, f"the server flag {a.flag}") for a in secret_args]
+        + env_checks,
+        "secret_env_checks": env_checks,
         "simulated": p.kind is PresetKind.SIMULATED,
-        "env": secrets.env,
-        "argv": secrets.argv,
+        "env": {k: v for k, v in env.items() if k not in secret_env},
+        "argv": argv,
         "head_argv": head_argv,
         "config": s.config,
         "model_path": model_path,

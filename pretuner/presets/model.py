@@ -235,7 +235,10 @@ def find_preset(
     model: str, card_gib: int, tp: int, presets: tuple[Preset, ...] | None = None
 ) -> Preset | None:
     """The preset for this model, card size and TP (in PresetKind's order: measured first)."""
-    name = _model_name(model)
+    try:
+        name = resolve(model).name
+    except BadInputError:
+        name = model
     hits = [
         p
         for p in (all_presets() if presets is None else presets)
@@ -257,13 +260,6 @@ def preset_line(model: str, card_gib: int, tp: int, kv_tokens: int, what: str) -
     )
 
 
-def _model_name(model: str) -> str:
-    try:
-        return resolve(model).name
-    except BadInputError:
-        return model
-
-
 def model_use_budget_bytes(card_gib: int, util: float, model_use_gib: int) -> int:
     """r0.1's KV budget: card*util - model-use, in bytes (before block flooring)."""
     return int(card_gib * GIB * util) - model_use_gib * GIB
@@ -278,8 +274,16 @@ def check_preset(p: Preset) -> list[str]:
     block = p.block_size
     if p.kv_tokens % block:
         problems.append(f"kv_tokens {p.kv_tokens:,} is not whole blocks of {block}")
-    if p.kv_basis is KvBasis.PINNED:
-        problems += pinned_problems(p, bpt)
+    if p.kv_basis is KvBasis.PINNED:  # the engine floors the pinned bytes to whole blocks
+        kv = p.kv_cache_memory_bytes or 0
+        want = kv_tokens(kv, bpt, block)
+        if want != p.kv_tokens:
+            problems.append(
+                f"kv_tokens {p.kv_tokens:,} but --kv-cache-memory-bytes {kv} holds {want:,} "
+                f"(whole blocks of {block} at {bpt:,} B/token)"
+            )
+        if abs(kv / GIB - p.kv_gib) > 0.005:
+            problems.append(f"kv_gib {p.kv_gib} but {kv} B is {kv / GIB:.4f} GiB")
     elif p.kv_basis is KvBasis.MODEL_USE:
         budget = model_use_budget_bytes(p.card_gib, p.util, int(p.env["vLLM_MODEL_MEMORY_USE_GB"]))
         want = kv_tokens(budget, bpt, block)
@@ -304,30 +308,6 @@ def check_preset(p: Preset) -> list[str]:
             f"concurrency {p.kv_tokens / p.max_model_len:.2f}x but the source says {conc}x"
         )
     return problems
-
-
-def pinned_problems(p: Preset, bpt: int) -> list[str]:
-    """A V1 preset against the math: the engine floors the pinned bytes to whole blocks."""
-    kv = p.kv_cache_memory_bytes or 0
-    problems = []
-    want = kv_tokens(kv, bpt, p.block_size)
-    if want != p.kv_tokens:
-        problems.append(
-            f"kv_tokens {p.kv_tokens:,} but --kv-cache-memory-bytes {kv} holds {want:,} "
-            f"(whole blocks of {p.block_size} at {bpt:,} B/token)"
-        )
-    if abs(kv / GIB - p.kv_gib) > 0.005:
-        problems.append(f"kv_gib {p.kv_gib} but {kv} B is {kv / GIB:.4f} GiB")
-    return problems
-
-
-def _real_model_arg(rep: RunReport) -> str:
-    """What the real server loads: the emulated card took the registry name, the real
-    vLLM-MindSpore needs the Hugging Face id (a folder stays a folder)."""
-    arg = rep.model_arg
-    if not rep.simulated or Path(arg).exists() or arg != rep.model:
-        return arg
-    return resolve(arg).hf_id or arg
 
 
 def numeric_flags(argv: list[str]) -> dict[str, int | float]:
@@ -365,8 +345,13 @@ def _r01_fields(rep: RunReport, d: R01Derivation) -> dict[str, Any]:
     except (KeyError, ValueError) as err:
         raise BadInputError(f"the run record lacks {err} in report.json",
                             hint="pass a finished run folder") from None
+    # What the real server loads: the emulated card took the registry name, the real
+    # vLLM-MindSpore needs the Hugging Face id (a folder stays a folder).
+    model_path = rep.model_arg
+    if rep.simulated and not Path(model_path).exists() and model_path == rep.model:
+        model_path = resolve(model_path).hf_id or model_path
     return {
-        "model_path": _real_model_arg(rep),
+        "model_path": model_path,
         "cards_per_node": 8 if rep.nodes > 1 else rep.tp * rep.pp,
         "engine": "emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
         "engine_version": "0.1", "flags": numeric_flags(rep.final.flags),

@@ -224,8 +224,7 @@ def node_env(row: V1Row, nic: str, cards: int) -> dict[str, str]:
 
 
 def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
-    """A pinned (V1 engine) preset: the command and flags its run proved, none of r0.1's
-    variables."""
+    """A pinned (V1 engine) preset: the command and flags its run proved, no r0.1 variable."""
     row = ROWS[p.engine]
     if opts.engine_version is not None:
         raise BadInputError(
@@ -244,23 +243,22 @@ def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
             f"{r01[0]} is vLLM-MindSpore r0.1's; {p.engine} ignores it",
             hint=f"drop it: {KV_FLAG} sizes the KV cache",
         )
-    late_notes = []
-    if p.kind is PresetKind.SIMULATED:
-        late_notes.append(
-            f"the figures are SIMULATED; the command is the real {p.engine}'s with the run's "
-            "flags: run `pretuner run` on the real device to measure and prove them"
-        )
+    if opts.command is None:
+        argv = [*(p.server_command or row.command), model_path, *flags]
+    else:
+        argv = list(opts.command)
     return _Server(
         env=env,
-        argv=list(opts.command)
-        if opts.command is not None
-        else [*(p.server_command or row.command), model_path, *flags],
+        argv=argv,
         config=config_entries(classify_argv(flags)),
         notes=[
             f"KV cache pinned with {KV_FLAG} {kv} ({kv / GIB:.2f} GiB = {p.kv_tokens:,} tokens "
             "per card): the engine skips its own memory profiling"
         ],
-        late_notes=late_notes,
+        late_notes=[
+            f"the figures are SIMULATED; the command is the real {p.engine}'s with the run's "
+            "flags: run `pretuner run` on the real device to measure and prove them"
+        ] if p.kind is PresetKind.SIMULATED else [],
         kv_line=f"KV cache {KV_FLAG} {kv} = {kv / GIB:.2f} GiB/card = {p.kv_tokens:,} tokens "
         f"at {p.kv_bytes_per_token:,} B/token, block {p.block_size} (pinned)",
         engine=engine_words(p),

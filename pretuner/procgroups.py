@@ -36,6 +36,16 @@ def note(message: str, level: int = logging.INFO) -> None:
         log.log(level, message)
 
 
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
 def proc_available() -> bool:
     return os.path.exists("/proc/self/stat")
 
@@ -61,6 +71,13 @@ def _read_stat(pid: int) -> bytes | None:
         os.close(fd)
 
 
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields from "state" (field 3) on; None when the process is gone."""
+    stat = _read_stat(pid)
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+    return None if stat is None else stat[stat.rfind(b")") + 2 :].split()
+
+
 def _pgid(pid: int) -> int | None:
     try:
         return os.getpgid(pid)
@@ -79,11 +96,7 @@ def group_members(pgid: int) -> list[int]:
         # getpgid(2) asks the kernel directly: only the group's own members are read further.
         if not entry.isdigit() or _pgid(int(entry)) != pgid:
             continue
-        stat = _read_stat(int(entry))
-        if stat is None:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2 :].split()
+        fields = stat_fields(int(entry))
         # A zombie holds no memory; an orphaned one waits for init, which may never reap it.
         if fields and fields[0] not in (b"Z", b"X"):
             members.append(int(entry))
@@ -137,18 +150,37 @@ def wait_group_gone(
         time.sleep(POLL_S)
 
 
-def stop_group(pgid: int, grace_s: float) -> bool:
-    """SIGTERM a group pretuner did not start in this process (an orphan), wait up to
-    `grace_s`, then SIGKILL; True when it stopped before SIGKILL."""
+def stop_group(
+    pgid: int,
+    grace_s: float,
+    sig: int = signal.SIGTERM,
+    reap: Callable[[], object] | None = None,
+) -> bool:
+    """Send `sig` to the whole group, wait up to `grace_s` for every member, then SIGKILL; True
+    when it stopped before SIGKILL. A KeyboardInterrupt in the wait kills it at once."""
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGTERM)
-    if wait_group_gone(pgid, time.monotonic() + grace_s, grace_s=grace_s):
-        return True
+        os.killpg(pgid, sig)
+    try:
+        if wait_group_gone(pgid, time.monotonic() + grace_s, reap=reap, grace_s=grace_s):
+            return True
+    except KeyboardInterrupt:
+        kill_group(pgid, reap)
+        raise
     note(
-        f"server group {pgid} still running {grace_s:g} s after SIGTERM; sending SIGKILL",
+        f"server group {pgid} still running {grace_s:g} s after {signal.Signals(sig).name}; "
+        "sending SIGKILL",
         logging.WARNING,
     )
+    kill_group(pgid, reap)
+    return False
+
+
+def kill_group(pgid: int, reap: Callable[[], object] | None = None) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    wait_group_gone(pgid, time.monotonic() + KILL_WAIT_S)
-    return False
+    if not wait_group_gone(pgid, time.monotonic() + KILL_WAIT_S, reap=reap):
+        log.error(
+            "processes of group %d survive SIGKILL (uninterruptible?): %s",
+            pgid,
+            group_members(pgid) if proc_available() else "unknown",
+        )

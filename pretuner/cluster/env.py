@@ -1,4 +1,5 @@
-"""Which environment every node needs before `ray start`, and what a launch passes itself (pure).
+"""Which environment every node needs before `ray start` and the commands that restart Ray with
+it, and what a launch passes itself (pure).
 
 Two kinds of variables reach a rank on another node:
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from pretuner.cluster.nodefs import NODE_ROOT_ENV
 from pretuner.cluster.nodes import NodeFacts, Placement
+from pretuner.templating import render_template
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,3 +201,28 @@ def _agreed_values(probes: Sequence[NodeProbe]) -> dict[str, str]:
         if values:
             out[var.name] = var.value if var.value in values else values[0]
     return out
+
+
+def restart_commands(
+    probes: Sequence[NodeProbe],
+    envs: Mapping[str, Mapping[str, str]],
+    *,
+    head_host: str,
+    port: int,
+    extra_args: Mapping[str, Sequence[str]] | None = None,
+) -> str:
+    """Shell lines for every node, the head first: `ray stop`, the exports (`proposed_envs`),
+    `ray start` with `extra_args` per node id (the emulated card's NPUs Ray cannot detect)."""
+    ordered = sorted(probes, key=lambda p: (not p.node.head, p.node.address, p.node.node_id))
+    nodes = [
+        {
+            "label": p.node.label,
+            "head": p.node.head,
+            "env": dict(envs.get(p.node.node_id, {})),
+            "extra": list((extra_args or {}).get(p.node.node_id, ())),
+        }
+        for p in ordered
+    ]
+    return render_template(
+        "ray-restart.sh.j2", {"nodes": nodes, "head_address": head_host, "port": port}
+    )

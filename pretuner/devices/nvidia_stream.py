@@ -28,7 +28,7 @@ from pretuner.devices.base import (
     keep,
 )
 from pretuner.devices.nvidia import QUERY, NvidiaSmiReader, parse_nvidia_smi_csv
-from pretuner.procgroups import group_alive, wait_group_gone
+from pretuner.procgroups import describe_exit, group_alive, wait_group_gone
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,6 @@ EXIT_WAIT_S = 5.0  # how long one whose output ended may take to be reaped (a lo
 STALE_GAP_S = 1.0
 LINE_MAX_BYTES = 4096  # a longer line is read in pieces (memory stays bounded)
 TAIL_LINES = 8  # lines that were not rows (usage text, errors), kept for the error message
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
 
 
 class _Stream:
@@ -221,9 +214,9 @@ class NvidiaSmiStreamReader:
         self.close()
         if rows == 0 or code == 0:
             log.info("%s %s after %d rows%s; running nvidia-smi once per sample instead",
-                     shlex.join(self.argv), _describe_exit(code), rows,
+                     shlex.join(self.argv), describe_exit(code), rows,
                      f" ({tail})" if tail else "")
             self.fallback = NvidiaSmiReader(self.executable, self.devices, self.timeout_s)
             return self.fallback.sample()
-        raise DeviceReadError(f"{shlex.join(self.argv)} {_describe_exit(code)}"
+        raise DeviceReadError(f"{shlex.join(self.argv)} {describe_exit(code)}"
                               + (f": {tail}" if tail else ""))

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pretuner.procgroups import group_alive, group_members, proc_available, stat_fields
+
 log = logging.getLogger(__name__)
 
 PID_FILE = "server.pid"
@@ -71,16 +73,8 @@ class ServerPid:
         return f"server pid {self.pid} (process group {self.pgid}{port}, {self.launch})"
 
 
-def _stat_fields(pid: int) -> list[bytes] | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2 :].split()  # fields from "state" (field 3) on
-
-
 def start_ticks(pid: int) -> int | None:
-    fields = _stat_fields(pid)
+    fields = stat_fields(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 
 
@@ -134,32 +128,15 @@ def read_pid_file(path: Path) -> ServerPid | None:
         return None
 
 
-def _live_members(pgid: int) -> list[int]:
-    from pretuner.procgroups import group_members
-
-    return group_members(pgid)
-
-
 def still_running(info: ServerPid) -> bool:
-    """True while a process of the recorded group lives and is the one recorded.
-
-    A pid is reused only once its group is gone, so a live member of `pgid` is ours unless the
-    machine rebooted (boot id) or it started before our server did (a reused group id).
-    """
-    if not Path("/proc/self/stat").exists():
-        try:
-            os.killpg(info.pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+    """True while a process of the recorded group lives and is the one recorded."""
+    # A pid is reused only once its group is gone, so a live member of `pgid` is ours unless
+    # the machine rebooted (boot id) or it started before our server did (a reused group id).
     if info.boot_id is not None and _boot_id() not in (None, info.boot_id):
         return False
-    members = _live_members(info.pgid)
-    if info.start_ticks is None:
-        return bool(members)
-    return any((start_ticks(p) or 0) >= info.start_ticks for p in members)
+    if info.start_ticks is None or not proc_available():
+        return group_alive(info.pgid)
+    return any((start_ticks(p) or 0) >= info.start_ticks for p in group_members(info.pgid))
 
 
 def live_servers(run_folder: Path) -> list[ServerPid]:

@@ -15,7 +15,6 @@ then stops the group itself (context manager, `atexit`, `install_signal_handlers
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import shlex
@@ -37,14 +36,7 @@ from pretuner.launch.orphans import (
     write_pid_file,
 )
 from pretuner.launch.probe import get_ok
-from pretuner.procgroups import (
-    KILL_WAIT_S,
-    group_alive,
-    group_members,
-    note,
-    proc_available,
-    wait_group_gone,
-)
+from pretuner.procgroups import describe_exit, group_alive, stop_group
 from pretuner.redact import redact_argv
 
 log = logging.getLogger(__name__)
@@ -56,27 +48,13 @@ _TAIL_MAX_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class StopResult:
-    """How a server's process group ended.
+    """How a server's process group ended."""
 
-    `exit_code` is the started process's return code (negative: killed by that signal), None
-    only if it survived even SIGKILL. `graceful`: the group ended without SIGKILL (only then
-    can MindSpore have printed its pool dump). `killed`: SIGKILL was sent.
-    """
-
-    exit_code: int | None
-    graceful: bool
-    killed: bool
+    exit_code: int | None  # the started process's (negative: killed by that signal; None: it
+    # survived even SIGKILL)
+    graceful: bool  # no SIGKILL: only then can MindSpore have printed its pool dump
+    killed: bool  # SIGKILL was sent
     seconds: float
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {code})"
-    return f"exited with code {code}"
 
 
 _live: set[ServerProcess] = set()
@@ -199,7 +177,7 @@ class ServerProcess:
         while True:
             code = self.poll()
             if code is not None:
-                raise self._failure(f"{_describe_exit(code)} before {url} answered")
+                raise self._failure(f"{describe_exit(code)} before {url} answered")
             if check is not None:
                 check()
             remaining = deadline - time.monotonic()
@@ -212,64 +190,29 @@ class ServerProcess:
                 raise self._failure(f"not ready after {timeout_s:g} s ({url} never answered 200)")
             time.sleep(min(interval_s, remaining))
 
-    def _signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):  # every member is already gone
-            os.killpg(self._pgid, sig)
-
-    def _wait_group(self, deadline: float, grace_s: float | None = None) -> bool:
-        """Reap our child and wait until no process of the group is left; False at deadline."""
-        return wait_group_gone(self._pgid, deadline, reap=self._popen.poll, grace_s=grace_s)
-
-    def _kill(self) -> None:
-        self._signal_group(signal.SIGKILL)
-        if not self._wait_group(time.monotonic() + KILL_WAIT_S):
-            log.error(
-                "processes of group %d survive SIGKILL (uninterruptible?): %s",
-                self._pgid,
-                group_members(self._pgid) if proc_available() else "unknown",
-            )
-
     def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> StopResult:
-        """Send `sig` to the whole group, wait up to `grace_s` for every member, then SIGKILL.
-
-        Idempotent: later calls return the first result. A KeyboardInterrupt during the
-        grace period kills the group at once and propagates.
-        """
+        """`procgroups.stop_group` on the server's group; idempotent: later calls return the
+        first result. A KeyboardInterrupt in the grace period kills the group and propagates."""
         with self._stop_lock:
             if self._stop_result is not None:
                 return self._stop_result
             started = time.monotonic()
-            killed = False
+            graceful = True
             if group_alive(self._pgid):
                 log.info("stopping server group %d with %s", self._pgid, signal.Signals(sig).name)
-                self._signal_group(sig)
                 try:
-                    gone = self._wait_group(started + grace_s, grace_s)
+                    graceful = stop_group(self._pgid, grace_s, sig, reap=self._popen.poll)
                 except KeyboardInterrupt:
-                    self._kill()
                     self._finish(killed=True, started=started)
                     raise
-                if not gone:
-                    note(
-                        f"server group {self._pgid} still running {grace_s:g} s after "
-                        f"{signal.Signals(sig).name}; sending SIGKILL",
-                        logging.WARNING,
-                    )
-                    killed = True
-                    self._kill()
-            return self._finish(killed=killed, started=started)
+            return self._finish(killed=not graceful, started=started)
 
     def _finish(self, *, killed: bool, started: float) -> StopResult:
         try:
             exit_code: int | None = self._popen.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             exit_code = None
-        result = StopResult(
-            exit_code=exit_code,
-            graceful=not killed,
-            killed=killed,
-            seconds=time.monotonic() - started,
-        )
+        result = StopResult(exit_code, not killed, killed, time.monotonic() - started)
         self._stop_result = result
         if exit_code is not None and not group_alive(self._pgid):
             remove_pid_file(self._pid_file)

@@ -50,32 +50,25 @@ def proc_available() -> bool:
     return os.path.exists("/proc/self/stat")
 
 
-def _read_stat(pid: int) -> bytes | None:
-    """/proc/PID/stat, or None when the process is gone.
-
-    Through a bare descriptor, not a file object: this runs while a stop waits, where Ctrl-C or
-    SIGTERM (made KeyboardInterrupt) lands, and one landing between `open()` and `with` would
-    leak a file object (a ResourceWarning at collection). Once the descriptor is stored,
-    `try/finally` closes it; an interrupt inside the `os.open` call itself can at worst drop a
-    bare descriptor, which warns of nothing. Only the group's own members are read at all.
-    """
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields from "state" (field 3) on; None when the process is gone."""
+    # Through a bare descriptor, not a file object: this runs while a stop waits, where Ctrl-C
+    # or SIGTERM (made KeyboardInterrupt) lands, and one landing between `open()` and `with`
+    # would leak a file object (a ResourceWarning at collection). Once the descriptor is
+    # stored, `try/finally` closes it; an interrupt inside the `os.open` call itself can at
+    # worst drop a bare descriptor, which warns of nothing.
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None
     try:
-        return os.read(fd, 4096)
+        stat = os.read(fd, 4096)
     except OSError:
         return None
     finally:
         os.close(fd)
-
-
-def stat_fields(pid: int) -> list[bytes] | None:
-    """/proc/PID/stat's fields from "state" (field 3) on; None when the process is gone."""
-    stat = _read_stat(pid)
     # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-    return None if stat is None else stat[stat.rfind(b")") + 2 :].split()
+    return stat[stat.rfind(b")") + 2 :].split()
 
 
 def _pgid(pid: int) -> int | None:

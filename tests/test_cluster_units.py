@@ -267,13 +267,13 @@ def test_merge_takes_the_worst_rank_from_the_node_it_ran_on(two_nodes: tuple[Pat
         **{f"rank{r}": 47000 + r for r in range(4)},
         **{f"rank{r + 4}": 47100 + r for r in range(4)},
     }
-    assert merged.rank_nodes["rank0"] == HEAD.label
-    assert merged.rank_nodes["rank6"] == WORKER.label
+    assert merged.doc["rank_nodes"]["rank0"] == HEAD.label
+    assert merged.doc["rank_nodes"]["rank6"] == WORKER.label
     assert [(o.rank, o.event.alloc_bytes) for o in scan.oom] == [(6, 4160306688)]
     assert merged.init_free_mib == (61457,) * 8
     assert missing_ranks(merged, 8) == []
     assert missing_ranks(merged, 10) == [8, 9]
-    doc = merged.to_json()
+    doc = merged.doc
     assert doc["worst_node"] == WORKER.label
     assert [n["ranks"] for n in doc["nodes"]] == [4, 4]
     json.dumps(doc)
@@ -283,7 +283,7 @@ def test_merge_counts_a_shared_disk_once(two_nodes: tuple[Path, Path]) -> None:
     head, _ = two_nodes
     merged = merge_node_scans([_node_scan(head, HEAD), _node_scan(head, WORKER)])
     assert len(merged.scan.ranks) == 4
-    assert set(merged.rank_nodes.values()) == {HEAD.label}
+    assert set(merged.doc["rank_nodes"].values()) == {HEAD.label}
 
 
 def test_merge_keeps_repeated_rank_numbers_apart(

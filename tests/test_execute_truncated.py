@@ -68,5 +68,5 @@ def test_cut_rank_crosses_the_ray_wire_once(tmp_path: Path) -> None:
     merged = merge_node_scans([node, node])  # a shared disk, seen by two nodes
     [cut] = merged.scan.truncated
     assert (cut.rank, cut.pid, cut.how.value) == (1, 10559, "summary_missing")
-    assert merged.to_json()["truncated"][0]["pid"] == 10559
+    assert merged.doc["truncated"][0]["pid"] == 10559
     assert merged.scan.ranks[1].truncated_dumps == 1

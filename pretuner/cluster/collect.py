@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pretuner.cluster.nodefs import node_local
-from pretuner.launch.collect import rank_name
+from pretuner.launch.collect import CollectedScan, rank_name
 from pretuner.logscan.lines import DeviceMemoryInit, Located
 from pretuner.logscan.result import MAX_EXAMPLES
 from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
@@ -65,37 +65,7 @@ def _noting_free(items: Iterable[ScanItem], free: list[int]) -> Iterator[ScanIte
         yield item
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterScan:
-    """Every node's figures merged: one `ScanResult`, and where each rank was."""
-
-    scan: ScanResult
-    nodes: tuple[NodeScan, ...]
-    rank_nodes: dict[str, str]  # rank name (as in rank_peaks_mib) -> node label
-    rank_peaks_mib: dict[str, int]
-    worst_node: str | None
-    init_free_mib: tuple[int, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        doc = self.scan.to_json()
-        doc["worst_node"] = self.worst_node
-        doc["rank_nodes"] = dict(self.rank_nodes)
-        doc["nodes"] = [
-            {
-                "node": n.label,
-                "node_id": n.node_id,
-                "folder": n.folder,
-                "found": n.found,
-                "ranks": len(n.scan.ranks),
-                "worst_actual_peak_mib": n.scan.worst.actual_peak_mib if n.scan.worst else None,
-                "oom": len(n.scan.oom),
-            }
-            for n in self.nodes
-        ]
-        return doc
-
-
-def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
+def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
     """One ScanResult over all nodes; the worst rank wherever it ran.
 
     A folder on a shared disk is seen by every node: the same rank dump (same file, line and
@@ -142,18 +112,28 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
         truncated_omitted=sum(s.truncated_omitted for s in scans),
         prompts_ignored_omitted=sum(s.prompts_ignored_omitted for s in scans),
     )
-    peaks = {
-        name: r.actual_peak_mib
-        for name, r in zip(names, ranks, strict=True)
-        if r.actual_peak_mib is not None
-    }
-    return ClusterScan(
-        scan=scan,
-        nodes=tuple(nodes),
-        rank_nodes=dict(zip(names, owner, strict=True)),
-        rank_peaks_mib=peaks,
-        worst_node=worst_node,
+    doc = scan.to_json()
+    doc["worst_node"] = worst_node
+    doc["rank_nodes"] = dict(zip(names, owner, strict=True))  # rank name -> node label
+    doc["nodes"] = [
+        {
+            "node": n.label,
+            "node_id": n.node_id,
+            "folder": n.folder,
+            "found": n.found,
+            "ranks": len(n.scan.ranks),
+            "worst_actual_peak_mib": n.scan.worst.actual_peak_mib if n.scan.worst else None,
+            "oom": len(n.scan.oom),
+        }
+        for n in nodes
+    ]
+    return CollectedScan(
+        scan,
+        {name: r.actual_peak_mib for name, r in zip(names, ranks, strict=True)
+         if r.actual_peak_mib is not None},
         init_free_mib=tuple(f for n in nodes for f in n.init_free_mib),
+        worst_node=worst_node,
+        doc=doc,
     )
 
 
@@ -170,7 +150,7 @@ def _pick(how: Any, values: Sequence[Any]) -> Any:
     return how(present) if present else None
 
 
-def missing_ranks(merged: ClusterScan, world: int) -> list[int]:
+def missing_ranks(merged: CollectedScan, world: int) -> list[int]:
     """Ranks 0..world-1 without a pool dump (rank folders name every rank)."""
     have = {r.rank for r in merged.scan.ranks if r.actual_peak_mib is not None}
     return [r for r in range(world) if r not in have]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from pretuner.errors import ClusterError
 
@@ -36,26 +37,22 @@ class Placement:
     def world(self) -> int:
         return sum(self.ranks_per_node)
 
+    def _spans(self) -> Iterator[tuple[NodeFacts, int, int]]:
+        """(node, first rank, rank count) of every node, in rank order."""
+        starts = list(accumulate(self.ranks_per_node, initial=0))[:-1]
+        return zip(self.nodes, starts, self.ranks_per_node, strict=True)
+
     def node_of_rank(self, rank: int) -> NodeFacts:
-        first = 0
-        for node, count in zip(self.nodes, self.ranks_per_node, strict=True):
-            if rank < first + count:
-                return node
-            first += count
-        raise IndexError(f"rank {rank} is outside a world of {self.world}")
+        node = next((node for node, start, n in self._spans() if rank < start + n), None)
+        if node is None:
+            raise IndexError(f"rank {rank} is outside a world of {self.world}")
+        return node
 
     def describe(self) -> str:
         return ", ".join(
             f"{node.label}{' (this node)' if node.local else ''}: ranks {start}-{start + n - 1}"
-            for node, start, n in zip(self.nodes, self._starts(), self.ranks_per_node, strict=True)
+            for node, start, n in self._spans()
         )
-
-    def _starts(self) -> list[int]:
-        out, first = [], 0
-        for n in self.ranks_per_node:
-            out.append(first)
-            first += n
-        return out
 
 
 def _order(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:

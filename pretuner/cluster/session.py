@@ -8,18 +8,12 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pretuner import __version__
-from pretuner.cluster.collect import (
-    ClusterScan,
-    NodeScan,
-    merge_node_scans,
-    missing_ranks,
-    scan_node_folder,
-)
+from pretuner.cluster.collect import NodeScan, merge_node_scans, missing_ranks, scan_node_folder
 from pretuner.cluster.env import (
     describe_problems,
     env_problems,
@@ -45,9 +39,8 @@ POLL_EVERY_S = 5.0  # how often the nodes are asked for OOM lines while the serv
 class RayCollector:
     """One launch's logs on every node of the placement."""
 
-    def __init__(
-        self, cluster: RayCluster, placement: Placement, folder: Path, log_path: Path
-    ) -> None:
+    def __init__(self, cluster: RayCluster, placement: Placement, folder: Path,
+                 log_path: Path) -> None:
         self.cluster = cluster
         self.placement = placement
         self.log_dir = folder.resolve() / LOG_SUBDIR
@@ -63,16 +56,8 @@ class RayCollector:
 
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         """Ranks log to files on their own node, and every rank gets the launch's variables."""
-        launch_env = {
-            **cmd.env,
-            "GLOG_logtostderr": "0",
-            "GLOG_log_dir": str(self.log_dir),
-        }
-        env = {
-            **launch_env,
-            **job_config_env(launch_env),
-            "RAY_ADDRESS": self.cluster.gcs_address,
-        }
+        launch_env = {**cmd.env, "GLOG_logtostderr": "0", "GLOG_log_dir": str(self.log_dir)}
+        env = {**launch_env, **job_config_env(launch_env), "RAY_ADDRESS": self.cluster.gcs_address}
         argv = list(cmd.argv)
         if "--distributed-executor-backend" not in argv:
             argv += ["--distributed-executor-backend", "ray"]
@@ -94,10 +79,8 @@ class RayCollector:
         return events
 
     def _submit(self) -> list[Any]:
-        return [
-            self.cluster.submit(n, scan_node_folder, str(self.log_dir), n.node_id, n.label)
-            for n in self.nodes
-        ]
+        return [self.cluster.submit(n, scan_node_folder, str(self.log_dir), n.node_id, n.label)
+                for n in self.nodes]
 
     def _new_oom(self, scans: list[NodeScan]) -> list[Located]:
         out = []
@@ -123,16 +106,9 @@ class RayCollector:
             server = scan_paths([server_log])
             nodes.append(NodeScan(here.node_id, here.label, str(server_log), True, server, ()))
         merged = merge_node_scans(nodes)
-        return CollectedScan(
-            scan=merged.scan,
-            rank_peaks_mib=merged.rank_peaks_mib,
-            init_free_mib=merged.init_free_mib,
-            worst_node=merged.worst_node,
-            problem=self._problem(merged),
-            doc=merged.to_json(),
-        )
+        return replace(merged, problem=self._problem(merged))
 
-    def _problem(self, merged: ClusterScan) -> str | None:
+    def _problem(self, merged: CollectedScan) -> str | None:
         if merged.scan.oom:
             return None
         missing = missing_ranks(merged, self.placement.world)
@@ -176,37 +152,10 @@ class ClusterPlan:
     emulated: bool  # the emulated card: its NPUs are `ray start --resources`, not detected
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterCheck:
-    address: str
-    gcs_address: str
-    placement: Placement
-    versions: dict[str, str]
-
-    def to_json(self) -> dict[str, Any]:
-        p = self.placement
-        return {
-            "ray_address": self.address,
-            "gcs_address": self.gcs_address,
-            "world": p.world,
-            "nodes": [
-                {
-                    "node": n.label,
-                    "node_id": n.node_id,
-                    "npus": n.npus,
-                    "ranks": c,
-                    "local": n.local,
-                    "head": n.head,
-                }
-                for n, c in zip(p.nodes, p.ranks_per_node, strict=True)
-            ],
-            "pretuner_versions": dict(self.versions),
-        }
-
-
-def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> ClusterCheck:
+def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> tuple[Placement, dict[str, Any]]:
     """Nodes alive with enough NPUs, the same pretuner everywhere, and every node variable
-    set before `ray start`; otherwise ClusterError with what to do."""
+    set before `ray start` (where the ranks go, and what was found for the run record);
+    otherwise ClusterError with what to do."""
     nodes = cluster.nodes()
     placement = place(nodes, plan.world, cluster.free_npus())
     alive = [n for n in nodes if n.alive]
@@ -217,11 +166,8 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> ClusterCheck:
     problems = env_problems(used, placement)
     if problems:
         host, _, port = cluster.gcs_address.rpartition(":")
-        extra = (
-            {n.node_id: [f'--resources={{"NPU": {n.npus}}}'] for n in alive if n.npus}
-            if plan.emulated
-            else {}
-        )
+        extra = {n.node_id: [f'--resources={{"NPU": {n.npus}}}'] for n in alive
+                 if n.npus and plan.emulated}
         commands = restart_commands(
             probes, proposed_envs(probes, placement), head_host=host, port=int(port),
             extra_args=extra,
@@ -232,12 +178,17 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> ClusterCheck:
             "them for a launch",
             hint="restart Ray with them on every node, then run pretuner again:\n" + commands,
         )
-    return ClusterCheck(
-        cluster.address,
-        cluster.gcs_address,
-        placement,
-        {k: v for k, v in versions.items() if v is not None},
-    )
+    return placement, {
+        "ray_address": cluster.address,
+        "gcs_address": cluster.gcs_address,
+        "world": placement.world,
+        "nodes": [
+            {"node": n.label, "node_id": n.node_id, "npus": n.npus, "ranks": c,
+             "local": n.local, "head": n.head}
+            for n, c in zip(placement.nodes, placement.ranks_per_node, strict=True)
+        ],
+        "pretuner_versions": {k: v for k, v in versions.items() if v is not None},
+    }
 
 
 @contextmanager
@@ -246,8 +197,7 @@ def ray_cluster(address: str, plan: ClusterPlan, phase: Phase) -> Iterator[RayCo
     phase("cluster", f"connecting to Ray at {address}")
     cluster = RayCluster.connect(address)
     try:
-        check = check_cluster(cluster, plan)
-        p = check.placement
+        p, info = check_cluster(cluster, plan)
         phase(
             "cluster",
             f"{plan.world} ranks on {len(p.nodes)} node(s): {p.describe()}; pretuner "
@@ -259,6 +209,6 @@ def ray_cluster(address: str, plan: ClusterPlan, phase: Phase) -> Iterator[RayCo
                 f"the layout assumed {plan.nodes_planned} node(s) of 8 cards; Ray places the "
                 f"ranks on {len(p.nodes)} ({survey(cluster.nodes())})",
             )
-        yield RayCollectors(cluster, p, check.to_json())
+        yield RayCollectors(cluster, p, info)
     finally:
         cluster.close()

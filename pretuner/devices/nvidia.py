@@ -14,7 +14,6 @@ from pretuner.devices.base import (
     Holder,
     Sample,
 )
-from pretuner.devices.npu_table import decode_output
 from pretuner.units import MIB
 
 QUERY = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
@@ -72,8 +71,8 @@ class NvidiaSmiReader(CommandReader):
     name = "nvidia-smi"
     args = QUERY
 
-    def parse(self, stdout: bytes) -> tuple[DeviceMemory, ...]:
-        return parse_nvidia_smi_csv(decode_output(stdout))
+    def parse(self, text: str) -> tuple[DeviceMemory, ...]:
+        return parse_nvidia_smi_csv(text)
 
 
 def load_nvml() -> Any | None:

@@ -58,7 +58,7 @@ class _GlobalState:
     debug: bool = False
 
 
-state = _GlobalState()
+state = _GlobalState()  # what the root callback saw, for the error boundary
 
 
 def _version(value: bool) -> None:
@@ -153,14 +153,8 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: run the app, turn every known error into one line and an exit code.
-
-    A usage error (a flag or value the command does not take) is one line too, exit 2. A bare
-    Ctrl-C exits 130; `run` raises `RunInterrupted` instead, printed here with the resume
-    command. With --debug a `PretunerError` prints its traceback first and keeps its exit code.
-    Under --json every failure also prints its JSON object on stdout. `argv` (sys.argv[1:] when
-    not given) lets the tests run this very boundary in-process (tests/helpers.py `invoke`).
-    """
+    """Console entry point: run the app, turn every known error into one line and an exit code
+    (`argv`, sys.argv[1:] when not given, lets the tests run this very boundary in-process)."""
     args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
     try:
         code = app(args=args, prog_name="pretuner", standalone_mode=False)

@@ -54,19 +54,6 @@ class Holder:
     memory_mib: int
 
 
-class Holding(Protocol):
-    """A process holding device memory, whichever tool listed it (`Holder`, npu-smi's rows)."""
-
-    @property
-    def device(self) -> int: ...
-    @property
-    def pid(self) -> int: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def memory_mib(self) -> int: ...
-
-
 def holders(reader: DeviceReader) -> tuple[Holder, ...]:
     """The processes holding memory on the reader's devices, where its tool lists them (NVML,
     the emulated card); nothing where it cannot tell."""

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pretuner.devices.base import CommandReader, DeviceMemory, DeviceReadError, Holding, run_tool
+from pretuner.devices.base import CommandReader, DeviceMemory, DeviceReadError, Holder, run_tool
 from pretuner.errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -75,18 +75,14 @@ def parse_npu_smi(text: str) -> tuple[NpuCard, ...]:
 
 
 @dataclass(frozen=True, slots=True)
-class NpuProcess:
+class NpuProcess(Holder):
     """One row of the process table `npu-smi info` prints below the cards."""
 
-    npu_id: int
-    chip: int
-    pid: int
-    name: str
-    memory_mib: int
+    chip: int = 0
 
     @property
-    def device(self) -> int:
-        return self.npu_id
+    def npu_id(self) -> int:
+        return self.device
 
 
 _PROC_CHIP = re.compile(r"(\d+)(?:\s+(\d+))?")
@@ -109,8 +105,8 @@ def parse_npu_processes(text: str) -> tuple[NpuProcess, ...]:
         memory = re.match(r"\d+", cells[3])
         if chip is None or not cells[1].isdigit() or memory is None:
             continue
-        found.append(NpuProcess(int(chip.group(1)), int(chip.group(2) or 0), int(cells[1]),
-                                cells[2], int(memory.group(0))))
+        found.append(NpuProcess(int(chip.group(1)), int(cells[1]), cells[2],
+                                int(memory.group(0)), int(chip.group(2) or 0)))
     return tuple(found)
 
 
@@ -133,7 +129,7 @@ class CardInfo:
     free_mib: int | None
     source: str  # "given", "npu-smi", "emulated npu-smi"
     # Processes npu-smi listed as holding memory on the card(s) before the run (other tenants).
-    holders: tuple[Holding, ...] = ()
+    holders: tuple[Holder, ...] = ()
 
 
 def npu_smi_text(argv: list[str], env: Mapping[str, str] | None = None,

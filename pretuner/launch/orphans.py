@@ -31,11 +31,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def parent_death_guard(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies.
-
-    None where the OS offers no such guard, or off the main thread: the kernel fires it when
-    the *thread* that forked exits, which would kill a server started from a worker thread.
-    """
+    """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies; None
+    where the OS offers no such guard, or off the main thread (the kernel fires it when the
+    *thread* that forked exits, which would kill a server started from a worker thread)."""
     if not sys.platform.startswith("linux"):
         return None
     if threading.current_thread() is not threading.main_thread():
@@ -97,16 +95,8 @@ def _port_of(argv: Sequence[str]) -> int | None:
 
 def write_pid_file(path: Path, pid: int, pgid: int, argv: Sequence[str], started_at: float) -> None:
     """Record a started group; a failure to write is logged, never fatal to the launch."""
-    info = ServerPid(
-        pid=pid,
-        pgid=pgid,
-        start_ticks=start_ticks(pid),
-        boot_id=_boot_id(),
-        started_at=started_at,
-        port=_port_of(argv),
-        launch=path.parent.name,
-        argv0=argv[0] if argv else "",
-    )
+    info = ServerPid(pid, pgid, start_ticks(pid), _boot_id(), started_at, _port_of(argv),
+                     path.parent.name, argv[0] if argv else "")
     doc = {k: v for k, v in asdict(info).items() if k != "path"}
     try:
         path.write_text(json.dumps(doc, sort_keys=True) + "\n", encoding="utf-8")

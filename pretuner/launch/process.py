@@ -75,14 +75,10 @@ class ServerProcess:
         self._pid_file = log_path.parent / PID_FILE
 
     @classmethod
-    def start(
-        cls, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None
-    ) -> ServerProcess:
-        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`.
-
-        The server gets the parent-death guard (killed if pretuner dies, even by SIGKILL) and
-        `server.pid` next to its log until its whole group is gone.
-        """
+    def start(cls, argv: list[str], env: dict[str, str], log_path: Path,
+              cwd: Path | None = None) -> ServerProcess:
+        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`, with the
+        parent-death guard and `server.pid` next to its log until its whole group is gone."""
         if not argv:
             raise ValueError("empty server command")
         log_path = Path(log_path)
@@ -91,14 +87,8 @@ class ServerProcess:
         with open(log_path, "ab") as log_file:
             try:
                 popen = subprocess.Popen(
-                    argv,
-                    env=env,
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    close_fds=True,
+                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
+                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                     preexec_fn=parent_death_guard(),  # only a prctl: safe after fork
                 )
             except OSError as exc:
@@ -112,9 +102,8 @@ class ServerProcess:
         write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time())
         with _live_lock:
             _live.add(proc)
-        log.info(
-            "started server pid %d (log %s): %s", popen.pid, log_path, shlex.join(redact_argv(argv))
-        )
+        log.info("started server pid %d (log %s): %s", popen.pid, log_path,
+                 shlex.join(redact_argv(argv)))
         return proc
 
     @property
@@ -134,10 +123,6 @@ class ServerProcess:
         """True while the process we started runs (its children may outlive it)."""
         return self.poll() is None
 
-    @property
-    def seconds_since_start(self) -> float:
-        return time.monotonic() - self._started
-
     def poll(self) -> int | None:
         return self._popen.poll()
 
@@ -150,29 +135,17 @@ class ServerProcess:
             exited = self.poll()
         return exited
 
-    def log_tail(self, n_lines: int = _TAIL_LINES) -> str:
-        """The last `n_lines` lines of the log, read from the end of the file."""
-        return read_tail(self._log_path, n_lines)
-
     def _failure(self, what: str) -> ServerFailedError:
-        tail = self.log_tail()
+        tail = read_tail(self._log_path)
         message = f"server {what}; log: {self._log_path}"
         message += f"\nlast log lines:\n{tail}" if tail else "\n(the log is empty)"
         return ServerFailedError(message, log_path=str(self._log_path))
 
-    def wait_ready(
-        self,
-        url: str,
-        timeout_s: float,
-        *,
-        check: Callable[[], None] | None = None,
-        interval_s: float = 0.2,
-    ) -> float:
-        """Wait until `GET url` answers 200; return the seconds since the server started.
-
-        Every round first checks that the process lives, then runs `check` (which may raise,
-        e.g. when a live log scan saw an OOM), then asks `url`.
-        """
+    def wait_ready(self, url: str, timeout_s: float, *, check: Callable[[], None] | None = None,
+                   interval_s: float = 0.2) -> float:
+        """Wait until `GET url` answers 200; return the seconds since the server started. Every
+        round first checks that the process lives, then runs `check` (which may raise, e.g.
+        when a live log scan saw an OOM), then asks `url`."""
         deadline = time.monotonic() + timeout_s
         while True:
             code = self.poll()
@@ -182,7 +155,7 @@ class ServerProcess:
                 check()
             remaining = deadline - time.monotonic()
             if get_ok(url, max(0.05, min(_HEALTH_TIMEOUT_S, remaining))):
-                ready = self.seconds_since_start
+                ready = time.monotonic() - self._started
                 log.info("server pid %d ready after %.1f s", self.pid, ready)
                 return ready
             remaining = deadline - time.monotonic()
@@ -278,16 +251,12 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def install_signal_handlers() -> Callable[[], None]:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt in the main thread; return a restorer.
-
-    Python dies on SIGTERM without running `finally` blocks or `atexit`; as an exception it
-    unwinds through every `with ServerProcess...` so no server outlives pretuner.
-    """
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt in the main thread; return a restorer."""
+    # Python dies on SIGTERM without running `finally` blocks or `atexit`; as an exception it
+    # unwinds through every `with ServerProcess...` so no server outlives pretuner.
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_signal_handlers must be called from the main thread")
-    previous = {
-        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
-    }
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
 
     def restore() -> None:
         for sig, handler in previous.items():

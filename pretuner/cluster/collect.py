@@ -2,7 +2,7 @@
 
 `scan_node_folder` runs on a node (inside a Ray task pinned there) and returns the per-rank
 summary (Ray pickles it), never the log itself. `merge_node_scans` is pure: it merges the
-nodes' summaries into one `ScanResult` and remembers which node each rank was on.
+nodes' summaries into one scan and remembers which node each rank was on.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from pretuner.launch.collect import CollectedScan, rank_name
 from pretuner.logscan.lines import DeviceMemoryInit, Located
 from pretuner.logscan.result import MAX_EXAMPLES
 from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
-from pretuner.logscan.summary import (
-    ScanResult,
-    summarize_items,
-)
+from pretuner.logscan.summary import ScanResult, summarize_items
 
 T = TypeVar("T")
 
@@ -66,12 +63,10 @@ def _noting_free(items: Iterable[ScanItem], free: list[int]) -> Iterator[ScanIte
 
 
 def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
-    """One ScanResult over all nodes; the worst rank wherever it ran.
-
-    A folder on a shared disk is seen by every node: the same rank dump (same file, line and
-    figures) counts once, for the first node that reported it. Rank numbers that repeat on
-    different nodes (per-node numbering) are kept apart as `<node>/rank<N>`.
-    """
+    """One scan over all nodes; the worst rank wherever it ran."""
+    # A folder on a shared disk is seen by every node: the same rank dump (same file, line and
+    # figures) counts once, for the first node that reported it. Rank numbers that repeat on
+    # different nodes (per-node numbering) are kept apart as `<node>/rank<N>`.
     placed = _first(
         ((r, n.label) for n in nodes for r in n.scan.ranks),
         lambda p: (p[0].rank, p[0].pid, p[0].file, p[0].line, p[0].actual_peak_mib),
@@ -82,9 +77,8 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
     repeated = {n for n in names if names.count(n) > 1}
     names = [f"{node}/{n}" if n in repeated else n for n, node in zip(names, owner, strict=True)]
     oom = _first((o for n in nodes for o in n.scan.oom), lambda o: (o.file, o.line, o.text))
-    truncated = _first(
-        (t for n in nodes for t in n.scan.truncated), lambda t: (t.file, t.line, t.pid)
-    )
+    truncated = _first((t for n in nodes for t in n.scan.truncated),
+                       lambda t: (t.file, t.line, t.pid))
     scans = [n.scan for n in nodes]
     peaked = [r for r in ranks if r.actual_peak_mib is not None]
     worst = max(peaked, key=lambda r: r.actual_peak_mib or 0, default=None)
@@ -116,15 +110,10 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
     doc["worst_node"] = worst_node
     doc["rank_nodes"] = dict(zip(names, owner, strict=True))  # rank name -> node label
     doc["nodes"] = [
-        {
-            "node": n.label,
-            "node_id": n.node_id,
-            "folder": n.folder,
-            "found": n.found,
-            "ranks": len(n.scan.ranks),
-            "worst_actual_peak_mib": n.scan.worst.actual_peak_mib if n.scan.worst else None,
-            "oom": len(n.scan.oom),
-        }
+        {"node": n.label, "node_id": n.node_id, "folder": n.folder, "found": n.found,
+         "ranks": len(n.scan.ranks),
+         "worst_actual_peak_mib": n.scan.worst.actual_peak_mib if n.scan.worst else None,
+         "oom": len(n.scan.oom)}
         for n in nodes
     ]
     return CollectedScan(

@@ -168,10 +168,8 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> tuple[Placement, di
         host, _, port = cluster.gcs_address.rpartition(":")
         extra = {n.node_id: [f'--resources={{"NPU": {n.npus}}}'] for n in alive
                  if n.npus and plan.emulated}
-        commands = restart_commands(
-            probes, proposed_envs(probes, placement), head_host=host, port=int(port),
-            extra_args=extra,
-        )  # fmt: skip
+        commands = restart_commands(probes, proposed_envs(probes, placement), head_host=host,
+                                    port=int(port), extra_args=extra)
         raise ClusterError(
             f"node variables not set before `ray start`: {describe_problems(problems)}. Ray "
             "workers inherit them from the shell that ran `ray start`, so pretuner cannot set "
@@ -198,17 +196,11 @@ def ray_cluster(address: str, plan: ClusterPlan, phase: Phase) -> Iterator[RayCo
     cluster = RayCluster.connect(address)
     try:
         p, info = check_cluster(cluster, plan)
-        phase(
-            "cluster",
-            f"{plan.world} ranks on {len(p.nodes)} node(s): {p.describe()}; pretuner "
-            f"{__version__} on every node; node environment set",
-        )
+        phase("cluster", f"{plan.world} ranks on {len(p.nodes)} node(s): {p.describe()}; "
+              f"pretuner {__version__} on every node; node environment set")
         if len(p.nodes) != plan.nodes_planned:
-            phase(
-                "cluster",
-                f"the layout assumed {plan.nodes_planned} node(s) of 8 cards; Ray places the "
-                f"ranks on {len(p.nodes)} ({survey(cluster.nodes())})",
-            )
+            phase("cluster", f"the layout assumed {plan.nodes_planned} node(s) of 8 cards; Ray "
+                  f"places the ranks on {len(p.nodes)} ({survey(cluster.nodes())})")
         yield RayCollectors(cluster, p, info)
     finally:
         cluster.close()

@@ -41,7 +41,6 @@ class DeviceReader(Protocol):
 
     def sample(self) -> Sample | None:
         """The devices now; None when this read saw none of them. Raises DeviceReadError."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,19 +55,15 @@ def filler(tokens: int, cal: Calibration, salt: str) -> str:
     return " ".join(FILLER_WORDS[(offset + i) % len(FILLER_WORDS)] for i in range(words))
 
 
-def chat_body(model: str, req: MMRequest, cal: Calibration, salt: str,
-              text_tokens: int | None = None) -> dict[str, Any]:
-    """One user message: the images, then the text filler."""
+def post_chat(base_url: str, model: str, req: MMRequest, cal: Calibration, salt: str,
+              text_tokens: int, timeout_s: float) -> CompletionOutcome:
+    """One user message, the images then `text_tokens` of text filler; what came back."""
     parts: list[dict[str, Any]] = [
         {"type": "image_url", "image_url": {"url": png_data_url(a.width_px, a.height_px, a.uid)}}
         for a in req.images]
-    tokens = req.text_tokens if text_tokens is None else text_tokens
-    parts.append({"type": "text", "text": filler(tokens, cal, salt)})
-    return {"model": model, "messages": [{"role": "user", "content": parts}],
+    parts.append({"type": "text", "text": filler(text_tokens, cal, salt)})
+    body = {"model": model, "messages": [{"role": "user", "content": parts}],
             "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True}
-
-
-def post_chat(base_url: str, body: dict[str, Any], timeout_s: float) -> CompletionOutcome:
     return post(f"{base_url.rstrip('/')}/v1/chat/completions", body, timeout_s)
 
 
@@ -76,8 +72,8 @@ def calibrate(base_url: str, model: str, timeout_s: float) -> Calibration | Comp
     failed outcome when one of them fails."""
     counts = []
     for words in CALIBRATION_WORDS:
-        body = chat_body(model, MMRequest((), words, 1), Calibration(0, 1.0), "calibrate")
-        out = post_chat(base_url, body, timeout_s)
+        out = post_chat(base_url, model, MMRequest((), words, 1), Calibration(0, 1.0),
+                        "calibrate", words, timeout_s)
         if not out.ok or out.prompt_tokens is None:
             return out if not out.ok else CompletionOutcome(
                 200, False, out.seconds, None, None, "the server's answer has no usage")
@@ -97,7 +93,7 @@ def send_fitted(base_url: str, model: str, req: MMRequest, cal: Calibration, sal
     counts and it is sent again. An answer that counts fewer prompt tokens than its images
     take means the server did not see them: a failure."""
     text = req.text_tokens
-    out = post_chat(base_url, chat_body(model, req, cal, salt, text), timeout_s)
+    out = post_chat(base_url, model, req, cal, salt, text, timeout_s)
     for _ in range(REFITS):
         m = _HAS_TOKENS.search(out.error or "") if out.status == 400 else None
         if m is None:
@@ -105,7 +101,7 @@ def send_fitted(base_url: str, model: str, req: MMRequest, cal: Calibration, sal
         counted = int(m.group(1) or m.group(2))
         over = counted + req.max_tokens - max_model_len
         text = max(1, text - max(1, over) - 1)
-        out = post_chat(base_url, chat_body(model, req, cal, salt, text), timeout_s)
+        out = post_chat(base_url, model, req, cal, salt, text, timeout_s)
     image_tokens = sum(a.tokens for a in req.images)
     if out.ok and out.prompt_tokens is not None and out.prompt_tokens < image_tokens:
         return CompletionOutcome(200, False, out.seconds, out.prompt_tokens,

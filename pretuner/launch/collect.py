@@ -33,19 +33,15 @@ class CollectedScan:
 class Collector(Protocol):
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         """The launch's command with whatever this collector needs the ranks to do."""
-        ...
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """Events written since the last poll (never blocks for long)."""
-        ...
 
     def collect(self) -> CollectedScan:
         """Every rank's figures, after the server stopped."""
-        ...
 
     def where(self) -> str:
         """Where the logs are read, for the progress line."""
-        ...
 
 
 CollectorFactory = Callable[[Path, Path], Collector]  # (launch folder, server.log) -> collector

@@ -29,14 +29,16 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from pretuner.errors import BadInputError, ServerFailedError
-from pretuner.launch.orphans import (
+from pretuner.launch.probe import get_ok
+from pretuner.procgroups import (
     PID_FILE,
+    describe_exit,
+    group_alive,
     parent_death_guard,
     remove_pid_file,
+    stop_group,
     write_pid_file,
 )
-from pretuner.launch.probe import get_ok
-from pretuner.procgroups import describe_exit, group_alive, stop_group
 from pretuner.redact import redact_argv
 
 log = logging.getLogger(__name__)

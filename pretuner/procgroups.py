@@ -125,13 +125,8 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def wait_group_gone(
-    pgid: int,
-    deadline: float,
-    *,
-    reap: Callable[[], object] | None = None,
-    grace_s: float | None = None,
-) -> bool:
+def wait_group_gone(pgid: int, deadline: float, *, reap: Callable[[], object] | None = None,
+                    grace_s: float | None = None) -> bool:
     """Wait until no process of group `pgid` is left; False at `deadline`. With `grace_s`
     (the wait after SIGTERM), a slow stop is reported: once at 2 s, then every 10 s."""
     started = time.monotonic()
@@ -147,25 +142,17 @@ def wait_group_gone(
         if grace_s is not None and now >= next_note:
             waited = now - started
             if next_note == started + _FIRST_NOTE_S:
-                note(
-                    f"SIGTERM sent to server group {pgid}; waiting up to {grace_s:g} s "
-                    "(--stop-grace) for it to stop, then SIGKILL (Ctrl-C kills it now)"
-                )
+                note(f"SIGTERM sent to server group {pgid}; waiting up to {grace_s:g} s "
+                     "(--stop-grace) for it to stop, then SIGKILL (Ctrl-C kills it now)")
             else:
-                note(
-                    f"still waiting for the server to stop ({waited:.0f} s of --stop-grace "
-                    f"{grace_s:g} s)"
-                )
+                note(f"still waiting for the server to stop ({waited:.0f} s of --stop-grace "
+                     f"{grace_s:g} s)")
             next_note = started + (waited // _NOTE_EVERY_S + 1) * _NOTE_EVERY_S
         time.sleep(POLL_S)
 
 
-def stop_group(
-    pgid: int,
-    grace_s: float,
-    sig: int = signal.SIGTERM,
-    reap: Callable[[], object] | None = None,
-) -> bool:
+def stop_group(pgid: int, grace_s: float, sig: int = signal.SIGTERM,
+               reap: Callable[[], object] | None = None) -> bool:
     """Send `sig` to the whole group, wait up to `grace_s` for every member, then SIGKILL; True
     when it stopped before SIGKILL. A KeyboardInterrupt in the wait kills it at once."""
     with contextlib.suppress(ProcessLookupError):
@@ -176,11 +163,8 @@ def stop_group(
     except KeyboardInterrupt:
         kill_group(pgid, reap)
         raise
-    note(
-        f"server group {pgid} still running {grace_s:g} s after {signal.Signals(sig).name}; "
-        "sending SIGKILL",
-        logging.WARNING,
-    )
+    note(f"server group {pgid} still running {grace_s:g} s after {signal.Signals(sig).name}; "
+         "sending SIGKILL", logging.WARNING)
     kill_group(pgid, reap)
     return False
 
@@ -189,11 +173,8 @@ def kill_group(pgid: int, reap: Callable[[], object] | None = None) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     if not wait_group_gone(pgid, time.monotonic() + KILL_WAIT_S, reap=reap):
-        log.error(
-            "processes of group %d survive SIGKILL (uninterruptible?): %s",
-            pgid,
-            group_members(pgid) if proc_available() else "unknown",
-        )
+        log.error("processes of group %d survive SIGKILL (uninterruptible?): %s", pgid,
+                  group_members(pgid) if proc_available() else "unknown")
 
 
 def parent_death_guard(sig: int = signal.SIGKILL) -> Callable[[], None] | None:

@@ -77,26 +77,16 @@ def _root(
 ) -> None:
     state.debug = debug
     level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-
-
-def fail(message: str, code: ExitCode) -> None:
-    typer.echo(f"pretuner: error: {message}", err=True)
-    raise SystemExit(int(code))
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 def error_json(err: PretunerError) -> dict[str, Any]:
     """What every command prints on stdout under `--json` when it fails: the error, and for
     `run` the failure report when the run got as far as its run folder."""
-    head = {
-        "error": err.message,
-        "hint": err.hint,
-        "exit_code": int(err.exit_code),
-        "error_type": type(err).__name__,
-        "run_record": str(err.run_record) if err.run_record is not None else None,
-    }
+    head = {"error": err.message, "hint": err.hint, "exit_code": int(err.exit_code),
+            "error_type": type(err).__name__,
+            "run_record": str(err.run_record) if err.run_record is not None else None}
     return {**head, **{k: v for k, v in (err.report or {}).items() if k not in head}}
 
 
@@ -166,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             echo_json(error_json(err))
         if state.debug:  # the traceback, and still the documented exit code
             traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-        fail(str(err), err.exit_code)
+        typer.echo(f"pretuner: error: {err}", err=True)
+        raise SystemExit(int(err.exit_code)) from None
     except (KeyboardInterrupt, typer.Abort):  # click turns a Ctrl-C into Abort
         typer.echo("pretuner: interrupted", err=True)
         raise SystemExit(int(ExitCode.INTERRUPTED)) from None

@@ -61,12 +61,10 @@ def _order(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
 
 
 def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) -> Placement:
-    """Fill the alive nodes with `world` ranks, one per NPU, the local node first.
-
-    vLLM's Ray executor packs one NPU bundle per rank and needs one on its driver's node; the
-    emulated server places its ranks with this same function, so the check and the emulator
-    agree. Raises ClusterError with the cluster as Ray sees it when the ranks do not fit.
-    """
+    """Fill the alive nodes with `world` ranks, one per NPU, the local node first (vLLM's Ray
+    executor needs one on its driver's node); ClusterError when they do not fit."""
+    # The emulated server places its ranks with this same function: the check and the
+    # emulator agree.
     local = next((n for n in nodes if n.local), None)
     if local is None or not local.alive:
         raise ClusterError(
@@ -93,17 +91,12 @@ def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) 
             "another job holds the rest",
             hint="stop the other job or server (`ray status` lists what holds them)",
         )
-    chosen: list[NodeFacts] = []
     counts: list[int] = []
-    left = world
     for node in alive:
-        if left == 0:
+        if sum(counts) == world:
             break
-        take = min(node.npus, left)
-        chosen.append(node)
-        counts.append(take)
-        left -= take
-    return Placement(tuple(chosen), tuple(counts))
+        counts.append(min(node.npus, world - sum(counts)))
+    return Placement(tuple(alive[: len(counts)]), tuple(counts))
 
 
 def survey(nodes: Sequence[NodeFacts]) -> str:

@@ -65,9 +65,8 @@ def parse_npu_smi(text: str) -> tuple[NpuCard, ...]:
                 npu_id, name, health = pending
                 cards.append(NpuCard(npu_id, int(chip_match.group(1)), name, health, used, total))
             pending = None
-        elif name_match and cells[1] and not _BUS_ID.fullmatch(cells[1]) and _sane(
-            name_match.group(1)
-        ):
+        elif (name_match and cells[1] and not _BUS_ID.fullmatch(cells[1])
+              and _sane(name_match.group(1))):
             pending = (int(name_match.group(1)), name_match.group(2).strip(), cells[1])
         else:
             pending = None
@@ -159,9 +158,8 @@ def detect_card(smi: list[str] | None, source: str, card_gib: int | None,
         # Only the processes on the cards this run sizes for: every chip npu-smi listed.
         return CardInfo(card_gib or measured, free, source, parse_npu_processes(text))
     if card_gib is None:
-        raise BadInputError(
-            "no card size: npu-smi is not available here", hint="pass --card (e.g. --card 64)"
-        )
+        raise BadInputError("no card size: npu-smi is not available here",
+                            hint="pass --card (e.g. --card 64)")
     return CardInfo(card_gib, None, "given")
 
 

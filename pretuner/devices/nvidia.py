@@ -32,7 +32,7 @@ from pretuner.devices.base import (
     Sample,
     keep,
 )
-from pretuner.procgroups import describe_exit, group_alive, wait_group_gone
+from pretuner.procgroups import describe_exit, group_alive, kill_group, wait_group_gone
 from pretuner.units import MIB
 
 log = logging.getLogger(__name__)
@@ -250,9 +250,7 @@ class _Stream:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
             if not wait_group_gone(pgid, time.monotonic() + TERM_WAIT_S, reap=self.proc.poll):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                wait_group_gone(pgid, time.monotonic() + KILL_WAIT_S, reap=self.proc.poll)
+                kill_group(pgid, self.proc.poll)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(KILL_WAIT_S)
         self.thread.join(DRAIN_S)

@@ -101,9 +101,8 @@ def served_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
         except requests.RequestException as exc:
             raise ServerFailedError(f"GET {url} failed: {exc}") from exc
     if response.status_code != 200:
-        raise ServerFailedError(
-            f"GET {url} answered HTTP {response.status_code}: {error_text(response)}"
-        )
+        raise ServerFailedError(f"GET {url} answered HTTP {response.status_code}: "
+                                f"{error_text(response)}")
     try:
         body = response.json()
         return [str(entry["id"]) for entry in body["data"]]
@@ -197,9 +196,8 @@ def _completion(model: str, prompt_ids: list[int], max_tokens: int) -> dict[str,
             "ignore_eos": True}
 
 
-def complete(
-    base_url: str, model: str, prompt_ids: list[int], max_tokens: int, timeout_s: float
-) -> CompletionOutcome:
+def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> CompletionOutcome:
     """POST one greedy completion that must generate exactly `max_tokens` tokens."""
     body = _completion(model, prompt_ids, max_tokens)
     return post(f"{base_url.rstrip('/')}/v1/completions", body, timeout_s)

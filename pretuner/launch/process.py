@@ -94,11 +94,9 @@ class ServerProcess:
                     preexec_fn=parent_death_guard(),  # only a prctl: safe after fork
                 )
             except OSError as exc:
-                raise ServerFailedError(
-                    f"cannot start server {argv[0]!r}: {exc}",
-                    hint="check the executable and the working folder",
-                    log_path=str(log_path),
-                ) from exc
+                raise ServerFailedError(f"cannot start server {argv[0]!r}: {exc}",
+                                        hint="check the executable and the working folder",
+                                        log_path=str(log_path)) from exc
         started = time.monotonic()
         proc = cls(popen, log_path, started)
         write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time())
@@ -199,12 +197,8 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop()
 
     def __repr__(self) -> str:
@@ -271,12 +265,11 @@ def check_server_installed(base_cmd: list[str]) -> None:
     """Refuse, before a run folder exists, a server command whose program or Python module is
     not installed here (exit 2), instead of finding out from the first launch's log."""
     program = shutil.which(base_cmd[0])
+    others = "pass the whole command with --serve-cmd, or --engine sim for the emulated card"
     if program is None:
-        raise BadInputError(
-            f"the server command {base_cmd[0]!r} is not on PATH",
-            hint="install the engine (pip install vllm-mindspore) in this environment, pass "
-            "the whole command with --serve-cmd, or --engine sim for the emulated card",
-        )
+        raise BadInputError(f"the server command {base_cmd[0]!r} is not on PATH",
+                            hint=f"install the engine (pip install vllm-mindspore) in this "
+                            f"environment, {others}")
     if len(base_cmd) > 2 and base_cmd[1] == "-m":
         module = base_cmd[2].split(".")[0]
         probe = subprocess.run(
@@ -288,6 +281,4 @@ def check_server_installed(base_cmd: list[str]) -> None:
             raise BadInputError(
                 f"{base_cmd[0]} ({program}) cannot import {module!r}: the engine is not "
                 "installed for it",
-                hint="install the engine (pip install vllm-mindspore) for that Python, pass "
-                "the whole command with --serve-cmd, or --engine sim for the emulated card",
-            )
+                hint=f"install the engine (pip install vllm-mindspore) for that Python, {others}")

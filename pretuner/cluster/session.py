@@ -25,10 +25,9 @@ from pretuner.cluster.nodes import NodeFacts, Placement, check_versions, place, 
 from pretuner.cluster.ray_api import TASK_TIMEOUT_S, RayCluster
 from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
-from pretuner.launch.collect import CollectedScan
+from pretuner.launch.collect import CollectedScan, LocalCollector
 from pretuner.launch.command import LaunchCommand
-from pretuner.logscan import Located, LogFollower, OomEvent, scan_paths
-from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.logscan import Located, scan_paths
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +35,15 @@ LOG_SUBDIR = "glog"  # GLOG_log_dir under the launch folder, on every node's own
 POLL_EVERY_S = 5.0  # how often the nodes are asked for OOM lines while the server runs
 
 
-class RayCollector:
-    """One launch's logs on every node of the placement."""
+class RayCollector(LocalCollector):
+    """One launch's logs on every node of the placement (server.log followed on this one)."""
 
     def __init__(self, cluster: RayCluster, placement: Placement, folder: Path,
                  log_path: Path) -> None:
+        super().__init__(folder, log_path)
         self.cluster = cluster
         self.placement = placement
         self.log_dir = folder.resolve() / LOG_SUBDIR
-        # The server's own output, on this node: only what the live poll acts on.
-        self.follower = LogFollower(log_path, keep=(OomEvent, DeviceMemoryInit))
         self._pending: list[Any] = []
         self._last_poll = 0.0
         self._oom_seen: set[tuple[str, int]] = set()
@@ -65,7 +63,7 @@ class RayCollector:
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """server.log on this node, plus OOM lines found on any node (asked every few s)."""
-        events = self.follower.poll(final=final)
+        events = super().poll(final=final)
         if final:
             return events
         now = time.monotonic()
@@ -100,8 +98,7 @@ class RayCollector:
         nodes = self.cluster.gather(self._submit(), self.nodes, "the log scan", TASK_TIMEOUT_S)
         # The server's own output (vLLM's lines, the driver's echo of a rank's error) is on
         # this machine; after the ranks, so that a rank's own OOM line comes first.
-        here = self.nodes[0]
-        server_log = Path(self.follower.path)
+        here, server_log = self.nodes[0], Path(self.follower.path)
         if server_log.exists():
             server = scan_paths([server_log])
             nodes.append(NodeScan(here.node_id, here.label, str(server_log), True, server, ()))
@@ -109,9 +106,7 @@ class RayCollector:
         return replace(merged, problem=self._problem(merged))
 
     def _problem(self, merged: CollectedScan) -> str | None:
-        if merged.scan.oom:
-            return None
-        missing = missing_ranks(merged, self.placement.world)
+        missing = [] if merged.scan.oom else missing_ranks(merged, self.placement.world)
         if not missing:
             return None
         where = sorted({self.placement.node_of_rank(r).label for r in missing})

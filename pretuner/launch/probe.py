@@ -147,14 +147,10 @@ def error_text(response: requests.Response) -> str:
         body = None
     if isinstance(body, dict):
         error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if isinstance(body.get("message"), str):
-            return str(body["message"])
-        if isinstance(body.get("detail"), str):
-            return str(body["detail"])
+        nested = error.get("message") if isinstance(error, dict) else error
+        for text in (nested, body.get("message"), body.get("detail")):
+            if isinstance(text, str):
+                return text
     text = response.text.strip()
     return text[:_ERROR_TEXT_CHARS] if text else f"HTTP {response.status_code} with no body"
 

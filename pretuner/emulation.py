@@ -18,7 +18,7 @@ from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
     from pretuner.devices.base import DeviceReader
-    from pretuner.devices.host import HostMemory
+    from pretuner.devices.cpu import HostMemory
 
 GROUP = "pretuner.emulators"
 # The emulated servers: vLLM-MindSpore r0.1 on an Ascend card, vLLM's V1 engine on a CUDA card,

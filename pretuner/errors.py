@@ -56,11 +56,8 @@ class UnknownModelError(BadInputError):
     """The model name matches no registry entry and no local folder."""
 
     def __init__(self, name: str, suggestions: list[str]) -> None:
-        hint = (
-            f"did you mean {', '.join(suggestions)}?"
-            if suggestions
-            else "run `pretuner models` for the list, or pass a local model folder"
-        )
+        hint = (f"did you mean {', '.join(suggestions)}?" if suggestions
+                else "run `pretuner models` for the list, or pass a local model folder")
         super().__init__(f"unknown model {name!r}", hint=hint)
         self.name = name
         self.suggestions = suggestions
@@ -83,9 +80,8 @@ class ServerFailedError(PretunerError):
 
     exit_code = ExitCode.SERVER_FAILED
 
-    def __init__(
-        self, message: str, *, hint: str | None = None, log_path: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, hint: str | None = None,
+                 log_path: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.log_path = log_path
 
@@ -104,9 +100,8 @@ class ClusterError(PretunerError):
 
 
 class CardBusyError(PretunerError):
-    """Another process holds memory on the card: its free memory is too low for any pool, so
-    no verdict about the model can be drawn. The message says how much is free and, where the
-    device tells, which pids hold the rest."""
+    """Another process holds memory on the card: too little is free for any verdict about the
+    model (the message says how much is free and, where the device tells, which pids hold it)."""
 
     exit_code = ExitCode.CARD_BUSY
 
@@ -117,10 +112,7 @@ class RunInterrupted(PretunerError):
     exit_code = ExitCode.INTERRUPTED
 
     def __init__(self, run_folder: Path | None) -> None:
-        resume = (
-            shlex.join(["pretuner", "run", "--resume", str(run_folder)])
-            if run_folder is not None
-            else None
-        )
-        super().__init__("interrupted", hint=f"resume with: {resume}" if resume else None)
+        command = ["pretuner", "run", "--resume", str(run_folder)]
+        super().__init__("interrupted", hint=None if run_folder is None
+                         else f"resume with: {shlex.join(command)}")
         self.run_record = run_folder

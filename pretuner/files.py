@@ -11,14 +11,10 @@ from pathlib import Path
 from pretuner.errors import BadInputError
 
 
-def write_atomic(
-    path: Path, text: str, *, executable: bool = False, overwrite: bool = False
-) -> Path:
-    """Write `text` to `path` via a temp file in the same folder, fsync, then link or replace.
-
-    Without `overwrite`, an existing file is an error (hard-linking the temp file into place
-    fails atomically if the name was taken meanwhile).
-    """
+def write_atomic(path: Path, text: str, *, executable: bool = False,
+                 overwrite: bool = False) -> Path:
+    """Write `text` to `path` via a temp file in the same folder, fsync, then link or replace;
+    without `overwrite`, an existing file is an error."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
@@ -26,10 +22,8 @@ def write_atomic(
     if not os.access(folder, os.W_OK):
         raise BadInputError(f"folder {str(folder)!r} is not writable", hint="choose another --out")
     if path.exists() and not overwrite:
-        raise BadInputError(
-            f"{str(path)!r} already exists and pretuner never overwrites a file",
-            hint="choose another path or move the old file away",
-        )
+        raise BadInputError(f"{str(path)!r} already exists and pretuner never overwrites a file",
+                            hint="choose another path or move the old file away")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -41,12 +35,10 @@ def write_atomic(
             os.replace(tmp, path)
         else:
             try:
-                os.link(tmp, path)
+                os.link(tmp, path)  # fails atomically if the name was taken meanwhile
             except FileExistsError:
-                raise BadInputError(
-                    f"{str(path)!r} appeared while writing; it was left untouched",
-                    hint="choose another path",
-                ) from None
+                raise BadInputError(f"{str(path)!r} appeared while writing; it was left untouched",
+                                    hint="choose another path") from None
             os.unlink(tmp)
         _fsync_dir(folder)
     finally:

@@ -77,10 +77,6 @@ def classify_argv(argv: list[str]) -> list[str | SecretArg]:
     return out
 
 
-def secrets_in(argv: list[str]) -> list[SecretArg]:
-    return [w for w in classify_argv(argv) if isinstance(w, SecretArg)]
-
-
 def redact_argv(argv: list[str]) -> list[str]:
     """argv as it may be stored or printed: every secret value is `<redacted>`."""
     return [w.prefix + REDACTED if isinstance(w, SecretArg) else w for w in classify_argv(argv)]

@@ -40,11 +40,8 @@ class StopFlag:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep until the flag is set or `timeout` seconds pass; True when it is set."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = float("inf") if timeout is None else time.monotonic() + timeout
         while not self._set:
-            if deadline is None:
-                time.sleep(POLL_S)
-                continue
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

@@ -71,9 +71,8 @@ def systemd_argv(argv: list[str | SecretArg]) -> str:
     words = list(argv)
     if isinstance(words[0], SecretArg) or not words[0].startswith("/"):
         words.insert(0, "/usr/bin/env")  # ExecStart= wants an absolute path
-    return " ".join(
-        systemd_secret(w) if isinstance(w, SecretArg) else systemd_word(w) for w in words
-    )
+    return " ".join(systemd_secret(w) if isinstance(w, SecretArg) else systemd_word(w)
+                    for w in words)
 
 
 def systemd_text(value: object) -> str:
@@ -86,16 +85,10 @@ def _env() -> jinja2.Environment:
         loader=jinja2.PackageLoader("pretuner.deploy", "templates"),
         undefined=jinja2.StrictUndefined,
         autoescape=False,  # noqa: S701  (shell scripts, not HTML; every value is shell-quoted)
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
     )
     env.filters.update(
-        q=shell_quote,
-        qargs=shell_join,
-        yaml=yaml_scalar,
-        sdargv=systemd_argv,
-        sdtext=systemd_text,
+        q=shell_quote, qargs=shell_join, yaml=yaml_scalar, sdargv=systemd_argv, sdtext=systemd_text,
         comment=one_line,  # every value in a `#` line: a newline must not start a live line
     )
     return env

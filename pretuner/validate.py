@@ -32,9 +32,8 @@ def non_negative(flag: str, value: float, *, example: str) -> float:
     """A finite `value` >= 0."""
     finite(flag, value, example=example)
     if value < 0:
-        raise BadInputError(
-            f"{flag} {value} is negative", hint=f"use 0 or more, e.g. {flag} {example}"
-        )
+        raise BadInputError(f"{flag} {value} is negative",
+                            hint=f"use 0 or more, e.g. {flag} {example}")
     return value
 
 
@@ -65,9 +64,8 @@ def choice(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
 def path_text(flag: str, value: str) -> str:
     """A path that names something: not empty or blank (which would mean the current folder)."""
     if not value.strip():
-        raise BadInputError(
-            f"{flag} {value!r} is empty", hint=f"name a folder, e.g. {flag} runs/r1"
-        )
+        raise BadInputError(f"{flag} {value!r} is empty",
+                            hint=f"name a folder, e.g. {flag} runs/r1")
     return value
 
 

@@ -4,6 +4,7 @@ merging the nodes' per-rank figures (on real MindSpore-format logs written to tm
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -25,10 +26,10 @@ from pretuner.cluster.env import (
     job_config_env,
     node_exports,
     proposed_envs,
+    restart_commands,
 )
 from pretuner.cluster.nodefs import NODE_ROOT_ENV, node_local
 from pretuner.cluster.nodes import NodeFacts, Placement, check_versions, place, survey
-from pretuner.cluster.restart import restart_commands
 from pretuner.errors import ClusterError, ExitCode
 from pretuner.sim.logs import PoolStats, RankLog
 from pretuner.units import MIB
@@ -250,8 +251,9 @@ def two_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Pa
 
 
 def _node_scan(folder: Path, node: NodeFacts) -> NodeScan:
-    wire = scan_node_folder(str(folder), node.node_id, node.label)
-    return NodeScan.from_wire(json.loads(json.dumps(wire)))  # what crosses Ray: plain data
+    wire = pickle.dumps(scan_node_folder(str(folder), node.node_id, node.label))
+    scan: NodeScan = pickle.loads(wire)  # noqa: S301 - what crosses Ray: a pickle
+    return scan
 
 
 def test_merge_takes_the_worst_rank_from_the_node_it_ran_on(two_nodes: tuple[Path, Path]) -> None:
@@ -265,13 +267,13 @@ def test_merge_takes_the_worst_rank_from_the_node_it_ran_on(two_nodes: tuple[Pat
         **{f"rank{r}": 47000 + r for r in range(4)},
         **{f"rank{r + 4}": 47100 + r for r in range(4)},
     }
-    assert merged.rank_nodes["rank0"] == HEAD.label
-    assert merged.rank_nodes["rank6"] == WORKER.label
+    assert merged.doc["rank_nodes"]["rank0"] == HEAD.label
+    assert merged.doc["rank_nodes"]["rank6"] == WORKER.label
     assert [(o.rank, o.event.alloc_bytes) for o in scan.oom] == [(6, 4160306688)]
     assert merged.init_free_mib == (61457,) * 8
     assert missing_ranks(merged, 8) == []
     assert missing_ranks(merged, 10) == [8, 9]
-    doc = merged.to_json()
+    doc = merged.doc
     assert doc["worst_node"] == WORKER.label
     assert [n["ranks"] for n in doc["nodes"]] == [4, 4]
     json.dumps(doc)
@@ -281,7 +283,7 @@ def test_merge_counts_a_shared_disk_once(two_nodes: tuple[Path, Path]) -> None:
     head, _ = two_nodes
     merged = merge_node_scans([_node_scan(head, HEAD), _node_scan(head, WORKER)])
     assert len(merged.scan.ranks) == 4
-    assert set(merged.rank_nodes.values()) == {HEAD.label}
+    assert set(merged.doc["rank_nodes"].values()) == {HEAD.label}
 
 
 def test_merge_keeps_repeated_rank_numbers_apart(
@@ -319,7 +321,7 @@ def test_importing_pretuner_never_imports_ray() -> None:
     code = (
         "import sys\n"
         "import pretuner.cli.app, pretuner.cli.run, pretuner.tune.entry, pretuner.sim.serve\n"
-        "import pretuner.cluster.session, pretuner.cluster.collector, pretuner.sim.raynodes\n"
+        "import pretuner.cluster.session, pretuner.sim.raynodes\n"
         "assert 'ray' not in sys.modules, 'ray imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.devices import DeviceMemory, DeviceReadError, select_reader
-from pretuner.devices.npu_smi import NpuSmiReader, npu_memory
-from pretuner.devices.npu_table import parse_npu_smi
+from pretuner.devices.npu_smi import NpuSmiReader, npu_memory, parse_npu_smi
 from pretuner.devices.nvidia import (
     NvidiaSmiReader,
     parse_nvidia_smi_csv,

@@ -3,13 +3,13 @@ on one machine and through the per-node scans of a Ray cluster."""
 
 from __future__ import annotations
 
-import json
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from pretuner.cluster.collect import NodeScan, merge_node_scans, scan_node_folder
+from pretuner.cluster.collect import merge_node_scans, scan_node_folder
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
@@ -64,10 +64,9 @@ def test_every_dump_cut_fails_the_launch_by_name(tmp_path: Path) -> None:
 
 def test_cut_rank_crosses_the_ray_wire_once(tmp_path: Path) -> None:
     folder = cut_rank_dir(tmp_path, {1: cut_after_header(1)})
-    wire = json.loads(json.dumps(scan_node_folder(str(folder), "n1", "head")))
-    node = NodeScan.from_wire(wire)
+    node = pickle.loads(pickle.dumps(scan_node_folder(str(folder), "n1", "head")))  # noqa: S301
     merged = merge_node_scans([node, node])  # a shared disk, seen by two nodes
     [cut] = merged.scan.truncated
     assert (cut.rank, cut.pid, cut.how.value) == (1, 10559, "summary_missing")
-    assert merged.to_json()["truncated"][0]["pid"] == 10559
+    assert merged.doc["truncated"][0]["pid"] == 10559
     assert merged.scan.ranks[1].truncated_dumps == 1

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pretuner.devices.npu_table import decode_output, parse_npu_smi
+from pretuner.devices.base import decode_output
+from pretuner.devices.npu_smi import parse_npu_smi
 from pretuner.errors import BadInputError
 from pretuner.logscan import parse_line, parse_origin, scan_paths
 from pretuner.method import MAX_NUM_SEQS, max_num_seqs

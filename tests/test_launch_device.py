@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.devices.npu_smi import npu_smi_text
-from pretuner.devices.npu_table import NpuCard, free_mib, parse_npu_smi
+from pretuner.devices.npu_smi import NpuCard, free_mib, npu_smi_text, parse_npu_smi
 
 RULE = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 EQ = RULE.replace("-", "=")

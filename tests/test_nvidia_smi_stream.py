@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.devices import DeviceMemory, DeviceReadError, nvidia_stream, select_reader
-from pretuner.devices.nvidia_stream import NvidiaSmiStreamReader
+from pretuner.devices import DeviceMemory, DeviceReadError, nvidia, select_reader
+from pretuner.devices.nvidia import NvidiaSmiStreamReader
 from pretuner.procgroups import group_alive, group_members
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.smi import main as emulated_smi
@@ -142,7 +142,7 @@ time.sleep(60)
 def test_sample_keeps_the_highest_since_the_last_sample(
         tmp_path: Path, readers: list[NvidiaSmiStreamReader],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvidia_stream, "STALE_GAP_S", 60.0)  # a slow CI machine is no gap
+    monkeypatch.setattr(nvidia, "STALE_GAP_S", 60.0)  # a slow CI machine is no gap
     fake = python_script(tmp_path / "nvidia-smi", SPIKE)
     reader = NvidiaSmiStreamReader(str(fake))
     readers.append(reader)
@@ -167,7 +167,7 @@ def test_a_sample_after_a_long_gap_is_the_latest_rows(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A sample long after the previous one (between two launches) is not given a peak seen
     while nobody was measuring."""
-    monkeypatch.setattr(nvidia_stream, "STALE_GAP_S", 0.0)
+    monkeypatch.setattr(nvidia, "STALE_GAP_S", 0.0)
     fake = python_script(tmp_path / "nvidia-smi", SPIKE)
     reader = NvidiaSmiStreamReader(str(fake), frozenset({1}))
     readers.append(reader)
@@ -185,7 +185,7 @@ def test_a_sample_after_a_long_gap_is_the_latest_rows(
 
 def test_close_stops_the_whole_group_even_one_ignoring_sigterm(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvidia_stream, "TERM_WAIT_S", 0.3)
+    monkeypatch.setattr(nvidia, "TERM_WAIT_S", 0.3)
     fake = script(tmp_path / "nvidia-smi", "trap '' TERM\nsleep 300 &\n"
                   "while :; do printf '0, 5, 100\\n'; sleep 0.02; done\n")
     reader = NvidiaSmiStreamReader(str(fake))

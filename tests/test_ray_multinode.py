@@ -375,7 +375,7 @@ def test_sim_server_health_fails_when_a_node_actor_dies(
 def test_live_poll_reports_an_oom_written_on_the_second_node(
     cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pretuner.cluster import collector as collector_module
+    from pretuner.cluster import session as collector_module
     from pretuner.cluster.session import ClusterPlan, ray_cluster
     from pretuner.logscan import OomEvent
     from pretuner.sim.logs import RankLog

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.devices.npu_table import parse_npu_processes
+from pretuner.devices.npu_smi import parse_npu_processes
 from pretuner.tune.busy import describe_holders, looks_busy
 from tests.helpers import cli_env, processes_holding, run_cli
 

@@ -17,10 +17,8 @@ import pytest
 
 from pretuner import procgroups as groups
 from pretuner.errors import ExitCode
-from pretuner.launch import orphans
-from pretuner.launch.orphans import PID_FILE, read_pid_file, write_pid_file
 from pretuner.launch.process import ServerProcess
-from pretuner.procgroups import report_stops_to
+from pretuner.procgroups import PID_FILE, read_pid_file, report_stops_to, write_pid_file
 from pretuner.tune.ownership import DiskFullError, FolderInUseError, lock_folder
 from pretuner.tune.record import RunRecord
 from tests.helpers import cli_env, invoke, processes_holding, run_cli, wait_for
@@ -180,7 +178,7 @@ def test_a_stale_pid_file_is_ignored_and_removed(tmp_path: Path) -> None:
     info = read_pid_file(path)
     assert info is not None
     assert (info.port, info.launch) == (8000, "launch-1")
-    assert orphans.live_servers(tmp_path) == []
+    assert groups.live_servers(tmp_path) == []
     assert not path.exists()
 
 
@@ -191,7 +189,7 @@ def test_pid_file_lives_while_the_group_does(tmp_path: Path) -> None:
     info = read_pid_file(log.parent / PID_FILE)
     assert info is not None
     assert (info.pid, info.pgid) == (proc.pid, proc.pgid)
-    assert orphans.still_running(info)
+    assert groups.still_running(info)
     proc.stop(grace_s=5)
     assert not (log.parent / PID_FILE).exists()
 

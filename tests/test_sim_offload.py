@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.launch.stream import stream_complete
+from pretuner.launch.probe import stream_complete
 from pretuner.models import lookup
 from pretuner.models.quant import from_flag, quantized_bytes
 from pretuner.sim.v1 import inproc, offload

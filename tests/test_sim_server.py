@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from pretuner import method
-from pretuner.devices.npu_table import parse_npu_smi
+from pretuner.devices.npu_smi import parse_npu_smi
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
 from tests.helpers import default_sigint

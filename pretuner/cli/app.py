@@ -45,11 +45,8 @@ Examples:
 Exit codes: 0 success, 2 bad input, 3 nothing found, 4 infeasible, 5 server failed,
 6 not validated, 7 Ray cluster, 8 card busy, 9 validated but less than asked (shorter,
 fewer sequences, slower than --min-tokens-per-s), 130 interrupted (README: Exit codes).""",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    cls=Group,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    rich_markup_mode=None, cls=Group,
 )
 
 
@@ -58,7 +55,7 @@ class _GlobalState:
     debug: bool = False
 
 
-state = _GlobalState()
+state = _GlobalState()  # what the root callback saw, for the error boundary
 
 
 def _version(value: bool) -> None:
@@ -77,26 +74,16 @@ def _root(
 ) -> None:
     state.debug = debug
     level = logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-
-
-def fail(message: str, code: ExitCode) -> None:
-    typer.echo(f"pretuner: error: {message}", err=True)
-    raise SystemExit(int(code))
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 def error_json(err: PretunerError) -> dict[str, Any]:
     """What every command prints on stdout under `--json` when it fails: the error, and for
     `run` the failure report when the run got as far as its run folder."""
-    head = {
-        "error": err.message,
-        "hint": err.hint,
-        "exit_code": int(err.exit_code),
-        "error_type": type(err).__name__,
-        "run_record": str(err.run_record) if err.run_record is not None else None,
-    }
+    head = {"error": err.message, "hint": err.hint, "exit_code": int(err.exit_code),
+            "error_type": type(err).__name__,
+            "run_record": str(err.run_record) if err.run_record is not None else None}
     return {**head, **{k: v for k, v in (err.report or {}).items() if k not in head}}
 
 
@@ -153,14 +140,8 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: run the app, turn every known error into one line and an exit code.
-
-    A usage error (a flag or value the command does not take) is one line too, exit 2. A bare
-    Ctrl-C exits 130; `run` raises `RunInterrupted` instead, printed here with the resume
-    command. With --debug a `PretunerError` prints its traceback first and keeps its exit code.
-    Under --json every failure also prints its JSON object on stdout. `argv` (sys.argv[1:] when
-    not given) lets the tests run this very boundary in-process (tests/helpers.py `invoke`).
-    """
+    """Console entry point: run the app, turn every known error into one line and an exit code
+    (`argv`, sys.argv[1:] when not given, lets the tests run this very boundary in-process)."""
     args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
     try:
         code = app(args=args, prog_name="pretuner", standalone_mode=False)
@@ -172,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             echo_json(error_json(err))
         if state.debug:  # the traceback, and still the documented exit code
             traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-        fail(str(err), err.exit_code)
+        typer.echo(f"pretuner: error: {err}", err=True)
+        raise SystemExit(int(err.exit_code)) from None
     except (KeyboardInterrupt, typer.Abort):  # click turns a Ctrl-C into Abort
         typer.echo("pretuner: interrupted", err=True)
         raise SystemExit(int(ExitCode.INTERRUPTED)) from None

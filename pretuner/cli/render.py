@@ -16,10 +16,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     numeric = [all(_is_number(row[i]) for row in rows) and bool(rows) for i in range(len(headers))]
     out = []
     for n, row in enumerate(cells):
-        parts = [
-            c.rjust(w) if numeric[i] and n > 0 else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
+        parts = [c.rjust(w) if numeric[i] and n > 0 else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         out.append("  ".join(parts).rstrip())
         if n == 0:
             out.append("  ".join("-" * w for w in widths))

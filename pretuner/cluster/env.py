@@ -1,4 +1,5 @@
-"""Which environment every node needs before `ray start`, and what a launch passes itself (pure).
+"""Which environment every node needs before `ray start` and the commands that restart Ray with
+it, and what a launch passes itself (pure).
 
 Two kinds of variables reach a rank on another node:
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from pretuner.cluster.nodefs import NODE_ROOT_ENV
 from pretuner.cluster.nodes import NodeFacts, Placement
+from pretuner.templating import render_template
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,12 +48,8 @@ NODE_VARS: tuple[NodeVar, ...] = (
     NodeVar("MS_ENABLE_LCCL", "LCCL off across nodes", value="off"),
     NodeVar("HCCL_OP_EXPANSION_MODE", "HCCL kernel expansion", value="AIV"),
     NodeVar("MS_ALLOC_CONF", "virtual memory in MindSpore's pool", value="enable_vmm:true"),
-    NodeVar(
-        "ASCEND_RT_VISIBLE_DEVICES",
-        "the cards of the node (Ray counts its NPUs from it)",
-        same_on_every_node=False,
-        devices=True,
-    ),
+    NodeVar("ASCEND_RT_VISIBLE_DEVICES", "the cards of the node (Ray counts its NPUs from it)",
+            same_on_every_node=False, devices=True),
     NodeVar("vLLM_MODEL_BACKEND", "model backend (r0.1-0.3)", required=False),
     NodeVar("MINDFORMERS_MODEL_CONFIG", "MindFormers model YAML", required=False),
 )
@@ -135,24 +133,19 @@ def env_problems(probes: Sequence[NodeProbe], placement: Placement) -> list[EnvP
                     problems.append(EnvProblem(p.node, var.name, "is missing"))
                 continue
             if var.interface and value not in p.interfaces:
-                problems.append(
-                    EnvProblem(p.node, var.name, f"={value} names no network interface of it")
-                )
-            if var.devices:
-                count = _device_count(value)
-                need = ranks.get(p.node.node_id, 0)
-                if count is None or count < need:
-                    problems.append(
-                        EnvProblem(p.node, var.name, f"={value} lists fewer than its {need} ranks")
-                    )
+                problems.append(EnvProblem(p.node, var.name,
+                                           f"={value} names no network interface of it"))
+            count, need = _device_count(value), ranks.get(p.node.node_id, 0)
+            if var.devices and (count is None or count < need):
+                problems.append(EnvProblem(p.node, var.name,
+                                           f"={value} lists fewer than its {need} ranks"))
         present = {v for v in values.values() if v is not None}
         if var.same_on_every_node and len(present) > 1:
             for p in probes:
                 value = values[p.node.node_id]
                 if value is not None:
-                    problems.append(
-                        EnvProblem(p.node, var.name, f"={value} differs from another node's")
-                    )
+                    problems.append(EnvProblem(p.node, var.name,
+                                               f"={value} differs from another node's"))
     return problems
 
 
@@ -162,7 +155,14 @@ def proposed_envs(probes: Sequence[NodeProbe], placement: Placement) -> dict[str
     values that must agree, the guide's value if a node has it, else the local node's."""
     bad = {(e.node.node_id, e.name) for e in env_problems(probes, placement)}
     ranks = {n.node_id: c for n, c in zip(placement.nodes, placement.ranks_per_node, strict=True)}
-    agreed = _agreed_values(probes)
+    # Values that must agree: the guide's value if a node has it, else the local node's, else
+    # the first node's.
+    agreed = {}
+    ordered = sorted(probes, key=lambda p: not p.node.local)
+    for var in NODE_VARS:
+        values = [p.env[var.name] for p in ordered if var.name in p.env]
+        if var.same_on_every_node and values:
+            agreed[var.name] = var.value if var.value in values else values[0]
     out: dict[str, dict[str, str]] = {}
     for p in probes:
         env: dict[str, str] = {}
@@ -187,15 +187,13 @@ def proposed_envs(probes: Sequence[NodeProbe], placement: Placement) -> dict[str
     return out
 
 
-def _agreed_values(probes: Sequence[NodeProbe]) -> dict[str, str]:
-    """For variables that must agree: the guide's value if a node has it, else the local
-    node's, else the first node's."""
-    out = {}
-    ordered = sorted(probes, key=lambda p: not p.node.local)
-    for var in NODE_VARS:
-        if not var.same_on_every_node:
-            continue
-        values = [p.env[var.name] for p in ordered if var.name in p.env]
-        if values:
-            out[var.name] = var.value if var.value in values else values[0]
-    return out
+def restart_commands(probes: Sequence[NodeProbe], envs: Mapping[str, Mapping[str, str]], *,
+                     head_host: str, port: int,
+                     extra_args: Mapping[str, Sequence[str]] | None = None) -> str:
+    """Shell lines for every node, the head first: `ray stop`, the exports (`proposed_envs`),
+    `ray start` with `extra_args` per node id (the emulated card's NPUs Ray cannot detect)."""
+    ordered = sorted(probes, key=lambda p: (not p.node.head, p.node.address, p.node.node_id))
+    nodes = [{"label": p.node.label, "head": p.node.head, "env": dict(envs.get(p.node.node_id, {})),
+              "extra": list((extra_args or {}).get(p.node.node_id, ()))} for p in ordered]
+    return render_template("ray-restart.sh.j2",
+                           {"nodes": nodes, "head_address": head_host, "port": port})

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from pretuner.errors import ClusterError
 
@@ -36,26 +37,22 @@ class Placement:
     def world(self) -> int:
         return sum(self.ranks_per_node)
 
+    def _spans(self) -> Iterator[tuple[NodeFacts, int, int]]:
+        """(node, first rank, rank count) of every node, in rank order."""
+        starts = list(accumulate(self.ranks_per_node, initial=0))[:-1]
+        return zip(self.nodes, starts, self.ranks_per_node, strict=True)
+
     def node_of_rank(self, rank: int) -> NodeFacts:
-        first = 0
-        for node, count in zip(self.nodes, self.ranks_per_node, strict=True):
-            if rank < first + count:
-                return node
-            first += count
-        raise IndexError(f"rank {rank} is outside a world of {self.world}")
+        node = next((node for node, start, n in self._spans() if rank < start + n), None)
+        if node is None:
+            raise IndexError(f"rank {rank} is outside a world of {self.world}")
+        return node
 
     def describe(self) -> str:
         return ", ".join(
             f"{node.label}{' (this node)' if node.local else ''}: ranks {start}-{start + n - 1}"
-            for node, start, n in zip(self.nodes, self._starts(), self.ranks_per_node, strict=True)
+            for node, start, n in self._spans()
         )
-
-    def _starts(self) -> list[int]:
-        out, first = [], 0
-        for n in self.ranks_per_node:
-            out.append(first)
-            first += n
-        return out
 
 
 def _order(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
@@ -64,12 +61,10 @@ def _order(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
 
 
 def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) -> Placement:
-    """Fill the alive nodes with `world` ranks, one per NPU, the local node first.
-
-    vLLM's Ray executor packs one NPU bundle per rank and needs one on its driver's node; the
-    emulated server places its ranks with this same function, so the check and the emulator
-    agree. Raises ClusterError with the cluster as Ray sees it when the ranks do not fit.
-    """
+    """Fill the alive nodes with `world` ranks, one per NPU, the local node first (vLLM's Ray
+    executor needs one on its driver's node); ClusterError when they do not fit."""
+    # The emulated server places its ranks with this same function: the check and the
+    # emulator agree.
     local = next((n for n in nodes if n.local), None)
     if local is None or not local.alive:
         raise ClusterError(
@@ -96,17 +91,12 @@ def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) 
             "another job holds the rest",
             hint="stop the other job or server (`ray status` lists what holds them)",
         )
-    chosen: list[NodeFacts] = []
     counts: list[int] = []
-    left = world
     for node in alive:
-        if left == 0:
+        if sum(counts) == world:
             break
-        take = min(node.npus, left)
-        chosen.append(node)
-        counts.append(take)
-        left -= take
-    return Placement(tuple(chosen), tuple(counts))
+        counts.append(min(node.npus, world - sum(counts)))
+    return Placement(tuple(alive[: len(counts)]), tuple(counts))
 
 
 def survey(nodes: Sequence[NodeFacts]) -> str:

@@ -54,12 +54,8 @@ class RayCluster:
             ray.shutdown()
         try:
             # No runtime env: the probe must see each node's own environment.
-            ray.init(
-                address=address,
-                log_to_driver=False,
-                logging_level=logging.WARNING,
-                namespace="pretuner",
-            )
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING,
+                     namespace="pretuner")
         except Exception as err:  # Ray raises ConnectionError, RuntimeError...
             raise ClusterError(
                 f"cannot connect to the Ray cluster at {address!r}: {_one_line(err)}",
@@ -76,16 +72,10 @@ class RayCluster:
         out = []
         for n in self._ray.nodes():
             resources = n.get("Resources") or {}
-            out.append(
-                NodeFacts(
-                    node_id=n["NodeID"],
-                    address=n.get("NodeManagerAddress", "?"),
-                    alive=bool(n.get("Alive")),
-                    npus=int(resources.get("NPU", 0)),
-                    local=n["NodeID"] == self.local_node_id,
-                    head=HEAD_RESOURCE in resources,
-                )
-            )
+            node_id = n["NodeID"]
+            out.append(NodeFacts(node_id, n.get("NodeManagerAddress", "?"), bool(n.get("Alive")),
+                                 int(resources.get("NPU", 0)), node_id == self.local_node_id,
+                                 HEAD_RESOURCE in resources))
         return tuple(out)
 
     def free_npus(self) -> int:
@@ -101,9 +91,8 @@ class RayCluster:
         strategy = NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False)
         return task.options(scheduling_strategy=strategy).remote(*args)
 
-    def gather(
-        self, refs: Sequence[Any], nodes: Sequence[NodeFacts], what: str, timeout_s: float
-    ) -> list[Any]:
+    def gather(self, refs: Sequence[Any], nodes: Sequence[NodeFacts], what: str,
+               timeout_s: float) -> list[Any]:
         """The results of tasks started with `submit`; ClusterError names the node that failed."""
         out = []
         for ref, node in zip(refs, nodes, strict=True):
@@ -127,30 +116,19 @@ class RayCluster:
         done, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=0)
         return len(done) == len(refs)
 
-    def probe(
-        self, nodes: Sequence[NodeFacts], others: Sequence[NodeFacts] = ()
-    ) -> list[NodeProbe]:
-        """What each node's Ray workers see: pretuner's version, the node variables, NICs.
-
-        A failure on one of `nodes` is a ClusterError; `others` (nodes the ranks do not use,
-        probed for the restart commands) are left out when their probe fails.
-        """
+    def probe(self, nodes: Sequence[NodeFacts],
+              others: Sequence[NodeFacts] = ()) -> list[NodeProbe]:
+        """What each node's Ray workers see: pretuner's version, the node variables, NICs. A
+        failure on one of `nodes` is a ClusterError; `others` (nodes the ranks do not use,
+        probed for the restart commands) are left out when their probe fails."""
         refs = [self.submit(n, probe_node, n.address) for n in (*nodes, *others)]
         results = self.gather(refs[: len(nodes)], nodes, "the node check", TASK_TIMEOUT_S)
         probed = list(zip(nodes, results, strict=True))
         for ref, node in zip(refs[len(nodes) :], others, strict=True):
             with contextlib.suppress(ClusterError):
                 probed += [(node, self.gather([ref], [node], "the node check", TASK_TIMEOUT_S)[0])]
-        return [
-            NodeProbe(
-                node=n,
-                version=r["version"],
-                env=r["env"],
-                interfaces=tuple(r["interfaces"]),
-                address_nic=r["address_nic"],
-            )
-            for n, r in probed
-        ]
+        return [NodeProbe(n, r["version"], r["env"], tuple(r["interfaces"]), r["address_nic"])
+                for n, r in probed]
 
 
 def check_address(address: str) -> None:
@@ -165,9 +143,8 @@ def check_address(address: str) -> None:
         )
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise BadInputError(
-            f"--ray-address {address!r} is not HOST:PORT", hint="e.g. --ray-address 10.0.0.1:6379"
-        )
+        raise BadInputError(f"--ray-address {address!r} is not HOST:PORT",
+                            hint="e.g. --ray-address 10.0.0.1:6379")
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S):
             pass

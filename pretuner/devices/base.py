@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,7 +41,6 @@ class DeviceReader(Protocol):
 
     def sample(self) -> Sample | None:
         """The devices now; None when this read saw none of them. Raises DeviceReadError."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,19 +51,6 @@ class Holder:
     pid: int
     name: str
     memory_mib: int
-
-
-class Holding(Protocol):
-    """A process holding device memory, whichever tool listed it (`Holder`, npu-smi's rows)."""
-
-    @property
-    def device(self) -> int: ...
-    @property
-    def pid(self) -> int: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def memory_mib(self) -> int: ...
 
 
 def holders(reader: DeviceReader) -> tuple[Holder, ...]:
@@ -101,16 +88,27 @@ class CommandReader:
         self.devices = devices
         self.timeout_s = timeout_s
 
-    def parse(self, stdout: bytes) -> tuple[DeviceMemory, ...]:
+    def parse(self, text: str) -> tuple[DeviceMemory, ...]:
         raise NotImplementedError
 
     def sample(self) -> Sample | None:
-        argv = [self.executable, *self.args]
-        try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                  timeout=self.timeout_s, check=False)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise DeviceReadError(f"{shlex.join(argv)}: {err}") from err
-        if done.returncode != 0:
-            raise DeviceReadError(f"{shlex.join(argv)} exited with code {done.returncode}")
-        return keep(self.parse(done.stdout), self.devices)
+        return keep(self.parse(run_tool([self.executable, *self.args], self.timeout_s)),
+                    self.devices)
+
+
+def run_tool(argv: list[str], timeout_s: float, env: Mapping[str, str] | None = None) -> str:
+    """What a device tool prints; DeviceReadError when it cannot run or fails."""
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=timeout_s, env=env, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise DeviceReadError(f"{shlex.join(argv)}: {err}") from err
+    if done.returncode != 0:
+        raise DeviceReadError(f"{shlex.join(argv)} exited with code {done.returncode}")
+    return decode_output(done.stdout)
+
+
+def decode_output(raw: bytes | str) -> str:
+    """A tool's output as text: bytes that are not UTF-8 become U+FFFD, never an error (they
+    must not kill `pretuner run`)."""
+    return raw if isinstance(raw, str) else raw.decode("utf-8", errors="replace")

@@ -1,20 +1,18 @@
-"""The budgeted CPU "card": the worst process of the server, against an RLIMIT_DATA budget.
+"""The host: its memory (/proc/meminfo), and the budgeted CPU "card" (the worst process of the
+server, against an RLIMIT_DATA budget).
 
-A CPU engine has no device memory of its own; its "card" is the budget pretuner imposes on the
-server's processes with RLIMIT_DATA (`pretuner.launch.limit`), per process and inherited by
-every child (vLLM's API server, EngineCore and Worker). What that limit checks is each
-process's data segment, VmData in /proc/PID/status: the reader reports the largest VmData
-among the processes of the server's session as `used_mib`, and the budget as `total_mib`. An
-allocation that would take a process past the budget fails there and then (ENOMEM), so the
-sampled peak and the budget are measured in the same units as the limit that enforces it.
-
-The reader follows the launch it is attached to (`attach(pid)`): the server was started in a
-new session whose id is its pid, and every process it forks stays in that session.
+The budget is the RLIMIT_DATA `pretuner.launch.limit` imposes on every process of the server.
+What it checks is each process's data segment (VmData in /proc/PID/status), so the reader
+reports the largest VmData among the processes of the launch's session (`attach(pid)`: the
+server leads a new session whose id is its pid) as `used_mib`, and the budget as `total_mib`:
+the sampled peak is in the units of the limit that enforces the budget.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from pretuner.devices.base import DeviceMemory, DeviceReadError, Sample
@@ -42,6 +40,32 @@ def host_available_bytes(meminfo: Path = MEMINFO) -> int | None:
 def host_total_bytes(meminfo: Path = MEMINFO) -> int | None:
     """The host's MemTotal (measured): what vLLM checks --swap-space against."""
     return _meminfo_bytes("MemTotal", meminfo)
+
+
+@dataclass(frozen=True, slots=True)
+class HostMemory:
+    available_bytes: int
+    total_bytes: int
+    provenance: str  # "measured" or "simulated"
+    source: str  # where the figures come from
+
+    def words(self) -> str:
+        return (f"{self.available_bytes / 2**30:.2f} GiB available of "
+                f"{self.total_bytes / 2**30:.2f} GiB ({self.provenance}, {self.source})")
+
+
+def host_memory(device_kind: str, env: Mapping[str, str]) -> HostMemory | None:
+    """The memory of the host the server runs on (where offloaded weights and swap space live);
+    None where it cannot be read. The emulated card's host is the emulator's (simulated): the
+    host its server checks against."""
+    if device_kind == "emulated":
+        from pretuner.emulation import emulator
+
+        return emulator().host_memory(env)
+    available, total = host_available_bytes(), host_total_bytes()
+    if available is None or total is None:
+        return None
+    return HostMemory(available, total, "measured", "/proc/meminfo")
 
 
 def session_of(stat: str) -> int | None:

@@ -32,7 +32,7 @@ def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
 
         return NpuSmiReader(exe, visible_devices(env, "ASCEND_RT_VISIBLE_DEVICES", count))
     if kind == "cuda":
-        from pretuner.devices.nvidia import NvmlReader, load_nvml
+        from pretuner.devices.nvidia import NvidiaSmiStreamReader, NvmlReader, load_nvml
 
         devices = visible_devices(env, "CUDA_VISIBLE_DEVICES", count)
         nvml = load_nvml()
@@ -41,8 +41,6 @@ def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
         exe = shutil.which("nvidia-smi", path=env.get("PATH"))
         if exe is None:
             return None
-        from pretuner.devices.nvidia_stream import NvidiaSmiStreamReader
-
         # One nvidia-smi printing every 20 ms (-lms), not one started per sample.
         return NvidiaSmiStreamReader(exe, devices)
     if kind == "cpu" and budget_mib is not None and Path("/proc/self/status").is_file():

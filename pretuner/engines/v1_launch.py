@@ -24,10 +24,9 @@ from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.images import ImageShape
-from pretuner.launch.probe import CompletionOutcome, LoadOutcome
+from pretuner.launch.probe import Arrivals, CompletionOutcome, LoadOutcome, stream_complete
 from pretuner.launch.process import read_tail
 from pretuner.launch.sampler import requests_status
-from pretuner.launch.stream import Arrivals, stream_complete
 from pretuner.speed import Speed
 from pretuner.units import GIB, MIB
 

@@ -1,7 +1,7 @@
 """Where a launch's logs are read: the pluggable collector behind `run_launch`.
 
 The local collector follows `server.log` live and scans the launch folder after the stop
-(one machine). `pretuner.cluster.collector.RayCollector` does the same on every node of a Ray
+(one machine). `pretuner.cluster.session.RayCollector` does the same on every node of a Ray
 cluster. Both hand `run_launch` the same things: live events, then one merged scan.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from pretuner.launch.command import LaunchCommand
 from pretuner.logscan import Located, LogFollower, OomEvent, ScanResult, scan_paths
 from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.logscan.result import RankSummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,30 +33,26 @@ class CollectedScan:
 class Collector(Protocol):
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         """The launch's command with whatever this collector needs the ranks to do."""
-        ...
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """Events written since the last poll (never blocks for long)."""
-        ...
 
     def collect(self) -> CollectedScan:
         """Every rank's figures, after the server stopped."""
-        ...
 
     def where(self) -> str:
         """Where the logs are read, for the progress line."""
-        ...
 
 
 CollectorFactory = Callable[[Path, Path], Collector]  # (launch folder, server.log) -> collector
 
 
+def rank_name(r: RankSummary) -> str:
+    return f"rank{r.rank}" if r.rank is not None else f"pid{r.pid}"
+
+
 def rank_peaks(scan: ScanResult) -> dict[str, int]:
-    return {
-        (f"rank{r.rank}" if r.rank is not None else f"pid{r.pid}"): r.actual_peak_mib
-        for r in scan.ranks
-        if r.actual_peak_mib is not None
-    }
+    return {rank_name(r): r.actual_peak_mib for r in scan.ranks if r.actual_peak_mib is not None}
 
 
 class LocalCollector:

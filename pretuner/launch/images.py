@@ -125,12 +125,6 @@ def soak_request(shape: ImageShape, max_model_len: int, seed: int, i: int,
     return MMRequest(tuple(images), text, SOAK_MAX_TOKENS)
 
 
-def soak_halves(n: int) -> tuple[int, int]:
-    """The soak in two halves: the second one's growth says whether memory still grows."""
-    first = math.ceil(n / 2)
-    return first, n - first
-
-
 @dataclass(frozen=True, slots=True)
 class TextRequest:
     """A completion of `prompt_len` token ids (no template): the text-only worst case."""
@@ -172,17 +166,14 @@ def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count:
                                         f"worst/{seed}/a", template_tokens))]
     if soak <= 0:
         return phases
-    first, second = soak_halves(soak)
-    c = soak_concurrency_for(count)
+    # Two halves: the second one's growth says whether memory still grows.
+    first = math.ceil(soak / 2)
+    # In flight: the burst's count (what the KV cache and max-num-seqs allow for the longest
+    # requests), at most SOAK_CONCURRENCY_CAP.
+    c = max(1, min(count, SOAK_CONCURRENCY_CAP))
     mix = [soak_request(shape, max_model_len, seed, i, template_tokens) for i in range(soak)]
     phases += [LoadPhase("soak-1", tuple(mix[:first]), c),
                LoadPhase("soak-2", tuple(mix[first:]), c, reset=True),
                LoadPhase("after-soak", burst(shape, max_model_len, decode, count,
                                              f"worst/{seed}/b", template_tokens))]
     return phases
-
-
-def soak_concurrency_for(burst_count: int) -> int:
-    """Soak requests in flight: the burst's count (what the KV cache and max-num-seqs allow
-    for the longest requests), at most SOAK_CONCURRENCY_CAP."""
-    return max(1, min(burst_count, SOAK_CONCURRENCY_CAP))

@@ -16,11 +16,6 @@ import resource
 from typing import NoReturn
 
 
-def apply_data_limit(limit_bytes: int) -> None:
-    """Cap this process's data segment (soft and hard) at `limit_bytes`."""
-    resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
-
-
 def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(prog="python -m pretuner.launch.limit",
                                      description="run a command under an RLIMIT_DATA")
@@ -30,7 +25,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.data <= 0:
         parser.error("a positive --data and a command after -- are required")
-    apply_data_limit(args.data)
+    resource.setrlimit(resource.RLIMIT_DATA, (args.data, args.data))  # soft and hard
     os.execvp(command[0], command)  # noqa: S606 - the server command pretuner built
 
 

@@ -1,14 +1,17 @@
-"""HTTP to an OpenAI-compatible (vLLM API) server: health, models, one completion, a burst."""
+"""HTTP to an OpenAI-compatible (vLLM API) server: health, models, one completion (streamed or
+not), a burst or a closed loop of them."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
+import json
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,18 +33,14 @@ _ERROR_TEXT_CHARS = 500
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutcome:
-    """What one `/v1/completions` request came back with.
+    """What one completion request came back with."""
 
-    `status` is the HTTP status, or 0 when no answer came (refused, reset, timed out: the
-    server may have died mid-request). `error` is the server's message or the client error.
-    """
-
-    status: int
+    status: int  # HTTP, or 0: no answer (refused, reset, timed out: the server may have died)
     ok: bool
     seconds: float
     prompt_tokens: int | None
     completion_tokens: int | None
-    error: str | None
+    error: str | None  # the server's message or the client error
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +101,8 @@ def served_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
         except requests.RequestException as exc:
             raise ServerFailedError(f"GET {url} failed: {exc}") from exc
     if response.status_code != 200:
-        raise ServerFailedError(
-            f"GET {url} answered HTTP {response.status_code}: {error_text(response)}"
-        )
+        raise ServerFailedError(f"GET {url} answered HTTP {response.status_code}: "
+                                f"{error_text(response)}")
     try:
         body = response.json()
         return [str(entry["id"]) for entry in body["data"]]
@@ -123,28 +121,21 @@ def _token_ids(length: int, seed: int | str) -> list[int]:
 
 
 def probe_prompt(length: int, seed: int) -> list[int]:
-    """`length` random token ids, the same for the same seed.
-
-    Give every launch its own seed: a prompt the server has seen could be served from the
-    prefix cache and hide the memory the probe is meant to measure.
-    """
+    """`length` random token ids, the same for the same seed."""
+    # Give every launch its own seed: a prompt the server has seen could be served from the
+    # prefix cache and hide the memory the probe is meant to measure.
     return _token_ids(length, f"pretuner-probe/{seed}")
 
 
 def max_length_prompt_len(max_model_len: int, max_tokens: int) -> int:
-    """The longest prompt vLLM accepts with `max_tokens` to generate.
-
-    vLLM 0.6.6 answers HTTP 400 when prompt tokens + max_tokens exceed max_model_len, so a
-    max-length probe is `max_model_len - 1` prompt tokens with `max_tokens=1`.
-    """
+    """The longest prompt vLLM accepts with `max_tokens` to generate (vLLM answers HTTP 400
+    when prompt tokens + max_tokens exceed max_model_len)."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     prompt_len = max_model_len - max_tokens
     if prompt_len < 1:
-        raise ValueError(
-            f"max_model_len {max_model_len} leaves no room for a prompt with "
-            f"max_tokens {max_tokens}"
-        )
+        raise ValueError(f"max_model_len {max_model_len} leaves no room for a prompt with "
+                         f"max_tokens {max_tokens}")
     return prompt_len
 
 
@@ -156,14 +147,10 @@ def error_text(response: requests.Response) -> str:
         body = None
     if isinstance(body, dict):
         error = body.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-        if isinstance(body.get("message"), str):
-            return str(body["message"])
-        if isinstance(body.get("detail"), str):
-            return str(body["detail"])
+        nested = error.get("message") if isinstance(error, dict) else error
+        for text in (nested, body.get("message"), body.get("detail")):
+            if isinstance(text, str):
+                return text
     text = response.text.strip()
     return text[:_ERROR_TEXT_CHARS] if text else f"HTTP {response.status_code} with no body"
 
@@ -174,98 +161,191 @@ def usage_count(body: Any, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def complete(
-    base_url: str, model: str, prompt_ids: list[int], max_tokens: int, timeout_s: float
-) -> CompletionOutcome:
-    """POST one greedy completion that must generate exactly `max_tokens` tokens."""
-    url = f"{base_url.rstrip('/')}/v1/completions"
-    payload = {
-        "model": model,
-        "prompt": prompt_ids,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+def post(url: str, body: dict[str, Any], timeout_s: float) -> CompletionOutcome:
+    """POST one completion request (`/v1/completions`, `/v1/chat/completions`); what came back."""
     started = time.monotonic()
     # The read timeout bounds the wait for the answer: a non-streaming completion sends
     # nothing until it is done.
     timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)
     with session_for(url) as session:
         try:
-            response = session.post(url, json=payload, timeout=timeout)
+            response = session.post(url, json=body, timeout=timeout)
         except requests.RequestException as exc:
             seconds = time.monotonic() - started
             log.debug("POST %s failed after %.2f s: %s", url, seconds, exc)
             return CompletionOutcome(0, False, seconds, None, None, f"{type(exc).__name__}: {exc}")
     seconds = time.monotonic() - started
     if response.status_code != 200:
-        return CompletionOutcome(
-            response.status_code, False, seconds, None, None, error_text(response)
-        )
+        return CompletionOutcome(response.status_code, False, seconds, None, None,
+                                 error_text(response))
     try:
-        body = response.json()
+        reply = response.json()
     except ValueError:
         text = response.text[:_ERROR_TEXT_CHARS]
         return CompletionOutcome(200, False, seconds, None, None, f"not JSON: {text!r}")
-    return CompletionOutcome(
-        200,
-        True,
-        seconds,
-        usage_count(body, "prompt_tokens"),
-        usage_count(body, "completion_tokens"),
-        None,
-    )
+    return CompletionOutcome(200, True, seconds, usage_count(reply, "prompt_tokens"),
+                             usage_count(reply, "completion_tokens"), None)
 
 
-def load(
-    base_url: str,
-    model: str,
-    num_requests: int,
-    prompt_len: int,
-    max_tokens: int,
-    seed: int,
-    timeout_s: float,
-    on_done: Callable[[int, int], None] | None = None,
-) -> LoadOutcome:
+def _completion(model: str, prompt_ids: list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
+
+
+def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
+             timeout_s: float) -> CompletionOutcome:
+    """POST one greedy completion that must generate exactly `max_tokens` tokens."""
+    body = _completion(model, prompt_ids, max_tokens)
+    return post(f"{base_url.rstrip('/')}/v1/completions", body, timeout_s)
+
+
+def load(base_url: str, model: str, num_requests: int, prompt_len: int, max_tokens: int,
+         seed: int, timeout_s: float,
+         on_done: Callable[[int, int], None] | None = None) -> LoadOutcome:
     """Send `num_requests` completions at once, each with its own prompt; wait at most
     about `timeout_s` for all of them. `on_done(done, total)` hears of each answer."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be at least 1, got {num_requests}")
     prompts = [_token_ids(prompt_len, f"pretuner-load/{seed}/{i}") for i in range(num_requests)]
-    results: list[CompletionOutcome | None] = [None] * num_requests
-    barrier = threading.Barrier(num_requests)
-    done = [0]
-    done_lock = threading.Lock()
-
-    def one(index: int) -> None:
-        # Every thread leaves the barrier together, so the server sees one burst; a broken
-        # barrier (a thread that never started) just lets the others go.
-        with contextlib.suppress(threading.BrokenBarrierError):
-            barrier.wait(timeout=timeout_s)
-        results[index] = complete(base_url, model, prompts[index], max_tokens, timeout_s)
-        if on_done is not None:
-            with done_lock:
-                done[0] += 1
-                on_done(done[0], num_requests)
-
+    calls = [functools.partial(complete, base_url, model, p, max_tokens, timeout_s)
+             for p in prompts]
     started = time.monotonic()
-    threads = [
-        threading.Thread(target=one, args=(i,), name=f"pretuner-load-{i}", daemon=True)
-        for i in range(num_requests)
-    ]
-    for thread in threads:
-        thread.start()
     # Connect + answer timeouts bound each request; the slack covers thread start-up.
-    deadline = started + timeout_s + CONNECT_TIMEOUT_S + 5.0
-    for thread in threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    wait_s = timeout_s + CONNECT_TIMEOUT_S + 5.0
+    results = send_all(calls, timeout_s, name="load", wait_s=wait_s, on_done=on_done)
     wall = time.monotonic() - started
-    outcomes = tuple(
-        result
-        if result is not None
-        else CompletionOutcome(0, False, wall, None, None, f"no answer within {wall:.1f} s")
-        for result in results
-    )
+    missing = CompletionOutcome(0, False, wall, None, None, f"no answer within {wall:.1f} s")
+    outcomes = tuple(missing if r is None else r for r in results)
     failed = sum(1 for o in outcomes if not o.ok)
     log.info("load: %d requests, %d failed, %.2f s", num_requests, failed, wall)
     return LoadOutcome(outcomes, wall)
+
+
+def send_all(calls: Sequence[Callable[[], CompletionOutcome]], timeout_s: float, *, name: str,
+             workers: int | None = None, deadline: float | None = None,
+             wait_s: float | None = None,
+             on_done: Callable[[int, int], None] | None = None) -> list[CompletionOutcome | None]:
+    """Run `calls` all at once (a burst), or `workers` at a time, each sending the next when its
+    last is answered (a closed loop); none starts after `deadline` (monotonic seconds). Outcomes
+    in call order: None for a call not sent, or not answered within `wait_s`."""
+    results: list[CompletionOutcome | None] = [None] * len(calls)
+    threads = max(1, min(workers or len(calls), len(calls)))
+    barrier = threading.Barrier(threads)
+    lock = threading.Lock()
+    state = {"next": 0, "done": 0}
+
+    def work() -> None:
+        if workers is None:
+            # Every thread leaves the barrier together, so the server sees one burst; a broken
+            # barrier (a thread that never started) just lets the others go.
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=timeout_s)
+        while True:
+            with lock:
+                i = state["next"]
+                if i >= len(calls) or (deadline is not None and time.monotonic() >= deadline):
+                    return
+                state["next"] += 1
+            results[i] = calls[i]()
+            with lock:
+                state["done"] += 1
+                if on_done is not None:
+                    on_done(state["done"], len(calls))
+            if workers is None:
+                return
+
+    join_by = None if wait_s is None else time.monotonic() + wait_s
+    running = [threading.Thread(target=work, name=f"pretuner-{name}-{k}", daemon=True)
+               for k in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join(timeout=None if join_by is None else max(0.0, join_by - time.monotonic()))
+    return results
+
+
+# One streamed `/v1/completions` request, timed by the client: server-sent events (`data: {...}`
+# lines, `data: [DONE]` at the end), with `stream_options.include_usage` so the last chunk
+# carries the token counts. The arrival of the first chunk with text is the time to first
+# token; the span to the last one, over the tokens after the first, is the decode speed of
+# that one sequence.
+
+
+@dataclass(frozen=True, slots=True)
+class Arrivals:
+    """When the streamed tokens came, seconds after the request was sent."""
+
+    first_s: float
+    last_s: float
+    chunks: int
+
+
+def _chunk(line: bytes) -> dict[str, Any] | str | None:
+    text = line.decode("utf-8", errors="replace").strip()
+    if not text.startswith("data:"):
+        return None
+    data = text[len("data:"):].strip()
+    if data == "[DONE]":
+        return data
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _token(body: dict[str, Any]) -> bool:
+    """A chunk that carries generated output (its text may be empty: a token that ends in the
+    middle of a character); the usage chunk has no choices."""
+    choices = body.get("choices")
+    return isinstance(choices, list) and any(isinstance(c, dict) for c in choices)
+
+
+def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
+                    timeout_s: float) -> tuple[CompletionOutcome, Arrivals | None]:
+    """POST one streamed greedy completion of exactly `max_tokens` tokens; its outcome (as
+    `probe.complete` gives it) and when its tokens arrived (None when none did)."""
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    payload = {**_completion(model, prompt_ids, max_tokens), "stream": True,
+               "stream_options": {"include_usage": True}}
+    started = time.monotonic()
+    first = last = None
+    chunks = 0
+    usage: dict[str, Any] = {}
+    error: str | None = None
+    timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)  # the read timeout: per chunk
+    with session_for(url) as session:
+        try:
+            response = session.post(url, json=payload, timeout=timeout, stream=True)
+            if response.status_code != 200:
+                seconds = time.monotonic() - started
+                return CompletionOutcome(response.status_code, False, seconds, None, None,
+                                         error_text(response)), None
+            for line in response.iter_lines():
+                body = _chunk(line)
+                if body == "[DONE]":
+                    break
+                if not isinstance(body, dict):
+                    continue
+                now = time.monotonic() - started
+                if isinstance(body.get("error"), dict):
+                    error = str(body["error"].get("message") or body["error"])
+                    break
+                if _token(body):
+                    first = now if first is None else first
+                    last, chunks = now, chunks + 1
+                if isinstance(body.get("usage"), dict):
+                    usage = body
+        except requests.RequestException as exc:
+            seconds = time.monotonic() - started
+            log.debug("streamed POST %s failed after %.2f s: %s", url, seconds, exc)
+            return CompletionOutcome(0, False, seconds, None, None,
+                                     f"{type(exc).__name__}: {exc}"), None
+    seconds = time.monotonic() - started
+    arrivals = Arrivals(first, last, chunks) if first is not None and last is not None else None
+    if error is not None:
+        return CompletionOutcome(500, False, seconds, None, None, error), arrivals
+    prompt = usage_count(usage, "prompt_tokens")
+    completion = usage_count(usage, "completion_tokens")
+    return CompletionOutcome(200, True, seconds, prompt,
+                             completion if completion is not None else chunks, None), arrivals

@@ -15,7 +15,6 @@ then stops the group itself (context manager, `atexit`, `install_signal_handlers
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import shlex
@@ -30,20 +29,15 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from pretuner.errors import BadInputError, ServerFailedError
-from pretuner.launch.orphans import (
-    PID_FILE,
-    parent_death_guard,
-    remove_pid_file,
-    write_pid_file,
-)
 from pretuner.launch.probe import get_ok
 from pretuner.procgroups import (
-    KILL_WAIT_S,
+    PID_FILE,
+    describe_exit,
     group_alive,
-    group_members,
-    note,
-    proc_available,
-    wait_group_gone,
+    parent_death_guard,
+    remove_pid_file,
+    stop_group,
+    write_pid_file,
 )
 from pretuner.redact import redact_argv
 
@@ -56,27 +50,13 @@ _TAIL_MAX_BYTES = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class StopResult:
-    """How a server's process group ended.
+    """How a server's process group ended."""
 
-    `exit_code` is the started process's return code (negative: killed by that signal), None
-    only if it survived even SIGKILL. `graceful`: the group ended without SIGKILL (only then
-    can MindSpore have printed its pool dump). `killed`: SIGKILL was sent.
-    """
-
-    exit_code: int | None
-    graceful: bool
-    killed: bool
+    exit_code: int | None  # the started process's (negative: killed by that signal; None: it
+    # survived even SIGKILL)
+    graceful: bool  # no SIGKILL: only then can MindSpore have printed its pool dump
+    killed: bool  # SIGKILL was sent
     seconds: float
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {code})"
-    return f"exited with code {code}"
 
 
 _live: set[ServerProcess] = set()
@@ -97,14 +77,10 @@ class ServerProcess:
         self._pid_file = log_path.parent / PID_FILE
 
     @classmethod
-    def start(
-        cls, argv: list[str], env: dict[str, str], log_path: Path, cwd: Path | None = None
-    ) -> ServerProcess:
-        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`.
-
-        The server gets the parent-death guard (killed if pretuner dies, even by SIGKILL) and
-        `server.pid` next to its log until its whole group is gone.
-        """
+    def start(cls, argv: list[str], env: dict[str, str], log_path: Path,
+              cwd: Path | None = None) -> ServerProcess:
+        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`, with the
+        parent-death guard and `server.pid` next to its log until its whole group is gone."""
         if not argv:
             raise ValueError("empty server command")
         log_path = Path(log_path)
@@ -113,30 +89,21 @@ class ServerProcess:
         with open(log_path, "ab") as log_file:
             try:
                 popen = subprocess.Popen(
-                    argv,
-                    env=env,
-                    cwd=cwd,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    close_fds=True,
+                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
+                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                     preexec_fn=parent_death_guard(),  # only a prctl: safe after fork
                 )
             except OSError as exc:
-                raise ServerFailedError(
-                    f"cannot start server {argv[0]!r}: {exc}",
-                    hint="check the executable and the working folder",
-                    log_path=str(log_path),
-                ) from exc
+                raise ServerFailedError(f"cannot start server {argv[0]!r}: {exc}",
+                                        hint="check the executable and the working folder",
+                                        log_path=str(log_path)) from exc
         started = time.monotonic()
         proc = cls(popen, log_path, started)
         write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time())
         with _live_lock:
             _live.add(proc)
-        log.info(
-            "started server pid %d (log %s): %s", popen.pid, log_path, shlex.join(redact_argv(argv))
-        )
+        log.info("started server pid %d (log %s): %s", popen.pid, log_path,
+                 shlex.join(redact_argv(argv)))
         return proc
 
     @property
@@ -156,10 +123,6 @@ class ServerProcess:
         """True while the process we started runs (its children may outlive it)."""
         return self.poll() is None
 
-    @property
-    def seconds_since_start(self) -> float:
-        return time.monotonic() - self._started
-
     def poll(self) -> int | None:
         return self._popen.poll()
 
@@ -172,39 +135,27 @@ class ServerProcess:
             exited = self.poll()
         return exited
 
-    def log_tail(self, n_lines: int = _TAIL_LINES) -> str:
-        """The last `n_lines` lines of the log, read from the end of the file."""
-        return read_tail(self._log_path, n_lines)
-
     def _failure(self, what: str) -> ServerFailedError:
-        tail = self.log_tail()
+        tail = read_tail(self._log_path)
         message = f"server {what}; log: {self._log_path}"
         message += f"\nlast log lines:\n{tail}" if tail else "\n(the log is empty)"
         return ServerFailedError(message, log_path=str(self._log_path))
 
-    def wait_ready(
-        self,
-        url: str,
-        timeout_s: float,
-        *,
-        check: Callable[[], None] | None = None,
-        interval_s: float = 0.2,
-    ) -> float:
-        """Wait until `GET url` answers 200; return the seconds since the server started.
-
-        Every round first checks that the process lives, then runs `check` (which may raise,
-        e.g. when a live log scan saw an OOM), then asks `url`.
-        """
+    def wait_ready(self, url: str, timeout_s: float, *, check: Callable[[], None] | None = None,
+                   interval_s: float = 0.2) -> float:
+        """Wait until `GET url` answers 200; return the seconds since the server started. Every
+        round first checks that the process lives, then runs `check` (which may raise, e.g.
+        when a live log scan saw an OOM), then asks `url`."""
         deadline = time.monotonic() + timeout_s
         while True:
             code = self.poll()
             if code is not None:
-                raise self._failure(f"{_describe_exit(code)} before {url} answered")
+                raise self._failure(f"{describe_exit(code)} before {url} answered")
             if check is not None:
                 check()
             remaining = deadline - time.monotonic()
             if get_ok(url, max(0.05, min(_HEALTH_TIMEOUT_S, remaining))):
-                ready = self.seconds_since_start
+                ready = time.monotonic() - self._started
                 log.info("server pid %d ready after %.1f s", self.pid, ready)
                 return ready
             remaining = deadline - time.monotonic()
@@ -212,64 +163,29 @@ class ServerProcess:
                 raise self._failure(f"not ready after {timeout_s:g} s ({url} never answered 200)")
             time.sleep(min(interval_s, remaining))
 
-    def _signal_group(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):  # every member is already gone
-            os.killpg(self._pgid, sig)
-
-    def _wait_group(self, deadline: float, grace_s: float | None = None) -> bool:
-        """Reap our child and wait until no process of the group is left; False at deadline."""
-        return wait_group_gone(self._pgid, deadline, reap=self._popen.poll, grace_s=grace_s)
-
-    def _kill(self) -> None:
-        self._signal_group(signal.SIGKILL)
-        if not self._wait_group(time.monotonic() + KILL_WAIT_S):
-            log.error(
-                "processes of group %d survive SIGKILL (uninterruptible?): %s",
-                self._pgid,
-                group_members(self._pgid) if proc_available() else "unknown",
-            )
-
     def stop(self, grace_s: float = 30.0, sig: int = signal.SIGTERM) -> StopResult:
-        """Send `sig` to the whole group, wait up to `grace_s` for every member, then SIGKILL.
-
-        Idempotent: later calls return the first result. A KeyboardInterrupt during the
-        grace period kills the group at once and propagates.
-        """
+        """`procgroups.stop_group` on the server's group; idempotent: later calls return the
+        first result. A KeyboardInterrupt in the grace period kills the group and propagates."""
         with self._stop_lock:
             if self._stop_result is not None:
                 return self._stop_result
             started = time.monotonic()
-            killed = False
+            graceful = True
             if group_alive(self._pgid):
                 log.info("stopping server group %d with %s", self._pgid, signal.Signals(sig).name)
-                self._signal_group(sig)
                 try:
-                    gone = self._wait_group(started + grace_s, grace_s)
+                    graceful = stop_group(self._pgid, grace_s, sig, reap=self._popen.poll)
                 except KeyboardInterrupt:
-                    self._kill()
                     self._finish(killed=True, started=started)
                     raise
-                if not gone:
-                    note(
-                        f"server group {self._pgid} still running {grace_s:g} s after "
-                        f"{signal.Signals(sig).name}; sending SIGKILL",
-                        logging.WARNING,
-                    )
-                    killed = True
-                    self._kill()
-            return self._finish(killed=killed, started=started)
+            return self._finish(killed=not graceful, started=started)
 
     def _finish(self, *, killed: bool, started: float) -> StopResult:
         try:
             exit_code: int | None = self._popen.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             exit_code = None
-        result = StopResult(
-            exit_code=exit_code,
-            graceful=not killed,
-            killed=killed,
-            seconds=time.monotonic() - started,
-        )
+        result = StopResult(exit_code, not killed, killed, time.monotonic() - started)
         self._stop_result = result
         if exit_code is not None and not group_alive(self._pgid):
             remove_pid_file(self._pid_file)
@@ -281,12 +197,8 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         self.stop()
 
     def __repr__(self) -> str:
@@ -335,16 +247,12 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def install_signal_handlers() -> Callable[[], None]:
-    """Turn SIGTERM and SIGHUP into KeyboardInterrupt in the main thread; return a restorer.
-
-    Python dies on SIGTERM without running `finally` blocks or `atexit`; as an exception it
-    unwinds through every `with ServerProcess...` so no server outlives pretuner.
-    """
+    """Turn SIGTERM and SIGHUP into KeyboardInterrupt in the main thread; return a restorer."""
+    # Python dies on SIGTERM without running `finally` blocks or `atexit`; as an exception it
+    # unwinds through every `with ServerProcess...` so no server outlives pretuner.
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError("install_signal_handlers must be called from the main thread")
-    previous = {
-        sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
-    }
+    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
 
     def restore() -> None:
         for sig, handler in previous.items():
@@ -357,12 +265,11 @@ def check_server_installed(base_cmd: list[str]) -> None:
     """Refuse, before a run folder exists, a server command whose program or Python module is
     not installed here (exit 2), instead of finding out from the first launch's log."""
     program = shutil.which(base_cmd[0])
+    others = "pass the whole command with --serve-cmd, or --engine sim for the emulated card"
     if program is None:
-        raise BadInputError(
-            f"the server command {base_cmd[0]!r} is not on PATH",
-            hint="install the engine (pip install vllm-mindspore) in this environment, pass "
-            "the whole command with --serve-cmd, or --engine sim for the emulated card",
-        )
+        raise BadInputError(f"the server command {base_cmd[0]!r} is not on PATH",
+                            hint=f"install the engine (pip install vllm-mindspore) in this "
+                            f"environment, {others}")
     if len(base_cmd) > 2 and base_cmd[1] == "-m":
         module = base_cmd[2].split(".")[0]
         probe = subprocess.run(
@@ -374,6 +281,4 @@ def check_server_installed(base_cmd: list[str]) -> None:
             raise BadInputError(
                 f"{base_cmd[0]} ({program}) cannot import {module!r}: the engine is not "
                 "installed for it",
-                hint="install the engine (pip install vllm-mindspore) for that Python, pass "
-                "the whole command with --serve-cmd, or --engine sim for the emulated card",
-            )
+                hint=f"install the engine (pip install vllm-mindspore) for that Python, {others}")

@@ -1,10 +1,8 @@
 """Device memory sampled in the background during a launch: the peak of each phase, and a
 time series of every device for the report's chart.
 
-Memory stays bounded however long the launch: the peaks are one number per phase, and the
-series keeps at most SERIES_MAX_POINTS samples (when full, every other one is dropped and only
-every second sample is kept from then on). A reader that fails is logged once and sampling
-stops; the launch goes on, measured from its logs.
+Memory stays bounded however long the launch: one peak per phase, and a `BoundedSeries`. A
+reader that fails is logged once and sampling stops; the launch goes on, measured from its logs.
 """
 
 from __future__ import annotations
@@ -46,9 +44,8 @@ class SeriesPoint:
 
 
 class BoundedSeries:
-    """A time series that never holds more than `max_points` points: when full, every other
-    point is dropped and the keep interval doubles, so a long launch is kept at a coarser
-    resolution instead of growing. The peaks are kept elsewhere: a dropped point loses none."""
+    """A time series of at most `max_points` points: when full, every other point is dropped
+    and the keep interval doubles (the peaks are kept elsewhere: a dropped point loses none)."""
 
     def __init__(self, max_points: int = SERIES_MAX_POINTS) -> None:
         if max_points < 2:
@@ -92,12 +89,11 @@ class Sampled:
 
 
 class MemorySampler:
-    """Sample `reader` every `interval_s` (at most every 20 ms) on a daemon thread, tagging
-    each sample with the phase last reported through `wrap`. A None reader samples nothing."""
+    """Sample `reader` (None: nothing) on a daemon thread, tagging each sample with the phase
+    last reported through `wrap`."""
 
     def __init__(self, reader: DeviceReader | None, first_phase: str = "launch",
-                 status: Phase | None = None,
-                 series_max_points: int = SERIES_MAX_POINTS) -> None:
+                 status: Phase | None = None, series_max_points: int = SERIES_MAX_POINTS) -> None:
         self.reader = reader
         self.status = status  # told the memory seen so far, every STATUS_EVERY_S
         self.interval_s = max(FASTEST_INTERVAL_S, reader.interval_s if reader else 0.0)
@@ -176,9 +172,8 @@ class MemorySampler:
 
 
 def series_tsv(sampled: Sampled, launch: int) -> str | None:
-    """The launch's time series as `memory.tsv` (None when nothing was sampled): a comment with
-    the device total, a header line, then one `t_s, phase, device, used_mib` row per device per
-    sample."""
+    """The launch's time series as `memory.tsv` (`devices.series`); None when nothing was
+    sampled."""
     if not sampled.series:
         return None
     total = "unknown" if sampled.total_mib is None else str(sampled.total_mib)

@@ -25,7 +25,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
-from pretuner.launch.orphans import parent_death_guard
+from pretuner.procgroups import parent_death_guard
 
 DEFAULT_ENTRY = "vllm.entrypoints.openai.api_server"
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 
 from pretuner.devices.base import DeviceReader
-from pretuner.devices.host import HostMemory
+from pretuner.devices.cpu import HostMemory
 from pretuner.emulation import Personality
 from pretuner.errors import BadInputError
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pretuner.devices.base import DeviceReader, Holding, holders
+from pretuner.devices.base import DeviceReader, Holder, holders
 from pretuner.engines.base import Engine
 from pretuner.errors import CardBusyError
 
@@ -25,14 +25,14 @@ def normal_free_mib(card_gib: int) -> int:
     return int(card_gib * 1024 * (1 - NORMAL_DRIVER_SHARE))
 
 
-def looks_busy(card_gib: int, free_mib: int, holders: Sequence[Holding] = ()) -> bool:
+def looks_busy(card_gib: int, free_mib: int, holders: Sequence[Holder] = ()) -> bool:
     """Another process holds memory: npu-smi lists one, or far less is free than idle."""
     return bool(holders) or free_mib < normal_free_mib(card_gib)
 
 
-def describe_holders(held: Sequence[Holding], device_word: str = "NPU") -> str:
+def describe_holders(held: Sequence[Holder], device_word: str = "NPU") -> str:
     """'pid 4242 (python3, 40,000 MiB on NPU 0, 1)' per process, or '' when none is known."""
-    by_pid: dict[int, list[Holding]] = {}
+    by_pid: dict[int, list[Holder]] = {}
     for p in held:
         by_pid.setdefault(p.pid, []).append(p)
     parts = []
@@ -49,7 +49,7 @@ def card_busy_error(
     free_mib: int,
     source: str,
     need_mib: int,
-    holders: Sequence[Holding] = (),
+    holders: Sequence[Holder] = (),
     log_path: str | None = None,
     why: str | None = None,
     device_word: str = "NPU",

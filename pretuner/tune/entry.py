@@ -62,7 +62,7 @@ from pretuner.tune.v1.entry import (
 )
 
 if TYPE_CHECKING:
-    from pretuner.cluster.collector import RayCollectors
+    from pretuner.cluster.session import RayCollectors
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretuner.errors import BadInputError, CardBusyError
-from pretuner.launch.orphans import ServerPid, live_servers, remove_pid_file, still_running
-from pretuner.procgroups import stop_group
+from pretuner.procgroups import (
+    ServerPid,
+    live_servers,
+    remove_pid_file,
+    still_running,
+    stop_group,
+)
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,7 @@ import time
 from typing import Any
 
 from pretuner.devices.base import DeviceReader
-from pretuner.devices.nvidia import NvmlReader, load_nvml
-from pretuner.devices.nvidia_stream import NvidiaSmiStreamReader
+from pretuner.devices.nvidia import NvidiaSmiStreamReader, NvmlReader, load_nvml
 
 CHILD = r"""
 import time, torch

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
-from pretuner.devices.host import HostMemory, host_memory
+from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak

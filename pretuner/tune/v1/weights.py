@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pretuner import validate as v
-from pretuner.devices.host import HostMemory
+from pretuner.devices.cpu import HostMemory
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models.quant import METHODS

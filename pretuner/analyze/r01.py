@@ -12,7 +12,7 @@ from pretuner.envfile import env_file_text
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult
-from pretuner.logscan.summary import truncated_json
+from pretuner.logscan.result import truncated_json
 from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.units import GIB, MIB
 

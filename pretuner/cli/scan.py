@@ -44,7 +44,7 @@ def scan_cmd(
         typer.echo(render(result))
     for item in result.unreadable:
         typer.echo(f"pretuner: warning: could not read {item.file}: {item.reason}", err=True)
-    if not result.found_anything:
+    if not result.events:
         raise NothingFoundError(
             f"no memory line in {len(result.files)} file(s), {result.lines_scanned:,} lines",
             hint=(

@@ -12,18 +12,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pretuner.cluster.nodefs import node_local
+from pretuner.logscan.files import Unreadable, iter_log_files
 from pretuner.logscan.lines import DeviceMemoryInit, Located, OomEvent, OomKind
-from pretuner.logscan.result import MAX_EXAMPLES
-from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
-from pretuner.logscan.summary import (
+from pretuner.logscan.result import (
+    MAX_EXAMPLES,
     OomPhase,
     OomRecord,
     RankSummary,
     ScanResult,
     TruncatedRecord,
     Truncation,
-    summarize_items,
 )
+from pretuner.logscan.scanner import ScanItem, iter_scan
+from pretuner.logscan.summary import summarize_items
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,6 @@ class NodeScan:
         scan = ScanResult(
             files=tuple(data["files"]),
             ranks=ranks,
-            worst=_worst(ranks),
             oom=oom,
             unreadable=tuple(Unreadable(f, r) for f, r in data["unreadable"]),
             lines_scanned=data["lines_scanned"],
@@ -126,11 +126,6 @@ def _oom_from_wire(d: dict[str, Any]) -> OomRecord:
         text=d["text"],
         event=OomEvent(**event),
     )
-
-
-def _worst(ranks: Sequence[RankSummary]) -> RankSummary | None:
-    with_peak = [r for r in ranks if r.actual_peak_mib is not None]
-    return max(with_peak, key=lambda r: r.actual_peak_mib or 0) if with_peak else None
 
 
 def scan_node_folder(folder: str, node_id: str, label: str) -> dict[str, Any]:
@@ -233,12 +228,9 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
                 cut_seen.add((t.file, t.line, t.pid))
                 truncated.append(t)
     scans = [n.scan for n in nodes]
-    worst = _worst(ranks)
-    worst_node = owner[ranks.index(worst)] if worst is not None else None
     scan = ScanResult(
         files=tuple(f"{n.label}:{f}" for n in nodes for f in n.scan.files),
         ranks=tuple(ranks),
-        worst=worst,
         oom=tuple(oom),
         card_mib=_pick(max, [s.card_mib for s in scans]),
         kv_cache_tokens=_pick(min, [s.kv_cache_tokens for s in scans]),
@@ -258,6 +250,7 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> ClusterScan:
         truncated_omitted=sum(s.truncated_omitted for s in scans),
         prompts_ignored_omitted=sum(s.prompts_ignored_omitted for s in scans),
     )
+    worst_node = owner[ranks.index(scan.worst)] if scan.worst is not None else None
     peaks = {
         name: r.actual_peak_mib
         for name, r in zip(names, ranks, strict=True)

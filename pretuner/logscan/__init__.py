@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pretuner.errors import BadInputError
+from pretuner.logscan.files import Unreadable, iter_log_files
 from pretuner.logscan.follow import LogFollower
 from pretuner.logscan.lines import Located, LogEvent, OomEvent, OomKind, parse_line, parse_origin
 from pretuner.logscan.result import (
@@ -22,7 +23,7 @@ from pretuner.logscan.result import (
     TruncatedRecord,
     Truncation,
 )
-from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
+from pretuner.logscan.scanner import ScanItem, iter_scan
 from pretuner.logscan.summary import summarize_items
 
 T = TypeVar("T")

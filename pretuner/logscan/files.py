@@ -77,6 +77,3 @@ def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
             continue
         seen.add(key)
         yield full, None
-
-
-__all__ = ["NOT_LOGS", "Unreadable", "iter_log_files", "not_a_log", "rank_from_path"]

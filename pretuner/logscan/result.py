@@ -103,7 +103,6 @@ class ScanResult:
 
     files: tuple[str, ...]
     ranks: tuple[RankSummary, ...]
-    worst: RankSummary | None
     oom: tuple[OomRecord, ...]
     card_mib: int | None
     kv_cache_tokens: int | None  # the smallest figure reported
@@ -123,8 +122,10 @@ class ScanResult:
     prompts_ignored_omitted: int = 0
 
     @property
-    def found_anything(self) -> bool:
-        return self.events > 0
+    def worst(self) -> RankSummary | None:
+        """The rank with the largest complete pool dump (the first of equals)."""
+        with_peak = [r for r in self.ranks if r.actual_peak_mib is not None]
+        return max(with_peak, key=lambda r: r.actual_peak_mib or 0) if with_peak else None
 
     @property
     def oom_total(self) -> int:
@@ -214,16 +215,3 @@ def _rank_json(rank: RankSummary) -> dict[str, Any]:
         "file": rank.file,
         "line": rank.line,
     }
-
-
-__all__ = [
-    "MAX_EXAMPLES",
-    "OomPhase",
-    "OomRecord",
-    "RankSummary",
-    "ScanResult",
-    "TruncatedRecord",
-    "Truncation",
-    "truncated_json",
-    "writer",
-]

@@ -227,33 +227,11 @@ class SchedulerDump:
 
 
 LogEvent = (
-    PoolDump
-    | PartialPoolDump
-    | PoolDumpHeader
-    | DeviceMemoryInit
-    | MemoryStat
-    | OomEvent
-    | LoadingStarted
-    | ModelLoaded
-    | AvailableKvMemory
-    | AvailableMemory
-    | KvCacheSize
-    | MaxConcurrency
-    | KvReserved
-    | BlockCounts
-    | PromptIgnored
-    | KvPinned
-    | CpuKvSet
-    | GraphsCaptured
-    | ChunkedPrefill
-    | EncoderBudget
-    | DeviceRefused
-    | EngineArgs
-    | V1EngineConfig
-    | ServerReady
-    | EngineStartFailed
-    | EngineDied
-    | SchedulerDump
+    PoolDump | PartialPoolDump | PoolDumpHeader | DeviceMemoryInit | MemoryStat | OomEvent
+    | LoadingStarted | ModelLoaded | AvailableKvMemory | AvailableMemory | KvCacheSize
+    | MaxConcurrency | KvReserved | BlockCounts | PromptIgnored | KvPinned | CpuKvSet
+    | GraphsCaptured | ChunkedPrefill | EncoderBudget | DeviceRefused | EngineArgs
+    | V1EngineConfig | ServerReady | EngineStartFailed | EngineDied | SchedulerDump
 )
 
 

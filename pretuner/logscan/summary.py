@@ -105,13 +105,10 @@ class Summariser:
             if isinstance(item, Located):
                 self.add(item)
             elif isinstance(item, FileStart):
-                self.start_file(item.file, item.rank)
+                self._file = _FileState(item.file, item.rank)
             else:
                 self.end_file(item)
         return self
-
-    def start_file(self, file: str, rank: int | None) -> None:
-        self._file = _FileState(file, rank)
 
     def add(self, ev: Located) -> None:
         state = self._file

@@ -195,12 +195,9 @@ class V1Analysis:
     tp: int
     pp: int
     bytes_per_token: int | None
-    bytes_per_token_source: str | None
     held_kv_bytes: int | None  # the KV cache the run held
-    held_kv_source: str | None
     series: DevicePeak | None
     total_mib: int | None
-    total_source: str | None
     budget: PinnedBudget | None  # with a measured peak and a total
     back_off: BackOff | None  # after an OOM
     suggestion: Suggestion | None
@@ -249,17 +246,18 @@ class V1Analysis:
         lines += [f"  {k.ljust(width)}  {val}" for k, val in rows]
         if self.bytes_per_token is not None:
             lines.append(f"KV bytes/token: {self.bytes_per_token:,} B, "
-                         f"{self.bytes_per_token_source}")
+                         f"{self.provenance['kv_bytes_per_token']}")
         if self.held_kv_bytes is not None:
             held = f"{self.held_kv_bytes / MIB:,.1f} MiB ({self.held_kv_bytes / GIB:.2f} GiB)"
-            if (self.held_kv_source == HELD_FROM_TOKENS and log.kv_tokens is not None
+            held_source = self.provenance["held_kv_bytes"]
+            if (held_source == HELD_FROM_TOKENS and log.kv_tokens is not None
                     and self.bytes_per_token):
                 lines.append(
                     f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
                     f"{self.held_kv_bytes:,} B = {held}, derived"
                 )
             else:
-                lines.append(f"KV held: {held}, {self.held_kv_source}")
+                lines.append(f"KV held: {held}, {held_source}")
         if self.series is not None:
             phases = ", ".join(f"{k} {val:,}" for k, val in self.series.phase_peaks_mib.items())
             lines.append(
@@ -268,7 +266,7 @@ class V1Analysis:
                 + (f"; per phase, MiB: {phases}" if phases else "")
             )
         if self.total_mib is not None:
-            lines.append(f"device total: {self.total_mib:,} MiB, {self.total_source}")
+            lines.append(f"device total: {self.total_mib:,} MiB, {self.provenance['total_mib']}")
         lines.append("")
         if self.warnings:
             lines += [f"WARNING: {w}" for w in self.warnings] + [""]
@@ -327,8 +325,7 @@ class V1Analysis:
                 "phase": self.oom_phase,
             },
             **pick(log, "estimated_max_len", "no_kv_memory", "refused_free_gib"),
-            "tp": self.tp,
-            "pp": self.pp,
+            **pick(self, "tp", "pp"),
             "kv_bytes_per_token": self.bytes_per_token,
             "held_kv_bytes": self.held_kv_bytes,
             "device": None if self.series is None else asdict(self.series),
@@ -485,12 +482,9 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
         tp=tp,
         pp=pp,
         bytes_per_token=bpt,
-        bytes_per_token_source=bpt_source,
         held_kv_bytes=held,
-        held_kv_source=held_source,
         series=series,
         total_mib=total_mib,
-        total_source=total_source,
         budget=budget,
         back_off=back_off,
         suggestion=suggestion,

@@ -170,20 +170,15 @@ def _float(digits: str) -> float:
 
 def parse_origin(line: bytes | str) -> Origin:
     """The writer of a line: MindSpore's `(pid,tid,...)` prefix or vLLM's process tag."""
+    head = _text(line[:512])
     try:
-        return _origin(_text(line[:512]))
+        if tag := _VLLM_TAG.search(head):
+            rank = tag.group(1) or tag.group(2)
+            return Origin(pid=_int(tag.group(3)), rank=_int(rank) if rank else None)
+        if ms := _MS_PREFIX.search(head):
+            return Origin(pid=_int(ms.group(1)), rank=None)
     except ValueError:  # a pid of hundreds of digits: no writer known
-        return Origin(pid=None, rank=None)
-
-
-def _origin(head: str) -> Origin:
-    tag = _VLLM_TAG.search(head)
-    if tag:
-        rank = tag.group(1) or tag.group(2)
-        return Origin(pid=_int(tag.group(3)), rank=_int(rank) if rank else None)
-    ms = _MS_PREFIX.search(head)
-    if ms:
-        return Origin(pid=_int(ms.group(1)), rank=None)
+        pass
     return Origin(pid=None, rank=None)
 
 

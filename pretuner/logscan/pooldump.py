@@ -45,15 +45,11 @@ class PoolDump:
 
 @dataclass(frozen=True, slots=True)
 class PartialPoolDump:
-    """A summary line cut before its `actual peak used` figure: that peak is unknown.
-
-    `peak_used_mib` is the `peak used mem` figure when it was printed before the cut; the
-    actual peak (with fragments) is at least that much.
-    """
+    """A summary line cut before its `actual peak used` figure: that peak is unknown."""
 
     format: PoolFormat
     pool_name: str | None
-    peak_used_mib: float | None
+    peak_used_mib: float | None  # `peak used mem` if printed before the cut: the peak is more
     profiled: bool
 
 

@@ -195,9 +195,8 @@ class Summariser:
         acc.truncated += 1
         acc.cut_at = (self._seq, ev.file, ev.line, pid)
         if len(state.cut) < MAX_EXAMPLES:
-            state.cut.append(
-                TruncatedRecord(how, ev.file, ev.line, pid, acc.rank, peak_used_mib, ev.text)
-            )
+            state.cut.append(TruncatedRecord(how, ev.file, ev.line, pid, acc.rank, peak_used_mib,
+                                             ev.text))
         else:
             state.cut_omitted += 1
 
@@ -258,12 +257,8 @@ class Summariser:
                 accs[final].merge(acc)
             else:
                 accs[final] = dataclasses.replace(acc, rank=rank, pids=set(acc.pids))
-        ranks = tuple(
-            sorted(
-                (a.freeze() for a in accs.values()),
-                key=lambda r: (r.rank is None, r.rank or 0, r.pid or 0, r.file),
-            )
-        )
+        ranks = tuple(sorted((a.freeze() for a in accs.values()),
+                             key=lambda r: (r.rank is None, r.rank or 0, r.pid or 0, r.file)))
         cards = [r.card_mib for r in ranks if r.card_mib]
         return ScanResult(
             files=tuple(self.files),
@@ -280,9 +275,8 @@ class Summariser:
             bytes_scanned=self.bytes_read,
             events=self.events,
             prompts_ignored=tuple(self.ignored),
-            truncated=tuple(
-                dataclasses.replace(t, rank=self._rank(t.rank, t.pid)) for t in self.truncated
-            ),
+            truncated=tuple(dataclasses.replace(t, rank=self._rank(t.rank, t.pid))
+                            for t in self.truncated),
             oom_omitted=self.oom_omitted,
             truncated_omitted=self.truncated_omitted,
             prompts_ignored_omitted=self.ignored_omitted,

@@ -252,10 +252,8 @@ class V1Analysis:
             held_source = self.provenance["held_kv_bytes"]
             if (held_source == HELD_FROM_TOKENS and log.kv_tokens is not None
                     and self.bytes_per_token):
-                lines.append(
-                    f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
-                    f"{self.held_kv_bytes:,} B = {held}, derived"
-                )
+                lines.append(f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
+                             f"{self.held_kv_bytes:,} B = {held}, derived")
             else:
                 lines.append(f"KV held: {held}, {held_source}")
         if self.series is not None:

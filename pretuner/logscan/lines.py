@@ -236,7 +236,7 @@ def _device_init(text: str) -> DeviceMemoryInit | None:
         key = match.group(1).strip().lower().replace(kind.lower(), "x")
         for suffix, name in _INIT_KEYS:
             if key.endswith(suffix) and name not in figures:
-                figures[name] = _int(match.group(2)) * (1024 if match.group(3) == "G" else 1)
+                figures[name] = _mib(match.group(2), match.group(3))
                 break
     reserved = _RESERVED.search(text)
     if "device" not in figures:
@@ -245,14 +245,14 @@ def _device_init(text: str) -> DeviceMemoryInit | None:
         memory_kind=kind,
         device_mib=figures.get("device"),
         device_free_mib=figures.get("device_free"),
-        reserved_other_mib=(
-            _int(reserved.group(1)) * (1024 if reserved.group(2) == "G" else 1)
-            if reserved
-            else None
-        ),
+        reserved_other_mib=_mib(reserved.group(1), reserved.group(2)) if reserved else None,
         user_define_mib=figures.get("user_define"),
         mindspore_used_mib=figures.get("mindspore_used"),
     )
+
+
+def _mib(digits: str, unit: str) -> int:
+    return _int(digits) * (1024 if unit == "G" else 1)
 
 
 def _max_device_memory(found: re.Match[str]) -> OomEvent:

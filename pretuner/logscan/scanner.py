@@ -221,23 +221,13 @@ def _is_gzip(path: str) -> bool:
 def _split_points(path: str, size: int, parts: int) -> list[int]:
     """Cut a file into `parts` ranges whose ends are line starts."""
     points = [0]
-    with open(path, "rb") as handle:
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         for k in range(1, parts):
             target = size * k // parts
-            handle.seek(target - 1)
-            at = target - 1
-            cut = size
-            while at < size and at - target < WINDOW_BYTES:
-                block = handle.read(65536)
-                if not block:
-                    break
-                nl = block.find(b"\n")
-                if nl >= 0:
-                    cut = at + nl + 1
-                    break
-                at += len(block)
+            newline = mm.find(b"\n", target - 1, min(size, target + WINDOW_BYTES))
+            cut = newline + 1 if newline >= 0 else size  # a line longer than a window: no cut
             if cut > points[-1]:
-                points.append(min(cut, size))
+                points.append(cut)
     points.append(size)
     return sorted(set(points))
 

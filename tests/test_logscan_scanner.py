@@ -11,7 +11,7 @@ import pytest
 
 from pretuner.errors import BadInputError
 from pretuner.logscan import OomKind, OomPhase, scan_paths
-from pretuner.logscan.files import iter_log_files, rank_from_path
+from pretuner.logscan.files import list_log_files, rank_from_path
 from pretuner.logscan.lines import Located, LogEvent
 from pretuner.logscan.pooldump import PoolDump
 from pretuner.logscan.scanner import WINDOW_BYTES, FileDone, iter_scan
@@ -224,8 +224,8 @@ def test_parallel_segments_match_sequential(
     assert par_done.lines == seq_done.lines
 
 
-def test_iter_log_files_orders_and_dedups(tmp_path: Path) -> None:
+def test_list_log_files_orders_and_dedups(tmp_path: Path) -> None:
     shutil.copytree(RANK_DIR, tmp_path / "logs", symlinks=True)
-    found = [Path(f).name for f, problem in iter_log_files([tmp_path]) if problem is None]
+    found = [Path(f).name for f in list_log_files([tmp_path])[0]]
     assert "mindspore.INFO" not in found
     assert len(found) == 4

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pretuner.cluster.nodefs import node_local
-from pretuner.logscan.files import Unreadable, iter_log_files
+from pretuner.logscan.files import Unreadable, list_log_files
 from pretuner.logscan.lines import DeviceMemoryInit, Located, OomEvent, OomKind
 from pretuner.logscan.result import (
     MAX_EXAMPLES,
@@ -132,14 +132,7 @@ def scan_node_folder(folder: str, node_id: str, label: str) -> dict[str, Any]:
     """Scan `folder` on this node's disk with pretuner's scanner (runs on the node)."""
     path = node_local(folder)
     found = path.exists()
-    files: list[str] = []
-    unreadable: list[Unreadable] = []
-    if found:
-        for file, problem in iter_log_files([path]):
-            if problem is None:
-                files.append(file)
-            else:
-                unreadable.append(Unreadable(file, problem))
+    files, unreadable = list_log_files([path]) if found else ([], [])
     free: list[int] = []
     result = summarize_items(_noting_free(iter_scan(files), free), unreadable)
     return NodeScan(node_id, label, str(path), found, result, tuple(free)).to_wire()

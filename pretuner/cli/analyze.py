@@ -105,14 +105,11 @@ def analyze_cmd(
     from pretuner.analyze.front import analyze_logs
     from pretuner.models import resolve
 
-    if card is not None:
-        v.int_range("--card", card, 1, v.MAX_CARD_GIB)
-    if card_total_mib is not None:
-        v.int_range("--card-total-mib", card_total_mib, 1, MAX_CARD_TOTAL_MIB)
-    if tp is not None:
-        v.int_range("--tp", tp, 1)
-    if pp is not None:
-        v.int_range("--pp", pp, 1)
+    for flag, given, high in (("--card", card, v.MAX_CARD_GIB),
+                              ("--card-total-mib", card_total_mib, MAX_CARD_TOTAL_MIB),
+                              ("--tp", tp, None), ("--pp", pp, None)):
+        if given is not None:
+            v.int_range(flag, given, 1, high)
     if util is not None:
         v.finite("--util", util, example="0.9")
     v.non_negative("--headroom-gb", headroom_gb, example="1")

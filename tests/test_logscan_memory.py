@@ -159,13 +159,14 @@ def test_spooled_hits_match_the_sequential_scan(
 ) -> None:
     """Workers past SPILL_BYTES spool their hits to a file: same events, same line numbers."""
     from pretuner.logscan import scanner
+    from tests.test_logscan_scanner import scan_file
 
     log = tmp_path / "dumps.log"
     write_dumps(log, 12_000)
-    sequential = scanner.scan_files([str(log)], workers=1)[0]
+    sequential, seq_done = scan_file(log, workers=1)
     monkeypatch.setattr(scanner, "PARALLEL_MIN_BYTES", 2**20)
     monkeypatch.setattr(scanner, "SPILL_BYTES", 64 * 2**10)
-    parallel = scanner.scan_files([str(log)], workers=2)[0]
-    assert len(parallel.events) == len(sequential.events) == 12_012
-    assert parallel.events == sequential.events
-    assert (parallel.lines, parallel.bytes_read) == (sequential.lines, sequential.bytes_read)
+    parallel, par_done = scan_file(log, workers=2)
+    assert len(parallel) == len(sequential) == 12_012
+    assert parallel == sequential
+    assert (par_done.lines, par_done.bytes_read) == (seq_done.lines, seq_done.bytes_read)

@@ -11,9 +11,10 @@ import pytest
 
 from pretuner.errors import BadInputError
 from pretuner.logscan import OomKind, OomPhase, scan_paths
-from pretuner.logscan.lines import LogEvent
+from pretuner.logscan.files import list_log_files, rank_from_path
+from pretuner.logscan.lines import Located, LogEvent
 from pretuner.logscan.pooldump import PoolDump
-from pretuner.logscan.scanner import WINDOW_BYTES, iter_log_files, rank_from_path, scan_files
+from pretuner.logscan.scanner import WINDOW_BYTES, FileDone, iter_scan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
 EXIT_LOG = FIXTURES / "ms_cpu_exit.log"
@@ -40,6 +41,14 @@ def dump(pid: int, peak: int) -> bytes:
 
 def noise(pid: int) -> bytes:
     return NOISE % pid
+
+
+def scan_file(path: Path, *, workers: int | None = None) -> tuple[list[Located], FileDone]:
+    """Every event of one file, held in memory, and its `FileDone`."""
+    items = list(iter_scan([str(path)], workers=workers))
+    done = items[-1]
+    assert isinstance(done, FileDone)
+    return [item for item in items if isinstance(item, Located)], done
 
 
 def peak_mib(event: LogEvent) -> int:
@@ -191,12 +200,12 @@ def test_huge_line_and_window_boundaries(tmp_path: Path) -> None:
     filler = b"\n".join(noise(3) for _ in range(100_000))
     data = dump(3, 10) + b"\n" + huge + b"\n" + filler + b"\n" + dump(3, 99) + b"\n"
     (tmp_path / "big.log").write_bytes(data)
-    scan = scan_files([str(tmp_path / "big.log")], workers=1)[0]
-    assert [(e.line, peak_mib(e.event)) for e in scan.events] == [
+    events, done = scan_file(tmp_path / "big.log", workers=1)
+    assert [(e.line, peak_mib(e.event)) for e in events] == [
         (1, 10),
         (100_003, 99),
     ]
-    assert scan.lines == 100_003
+    assert done.lines == 100_003
 
 
 def test_parallel_segments_match_sequential(
@@ -208,15 +217,15 @@ def test_parallel_segments_match_sequential(
     block = b"\n".join(noise(4) for _ in range(997))
     parts = [block + b"\n" + dump(4, 100 + i) + b"\n" for i in range(40)]
     (tmp_path / "a.log").write_bytes(b"".join(parts))
-    sequential = scan_files([str(tmp_path / "a.log")], workers=1)[0]
-    parallel = scan_files([str(tmp_path / "a.log")], workers=2)[0]
-    assert [e.line for e in parallel.events] == [e.line for e in sequential.events]
-    assert [e.line for e in sequential.events] == [998 * (i + 1) for i in range(40)]
-    assert parallel.lines == sequential.lines
+    sequential, seq_done = scan_file(tmp_path / "a.log", workers=1)
+    parallel, par_done = scan_file(tmp_path / "a.log", workers=2)
+    assert [e.line for e in parallel] == [e.line for e in sequential]
+    assert [e.line for e in sequential] == [998 * (i + 1) for i in range(40)]
+    assert par_done.lines == seq_done.lines
 
 
-def test_iter_log_files_orders_and_dedups(tmp_path: Path) -> None:
+def test_list_log_files_orders_and_dedups(tmp_path: Path) -> None:
     shutil.copytree(RANK_DIR, tmp_path / "logs", symlinks=True)
-    found = [Path(f).name for f, problem in iter_log_files([tmp_path]) if problem is None]
+    found = [Path(f).name for f in list_log_files([tmp_path])[0]]
     assert "mindspore.INFO" not in found
     assert len(found) == 4

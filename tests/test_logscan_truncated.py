@@ -14,7 +14,7 @@ import pytest
 from pretuner.logscan import LogFollower, Truncation, scan_paths
 from pretuner.logscan.lines import parse_line, split_writers
 from pretuner.logscan.pooldump import PartialPoolDump, PoolDump, PoolDumpHeader, PoolFormat
-from pretuner.logscan.scanner import scan_files
+from tests.test_logscan_scanner import scan_file
 
 RANK_DIR = Path(__file__).parent / "fixtures" / "logs" / "ms_rank_dir"
 RANK_LOGS = {
@@ -197,8 +197,8 @@ def test_shared_log_with_a_writer_killed_mid_line(tmp_path: Path) -> None:
         (7, PIDS[1], PartialPoolDump),
         (7, PIDS[0], PoolDump),
     ]
-    [scanned] = scan_files([str(log)])
-    assert [(e.line, e.pid, type(e.event)) for e in scanned.events] == expected
+    scanned, _ = scan_file(log)
+    assert [(e.line, e.pid, type(e.event)) for e in scanned] == expected
     followed = LogFollower(log).poll(final=True)
     assert [(e.line, e.pid, type(e.event)) for e in followed] == expected
 

@@ -45,3 +45,8 @@ class Analysis(Protocol):
     def text(self) -> str: ...  # what `pretuner analyze` prints
     def out_text(self, command: str) -> str: ...  # --out: the env file (r0.1), the flag (V1)
     def json_warnings(self) -> list[str]: ...  # said on stderr beside the --json object
+
+
+def pick(obj: object, *names: str) -> dict[str, Any]:
+    """`{name: obj.name}` for the names given, in their order (the JSON of a record's figures)."""
+    return {name: getattr(obj, name) for name in names}

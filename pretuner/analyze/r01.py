@@ -6,13 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pretuner.analyze import AnalyzeConfig
+from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.derivation_text import derivation_lines
 from pretuner.envfile import env_file_text
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult
-from pretuner.logscan.summary import truncated_json
+from pretuner.logscan.result import truncated_json
 from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.units import GIB, MIB
 
@@ -63,36 +63,17 @@ class R01Analysis:
         d = self.derivation
         worst = self.worst
         return {
-            "model": self.model,
-            "card_gib": self.card_gib,
-            "card_source": self.card_source,
-            "tp": self.tp,
-            "tp_source": self.tp_source,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
+            **pick(self, "model", "card_gib", "card_source", "tp", "tp_source",
+                   "kv_bytes_per_token"),
             "actual_peak_mib": worst.actual_peak_mib,
-            "worst_rank": {
-                "rank": worst.rank,
-                "pid": worst.pid,
-                "file": worst.file,
-                "line": worst.line,
-                "actual_peak_mib": worst.actual_peak_mib,
-            },
-            "ranks": [
-                {
-                    "rank": r.rank,
-                    "pid": r.pid,
-                    "actual_peak_mib": r.actual_peak_mib,
-                    "truncated_dumps": r.truncated_dumps,
-                    "file": r.file,
-                }
-                for r in dumped_ranks(self.scan)
-            ],
+            "worst_rank": pick(worst, "rank", "pid", "file", "line", "actual_peak_mib"),
+            "ranks": [pick(r, "rank", "pid", "actual_peak_mib", "truncated_dumps", "file")
+                      for r in dumped_ranks(self.scan)],
             "truncated": [truncated_json(t) for t in self.scan.truncated],
             "kv_prerun_gib": round(d.kv_prerun_gib, 4),
             "weights_act_gib": round(d.weights_act_gib, 4),
             "max_kv_gib": round(d.max_kv_gib, 4),
-            "max_kv_tokens": d.max_kv_tokens,
-            "max_num_seqs_method": d.max_num_seqs_method,
+            **pick(d, "max_kv_tokens", "max_num_seqs_method"),
             "max_num_seqs": d.final.max_num_seqs,
             "headroom_gib": d.inputs.headroom_gib,
             "headroom_total_gib": round(d.headroom_total_gib, 4),

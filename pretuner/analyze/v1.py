@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pretuner.analyze import AnalyzeConfig
+from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
 from pretuner.devices.series import parse_memory_tsv
 from pretuner.engines.v1_log import V1Log
@@ -36,6 +36,8 @@ from pretuner.units import GIB, MIB
 # means the model, TP or KV dtype given is not the one that ran (the log prints 1-2 decimals).
 MISMATCH_SHARE = 0.02
 HELD_FROM_TOKENS = "derived: KV tokens x bytes/token"
+_LOG_FIGURES = ("weights_gib", "kv_gib", "kv_tokens", "max_concurrency", "graphs_gib",
+                "oom_alloc_bytes", "max_model_len", "max_num_batched_tokens")
 SERIES_HINT = "pass the NVML series (TSV) or nvidia-smi CSV sampled during the run"
 
 
@@ -95,8 +97,7 @@ def read_series_file(path: Path) -> DevicePeak:
 
 @dataclass(frozen=True, slots=True)
 class BackOff:
-    """The next pinned KV after an OOM: the KV the run had less the failed allocation and the
-    margin, rounded down to a MiB (`pretuner.pinned.back_off_bytes`)."""
+    """The next pinned KV after an OOM (`pretuner.pinned.back_off_bytes`)."""
 
     from_kv_bytes: int
     alloc_bytes: int | None
@@ -175,15 +176,9 @@ class Suggestion:
             "kv_bytes": self.kv_bytes,
             "kv_mib": self.kv_bytes // MIB,
             "kv_gib": round(self.kv_bytes / GIB, 2),
-            "flag": self.flag,
-            "basis": self.basis,
-            "kv_tokens": self.kv_tokens,
-            "kv_tokens_exact": self.kv_tokens_exact,
+            **pick(self, "flag", "basis", "kv_tokens", "kv_tokens_exact"),
             "max_concurrency": None if conc is None else round(conc, 2),
-            "held_kv_bytes": self.held_kv_bytes,
-            "held_kv_tokens": self.held_kv_tokens,
-            "gain_bytes": self.gain_bytes,
-            "gain_tokens": self.gain_tokens,
+            **pick(self, "held_kv_bytes", "held_kv_tokens", "gain_bytes", "gain_tokens"),
         }
 
 
@@ -200,12 +195,9 @@ class V1Analysis:
     tp: int
     pp: int
     bytes_per_token: int | None
-    bytes_per_token_source: str | None
     held_kv_bytes: int | None  # the KV cache the run held
-    held_kv_source: str | None
     series: DevicePeak | None
     total_mib: int | None
-    total_source: str | None
     budget: PinnedBudget | None  # with a measured peak and a total
     back_off: BackOff | None  # after an OOM
     suggestion: Suggestion | None
@@ -239,11 +231,8 @@ class V1Analysis:
         if log.max_num_batched_tokens is not None:
             rows.append(("max_num_batched_tokens", f"{log.max_num_batched_tokens:,}"))
         if self.oom_phase is not None:
-            size = (
-                f"{log.oom_alloc_bytes / MIB:,.1f} MiB"
-                if log.oom_alloc_bytes is not None
-                else "size not printed"
-            )
+            alloc = log.oom_alloc_bytes
+            size = "size not printed" if alloc is None else f"{alloc / MIB:,.1f} MiB"
             rows.append(("out of memory", f"{size} at {self.oom_phase}: {log.oom_text}"))
         if log.estimated_max_len is not None:
             rows.append(("longest sequence", f"{log.estimated_max_len:,} tokens (estimated)"))
@@ -257,17 +246,16 @@ class V1Analysis:
         lines += [f"  {k.ljust(width)}  {val}" for k, val in rows]
         if self.bytes_per_token is not None:
             lines.append(f"KV bytes/token: {self.bytes_per_token:,} B, "
-                         f"{self.bytes_per_token_source}")
+                         f"{self.provenance['kv_bytes_per_token']}")
         if self.held_kv_bytes is not None:
             held = f"{self.held_kv_bytes / MIB:,.1f} MiB ({self.held_kv_bytes / GIB:.2f} GiB)"
-            if (self.held_kv_source == HELD_FROM_TOKENS and log.kv_tokens is not None
+            held_source = self.provenance["held_kv_bytes"]
+            if (held_source == HELD_FROM_TOKENS and log.kv_tokens is not None
                     and self.bytes_per_token):
-                lines.append(
-                    f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
-                    f"{self.held_kv_bytes:,} B = {held}, derived"
-                )
+                lines.append(f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
+                             f"{self.held_kv_bytes:,} B = {held}, derived")
             else:
-                lines.append(f"KV held: {held}, {self.held_kv_source}")
+                lines.append(f"KV held: {held}, {held_source}")
         if self.series is not None:
             phases = ", ".join(f"{k} {val:,}" for k, val in self.series.phase_peaks_mib.items())
             lines.append(
@@ -276,7 +264,7 @@ class V1Analysis:
                 + (f"; per phase, MiB: {phases}" if phases else "")
             )
         if self.total_mib is not None:
-            lines.append(f"device total: {self.total_mib:,} MiB, {self.total_source}")
+            lines.append(f"device total: {self.total_mib:,} MiB, {self.provenance['total_mib']}")
         lines.append("")
         if self.warnings:
             lines += [f"WARNING: {w}" for w in self.warnings] + [""]
@@ -322,17 +310,11 @@ class V1Analysis:
             "engine": "v1",
             "files": list(self.files),
             "outcome": self.outcome,
-            "ready": log.ready,
-            "start_failed": log.start_failed,
-            "engine_dead": log.engine_dead,
-            "weights_gib": log.weights_gib,
+            **pick(log, "ready", "start_failed", "engine_dead", "weights_gib"),
             "kv_mode": self.kv_mode,
             "kv_gib": log.kv_gib,
             "kv_in_log_bytes": self.kv_in_log_bytes,
-            "kv_tokens": log.kv_tokens,
-            "max_model_len": log.max_model_len,
-            "max_concurrency": log.max_concurrency,
-            "graphs_gib": log.graphs_gib,
+            **pick(log, "kv_tokens", "max_model_len", "max_concurrency", "graphs_gib"),
             "non_kv_gib_log": log.non_kv_gib,
             "max_num_batched_tokens": log.max_num_batched_tokens,
             "oom": None if self.oom_phase is None else {
@@ -340,11 +322,8 @@ class V1Analysis:
                 "text": log.oom_text,
                 "phase": self.oom_phase,
             },
-            "estimated_max_len": log.estimated_max_len,
-            "no_kv_memory": log.no_kv_memory,
-            "refused_free_gib": log.refused_free_gib,
-            "tp": self.tp,
-            "pp": self.pp,
+            **pick(log, "estimated_max_len", "no_kv_memory", "refused_free_gib"),
+            **pick(self, "tp", "pp"),
             "kv_bytes_per_token": self.bytes_per_token,
             "held_kv_bytes": self.held_kv_bytes,
             "device": None if self.series is None else asdict(self.series),
@@ -354,11 +333,7 @@ class V1Analysis:
                 "held_kv_bytes": self.held_kv_bytes,
                 "held_kv_mib": round(budget.held_kv_mib, 1),
                 "non_kv_mib": round(budget.non_kv_mib, 1),
-                "total_mib": budget.total_mib,
-                "margin_mib": budget.margin_mib,
-                "kv_mib": budget.kv_mib,
-                "kv_bytes": budget.kv_bytes,
-                "source": budget.source,
+                **pick(budget, "total_mib", "margin_mib", "kv_mib", "kv_bytes", "source"),
             },
             "back_off": None if self.back_off is None else asdict(self.back_off),
             "suggestion": None if self.suggestion is None else self.suggestion.to_json(),
@@ -381,21 +356,14 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
         )
     warnings: list[str] = []
     notes: list[str] = []
-    prov: dict[str, str] = {}
-    for key, value in (("weights_gib", log.weights_gib), ("kv_gib", log.kv_gib),
-                       ("kv_tokens", log.kv_tokens), ("max_concurrency", log.max_concurrency),
-                       ("graphs_gib", log.graphs_gib), ("oom_alloc_bytes", log.oom_alloc_bytes),
-                       ("max_model_len", log.max_model_len),
-                       ("max_num_batched_tokens", log.max_num_batched_tokens)):
-        if value is not None:
-            prov[key] = "measured (log)"
+    prov = {key: "measured (log)" for key in _LOG_FIGURES if getattr(log, key) is not None}
     tp = cfg.tp if cfg.tp is not None else log.tp or 1
     pp = cfg.pp if cfg.pp is not None else log.pp or 1
     kv_mode, kv_in_log = _kv_in_log(log)
     if kv_in_log is not None:
         prov["kv_in_log_bytes"] = ("measured (log: the echoed --kv-cache-memory-bytes)"
                                    if log.pinned_kv_bytes is not None else "measured (log, GiB)")
-    bpt, bpt_exact, bpt_source = _bytes_per_token(cfg, log, tp, pp, warnings)
+    bpt, bpt_exact, bpt_source = _bytes_per_token(cfg, log, kv_in_log, tp, pp, warnings)
     if bpt_source is not None:
         prov["kv_bytes_per_token"] = bpt_source
     held, held_source = _held_kv(log, kv_in_log, bpt, bpt_exact)
@@ -512,12 +480,9 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
         tp=tp,
         pp=pp,
         bytes_per_token=bpt,
-        bytes_per_token_source=bpt_source,
         held_kv_bytes=held,
-        held_kv_source=held_source,
         series=series,
         total_mib=total_mib,
-        total_source=total_source,
         budget=budget,
         back_off=back_off,
         suggestion=suggestion,
@@ -540,11 +505,9 @@ def _kv_in_log(log: V1Log) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _bytes_per_token(
-    cfg: AnalyzeConfig, log: V1Log, tp: int, pp: int, warnings: list[str]
-) -> tuple[int | None, bool, str | None]:
+def _bytes_per_token(cfg: AnalyzeConfig, log: V1Log, kv_in_log: int | None, tp: int, pp: int,
+                     warnings: list[str]) -> tuple[int | None, bool, str | None]:
     """KV bytes per token on one device, whether it is exact, and where it comes from."""
-    _, kv_in_log = _kv_in_log(log)
     if cfg.model is not None:
         bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=pp, kv_dtype=cfg.kv_cache_dtype)
         if log.kv_tokens and kv_in_log:

@@ -36,26 +36,19 @@ def analyze_cmd(
         ..., metavar="LOG", help="Log files, per-rank log folders, or .gz files (of one run)."
     ),
     model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        metavar="MODEL",
+        None, "--model", "-m", metavar="MODEL",
         help="Registry name, alias, or local HF folder. Required for MindSpore r0.1 logs; for "
         "V1 logs it gives the exact KV bytes per token (else derived from the log).",
     ),
     memory_series: Path | None = typer.Option(
-        None,
-        "--memory-series",
-        metavar="FILE",
+        None, "--memory-series", metavar="FILE",
         help="V1 logs: the device memory sampled during the run, as an NVML series "
         "(EPOCH_S<TAB>PHASE<TAB>USED_MIB rows) or repeated `nvidia-smi --query-gpu=index,"
         "memory.used,memory.total --format=csv,noheader,nounits` lines: its peak says what "
         "the card could hold.",
     ),
     card_total_mib: int | None = typer.Option(
-        None,
-        "--card-total-mib",
-        metavar="MIB",
+        None, "--card-total-mib", metavar="MIB",
         help="V1 logs: the device total in MiB as NVML reports it (81559 on an H100 80GB; "
         "default: the nvidia-smi CSV's memory.total).",
     ),
@@ -63,30 +56,21 @@ def analyze_cmd(
         None, "--card", metavar="GIB", help="r0.1 logs: card GiB (default: from the log)."
     ),
     util: float | None = typer.Option(
-        None,
-        *UTIL_FLAGS,
-        metavar="FRACTION",
+        None, *UTIL_FLAGS, metavar="FRACTION",
         help="r0.1 logs: --gpu-memory-utilization of the pre-run (not given: 0.9, said as "
         "assumed).",
     ),
     model_use_gb: int | None = typer.Option(
-        None,
-        "--model-use-gb",
-        metavar="GIB",
+        None, "--model-use-gb", metavar="GIB",
         help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run (not given: 50, said as assumed).",
     ),
     max_model_len: int | None = typer.Option(
-        None,
-        "--max-model-len",
-        metavar="TOKENS",
-        parser=human_int,
+        None, "--max-model-len", metavar="TOKENS", parser=human_int,
         help="r0.1 logs: the pre-run's max_model_len (not given: 16384, said as assumed; "
         "V1: read from the log).",
     ),
     tp: int | None = typer.Option(
-        None,
-        *TP_FLAGS,
-        metavar="N",
+        None, *TP_FLAGS, metavar="N",
         help="Tensor parallel size (default: ranks found; V1: the log's).",
     ),
     pp: int | None = typer.Option(
@@ -99,15 +83,11 @@ def analyze_cmd(
         16, "--block-size", metavar="TOKENS", help="KV block size in tokens."
     ),
     headroom_gb: float = typer.Option(
-        DEFAULT_HEADROOM_GIB,
-        "--headroom-gb",
-        metavar="GIB",
+        DEFAULT_HEADROOM_GIB, "--headroom-gb", metavar="GIB",
         help="r0.1 logs: GiB added to weights+activations.",
     ),
     out: Path | None = typer.Option(
-        None,
-        "--out",
-        metavar="FILE",
+        None, "--out", metavar="FILE",
         help="Write the env file (r0.1) or the --kv-cache-memory-bytes flag (V1) here "
         "(never overwrites).",
     ),
@@ -125,14 +105,11 @@ def analyze_cmd(
     from pretuner.analyze.front import analyze_logs
     from pretuner.models import resolve
 
-    if card is not None:
-        v.int_range("--card", card, 1, v.MAX_CARD_GIB)
-    if card_total_mib is not None:
-        v.int_range("--card-total-mib", card_total_mib, 1, MAX_CARD_TOTAL_MIB)
-    if tp is not None:
-        v.int_range("--tp", tp, 1)
-    if pp is not None:
-        v.int_range("--pp", pp, 1)
+    for flag, given, high in (("--card", card, v.MAX_CARD_GIB),
+                              ("--card-total-mib", card_total_mib, MAX_CARD_TOTAL_MIB),
+                              ("--tp", tp, None), ("--pp", pp, None)):
+        if given is not None:
+            v.int_range(flag, given, 1, high)
     if util is not None:
         v.finite("--util", util, example="0.9")
     v.non_negative("--headroom-gb", headroom_gb, example="1")

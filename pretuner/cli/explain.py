@@ -41,7 +41,7 @@ def explain_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Say what FLAG does in the engine's own terms (memory, speed, what it is not)."""
-    from pretuner.explain import FLAGS, find, measured_lines, names
+    from pretuner.explain import FLAGS, find, measured_lines
 
     if flag is None:
         if as_json:
@@ -52,7 +52,7 @@ def explain_cmd(
         return
     doc = find(flag)
     if doc is None:
-        bare = {n.lstrip("-"): n for n in names()}
+        bare = {d.name.lstrip("-"): d.name for d in FLAGS}
         close = [bare[c] for c in difflib.get_close_matches(flag.lstrip("-"), list(bare), n=3,
                                                             cutoff=0.5)]
         raise BadInputError(

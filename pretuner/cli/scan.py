@@ -44,7 +44,7 @@ def scan_cmd(
         typer.echo(render(result))
     for item in result.unreadable:
         typer.echo(f"pretuner: warning: could not read {item.file}: {item.reason}", err=True)
-    if not result.found_anything:
+    if not result.events:
         raise NothingFoundError(
             f"no memory line in {len(result.files)} file(s), {result.lines_scanned:,} lines",
             hint=(
@@ -68,24 +68,21 @@ def render(result: ScanResult) -> str:
         f"{result.bytes_scanned / 2**20:,.1f} MiB"
     ]
     if result.ranks:
-        rows = [
-            [
-                "-" if r.rank is None else r.rank,
-                "-" if r.pid is None else r.pid,
-                _peak_cell(r),
-                "-" if r.peak_used_mib is None else f"{r.peak_used_mib:,.0f}",
-                r.dumps if not r.truncated_dumps else f"{r.dumps} + {r.truncated_dumps} cut",
-                r.oom_count,
-                f"{r.file}:{r.line}",
-            ]
-            for r in result.ranks
-        ]
+        rows = [[
+            "-" if r.rank is None else r.rank,
+            "-" if r.pid is None else r.pid,
+            _peak_cell(r),
+            "-" if r.peak_used_mib is None else f"{r.peak_used_mib:,.0f}",
+            r.dumps if not r.truncated_dumps else f"{r.dumps} + {r.truncated_dumps} cut",
+            r.oom_count,
+            f"{r.file}:{r.line}",
+        ] for r in result.ranks]
         headers = ["rank", "pid", "actual peak MiB", "peak used MiB", "dumps", "OOMs", "where"]
         out += ["", table(headers, rows)]
-    if result.worst is not None and result.worst.actual_peak_mib is not None:
-        worst = result.worst
+    worst = result.worst
+    if worst is not None and worst.actual_peak_mib is not None:
         who = f"rank {worst.rank}" if worst.rank is not None else f"pid {worst.pid}"
-        out.append(f"\nworst actual peak: {result.worst.actual_peak_mib:,} MiB ({who})")
+        out.append(f"\nworst actual peak: {worst.actual_peak_mib:,} MiB ({who})")
         if result.truncated:
             out.append(
                 f"  from the complete dumps only: {result.truncated_total:,} truncated, so the "
@@ -95,18 +92,15 @@ def render(result: ScanResult) -> str:
         out.append(f"TRUNCATED: {cut.describe()}")
     if result.truncated_omitted:
         out.append(f"TRUNCATED: {result.truncated_omitted:,} more, not listed")
-    if result.card_mib is not None:
-        out.append(f"card: {result.card_mib:,} MiB")
-    if result.weights_gib is not None:
-        out.append(f"weights (engine): {result.weights_gib:.2f} GiB")
-    if result.available_kv_gib is not None:
-        out.append(f"available KV cache (engine): {result.available_kv_gib:.2f} GiB")
-    if result.kv_cache_tokens is not None:
-        out.append(f"KV cache size (engine): {result.kv_cache_tokens:,} tokens")
-    if result.max_concurrency is not None:
-        out.append(f"maximum concurrency (engine): {result.max_concurrency:.2f}x")
-    if result.kv_blocks is not None:
-        out.append(f"KV blocks (engine): {result.kv_blocks:,}")
+    figures = (
+        ("card", result.card_mib, "{:,} MiB"),
+        ("weights (engine)", result.weights_gib, "{:.2f} GiB"),
+        ("available KV cache (engine)", result.available_kv_gib, "{:.2f} GiB"),
+        ("KV cache size (engine)", result.kv_cache_tokens, "{:,} tokens"),
+        ("maximum concurrency (engine)", result.max_concurrency, "{:.2f}x"),
+        ("KV blocks (engine)", result.kv_blocks, "{:,}"),
+    )
+    out += [f"{name}: {unit.format(value)}" for name, value, unit in figures if value is not None]
     for o in result.oom:
         phase = "" if o.phase.value == "unknown" else f", {o.phase.value}"
         out.append(f"OOM ({o.kind.value}{phase}) at {o.file}:{o.line}: {o.event.message}")

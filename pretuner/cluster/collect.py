@@ -13,10 +13,11 @@ from typing import Any, TypeVar
 
 from pretuner.cluster.nodefs import node_local
 from pretuner.launch.collect import CollectedScan, rank_name
+from pretuner.logscan.files import Unreadable, list_log_files
 from pretuner.logscan.lines import DeviceMemoryInit, Located
-from pretuner.logscan.result import MAX_EXAMPLES
-from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
-from pretuner.logscan.summary import ScanResult, summarize_items
+from pretuner.logscan.result import MAX_EXAMPLES, ScanResult
+from pretuner.logscan.scanner import ScanItem, iter_scan
+from pretuner.logscan.summary import summarize_items
 
 T = TypeVar("T")
 
@@ -37,14 +38,7 @@ def scan_node_folder(folder: str, node_id: str, label: str) -> NodeScan:
     """Scan `folder` on this node's disk with pretuner's scanner (runs on the node)."""
     path = node_local(folder)
     found = path.exists()
-    files: list[str] = []
-    unreadable: list[Unreadable] = []
-    if found:
-        for file, problem in iter_log_files([path]):
-            if problem is None:
-                files.append(file)
-            else:
-                unreadable.append(Unreadable(file, problem))
+    files, unreadable = list_log_files([path]) if found else ([], [])
     free: list[int] = []
     result = summarize_items(_noting_free(iter_scan(files), free), unreadable)
     return NodeScan(node_id, label, str(path), found, result, tuple(free))
@@ -80,13 +74,9 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
     truncated = _first((t for n in nodes for t in n.scan.truncated),
                        lambda t: (t.file, t.line, t.pid))
     scans = [n.scan for n in nodes]
-    peaked = [r for r in ranks if r.actual_peak_mib is not None]
-    worst = max(peaked, key=lambda r: r.actual_peak_mib or 0, default=None)
-    worst_node = owner[ranks.index(worst)] if worst is not None else None
     scan = ScanResult(
         files=tuple(f"{n.label}:{f}" for n in nodes for f in n.scan.files),
         ranks=tuple(ranks),
-        worst=worst,
         oom=tuple(oom),
         card_mib=_pick(max, [s.card_mib for s in scans]),
         kv_cache_tokens=_pick(min, [s.kv_cache_tokens for s in scans]),
@@ -106,6 +96,7 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
         truncated_omitted=sum(s.truncated_omitted for s in scans),
         prompts_ignored_omitted=sum(s.prompts_ignored_omitted for s in scans),
     )
+    worst_node = owner[ranks.index(scan.worst)] if scan.worst is not None else None
     doc = scan.to_json()
     doc["worst_node"] = worst_node
     doc["rank_nodes"] = dict(zip(names, owner, strict=True))  # rank name -> node label

@@ -146,7 +146,3 @@ def find(name: str) -> FlagDoc | None:
         if bare == doc.name.lstrip("-").replace("_", "-").lower():
             return doc
     return None
-
-
-def names() -> tuple[str, ...]:
-    return tuple(doc.name for doc in FLAGS)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pretuner.errors import BadInputError
+from pretuner.logscan.files import list_log_files
 from pretuner.logscan.follow import LogFollower
 from pretuner.logscan.lines import Located, LogEvent, OomEvent, OomKind, parse_line, parse_origin
 from pretuner.logscan.result import (
@@ -22,7 +23,7 @@ from pretuner.logscan.result import (
     TruncatedRecord,
     Truncation,
 )
-from pretuner.logscan.scanner import ScanItem, Unreadable, iter_log_files, iter_scan
+from pretuner.logscan.scanner import ScanItem, iter_scan
 from pretuner.logscan.summary import summarize_items
 
 T = TypeVar("T")
@@ -42,13 +43,7 @@ def fold_scan(paths: Sequence[Path], start: T, add: Callable[[T, LogEvent], T], 
             raise BadInputError(
                 f"log path {str(path)!r} does not exist", hint="pass a log file or a folder"
             )
-    files: list[str] = []
-    unreadable: list[Unreadable] = []
-    for file, problem in iter_log_files(paths):
-        if problem is None:
-            files.append(file)
-        else:
-            unreadable.append(Unreadable(file, problem))
+    files, unreadable = list_log_files(paths)
     acc = start
 
     def folding(items: Iterable[ScanItem]) -> Iterator[ScanItem]:

@@ -123,13 +123,11 @@ class BlockCounts:
 
 @dataclass(frozen=True, slots=True)
 class PromptIgnored:
-    """vLLM V0's scheduler dropped a prompt: it never ran, and its reply is empty.
-
-    `limit` is None for `exceeds the capacity of block_manager` (the KV cache cannot hold it
-    beside the 1 % block watermark), else the prompt limit it exceeded.
-    """
+    """vLLM V0's scheduler dropped a prompt: it never ran, and its reply is empty."""
 
     prompt_tokens: int
+    # None: it `exceeds the capacity of block_manager` (the KV cache cannot hold it beside the
+    # 1 % block watermark), else the prompt limit it exceeded
     limit: int | None
 
 # -- V1 engines (vLLM >= 0.8, vllm-ascend, vLLM-MindSpore >= 0.3): their start-up and death --
@@ -227,33 +225,11 @@ class SchedulerDump:
 
 
 LogEvent = (
-    PoolDump
-    | PartialPoolDump
-    | PoolDumpHeader
-    | DeviceMemoryInit
-    | MemoryStat
-    | OomEvent
-    | LoadingStarted
-    | ModelLoaded
-    | AvailableKvMemory
-    | AvailableMemory
-    | KvCacheSize
-    | MaxConcurrency
-    | KvReserved
-    | BlockCounts
-    | PromptIgnored
-    | KvPinned
-    | CpuKvSet
-    | GraphsCaptured
-    | ChunkedPrefill
-    | EncoderBudget
-    | DeviceRefused
-    | EngineArgs
-    | V1EngineConfig
-    | ServerReady
-    | EngineStartFailed
-    | EngineDied
-    | SchedulerDump
+    PoolDump | PartialPoolDump | PoolDumpHeader | DeviceMemoryInit | MemoryStat | OomEvent
+    | LoadingStarted | ModelLoaded | AvailableKvMemory | AvailableMemory | KvCacheSize
+    | MaxConcurrency | KvReserved | BlockCounts | PromptIgnored | KvPinned | CpuKvSet
+    | GraphsCaptured | ChunkedPrefill | EncoderBudget | DeviceRefused | EngineArgs
+    | V1EngineConfig | ServerReady | EngineStartFailed | EngineDied | SchedulerDump
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +43,8 @@ def not_a_log(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in NOT_LOGS
 
 
-def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
-    """Every regular file under the given paths, once each: (path, None) or (path, problem).
+def list_log_files(paths: Sequence[Path]) -> tuple[list[str], list[Unreadable]]:
+    """Every regular file under the given paths, once each, and those that cannot be read.
 
     Directories are walked recursively without following links; a symlink (like MindSpore's
     `mindspore.INFO` pointing to the newest log) is skipped when its target is already listed.
@@ -52,6 +52,8 @@ def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
     run's report.json, serve.sh...) are left out; a file named on its own is always read.
     """
     seen: set[tuple[int, int]] = set()
+    files: list[str] = []
+    unreadable: list[Unreadable] = []
     pending: list[str] = []
     links: list[str] = []
     for path in paths:
@@ -70,13 +72,11 @@ def iter_log_files(paths: Sequence[Path]) -> Iterator[tuple[str, str | None]]:
         try:
             info = os.stat(full)
         except OSError as err:
-            yield full, f"cannot stat: {err.strerror or err}"
+            unreadable.append(Unreadable(full, f"cannot stat: {err.strerror or err}"))
             continue
         key = (info.st_dev, info.st_ino)
         if key in seen or not os.path.isfile(full):
             continue
         seen.add(key)
-        yield full, None
-
-
-__all__ = ["NOT_LOGS", "Unreadable", "iter_log_files", "not_a_log", "rank_from_path"]
+        files.append(full)
+    return files, unreadable

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pretuner.logscan.files import rank_from_path
 from pretuner.logscan.lines import ANCHORS, Located, LogEvent, locate_line
-from pretuner.logscan.scanner import MAX_HIT_LINE_BYTES, rank_from_path
+from pretuner.logscan.search import MAX_HIT_LINE_BYTES
 
 READ_BYTES = 4 * 2**20  # at most this much is read per poll: memory stays bounded
 MAX_PENDING_BYTES = 2**20  # a partial line longer than this is dropped (kept: its head)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from pretuner.logscan.events import (
     AvailableKvMemory,
@@ -119,70 +121,16 @@ _INIT_KEYS: tuple[tuple[str, str], ...] = (
 )
 _RESERVED = re.compile(r"Reserved (?:MOC|HBM) size for Other Components[^:]{0,40}:(\d+)([MG])")
 
-_STAT = re.compile(
-    r"(Device (?:MOC|HBM) memory size|MindSpore Used memory size"
-    r"|Used peak memory usage \(without fragments\)|Actual peak memory usage \(with fragments\))"
-    r"\s?:\s?(\d+)M"
-)
 _STAT_KINDS = {
     "Device": MemoryStatKind.DEVICE,
     "MindSpore": MemoryStatKind.MINDSPORE_USED,
     "Used": MemoryStatKind.USED_PEAK,
     "Actual": MemoryStatKind.ACTUAL_PEAK,
 }
-
-_ALLOC_FAILED = re.compile(
-    r"[Mm]emory isn't enough and alloc failed(?: in output actor)?, kernel name: ?(.{0,400}?),"
-    r" alloc size: ?(\d+)B"
-)
-_OUT_OF_MEMORY = re.compile(r"Out of Memory!!! Request memory size: ?(\d+)B")
-_NOT_ENOUGH = re.compile(
-    r"Memory not enough: (?:current free memory size|alloc size)\[(\d+)\]"
-    r" is smaller than required size\[(\d+)\]"
-)
-_MAX_DEVICE_MEMORY = re.compile(
-    r"max_device_memory should be in range \(0-(" + _NUM + r")\]MB, but got (" + _NUM + r")MB"
-)
 _FREE_DEVICE = re.compile(r"Free Device Memory Size is (" + _NUM + r") ?GB")
-_TORCH_OOM = re.compile(
-    r"(?:NPU|CUDA|XPU|HPU) out of memory\. Tried to allocate (" + _NUM + r") ?(GiB|MiB|KiB|B)"
-)
-_SEQ_TOO_LONG = re.compile(
-    r"max seq len \((\d+)\) is larger than the maximum number of tokens that can be stored"
-    r" in KV cache \((\d+)\)"
-)
 _MAX_SEQ_LEN = re.compile(r"max seq len \((\d+)\)")
-_ESTIMATED = re.compile(r"estimated maximum model length is (\d+)")
-
-_MODEL_LOADING = re.compile(
-    r"Model loading took (" + _NUM + r") ?(GiB|GB)(?: memory)?(?: and (" + _NUM + r") ?s)?"
-)
-_WEIGHTS_LOADING = re.compile(r"Loading model weights took (" + _NUM + r") ?(GiB|GB)")
-_AVAILABLE_KV = re.compile(r"Available KV cache memory: (" + _NUM + r") ?GiB")
-_AVAILABLE_MEMORY = re.compile(r"Available memory: (-?\d+), total memory: (\d+)")
-_KV_SIZE = re.compile(r" KV cache size: ([\d,]+) tokens")
 _CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: (" + _NUM + r")x")
-_KV_RESERVED = re.compile(r"reserved for KV Cache is (" + _NUM + r") ?GiB")
-_IGNORED = re.compile(
-    r"Input prompt \((\d+) tokens\) is too long and exceeds (?:the capacity of block_manager"
-    r"|limit of (\d+))"
-)
-_BLOCKS = re.compile(r"# (?:GPU|NPU|npu|gpu) blocks: (\d+), # CPU blocks: (\d+)")
-
-_CPU_ALLOC = re.compile(r"you tried to allocate (\d+) bytes")
-_KV_PINNED = re.compile(
-    r"Initial free memory (" + _NUM + r") ?GiB, reserved (" + _NUM + r") ?GiB memory for KV Cache"
-)
-_CPU_SET = re.compile(r"(Auto|Explicitly) set \((" + _NUM + r")/(" + _NUM + r")\) GiB for KV cache")
 _CPU_NON_KV = re.compile(r"(" + _NUM + r") GiB memory was consumed by non-kv usages")
-_GRAPHS = re.compile(r"Graph capturing finished in \d+ secs?, took (" + _NUM + r") ?GiB")
-_BATCHED = re.compile(r"max_num_batched_tokens=(\d+)")
-_ENCODER = re.compile(r"Encoder cache will be initialized with a budget of (\d+) tokens, and "
-                      r"profiled with (\d+) \w+ items")
-_REFUSED = re.compile(
-    r"\((" + _NUM + r")/(" + _NUM + r") GiB\) on startup is less than desired (?:GPU|CPU) memory "
-    r"utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)"
-)
 _ARG_KV_BYTES = re.compile(r"'kv_cache_memory_bytes': (\d+)")
 _MAX_LEN = re.compile(r"(?:'max_model_len': |Using max model len )(\d+)")
 _TP = re.compile(r"tensor_parallel_size=(\d+)")
@@ -191,6 +139,7 @@ _KILLED = re.compile(r"Failed core proc\(s\): \{[^}]*: -(\d+)\}")  # -9: the OOM
 _NEW_REQUESTS = "scheduled_new_reqs=[NewRequestData("  # the dumped step was a prefill
 
 _UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+T = TypeVar("T")
 
 
 def _text(line: bytes | str) -> str:
@@ -221,20 +170,15 @@ def _float(digits: str) -> float:
 
 def parse_origin(line: bytes | str) -> Origin:
     """The writer of a line: MindSpore's `(pid,tid,...)` prefix or vLLM's process tag."""
+    head = _text(line[:512])
     try:
-        return _origin(_text(line[:512]))
+        if tag := _VLLM_TAG.search(head):
+            rank = tag.group(1) or tag.group(2)
+            return Origin(pid=_int(tag.group(3)), rank=_int(rank) if rank else None)
+        if ms := _MS_PREFIX.search(head):
+            return Origin(pid=_int(ms.group(1)), rank=None)
     except ValueError:  # a pid of hundreds of digits: no writer known
-        return Origin(pid=None, rank=None)
-
-
-def _origin(head: str) -> Origin:
-    tag = _VLLM_TAG.search(head)
-    if tag:
-        rank = tag.group(1) or tag.group(2)
-        return Origin(pid=_int(tag.group(3)), rank=_int(rank) if rank else None)
-    ms = _MS_PREFIX.search(head)
-    if ms:
-        return Origin(pid=_int(ms.group(1)), rank=None)
+        pass
     return Origin(pid=None, rank=None)
 
 
@@ -277,29 +221,22 @@ def parse_line(line: bytes | str) -> LogEvent | None:
 
 
 def _parse(text: str) -> LogEvent | None:
-    oom = _oom(text)  # first: an OOM report may quote the pool statistics
-    if oom is not None:
-        return oom
-    if "actual peak used" in text or SUMMARY_START in text:
-        return parse_pool_dump(text)
-    if HEADER_TEXT in text:
-        return parse_pool_header(text)
-    if " Size:" in text and ("Device MOC Size" in text or "Device HBM Size" in text):
-        return _device_init(text)
-    stat = _STAT.search(text)
-    if stat:
-        return MemoryStat(_STAT_KINDS[stat.group(1).split(" ", 1)[0]], _int(stat.group(2)))
-    return _vllm(text)
+    for pattern, make in _PARSERS:  # the first pattern found decides, even if its maker says None
+        if (found := pattern.search(text)) is not None:
+            return make(found)
+    return None
 
 
 def _device_init(text: str) -> DeviceMemoryInit | None:
+    if " Size:" not in text:
+        return None
     kind = "MOC" if "Device MOC Size" in text else "HBM"
     figures: dict[str, int] = {}
     for match in _INIT_PAIR.finditer(text):
         key = match.group(1).strip().lower().replace(kind.lower(), "x")
         for suffix, name in _INIT_KEYS:
             if key.endswith(suffix) and name not in figures:
-                figures[name] = _int(match.group(2)) * (1024 if match.group(3) == "G" else 1)
+                figures[name] = _mib(match.group(2), match.group(3))
                 break
     reserved = _RESERVED.search(text)
     if "device" not in figures:
@@ -308,144 +245,130 @@ def _device_init(text: str) -> DeviceMemoryInit | None:
         memory_kind=kind,
         device_mib=figures.get("device"),
         device_free_mib=figures.get("device_free"),
-        reserved_other_mib=(
-            _int(reserved.group(1)) * (1024 if reserved.group(2) == "G" else 1)
-            if reserved
-            else None
-        ),
+        reserved_other_mib=_mib(reserved.group(1), reserved.group(2)) if reserved else None,
         user_define_mib=figures.get("user_define"),
         mindspore_used_mib=figures.get("mindspore_used"),
     )
 
 
-def _oom(text: str) -> OomEvent | None:
-    found = _ALLOC_FAILED.search(text)
-    if found:
-        return OomEvent(
-            OomKind.DEVICE_OOM,
-            found.group(0),
-            alloc_bytes=_int(found.group(2)),
-            kernel=found.group(1).strip() or None,
-        )
-    found = _OUT_OF_MEMORY.search(text)
-    if found:
-        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=_int(found.group(1)))
-    found = _NOT_ENOUGH.search(text)
-    if found:
-        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=_int(found.group(2)))
-    found = _TORCH_OOM.search(text)
-    if found:
-        size = _float(found.group(1)) * _UNIT_BYTES[found.group(2)]
-        return OomEvent(OomKind.DEVICE_OOM, found.group(0), alloc_bytes=int(size))
-    found = _CPU_ALLOC.search(text)
-    if found:
-        start = text.find("DefaultCPUAllocator")
-        return OomEvent(OomKind.DEVICE_OOM, text[start:] if start >= 0 else found.group(0),
-                        alloc_bytes=_int(found.group(1)))
-    found = _MAX_DEVICE_MEMORY.search(text)
-    if found:
-        free = _FREE_DEVICE.search(text)
-        return OomEvent(
-            OomKind.MAX_DEVICE_MEMORY_RANGE,
-            text[free.start() if free else found.start() : found.end()],
-            free_device_gib=_float(free.group(1)) if free else None,
-            max_device_memory_limit_mib=_float(found.group(1)),
-            max_device_memory_requested_mib=_float(found.group(2)),
-        )
-    if "No available memory for the cache blocks" in text:
-        start = text.find("No available memory")
-        return OomEvent(OomKind.KV_BLOCKS_EXHAUSTED, text[start:].strip())
-    found = _SEQ_TOO_LONG.search(text)
-    if found:
-        return OomEvent(
-            OomKind.MAX_MODEL_LEN_TOO_LARGE,
-            found.group(0),
-            max_model_len=_int(found.group(1)),
-            kv_cache_tokens=_int(found.group(2)),
-        )
-    found = _ESTIMATED.search(text)
-    if found:
-        seq = _MAX_SEQ_LEN.search(text)
-        start = seq.start() if seq else found.start()
-        return OomEvent(
-            OomKind.MAX_MODEL_LEN_TOO_LARGE,
-            text[start : found.end()],
-            max_model_len=_int(seq.group(1)) if seq else None,
-            estimated_max_model_len=_int(found.group(1)),
-        )
-    return None
+def _mib(digits: str, unit: str) -> int:
+    return _int(digits) * (1024 if unit == "G" else 1)
 
 
-def _vllm(text: str) -> LogEvent | None:
-    if "Starting to load model" in text:
-        return LoadingStarted()
-    found = _MODEL_LOADING.search(text)
-    if found:
-        return ModelLoaded(_float(found.group(1)),
-                           _float(found.group(3)) if found.group(3) else None)
-    found = _WEIGHTS_LOADING.search(text)
-    if found:
-        return ModelLoaded(_float(found.group(1)), None)
-    found = _AVAILABLE_KV.search(text)
-    if found:
-        return AvailableKvMemory(_float(found.group(1)))
-    found = _AVAILABLE_MEMORY.search(text)
-    if found:
-        return AvailableMemory(max(0, _int(found.group(1))), _int(found.group(2)))
-    found = _KV_SIZE.search(text)
-    concurrency = _CONCURRENCY.search(text)
-    at = (MaxConcurrency(_int(concurrency.group(1)), _float(concurrency.group(2)))
-          if concurrency else None)
-    if found:
-        return KvCacheSize(_int(found.group(1)), at)
-    if at is not None:
-        return at
-    found = _KV_RESERVED.search(text)
-    if found:
-        return KvReserved(_float(found.group(1)))
-    found = _BLOCKS.search(text)
-    if found:
-        return BlockCounts(_int(found.group(1)), _int(found.group(2)))
-    found = _IGNORED.search(text)
-    if found:
-        return PromptIgnored(_int(found.group(1)), _int(found.group(2)) if found.group(2) else None)
-    return _v1(text)
+def _max_device_memory(found: re.Match[str]) -> OomEvent:
+    free = _FREE_DEVICE.search(found.string)
+    return OomEvent(
+        OomKind.MAX_DEVICE_MEMORY_RANGE,
+        found.string[free.start() if free else found.start() : found.end()],
+        free_device_gib=_float(free.group(1)) if free else None,
+        max_device_memory_limit_mib=_float(found.group(1)),
+        max_device_memory_requested_mib=_float(found.group(2)),
+    )
 
 
-def _v1(text: str) -> LogEvent | None:
-    """The lines of V1 engines beyond their KV cache size: pinned or CPU KV, layout, arguments,
-    readiness and death."""
-    if (found := _KV_PINNED.search(text)) is not None:
-        return KvPinned(_float(found.group(1)), _float(found.group(2)))
-    if (found := _CPU_SET.search(text)) is not None:
-        non_kv = _CPU_NON_KV.search(text)
-        return CpuKvSet(found.group(1) == "Explicitly", _float(found.group(2)),
-                        _float(found.group(3)), _float(non_kv.group(1)) if non_kv else None)
-    if (found := _GRAPHS.search(text)) is not None:
-        return GraphsCaptured(_float(found.group(1)))
-    if "Chunked prefill is enabled" in text and (found := _BATCHED.search(text)) is not None:
-        return ChunkedPrefill(_int(found.group(1)))
-    if (found := _ENCODER.search(text)) is not None:
-        return EncoderBudget(_int(found.group(1)), _int(found.group(2)))
-    if (found := _REFUSED.search(text)) is not None:
-        return DeviceRefused(*(_float(found.group(i)) for i in range(1, 5)))
-    if "Initializing a V1 LLM engine" in text:
-        tp, pp = _TP.search(text), _PP.search(text)
-        return V1EngineConfig(_int(tp.group(1)) if tp else None, _int(pp.group(1)) if pp else None)
-    pinned, length = _ARG_KV_BYTES.search(text), _MAX_LEN.search(text)
-    if pinned or length:
-        return EngineArgs(_int(pinned.group(1)) if pinned else None,
-                          _int(length.group(1)) if length else None)
-    if any(marker in text for marker in _START_FAILED):
-        killed = _KILLED.search(text)
-        return EngineStartFailed(_int(killed.group(1)) if killed else None)
-    if _DEAD in text:
-        return EngineDied()
-    if _SCHEDULER_DUMP in text:
-        return SchedulerDump(_NEW_REQUESTS in text)
-    if any(marker in text for marker in _READY):
-        return ServerReady()
-    return None
+def _estimated(found: re.Match[str]) -> OomEvent:
+    seq = _MAX_SEQ_LEN.search(found.string)
+    return OomEvent(
+        OomKind.MAX_MODEL_LEN_TOO_LARGE,
+        found.string[seq.start() if seq else found.start() : found.end()],
+        max_model_len=_int(seq.group(1)) if seq else None,
+        estimated_max_model_len=_int(found.group(1)),
+    )
+
+
+def _from(text: str, marker: str, otherwise: str) -> str:
+    """The text from `marker` on, `otherwise` without it."""
+    start = text.find(marker)
+    return text[start:] if start >= 0 else otherwise
+
+
+def _concurrency(text: str) -> MaxConcurrency | None:
+    found = _CONCURRENCY.search(text)
+    return MaxConcurrency(_int(found.group(1)), _float(found.group(2))) if found else None
+
+
+def _opt(found: re.Match[str] | None, read: Callable[[str], T]) -> T | None:
+    return read(found.group(1)) if found else None
+
+
+_DEVICE_OOM = OomKind.DEVICE_OOM
+# In order: an OOM report first (it may quote the pool statistics), then MindSpore's pool and
+# device lines, vLLM's (V0 and V1) KV figures, and the V1 engines' layout, arguments and fate.
+_TABLE: tuple[tuple[str, Callable[[re.Match[str]], LogEvent | None]], ...] = (
+    (r"[Mm]emory isn't enough and alloc failed(?: in output actor)?, kernel name: ?(.{0,400}?),"
+     r" alloc size: ?(\d+)B",
+     lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=_int(m[2]), kernel=m[1].strip() or None)),
+    (r"Out of Memory!!! Request memory size: ?(\d+)B",
+     lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=_int(m[1]))),
+    (r"Memory not enough: (?:current free memory size|alloc size)\[(\d+)\]"
+     r" is smaller than required size\[(\d+)\]",
+     lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=_int(m[2]))),
+    (r"(?:NPU|CUDA|XPU|HPU) out of memory\. Tried to allocate (" + _NUM + r") ?(GiB|MiB|KiB|B)",
+     lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=int(_float(m[1]) * _UNIT_BYTES[m[2]]))),
+    (r"you tried to allocate (\d+) bytes",  # vLLM on CPU: DefaultCPUAllocator
+     lambda m: OomEvent(_DEVICE_OOM, _from(m.string, "DefaultCPUAllocator", m[0]),
+                        alloc_bytes=_int(m[1]))),
+    (r"max_device_memory should be in range \(0-(" + _NUM + r")\]MB, but got (" + _NUM + r")MB",
+     _max_device_memory),
+    (r"No available memory for the cache blocks",
+     lambda m: OomEvent(OomKind.KV_BLOCKS_EXHAUSTED,
+                        _from(m.string, "No available memory", "").strip())),
+    (r"max seq len \((\d+)\) is larger than the maximum number of tokens that can be stored"
+     r" in KV cache \((\d+)\)",
+     lambda m: OomEvent(OomKind.MAX_MODEL_LEN_TOO_LARGE, m[0], max_model_len=_int(m[1]),
+                        kv_cache_tokens=_int(m[2]))),
+    (r"estimated maximum model length is (\d+)", _estimated),
+    (f"actual peak used|{SUMMARY_START}", lambda m: parse_pool_dump(m.string)),
+    (HEADER_TEXT, lambda m: parse_pool_header(m.string)),
+    (r"Device (?:MOC|HBM) Size", lambda m: _device_init(m.string)),
+    (r"(Device (?:MOC|HBM) memory size|MindSpore Used memory size"
+     r"|Used peak memory usage \(without fragments\)|Actual peak memory usage \(with fragments\))"
+     r"\s?:\s?(\d+)M", lambda m: MemoryStat(_STAT_KINDS[m[1].split(" ", 1)[0]], _int(m[2]))),
+    # vLLM (V0 and V1), vllm-ascend ("GB" are GiB)
+    (r"Starting to load model", lambda m: LoadingStarted()),
+    (r"Model loading took (" + _NUM + r") ?(GiB|GB)(?: memory)?(?: and (" + _NUM + r") ?s)?",
+     lambda m: ModelLoaded(_float(m[1]), _float(m[3]) if m[3] else None)),
+    (r"Loading model weights took (" + _NUM + r") ?(GiB|GB)",
+     lambda m: ModelLoaded(_float(m[1]), None)),
+    (r"Available KV cache memory: (" + _NUM + r") ?GiB",
+     lambda m: AvailableKvMemory(_float(m[1]))),
+    (r"Available memory: (-?\d+), total memory: (\d+)",  # vllm-ascend <= 0.13
+     lambda m: AvailableMemory(max(0, _int(m[1])), _int(m[2]))),
+    (r" KV cache size: ([\d,]+) tokens",
+     lambda m: KvCacheSize(_int(m[1]), _concurrency(m.string))),
+    (_CONCURRENCY.pattern, lambda m: _concurrency(m.string)),
+    (r"reserved for KV Cache is (" + _NUM + r") ?GiB", lambda m: KvReserved(_float(m[1]))),
+    (r"# (?:GPU|NPU|npu|gpu) blocks: (\d+), # CPU blocks: (\d+)",
+     lambda m: BlockCounts(_int(m[1]), _int(m[2]))),
+    (r"Input prompt \((\d+) tokens\) is too long and exceeds (?:the capacity of block_manager"
+     r"|limit of (\d+))", lambda m: PromptIgnored(_int(m[1]), _int(m[2]) if m[2] else None)),
+    # V1 engines beyond their KV cache size: pinned or CPU KV, layout, arguments, readiness, death
+    (r"Initial free memory (" + _NUM + r") ?GiB, reserved (" + _NUM + r") ?GiB memory for KV Cache",
+     lambda m: KvPinned(_float(m[1]), _float(m[2]))),
+    (r"(Auto|Explicitly) set \((" + _NUM + r")/(" + _NUM + r")\) GiB for KV cache",
+     lambda m: CpuKvSet(m[1] == "Explicitly", _float(m[2]), _float(m[3]),
+                        _opt(_CPU_NON_KV.search(m.string), _float))),
+    (r"Graph capturing finished in \d+ secs?, took (" + _NUM + r") ?GiB",
+     lambda m: GraphsCaptured(_float(m[1]))),
+    (r"Chunked prefill is enabled.*?max_num_batched_tokens=(\d+)",
+     lambda m: ChunkedPrefill(_int(m[1]))),
+    (r"Encoder cache will be initialized with a budget of (\d+) tokens, and "
+     r"profiled with (\d+) \w+ items", lambda m: EncoderBudget(_int(m[1]), _int(m[2]))),
+    (r"\((" + _NUM + r")/(" + _NUM + r") GiB\) on startup is less than desired (?:GPU|CPU) "
+     r"memory utilization \((" + _NUM + r"), (" + _NUM + r") GiB\)",
+     lambda m: DeviceRefused(*(_float(m[i]) for i in range(1, 5)))),
+    (r"Initializing a V1 LLM engine",
+     lambda m: V1EngineConfig(_opt(_TP.search(m.string), _int), _opt(_PP.search(m.string), _int))),
+    (f"{_ARG_KV_BYTES.pattern}|{_MAX_LEN.pattern}",
+     lambda m: EngineArgs(_opt(_ARG_KV_BYTES.search(m.string), _int),
+                          _opt(_MAX_LEN.search(m.string), _int))),
+    ("|".join(_START_FAILED),
+     lambda m: EngineStartFailed(_opt(_KILLED.search(m.string), _int))),
+    (_DEAD, lambda m: EngineDied()),
+    (_SCHEDULER_DUMP, lambda m: SchedulerDump(_NEW_REQUESTS in m.string)),
+    ("|".join(_READY), lambda m: ServerReady()),
+)
+_PARSERS = tuple((re.compile(pattern), make) for pattern, make in _TABLE)
 
 
 __all__ = [  # what the rest of pretuner takes from here; the events are in `events`

@@ -37,11 +37,6 @@ class PoolDump:
     in_use_mib: float | None
     alloc_mib: float | None
     idle_mib: float | None
-    used_by_event_mib: float | None
-    eager_free_mib: float | None
-    weight_mib: float | None
-    constant_mib: float | None
-    kernel_output_mib: float | None
     other_mib: float | None
     pool_name: str | None
     format: PoolFormat
@@ -50,15 +45,11 @@ class PoolDump:
 
 @dataclass(frozen=True, slots=True)
 class PartialPoolDump:
-    """A summary line cut before its `actual peak used` figure: that peak is unknown.
-
-    `peak_used_mib` is the `peak used mem` figure when it was printed before the cut; the
-    actual peak (with fragments) is at least that much.
-    """
+    """A summary line cut before its `actual peak used` figure: that peak is unknown."""
 
     format: PoolFormat
     pool_name: str | None
-    peak_used_mib: float | None
+    peak_used_mib: float | None  # `peak used mem` if printed before the cut: the peak is more
     profiled: bool
 
 
@@ -81,11 +72,6 @@ _POOL_KEYS: tuple[tuple[str, str], ...] = (
     ("total allocated mem", "alloc"),
     ("alloc mem", "alloc"),
     ("idle mem", "idle"),
-    ("used by event mem", "used_by_event"),
-    ("eager free mem", "eager_free"),
-    ("weight used size", "weight"),
-    ("constant value used size", "constant"),
-    ("kernel output used size", "kernel_output"),
     ("other used size", "other"),
 )
 _POOL_NAME = re.compile(r"memory pool\[([^\]]{1,80})\]")
@@ -140,11 +126,6 @@ def parse_pool_dump(text: str) -> PoolDump | PartialPoolDump | None:
         in_use_mib=figures.get("in_use"),
         alloc_mib=figures.get("alloc"),
         idle_mib=figures.get("idle"),
-        used_by_event_mib=figures.get("used_by_event"),
-        eager_free_mib=figures.get("eager_free"),
-        weight_mib=figures.get("weight"),
-        constant_mib=figures.get("constant"),
-        kernel_output_mib=figures.get("kernel_output"),
         other_mib=figures.get("other"),
         pool_name=name.group(1) if name else None,
         format=fmt,

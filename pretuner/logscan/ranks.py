@@ -91,6 +91,3 @@ def _latest(a: _T | None, b: _T | None) -> _T | None:
     if a is None or b is None:
         return a if b is None else b
     return a if a[0] >= b[0] else b
-
-
-__all__ = ["RankAcc", "Where"]

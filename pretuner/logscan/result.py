@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
@@ -84,8 +84,6 @@ class RankSummary:
     rank: int | None
     pid: int | None
     actual_peak_mib: int | None  # the largest pool dump of this rank
-    file: str
-    line: int  # where that largest dump is (else its cut dump, else its first event)
     peak_used_mib: float | None
     in_use_mib: float | None
     alloc_mib: float | None
@@ -94,7 +92,9 @@ class RankSummary:
     user_define_mib: int | None
     deinit_actual_peak_mib: int | None
     oom_count: int
-    truncated_dumps: int = 0  # dumps cut short: with no complete one, the peak is unknown
+    truncated_dumps: int  # dumps cut short: with no complete one, the peak is unknown
+    file: str
+    line: int  # where that largest dump is (else its cut dump, else its first event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,6 @@ class ScanResult:
 
     files: tuple[str, ...]
     ranks: tuple[RankSummary, ...]
-    worst: RankSummary | None
     oom: tuple[OomRecord, ...]
     card_mib: int | None
     kv_cache_tokens: int | None  # the smallest figure reported
@@ -123,8 +122,10 @@ class ScanResult:
     prompts_ignored_omitted: int = 0
 
     @property
-    def found_anything(self) -> bool:
-        return self.events > 0
+    def worst(self) -> RankSummary | None:
+        """The rank with the largest complete pool dump (the first of equals)."""
+        with_peak = [r for r in self.ranks if r.actual_peak_mib is not None]
+        return max(with_peak, key=lambda r: r.actual_peak_mib or 0) if with_peak else None
 
     @property
     def oom_total(self) -> int:
@@ -142,7 +143,7 @@ class ScanResult:
         """The `pretuner scan --json` document."""
         doc: dict[str, Any] = {
             "files": list(self.files),
-            "ranks": [_rank_json(r) for r in self.ranks],
+            "ranks": [asdict(r) for r in self.ranks],
             "worst_actual_peak_mib": self.worst.actual_peak_mib if self.worst else None,
             "worst_rank": self.worst.rank if self.worst else None,
             "worst_pid": self.worst.pid if self.worst else None,
@@ -195,35 +196,3 @@ def truncated_json(t: TruncatedRecord) -> dict[str, Any]:
         "peak_used_mib": t.peak_used_mib,
         "message": t.describe(),
     }
-
-
-def _rank_json(rank: RankSummary) -> dict[str, Any]:
-    return {
-        "rank": rank.rank,
-        "pid": rank.pid,
-        "actual_peak_mib": rank.actual_peak_mib,
-        "peak_used_mib": rank.peak_used_mib,
-        "in_use_mib": rank.in_use_mib,
-        "alloc_mib": rank.alloc_mib,
-        "dumps": rank.dumps,
-        "card_mib": rank.card_mib,
-        "user_define_mib": rank.user_define_mib,
-        "deinit_actual_peak_mib": rank.deinit_actual_peak_mib,
-        "oom_count": rank.oom_count,
-        "truncated_dumps": rank.truncated_dumps,
-        "file": rank.file,
-        "line": rank.line,
-    }
-
-
-__all__ = [
-    "MAX_EXAMPLES",
-    "OomPhase",
-    "OomRecord",
-    "RankSummary",
-    "ScanResult",
-    "TruncatedRecord",
-    "Truncation",
-    "truncated_json",
-    "writer",
-]

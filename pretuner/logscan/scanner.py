@@ -22,11 +22,11 @@ import zlib
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from pretuner.logscan.files import Unreadable, iter_log_files, rank_from_path
+from pretuner.logscan.files import rank_from_path
 from pretuner.logscan.lines import Located, locate_line
-from pretuner.logscan.search import MAX_HIT_LINE_BYTES, find_anchor_lines, hit_bytes
+from pretuner.logscan.search import find_anchor_lines, hit_bytes
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -65,18 +65,6 @@ ScanItem = Located | FileStart | FileDone
 
 
 @dataclass(frozen=True, slots=True)
-class FileScan:
-    """Everything found in one file (`scan_files`: every event held in memory)."""
-
-    file: str
-    rank: int | None  # from a rank_<N> folder or file name
-    events: tuple[Located, ...]
-    lines: int
-    bytes_read: int
-    error: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class _Job:
     """[start, end) of a plain file (both ends line boundaries), or a whole gzip stream."""
 
@@ -86,24 +74,13 @@ class _Job:
     gzip: bool
 
 
-class _Status(Protocol):
-    @property
-    def newlines(self) -> int: ...
-    @property
-    def bytes_read(self) -> int: ...
-    @property
-    def error(self) -> str | None: ...
-
-
+@dataclass(slots=True)
 class _Progress:
     """How far a job got: filled in while its hits are read."""
 
-    __slots__ = ("bytes_read", "error", "newlines")
-
-    def __init__(self) -> None:
-        self.newlines = 0
-        self.bytes_read = 0
-        self.error: str | None = None
+    newlines: int = 0
+    bytes_read: int = 0
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +89,7 @@ class _SegmentHits:
 
     lines: tuple[tuple[int, bytes], ...]  # (line index from segment start, 0-based; bytes)
     spool: str | None
-    newlines: int
-    bytes_read: int
-    error: str | None
+    progress: _Progress
 
 
 def _batches(job: _Job, progress: _Progress) -> Iterator[list[tuple[int, bytes]]]:
@@ -219,7 +194,7 @@ def _scan_job(job: _Job, spool_dir: str) -> _SegmentHits:
     finally:
         if out is not None:
             out.close()
-    return _SegmentHits(tuple(kept), spool, progress.newlines, progress.bytes_read, progress.error)
+    return _SegmentHits(tuple(kept), spool, progress)
 
 
 def _read_hits(result: _SegmentHits) -> Iterator[tuple[int, bytes]]:
@@ -246,23 +221,13 @@ def _is_gzip(path: str) -> bool:
 def _split_points(path: str, size: int, parts: int) -> list[int]:
     """Cut a file into `parts` ranges whose ends are line starts."""
     points = [0]
-    with open(path, "rb") as handle:
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         for k in range(1, parts):
             target = size * k // parts
-            handle.seek(target - 1)
-            at = target - 1
-            cut = size
-            while at < size and at - target < WINDOW_BYTES:
-                block = handle.read(65536)
-                if not block:
-                    break
-                nl = block.find(b"\n")
-                if nl >= 0:
-                    cut = at + nl + 1
-                    break
-                at += len(block)
+            newline = mm.find(b"\n", target - 1, min(size, target + WINDOW_BYTES))
+            cut = newline + 1 if newline >= 0 else size  # a line longer than a window: no cut
             if cut > points[-1]:
-                points.append(min(cut, size))
+                points.append(cut)
     points.append(size)
     return sorted(set(points))
 
@@ -310,25 +275,25 @@ def iter_scan(files: Sequence[str], *, workers: int | None = None) -> Iterator[S
         queue = iter([job for _, jobs in plan for job in jobs])
         pending: deque[Future[_SegmentHits]] = deque()
 
-        def results(count: int) -> Iterator[tuple[Iterable[tuple[int, bytes]], _Status]]:
+        def results(count: int) -> Iterator[tuple[Iterable[tuple[int, bytes]], _Progress]]:
             # Results are read in submission order; two per worker are in flight at most.
             for _ in range(count):
                 while len(pending) < 2 * cpus and (job := next(queue, None)) is not None:
                     pending.append(pool.submit(_scan_job, job, spool_dir))
                 result = pending.popleft().result()
-                yield _read_hits(result), result
+                yield _read_hits(result), result.progress
 
         for file, jobs in plan:
             yield from _file_items(file, results(len(jobs)))
 
 
-def _in_process(job: _Job) -> tuple[Iterable[tuple[int, bytes]], _Status]:
+def _in_process(job: _Job) -> tuple[Iterable[tuple[int, bytes]], _Progress]:
     progress = _Progress()
     return (hit for batch in _batches(job, progress) for hit in batch), progress
 
 
 def _file_items(
-    file: str, parts: Iterable[tuple[Iterable[tuple[int, bytes]], _Status]]
+    file: str, parts: Iterable[tuple[Iterable[tuple[int, bytes]], _Progress]]
 ) -> Iterator[ScanItem]:
     """One file's items; each part's status is complete once its hits have been read."""
     rank = rank_from_path(file)
@@ -344,35 +309,3 @@ def _file_items(
         if status.error:
             errors.append(status.error)
     yield FileDone(file, rank, line_base - 1, bytes_read, "; ".join(errors) or None)
-
-
-def scan_files(files: Sequence[str], *, workers: int | None = None) -> list[FileScan]:
-    """Every event of each file, held in memory: for tests and small inputs (see `iter_scan`)."""
-    scans: list[FileScan] = []
-    events: list[Located] = []
-    for item in iter_scan(files, workers=workers):
-        if isinstance(item, Located):
-            events.append(item)
-        elif isinstance(item, FileDone):
-            scans.append(
-                FileScan(
-                    item.file, item.rank, tuple(events), item.lines, item.bytes_read, item.error
-                )
-            )
-            events = []
-    return scans
-
-
-__all__ = [
-    "MAX_HIT_LINE_BYTES",
-    "WINDOW_BYTES",
-    "FileDone",
-    "FileScan",
-    "FileStart",
-    "ScanItem",
-    "Unreadable",
-    "iter_log_files",
-    "iter_scan",
-    "rank_from_path",
-    "scan_files",
-]

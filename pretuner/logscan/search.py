@@ -212,6 +212,3 @@ def hit_bytes(
     head = bytes(buf[line_start : line_start + 512])
     lo = max(line_start + 512, hit - MAX_HIT_LINE_BYTES // 4)
     return head + b" ... " + bytes(buf[lo : min(line_end, hit + MAX_HIT_LINE_BYTES // 2)])
-
-
-__all__ = ["MAX_HIT_LINE_BYTES", "find_anchor_lines", "hit_bytes"]

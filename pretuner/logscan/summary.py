@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -24,6 +24,7 @@ from pretuner.logscan.events import (
     KvReserved,
     LoadingStarted,
     Located,
+    LogEvent,
     MaxConcurrency,
     MemoryStat,
     MemoryStatKind,
@@ -39,14 +40,11 @@ from pretuner.logscan.result import (
     MAX_EXAMPLES,
     OomPhase,
     OomRecord,
-    RankSummary,
     ScanResult,
     TruncatedRecord,
     Truncation,
-    truncated_json,
-    writer,
 )
-from pretuner.logscan.scanner import FileDone, FileScan, FileStart, ScanItem
+from pretuner.logscan.scanner import FileDone, FileStart, ScanItem
 
 N = TypeVar("N", int, float)
 
@@ -107,13 +105,10 @@ class Summariser:
             if isinstance(item, Located):
                 self.add(item)
             elif isinstance(item, FileStart):
-                self.start_file(item.file, item.rank)
+                self._file = _FileState(item.file, item.rank)
             else:
                 self.end_file(item)
         return self
-
-    def start_file(self, file: str, rank: int | None) -> None:
-        self._file = _FileState(file, rank)
 
     def add(self, ev: Located) -> None:
         state = self._file
@@ -166,18 +161,7 @@ class Summariser:
             acc.pids.add(pid)
         return acc
 
-    def _per_rank(
-        self,
-        state: _FileState,
-        ev: Located,
-        event: PoolDumpHeader
-        | PartialPoolDump
-        | PoolDump
-        | DeviceMemoryInit
-        | MemoryStat
-        | OomEvent,
-        pid: int | None,
-    ) -> None:
+    def _per_rank(self, state: _FileState, ev: Located, event: LogEvent, pid: int | None) -> None:
         acc = self._acc(ev, pid)
         now = self._seq
         if isinstance(event, PoolDumpHeader):
@@ -202,63 +186,43 @@ class Summariser:
                     acc.card_stat = (now, event.value_mib)
             elif event.stat is MemoryStatKind.ACTUAL_PEAK:
                 acc.deinit_peak_mib = max(acc.deinit_peak_mib or 0, event.value_mib)
-        else:
+        elif isinstance(event, OomEvent):
             self._oom(state, acc, ev, event, pid)
 
-    def _cut(
-        self,
-        state: _FileState,
-        acc: RankAcc,
-        how: Truncation,
-        ev: Located,
-        pid: int | None,
-        peak_used_mib: float | None,
-    ) -> None:
+    def _cut(self, state: _FileState, acc: RankAcc, how: Truncation, ev: Located,
+             pid: int | None, peak_used_mib: float | None) -> None:
         """Count a dump cut short; without a complete dump, it is where its rank is."""
         acc.truncated += 1
         acc.cut_at = (self._seq, ev.file, ev.line, pid)
         if len(state.cut) < MAX_EXAMPLES:
-            state.cut.append(
-                TruncatedRecord(how, ev.file, ev.line, pid, acc.rank, peak_used_mib, ev.text)
-            )
+            state.cut.append(TruncatedRecord(how, ev.file, ev.line, pid, acc.rank, peak_used_mib,
+                                             ev.text))
         else:
             state.cut_omitted += 1
 
-    def _oom(
-        self, state: _FileState, acc: RankAcc, ev: Located, event: OomEvent, pid: int | None
-    ) -> None:
-        dedup = (
-            pid,
-            event.kind,
-            event.alloc_bytes,
-            event.estimated_max_model_len,
-            event.kv_cache_tokens,
-        )
+    def _oom(self, state: _FileState, acc: RankAcc, ev: Located, event: OomEvent,
+             pid: int | None) -> None:
+        dedup = (pid, event.kind, event.alloc_bytes, event.estimated_max_model_len,
+                 event.kv_cache_tokens)
         phase = OomPhase.UNKNOWN
         if event.kind is OomKind.DEVICE_OOM:
             if event.kernel or state.loaded:
                 phase = OomPhase.ACTIVATION
             elif state.loading:
                 phase = OomPhase.WEIGHTS
+        record = OomRecord(event.kind, phase, ev.file, ev.line, pid, acc.rank, ev.text, event)
         index = state.oom_seen.get(dedup)
         if index is not None:  # one failure, echoed by several layers
             state.oom_seen.move_to_end(dedup)
             # Keep the first report, but take the kernel name of a later echo.
-            if (
-                index >= 0
-                and self.oom[index].phase is OomPhase.UNKNOWN
-                and phase is not OomPhase.UNKNOWN
-            ):
-                self.oom[index] = OomRecord(
-                    event.kind, phase, ev.file, ev.line, pid, acc.rank, ev.text, event
-                )
+            known = phase is not OomPhase.UNKNOWN
+            if index >= 0 and known and self.oom[index].phase is OomPhase.UNKNOWN:
+                self.oom[index] = record
             return
         acc.oom_count += 1
         if len(self.oom) < MAX_EXAMPLES:
             state.oom_seen[dedup] = len(self.oom)
-            self.oom.append(
-                OomRecord(event.kind, phase, ev.file, ev.line, pid, acc.rank, ev.text, event)
-            )
+            self.oom.append(record)
         else:
             state.oom_seen[dedup] = -1
             self.oom_omitted += 1
@@ -293,19 +257,12 @@ class Summariser:
                 accs[final].merge(acc)
             else:
                 accs[final] = dataclasses.replace(acc, rank=rank, pids=set(acc.pids))
-        ranks = tuple(
-            sorted(
-                (a.freeze() for a in accs.values()),
-                key=lambda r: (r.rank is None, r.rank or 0, r.pid or 0, r.file),
-            )
-        )
-        with_peak = [r for r in ranks if r.actual_peak_mib is not None]
-        worst = max(with_peak, key=lambda r: r.actual_peak_mib or 0) if with_peak else None
+        ranks = tuple(sorted((a.freeze() for a in accs.values()),
+                             key=lambda r: (r.rank is None, r.rank or 0, r.pid or 0, r.file)))
         cards = [r.card_mib for r in ranks if r.card_mib]
         return ScanResult(
             files=tuple(self.files),
             ranks=ranks,
-            worst=worst,
             oom=tuple(dataclasses.replace(o, rank=self._rank(o.rank, o.pid)) for o in self.oom),
             card_mib=max(cards) if cards else None,
             kv_cache_tokens=self.kv_tokens,
@@ -318,9 +275,8 @@ class Summariser:
             bytes_scanned=self.bytes_read,
             events=self.events,
             prompts_ignored=tuple(self.ignored),
-            truncated=tuple(
-                dataclasses.replace(t, rank=self._rank(t.rank, t.pid)) for t in self.truncated
-            ),
+            truncated=tuple(dataclasses.replace(t, rank=self._rank(t.rank, t.pid))
+                            for t in self.truncated),
             oom_omitted=self.oom_omitted,
             truncated_omitted=self.truncated_omitted,
             prompts_ignored_omitted=self.ignored_omitted,
@@ -334,30 +290,3 @@ class Summariser:
 def summarize_items(items: Iterable[ScanItem], unreadable: Iterable[Unreadable] = ()) -> ScanResult:
     """Summarise a stream of scan items (`scanner.iter_scan`)."""
     return Summariser().feed(items).result(unreadable)
-
-
-def summarize(scans: Sequence[FileScan], unreadable: Iterable[Unreadable] = ()) -> ScanResult:
-    """Summarise files whose events are already in memory (`scanner.scan_files`)."""
-    summariser = Summariser()
-    for scan in scans:
-        summariser.start_file(scan.file, scan.rank)
-        for ev in scan.events:
-            summariser.add(ev)
-        summariser.end_file(FileDone(scan.file, scan.rank, scan.lines, scan.bytes_read, scan.error))
-    return summariser.result(unreadable)
-
-
-__all__ = [
-    "Located",
-    "OomPhase",
-    "OomRecord",
-    "RankSummary",
-    "ScanResult",
-    "Summariser",
-    "TruncatedRecord",
-    "Truncation",
-    "summarize",
-    "summarize_items",
-    "truncated_json",
-    "writer",
-]

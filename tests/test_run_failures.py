@@ -189,7 +189,7 @@ def test_an_unfinished_launch_has_the_fields_of_a_finished_one() -> None:
 
 
 def _failure(err: InfeasibleError | ServerFailedError, steps: list[Step]) -> str:
-    meta = RunMeta(run_id="r1", backend="sim", simulated=True, card_source="given",
+    meta = RunMeta(run_id="r1", engine="sim", simulated=True, card_source="given",
                    model_arg="qwen3-8b")  # fmt: skip
     p = plan(PlanConfig(model=lookup("qwen3-8b"), card_gib=64))
     rep = failure_json(err, meta, p, steps, [{"decision": "layout", "reason": "TP1"}])

@@ -18,7 +18,7 @@ from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import InfeasibleError, NotValidatedError
 from pretuner.models import resolve
 from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes
-from pretuner.tune.v1.loop import Executor, V1Config, V1Result, V1Tuner
+from pretuner.tune.pinned.loop import Executor, V1Config, V1Result, V1Tuner
 from pretuner.units import GIB, MIB
 from tests.helpers import shared
 

@@ -166,6 +166,10 @@ class V1Engine:
         return self.row.name
 
     @property
+    def server(self) -> str:  # the report's engine
+        return self.row.name
+
+    @property
     def device(self) -> str:
         return self.row.device  # the emulated server stands in on an emulated CUDA card
 

@@ -99,6 +99,14 @@ class TunerCore:
         self.reserves: dict[int, float] = {}  # id(derivation) -> the reserve it kept, GiB
 
     # -- bookkeeping ------------------------------------------------------------------------
+    @property
+    def outcomes(self) -> list[LaunchOutcome]:
+        return self.state.outcomes
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        return self.state.decisions
+
     def decide(self, what: str, why: str, **data: Any) -> None:
         entry = {"decision": what, "reason": why, **data}
         self.state.decisions.append(entry)

@@ -3,12 +3,13 @@ report.md, and the files that start production.
 
 report.json is the record dumped as JSON; report.md and the startup files are rendered from the
 record alone, by one writer: what both methods share is written once, and a method adds its own
-sections (`tune.v1.report_sections` for the pinned KV) only where the methods really differ.
+sections (`tune.pinned.report_sections` for the pinned KV) only where the methods really differ.
 Every figure says its provenance: the record's `provenance` ("simulated" on an emulated engine,
 "measured" on a real one), "derived" from those, or "predicted".
 
 A run that fails (a `PretunerError`) leaves report.json and report.md too, with the reason, the
-fix, every launch and every decision; never the startup files.
+fix, every launch and every decision; never the startup files. A Ctrl-C writes none of this:
+that run stays resumable.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
 from pretuner.deploy.context import ScriptOptions
@@ -51,10 +52,13 @@ from pretuner.report.records import (
 )
 from pretuner.tune.asked import first_validation_seqs, given_up
 from pretuner.tune.budget import outside_pool_mib
-from pretuner.tune.loop import TuneResult
+from pretuner.tune.config import TuneResult
+from pretuner.tune.pinned.report_sections import pinned_sections, v1_files
 from pretuner.tune.record import RunRecord
-from pretuner.tune.v1.report_sections import pinned_sections, v1_files
 from pretuner.units import GIB
+
+if TYPE_CHECKING:
+    from pretuner.tune.setup import Method
 
 log = logging.getLogger(__name__)
 # The outcome of a launch that raised before it had one (the server died at start, hung...).
@@ -69,13 +73,13 @@ def provenance(simulated: bool) -> Provenance:
 
 @dataclass(frozen=True, slots=True)
 class RunMeta:
-    """What a report says about an r0.1 run besides the tuning: where and how it ran."""
+    """What a report says about a run besides the tuning: where and how it ran."""
 
     run_id: str
-    backend: str
+    engine: str  # the report's name: sim, vllm-mindspore, vllm...
     simulated: bool
     card_source: str
-    model_arg: str
+    model_arg: str  # what the server loads
     kv_cache_dtype: str = "auto"
     cluster: dict[str, Any] | None = None  # multi-node via Ray: the nodes and their ranks
     asked_max_model_len: int | None = None  # None: the final's
@@ -113,20 +117,25 @@ def unfinished_step(n: int, settings: dict[str, Any], log: str | None) -> Step:
     )
 
 
-def _r01_head(meta: RunMeta, p: PlanResult, steps: Sequence[Step],
-              decisions: Iterable[Decision], validated: bool) -> dict[str, Any]:
-    """The fields an r0.1 success and failure report share, in report.json's order."""
+def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision],
+             validated: bool, **layout: Any) -> dict[str, Any]:
+    """The fields a success and a failure report share, on any engine; `layout` names the
+    model, card_gib, tp, pp, nodes, weights_format and kv_bytes_per_token."""
     return {
-        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.backend,
+        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.engine,
         "engine_version": meta.engine_version, "engine_reason": meta.engine_reason,
         "simulated": meta.simulated, "provenance": provenance(meta.simulated),
-        "model": p.model, "model_arg": meta.model_arg, "card_gib": p.card_gib,
-        "card_source": meta.card_source, "device_kind": meta.device_kind, "tp": p.tp,
-        "pp": p.pp, "nodes": p.nodes, "weights_format": p.weights_format,
-        "kv_cache_dtype": meta.kv_cache_dtype, "kv_bytes_per_token": p.kv_bytes_per_token,
+        "model_arg": meta.model_arg, "card_source": meta.card_source,
+        "device_kind": meta.device_kind, "kv_cache_dtype": meta.kv_cache_dtype,
         "validated": validated, "launches": len(steps), "steps": list(steps),
         "decisions": list(decisions), "retune_command": list(meta.retune_command),
+        "cluster": meta.cluster, **layout,
     }
+
+
+def plan_layout(p: PlanResult) -> dict[str, Any]:
+    return {"model": p.model, "card_gib": p.card_gib, "tp": p.tp, "pp": p.pp, "nodes": p.nodes,
+            "weights_format": p.weights_format, "kv_bytes_per_token": p.kv_bytes_per_token}
 
 
 def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> RunReport:
@@ -148,8 +157,8 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
     flags = server_args(values)
     cap_gib = f.ascend_total_memory_gb * f.gpu_memory_utilization
     return RunReport(
-        **_r01_head(meta, p, [step_json(o) for o in result.outcomes], result.decisions,
-                    result.validated),
+        **run_head(meta, [step_json(o) for o in result.outcomes], result.decisions,
+                   result.validated, **plan_layout(p)),
         final=Final(
             env=f.env, flags=flags,
             serve_command=redact_argv([*serve_command, *flags]),  # serve.sh reads a secret
@@ -180,7 +189,6 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
-        cluster=meta.cluster,
     )
 
 
@@ -220,8 +228,8 @@ def _proof_rows(
 def failure_json(err: PretunerError, meta: RunMeta, p: PlanResult, steps: Sequence[Step],
                  decisions: Iterable[Decision]) -> FailureReport:
     """The record of an r0.1 run stopped by `err`: why, the fix, and everything done."""
-    return FailureReport(**_r01_head(meta, p, steps, decisions, False), method="r0.1",
-                         **failure_fields(err), cluster=meta.cluster)
+    return FailureReport(**run_head(meta, steps, decisions, False, **plan_layout(p)),
+                         method="r0.1", **failure_fields(err))
 
 
 def failure_fields(err: PretunerError) -> dict[str, Any]:
@@ -401,3 +409,19 @@ def write_failure(record: RunRecord, rep: FailureReport, err: PretunerError) -> 
         return
     refresh_run_page(record.path)
     err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error
+
+
+def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: RunMeta) -> None:
+    """A failed run's reports, with every launch made: also one that raised before it had an
+    outcome (the journal's last launch_started)."""
+    steps = [step_json(o) for o in method.outcomes]
+    started = None
+    for event in record.of_kind("launch_started"):
+        started = event
+    if started is not None and started["n"] > max((s.n for s in steps), default=0):
+        n = int(started["n"])
+        path = record.path / f"launch-{n}" / "server.log"
+        log_path = err.log_path if isinstance(err, ServerFailedError) and err.log_path else (
+            str(path) if path.is_file() else None)
+        steps.append(unfinished_step(n, started["settings"], log_path))
+    write_failure(record, method.failure_json(err, meta, steps), err)

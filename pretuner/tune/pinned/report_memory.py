@@ -13,7 +13,7 @@ from pretuner.engines.v1_images import Soak
 from pretuner.launch.images import ImageShape, worst_case_images
 from pretuner.pinned import kv_held_bytes
 from pretuner.report.records import V1Images, V1Memory, V1Soak
-from pretuner.tune.v1.soak import HOLD_DOUBLINGS, soak_figures
+from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures
 from pretuner.units import MIB
 
 

@@ -18,7 +18,7 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 4. settle: the validation's own peak (its soak and the burst after it included, for a
    vision-language model) decides the final KV, once widened when it left room, lowered (and
    proven again) when the soak's second half was still growing by more than the room left:
-   that growth is held back as headroom (`pretuner.tune.v1.soak`).
+   that growth is held back as headroom (`pretuner.tune.pinned.soak`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pretuner.pinned import (
     margin_mib,
     one_sequence_bytes,
 )
-from pretuner.tune.v1.soak import soak_figures
+from pretuner.tune.pinned.soak import soak_figures
 from pretuner.units import GIB, MIB
 
 Executor = Callable[[LaunchSettings], LaunchOutcome]

@@ -1,0 +1,75 @@
+"""One `Setup` for every engine: what a run needs before its first launch, and the tuning
+method (`tune.r01`: the r0.1 pre-run loop, `tune.pinned`: the V1 pinned KV) it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from pretuner.devices.npu_smi import CardInfo
+from pretuner.engines.base import LaunchSettings
+from pretuner.engines.mindspore_r01 import R01Engine
+from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.registry import EngineChoice
+from pretuner.engines.v1_images import Soak
+from pretuner.engines.vllm_v1 import V1Engine
+from pretuner.errors import PretunerError
+from pretuner.launch.images import ImageShape
+from pretuner.models.spec import ModelSpec
+from pretuner.report.records import FailureReport, RunReport, Step
+from pretuner.tune.execute import LaunchContext, Phase
+
+if TYPE_CHECKING:
+    from pretuner.tune.report import RunMeta
+
+C = TypeVar("C")
+Executor = Callable[[LaunchSettings], LaunchOutcome]
+OnDecision = Callable[[dict[str, Any]], object] | None
+
+
+class Method(Protocol):
+    """A tuning method as the pipeline drives it."""
+
+    name: str  # the report's method: "r0.1" or "v1-pinned-kv"
+    then: str  # what the run does after the pre-run, as a dry run says it
+
+    @property
+    def outcomes(self) -> Sequence[LaunchOutcome]: ...
+    @property
+    def decisions(self) -> Sequence[dict[str, Any]]: ...
+
+    def begin(self) -> None:
+        """What the method says and refuses before its first launch."""
+        ...
+
+    def run(self) -> Any: ...
+    def first_launch(self) -> LaunchSettings: ...
+    def report_json(self, result: Any, meta: RunMeta) -> RunReport: ...
+    def failure_json(self, err: PretunerError, meta: RunMeta, steps: list[Step]
+                     ) -> FailureReport: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Vision:
+    """What a vision-language model adds to a V1 run."""
+
+    images: ImageShape | None
+    soak: Soak
+    flags: tuple[tuple[str, str | None], ...]
+    limit_given: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Setup(Generic[C]):
+    choice: EngineChoice
+    engine: R01Engine | V1Engine
+    spec: ModelSpec
+    model_arg: str  # what the server loads
+    ctx: LaunchContext
+    card: CardInfo
+    layout_reason: str
+    cfg: C  # the method's configuration
+    # (execute, phase, on_decision) -> the method, ready to run
+    start: Callable[[Executor, Phase, OnDecision], Method]
+    vision: Vision = Vision(None, Soak(), (), False)  # a V1 vision-language model's images

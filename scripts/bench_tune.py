@@ -46,7 +46,7 @@ from pretuner.sim.executor import tune_in_process
 from pretuner.sim.plugin import R01_CARDS
 from pretuner.sim.truth import max_length, max_safe_kv
 from pretuner.tune.entry import RunOptions, run_tuning
-from pretuner.tune.loop import CardInfo, TuneResult
+from pretuner.tune.r01.config import CardInfo, TuneResult
 from pretuner.units import GIB, MIB
 
 LENGTHS = (16384, 32768, 65536)

@@ -319,8 +319,8 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
     from pretuner.sim import memory as mem
     from pretuner.sim.executor import tune_in_process
     from pretuner.sim.plugin import R01_CARDS
-    from pretuner.tune.config import CardInfo, TuneResult
     from pretuner.tune.entry import RunOptions, run_tuning
+    from pretuner.tune.r01.config import CardInfo, TuneResult
 
     for key, value in cli_env().items():
         monkeypatch.setenv(key, value)

@@ -22,7 +22,7 @@ from pretuner.engines.registry import choose_engine
 from pretuner.engines.vllm_v1 import ROWS, engine_python
 from pretuner.errors import NotValidatedError
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.loop import recorded_executor
+from pretuner.tune.execute import recorded_executor
 from pretuner.tune.pinned.loop import V1Tuner
 from pretuner.tune.pinned.setup import pinned_setup
 from pretuner.tune.record import RunRecord

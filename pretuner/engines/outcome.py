@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from pretuner.engines.base import LaunchSettings, Purpose
@@ -74,6 +75,19 @@ class LaunchOutcome:
     encoder_budget_tokens: int | None = None  # V1, vision-language: the engine's log says
     encoder_profiled_items: int | None = None
     speed: Speed | None = None  # V1 validations: time to first token and decode tokens/s
+
+    @classmethod
+    def of(cls, n: int, settings: LaunchSettings, kind: OutcomeKind, log_path: Path,
+           ran: Exercised, times: tuple[float, float, float, float], exited: int | None,
+           **figures: Any) -> LaunchOutcome:
+        """A finished launch: what its requests got, its timings, and the engine's figures."""
+        ready_s, request_s, stop_s, total_s = times
+        return cls(n=n, settings=settings, kind=kind, requests_ok=ran.ok, requests_total=ran.total,
+                   ready_s=round(ready_s, 3), request_s=round(request_s, 3),
+                   stop_s=round(stop_s, 3), total_s=round(total_s, 3),
+                   overhead_s=round(max(0.0, total_s - ready_s - request_s - stop_s), 3),
+                   log_path=str(log_path), request_error=ran.error, server_exit_code=exited,
+                   **figures)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -28,7 +28,8 @@ from pretuner.sim import inproc
 from pretuner.sim.plugin import EMULATOR
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.execute import Phase
-from pretuner.tune.loop import CardInfo, Tuner, TuneResult
+from pretuner.tune.r01.config import CardInfo, TuneResult
+from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.r01.setup import r01_setup
 
 DECODE_TOKENS = 16

@@ -20,9 +20,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
 from pretuner.report.records import RunReport
-from pretuner.tune.config import CardInfo, TuneConfig, TuneResult, plan_for
-from pretuner.tune.execute import Phase
-from pretuner.tune.loop import recorded_executor
+from pretuner.tune.execute import Phase, recorded_executor
 from pretuner.tune.options import RunOptions as RunOptions
 from pretuner.tune.ownership import (
     check_no_orphans,
@@ -34,6 +32,7 @@ from pretuner.tune.ownership import (
 )
 from pretuner.tune.pinned.loop import V1Config, V1Result
 from pretuner.tune.pinned.setup import pinned_setup
+from pretuner.tune.r01.config import CardInfo, TuneConfig, TuneResult, plan_for
 from pretuner.tune.r01.setup import r01_setup
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.report import RunMeta, record_failure, write_report

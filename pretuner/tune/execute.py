@@ -1,5 +1,6 @@
 """One launch, start to finish: start the server, probe or load it, stop it gracefully, scan
-its log, and say what happened in one classified outcome."""
+its log, and say what happened in one classified outcome; `recorded_executor` journals each
+launch and replays the finished ones on --resume."""
 
 from __future__ import annotations
 
@@ -239,3 +240,22 @@ def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) ->
     return tally(outs, plen)
 
 
+def recorded_executor(
+    record: RunRecord, ctx: LaunchContext, phase: Phase
+) -> Callable[[LaunchSettings], LaunchOutcome]:
+    """Run launches for real, journaling each; on --resume, replay the finished ones."""
+    done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
+    counter = {"n": 0}
+
+    def execute(settings: LaunchSettings) -> LaunchOutcome:
+        counter["n"] += 1
+        n = counter["n"]
+        if n <= len(done) and done[n - 1].settings == settings:
+            phase("replay", f"launch {n} finished in the earlier session: {done[n - 1].kind.value}")
+            return done[n - 1]
+        record.append("launch_started", n=n, settings=settings.to_json())
+        outcome = run_launch(n, settings, ctx, record, phase)
+        record.append("launch", n=n, outcome=outcome.to_json())
+        return outcome
+
+    return execute

@@ -51,9 +51,9 @@ from pretuner.report.records import (
     kv_words,
 )
 from pretuner.tune.asked import first_validation_seqs, given_up
-from pretuner.tune.budget import outside_pool_mib
-from pretuner.tune.config import TuneResult
 from pretuner.tune.pinned.report_sections import pinned_sections, v1_files
+from pretuner.tune.r01.budget import outside_pool_mib
+from pretuner.tune.r01.config import TuneResult
 from pretuner.tune.record import RunRecord
 from pretuner.units import GIB
 

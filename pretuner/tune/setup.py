@@ -58,6 +58,7 @@ class Vision:
     soak: Soak
     flags: tuple[tuple[str, str | None], ...]
     limit_given: bool
+    mm_processor_cache_gb: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,13 +28,13 @@ from pretuner.speed import too_slow
 from pretuner.tune.asked import given_up
 from pretuner.tune.pinned.loop import V1Result
 from pretuner.tune.pinned.report_memory import (
-    VisionMeta,
     final_launch,
     images_record,
     memory_record,
     soak_record,
 )
 from pretuner.tune.report import RunMeta, failure_fields, provenance, run_head, step_json
+from pretuner.tune.setup import Vision
 from pretuner.units import GIB
 
 
@@ -48,7 +48,7 @@ class PinnedFacts:
     bytes_per_token: int
     asked_max_num_seqs: int
     weights_format: str = "bf16"
-    vision: VisionMeta | None = None  # a vision-language model's images and soak
+    vision: Vision | None = None  # a vision-language model's images and soak
     weights: V1Weights | None = None  # the weights knobs and their plan (predicted)
     min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
 
@@ -100,8 +100,9 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
                 pinned_kv_mib=budget.kv_mib, lines=budget.lines()),
             memory=memory_record(proof, x.bytes_per_token, provenance(m.simulated))
             if proof else None,
-            images=images_record(x.vision, proof or _any_launch(r), f.max_model_len)
-            if x.vision is not None else None,
+            images=images_record(x.vision, x.vision.images, proof or _any_launch(r),
+                                 f.max_model_len)
+            if x.vision is not None and x.vision.images is not None else None,
             soak=soak_record(proof, x.vision.soak) if proof and x.vision else None,
             weights=weights, speed=speed, min_tokens_per_s=x.min_tokens_per_s,
         ),

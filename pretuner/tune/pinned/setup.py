@@ -30,7 +30,6 @@ from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.pinned.report import PinnedFacts, failure_json, report_json
-from pretuner.tune.pinned.report_memory import VisionMeta
 from pretuner.tune.pinned.weights import (
     check_host,
     knobs_of,
@@ -75,10 +74,11 @@ def vision_setup(opts: RunOptions, spec: ModelSpec) -> Vision:
         flags.append(("--mm-processor-cache-gb", f"{opts.mm_processor_cache_gb:g}"))
     shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if limit is None else limit)
     if shape.is_text_only:
-        return Vision(shape, Soak(), tuple(flags), True)
+        return Vision(shape, Soak(), tuple(flags), True, opts.mm_processor_cache_gb)
     requests = opts.soak if opts.soak is not None else (
         DEFAULT_SOAK if opts.soak_minutes is None else None)
-    return Vision(shape, Soak(requests, opts.soak_minutes), tuple(flags), limit is not None)
+    return Vision(shape, Soak(requests, opts.soak_minutes), tuple(flags), limit is not None,
+                  opts.mm_processor_cache_gb)
 
 
 def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
@@ -172,10 +172,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     facts = PinnedFacts(
         engine=engine, model=spec.name, card_gib=card, bytes_per_token=bpt,
         asked_max_num_seqs=seqs, weights_format=p.weights_format,
-        vision=None if vision.images is None else VisionMeta(
-            vision.images, vision.soak, vision.limit_given, opts.mm_processor_cache_gb,
-            tuple(part for name, value in vision.flags
-                  for part in (name, *(() if value is None else (value,))))),
+        vision=None if vision.images is None else vision,
         weights=weights_record(p, knobs, host, None), min_tokens_per_s=opts.min_tokens_per_s)
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:

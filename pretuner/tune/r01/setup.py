@@ -19,10 +19,10 @@ from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
 from pretuner.report.records import FailureReport, RunReport, Step
-from pretuner.tune.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.layout import check_r01_flags
-from pretuner.tune.loop import Tuner
+from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
+from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.report import RunMeta, failure_json, report_json
 from pretuner.tune.setup import Executor, OnDecision, Setup
 
@@ -86,7 +86,6 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
         max_launches=opts.max_launches,
         validate=opts.validate,
         model_use_gib=opts.model_use_gib,
-        len_ladder=lengths.ladder,
         provenance="simulated" if engine.simulated else "measured",
     )
     if opts.model_use_gib is not None:

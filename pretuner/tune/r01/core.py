@@ -1,5 +1,5 @@
 """`TunerCore`: the state every decision reads (the card, the measured peaks, the reserve and
-the budget the final configuration will have) and the launches; `pretuner.tune.deriving` derives
+the budget the final configuration will have) and the launches; `pretuner.tune.r01.deriving` derives
 from it."""
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ from pretuner.errors import (
 from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
 from pretuner.method import per_sequence_bytes
 from pretuner.plan.layout import PlanConfig, activation_bytes, smallest_weights_layout
-from pretuner.tune import budget as bud
 from pretuner.tune import busy
-from pretuner.tune.config import (
+from pretuner.tune.crash import DeviceBusyRefusal
+from pretuner.tune.execute import Phase
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     CHUNKED_GROWING_SHARE,
     TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MARGIN_SHARE,
@@ -31,9 +33,7 @@ from pretuner.tune.config import (
     plan_for,
     prerun_util,
 )
-from pretuner.tune.crash import DeviceBusyRefusal
-from pretuner.tune.execute import Phase
-from pretuner.tune.search import (
+from pretuner.tune.r01.search import (
     Budget,
     WaModel,
 )

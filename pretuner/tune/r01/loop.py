@@ -4,9 +4,9 @@
 2. pre-run: GLOG_v=1, max-num-seqs 1, one max-length request that must really run.
 3. every decision at the memory the final configuration will have: once a launch measured the
    card's free memory, later pre-runs use the largest pool it allows and every fit is judged
-   with the final headroom and integer rounding (`pretuner.tune.search.Budget`).
+   with the final headroom and integer rounding (`pretuner.tune.r01.search.Budget`).
 4. fall back by cause; between the longest length that fits and the shortest that does not,
-   narrow with the measured peaks (`pretuner.tune.search`) until they are within 1024 tokens;
+   narrow with the measured peaks (`pretuner.tune.r01.search`) until they are within 1024 tokens;
    when a whole-prompt prefill step is what does not fit, prefill in chunks instead.
 5. validate: max-num-seqs concurrent max-length requests. A validation that runs out of memory
    teaches the per-sequence cost from its own pool dump; one that passes with room to spare is
@@ -15,34 +15,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from pretuner.engines.base import LaunchSettings
-from pretuner.engines.outcome import LaunchOutcome
-from pretuner.tune.config import (
-    LEN_LADDER,
-    CardInfo,
-    TuneConfig,
-    TuneResult,
-    plan_for,
-    prerun_util,
-)
-from pretuner.tune.execute import LaunchContext, Phase, run_launch
-from pretuner.tune.prerun import PrerunSearch
-from pretuner.tune.record import RunRecord
-from pretuner.tune.validation import Validation
-
-__all__ = [
-    "LEN_LADDER",
-    "CardInfo",
-    "TuneConfig",
-    "TuneResult",
-    "Tuner",
-    "plan_for",
-    "prerun_util",
-    "recorded_executor",
-    "tune",
-]
+from pretuner.tune.r01.config import TuneResult, prerun_util
+from pretuner.tune.r01.prerun import PrerunSearch
+from pretuner.tune.r01.validation import Validation
 
 
 class Tuner(PrerunSearch, Validation):
@@ -75,31 +50,3 @@ class Tuner(PrerunSearch, Validation):
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
             return self.result(derivation, False, source, best, None)
         return self.validate(best, derivation, source)
-
-
-
-def recorded_executor(
-    record: RunRecord, ctx: LaunchContext, phase: Phase
-) -> Callable[[LaunchSettings], LaunchOutcome]:
-    """Run launches for real, journaling each; on --resume, replay the finished ones."""
-    done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
-    counter = {"n": 0}
-
-    def execute(settings: LaunchSettings) -> LaunchOutcome:
-        counter["n"] += 1
-        n = counter["n"]
-        if n <= len(done) and done[n - 1].settings == settings:
-            phase("replay", f"launch {n} finished in the earlier session: {done[n - 1].kind.value}")
-            return done[n - 1]
-        record.append("launch_started", n=n, settings=settings.to_json())
-        outcome = run_launch(n, settings, ctx, record, phase)
-        record.append("launch", n=n, outcome=outcome.to_json())
-        return outcome
-
-    return execute
-
-
-def tune(cfg: TuneConfig, record: RunRecord, ctx: LaunchContext, phase: Phase) -> TuneResult:
-    """The whole loop against real (or emulated) servers, journaled in `record`."""
-    return Tuner(cfg, recorded_executor(record, ctx, phase), phase).run()
-

@@ -12,14 +12,14 @@ from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
 )
-from pretuner.tune import budget as bud
-from pretuner.tune.config import (
+from pretuner.tune.crash import crash_error
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     CHUNK_GRID,
     UTIL_LADDER,
 )
-from pretuner.tune.crash import crash_error
-from pretuner.tune.deriving import Deriving
-from pretuner.tune.search import (
+from pretuner.tune.r01.deriving import Deriving
+from pretuner.tune.r01.search import (
     Bound,
     Measured,
     kv_blocks_for_one,

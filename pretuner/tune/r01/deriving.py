@@ -6,9 +6,9 @@ from __future__ import annotations
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import InfeasibleError
 from pretuner.method import Derivation, PrerunInputs, derive
-from pretuner.tune import budget as bud
-from pretuner.tune.config import TuneResult
-from pretuner.tune.core import TunerCore
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import TuneResult
+from pretuner.tune.r01.core import TunerCore
 from pretuner.units import GIB, MIB
 
 

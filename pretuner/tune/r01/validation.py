@@ -13,8 +13,9 @@ from pretuner.errors import (
     PretunerError,
 )
 from pretuner.method import Derivation
-from pretuner.tune import budget as bud
-from pretuner.tune.config import (
+from pretuner.tune.crash import crash_error
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     EDGE_MARGIN_FLOOR_BYTES,
     LEARN_MARGIN,
     TIGHTEN_MARGIN_FLOOR_BYTES,
@@ -24,8 +25,7 @@ from pretuner.tune.config import (
     TuneResult,
     kv_prerun_bytes,
 )
-from pretuner.tune.crash import crash_error
-from pretuner.tune.deriving import Deriving
+from pretuner.tune.r01.deriving import Deriving
 from pretuner.units import GIB, MIB
 
 

@@ -216,20 +216,12 @@ _START_KINDS = {
 
 
 def outcome_of(
-    n: int,
-    settings: LaunchSettings,
-    scan: ScanResult,
+    n: int, settings: LaunchSettings, scan: ScanResult,
     done: Exercised,
     *,
-    failure: ServerFailedError | None,
-    graceful: bool,
-    init_free_mib: list[int],
-    log_path: Path,
-    problem: str | None,
-    worst_node: str | None,
-    rank_peaks_mib: dict[str, int],
-    times: tuple[float, float, float, float],
-    exited: int | None = None,
+    failure: ServerFailedError | None, graceful: bool, init_free_mib: list[int], log_path: Path,
+    problem: str | None, worst_node: str | None, rank_peaks_mib: dict[str, int],
+    times: tuple[float, float, float, float], exited: int | None = None,
 ) -> LaunchOutcome:
     """Classify a finished launch from its scanned logs and what its requests got."""
     kind = _classify(scan, settings, failure, done.ok, done.total, done.dropped)
@@ -251,11 +243,7 @@ def outcome_of(
 
 
 def _classify(
-    scan: ScanResult,
-    s: LaunchSettings,
-    failure: ServerFailedError | None,
-    ok: int,
-    total: int,
+    scan: ScanResult, s: LaunchSettings, failure: ServerFailedError | None, ok: int, total: int,
     dropped: int = 0,
 ) -> OutcomeKind | None:
     """The outcome's kind, or None when nothing explains a failure (fatal for the run)."""

@@ -177,6 +177,5 @@ def unexplained_exit(log_path: Path, code: int) -> ServerFailedError:
     """A server that exited before it was ready, with no line that says why."""
     return ServerFailedError(
         f"the server exited with code {code} before it was ready",
-        hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}",
-        log_path=str(log_path),
+        hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}", log_path=str(log_path),
     )

@@ -13,9 +13,7 @@ from pretuner.engines.outcome import LaunchOutcome
 
 
 def given_up(
-    asked_len: int,
-    asked_seqs: int | None,
-    final_len: int,
+    asked_len: int, asked_seqs: int | None, final_len: int,
     final_seqs: int,
     *,
     seqs_from: str = "asked",

@@ -185,19 +185,11 @@ def run_launch(
     collected = collector.collect()
     (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
     outcome = outcome_of(
-        n,
-        settings,
-        collected.scan,
-        Exercised(ok, total, dropped, first_error),
-        failure=failure,
-        graceful=stop.graceful,
-        init_free_mib=[*free, *collected.init_free_mib],
-        log_path=log_path,
-        problem=collected.problem,
-        worst_node=collected.worst_node,
+        n, settings, collected.scan, Exercised(ok, total, dropped, first_error), failure=failure,
+        graceful=stop.graceful, init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,
+        problem=collected.problem, worst_node=collected.worst_node,
         rank_peaks_mib=collected.rank_peaks_mib,
-        times=(ready_s, request_s, stop_s, time.monotonic() - t0),
-        exited=exited,
+        times=(ready_s, request_s, stop_s, time.monotonic() - t0), exited=exited,
     )
     return with_samples(outcome, sampled)
 

@@ -167,14 +167,11 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
             kv_tokens=f.kv_tokens, kv_gib=round(f.kv_bytes / GIB, 4),
         ),
         derivation=R01Derivation(
-            kv_prerun_gib=round(d.kv_prerun_gib, 4),
-            actual_peak_mib=d.actual_peak_bytes // 2**20,
-            weights_act_gib=round(d.weights_act_gib, 4),
-            headroom_gib=d.inputs.headroom_gib,
+            kv_prerun_gib=round(d.kv_prerun_gib, 4), actual_peak_mib=d.actual_peak_bytes // 2**20,
+            weights_act_gib=round(d.weights_act_gib, 4), headroom_gib=d.inputs.headroom_gib,
             headroom_total_gib=round(d.headroom_total_gib, 4),
             rounding_cost_gib=round(d.rounding_cost_bytes / GIB, 4),
-            final_util_source=result.final_util_source,
-            util=f.gpu_memory_utilization,
+            final_util_source=result.final_util_source, util=f.gpu_memory_utilization,
             lines=derivation_lines(d, card_source=meta.card_source, provenance=tag),
             memory_rows=[
                 f"weights + activations (pre-run) | {d.weights_act_gib:.2f} | derived from "

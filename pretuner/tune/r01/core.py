@@ -46,17 +46,13 @@ class TunerCore:
     """The decision procedure's state; launches go through `execute` so tests and --resume can
     replay."""
 
-
     @property
     def seen(self) -> str:
         """How a launch's figures were obtained, as the messages say it."""
         return "simulated" if self.cfg.provenance == "simulated" else "measured"
 
     def __init__(
-        self,
-        cfg: TuneConfig,
-        execute: Executor,
-        phase: Phase,
+        self, cfg: TuneConfig, execute: Executor, phase: Phase,
         on_decision: Callable[[dict[str, Any]], object] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -83,8 +79,7 @@ class TunerCore:
         self.models = {
             False: WaModel(self.weights_bytes, prior_bytes=workspace, min_slope=slope),
             True: WaModel(
-                self.weights_bytes,
-                prior_bytes=activation_bytes(cfg.model, cfg.chunk_tokens, tp),
+                self.weights_bytes, prior_bytes=activation_bytes(cfg.model, cfg.chunk_tokens, tp),
                 growing_share=CHUNKED_GROWING_SHARE,
             ),
         }
@@ -202,13 +197,9 @@ class TunerCore:
         else:
             pool = used = int(card * util * GIB)
         return Budget(
-            pool_bytes=pool,
-            used_bytes=used,
-            kv_bytes_per_token=self.bpt,
-            block_size=self.cfg.block_size,
-            watermark=self.cfg.watermark,
-            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES,
-            headroom_share=TIGHTEN_MARGIN_SHARE,
+            pool_bytes=pool, used_bytes=used, kv_bytes_per_token=self.bpt,
+            block_size=self.cfg.block_size, watermark=self.cfg.watermark,
+            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES, headroom_share=TIGHTEN_MARGIN_SHARE,
             weights_bytes=self.weights_bytes,
         )
 
@@ -241,23 +232,17 @@ class TunerCore:
             return "no free-memory reading"
         return f"{self.free.mib:,} MiB free ({self.free.source})"
 
-
     def layout_hint(self, default: str) -> str:
         cfg = PlanConfig(
-            model=self.cfg.model,
-            card_gib=self.cfg.card.card_gib,
-            util=self.cfg.util,
-            max_model_len=self.cfg.min_model_len,
-            pp=self.cfg.pp,
-            kv_cache_dtype=self.cfg.kv_cache_dtype,
-            block_size=self.cfg.block_size,
+            model=self.cfg.model, card_gib=self.cfg.card.card_gib, util=self.cfg.util,
+            max_model_len=self.cfg.min_model_len, pp=self.cfg.pp,
+            kv_cache_dtype=self.cfg.kv_cache_dtype, block_size=self.cfg.block_size,
             weights_format=self.cfg.weights_format,
         )
         tp = smallest_weights_layout(cfg)
         if tp is not None and tp > self.plan.tp:
             return f"use --tp {tp} or more"
         return default
-
 
     # -- a busy card ------------------------------------------------------------------------
     def need_bytes(self) -> int:
@@ -271,12 +256,8 @@ class TunerCore:
         self, free_mib: int, source: str, log_path: str | None = None, why: str | None = None
     ) -> CardBusyError:
         return busy.card_busy_error(
-            card_gib=self.cfg.card.card_gib,
-            free_mib=free_mib,
-            source=source,
-            need_mib=-(-self.need_bytes() // MIB),
-            holders=self.cfg.card.holders,
-            log_path=log_path,
+            card_gib=self.cfg.card.card_gib, free_mib=free_mib, source=source,
+            need_mib=-(-self.need_bytes() // MIB), holders=self.cfg.card.holders, log_path=log_path,
             why=why,
         )
 

@@ -27,10 +27,7 @@ class Tuner(PrerunSearch, Validation):
     def run(self) -> TuneResult:
         cfg = self.cfg
         self.decide(
-            "layout",
-            self.plan.layout_reason,
-            tp=self.plan.tp,
-            pp=self.plan.pp,
+            "layout", self.plan.layout_reason, tp=self.plan.tp, pp=self.plan.pp,
             nodes=self.plan.nodes,
         )
         for note in self.plan.notes:

@@ -70,22 +70,12 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
         card = detect_card(engine.smi_command(), source, opts.card_gib,
                            {**os.environ, **base_env})
     cfg = TuneConfig(
-        model=spec,
-        card=card,
-        util=opts.util,
-        max_model_len=max_len,
-        min_model_len=min_len,
-        tp=1 if engine.device_kind == "cpu" else opts.tp,
-        pp=opts.pp,
-        nodes=opts.nodes,
+        model=spec, card=card, util=opts.util, max_model_len=max_len, min_model_len=min_len,
+        tp=1 if engine.device_kind == "cpu" else opts.tp, pp=opts.pp, nodes=opts.nodes,
         block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
-        kv_cache_dtype=opts.kv_cache_dtype,
-        weights_format=opts.weights_format,
-        headroom_gib=opts.headroom_gib,
-        reserve_gib=opts.reserve_gib,
-        max_launches=opts.max_launches,
-        validate=opts.validate,
-        model_use_gib=opts.model_use_gib,
+        kv_cache_dtype=opts.kv_cache_dtype, weights_format=opts.weights_format,
+        headroom_gib=opts.headroom_gib, reserve_gib=opts.reserve_gib,
+        max_launches=opts.max_launches, validate=opts.validate, model_use_gib=opts.model_use_gib,
         provenance="simulated" if engine.simulated else "measured",
     )
     if opts.model_use_gib is not None:
@@ -106,13 +96,8 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
         return engine.command(settings, replace(target, port=port))
 
     ctx = LaunchContext(
-        build=build,
-        served_name=served,
-        host=opts.host,
-        ready_timeout_s=opts.ready_timeout_s,
-        request_timeout_s=opts.request_timeout_s,
-        stop_grace_s=opts.stop_grace_s,
-        seed=opts.seed,
+        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
+        request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
         decode_tokens=lengths.decode_tokens,
         device_reader=select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp),
     )

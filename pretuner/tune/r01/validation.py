@@ -34,11 +34,8 @@ class Validation(Deriving):
     def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
         f = d.final
         return replace(
-            prerun.settings,
-            purpose=Purpose.VALIDATE,
-            util=f.gpu_memory_utilization,
-            model_use_gib=f.vllm_model_memory_use_gb,
-            max_num_seqs=f.max_num_seqs,
+            prerun.settings, purpose=Purpose.VALIDATE, util=f.gpu_memory_utilization,
+            model_use_gib=f.vllm_model_memory_use_gb, max_num_seqs=f.max_num_seqs,
             max_num_batched_tokens=f.max_num_batched_tokens,
         )
 
@@ -190,8 +187,7 @@ class Validation(Deriving):
         before = per_seq
         if seqs > 1:
             per_seq = max(
-                per_seq,
-                int((need - wa - self.base_headroom) / (seqs - 1) * (1 + LEARN_MARGIN)),
+                per_seq, int((need - wa - self.base_headroom) / (seqs - 1) * (1 + LEARN_MARGIN)),
             )
             cause = (
                 f"per-sequence headroom {before / MIB:.1f} -> {per_seq / MIB:.1f} MiB"

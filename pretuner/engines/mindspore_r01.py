@@ -234,7 +234,8 @@ def outcome_of(
         worst_peak_mib=scan.worst.actual_peak_mib if scan.worst else None,
         rank_peaks_mib=rank_peaks_mib, oom_text=scan.oom[0].text if scan.oom else None,
         device_free_mib=_device_free_mib(scan, init_free_mib),
-        estimated_max_len=_estimated_max_len(scan), worst_node=worst_node,
+        estimated_max_len=next((o.event.estimated_max_model_len for o in scan.oom
+                                if o.event.estimated_max_model_len), None), worst_node=worst_node,
         weights_gib=scan.weights_gib,
         oom_alloc_bytes=max((o.event.alloc_bytes or 0 for o in scan.oom), default=0) or None,
         requests_dropped=max(done.dropped, scan.prompts_ignored_total),
@@ -300,9 +301,3 @@ def _device_free_mib(scan: ScanResult, init_free: list[int]) -> int | None:
             return int(limit)
     return min(init_free) if init_free else None
 
-
-def _estimated_max_len(scan: ScanResult) -> int | None:
-    for record in scan.oom:
-        if record.event.estimated_max_model_len:
-            return record.event.estimated_max_model_len
-    return None

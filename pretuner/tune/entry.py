@@ -120,7 +120,7 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
     choice = choose_engine(asked.engine) if asked is not None else None
     if resume is None and choice is not None:
         setup(opts, choice)  # refuse bad input before a run folder exists
-    if asked is None or choice is None or not asked.ray_address or choice.family is Family.V1:
+    if asked is None or choice is None or not asked.ray_address:
         return _tune(opts, phase, resume, None)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster

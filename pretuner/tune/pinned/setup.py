@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pretuner.devices import select_reader
 from pretuner.devices.host import host_memory
 from pretuner.devices.npu_smi import CardInfo
+from pretuner.emulation import emulator
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
@@ -81,18 +82,7 @@ def vision_setup(opts: RunOptions, spec: ModelSpec) -> Vision:
                   opts.mm_processor_cache_gb)
 
 
-def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
-    from pretuner.emulation import emulator
-
-    return {**emulator().launch_env("v1", card_gib, opts.seed, os.environ), **opts.sim_env}
-
-
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
-
-
-def _server_env(model: str, simulated: bool) -> dict[str, str]:
-    """A local model folder needs no hub: the server is told so (no network call, no wait)."""
-    return {} if simulated or not Path(model).is_dir() else {"HF_HUB_OFFLINE": "1"}
 
 
 def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | None], ...]) -> None:
@@ -130,10 +120,12 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     vision = vision_setup(opts, spec)
     layout = v1_layout_options(opts, row, choice.simulated, spec, knobs)
     card = layout.card_gib
-    sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
+    sim_env = ({**emulator().launch_env("v1", card, opts.seed, os.environ), **opts.sim_env}
+               if choice.simulated else dict(opts.sim_env))
+    # A local model folder needs no hub: the server is told so (no network call, no wait).
+    local = not choice.simulated and Path(opts.model).is_dir()
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
-                      server_args=server_args,
-                      server_env=_server_env(opts.model, choice.simulated),
+                      server_args=server_args, server_env={"HF_HUB_OFFLINE": "1"} if local else {},
                       mm_flags=vision.flags,
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
                       knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))

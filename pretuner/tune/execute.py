@@ -34,7 +34,7 @@ from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, ser
 from pretuner.logscan import Located, OomEvent, OomKind
 from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.speed import Speed
-from pretuner.tune.crash import device_busy
+from pretuner.tune.busy import device_busy
 from pretuner.tune.record import RunRecord
 
 log = logging.getLogger(__name__)

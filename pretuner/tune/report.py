@@ -25,6 +25,7 @@ from pretuner.deploy.context import ScriptOptions
 from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
+from pretuner.engines.base import Purpose
 from pretuner.engines.mindspore_r01 import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.envfile import server_args
@@ -50,7 +51,6 @@ from pretuner.report.records import (
     device_words,
     kv_words,
 )
-from pretuner.tune.asked import first_validation_seqs, given_up
 from pretuner.tune.pinned.report_sections import pinned_sections, v1_files
 from pretuner.tune.r01.budget import outside_pool_mib
 from pretuner.tune.r01.config import TuneResult
@@ -115,6 +115,27 @@ def unfinished_step(n: int, settings: dict[str, Any], log: str | None) -> Step:
         device_reader=None, device_peaks_mib={}, requests_ok=None, requests_total=None,
         oom_text=None, seconds=None, overhead_s=None, log=log,
     )
+
+
+def given_up(
+    asked_len: int, asked_seqs: int | None, final_len: int,
+    final_seqs: int,
+    *,
+    seqs_from: str = "asked",
+) -> list[str]:
+    """One line per cut: "max_model_len 11,264 < 16,384 asked"."""
+    cuts = []
+    if final_len < asked_len:
+        cuts.append(f"max_model_len {final_len:,} < {asked_len:,} asked")
+    if asked_seqs is not None and final_seqs < asked_seqs:
+        cuts.append(f"max-num-seqs {final_seqs} < {asked_seqs} {seqs_from}")
+    return cuts
+
+
+def first_validation_seqs(outcomes: Sequence[LaunchOutcome]) -> int | None:
+    """The r0.1 method's promise: the sequences its first validation was derived to serve."""
+    return next((o.settings.max_num_seqs for o in outcomes
+                 if o.settings.purpose is Purpose.VALIDATE), None)
 
 
 def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision],

@@ -25,7 +25,6 @@ from pretuner.report.records import (
     V1Weights,
 )
 from pretuner.speed import too_slow
-from pretuner.tune.asked import given_up
 from pretuner.tune.pinned.loop import V1Result
 from pretuner.tune.pinned.report_memory import (
     final_launch,
@@ -33,7 +32,14 @@ from pretuner.tune.pinned.report_memory import (
     memory_record,
     soak_record,
 )
-from pretuner.tune.report import RunMeta, failure_fields, provenance, run_head, step_json
+from pretuner.tune.report import (
+    RunMeta,
+    failure_fields,
+    given_up,
+    provenance,
+    run_head,
+    step_json,
+)
 from pretuner.tune.setup import Vision
 from pretuner.units import GIB
 

@@ -19,7 +19,7 @@ from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
 from pretuner.method import per_sequence_bytes
 from pretuner.plan.layout import PlanConfig, activation_bytes, smallest_weights_layout
 from pretuner.tune import busy
-from pretuner.tune.crash import DeviceBusyRefusal
+from pretuner.tune.busy import DeviceBusyRefusal
 from pretuner.tune.execute import Phase
 from pretuner.tune.r01 import budget as bud
 from pretuner.tune.r01.config import (

@@ -12,7 +12,7 @@ from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
 )
-from pretuner.tune.crash import crash_error
+from pretuner.tune.busy import crash_error
 from pretuner.tune.r01 import budget as bud
 from pretuner.tune.r01.config import (
     CHUNK_GRID,

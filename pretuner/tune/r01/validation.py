@@ -13,7 +13,7 @@ from pretuner.errors import (
     PretunerError,
 )
 from pretuner.method import Derivation
-from pretuner.tune.crash import crash_error
+from pretuner.tune.busy import crash_error
 from pretuner.tune.r01 import budget as bud
 from pretuner.tune.r01.config import (
     EDGE_MARGIN_FLOOR_BYTES,

@@ -21,7 +21,7 @@ from pretuner.report.records import (
 )
 from pretuner.tune.entry import DryRun
 from pretuner.tune.pinned.report_sections import summary_lines
-from pretuner.tune.report import SIM_NOTE, kv_asked, step_peak_mib
+from pretuner.tune.report import SIM_NOTE, step_cells
 
 SIM_BANNER = f"*** {SIM_NOTE} ***"
 
@@ -104,13 +104,7 @@ def render_summary(rep: RunReport, record: Path) -> str:
     status = "VALIDATED under full load" if rep.validated else "NOT VALIDATED"
     if rep.validated and rep.given_up:
         status = f"VALIDATED, BUT LESS THAN ASKED ({'; '.join(rep.given_up)})"
-    rows = []
-    for s in rep.steps:
-        peak = step_peak_mib(s)
-        rows.append((s.n, s.purpose, kv_asked(s), f"{s.settings.max_model_len:,}",
-                     s.settings.max_num_seqs, s.outcome, f"{peak:,}" if peak else "-",
-                     f"{s.kv_tokens:,}" if s.kv_tokens else "-",
-                     "-" if s.seconds is None else f"{s.seconds:.1f}"))
+    rows = [step_cells(s) for s in rep.steps]
     lines += [
         f"{rep.model} on {rep.engine}, {device_words(rep)}, TP{rep.tp} x PP{rep.pp}, "
         f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",

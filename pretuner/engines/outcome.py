@@ -5,7 +5,7 @@ Data and pure helpers shared by every engine's classifier (`pretuner.engines`) a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
@@ -107,6 +107,10 @@ class LaunchOutcome:
             fields_["speed"] = Speed.from_json(fields_["speed"])
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in fields_.items() if k in known})
+
+
+# One launch: run for real (`tune.execute.recorded_executor`), replayed, or scripted in a test.
+Executor = Callable[[LaunchSettings], LaunchOutcome]
 
 
 def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:

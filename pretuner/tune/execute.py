@@ -18,8 +18,10 @@ from typing import Protocol
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose
+from pretuner.engines.base import Phase as Phase
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
+    Executor,
     Exercised,
     LaunchOutcome,
     tally,
@@ -41,7 +43,6 @@ log = logging.getLogger(__name__)
 
 CRASH_SETTLE_S = 1.0  # how long a server whose requests failed may take to finish dying
 
-Phase = Callable[[str, str], None]  # (phase, detail) -> None, for the progress display
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +233,7 @@ def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) ->
     return tally(outs, plen)
 
 
-def recorded_executor(
-    record: RunRecord, ctx: LaunchContext, phase: Phase
-) -> Callable[[LaunchSettings], LaunchOutcome]:
+def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:
     """Run launches for real, journaling each; on --resume, replay the finished ones."""
     done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
     counter = {"n": 0}

@@ -355,11 +355,17 @@ def kv_asked(s: Step) -> str:
     return f"util {st.util}"
 
 
-def step_peak_mib(s: Step) -> int | None:
-    """The launch's peak: the worst rank's pool (r0.1's logs), else the sampled device's."""
-    if s.worst_peak_mib is not None:
-        return s.worst_peak_mib
-    return max(s.device_peaks_mib.values(), default=None)
+def step_cells(s: Step, node: bool = False) -> list[str]:
+    """A launch as a row of the launch table (report.md, the run summary); its peak is the
+    worst rank's pool (r0.1's logs), else the sampled device's."""
+    peak = s.worst_peak_mib if s.worst_peak_mib is not None else max(
+        s.device_peaks_mib.values(), default=None)
+    shown = (f"{peak:,}" if peak else "-") + (f" on {s.worst_node}" if node and s.worst_node
+                                               else "")
+    return [str(s.n), s.purpose, kv_asked(s), f"{s.settings.max_model_len:,}",
+            str(s.settings.max_num_seqs), s.outcome, shown,
+            f"{s.kv_tokens:,}" if s.kv_tokens else "-",
+            "-" if s.seconds is None else f"{s.seconds:.1f}"]
 
 
 def launch_lines(rep: AnyReport) -> list[str]:
@@ -371,16 +377,7 @@ def launch_lines(rep: AnyReport) -> list[str]:
                   "|---|---|---|---|---|---|---|---|---|"]
     else:
         lines.append("No launch was made.")
-    for s in rep.steps:
-        peak = step_peak_mib(s)
-        shown = f"{peak:,}" if peak else "-"
-        if s.worst_node:
-            shown += f" on {s.worst_node}"
-        tokens = f"{s.kv_tokens:,}" if s.kv_tokens else "-"
-        seconds = "-" if s.seconds is None else f"{s.seconds:.1f}"
-        lines.append(f"| {s.n} | {s.purpose} | {kv_asked(s)} | {s.settings.max_model_len:,} | "
-                     f"{s.settings.max_num_seqs} | {s.outcome} | {shown} | {tokens} | "
-                     f"{seconds} |")
+    lines += [f"| {' | '.join(step_cells(s, node=True))} |" for s in rep.steps]
     lines += ["", "## Decisions", ""]
     lines += [f"- **{x['decision']}**: {decision_text(x)}" for x in rep.decisions]
     return lines

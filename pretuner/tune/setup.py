@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.engines.base import LaunchSettings
 from pretuner.engines.mindspore_r01 import R01Engine
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.vllm_v1 import V1Engine
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from pretuner.tune.report import RunMeta
 
 C = TypeVar("C")
-Executor = Callable[[LaunchSettings], LaunchOutcome]
 OnDecision = Callable[[dict[str, Any]], object] | None
 
 

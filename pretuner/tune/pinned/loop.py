@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pretuner.engines.base import LaunchSettings, Purpose
-from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
+from pretuner.engines.base import LaunchSettings, Phase, Purpose
+from pretuner.engines.outcome import Executor, LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models.spec import ModelSpec
 from pretuner.pinned import (
@@ -43,9 +43,6 @@ from pretuner.pinned import (
 )
 from pretuner.tune.pinned.soak import soak_figures
 from pretuner.units import GIB, MIB
-
-Executor = Callable[[LaunchSettings], LaunchOutcome]
-Phase = Callable[[str, str], None]
 
 # A shared card may leave little: the field note served a 70B model from 7 GB of a 32 GB card.
 MIN_PRERUN_UTIL = 0.05

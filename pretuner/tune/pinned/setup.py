@@ -14,6 +14,7 @@ from pretuner.devices.host import host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
+from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
@@ -38,7 +39,7 @@ from pretuner.tune.pinned.weights import (
     widen_hint,
 )
 from pretuner.tune.report import RunMeta
-from pretuner.tune.setup import Executor, OnDecision, Setup, Vision
+from pretuner.tune.setup import OnDecision, Setup, Vision
 from pretuner.units import MIB
 
 if TYPE_CHECKING:

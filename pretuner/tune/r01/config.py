@@ -3,7 +3,7 @@ constants and the small pure helpers the decision modules share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,7 +86,6 @@ class TuneResult:
     pool_on_demand: bool = False  # TuneConfig.pool_on_demand
 
 
-Executor = Callable[[LaunchSettings], LaunchOutcome]
 
 
 def plan_for(cfg: TuneConfig) -> PlanResult:
@@ -95,7 +94,6 @@ def plan_for(cfg: TuneConfig) -> PlanResult:
                                         block_size=cfg.block_size))
 
 
-floor_to = bud.floor_to
 
 
 def prerun_util(cfg: TuneConfig) -> float:
@@ -103,7 +101,7 @@ def prerun_util(cfg: TuneConfig) -> float:
     if cfg.card.free_mib is None:
         return cfg.util
     reserve = bud.reserve_gib(cfg.card.card_gib, measured_by_engine=False, given=cfg.reserve_gib)
-    cap = floor_to((cfg.card.free_mib * MIB / GIB - reserve) / cfg.card.card_gib, 2)
+    cap = bud.floor_to((cfg.card.free_mib * MIB / GIB - reserve) / cfg.card.card_gib, 2)
     return min(cfg.util, cap)
 
 

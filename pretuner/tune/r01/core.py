@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pretuner.engines.base import LaunchSettings
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.errors import (
     CardBusyError,
     InfeasibleError,
@@ -26,7 +26,6 @@ from pretuner.tune.r01.config import (
     CHUNKED_GROWING_SHARE,
     TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MARGIN_SHARE,
-    Executor,
     TuneConfig,
     TuneState,
     kv_prerun_bytes,

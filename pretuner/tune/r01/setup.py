@@ -13,6 +13,7 @@ from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import BLOCK_SIZE
+from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.errors import BadInputError, PretunerError
 from pretuner.launch.process import check_server_installed
@@ -24,7 +25,7 @@ from pretuner.tune.layout import check_r01_flags
 from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
 from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.report import RunMeta, failure_json, report_json
-from pretuner.tune.setup import Executor, OnDecision, Setup
+from pretuner.tune.setup import OnDecision, Setup
 
 if TYPE_CHECKING:
     from pretuner.tune.options import RunOptions

@@ -51,6 +51,7 @@ from pretuner.report.records import (
     device_words,
     kv_words,
 )
+from pretuner.report.records import Method as MethodName
 from pretuner.tune.pinned.report_sections import pinned_sections, v1_files
 from pretuner.tune.r01.budget import outside_pool_mib
 from pretuner.tune.r01.config import TuneResult
@@ -243,18 +244,13 @@ def _proof_rows(
     return rows
 
 
-def failure_json(err: PretunerError, meta: RunMeta, p: PlanResult, steps: Sequence[Step],
-                 decisions: Iterable[Decision]) -> FailureReport:
-    """The record of an r0.1 run stopped by `err`: why, the fix, and everything done."""
-    return FailureReport(**run_head(meta, steps, decisions, False, **plan_layout(p)),
-                         method="r0.1", **failure_fields(err))
-
-
-def failure_fields(err: PretunerError) -> dict[str, Any]:
-    """What a failure report says of the error, whichever method the run used."""
-    return {"error": err.message, "hint": err.hint, "exit_code": int(err.exit_code),
-            "error_type": type(err).__name__,
-            "server_log": err.log_path if isinstance(err, ServerFailedError) else None}
+def failure_json(err: PretunerError, meta: RunMeta, steps: Sequence[Step],
+                 decisions: Iterable[Decision], method: MethodName, **layout: Any) -> FailureReport:
+    """The record of a run stopped by `err`, either method: why, the fix, and everything done."""
+    return FailureReport(
+        **run_head(meta, steps, decisions, False, **layout), method=method, error=err.message,
+        hint=err.hint, exit_code=int(err.exit_code), error_type=type(err).__name__,
+        server_log=err.log_path if isinstance(err, ServerFailedError) else None)
 
 
 # -- report.md ------------------------------------------------------------------------------------
@@ -439,4 +435,5 @@ def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: 
         log_path = err.log_path if isinstance(err, ServerFailedError) and err.log_path else (
             str(path) if path.is_file() else None)
         steps.append(unfinished_step(n, started["settings"], log_path))
-    write_failure(record, method.failure_json(err, meta, steps), err)
+    write_failure(record, failure_json(err, meta, steps, method.decisions, method.name,
+                                       **method.layout()), err)

@@ -14,10 +14,10 @@ from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.vllm_v1 import V1Engine
-from pretuner.errors import PretunerError
 from pretuner.launch.images import ImageShape
 from pretuner.models.spec import ModelSpec
-from pretuner.report.records import FailureReport, RunReport, Step
+from pretuner.report.records import Method as MethodName
+from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ OnDecision = Callable[[dict[str, Any]], object] | None
 class Method(Protocol):
     """A tuning method as the pipeline drives it."""
 
-    name: str  # the report's method: "r0.1" or "v1-pinned-kv"
+    name: MethodName  # the report's method
     then: str  # what the run does after the pre-run, as a dry run says it
 
     @property
@@ -45,8 +45,9 @@ class Method(Protocol):
     def run(self) -> Any: ...
     def first_launch(self) -> LaunchSettings: ...
     def report_json(self, result: Any, meta: RunMeta) -> RunReport: ...
-    def failure_json(self, err: PretunerError, meta: RunMeta, steps: list[Step]
-                     ) -> FailureReport: ...
+    def layout(self) -> dict[str, Any]:
+        """The report's model, card_gib, tp, pp, nodes, weights_format, kv_bytes_per_token."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,22 +4,17 @@ from the record by `tune.report`, like any run's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.vllm_v1 import V1Engine
-from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.report.records import (
     Asked,
-    Decision,
-    FailureReport,
     Final,
     PinnedDerivation,
     RunReport,
-    Step,
     V1Baseline,
     V1Budget,
     V1Weights,
@@ -34,7 +29,6 @@ from pretuner.tune.pinned.report_memory import (
 )
 from pretuner.tune.report import (
     RunMeta,
-    failure_fields,
     given_up,
     provenance,
     run_head,
@@ -59,12 +53,11 @@ class PinnedFacts:
     min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
 
 
-def _head(m: RunMeta, x: PinnedFacts, steps: list[Step], decisions: Iterable[Decision],
-          validated: bool, tp: int, pp: int) -> dict[str, Any]:
+def pinned_layout(x: PinnedFacts, tp: int, pp: int) -> dict[str, Any]:
     # A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq).
     loaded = x.weights.loaded_as if x.weights and x.weights.quantization else x.weights_format
-    return run_head(m, steps, decisions, validated, model=x.model, card_gib=x.card_gib, tp=tp,
-                    pp=pp, nodes=1, weights_format=loaded, kv_bytes_per_token=x.bytes_per_token)
+    return {"model": x.model, "card_gib": x.card_gib, "tp": tp, "pp": pp, "nodes": 1,
+            "weights_format": loaded, "kv_bytes_per_token": x.bytes_per_token}
 
 
 def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
@@ -86,7 +79,8 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
     # A simulated run's serve.sh starts the emulated server: what the real engine would run.
     real = [*x.engine.row.command, resolve(x.model).hf_id or x.model, *argv]
     return RunReport(
-        **_head(m, x, [step_json(o) for o in r.outcomes], r.decisions, r.validated, f.tp, f.pp),
+        **run_head(m, [step_json(o) for o in r.outcomes], r.decisions, r.validated,
+                   **pinned_layout(x, f.tp, f.pp)),
         final=Final(
             env=deployment.env, flags=argv,
             serve_command=[*x.engine.serve_command(x.card_gib), m.model_arg, *argv],
@@ -122,9 +116,3 @@ def _any_launch(r: V1Result) -> LaunchOutcome | None:
     """A launch whose log said what the engine's encoder budget is (any will do)."""
     return next((o for o in r.outcomes if o.encoder_budget_tokens is not None), None)
 
-
-def failure_json(err: PretunerError, m: RunMeta, x: PinnedFacts, steps: list[Step],
-                 decisions: Iterable[Decision], tp: int, pp: int) -> FailureReport:
-    """The record of a V1 run stopped by `err`: why, the fix, every launch and decision."""
-    return FailureReport(**_head(m, x, steps, decisions, False, tp, pp),
-                         method="v1-pinned-kv", **failure_fields(err))

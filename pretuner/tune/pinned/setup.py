@@ -7,7 +7,7 @@ import json
 import os
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
 from pretuner.devices.host import host_memory
@@ -19,7 +19,7 @@ from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args
-from pretuner.errors import BadInputError, InfeasibleError, PretunerError
+from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape
 from pretuner.models import local_model_path, resolve
@@ -27,11 +27,12 @@ from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
 from pretuner.plan.layout import v1_layout_options
 from pretuner.plan.propose import decide_layout
-from pretuner.report.records import FailureReport, RunReport, Step
+from pretuner.report.records import Method as MethodName
+from pretuner.report.records import RunReport
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
-from pretuner.tune.pinned.report import PinnedFacts, failure_json, report_json
+from pretuner.tune.pinned.report import PinnedFacts, pinned_layout, report_json
 from pretuner.tune.pinned.weights import (
     check_host,
     knobs_of,
@@ -180,7 +181,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
 class PinnedMethod(V1Tuner):
     """The pinned-KV loop as the pipeline drives it."""
 
-    name = "v1-pinned-kv"
+    name: MethodName = "v1-pinned-kv"
     then = ("read the engine's own profile and the device's peak, pin --kv-cache-memory-bytes "
             "below them by the measured margin, and validate with max-num-seqs concurrent "
             "max-length requests (launch 2).")
@@ -216,7 +217,5 @@ class PinnedMethod(V1Tuner):
     def report_json(self, result: V1Result, meta: RunMeta) -> RunReport:
         return report_json(result, meta, self.facts)
 
-    def failure_json(self, err: PretunerError, meta: RunMeta, steps: list[Step]
-                     ) -> FailureReport:
-        return failure_json(err, meta, self.facts, steps, self.decisions, self.cfg.tp,
-                            self.cfg.pp)
+    def layout(self) -> dict[str, Any]:
+        return pinned_layout(self.facts, self.cfg.tp, self.cfg.pp)

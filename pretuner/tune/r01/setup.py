@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
@@ -15,16 +15,17 @@ from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import BLOCK_SIZE
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
-from pretuner.errors import BadInputError, PretunerError
+from pretuner.errors import BadInputError
 from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
-from pretuner.report.records import FailureReport, RunReport, Step
+from pretuner.report.records import Method as MethodName
+from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
 from pretuner.tune.layout import check_r01_flags
 from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
 from pretuner.tune.r01.loop import Tuner
-from pretuner.tune.report import RunMeta, failure_json, report_json
+from pretuner.tune.report import RunMeta, plan_layout, report_json
 from pretuner.tune.setup import OnDecision, Setup
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
 class R01Method(Tuner):
     """The r0.1 loop as the pipeline drives it."""
 
-    name = "r0.1"
+    name: MethodName = "r0.1"
     then = ("read every rank's `actual peak used` after a graceful stop, derive, and validate "
             "with max-num-seqs concurrent max-length requests (launch 2).")
 
@@ -134,6 +135,5 @@ class R01Method(Tuner):
     def report_json(self, result: TuneResult, meta: RunMeta) -> RunReport:
         return report_json(result, meta, self.serve_argv)
 
-    def failure_json(self, err: PretunerError, meta: RunMeta, steps: list[Step]
-                     ) -> FailureReport:
-        return failure_json(err, meta, self.plan, steps, self.decisions)
+    def layout(self) -> dict[str, Any]:
+        return plan_layout(self.plan)

@@ -34,18 +34,6 @@ if TYPE_CHECKING:
 NO_READER = "no device memory reader here: measuring from the logs only"
 
 
-def _check_lengths(max_len: int, min_len: int) -> None:
-    if max_len < 1:
-        raise BadInputError(
-            f"--max-model-len {max_len} is invalid", hint="e.g. --max-model-len 16384"
-        )
-    if min_len < 1 or min_len > max_len:
-        raise BadInputError(
-            f"--min-model-len {min_len} must be between 1 and --max-model-len {max_len}",
-            hint=f"e.g. --min-model-len {max(1, max_len // 4)}",
-        )
-
-
 def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = None
               ) -> Setup[TuneConfig]:
     engine = choice.r01()
@@ -59,7 +47,10 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     min_len = (
         min(lengths.min_model_len, max_len) if opts.min_model_len is None else opts.min_model_len
     )
-    _check_lengths(max_len, min_len)
+    if min_len > max_len:  # each is at least 1 (RunOptions.check)
+        raise BadInputError(
+            f"--min-model-len {min_len} must be between 1 and --max-model-len {max_len}",
+            hint=f"e.g. --min-model-len {max(1, max_len // 4)}")
 
     def card_env(weights_format: str, nodes: int) -> dict[str, str]:
         env = engine.card_env(opts.card_gib, opts.seed, os.environ,

@@ -241,28 +241,15 @@ def derive(inp: PrerunInputs) -> Derivation:
             hint=f"use at most {final_tokens:,}",
         )
     final = FinalConfig(
-        ascend_total_memory_gb=inp.card_gib,
-        vllm_model_memory_use_gb=model_use,
-        gpu_memory_utilization=final_util,
-        max_model_len=inp.max_model_len,
-        max_num_seqs=final_seqs,
-        max_num_batched_tokens=batched,
-        block_size=block,
-        kv_bytes=final_kv,
-        kv_tokens=final_tokens,
+        ascend_total_memory_gb=inp.card_gib, vllm_model_memory_use_gb=model_use,
+        gpu_memory_utilization=final_util, max_model_len=inp.max_model_len, max_num_seqs=final_seqs,
+        max_num_batched_tokens=batched, block_size=block, kv_bytes=final_kv, kv_tokens=final_tokens,
     )
     return Derivation(
-        inputs=inp,
-        kv_prerun_bytes=kv_prerun,
-        actual_peak_bytes=peak,
-        weights_act_bytes=weights_act,
-        max_kv_bytes=max_kv,
-        max_kv_tokens=max_tokens,
-        max_num_seqs_method=seqs_method,
-        headroom_total_gib=headroom,
-        model_use_exact_gib=exact,
-        rounding_cost_bytes=rounding_cost,
-        final=final,
+        inputs=inp, kv_prerun_bytes=kv_prerun, actual_peak_bytes=peak,
+        weights_act_bytes=weights_act, max_kv_bytes=max_kv, max_kv_tokens=max_tokens,
+        max_num_seqs_method=seqs_method, headroom_total_gib=headroom, model_use_exact_gib=exact,
+        rounding_cost_bytes=rounding_cost, final=final,
     )
 
 

@@ -43,7 +43,7 @@ from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes
 from pretuner.speed import Speed
 from pretuner.tune.options import RunOptions
-from pretuner.tune.v1.loop import V1Result
+from pretuner.tune.pinned.loop import V1Result
 from pretuner.units import GIB
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"

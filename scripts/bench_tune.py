@@ -45,8 +45,8 @@ from pretuner.sim import memory as mem
 from pretuner.sim.executor import tune_in_process
 from pretuner.sim.plugin import R01_CARDS
 from pretuner.sim.truth import max_length, max_safe_kv
-from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning
-from pretuner.tune.loop import CardInfo, TuneResult
+from pretuner.tune.entry import RunOptions, run_tuning
+from pretuner.tune.r01.config import CardInfo, TuneResult
 from pretuner.units import GIB, MIB
 
 LENGTHS = (16384, 32768, 65536)
@@ -298,7 +298,8 @@ def compare_subprocess(cases_: list[Case], rows: list[Row], count: int, work: st
                           out=tempfile.mkdtemp(prefix="sub-", dir=work) + "/run")
         try:
             out = run_tuning(opts, lambda p, d: None)
-            assert isinstance(out, RunOutcome)  # noqa: S101  (no engine: the r0.1 method)
+            # no engine: the r0.1 method
+            assert isinstance(out.result, TuneResult)  # noqa: S101
             f = out.result.derivation.final
             got = ("validated", f.max_model_len, round(f.kv_bytes / GIB, 3),
                    len(out.result.outcomes))

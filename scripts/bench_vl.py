@@ -34,7 +34,7 @@ from pretuner.models import resolve
 from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, util_outcome
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.v1.soak import soak_figures
+from pretuner.tune.pinned.soak import soak_figures
 from pretuner.units import GIB
 
 CARD = 64

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from pretuner.tune.asked import given_up
 from pretuner.tune.options import RETUNE_FLAGS, RunOptions
+from pretuner.tune.report import given_up
 
 
 @pytest.mark.parametrize(("args", "cuts"), [

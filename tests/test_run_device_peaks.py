@@ -64,16 +64,17 @@ def test_a_pool_that_grows_on_demand_is_not_told_apart_from_what_lies_outside(
 def test_without_a_reader_the_run_says_so_once(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from pretuner.tune import entry
+    from pretuner.tune.r01 import setup as r01setup
 
     for key, value in cli_env().items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(entry, "select_reader", lambda kind, env, count=1: None)
+    monkeypatch.setattr(r01setup, "select_reader", lambda kind, env, count=1: None)
     said: list[tuple[str, str]] = []
     opts = entry.RunOptions(model="qwen3-8b", card_gib=64, engine="sim",
                             out=str(tmp_path / "run"))
     outcome = entry.run_tuning(opts, lambda name, detail: said.append((name, detail)))
     assert isinstance(outcome, entry.RunOutcome)  # no --engine: the r0.1 method
-    assert said.count(("device", entry.NO_READER)) == 1
+    assert said.count(("device", r01setup.NO_READER)) == 1
     steps = outcome.report.steps
     assert len(steps) >= 2
     assert all(s.device_reader is None and s.device_peaks_mib == {} for s in steps)

@@ -19,7 +19,14 @@ from pretuner.errors import BadInputError, InfeasibleError, ServerFailedError
 from pretuner.models import lookup
 from pretuner.plan.layout import PlanConfig, plan
 from pretuner.report.records import Step
-from pretuner.tune.report import RunMeta, failure_json, failure_md, step_json, unfinished_step
+from pretuner.tune.report import (
+    RunMeta,
+    failure_json,
+    failure_md,
+    plan_layout,
+    step_json,
+    unfinished_step,
+)
 from tests.helpers import R01_INFEASIBLE, FinishedRun, cli_env, invoke, run_cli
 
 INFEASIBLE = ("run", *R01_INFEASIBLE)  # qwen3-8b at 40,960 tokens on 24 GiB: exit 4
@@ -189,10 +196,11 @@ def test_an_unfinished_launch_has_the_fields_of_a_finished_one() -> None:
 
 
 def _failure(err: InfeasibleError | ServerFailedError, steps: list[Step]) -> str:
-    meta = RunMeta(run_id="r1", backend="sim", simulated=True, card_source="given",
+    meta = RunMeta(run_id="r1", engine="sim", simulated=True, card_source="given",
                    model_arg="qwen3-8b")  # fmt: skip
     p = plan(PlanConfig(model=lookup("qwen3-8b"), card_gib=64))
-    rep = failure_json(err, meta, p, steps, [{"decision": "layout", "reason": "TP1"}])
+    rep = failure_json(err, meta, steps, [{"decision": "layout", "reason": "TP1"}], "r0.1",
+                       **plan_layout(p))
     json.dumps(rep.model_dump(mode="json"))  # report.json holds plain JSON
     return failure_md(rep)
 

@@ -319,8 +319,8 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
     from pretuner.sim import memory as mem
     from pretuner.sim.executor import tune_in_process
     from pretuner.sim.plugin import R01_CARDS
-    from pretuner.tune.config import CardInfo, TuneResult
-    from pretuner.tune.entry import RunOptions, RunOutcome, run_tuning
+    from pretuner.tune.entry import RunOptions, run_tuning
+    from pretuner.tune.r01.config import CardInfo, TuneResult
 
     for key, value in cli_env().items():
         monkeypatch.setenv(key, value)
@@ -337,8 +337,8 @@ def test_the_in_process_card_decides_as_real_processes(tmp_path: Path,
     card = CardInfo(24, prof.total_mib - prof.driver_reserved_mib - occupied, "emulated npu-smi")
     inproc = tune_in_process(opts("inproc"), tmp_path / "inproc", card)
     outcome = run_tuning(opts("real"), lambda name, detail: None)
-    assert isinstance(outcome, RunOutcome)  # no --engine: the r0.1 method
     real = outcome.result
+    assert isinstance(real, TuneResult)  # no --engine: the r0.1 method
 
     def decided(r: TuneResult) -> tuple[object, ...]:
         f = r.derivation.final

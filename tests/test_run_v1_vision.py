@@ -20,7 +20,7 @@ from pretuner.report.records import RunReport, read_report
 from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.v1.entry import DEFAULT_SOAK
+from pretuner.tune.pinned.setup import DEFAULT_SOAK
 from tests.helpers import FinishedRun, first_launch_line, invoke
 
 ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",

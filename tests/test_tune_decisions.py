@@ -26,17 +26,17 @@ from pretuner.sim import memory as mem
 from pretuner.sim.executor import tune_in_process
 from pretuner.sim.plugin import R01_CARDS
 from pretuner.sim.truth import max_length, seqs_supported
-from pretuner.tune import budget as bud
-from pretuner.tune.config import (
+from pretuner.tune.entry import RunOptions
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     CardInfo,
     TuneConfig,
     TuneResult,
     kv_prerun_bytes,
     pool_on_demand,
 )
-from pretuner.tune.entry import RunOptions
-from pretuner.tune.loop import Tuner
-from pretuner.tune.search import Measured, WaModel
+from pretuner.tune.r01.loop import Tuner
+from pretuner.tune.r01.search import Measured, WaModel
 from pretuner.units import GIB, MIB
 
 # -- canned outcomes ------------------------------------------------------------------------

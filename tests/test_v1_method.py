@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from pretuner.engines.base import LaunchSettings, Purpose
-from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
+from pretuner.engines.outcome import Executor, Exercised, LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_launch import classify, concurrency
 from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import InfeasibleError, NotValidatedError
 from pretuner.models import resolve
 from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes
-from pretuner.tune.v1.loop import Executor, V1Config, V1Result, V1Tuner
+from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
 from pretuner.units import GIB, MIB
 from tests.helpers import shared
 

@@ -14,8 +14,8 @@ from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
 from pretuner.launch import images as I
 from pretuner.models import resolve
-from pretuner.tune.v1.loop import V1Config, V1Tuner
-from pretuner.tune.v1.soak import soak_figures
+from pretuner.tune.pinned.loop import V1Config, V1Tuner
+from pretuner.tune.pinned.soak import soak_figures
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-vl-8b")

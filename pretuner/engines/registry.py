@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 
 from pretuner.engines.base import Family
-from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine
+from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine, version_tuple
 from pretuner.engines.vllm_v1 import INSTALL_HINT, ROWS, V1Row, engine_python
 from pretuner.errors import BadInputError
 
@@ -55,21 +55,10 @@ def installed_version(*names: str) -> str | None:
     return None
 
 
-def _version(*names: str) -> str | None:
-    return installed_version(*names)
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    import re
-
-    nums = [int(x) for x in re.findall(r"\d+", version)[:2]] + [0, 0]
-    return nums[0], nums[1]
-
-
 def _python_version(row: V1Row, python: str) -> str | None:
     """The engine's version as `python` sees it (its own venv), None when it has none."""
     if python == sys.executable:
-        return _version(*row.distributions)
+        return installed_version(*row.distributions)
     dist = row.distributions[0]
     code = ("import importlib.metadata as m, importlib.util as u; "
             f"print(m.version({dist!r}) if u.find_spec('vllm') else '')")
@@ -123,7 +112,7 @@ def choose_engine(requested: str) -> EngineChoice:
         row = ROWS[requested]
         if row.python_var is not None:
             return _own_engine(row)
-        version = _version(*row.distributions)
+        version = installed_version(*row.distributions)
         if version is None:
             why = f"{row.distributions[0]} is not installed"
         elif not _has_devices(row.device):
@@ -137,16 +126,16 @@ def choose_engine(requested: str) -> EngineChoice:
 
 
 def _auto() -> EngineChoice:
-    ms = _version(*ROWS["vllm-mindspore"].distributions)
+    ms = installed_version(*ROWS["vllm-mindspore"].distributions)
     npu = _has_devices("ascend")
     if ms is not None and npu:
-        if _major_minor(ms) >= (0, 3):
+        if version_tuple(ms) >= (0, 3):
             return EngineChoice("vllm-mindspore", Family.V1, False, ms,
                                 f"auto: vllm-mindspore {ms} (a V1 engine) and NPUs")
         return EngineChoice(R01, Family.R01, False, ms, f"auto: vllm-mindspore {ms} and NPUs")
     for name in ("vllm-ascend", "vllm"):
         row = ROWS[name]
-        version = _version(*row.distributions)
+        version = installed_version(*row.distributions)
         if version is not None and _has_devices(row.device):
             return EngineChoice(name, Family.V1, False, version,
                                 f"auto: {row.distributions[0]} {version} and {row.device} devices")
@@ -172,8 +161,8 @@ def engine_of_backend(backend: str, engine: str) -> str:
         raise BadInputError(f"--engine {engine} and --backend {backend} both name the server",
                             hint="keep --engine (--backend is its old name)")
     if backend == "vllm-mindspore":  # 0.3 and later are V1: the r0.1 variables are ignored
-        version = _version(*ROWS["vllm-mindspore"].distributions)
-        if version is not None and _major_minor(version) >= (0, 3):
+        version = installed_version(*ROWS["vllm-mindspore"].distributions)
+        if version is not None and version_tuple(version) >= (0, 3):
             return "vllm-mindspore"
     return BACKEND_ALIASES[backend]
 
@@ -185,7 +174,7 @@ def _r01(requested: str) -> EngineChoice:
     if requested == SIM:
         return EngineChoice(SIM, Family.R01, True, None, "--engine sim: the emulated card")
     if requested == MINDSPORE_CPU:
-        ms = _version("mindspore")
+        ms = installed_version("mindspore")
         if ms is None:
             raise BadInputError(
                 "--engine mindspore-cpu needs MindSpore, which is not installed",
@@ -193,7 +182,7 @@ def _r01(requested: str) -> EngineChoice:
             )
         # The reference server speaks r0.1: no vLLM-MindSpore version to adapt to.
         return EngineChoice(MINDSPORE_CPU, Family.R01, False, None, f"MindSpore {ms} on CPU")
-    version = _version(*ROWS["vllm-mindspore"].distributions)
+    version = installed_version(*ROWS["vllm-mindspore"].distributions)
     if _has_devices("ascend"):
         here = f"vllm-mindspore {version}" if version else "vllm-mindspore not importable here"
         return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: NPUs ({here})")

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pretuner.models.quant import METHODS
-
 Flag = tuple[str, str | None]
 # vLLM's own default of --swap-space (GiB per GPU), used when the flag is not given.
 VLLM_DEFAULT_SWAP_GIB = 4.0
@@ -26,7 +24,7 @@ def gib_text(value: float) -> str:
 class Knobs:
     """What a run was told about quantization, offload, swap and CUDA graphs."""
 
-    quantization: str | None = None  # vLLM's --quantization name (METHODS); None: as stored
+    quantization: str | None = None  # vLLM's --quantization name; None: as stored
     cpu_offload_gib: float = 0.0  # --cpu-offload-gb per card; 0: every weight on the card
     swap_space_gib: float | None = None  # --swap-space per card; None: the engine's default
     enforce_eager: bool = False  # --enforce-eager: no CUDA graphs (no graph pool, slower)
@@ -56,19 +54,10 @@ class Knobs:
 
     def words(self) -> str:
         """One line for a summary: what the run loads and how."""
-        parts = [f"--quantization {self.quantization}" if self.quantization
-                 else "weights as stored"]
-        if self.cpu_offload_gib:
-            parts.append(f"--cpu-offload-gb {gib_text(self.cpu_offload_gib)}")
-        if self.swap_space_gib is not None:
-            parts.append(f"--swap-space {gib_text(self.swap_space_gib)}")
-        if self.enforce_eager:
-            parts.append("--enforce-eager")
-        return ", ".join(parts)
+        parts = [name if value is None else f"{name} {value}" for name, value in self.flags()]
+        return ", ".join(parts if self.quantization else ["weights as stored", *parts])
 
     def to_json(self) -> dict[str, Any]:
         return {"quantization": self.quantization, "cpu_offload_gib": self.cpu_offload_gib,
                 "swap_space_gib": self.swap_space_gib, "enforce_eager": self.enforce_eager}
 
-
-__all__ = ["METHODS", "VLLM_DEFAULT_SWAP_GIB", "Knobs", "gib_text"]

@@ -129,37 +129,17 @@ class V1Hooks:
             raise host_killed(log_path)
         if kind is None:  # only for an unexplained failure
             raise failure or unexplained_exit(log_path, exited or 0)
-        ready_s, request_s, stop_s, total_s = times
         free = v1.initial_free_gib if v1.initial_free_gib is not None else v1.refused_free_gib
-        return LaunchOutcome(
-            n=n,
-            settings=s,
-            kind=kind,
+        return LaunchOutcome.of(
+            n, s, kind, log_path, ran, times, exited,
             worst_peak_mib=None,  # no pool dump: the device sampler's peaks are the figure
-            rank_peaks_mib={},
-            oom_text=v1.oom_text,
-            requests_ok=ran.ok,
-            requests_total=ran.total,
-            ready_s=round(ready_s, 3),
-            request_s=round(request_s, 3),
-            stop_s=round(stop_s, 3),
-            total_s=round(total_s, 3),
-            overhead_s=round(max(0.0, total_s - ready_s - request_s - stop_s), 3),
-            log_path=str(log_path),
+            rank_peaks_mib={}, oom_text=v1.oom_text,
             device_free_mib=round(free * GIB / MIB) if free is not None else None,
-            estimated_max_len=v1.estimated_max_len,
-            request_error=ran.error,
-            weights_gib=v1.weights_gib,
-            oom_alloc_bytes=v1.oom_alloc_bytes,
-            requests_dropped=ran.dropped,
-            server_exit_code=exited,
-            kv_tokens=v1.kv_tokens,
-            kv_gib=v1.kv_gib,
-            soak_requests=ran.soak_requests,
-            reset_status=ran.reset_status,
-            encoder_budget_tokens=v1.encoder_budget_tokens,
-            encoder_profiled_items=v1.encoder_profiled_items,
-            speed=ran.speed,
+            estimated_max_len=v1.estimated_max_len, weights_gib=v1.weights_gib,
+            oom_alloc_bytes=v1.oom_alloc_bytes, requests_dropped=ran.dropped,
+            kv_tokens=v1.kv_tokens, kv_gib=v1.kv_gib, soak_requests=ran.soak_requests,
+            reset_status=ran.reset_status, encoder_budget_tokens=v1.encoder_budget_tokens,
+            encoder_profiled_items=v1.encoder_profiled_items, speed=ran.speed,
         )
 
 
@@ -196,6 +176,5 @@ def unexplained_exit(log_path: Path, code: int) -> ServerFailedError:
     """A server that exited before it was ready, with no line that says why."""
     return ServerFailedError(
         f"the server exited with code {code} before it was ready",
-        hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}",
-        log_path=str(log_path),
+        hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}", log_path=str(log_path),
     )

@@ -41,7 +41,6 @@ class V1Row:
     default_block_size: int
     default_batched_tokens: int  # the online server's max_num_batched_tokens default
     env: dict[str, str] = field(default_factory=dict)  # what every launch needs
-    pinned_kv: bool = True  # takes --kv-cache-memory-bytes
     # The pre-run lets the engine profile at a util; False: it pins one sequence's KV instead
     # (vLLM on CPU refuses a util above the node's free memory and the budget is not the node).
     profile_prerun: bool = True
@@ -163,6 +162,10 @@ class V1Engine:
 
     @property
     def name(self) -> str:
+        return self.row.name
+
+    @property
+    def server(self) -> str:  # the report's engine
         return self.row.name
 
     @property

@@ -26,8 +26,8 @@ from pretuner.plan import weights as pw
 from pretuner.units import GIB
 
 if TYPE_CHECKING:  # the flags run and plan share, as the run was given them and resolved them
-    from pretuner.tune.config import TuneConfig
     from pretuner.tune.options import RunOptions
+    from pretuner.tune.r01.config import TuneConfig
 
 LADDER = (16384, 8192, 4096)
 V1_MAX_MODEL_LEN = 16384  # a V1 run's length when neither --max-model-len nor its row says

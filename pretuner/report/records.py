@@ -1,6 +1,6 @@
 """report.json as one typed record: what a run leaves behind, on every engine, by either method.
 
-The producers (`tune.report`, `tune.v1.report`) build a `RunReport` (or a `FailureReport`);
+The producers (`tune.report`, `tune.pinned.report`) build a `RunReport` (or a `FailureReport`);
 report.json is `record.model_dump(mode="json")`. What both tuning methods share is a field of
 the record; what one method alone has is its `derivation`, a union told apart by `method`.
 Readers (presets, report.md, report.html, `explain`, the CLI) take the record, never a dict:
@@ -227,7 +227,7 @@ class V1Images(Record):
 
 class V1Soak(Record):
     """The soak of the final configuration's validation: device MiB (the worst device), as
-    sampled (`pretuner.tune.v1.soak`)."""
+    sampled (`pretuner.tune.pinned.soak`)."""
 
     launch: int
     requests_asked: int | None

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from pretuner.engines.base import LaunchCommand, LaunchSettings
-from pretuner.engines.mindspore_r01 import SIM, R01Engine, outcome_of
+from pretuner.engines.base import Family, LaunchCommand, LaunchSettings
+from pretuner.engines.mindspore_r01 import SIM, outcome_of
 from pretuner.engines.outcome import LaunchOutcome, tally, workload
+from pretuner.engines.registry import EngineChoice
 from pretuner.errors import ServerFailedError
 from pretuner.launch.collect import rank_peaks
 from pretuner.launch.probe import CompletionOutcome
@@ -25,9 +26,11 @@ from pretuner.logscan import scan_paths
 from pretuner.logscan.lines import DeviceMemoryInit, parse_line
 from pretuner.sim import inproc
 from pretuner.sim.plugin import EMULATOR
-from pretuner.tune.entry import RunOptions, _setup
+from pretuner.tune.entry import RunOptions
 from pretuner.tune.execute import Phase
-from pretuner.tune.loop import CardInfo, Tuner, TuneResult
+from pretuner.tune.r01.config import CardInfo, TuneResult
+from pretuner.tune.r01.loop import Tuner
+from pretuner.tune.r01.setup import r01_setup
 
 DECODE_TOKENS = 16
 
@@ -103,7 +106,7 @@ def tune_in_process(
     opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
 ) -> TuneResult:
     """The whole loop against the emulated server run in this process (benchmarks, tests)."""
-    engine = R01Engine(SIM, True, None, "in-process emulated card")
-    setup = _setup(opts, engine, card)
+    choice = EngineChoice(SIM, Family.R01, True, None, "in-process emulated card")
+    setup = r01_setup(opts, choice, card)
     execute = inprocess_executor(setup.ctx.build, workdir, setup.ctx.decode_tokens)
     return Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

@@ -1,5 +1,6 @@
 """One launch, start to finish: start the server, probe or load it, stop it gracefully, scan
-its log, and say what happened in one classified outcome."""
+its log, and say what happened in one classified outcome; `recorded_executor` journals each
+launch and replays the finished ones on --resume."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from typing import Protocol
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose
+from pretuner.engines.base import Phase as Phase
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
+    Executor,
     Exercised,
     LaunchOutcome,
     tally,
@@ -33,14 +36,13 @@ from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, ser
 from pretuner.logscan import Located, OomEvent, OomKind
 from pretuner.logscan.lines import DeviceMemoryInit
 from pretuner.speed import Speed
-from pretuner.tune.crash import device_busy
+from pretuner.tune.busy import device_busy
 from pretuner.tune.record import RunRecord
 
 log = logging.getLogger(__name__)
 
 CRASH_SETTLE_S = 1.0  # how long a server whose requests failed may take to finish dying
 
-Phase = Callable[[str, str], None]  # (phase, detail) -> None, for the progress display
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,19 +186,11 @@ def run_launch(
     collected = collector.collect()
     (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
     outcome = outcome_of(
-        n,
-        settings,
-        collected.scan,
-        Exercised(ok, total, dropped, first_error),
-        failure=failure,
-        graceful=stop.graceful,
-        init_free_mib=[*free, *collected.init_free_mib],
-        log_path=log_path,
-        problem=collected.problem,
-        worst_node=collected.worst_node,
+        n, settings, collected.scan, Exercised(ok, total, dropped, first_error), failure=failure,
+        graceful=stop.graceful, init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,
+        problem=collected.problem, worst_node=collected.worst_node,
         rank_peaks_mib=collected.rank_peaks_mib,
-        times=(ready_s, request_s, stop_s, time.monotonic() - t0),
-        exited=exited,
+        times=(ready_s, request_s, stop_s, time.monotonic() - t0), exited=exited,
     )
     return with_samples(outcome, sampled)
 
@@ -239,3 +233,20 @@ def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) ->
     return tally(outs, plen)
 
 
+def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:
+    """Run launches for real, journaling each; on --resume, replay the finished ones."""
+    done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
+    counter = {"n": 0}
+
+    def execute(settings: LaunchSettings) -> LaunchOutcome:
+        counter["n"] += 1
+        n = counter["n"]
+        if n <= len(done) and done[n - 1].settings == settings:
+            phase("replay", f"launch {n} finished in the earlier session: {done[n - 1].kind.value}")
+            return done[n - 1]
+        record.append("launch_started", n=n, settings=settings.to_json())
+        outcome = run_launch(n, settings, ctx, record, phase)
+        record.append("launch", n=n, outcome=outcome.to_json())
+        return outcome
+
+    return execute

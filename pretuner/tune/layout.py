@@ -15,8 +15,8 @@ from pretuner.errors import BadInputError
 from pretuner.models import resolve
 from pretuner.plan.layout import PlanConfig, layout_options, v1_layout_options
 from pretuner.tune.options import RunOptions, v1_only_flags
-from pretuner.tune.v1.entry import vision_setup
-from pretuner.tune.v1.weights import knobs_of
+from pretuner.tune.pinned.setup import vision_setup
+from pretuner.tune.pinned.weights import knobs_of
 
 
 def run_layout_options(opts: RunOptions) -> PlanConfig:

@@ -7,7 +7,7 @@ import dataclasses
 import shlex
 import typing
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from pretuner import validate as v
 from pretuner.errors import BadInputError
@@ -15,8 +15,6 @@ from pretuner.kvmath import KV_DTYPES
 from pretuner.models import local_model_path
 from pretuner.models.quant import METHODS
 from pretuner.redact import redact_argv
-
-T = TypeVar("T")
 
 # RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
 RETUNE_FLAGS = (
@@ -49,73 +47,6 @@ def _redacted(words: str) -> str:
         return "<redacted>"
 
 
-def check_run_options(o: RunOptions) -> None:
-    """Refuse a bad value of `o` with a one-line error naming it (exit 2)."""
-    if not o.model.strip():
-        raise BadInputError("--model is empty", hint="pass a registry name or a model folder")
-    if o.card_gib is not None and o.card_gib < 1:
-        raise BadInputError(
-            f"card size {o.card_gib} GiB is invalid", hint="pass the card's GiB, e.g. --card 64"
-        )
-    if o.card_gib is not None:
-        v.int_range("--card", o.card_gib, 1, v.MAX_CARD_GIB)
-    v.finite("--util", o.util, example="0.9")
-    if not 0 < o.util <= 1:
-        raise BadInputError(
-            f"--util {o.util} is outside (0, 1]", hint="use the fraction of the card, e.g. 0.9"
-        )
-    for flag, value in (("--max-model-len", o.max_model_len), ("--min-model-len", o.min_model_len)):
-        if value is not None:
-            v.int_range(flag, value, 1)
-    if o.tp is not None:
-        v.int_range("--tp", o.tp, 1)
-    v.int_range("--pp", o.pp, 1)
-    if o.nodes is not None:
-        v.int_range("--nodes", o.nodes, 1)
-    if o.block_size is not None:
-        v.choice("--block-size", o.block_size, v.BLOCK_SIZES)
-    v.choice("--kv-cache-dtype", o.kv_cache_dtype, KV_DTYPES)
-    if o.headroom_gib is not None:
-        v.non_negative("--headroom-gb", o.headroom_gib, example="1")
-    if o.reserve_gib is not None:
-        v.non_negative("--reserve-gb", o.reserve_gib, example="1")
-    if o.model_use_gib is not None:
-        v.int_range("--model-use-gb", o.model_use_gib, 1)
-    v.int_range("--max-launches", o.max_launches, 1)
-    if o.max_launches < 2 and o.validate:
-        raise BadInputError(
-            f"--max-launches {o.max_launches} leaves no launch for validation",
-            hint="use 2 or more, or --no-validate",
-        )
-    if o.serve_cmd is not None:
-        v.command_line("--serve-cmd", o.serve_cmd)
-    if o.out is not None:
-        v.path_text("--out", o.out)
-    v.path_text("runs folder", o.runs_dir)
-    v.positive("--ready-timeout", o.ready_timeout_s, example="1800")
-    v.positive("--request-timeout", o.request_timeout_s, example="900")
-    v.non_negative("--stop-grace", o.stop_grace_s, example="120")
-    if not o.host.strip():
-        raise BadInputError("the server host is empty", hint="use 127.0.0.1")
-    if o.limit_mm_per_prompt is not None:
-        from pretuner.models.vision import parse_limit_mm_per_prompt
-
-        parse_limit_mm_per_prompt(o.limit_mm_per_prompt)
-    if o.mm_processor_cache_gb is not None:
-        v.non_negative("--mm-processor-cache-gb", o.mm_processor_cache_gb, example="4")
-    if o.soak is not None:
-        v.int_range("--soak", o.soak, 0)
-    if o.soak_minutes is not None:
-        v.positive("--soak-minutes", o.soak_minutes, example="10")
-    if o.quantization is not None:
-        v.choice("--quantization", o.quantization, METHODS)
-    v.non_negative("--cpu-offload-gb", o.cpu_offload_gib, example="14")
-    if o.swap_space_gib is not None:
-        v.non_negative("--swap-space", o.swap_space_gib, example="4")
-    if o.min_tokens_per_s is not None:
-        v.positive("--min-tokens-per-s", o.min_tokens_per_s, example="5")
-
-
 def v1_only_flags(o: RunOptions) -> list[str]:
     """The flags given that only a V1 engine takes (the r0.1 method refuses them)."""
     given = (("--quantization", o.quantization is not None),
@@ -124,45 +55,6 @@ def v1_only_flags(o: RunOptions) -> list[str]:
              ("--enforce-eager", o.enforce_eager),
              ("--min-tokens-per-s", o.min_tokens_per_s is not None))
     return [flag for flag, on in given if on]
-
-
-def options_from_json(cls: type[T], data: Any, made_by: str | None) -> T:
-    """`cls(**data)` for a journal's recorded options, every key and type checked first."""
-    who = f"pretuner {made_by}" if made_by else "another pretuner version (none recorded)"
-    if not isinstance(data, dict):
-        raise BadInputError(
-            f"the journal's run options are a {type(data).__name__}, not an object",
-            hint="the journal is damaged: start a new run",
-        )
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise BadInputError(
-            f"the journal records run option {unknown[0]!r}, unknown to this pretuner; "
-            f"the run was made by {who}",
-            hint="resume it with that version, or start a new run",
-        )
-    missing = sorted(
-        f.name
-        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and f.name not in data
-    )
-    if missing:
-        raise BadInputError(
-            f"the journal's run options lack {missing[0]!r}; the run was made by {who}",
-            hint="resume it with that version, or start a new run",
-        )
-    for key, value in data.items():
-        if not v.fits_type(value, hints[key]):
-            want = getattr(hints[key], "__name__", str(hints[key]))
-            raise BadInputError(
-                f"the journal records run option {key} = {value!r}, not {want}",
-                hint=f"the run was made by {who} or edited: start a new run",
-            )
-    return cls(**data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,8 +139,105 @@ class RunOptions:
             data = dict(data)
             data["engine"] = engine_of_backend(str(data.pop("backend")),
                                                str(data.get("engine", "auto")))
-        return options_from_json(cls, data, made_by)
+        who = f"pretuner {made_by}" if made_by else "another pretuner version (none recorded)"
+        if not isinstance(data, dict):
+            raise BadInputError(
+                f"the journal's run options are a {type(data).__name__}, not an object",
+                hint="the journal is damaged: start a new run",
+            )
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise BadInputError(
+                f"the journal records run option {unknown[0]!r}, unknown to this pretuner; "
+                f"the run was made by {who}",
+                hint="resume it with that version, or start a new run",
+            )
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+            and f.name not in data
+        )
+        if missing:
+            raise BadInputError(
+                f"the journal's run options lack {missing[0]!r}; the run was made by {who}",
+                hint="resume it with that version, or start a new run",
+            )
+        for key, value in data.items():
+            if not v.fits_type(value, hints[key]):
+                want = getattr(hints[key], "__name__", str(hints[key]))
+                raise BadInputError(
+                    f"the journal records run option {key} = {value!r}, not {want}",
+                    hint=f"the run was made by {who} or edited: start a new run",
+                )
+        return cls(**data)
 
     def check(self) -> None:
-        """Refuse every bad value before a launch or a run folder (the rules live in validate)."""
-        check_run_options(self)
+        """Refuse a bad value with a one-line error naming it (exit 2), before a launch or a run
+        folder."""
+        o = self
+        if not o.model.strip():
+            raise BadInputError("--model is empty", hint="pass a registry name or a model folder")
+        if o.card_gib is not None and o.card_gib < 1:
+            raise BadInputError(f"card size {o.card_gib} GiB is invalid",
+                                hint="pass the card's GiB, e.g. --card 64")
+        if o.card_gib is not None:
+            v.int_range("--card", o.card_gib, 1, v.MAX_CARD_GIB)
+        v.finite("--util", o.util, example="0.9")
+        if not 0 < o.util <= 1:
+            raise BadInputError(f"--util {o.util} is outside (0, 1]",
+                                hint="use the fraction of the card, e.g. 0.9")
+        for flag, value in (("--max-model-len", o.max_model_len),
+                            ("--min-model-len", o.min_model_len)):
+            if value is not None:
+                v.int_range(flag, value, 1)
+        if o.tp is not None:
+            v.int_range("--tp", o.tp, 1)
+        v.int_range("--pp", o.pp, 1)
+        if o.nodes is not None:
+            v.int_range("--nodes", o.nodes, 1)
+        if o.block_size is not None:
+            v.choice("--block-size", o.block_size, v.BLOCK_SIZES)
+        v.choice("--kv-cache-dtype", o.kv_cache_dtype, KV_DTYPES)
+        if o.headroom_gib is not None:
+            v.non_negative("--headroom-gb", o.headroom_gib, example="1")
+        if o.reserve_gib is not None:
+            v.non_negative("--reserve-gb", o.reserve_gib, example="1")
+        if o.model_use_gib is not None:
+            v.int_range("--model-use-gb", o.model_use_gib, 1)
+        v.int_range("--max-launches", o.max_launches, 1)
+        if o.max_launches < 2 and o.validate:
+            raise BadInputError(
+                f"--max-launches {o.max_launches} leaves no launch for validation",
+                hint="use 2 or more, or --no-validate",
+            )
+        if o.serve_cmd is not None:
+            v.command_line("--serve-cmd", o.serve_cmd)
+        if o.out is not None:
+            v.path_text("--out", o.out)
+        v.path_text("runs folder", o.runs_dir)
+        v.positive("--ready-timeout", o.ready_timeout_s, example="1800")
+        v.positive("--request-timeout", o.request_timeout_s, example="900")
+        v.non_negative("--stop-grace", o.stop_grace_s, example="120")
+        if not o.host.strip():
+            raise BadInputError("the server host is empty", hint="use 127.0.0.1")
+        if o.limit_mm_per_prompt is not None:
+            from pretuner.models.vision import parse_limit_mm_per_prompt
+
+            parse_limit_mm_per_prompt(o.limit_mm_per_prompt)
+        if o.mm_processor_cache_gb is not None:
+            v.non_negative("--mm-processor-cache-gb", o.mm_processor_cache_gb, example="4")
+        if o.soak is not None:
+            v.int_range("--soak", o.soak, 0)
+        if o.soak_minutes is not None:
+            v.positive("--soak-minutes", o.soak_minutes, example="10")
+        if o.quantization is not None:
+            v.choice("--quantization", o.quantization, METHODS)
+        v.non_negative("--cpu-offload-gb", o.cpu_offload_gib, example="14")
+        if o.swap_space_gib is not None:
+            v.non_negative("--swap-space", o.swap_space_gib, example="4")
+        if o.min_tokens_per_s is not None:
+            v.positive("--min-tokens-per-s", o.min_tokens_per_s, example="5")

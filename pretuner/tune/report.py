@@ -3,12 +3,13 @@ report.md, and the files that start production.
 
 report.json is the record dumped as JSON; report.md and the startup files are rendered from the
 record alone, by one writer: what both methods share is written once, and a method adds its own
-sections (`tune.v1.report_sections` for the pinned KV) only where the methods really differ.
+sections (`tune.pinned.report_sections` for the pinned KV) only where the methods really differ.
 Every figure says its provenance: the record's `provenance` ("simulated" on an emulated engine,
 "measured" on a real one), "derived" from those, or "predicted".
 
 A run that fails (a `PretunerError`) leaves report.json and report.md too, with the reason, the
-fix, every launch and every decision; never the startup files.
+fix, every launch and every decision; never the startup files. A Ctrl-C writes none of this:
+that run stays resumable.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import logging
 import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
 from pretuner.deploy.context import ScriptOptions
 from pretuner.deploy.render import render_scripts
 from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
+from pretuner.engines.base import Purpose
 from pretuner.engines.mindspore_r01 import chunked_prefill_flag, server_kv_cache_dtype
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.envfile import server_args
@@ -49,12 +51,15 @@ from pretuner.report.records import (
     device_words,
     kv_words,
 )
-from pretuner.tune.asked import first_validation_seqs, given_up
-from pretuner.tune.budget import outside_pool_mib
-from pretuner.tune.loop import TuneResult
+from pretuner.report.records import Method as MethodName
+from pretuner.tune.pinned.report_sections import pinned_sections, v1_files
+from pretuner.tune.r01.budget import outside_pool_mib
+from pretuner.tune.r01.config import TuneResult
 from pretuner.tune.record import RunRecord
-from pretuner.tune.v1.report_sections import pinned_sections, v1_files
 from pretuner.units import GIB
+
+if TYPE_CHECKING:
+    from pretuner.tune.setup import Method
 
 log = logging.getLogger(__name__)
 # The outcome of a launch that raised before it had one (the server died at start, hung...).
@@ -69,13 +74,13 @@ def provenance(simulated: bool) -> Provenance:
 
 @dataclass(frozen=True, slots=True)
 class RunMeta:
-    """What a report says about an r0.1 run besides the tuning: where and how it ran."""
+    """What a report says about a run besides the tuning: where and how it ran."""
 
     run_id: str
-    backend: str
+    engine: str  # the report's name: sim, vllm-mindspore, vllm...
     simulated: bool
     card_source: str
-    model_arg: str
+    model_arg: str  # what the server loads
     kv_cache_dtype: str = "auto"
     cluster: dict[str, Any] | None = None  # multi-node via Ray: the nodes and their ranks
     asked_max_model_len: int | None = None  # None: the final's
@@ -113,20 +118,46 @@ def unfinished_step(n: int, settings: dict[str, Any], log: str | None) -> Step:
     )
 
 
-def _r01_head(meta: RunMeta, p: PlanResult, steps: Sequence[Step],
-              decisions: Iterable[Decision], validated: bool) -> dict[str, Any]:
-    """The fields an r0.1 success and failure report share, in report.json's order."""
+def given_up(
+    asked_len: int, asked_seqs: int | None, final_len: int,
+    final_seqs: int,
+    *,
+    seqs_from: str = "asked",
+) -> list[str]:
+    """One line per cut: "max_model_len 11,264 < 16,384 asked"."""
+    cuts = []
+    if final_len < asked_len:
+        cuts.append(f"max_model_len {final_len:,} < {asked_len:,} asked")
+    if asked_seqs is not None and final_seqs < asked_seqs:
+        cuts.append(f"max-num-seqs {final_seqs} < {asked_seqs} {seqs_from}")
+    return cuts
+
+
+def first_validation_seqs(outcomes: Sequence[LaunchOutcome]) -> int | None:
+    """The r0.1 method's promise: the sequences its first validation was derived to serve."""
+    return next((o.settings.max_num_seqs for o in outcomes
+                 if o.settings.purpose is Purpose.VALIDATE), None)
+
+
+def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision],
+             validated: bool, **layout: Any) -> dict[str, Any]:
+    """The fields a success and a failure report share, on any engine; `layout` names the
+    model, card_gib, tp, pp, nodes, weights_format and kv_bytes_per_token."""
     return {
-        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.backend,
+        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.engine,
         "engine_version": meta.engine_version, "engine_reason": meta.engine_reason,
         "simulated": meta.simulated, "provenance": provenance(meta.simulated),
-        "model": p.model, "model_arg": meta.model_arg, "card_gib": p.card_gib,
-        "card_source": meta.card_source, "device_kind": meta.device_kind, "tp": p.tp,
-        "pp": p.pp, "nodes": p.nodes, "weights_format": p.weights_format,
-        "kv_cache_dtype": meta.kv_cache_dtype, "kv_bytes_per_token": p.kv_bytes_per_token,
+        "model_arg": meta.model_arg, "card_source": meta.card_source,
+        "device_kind": meta.device_kind, "kv_cache_dtype": meta.kv_cache_dtype,
         "validated": validated, "launches": len(steps), "steps": list(steps),
         "decisions": list(decisions), "retune_command": list(meta.retune_command),
+        "cluster": meta.cluster, **layout,
     }
+
+
+def plan_layout(p: PlanResult) -> dict[str, Any]:
+    return {"model": p.model, "card_gib": p.card_gib, "tp": p.tp, "pp": p.pp, "nodes": p.nodes,
+            "weights_format": p.weights_format, "kv_bytes_per_token": p.kv_bytes_per_token}
 
 
 def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> RunReport:
@@ -148,8 +179,8 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
     flags = server_args(values)
     cap_gib = f.ascend_total_memory_gb * f.gpu_memory_utilization
     return RunReport(
-        **_r01_head(meta, p, [step_json(o) for o in result.outcomes], result.decisions,
-                    result.validated),
+        **run_head(meta, [step_json(o) for o in result.outcomes], result.decisions,
+                   result.validated, **plan_layout(p)),
         final=Final(
             env=f.env, flags=flags,
             serve_command=redact_argv([*serve_command, *flags]),  # serve.sh reads a secret
@@ -158,14 +189,11 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
             kv_tokens=f.kv_tokens, kv_gib=round(f.kv_bytes / GIB, 4),
         ),
         derivation=R01Derivation(
-            kv_prerun_gib=round(d.kv_prerun_gib, 4),
-            actual_peak_mib=d.actual_peak_bytes // 2**20,
-            weights_act_gib=round(d.weights_act_gib, 4),
-            headroom_gib=d.inputs.headroom_gib,
+            kv_prerun_gib=round(d.kv_prerun_gib, 4), actual_peak_mib=d.actual_peak_bytes // 2**20,
+            weights_act_gib=round(d.weights_act_gib, 4), headroom_gib=d.inputs.headroom_gib,
             headroom_total_gib=round(d.headroom_total_gib, 4),
             rounding_cost_gib=round(d.rounding_cost_bytes / GIB, 4),
-            final_util_source=result.final_util_source,
-            util=f.gpu_memory_utilization,
+            final_util_source=result.final_util_source, util=f.gpu_memory_utilization,
             lines=derivation_lines(d, card_source=meta.card_source, provenance=tag),
             memory_rows=[
                 f"weights + activations (pre-run) | {d.weights_act_gib:.2f} | derived from "
@@ -180,7 +208,6 @@ def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> 
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
-        cluster=meta.cluster,
     )
 
 
@@ -217,18 +244,13 @@ def _proof_rows(
     return rows
 
 
-def failure_json(err: PretunerError, meta: RunMeta, p: PlanResult, steps: Sequence[Step],
-                 decisions: Iterable[Decision]) -> FailureReport:
-    """The record of an r0.1 run stopped by `err`: why, the fix, and everything done."""
-    return FailureReport(**_r01_head(meta, p, steps, decisions, False), method="r0.1",
-                         **failure_fields(err), cluster=meta.cluster)
-
-
-def failure_fields(err: PretunerError) -> dict[str, Any]:
-    """What a failure report says of the error, whichever method the run used."""
-    return {"error": err.message, "hint": err.hint, "exit_code": int(err.exit_code),
-            "error_type": type(err).__name__,
-            "server_log": err.log_path if isinstance(err, ServerFailedError) else None}
+def failure_json(err: PretunerError, meta: RunMeta, steps: Sequence[Step],
+                 decisions: Iterable[Decision], method: MethodName, **layout: Any) -> FailureReport:
+    """The record of a run stopped by `err`, either method: why, the fix, and everything done."""
+    return FailureReport(
+        **run_head(meta, steps, decisions, False, **layout), method=method, error=err.message,
+        hint=err.hint, exit_code=int(err.exit_code), error_type=type(err).__name__,
+        server_log=err.log_path if isinstance(err, ServerFailedError) else None)
 
 
 # -- report.md ------------------------------------------------------------------------------------
@@ -329,11 +351,17 @@ def kv_asked(s: Step) -> str:
     return f"util {st.util}"
 
 
-def step_peak_mib(s: Step) -> int | None:
-    """The launch's peak: the worst rank's pool (r0.1's logs), else the sampled device's."""
-    if s.worst_peak_mib is not None:
-        return s.worst_peak_mib
-    return max(s.device_peaks_mib.values(), default=None)
+def step_cells(s: Step, node: bool = False) -> list[str]:
+    """A launch as a row of the launch table (report.md, the run summary); its peak is the
+    worst rank's pool (r0.1's logs), else the sampled device's."""
+    peak = s.worst_peak_mib if s.worst_peak_mib is not None else max(
+        s.device_peaks_mib.values(), default=None)
+    shown = (f"{peak:,}" if peak else "-") + (f" on {s.worst_node}" if node and s.worst_node
+                                               else "")
+    return [str(s.n), s.purpose, kv_asked(s), f"{s.settings.max_model_len:,}",
+            str(s.settings.max_num_seqs), s.outcome, shown,
+            f"{s.kv_tokens:,}" if s.kv_tokens else "-",
+            "-" if s.seconds is None else f"{s.seconds:.1f}"]
 
 
 def launch_lines(rep: AnyReport) -> list[str]:
@@ -345,16 +373,7 @@ def launch_lines(rep: AnyReport) -> list[str]:
                   "|---|---|---|---|---|---|---|---|---|"]
     else:
         lines.append("No launch was made.")
-    for s in rep.steps:
-        peak = step_peak_mib(s)
-        shown = f"{peak:,}" if peak else "-"
-        if s.worst_node:
-            shown += f" on {s.worst_node}"
-        tokens = f"{s.kv_tokens:,}" if s.kv_tokens else "-"
-        seconds = "-" if s.seconds is None else f"{s.seconds:.1f}"
-        lines.append(f"| {s.n} | {s.purpose} | {kv_asked(s)} | {s.settings.max_model_len:,} | "
-                     f"{s.settings.max_num_seqs} | {s.outcome} | {shown} | {tokens} | "
-                     f"{seconds} |")
+    lines += [f"| {' | '.join(step_cells(s, node=True))} |" for s in rep.steps]
     lines += ["", "## Decisions", ""]
     lines += [f"- **{x['decision']}**: {decision_text(x)}" for x in rep.decisions]
     return lines
@@ -401,3 +420,20 @@ def write_failure(record: RunRecord, rep: FailureReport, err: PretunerError) -> 
         return
     refresh_run_page(record.path)
     err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error
+
+
+def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: RunMeta) -> None:
+    """A failed run's reports, with every launch made: also one that raised before it had an
+    outcome (the journal's last launch_started)."""
+    steps = [step_json(o) for o in method.outcomes]
+    started = None
+    for event in record.of_kind("launch_started"):
+        started = event
+    if started is not None and started["n"] > max((s.n for s in steps), default=0):
+        n = int(started["n"])
+        path = record.path / f"launch-{n}" / "server.log"
+        log_path = err.log_path if isinstance(err, ServerFailedError) and err.log_path else (
+            str(path) if path.is_file() else None)
+        steps.append(unfinished_step(n, started["settings"], log_path))
+    write_failure(record, failure_json(err, meta, steps, method.decisions, method.name,
+                                       **method.layout()), err)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pretuner.devices.series import LaunchMemory
 from pretuner.report.html.breakdown import GIB_MIB, Breakdown
 
-# The phases of a vision-language validation's soak (`pretuner.tune.v1.soak`): tinted apart.
+# The phases of a vision-language validation's soak (`pretuner.tune.pinned.soak`): tinted apart.
 SOAK_PHASES = frozenset({"soak-1", "soak-2", "reset", "after-soak"})
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf")  # one per device, repeating past eight

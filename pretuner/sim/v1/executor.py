@@ -29,8 +29,8 @@ from pretuner.sim.plugin import EMULATOR
 from pretuner.speed import Speed
 from pretuner.tune.execute import Phase
 from pretuner.tune.options import RunOptions
-from pretuner.tune.v1.entry import v1_setup
-from pretuner.tune.v1.loop import V1Result, V1Tuner
+from pretuner.tune.pinned.loop import V1Result, V1Tuner
+from pretuner.tune.pinned.setup import pinned_setup
 
 if TYPE_CHECKING:
     from pretuner.sim.v1.inproc import V1InprocRun
@@ -139,7 +139,8 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
     """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
     tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
     choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
-    setup = v1_setup(opts, choice)
+    setup = pinned_setup(opts, choice)
     execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token,
-                                    images=setup.images, soak=setup.soak, seed=opts.seed)
+                                    images=setup.vision.images, soak=setup.vision.soak,
+                                    seed=opts.seed)
     return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

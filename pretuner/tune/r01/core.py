@@ -1,5 +1,5 @@
 """`TunerCore`: the state every decision reads (the card, the measured peaks, the reserve and
-the budget the final configuration will have) and the launches; `pretuner.tune.deriving` derives
+the budget the final configuration will have) and the launches; `pretuner.tune.r01.deriving` derives
 from it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pretuner.engines.base import LaunchSettings
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.errors import (
     CardBusyError,
     InfeasibleError,
@@ -18,22 +18,21 @@ from pretuner.errors import (
 from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
 from pretuner.method import per_sequence_bytes
 from pretuner.plan.layout import PlanConfig, activation_bytes, smallest_weights_layout
-from pretuner.tune import budget as bud
 from pretuner.tune import busy
-from pretuner.tune.config import (
+from pretuner.tune.busy import DeviceBusyRefusal
+from pretuner.tune.execute import Phase
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     CHUNKED_GROWING_SHARE,
     TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MARGIN_SHARE,
-    Executor,
     TuneConfig,
     TuneState,
     kv_prerun_bytes,
     plan_for,
     prerun_util,
 )
-from pretuner.tune.crash import DeviceBusyRefusal
-from pretuner.tune.execute import Phase
-from pretuner.tune.search import (
+from pretuner.tune.r01.search import (
     Budget,
     WaModel,
 )
@@ -46,17 +45,13 @@ class TunerCore:
     """The decision procedure's state; launches go through `execute` so tests and --resume can
     replay."""
 
-
     @property
     def seen(self) -> str:
         """How a launch's figures were obtained, as the messages say it."""
         return "simulated" if self.cfg.provenance == "simulated" else "measured"
 
     def __init__(
-        self,
-        cfg: TuneConfig,
-        execute: Executor,
-        phase: Phase,
+        self, cfg: TuneConfig, execute: Executor, phase: Phase,
         on_decision: Callable[[dict[str, Any]], object] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -83,8 +78,7 @@ class TunerCore:
         self.models = {
             False: WaModel(self.weights_bytes, prior_bytes=workspace, min_slope=slope),
             True: WaModel(
-                self.weights_bytes,
-                prior_bytes=activation_bytes(cfg.model, cfg.chunk_tokens, tp),
+                self.weights_bytes, prior_bytes=activation_bytes(cfg.model, cfg.chunk_tokens, tp),
                 growing_share=CHUNKED_GROWING_SHARE,
             ),
         }
@@ -99,6 +93,14 @@ class TunerCore:
         self.reserves: dict[int, float] = {}  # id(derivation) -> the reserve it kept, GiB
 
     # -- bookkeeping ------------------------------------------------------------------------
+    @property
+    def outcomes(self) -> list[LaunchOutcome]:
+        return self.state.outcomes
+
+    @property
+    def decisions(self) -> list[dict[str, Any]]:
+        return self.state.decisions
+
     def decide(self, what: str, why: str, **data: Any) -> None:
         entry = {"decision": what, "reason": why, **data}
         self.state.decisions.append(entry)
@@ -194,13 +196,9 @@ class TunerCore:
         else:
             pool = used = int(card * util * GIB)
         return Budget(
-            pool_bytes=pool,
-            used_bytes=used,
-            kv_bytes_per_token=self.bpt,
-            block_size=self.cfg.block_size,
-            watermark=self.cfg.watermark,
-            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES,
-            headroom_share=TIGHTEN_MARGIN_SHARE,
+            pool_bytes=pool, used_bytes=used, kv_bytes_per_token=self.bpt,
+            block_size=self.cfg.block_size, watermark=self.cfg.watermark,
+            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES, headroom_share=TIGHTEN_MARGIN_SHARE,
             weights_bytes=self.weights_bytes,
         )
 
@@ -233,23 +231,17 @@ class TunerCore:
             return "no free-memory reading"
         return f"{self.free.mib:,} MiB free ({self.free.source})"
 
-
     def layout_hint(self, default: str) -> str:
         cfg = PlanConfig(
-            model=self.cfg.model,
-            card_gib=self.cfg.card.card_gib,
-            util=self.cfg.util,
-            max_model_len=self.cfg.min_model_len,
-            pp=self.cfg.pp,
-            kv_cache_dtype=self.cfg.kv_cache_dtype,
-            block_size=self.cfg.block_size,
+            model=self.cfg.model, card_gib=self.cfg.card.card_gib, util=self.cfg.util,
+            max_model_len=self.cfg.min_model_len, pp=self.cfg.pp,
+            kv_cache_dtype=self.cfg.kv_cache_dtype, block_size=self.cfg.block_size,
             weights_format=self.cfg.weights_format,
         )
         tp = smallest_weights_layout(cfg)
         if tp is not None and tp > self.plan.tp:
             return f"use --tp {tp} or more"
         return default
-
 
     # -- a busy card ------------------------------------------------------------------------
     def need_bytes(self) -> int:
@@ -263,12 +255,8 @@ class TunerCore:
         self, free_mib: int, source: str, log_path: str | None = None, why: str | None = None
     ) -> CardBusyError:
         return busy.card_busy_error(
-            card_gib=self.cfg.card.card_gib,
-            free_mib=free_mib,
-            source=source,
-            need_mib=-(-self.need_bytes() // MIB),
-            holders=self.cfg.card.holders,
-            log_path=log_path,
+            card_gib=self.cfg.card.card_gib, free_mib=free_mib, source=source,
+            need_mib=-(-self.need_bytes() // MIB), holders=self.cfg.card.holders, log_path=log_path,
             why=why,
         )
 

@@ -15,7 +15,7 @@ from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.report.records import PinnedDerivation, RunReport, V1Soak, V1Weights
 from pretuner.speed import Speed
 from pretuner.templating import render_template
-from pretuner.tune.v1.soak import HOLD_DOUBLINGS
+from pretuner.tune.pinned.soak import HOLD_DOUBLINGS
 
 
 def weights_lines(w: V1Weights, tag: str) -> list[str]:

@@ -13,8 +13,9 @@ from pretuner.errors import (
     PretunerError,
 )
 from pretuner.method import Derivation
-from pretuner.tune import budget as bud
-from pretuner.tune.config import (
+from pretuner.tune.busy import crash_error
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     EDGE_MARGIN_FLOOR_BYTES,
     LEARN_MARGIN,
     TIGHTEN_MARGIN_FLOOR_BYTES,
@@ -24,8 +25,7 @@ from pretuner.tune.config import (
     TuneResult,
     kv_prerun_bytes,
 )
-from pretuner.tune.crash import crash_error
-from pretuner.tune.deriving import Deriving
+from pretuner.tune.r01.deriving import Deriving
 from pretuner.units import GIB, MIB
 
 
@@ -34,11 +34,8 @@ class Validation(Deriving):
     def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
         f = d.final
         return replace(
-            prerun.settings,
-            purpose=Purpose.VALIDATE,
-            util=f.gpu_memory_utilization,
-            model_use_gib=f.vllm_model_memory_use_gb,
-            max_num_seqs=f.max_num_seqs,
+            prerun.settings, purpose=Purpose.VALIDATE, util=f.gpu_memory_utilization,
+            model_use_gib=f.vllm_model_memory_use_gb, max_num_seqs=f.max_num_seqs,
             max_num_batched_tokens=f.max_num_batched_tokens,
         )
 
@@ -190,8 +187,7 @@ class Validation(Deriving):
         before = per_seq
         if seqs > 1:
             per_seq = max(
-                per_seq,
-                int((need - wa - self.base_headroom) / (seqs - 1) * (1 + LEARN_MARGIN)),
+                per_seq, int((need - wa - self.base_headroom) / (seqs - 1) * (1 + LEARN_MARGIN)),
             )
             cause = (
                 f"per-sequence headroom {before / MIB:.1f} -> {per_seq / MIB:.1f} MiB"

@@ -38,9 +38,7 @@ BASE_HEADROOM_ACTIVATION_SHARE = 0.02
 def reserve_gib(
     card_gib: int,
     *,
-    measured_by_engine: bool,
-    given: float | None,
-    outside_mib: int | None = None,
+    measured_by_engine: bool, given: float | None, outside_mib: int | None = None,
     spread_mib: int = 0,
 ) -> float:
     """GiB kept free below the card's free memory when choosing the final util: `--reserve-gb`;
@@ -101,10 +99,7 @@ class FreeMemory:
 
 
 def pool_util(
-    card_gib: int,
-    free: FreeMemory,
-    reserve: float,
-    rounding_gib: float = 0.0,
+    card_gib: int, free: FreeMemory, reserve: float, rounding_gib: float = 0.0,
     outside_gib: float = 0.0,
 ) -> float:
     """The util whose pool leaves `reserve` GiB of the free memory unused, raised by the

@@ -18,7 +18,7 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 4. settle: the validation's own peak (its soak and the burst after it included, for a
    vision-language model) decides the final KV, once widened when it left room, lowered (and
    proven again) when the soak's second half was still growing by more than the room left:
-   that growth is held back as headroom (`pretuner.tune.v1.soak`).
+   that growth is held back as headroom (`pretuner.tune.pinned.soak`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pretuner.engines.base import LaunchSettings, Purpose
-from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
+from pretuner.engines.base import LaunchSettings, Phase, Purpose
+from pretuner.engines.outcome import Executor, LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
 from pretuner.models.spec import ModelSpec
 from pretuner.pinned import (
@@ -41,11 +41,8 @@ from pretuner.pinned import (
     margin_mib,
     one_sequence_bytes,
 )
-from pretuner.tune.v1.soak import soak_figures
+from pretuner.tune.pinned.soak import soak_figures
 from pretuner.units import GIB, MIB
-
-Executor = Callable[[LaunchSettings], LaunchOutcome]
-Phase = Callable[[str, str], None]
 
 # A shared card may leave little: the field note served a 70B model from 7 GB of a 32 GB card.
 MIN_PRERUN_UTIL = 0.05

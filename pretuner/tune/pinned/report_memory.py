@@ -5,27 +5,15 @@ images. Every printed sum is built here from the figures report.json keeps, so t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
 from pretuner.launch.images import ImageShape, worst_case_images
 from pretuner.pinned import kv_held_bytes
 from pretuner.report.records import V1Images, V1Memory, V1Soak
-from pretuner.tune.v1.soak import HOLD_DOUBLINGS, soak_figures
+from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures
+from pretuner.tune.setup import Vision
 from pretuner.units import MIB
-
-
-@dataclass(frozen=True, slots=True)
-class VisionMeta:
-    """What the run asked of a vision-language model's images."""
-
-    shape: ImageShape
-    soak: Soak
-    limit_given: bool
-    mm_processor_cache_gb: float | None
-    flags: tuple[str, ...]
 
 
 def final_launch(outcomes: tuple[LaunchOutcome, ...], final: LaunchSettings
@@ -35,17 +23,20 @@ def final_launch(outcomes: tuple[LaunchOutcome, ...], final: LaunchSettings
                  and o.settings.purpose is Purpose.VALIDATE and o.settings == final), None)
 
 
-def images_record(v: VisionMeta, o: LaunchOutcome | None, max_model_len: int) -> V1Images:
-    count, side = worst_case_images(v.shape, max_model_len, 1)
+def images_record(v: Vision, shape: ImageShape, o: LaunchOutcome | None, max_model_len: int
+                  ) -> V1Images:
+    count, side = worst_case_images(shape, max_model_len, 1)
     return V1Images(
-        image_limit=v.shape.image_limit,
+        image_limit=shape.image_limit,
         image_limit_source="--limit-mm-per-prompt" if v.limit_given else "vLLM's default",
-        max_image_px=[v.shape.max_side_px, v.shape.max_side_px],
-        tokens_per_image=v.shape.tokens_per_image,
+        max_image_px=[shape.max_side_px, shape.max_side_px],
+        tokens_per_image=shape.tokens_per_image,
         worst_case_images=count, worst_case_image_px=[side, side],
         encoder_budget_tokens=o.encoder_budget_tokens if o else None,
         encoder_profiled_images=o.encoder_profiled_items if o else None,
-        mm_processor_cache_gb=v.mm_processor_cache_gb, flags=list(v.flags))
+        mm_processor_cache_gb=v.mm_processor_cache_gb,
+        flags=[part for name, value in v.flags
+               for part in (name, *([] if value is None else [value]))])
 
 
 def soak_record(o: LaunchOutcome, asked: Soak) -> V1Soak | None:

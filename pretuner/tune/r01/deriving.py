@@ -6,9 +6,9 @@ from __future__ import annotations
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import InfeasibleError
 from pretuner.method import Derivation, PrerunInputs, derive
-from pretuner.tune import budget as bud
-from pretuner.tune.config import TuneResult
-from pretuner.tune.core import TunerCore
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import TuneResult
+from pretuner.tune.r01.core import TunerCore
 from pretuner.units import GIB, MIB
 
 
@@ -19,25 +19,15 @@ class Deriving(TunerCore):
         s = o.settings
         assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
         return PrerunInputs(
-            card_gib=s.card_gib,
-            util=s.util,
-            model_use_gib=s.model_use_gib,
-            actual_peak_mib=o.worst_peak_mib,
-            kv_bytes_per_token=self.bpt,
-            block_size=s.block_size,
-            max_model_len=s.max_model_len,
-            headroom_gib=base / GIB,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            final_util=util,
-            per_seq_bytes=per_seq,
+            card_gib=s.card_gib, util=s.util, model_use_gib=s.model_use_gib,
+            actual_peak_mib=o.worst_peak_mib, kv_bytes_per_token=self.bpt, block_size=s.block_size,
+            max_model_len=s.max_model_len, headroom_gib=base / GIB,
+            max_num_batched_tokens=s.max_num_batched_tokens, final_util=util, per_seq_bytes=per_seq,
             watermark=self.cfg.watermark,
         )
 
     def derive(
-        self,
-        prerun: LaunchOutcome,
-        per_seq: int | None = None,
-        base: int | None = None,
+        self, prerun: LaunchOutcome, per_seq: int | None = None, base: int | None = None,
         announce: bool = True,
     ) -> tuple[Derivation, str]:
         """The method at the final util: the card's free memory less the reserve, raised by
@@ -96,32 +86,19 @@ class Deriving(TunerCore):
             "derive",
             f"worst-rank peak {prerun.worst_peak_mib:,} MiB -> weights+activations "
             f"{d.weights_act_gib:.2f} GiB; final util {util} from {source}",
-            vllm_model_memory_use_gb=d.final.vllm_model_memory_use_gb,
-            gpu_memory_utilization=util,
-            max_num_seqs=d.final.max_num_seqs,
-            kv_gib=round(d.final.kv_bytes / GIB, 3),
+            vllm_model_memory_use_gb=d.final.vllm_model_memory_use_gb, gpu_memory_utilization=util,
+            max_num_seqs=d.final.max_num_seqs, kv_gib=round(d.final.kv_bytes / GIB, 3),
         )
         return d, source
 
-
     def result(
-        self,
-        d: Derivation,
-        validated: bool,
-        source: str,
-        prerun: LaunchOutcome | None,
+        self, d: Derivation, validated: bool, source: str, prerun: LaunchOutcome | None,
         validation: LaunchOutcome | None,
     ) -> TuneResult:
         return TuneResult(
-            plan=self.plan,
-            derivation=d,
-            validated=validated,
-            outcomes=tuple(self.state.outcomes),
-            decisions=tuple(self.state.decisions),
-            final_util_source=source,
-            prerun=prerun,
-            validation=validation,
-            reserve_gib=self.reserves.get(id(d), 0.0),
+            plan=self.plan, derivation=d, validated=validated, outcomes=tuple(self.state.outcomes),
+            decisions=tuple(self.state.decisions), final_util_source=source, prerun=prerun,
+            validation=validation, reserve_gib=self.reserves.get(id(d), 0.0),
             pool_on_demand=self.cfg.pool_on_demand,
         )
 

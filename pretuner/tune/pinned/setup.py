@@ -1,81 +1,56 @@
-"""The pinned-KV method's setup (engine, device, layout, launch context) and its journaled
-loop: the V1 family's half of the one pipeline in `pretuner.tune.entry`."""
+"""The pinned-KV method's `Setup` (engine, device, layout, launch context, a vision-language
+model's images) and `PinnedMethod`, the V1 loop as the pipeline in `pretuner.tune.entry` runs it."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
-from pretuner.devices.cpu import HostMemory, host_memory
+from pretuner.devices.cpu import host_memory
+from pretuner.devices.npu_smi import CardInfo
+from pretuner.emulation import emulator
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
+from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args
-from pretuner.errors import BadInputError, InfeasibleError, PretunerError
+from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
-from pretuner.launch.images import ImageShape, image_shape
+from pretuner.launch.images import image_shape
 from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
-from pretuner.plan.layout import PlanResult, v1_layout_options
+from pretuner.plan.layout import v1_layout_options
 from pretuner.plan.propose import decide_layout
+from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import LaunchContext, Phase
-from pretuner.tune.record import RunRecord
-from pretuner.tune.report import write_failure, write_report
-from pretuner.tune.v1 import report as v1report
-from pretuner.tune.v1.loop import V1Config, V1Result, V1Tuner
-from pretuner.tune.v1.report_memory import VisionMeta
-from pretuner.tune.v1.weights import (
+from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
+from pretuner.tune.pinned.report import PinnedFacts, pinned_layout, report_json
+from pretuner.tune.pinned.weights import (
     check_host,
     knobs_of,
     weights_record,
     widen_hint,
 )
+from pretuner.tune.report import RunMeta
+from pretuner.tune.setup import OnDecision, Setup, Vision
 from pretuner.units import MIB
 
 if TYPE_CHECKING:
-    from pretuner.tune.entry import RunOptions
+    from pretuner.tune.options import RunOptions
 
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 MAX_NUM_SEQS = 4096
 # A vision-language model's validation runs this soak unless --soak/--soak-minutes say
 # otherwise: memory that grows with distinct images shows within a few hundred requests.
 DEFAULT_SOAK = 200
-
-
-@dataclass(frozen=True, slots=True)
-class V1Setup:
-    cfg: V1Config
-    ctx: LaunchContext
-    engine: V1Engine
-    spec: ModelSpec
-    model_arg: str
-    choice: EngineChoice
-    layout_reason: str
-    plan: PlanResult  # the weights as loaded and offloaded (predicted)
-    host: HostMemory | None  # read when a weights knob is given
-    host_line: str | None  # what offload costs the host, for the run's decisions
-    images: ImageShape | None = None  # a vision-language model's; None: text only
-    soak: Soak = Soak()
-    image_limit_given: bool = False  # --limit-mm-per-prompt named the image count
-
-
-@dataclass(frozen=True, slots=True)
-class Vision:
-    """What a vision-language model adds to a V1 run."""
-
-    images: ImageShape | None
-    soak: Soak
-    flags: tuple[tuple[str, str | None], ...]
-    limit_given: bool
 
 
 def vision_setup(opts: RunOptions, spec: ModelSpec) -> Vision:
@@ -102,32 +77,14 @@ def vision_setup(opts: RunOptions, spec: ModelSpec) -> Vision:
         flags.append(("--mm-processor-cache-gb", f"{opts.mm_processor_cache_gb:g}"))
     shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if limit is None else limit)
     if shape.is_text_only:
-        return Vision(shape, Soak(), tuple(flags), True)
+        return Vision(shape, Soak(), tuple(flags), True, opts.mm_processor_cache_gb)
     requests = opts.soak if opts.soak is not None else (
         DEFAULT_SOAK if opts.soak_minutes is None else None)
-    return Vision(shape, Soak(requests, opts.soak_minutes), tuple(flags), limit is not None)
-
-
-@dataclass(frozen=True, slots=True)
-class V1RunOutcome:
-    record: Path
-    report: RunReport  # report.json is report.model_dump(mode="json")
-    result: V1Result
-    choice: EngineChoice
-
-
-def _sim_env(opts: RunOptions, card_gib: int) -> dict[str, str]:
-    from pretuner.emulation import emulator
-
-    return {**emulator().launch_env("v1", card_gib, opts.seed, os.environ), **opts.sim_env}
+    return Vision(shape, Soak(requests, opts.soak_minutes), tuple(flags), limit is not None,
+                  opts.mm_processor_cache_gb)
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
-
-
-def _server_env(model: str, simulated: bool) -> dict[str, str]:
-    """A local model folder needs no hub: the server is told so (no network call, no wait)."""
-    return {} if simulated or not Path(model).is_dir() else {"HF_HUB_OFFLINE": "1"}
 
 
 def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | None], ...]) -> None:
@@ -155,7 +112,7 @@ def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
     return seqs, opts.max_num_batched_tokens or 0
 
 
-def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
+def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     opts.check()
     row = ROWS[choice.name]
     seqs, batched = _check(opts, row)
@@ -165,10 +122,12 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
     vision = vision_setup(opts, spec)
     layout = v1_layout_options(opts, row, choice.simulated, spec, knobs)
     card = layout.card_gib
-    sim_env = _sim_env(opts, card) if choice.simulated else dict(opts.sim_env)
+    sim_env = ({**emulator().launch_env("v1", card, opts.seed, os.environ), **opts.sim_env}
+               if choice.simulated else dict(opts.sim_env))
+    # A local model folder needs no hub: the server is told so (no network call, no wait).
+    local = not choice.simulated and Path(opts.model).is_dir()
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
-                      server_args=server_args,
-                      server_env=_server_env(opts.model, choice.simulated),
+                      server_args=server_args, server_env={"HF_HUB_OFFLINE": "1"} if local else {},
                       mm_flags=vision.flags,
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
                       knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))
@@ -202,84 +161,61 @@ def v1_setup(opts: RunOptions, choice: EngineChoice) -> V1Setup:
                         request_timeout_s=opts.request_timeout_s,
                         stop_grace_s=opts.stop_grace_s, seed=opts.seed, device_reader=reader,
                         hooks=V1Hooks(bpt, vision.images, vision.soak))
-    return V1Setup(cfg, ctx, engine, spec, model_arg, choice, p.layout_reason, p, host,
-                   host_line, vision.images, vision.soak, vision.limit_given)
+    card_info = CardInfo(card, None,
+                         "--card" if opts.card_gib is not None else "the device's size")
+    facts = PinnedFacts(
+        engine=engine, model=spec.name, card_gib=card, bytes_per_token=bpt,
+        asked_max_num_seqs=seqs, weights_format=p.weights_format,
+        vision=None if vision.images is None else vision,
+        weights=weights_record(p, knobs, host, None), min_tokens_per_s=opts.min_tokens_per_s)
+
+    def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:
+        return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,
+                            host_line=host_line)
+
+    setup = Setup(choice, engine, spec, model_arg, ctx, card_info, p.layout_reason, cfg, start,
+                  vision)
+    return setup
 
 
-def vision_meta(setup: V1Setup, opts: RunOptions) -> VisionMeta | None:
-    if setup.images is None:
-        return None
-    flags = tuple(part for name, value in setup.engine.mm_flags
-                  for part in (name, *(() if value is None else (value,))))
-    return VisionMeta(setup.images, setup.soak, setup.image_limit_given,
-                      opts.mm_processor_cache_gb, flags)
+class PinnedMethod(V1Tuner):
+    """The pinned-KV loop as the pipeline drives it."""
 
+    name: MethodName = "v1-pinned-kv"
+    then = ("read the engine's own profile and the device's peak, pin --kv-cache-memory-bytes "
+            "below them by the measured margin, and validate with max-num-seqs concurrent "
+            "max-length requests (launch 2).")
 
-def first_launch(setup: V1Setup) -> tuple[LaunchSettings, LaunchCommand]:
-    """What `--dry-run` shows: the pre-run's settings and command."""
-    tuner = V1Tuner(setup.cfg, _no_launch, lambda phase, detail: None)
-    s = tuner.settings(Purpose.PRERUN, setup.cfg.util, tuner.prerun_kv())
-    return s, setup.ctx.build(s, 0)
+    def __init__(self, cfg: V1Config, execute: Executor, phase: Phase, on_decision: OnDecision,
+                 *, setup: Setup[V1Config], facts: PinnedFacts, host_line: str | None) -> None:
+        super().__init__(cfg, execute, phase, on_decision)
+        self.setup, self.facts, self.host_line = setup, facts, host_line
 
+    def begin(self) -> None:
+        engine = self.facts.engine
+        self.phase("engine", self.setup.choice.reason)
+        if self.setup.ctx.device_reader is None:
+            self.phase("device", "no device memory reader here: the engine's own profiling "
+                       "will be pinned, nothing measured beyond it")
+        refuse_busy_devices(engine, self.setup.ctx.device_reader, self.cfg.util)
+        self.decide("layout", self.setup.layout_reason, tp=self.cfg.tp, pp=self.cfg.pp)
+        if engine.knobs.active:
+            self.decide("weights", f"{engine.knobs.words()}: the same in every launch"
+                        + (f"; {self.host_line}" if self.host_line else ""),
+                        **engine.knobs.to_json())
 
-def _no_launch(settings: LaunchSettings) -> Any:
-    raise AssertionError("a dry run launches nothing")
+    def run(self) -> V1Result:
+        try:
+            return super().run()
+        except InfeasibleError as err:
+            widen_hint(err, self.facts.engine.knobs)
+            raise
 
+    def first_launch(self) -> LaunchSettings:
+        return self.settings(Purpose.PRERUN, self.cfg.util, self.prerun_kv())
 
-def tune_v1_recorded(record: RunRecord, opts: RunOptions, phase: Phase,
-                     choice: EngineChoice) -> V1RunOutcome:
-    from pretuner.tune.loop import recorded_executor
+    def report_json(self, result: V1Result, meta: RunMeta) -> RunReport:
+        return report_json(result, meta, self.facts)
 
-    setup = v1_setup(opts, choice)
-    phase("record", str(record.path))
-    phase("engine", choice.reason)
-    if setup.ctx.device_reader is None:
-        phase("device", "no device memory reader here: the engine's own profiling will be "
-              "pinned, nothing measured beyond it")
-    refuse_busy_devices(setup.engine, setup.ctx.device_reader, setup.cfg.util)
-    tuner = V1Tuner(setup.cfg, recorded_executor(record, setup.ctx, phase), phase,
-                    on_decision=lambda d: record.append("decision", **d))
-    tuner.decide("layout", setup.layout_reason, tp=setup.cfg.tp, pp=setup.cfg.pp)
-    if setup.engine.knobs.active:
-        tuner.decide("weights", f"{setup.engine.knobs.words()}: the same in every launch"
-                     + (f"; {setup.host_line}" if setup.host_line else ""),
-                     **setup.engine.knobs.to_json())
-    meta = v1report.V1Meta(
-        run_id=record.path.name, engine=choice.name, engine_version=choice.version,
-        engine_reason=choice.reason, simulated=choice.simulated, model=setup.spec.name,
-        model_arg=setup.model_arg, card_gib=setup.cfg.card_gib,
-        bytes_per_token=setup.cfg.bytes_per_token,
-        serve_command=tuple(setup.engine.serve_command(setup.cfg.card_gib)),
-        device_kind=setup.engine.device_kind,
-        deployment=setup.engine.deploy(tuner.settings(Purpose.VALIDATE, opts.util, None)),
-        asked_max_model_len=setup.cfg.max_model_len,
-        asked_max_num_seqs=setup.cfg.max_num_seqs,
-        retune_command=tuple(opts.command_line()),
-        vision=vision_meta(setup, opts),
-        weights=weights_record(setup.plan, setup.engine.knobs, setup.host, None),
-        min_tokens_per_s=opts.min_tokens_per_s,
-        card_source="--card" if opts.card_gib is not None else "the device's size",
-        weights_format=setup.plan.weights_format, kv_cache_dtype=setup.cfg.kv_cache_dtype,
-    )
-    try:
-        result = tuner.run()
-    except BaseException as err:
-        if isinstance(err, InfeasibleError):
-            widen_hint(err, setup.engine.knobs)
-        record.append("run_stopped", error=f"{type(err).__name__}: {err}")
-        if isinstance(err, PretunerError):
-            failure = v1report.failure_json(err, meta, tuner.outcomes, tuner.decisions,
-                                            setup.cfg.tp, setup.cfg.pp)
-            write_failure(record, failure, err)
-        raise
-    meta = _with_deployment(meta, setup.engine.deploy(result.final))
-    rep = v1report.report_json(result, meta)
-    write_report(record, rep)
-    record.append("run_finished", validated=result.validated)
-    return V1RunOutcome(record.path, rep, result, choice)
-
-
-def _with_deployment(meta: v1report.V1Meta, deployment: Any) -> v1report.V1Meta:
-    from dataclasses import replace
-
-    return replace(meta, deployment=deployment)
+    def layout(self) -> dict[str, Any]:
+        return pinned_layout(self.facts, self.cfg.tp, self.cfg.pp)

@@ -12,14 +12,14 @@ from pretuner.errors import (
     InfeasibleError,
     NotValidatedError,
 )
-from pretuner.tune import budget as bud
-from pretuner.tune.config import (
+from pretuner.tune.busy import crash_error
+from pretuner.tune.r01 import budget as bud
+from pretuner.tune.r01.config import (
     CHUNK_GRID,
     UTIL_LADDER,
 )
-from pretuner.tune.crash import crash_error
-from pretuner.tune.deriving import Deriving
-from pretuner.tune.search import (
+from pretuner.tune.r01.deriving import Deriving
+from pretuner.tune.r01.search import (
     Bound,
     Measured,
     kv_blocks_for_one,
@@ -47,18 +47,11 @@ class PrerunSearch(Deriving):
             if cfg.model_use_gib is not None:
                 model_use = min(cfg.model_use_gib, model_use)
         return LaunchSettings(
-            purpose=Purpose.PRERUN,
-            card_gib=cfg.card.card_gib,
-            util=util,
-            model_use_gib=model_use,
-            max_model_len=length,
-            max_num_seqs=1,
+            purpose=Purpose.PRERUN, card_gib=cfg.card.card_gib, util=util, model_use_gib=model_use,
+            max_model_len=length, max_num_seqs=1,
             max_num_batched_tokens=min(length, cfg.chunk_tokens) if chunked else length,
-            block_size=cfg.block_size,
-            tp=self.plan.tp,
-            pp=self.plan.pp,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            chunked_prefill=chunked,
+            block_size=cfg.block_size, tp=self.plan.tp, pp=self.plan.pp,
+            kv_cache_dtype=cfg.kv_cache_dtype, chunked_prefill=chunked,
         )
 
     def search(self, util: float) -> LaunchOutcome:
@@ -168,12 +161,10 @@ class PrerunSearch(Deriving):
                 break
             self.decide(
                 "shorten max_model_len" if nxt < length else "lengthen max_model_len",
-                self.why_length(chunked, nxt),
-                max_model_len=nxt,
+                self.why_length(chunked, nxt), max_model_len=nxt,
             )
             length = nxt
         return self.finish_search(chunked, util)
-
 
     def measured(self, o: LaunchOutcome, length: int, chunked: bool) -> None:
         wa = self.wa_bytes(o)
@@ -201,12 +192,8 @@ class PrerunSearch(Deriving):
     def next_length(self, chunked: bool) -> int | None:
         lo, hi = self.bracket(chunked)
         return next_length(
-            self.models[chunked],
-            self.budget(self.cfg.util),
-            requested=self.cfg.max_model_len,
-            longest_fit=lo,
-            shortest_fail=hi,
-            minimum=self.cfg.min_model_len,
+            self.models[chunked], self.budget(self.cfg.util), requested=self.cfg.max_model_len,
+            longest_fit=lo, shortest_fail=hi, minimum=self.cfg.min_model_len,
             failures=sum(1 for n in self.fails[chunked] if lo is None or n > lo),
         )
 
@@ -261,7 +248,6 @@ class PrerunSearch(Deriving):
             f"within {cfg.max_launches} launches",
             hint="raise --max-launches, or read the run record's decisions",
         )
-
 
     def weights_do_not_fit(self, o: LaunchOutcome) -> None:
         cfg = self.cfg

@@ -3,20 +3,19 @@ constants and the small pure helpers the decision modules share."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pretuner.devices.npu_smi import CardInfo as CardInfo
 from pretuner.engines.base import LaunchSettings
-from pretuner.engines.mindspore_r01 import LEN_LADDER as LEN_LADDER
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
 from pretuner.plan.layout import PlanResult, layout_options
 from pretuner.plan.propose import decide_layout
-from pretuner.tune import budget as bud
+from pretuner.tune.r01 import budget as bud
 from pretuner.units import GIB, MIB
 
 UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
@@ -51,14 +50,13 @@ class TuneConfig:
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None
     headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
-    reserve_gib: float | None = None  # default: measured or scaled (pretuner.tune.budget)
+    reserve_gib: float | None = None  # default: measured or scaled (pretuner.tune.r01.budget)
     # MindSpore maps its pool as it grows (MS_ALLOC_CONF enable_vmm:true): the device then shows
     # what the pool used, not its cap, and cannot tell what lies outside the pool.
     pool_on_demand: bool = False
     max_launches: int = 8
     validate: bool = True
     model_use_gib: int | None = None  # pin the pre-run's model-use (the seed's 50); default: max
-    len_ladder: tuple[int, ...] = LEN_LADDER  # the backend's lengths to fall back through
     watermark: float = VLLM_V0_WATERMARK
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     # How the run's figures were obtained: "simulated" on the emulated card, where no figure
@@ -88,7 +86,6 @@ class TuneResult:
     pool_on_demand: bool = False  # TuneConfig.pool_on_demand
 
 
-Executor = Callable[[LaunchSettings], LaunchOutcome]
 
 
 def plan_for(cfg: TuneConfig) -> PlanResult:
@@ -97,7 +94,6 @@ def plan_for(cfg: TuneConfig) -> PlanResult:
                                         block_size=cfg.block_size))
 
 
-floor_to = bud.floor_to
 
 
 def prerun_util(cfg: TuneConfig) -> float:
@@ -105,7 +101,7 @@ def prerun_util(cfg: TuneConfig) -> float:
     if cfg.card.free_mib is None:
         return cfg.util
     reserve = bud.reserve_gib(cfg.card.card_gib, measured_by_engine=False, given=cfg.reserve_gib)
-    cap = floor_to((cfg.card.free_mib * MIB / GIB - reserve) / cfg.card.card_gib, 2)
+    cap = bud.floor_to((cfg.card.free_mib * MIB / GIB - reserve) / cfg.card.card_gib, 2)
     return min(cfg.util, cap)
 
 

@@ -1,0 +1,130 @@
+"""The r0.1 method's `Setup` (the card as npu-smi sizes it, the layout, the emulated card's
+environment, the launch context) and `R01Method`, `Tuner` as the pipeline in
+`pretuner.tune.entry` runs it."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from pretuner.devices import select_reader
+from pretuner.devices.npu_smi import CardInfo, detect_card
+from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
+from pretuner.engines.mindspore_r01 import BLOCK_SIZE
+from pretuner.engines.outcome import Executor
+from pretuner.engines.registry import EngineChoice
+from pretuner.errors import BadInputError
+from pretuner.launch.process import check_server_installed
+from pretuner.method import check_launch_settings
+from pretuner.models import builtin_specs, resolve
+from pretuner.report.records import Method as MethodName
+from pretuner.report.records import RunReport
+from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.layout import check_r01_flags
+from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
+from pretuner.tune.r01.loop import Tuner
+from pretuner.tune.report import RunMeta, plan_layout, report_json
+from pretuner.tune.setup import OnDecision, Setup
+
+if TYPE_CHECKING:
+    from pretuner.tune.options import RunOptions
+
+NO_READER = "no device memory reader here: measuring from the logs only"
+
+
+def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = None
+              ) -> Setup[TuneConfig]:
+    engine = choice.r01()
+    opts.check()
+    check_r01_flags(opts)
+    spec = resolve(opts.model)
+    engine.check_model(spec, opts.tp, opts.pp,
+                       [s.name for s in builtin_specs() if s.eager_attention])
+    lengths = engine.lengths
+    max_len = lengths.max_model_len if opts.max_model_len is None else opts.max_model_len
+    min_len = (
+        min(lengths.min_model_len, max_len) if opts.min_model_len is None else opts.min_model_len
+    )
+    if min_len > max_len:  # each is at least 1 (RunOptions.check)
+        raise BadInputError(
+            f"--min-model-len {min_len} must be between 1 and --max-model-len {max_len}",
+            hint=f"e.g. --min-model-len {max(1, max_len // 4)}")
+
+    def card_env(weights_format: str, nodes: int) -> dict[str, str]:
+        env = engine.card_env(opts.card_gib, opts.seed, os.environ,
+                              weights_format=weights_format, nodes=nodes)
+        return {**env, **opts.sim_env}
+
+    if card is None:
+        base_env = card_env(spec.weights_format(opts.weights_format).name, 1)
+        source = "emulated npu-smi" if engine.simulated else "npu-smi"
+        card = detect_card(engine.smi_command(), source, opts.card_gib,
+                           {**os.environ, **base_env})
+    cfg = TuneConfig(
+        model=spec, card=card, util=opts.util, max_model_len=max_len, min_model_len=min_len,
+        tp=1 if engine.device_kind == "cpu" else opts.tp, pp=opts.pp, nodes=opts.nodes,
+        block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
+        kv_cache_dtype=opts.kv_cache_dtype, weights_format=opts.weights_format,
+        headroom_gib=opts.headroom_gib, reserve_gib=opts.reserve_gib,
+        max_launches=opts.max_launches, validate=opts.validate, model_use_gib=opts.model_use_gib,
+        provenance="simulated" if engine.simulated else "measured",
+    )
+    if opts.model_use_gib is not None:
+        check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
+    p = plan_for(cfg)
+    extra_env = card_env(p.weights_format, p.nodes)
+    cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
+    if opts.serve_cmd is not None and not shlex.split(opts.serve_cmd):
+        raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
+    engine = replace(engine, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")), nodes=p.nodes,
+                     launch_env=extra_env)
+    if not engine.serve_cmd:
+        check_server_installed(engine.base_command()[0])
+    served = spec.name
+    target = Target(engine.model_arg(opts.model, spec), served, opts.host, 0)
+
+    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
+        return engine.command(settings, replace(target, port=port))
+
+    ctx = LaunchContext(
+        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
+        request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
+        decode_tokens=lengths.decode_tokens,
+        device_reader=select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp),
+    )
+    base, model_as_flag = engine.base_command()
+    serve_argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
+
+    def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
+        return R01Method(cfg, execute, phase, on_decision, setup=setup, serve_argv=serve_argv)
+
+    setup = Setup(choice, engine, spec, target.model, ctx, card, p.layout_reason, cfg, start)
+    return setup
+
+
+class R01Method(Tuner):
+    """The r0.1 loop as the pipeline drives it."""
+
+    name: MethodName = "r0.1"
+    then = ("read every rank's `actual peak used` after a graceful stop, derive, and validate "
+            "with max-num-seqs concurrent max-length requests (launch 2).")
+
+    def __init__(self, cfg: TuneConfig, execute: Executor, phase: Phase, on_decision: OnDecision,
+                 *, setup: Setup[TuneConfig], serve_argv: list[str]) -> None:
+        super().__init__(cfg, execute, phase, on_decision)
+        self.setup, self.serve_argv = setup, serve_argv
+
+    def begin(self) -> None:
+        if self.setup.ctx.device_reader is None:
+            self.phase("device", NO_READER)
+
+    def first_launch(self) -> LaunchSettings:
+        return self.prerun_settings(prerun_util(self.cfg), self.cfg.max_model_len)
+
+    def report_json(self, result: TuneResult, meta: RunMeta) -> RunReport:
+        return report_json(result, meta, self.serve_argv)
+
+    def layout(self) -> dict[str, Any]:
+        return plan_layout(self.plan)

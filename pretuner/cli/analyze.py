@@ -8,9 +8,10 @@ from pathlib import Path
 
 import typer
 
+import pretuner.cli.options as o
 from pretuner import validate as v
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json
+from pretuner.cli.render import emit, warn
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
 from pretuner.files import write_atomic
 from pretuner.method import DEFAULT_HEADROOM_GIB
@@ -76,9 +77,7 @@ def analyze_cmd(
     pp: int | None = typer.Option(
         None, *PP_FLAGS, metavar="N", help="Pipeline parallel size (default: 1; V1: the log's)."
     ),
-    kv_cache_dtype: KvDtype = typer.Option(
-        KvDtype.AUTO, "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
-    ),
+    kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
     block_size: int = typer.Option(
         16, "--block-size", metavar="TOKENS", help="KV block size in tokens."
     ),
@@ -131,11 +130,9 @@ def analyze_cmd(
     ))
     if out is not None:
         write_atomic(out, result.out_text(f"pretuner analyze {shlex.join(str(p) for p in logs)}"))
+    emit(as_json, {**result.to_json(), "out": str(out) if out else None}, result.text())
     if as_json:
-        echo_json({**result.to_json(), "out": str(out) if out else None})
         for warning in result.json_warnings():
-            typer.echo(f"pretuner: warning: {warning}", err=True)
-        return
-    typer.echo(result.text())
-    if out is not None:
+            warn(warning)
+    elif out is not None:
         typer.echo(f"\nwrote {out}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from pretuner.cli.app import Group, app
-from pretuner.cli.render import echo_json, table
+from pretuner.cli.render import emit, table
 from pretuner.cli.script import preset_from_run_dir
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
@@ -40,13 +40,11 @@ def list_cmd(
     from pretuner.presets.catalog import kv_words
     from pretuner.presets.model import all_presets, engine_words, preset_to_json
 
-    if as_json:
-        echo_json({"presets": [preset_to_json(p) for p in all_presets()]})
-        return
+    presets = all_presets()
     rows = [(p.name, p.kind.value, p.model, p.card_gib, f"TP{p.tp}xPP{p.pp}", engine_words(p),
-             kv_words(p), f"{p.kv_tokens:,}") for p in all_presets()]
+             kv_words(p), f"{p.kv_tokens:,}") for p in presets]
     head = ("preset", "kind", "model", "card GiB", "layout", "engine", "KV/card", "KV tokens/card")
-    typer.echo(table(head, rows))
+    emit(as_json, {"presets": [preset_to_json(p) for p in presets]}, table(head, rows))
 
 
 @presets_app.command("show")
@@ -61,13 +59,11 @@ def show_cmd(
     from pretuner.presets.model import engine_words, preset_to_json, resolve_preset
 
     p = resolve_preset(name)
-    if as_json:
-        echo_json(preset_to_json(p))
-        return
-    typer.echo(f"{p.name} ({p.kind.value}): {p.model} on {p.card_gib} GiB, TP{p.tp} x PP{p.pp}")
-    typer.echo(f"engine: {engine_words(p)}; KV cache {kv_words(p)} per card")
-    typer.echo(f"source: {p.source}")
-    typer.echo("\n".join(derivation_lines(p)))
+    emit(as_json, preset_to_json(p), "\n".join([
+        f"{p.name} ({p.kind.value}): {p.model} on {p.card_gib} GiB, TP{p.tp} x PP{p.pp}",
+        f"engine: {engine_words(p)}; KV cache {kv_words(p)} per card",
+        f"source: {p.source}",
+        *derivation_lines(p)]))
 
 
 @presets_app.command("add")
@@ -104,10 +100,8 @@ def add_cmd(
     path = write_atomic(
         Path(out) / f"{p.name}.json", json.dumps(preset_to_json(p), indent=2) + "\n"
     )
-    if as_json:
-        echo_json({"preset": p.name, "file": str(path)})
-        return
-    typer.echo(f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")
+    emit(as_json, {"preset": p.name, "file": str(path)},
+         f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")
 
 
 @presets_app.command("docs")

@@ -35,3 +35,15 @@ def echo_json(data: dict[str, Any]) -> None:
     from pretuner.report.records import SCHEMA_VERSION
 
     typer.echo(json.dumps({"schema_version": SCHEMA_VERSION, **data}, indent=2))
+
+
+def emit(as_json: bool, data: dict[str, Any], text: str) -> None:
+    """What a command prints on stdout: its `--json` object, or its text."""
+    if as_json:
+        echo_json(data)
+    else:
+        typer.echo(text)
+
+
+def warn(message: str) -> None:
+    typer.echo(f"pretuner: warning: {message}", err=True)

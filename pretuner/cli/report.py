@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json
+from pretuner.cli.render import emit
 from pretuner.errors import BadInputError
 
 
@@ -38,7 +38,4 @@ def report_cmd(
             hint="open it, pass --overwrite to render it again, or --out FILE",
         )
     path = write_html(run_dir, out, overwrite=overwrite)
-    if as_json:
-        echo_json({"report_html": str(path)})
-    else:
-        typer.echo(str(path))
+    emit(as_json, {"report_html": str(path)}, str(path))

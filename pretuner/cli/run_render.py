@@ -25,14 +25,6 @@ from pretuner.tune.report import SIM_NOTE, step_cells
 
 SIM_BANNER = f"*** {SIM_NOTE} ***"
 
-RAY_DRY_RUN = (
-    "with --ray-address {address}: pretuner first checks the cluster (nodes, NPUs, versions, "
-    "node variables), then runs each launch with --distributed-executor-backend ray, "
-    "RAY_ADDRESS, GLOG_logtostderr=0, GLOG_log_dir=<launch>/glog and these variables in the "
-    "launch's Ray job runtime env, and reads every node's logs on that node."
-)
-
-
 def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
     """`run --dry-run --json`: what the first launch would be, as data (secrets redacted)."""
     shown = d.command.redacted()
@@ -57,7 +49,7 @@ def _images_json(d: DryRun) -> dict[str, Any] | None:
             "soak_requests": soak.requests, "soak_minutes": soak.minutes}
 
 
-def render_dry_run(d: DryRun) -> str:
+def render_dry_run(d: DryRun, ray_address: str | None) -> str:
     s = d.prerun
     free = f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"
     lines = [SIM_BANNER] if d.simulated else []
@@ -73,6 +65,12 @@ def render_dry_run(d: DryRun) -> str:
         f"  {d.command.shell_line()}",
         f"then: {d.then}",
     ]
+    if ray_address:
+        lines.append(
+            f"with --ray-address {ray_address}: pretuner first checks the cluster (nodes, NPUs, "
+            "versions, node variables), then runs each launch with --distributed-executor-backend "
+            "ray, RAY_ADDRESS, GLOG_logtostderr=0, GLOG_log_dir=<launch>/glog and these variables "
+            "in the launch's Ray job runtime env, and reads every node's logs on that node.")
     return "\n".join(lines)
 
 

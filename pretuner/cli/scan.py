@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json, table
+from pretuner.cli.render import emit, table, warn
 from pretuner.errors import NothingFoundError
 
 if TYPE_CHECKING:
@@ -33,17 +33,14 @@ def scan_cmd(
     from pretuner.logscan import scan_paths  # numpy: not for `pretuner --help`
 
     result = scan_paths(paths)
-    if as_json:
-        echo_json(result.to_json())
+    emit(as_json, result.to_json(), render(result))
+    if as_json:  # the text says these in its TRUNCATED lines
         for cut in result.truncated:
-            typer.echo(f"pretuner: warning: {cut.describe()}", err=True)
+            warn(cut.describe())
         if result.truncated_omitted:
-            more = f"{result.truncated_omitted:,} more truncated dump(s), not listed"
-            typer.echo(f"pretuner: warning: {more}", err=True)
-    else:
-        typer.echo(render(result))
+            warn(f"{result.truncated_omitted:,} more truncated dump(s), not listed")
     for item in result.unreadable:
-        typer.echo(f"pretuner: warning: could not read {item.file}: {item.reason}", err=True)
+        warn(f"could not read {item.file}: {item.reason}")
     if not result.events:
         raise NothingFoundError(
             f"no memory line in {len(result.files)} file(s), {result.lines_scanned:,} lines",

@@ -19,9 +19,6 @@ from pretuner.method import DEFAULT_HEADROOM_GIB
 # The analysis is imported where it runs: `pretuner --help` and a usage error answer without
 # loading it (tests/test_cli_startup.py).
 
-# Far above any device's memory (the largest accelerators hold under 300 GiB).
-MAX_CARD_TOTAL_MIB = v.MAX_CARD_GIB * 1024
-
 
 @app.command(
     "analyze",
@@ -105,7 +102,7 @@ def analyze_cmd(
     from pretuner.models import resolve
 
     for flag, given, high in (("--card", card, v.MAX_CARD_GIB),
-                              ("--card-total-mib", card_total_mib, MAX_CARD_TOTAL_MIB),
+                              ("--card-total-mib", card_total_mib, v.MAX_CARD_GIB * 1024),
                               ("--tp", tp, None), ("--pp", pp, None)):
         if given is not None:
             v.int_range(flag, given, 1, high)

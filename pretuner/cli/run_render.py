@@ -11,14 +11,7 @@ from pretuner.cli.render import table
 from pretuner.engines.base import LaunchSettings
 from pretuner.launch.images import worst_case_images
 from pretuner.presets.model import preset_line
-from pretuner.report.records import (
-    Cluster,
-    PinnedDerivation,
-    RunReport,
-    Step,
-    device_words,
-    kv_words,
-)
+from pretuner.report.records import PinnedDerivation, RunReport, device_words, kv_words
 from pretuner.tune.entry import DryRun
 from pretuner.tune.pinned.report_sections import summary_lines
 from pretuner.tune.report import SIM_NOTE, step_cells
@@ -120,19 +113,13 @@ def render_summary(rep: RunReport, record: Path) -> str:
         lines.append("with the real engine (to be measured there): "
                      f"{shlex.join(f.engine_serve_command)}")
     lines.append(preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens or 0, tag))
-    if rep.cluster is not None:
-        lines.append(cluster_line(rep.cluster, rep.steps))
+    if (c := rep.cluster) is not None:  # where the ranks ran, and each launch's worst rank
+        where = ", ".join(f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
+                          for n in c["nodes"])
+        worst = "; ".join(f"#{s.n} {s.worst_node}" for s in rep.steps if s.worst_node)
+        lines.append(f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}")
     files = sorted(p.name for p in record.iterdir()
                    if p.is_file() and not p.name.startswith(".")
                    and p.name not in ("report.json", "journal.jsonl"))
     lines += ["", f"run record: {record}  ({', '.join(files)})"]
     return "\n".join(lines)
-
-
-def cluster_line(c: Cluster, steps: list[Step]) -> str:
-    """Where the ranks ran and where each launch's worst rank was."""
-    where = ", ".join(
-        f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks" for n in c["nodes"]
-    )
-    worst = "; ".join(f"#{s.n} {s.worst_node}" for s in steps if s.worst_node)
-    return f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}"

@@ -12,7 +12,7 @@ from pretuner.cli.render import emit, table, warn
 from pretuner.errors import NothingFoundError
 
 if TYPE_CHECKING:
-    from pretuner.logscan import RankSummary, ScanResult
+    from pretuner.logscan import ScanResult
 
 
 @app.command(
@@ -52,12 +52,6 @@ def scan_cmd(
         )
 
 
-def _peak_cell(rank: RankSummary) -> str:
-    if rank.actual_peak_mib is not None:
-        return f"{rank.actual_peak_mib:,}"
-    return "unknown (cut)" if rank.truncated_dumps else "-"
-
-
 def render(result: ScanResult) -> str:
     """The human-readable report."""
     out = [
@@ -68,7 +62,8 @@ def render(result: ScanResult) -> str:
         rows = [[
             "-" if r.rank is None else r.rank,
             "-" if r.pid is None else r.pid,
-            _peak_cell(r),
+            f"{r.actual_peak_mib:,}" if r.actual_peak_mib is not None
+            else "unknown (cut)" if r.truncated_dumps else "-",
             "-" if r.peak_used_mib is None else f"{r.peak_used_mib:,.0f}",
             r.dumps if not r.truncated_dumps else f"{r.dumps} + {r.truncated_dumps} cut",
             r.oom_count,

@@ -30,8 +30,8 @@ from typing import TypedDict
 
 from pretuner.errors import PretunerError
 from pretuner.models import builtin_specs, resolve
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.plugin import V1_CARDS as SIM_PROFILES
-from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, util_kv_bytes
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.v1.entry import DEFAULT_SOAK

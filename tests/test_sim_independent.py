@@ -75,7 +75,7 @@ def source_of(module: str) -> Path | None:
 # The harness that runs the tuner against the emulator in this process (benchmarks, decision
 # tests) imports the tuner by design; it is not the emulator's truth, and nothing else in the
 # emulator may import it.
-HARNESS = ("pretuner.sim.executor", "pretuner.sim.v1.executor")
+HARNESS = ("pretuner.sim.executor",)
 SIM_FILES = sorted(p for p in (PACKAGE / "sim").rglob("*.py") if module_name(p) not in HARNESS)
 
 

@@ -1,30 +1,10 @@
 """How the emulated engines lay out their KV cache: a page per attention layer, summed per block.
 
-Pure: no I/O. This is the emulator's own statement of the engines' published rules, written
-apart from the tuner's KV arithmetic on purpose: the emulator grades the tuner, and a grader
-that shares the code under test cannot catch a fault in it.
-`tests/test_sim_independent.py` checks that the two agree on the registered models and that no
-module under `pretuner/sim` imports the tuner's arithmetic.
-
-The engine's view (vLLM's per-layer KV cache specs; vLLM-MindSpore r0.1 sizes its blocks the
-same way):
-
-- Each rank stores, for every attention layer of its pipeline stage, one page per block. A page
-  holds `block_size` token slots; a slot holds the layer's *planes* side by side.
-- Full attention (MHA/GQA/MQA): a key plane and a value plane, each `heads * head_dim` elements,
-  where `heads` is the rank's share of the KV heads. `QKVParallelLinear` splits the KV heads
-  over the tensor-parallel ranks, or, with fewer KV heads than ranks, gives every rank one
-  replicated head (`tp` must then be a multiple of the KV heads).
-- Multi-head latent attention (DeepSeek, a config with `kv_lora_rank`): one compressed latent
-  plane (`kv_lora_rank` elements) and one rope-key plane (`qk_rope_head_dim`), the same on every
-  rank: the latent is not split by TP. MindSpore's int8 cache of an MLA model keeps the latent
-  in int8 but the rope key in bf16.
-- The cache dtype `auto` is the model's own dtype; int8 and the fp8 kinds take one byte.
-- Pipeline stages split the layers as vLLM's `get_pp_indices` does: `layers // pp` each, the
-  remainder one apiece to the stages before the last, from the second-last back. Every rank
-  sizes blocks for its own stage and the engine keeps the fewest blocks any rank can hold, so
-  the stage with the most layers decides the block size of all.
-"""
+Pure. Written apart from the tuner's KV arithmetic on purpose: the emulator grades the tuner,
+and a grader that shares the code under test cannot catch a fault in it
+(`tests/test_sim_independent.py` checks both agree and that nothing here imports the tuner).
+Full attention keeps a key and a value plane of the rank's KV heads; MLA keeps the latent and
+the rope key on every rank; the pipeline stage with the most layers decides the block size."""
 
 from __future__ import annotations
 

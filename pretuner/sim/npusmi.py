@@ -1,12 +1,8 @@
 """`npu-smi info` for the emulated cards, in the real 910B layout (two rows per NPU).
 
-HBM-Usage is the driver reservation of the profile plus, for a card a running emulated server
-uses, its CANN share and its whole MindSpore pool (the MindFormers backend runs with
-`enable_vmm:False`, so MindSpore takes `max_device_memory` from the card at init; the emulator
-does so even when `MS_ALLOC_CONF` asks for the virtual-memory pool, which would show less).
-Servers publish that in `$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`; entries of dead
-processes are ignored. `PRETUNER_SIM_NODE` selects which emulated node this npu-smi runs on.
-"""
+A card a live emulated server uses shows the driver reservation, the CANN share and the whole
+MindSpore pool (`enable_vmm:False`: MindSpore takes `max_device_memory` at init), as published
+in the state dir; `PRETUNER_SIM_NODE` selects the emulated node."""
 
 from __future__ import annotations
 

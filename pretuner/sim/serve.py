@@ -1,21 +1,10 @@
 """`pretuner sim serve`: an emulated vLLM-MindSpore r0.1 OpenAI server on an emulated Ascend card.
 
-Same command line as `python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server`
-(unknown flags are accepted and ignored), same environment variables, same HTTP API, same log
-lines at the same moments and the same failure modes. Its memory figures are *simulated* by
-`pretuner.sim.memory`.
-
-Sim-only knobs never change the real command line: each is a `--sim-*` option and an env var
-(`PRETUNER_SIM_*`), the option winning. Multi-node TP (`--sim-nodes N`): ranks are split evenly
-over N emulated nodes; node k's MindSpore logs go to `$GLOG_log_dir/node<k>` (or to the k-th
-entry of `PRETUNER_SIM_NODE_LOG_DIRS`, an os.pathsep-separated list), each rank in
-`rank_<RANK_ID>/logs/`. With a Ray address (`--distributed-executor-backend ray` and
-`RAY_ADDRESS`, or `--sim-ray-address`) the ranks are placed on the Ray cluster's nodes instead
-and each rank's log is written on its own node (`pretuner.sim.raynodes`).
-
-Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an engine crash
-(OOM during a request), -9 (killed) prints nothing.
-"""
+Same command line, environment, HTTP API, log lines and failure modes as r0.1; memory figures
+are *simulated* (`pretuner.sim.memory`). Emulator knobs are `--sim-*` options or
+`PRETUNER_SIM_*` variables. With `--sim-nodes N` the ranks split over N emulated nodes, node k
+logging to `$GLOG_log_dir/node<k>`; with a Ray address they are placed on the cluster's nodes
+(`pretuner.sim.raynodes`). Exit codes: 0 after a graceful stop, 1 on a startup error or crash."""
 
 from __future__ import annotations
 
@@ -36,7 +25,6 @@ from pretuner.sim.argv import serve_main
 from pretuner.sim.engine import (
     LOAD_OOM,
     Engine,
-    EngineLimits,
     OutOfMemory,
     RankPool,
     check_step,
@@ -67,6 +55,7 @@ from pretuner.sim.r01_config import (
 )
 from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.r01_state import CardState, write_truth
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB
 
@@ -160,7 +149,7 @@ class Server:
         limits = self.boot()
         return None if limits is None else self._serve(limits)
 
-    def boot(self) -> EngineLimits | None:
+    def boot(self) -> SchedulerLimits | None:
         """Everything before the socket opens: checks, devices, weights, KV cache, warm-up.
 
         Returns the engine's limits, or None when a stop signal came during startup; raises
@@ -313,9 +302,10 @@ class Server:
         if self._sleep(self._phase_s):
             return None
 
-        return EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap, chunked)
+        return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, chunked,
+                               cap)
 
-    def _serve(self, limits: EngineLimits) -> SimHTTPServer:
+    def _serve(self, limits: SchedulerLimits) -> SimHTTPServer:
         """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
         cfg, log, mml = self.cfg, self.vlog, limits.max_model_len
         self.engine = Engine(self.pools, limits, log, self._on_dead, pool_format=cfg.pool_format,

@@ -1,13 +1,8 @@
-"""The emulated engine's scheduler over the real network: FCFS prefills, then decode steps.
+"""The emulated r0.1 engine's scheduling (`pretuner.sim.scheduler`) over a real MindSpore network.
 
-Scheduling (admission by max-num-seqs, batched tokens, free KV blocks and vLLM's
-watermark) is the emulated engine's (`pretuner.sim.scheduler`); each step runs the MindSpore
-network instead of the memory model. Prefills of one step run one after the other (their
-activations do not overlap, as one fused prefill's would); a decode step runs every running
-sequence, DECODE_BATCH at a time (one batched forward pays MindSpore's per-op dispatch once for
-all of them). A MindSpore allocation failure kills the engine like vLLM's
-AsyncEngineDeadError: every request in flight fails, the server exits 1.
-"""
+Prefills of one step run one after the other, decodes DECODE_BATCH at a time (one batched
+forward pays MindSpore's per-op dispatch once). A MindSpore allocation failure kills the
+engine like vLLM's AsyncEngineDeadError."""
 
 from __future__ import annotations
 
@@ -16,9 +11,10 @@ import random
 import time
 from collections.abc import Callable
 
-from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory
+from pretuner.sim.engine import Engine, OutOfMemory
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.scheduler import Seq as SchedSeq
 
 log = logging.getLogger(__name__)
@@ -29,7 +25,7 @@ DECODE_BATCH = 16
 class MsEngine(Engine):
     """The emulated engine's queues and admission, stepping a real MindSpore network."""
 
-    def __init__(self, net: TinyLM, limits: EngineLimits, vlog: VllmLog,
+    def __init__(self, net: TinyLM, limits: SchedulerLimits, vlog: VllmLog,
                  on_dead: Callable[[BaseException], None], seed: int = 0) -> None:
         super().__init__([], limits, vlog, self._dead_noop, seed=seed)
         self.net = net

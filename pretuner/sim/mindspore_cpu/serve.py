@@ -1,14 +1,8 @@
-"""The reference server: the emulated server's interface over a real MindSpore network on CPU.
+"""The reference server: the emulated r0.1 server's interface over a real MindSpore network on CPU.
 
-Same command line (parsed by `pretuner.sim.r01_config.parse`; emulator-only options are accepted and
-ignored), same environment (`ASCEND_TOTAL_MEMORY_GB`, `vLLM_MODEL_MEMORY_USE_GB` through int()
-as r0.1 does, `GLOG_v`), same HTTP API (`pretuner.sim.http`). What differs is that every memory
-figure is MindSpore's own: the pool dump with `actual peak used mem` is printed by MindSpore when
-the process exits normally after SIGINT/SIGTERM, and an allocation beyond the card fails in
-MindSpore's allocator (see `card.py`).
-
-Exit codes: 0 after a graceful stop, 1 on a startup error or an engine crash (OOM), 2 on usage.
-"""
+Same command line, environment and HTTP API; every memory figure is MindSpore's own: its pool
+dump at a normal exit, its allocator's failure beyond the card (`card.py`). Exit codes: 0 after
+a graceful stop, 1 on a startup error or an engine crash, 2 on usage."""
 
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import serve_main
-from pretuner.sim.engine import EngineLimits
 from pretuner.sim.http import ANY_HOST, ApiConfig, serve_in_thread
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu import card
@@ -37,6 +30,7 @@ from pretuner.sim.r01_checks import (
 )
 from pretuner.sim.r01_config import ServeConfig, build_parser, parse
 from pretuner.sim.r01_http import SimHTTPServer
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.stopflag import StopFlag
 
 if TYPE_CHECKING:
@@ -147,7 +141,8 @@ class Server:
         log.info("model_runner.py:1415", f"Warm-up with a dummy prefill of {warm} tokens.")
         net.forward([Seq([1] * warm, list(range(-(-warm // cfg.block_size))), 0)])
 
-        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap_bytes)
+        limits = SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks,
+                                 pool_cap_bytes=cap_bytes)
         self.engine = MsEngine(net, limits, log, lambda _err: self.crashed.set(), seed=cfg.seed)
         self.engine.start()
         host = cfg.host or ANY_HOST

@@ -1,11 +1,8 @@
 """The emulated vLLM 0.24 start-up: argument checks, device, weights, profiling, KV cache,
 graph capture, warm-up; the same log lines and the same failures as the real server.
 
-`boot()` is shared by the subprocess server and the in-process run: everything that differs
-(where lines go, whether levels are published and held, whether time passes) is behind the
-`Sink` it is given. It returns the engine's starting state, or None after printing the real
-failure (the caller exits 1).
-"""
+Shared by the subprocess server and the in-process run; what differs between them (publishing,
+holding, sleeping) is behind the `Sink` it is given."""
 
 from __future__ import annotations
 

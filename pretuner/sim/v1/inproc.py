@@ -1,11 +1,8 @@
 """The emulated vLLM 0.24 server run in this process: no subprocess, no HTTP, no sleeping.
 
-Same command line, environment, boot sequence, scheduler, memory accounting and log lines as
-`python -m pretuner.sim vllm serve` (the code is shared); a benchmark scores thousands of
-tuning runs this way, and tests replay the real H100 runs in milliseconds. Other emulated
-servers' state files are not read: an in-process run is alone on its emulated GPUs (the tenant
-of `PRETUNER_SIM_OCCUPIED_MIB` still counts).
-"""
+Same command line, boot, scheduler, memory and log lines as `python -m pretuner.sim vllm
+serve` (the code is shared). An in-process run is alone on its emulated GPUs: other servers'
+state files are not read (the `PRETUNER_SIM_OCCUPIED_MIB` tenant still counts)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""vLLM 0.24's log lines: the `(APIServer pid=N)` / `(EngineCore pid=N)` prefixes, torch's
-out-of-memory text and the traceback blocks a failed engine prints.
+"""vLLM 0.24's log lines: process prefixes, torch's out-of-memory text, failure tracebacks.
 
-Formatting functions are pure; `V1Log` owns the stream (thread-safe, one line per write).
-A tuner's log scanner reads these texts, so they follow the real files under
-../shared/real-logs/vllm-0.24-h100/ character for character where it matters.
-"""
+The tuner's scanner reads these, so they follow ../shared/real-logs/vllm-0.24-h100/ character
+for character where it matters."""
 
 from __future__ import annotations
 

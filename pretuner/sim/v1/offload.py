@@ -1,33 +1,11 @@
 """The emulated card's weights as loaded (quantized, offloaded), its host, and its clock.
 
-Pure: no I/O, no clocks. Every figure is *simulated*: a documented model with coefficients
-chosen to be plausible for each emulated card, never measured on one.
-
-- **Weights.** `--quantization bitsandbytes|fp8` quantizes a 16-bit checkpoint as it loads (the
-  bytes per parameter of `pretuner.models.quant`); a checkpoint whose config.json carries a
-  `quantization_config` loads at its own size; `--quantization awq|gptq` on a checkpoint without
-  one is refused as vLLM refuses it. fp8 needs compute capability 8.0 or more.
-- **Offload.** `--cpu-offload-gb X` keeps up to X GiB of each rank's decoder-layer weights in
-  pinned host memory (the token embedding and the lm_head stay on the card). The card no longer
-  holds them; every forward pass reads them over PCIe, so each engine step costs
-  `offloaded bytes / PCIe bandwidth` more, whatever its size: decode slows in proportion.
-- **Host.** The host has `PRETUNER_SIM_HOST_MIB` MiB (default: the profile's), of which the
-  system keeps some. A server process holds `PROCESS_HOST_MIB` of host memory plus the pinned
-  offloaded weights; when that is more than the host has available, the kernel's OOM killer ends
-  the engine while it loads (signal 9). `--swap-space` is checked at start-up as vLLM checks
-  it (refused above 70 % of the host's total per node, warned above 40 %); the V1 engine
-  preempts by recomputing, so it pins none of it.
-- **Clock.** One engine step of n tokens takes `step_overhead` + the weights on the card read
-  once from its memory + the offloaded weights over PCIe + `2 * active params * n` FLOPs at
-  the card's rate + a launch cost per layer without CUDA graphs (`--enforce-eager`); 4-bit
-  bitsandbytes kernels also dequantize every weight they use (`BNB_DEQUANT` times the 4-bit
-  bytes at the card's memory rate: 4-bit Qwen3-8B decodes at about 0.7x its bf16 speed). The
-  server sleeps that times `PRETUNER_SIM_TIME_SCALE` (default 1: the card's own speed).
-
-Calibration checks (simulated): Qwen3-8B decodes at about 110 tokens/s on `h100-80`; the field
-note's 7 GB configuration of the 70B distill (4-bit, every layer offloaded) decodes at about
-0.35 tokens/s on `cuda-32`, where the note measured 0.4 on its 32 GB vGPU.
-"""
+Pure; every figure *simulated*. `--quantization` quantizes a 16-bit checkpoint as it loads
+(awq/gptq without a quantization_config are refused, fp8 needs capability 8.0);
+`--cpu-offload-gb` keeps decoder weights in pinned host memory, read over PCIe every step; a
+server that takes more host memory than is available is killed by the OOM killer while it
+loads; a step's time is weights read + offload streamed + FLOPs + eager launch costs, slept
+times `PRETUNER_SIM_TIME_SCALE`."""
 
 from __future__ import annotations
 

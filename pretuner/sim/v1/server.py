@@ -1,11 +1,8 @@
 """`python -m pretuner.sim vllm serve MODEL ...`: the emulated vLLM 0.24 server process.
 
-Boots (`pretuner.sim.v1.boot`), opens its socket only once ready like the real server, serves
-until SIGTERM/SIGINT (exit 0), and keeps running with a dead engine after an OOM during a
-request (every request 500, /health 503) until stopped. A failed start exits 1. While it runs
-it publishes its memory per GPU in the state dir and holds every level it passes through for
-`HOLD_S`, so a 20 ms sampler in another process sees each transient.
-"""
+Opens its socket once booted, serves until SIGTERM/SIGINT (exit 0), keeps serving 500s with a
+dead engine after an OOM, exits 1 on a failed start. It publishes its memory per GPU and holds
+every level for `HOLD_S`, so a 20 ms sampler in another process sees each transient."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""What only the emulator knows about vLLM 0.24 on an emulated CUDA card: the largest pinned
-KV cache that truly works, and what util-mode profiling would give.
+"""What only the emulator knows about vLLM 0.24: the largest pinned KV cache that truly works.
 
-Pure (no I/O, no clocks): both replay the shared boot and engine code with a silent log, so
-they can never disagree with the server. A benchmark scores a tuner's
-`--kv-cache-memory-bytes` against `max_kv_bytes`; a tuner must never call these.
-
-The load a configuration must survive: for a text model, one max-length prompt alone, then as
-many at once as the KV cache holds. For a vision-language model (`Images` given), the
-validation of `pretuner.launch.images.validation_phases`: the longest text prefill, the burst
-of worst-case image requests, and with `soak` requests the mixed soak, a cache reset and the
-burst again on top of what the soak left.
-"""
+Pure: replays the shared boot and engine code with a silent log, so it cannot disagree with the
+server. The load to survive: one max-length prompt, then as many as the KV cache holds; for a
+vision-language model, `pretuner.launch.images.validation_phases`. A tuner never calls these."""
 
 from __future__ import annotations
 

@@ -153,10 +153,7 @@ class CardModel:
         return self.kv_cache.block_bytes(self.layout.block_size)
 
     def activation_bytes(self, prefill: Prefill) -> int:
-        """Activation peak of one step prefilling these chunks: (new tokens, context) each.
-
-        A whole prompt of S tokens is (S, S); a chunk attends over its whole context.
-        """
+        """Activation peak of one step prefilling (new tokens, context) chunks."""
         if not prefill:
             return 0
         s, c, tp = self.spec, self.coeffs, self.layout.tp
@@ -218,12 +215,8 @@ def whole(lens: Sequence[int]) -> list[tuple[int, int]]:
 def full_load_prefill(
     max_model_len: int, max_num_seqs: int, batched: int, chunked: bool = False
 ) -> list[tuple[int, int]]:
-    """The worst prefill step under full load.
-
-    Whole prompts: as many max-length prompts (`max_model_len - 1` tokens: vLLM needs room for
-    one output token) as the budget admits, at least one. Chunked prefill: one chunk of the
-    whole budget at the end of a max-length prompt, where its attention spans the most context.
-    """
+    """The worst prefill step under full load: as many max-length prompts as the budget
+    admits, or, chunked, one budget-sized chunk at the end of a max-length prompt."""
     longest = max(1, max_model_len - 1)
     if chunked:
         return [(max(1, min(batched, longest)), longest)]
@@ -233,14 +226,8 @@ def full_load_prefill(
 
 @dataclass(frozen=True, slots=True)
 class Truth:
-    """What only the emulator knows; written by `--sim-truth` to score a tuner.
-
-    `safe_kv_bytes_full_load` = the card's free memory (`CardProfile.free_bytes`, i.e. the
-    largest pool MindSpore could get) minus the worst rank's true non-KV peak with max-num-seqs
-    sequences running and one full prefill step (`full_load_prefill`) in flight, fragments
-    included. `safe_kv_bytes_in_pool` is the same against the configured pool cap
-    (TOTAL * util): the largest KV this util could hold without an OOM under full load.
-    """
+    """What only the emulator knows; written by `--sim-truth` to score a tuner. The safe KV
+    figures are the card's free memory, or the pool cap, less the worst full-load peak."""
 
     profile: str
     seed: int

@@ -14,8 +14,7 @@ from pathlib import Path
 
 from pretuner.files import write_atomic
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
-from pretuner.sim.state import TENANT_PID as TENANT_PID  # re-exported: readers list it
-from pretuner.sim.state import env_int, read_live, state_dir
+from pretuner.sim.state import TENANT_PID, env_int, read_live, state_dir
 
 VERSION = "23.0.6"
 _BUS = ("C1", "01", "41", "81", "C2", "02", "42", "82")
@@ -30,6 +29,12 @@ class CardUse:
     pid: int | None = None  # the emulated server's rank on this card
     process_mib: int = 0
     tenant_mib: int = 0  # another tenant's process (TENANT_PID) on this card
+
+    @property
+    def processes(self) -> tuple[tuple[int, int], ...]:
+        """(pid, MiB) of the tenant and the server's rank, where they hold memory."""
+        pairs = ((TENANT_PID, self.tenant_mib), (self.pid, self.process_mib))
+        return tuple((p, m) for p, m in pairs if p is not None and m)
 
 
 def _usage(used: int, total: int) -> str:
@@ -65,8 +70,7 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
         _DOUBLE,
     ]
     for card in cards:
-        procs = [(p, m) for p, m in ((TENANT_PID, card.tenant_mib), (card.pid, card.process_mib))
-                 if p is not None and m]
+        procs = card.processes
         if not procs:
             lines.append("| " + f"No running processes found in NPU {card.npu}".ljust(width - 1)
                          + "|")

@@ -64,11 +64,8 @@ class NodeAgent:
 
 
 class RemoteRankLog:
-    """A rank's MindSpore log on its own node: RankLog's calls, forwarded to the node's actor.
-
-    Calls are fire-and-forget; Ray runs one caller's calls on an actor in order, and
-    `RayRanks.close` waits for all of them before the process exits.
-    """
+    """RankLog's calls, forwarded to the node's actor (fire-and-forget: Ray keeps one
+    caller's calls in order, and `RayRanks.close` waits for them)."""
 
     def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:
         self.agent = agent

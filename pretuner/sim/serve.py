@@ -67,6 +67,7 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
           ("/v1/embeddings", "POST"))
 
+
 @dataclass
 class _Rank:
     rank: int
@@ -96,10 +97,6 @@ class Server:
         self.remote: RayRanks | None = None  # ranks on a Ray cluster's nodes
 
     # -- helpers -----------------------------------------------------------------------------
-    def _sleep(self, seconds: float) -> bool:
-        """Sleep unless a stop signal comes; True when stopped."""
-        return self.stop.wait(seconds)
-
     def _node_log_dir(self, node: int) -> Path | None:
         env = self.cfg.env
         if env.get("GLOG_logtostderr", "1") != "0":
@@ -114,7 +111,7 @@ class Server:
             return None
         return Path(base) / f"node{node}" if self.cfg.nodes > 1 else Path(base)
 
-    def _visible_devices(self, per_node: int) -> list[int]:
+    def _visible_devices(self) -> list[int]:
         raw = self.cfg.env.get("ASCEND_RT_VISIBLE_DEVICES")
         if not raw:
             return list(range(self.profile.cards_per_node))
@@ -135,7 +132,8 @@ class Server:
 
     def _run(self) -> int:
         try:
-            server = self._start()
+            limits = self.boot()
+            server = None if limits is None else self._serve(limits)
         except (StartupFailed, OutOfMemory) as err:
             return self.failed_start(err)
         if server is None:  # stopped during startup
@@ -145,16 +143,8 @@ class Server:
                 return self._crash_exit(server)
         return self._graceful(server)
 
-    def _start(self) -> SimHTTPServer | None:
-        limits = self.boot()
-        return None if limits is None else self._serve(limits)
-
     def boot(self) -> SchedulerLimits | None:
-        """Everything before the socket opens: checks, devices, weights, KV cache, warm-up.
-
-        Returns the engine's limits, or None when a stop signal came during startup; raises
-        StartupFailed or OutOfMemory as the real server dies.
-        """
+        """Everything before the socket opens; None when a stop signal came during it."""
         cfg, log = self.cfg, self.vlog
         log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION}")
         log.info("api_server.py:713", f"args: Namespace(model={cfg.model!r}, host={cfg.host!r}, "
@@ -219,7 +209,7 @@ class Server:
         else:
             counts = [world // cfg.nodes] * cfg.nodes
         per_node = max(counts)
-        devices = self._visible_devices(per_node)
+        devices = self._visible_devices()
         if len(devices) < per_node:
             raise StartupFailed(
                 "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
@@ -254,7 +244,7 @@ class Server:
 
         self.card.init_pool(self.ranks, cap, total_gb * cfg.util, cfg.occupied_mib)
         self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
-        if self._sleep(self._phase_s):
+        if self.stop.wait(self._phase_s):
             return None
 
         # Weights.
@@ -265,7 +255,7 @@ class Server:
                 pool.peak_dynamic = cap - r.model.static_bytes
                 log_oom(r.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
                 raise oom
-        if self._sleep(2 * self._phase_s):
+        if self.stop.wait(2 * self._phase_s):
             return None
         weights_gb = self.ranks[0].model.weights_bytes / GIB
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
@@ -286,7 +276,7 @@ class Server:
                         cfg.pool_format, LOAD_OOM)
                 raise oom
             pool.kv_bytes = kv
-        if self._sleep(self._phase_s):
+        if self.stop.wait(self._phase_s):
             return None
 
         # r0.1 warm-up prefill.
@@ -299,7 +289,7 @@ class Server:
             pool = self.pools[oom.rank]
             log_oom(pool.log, oom, pool.stats(), cfg.pool_format)
             raise
-        if self._sleep(self._phase_s):
+        if self.stop.wait(self._phase_s):
             return None
 
         return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, chunked,

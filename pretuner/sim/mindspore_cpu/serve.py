@@ -28,7 +28,7 @@ from pretuner.sim.r01_checks import (
     traceback_text,
     verify_vllm_config,
 )
-from pretuner.sim.r01_config import ServeConfig, build_parser, parse
+from pretuner.sim.r01_config import VLLM_VERSION, ServeConfig, build_parser, parse
 from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.stopflag import StopFlag
@@ -36,8 +36,6 @@ from pretuner.stopflag import StopFlag
 if TYPE_CHECKING:
     from pretuner.sim.mindspore_cpu.engine import MsEngine
 
-VLLM_VERSION = "0.6.6.post1"
-WARMUP_TOKENS_CAP = 8192  # r0.1 warms up with one prefill of min(8192, max_model_len) tokens
 POOL_GROWTH = "1GB"
 _WHERE = ('  File "pretuner/sim/mindspore_cpu/serve.py", in start\n')
 
@@ -137,7 +135,7 @@ class Server:
                  f"RLIMIT_AS {limit >> 20} MiB = baseline {baseline >> 20} MiB + pool "
                  f"{cap_bytes >> 20} MiB + host allowance {card.HOST_ALLOWANCE_BYTES >> 20} MiB")
 
-        warm = min(WARMUP_TOKENS_CAP, mml)
+        warm = min(mem.WARMUP_TOKENS_CAP, mml)
         log.info("model_runner.py:1415", f"Warm-up with a dummy prefill of {warm} tokens.")
         net.forward([Seq([1] * warm, list(range(-(-warm // cfg.block_size))), 0)])
 

@@ -46,9 +46,9 @@ class Booted:
     capacity_bytes: int  # torch total minus what others hold on the GPU
     non_torch_bytes: int
     private_bytes: int
+    clock: offload.Clock  # how long a step takes on the emulated card
     vision: VisionCard | None = None  # a vision-language model's tower and budget
     processor_cache_bytes: int = 0  # --mm-processor-cache-gb (host memory)
-    clock: offload.Clock | None = None  # how long a step takes (None: the fast test clock)
 
 
 class Failed(Exception):
@@ -287,8 +287,9 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
              f"{cfg.startup_s:.2f} s{compile_note}")
     return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
-                  non_torch, private, vision, int(cfg.mm_processor_cache_gib * GIB),
-                  offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager))
+                  non_torch, private,
+                  offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager), vision,
+                  int(cfg.mm_processor_cache_gib * GIB))
 
 
 def _vision(cfg: V1Config, spec: ModelSpec, mml: int) -> VisionCard | None:

@@ -125,11 +125,8 @@ _API_FRAMES = (
 
 
 def start_failure_lines(stage: str, exc: str, message: str) -> tuple[list[str], list[str]]:
-    """The EngineCore's two blocks for a failed start: (ERROR-prefixed body, raw body).
-
-    Returns the lines after the prefix; the caller adds `[core.py:1231]` to the first block and
-    the bare `(EngineCore pid=N) ` to the second, as the real log shows both.
-    """
+    """The EngineCore's two blocks for a failed start, as the real log shows both: (body
+    after an ERROR prefix, body after the bare process prefix)."""
     frames = _frames(_CORE_HEAD + START_FRAMES[stage])
     body = ["Traceback (most recent call last):", *frames, f"{exc}: {message}"]
     raw = ["Process EngineCore:", "Traceback (most recent call last):",

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 from pretuner.cli import app
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import normalize_argv
+from pretuner.sim.argv import Refused, normalize_argv
 from pretuner.sim.engine import Engine, OutOfMemory, RankPool, Request
 from pretuner.sim.launcher import DEFAULT_ENTRY, child_argv
 from pretuner.sim.logs import PoolStats, RankLog, VllmLog, ms_prefix, pool_dump, vllm_prefix
 from pretuner.sim.npusmi import CardUse, render
-from pretuner.sim.r01_checks import StartupFailed, verify_vllm_config
+from pretuner.sim.r01_checks import verify_vllm_config
 from pretuner.sim.r01_config import UsageError, parse
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.units import GIB, MIB
@@ -189,7 +189,7 @@ def test_parse_flags_env_and_unknown() -> None:
      (["m", "--tensor-parallel-size", "3"], "must be divisible by tensor parallel size (3)")],
 )
 def test_vllm_config_checks(argv: list[str], text: str) -> None:
-    with pytest.raises(StartupFailed) as err:
+    with pytest.raises(Refused) as err:
         verify_vllm_config(parse(argv, {}), SPEC)
     assert text in err.value.message
 

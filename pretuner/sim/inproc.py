@@ -10,10 +10,9 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretuner.sim.argv import UsageError
+from pretuner.sim.argv import Refused, UsageError
 from pretuner.sim.engine import Engine, OutOfMemory, Request
 from pretuner.sim.http import Reply
-from pretuner.sim.r01_checks import StartupFailed
 from pretuner.sim.r01_config import parse
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.serve import Server
@@ -44,7 +43,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     server = Server(cfg, stream)
     try:
         limits = server.boot()
-    except (StartupFailed, OutOfMemory) as err:
+    except (Refused, OutOfMemory) as err:
         code = server.failed_start(err)  # the traceback first, then the log is complete
         return InprocRun(stream.getvalue(), (), False, code, *_device(server))
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretuner.models.spec import ModelSpec
+from pretuner.sim.argv import Refused
 
 # Element sizes in bytes by the names the emulated servers and model configs use.
 _ELEMENT_BYTES = {
@@ -18,15 +19,6 @@ _ELEMENT_BYTES = {
     "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
 }
 _ROPE_DTYPE_OF_INT8_MLA = "bf16"  # MindSpore leaves the rope key unquantized
-
-
-class LayoutRefused(ValueError):
-    """The engine refuses this parallel layout or cache dtype; `exc_type` is what it raises."""
-
-    def __init__(self, exc_type: str, message: str) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +62,9 @@ class CacheLayout:
 def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
     """The layers of each pipeline stage, split as vLLM's `get_pp_indices` does."""
     if pp < 1:
-        raise LayoutRefused("ValueError", f"pipeline_parallel_size ({pp}) must be positive")
+        raise Refused("ValueError", f"pipeline_parallel_size ({pp}) must be positive")
     if pp > num_layers:
-        raise LayoutRefused("ValueError", f"pipeline_parallel_size ({pp}) is larger than the "
+        raise Refused("ValueError", f"pipeline_parallel_size ({pp}) is larger than the "
                             f"number of hidden layers ({num_layers})")
     split = [num_layers // pp] * pp
     for back in range(2, num_layers % pp + 2):
@@ -84,28 +76,28 @@ def rank_kv_heads(total_kv_heads: int, tp: int) -> int:
     """The KV heads one tensor-parallel rank holds (QKVParallelLinear's split or replication)."""
     if tp >= total_kv_heads:
         if tp % total_kv_heads:
-            raise LayoutRefused("AssertionError", f"{tp} is not divisible by {total_kv_heads}")
+            raise Refused("AssertionError", f"{tp} is not divisible by {total_kv_heads}")
         return 1
     if total_kv_heads % tp:
-        raise LayoutRefused("AssertionError", f"{total_kv_heads} is not divisible by {tp}")
+        raise Refused("AssertionError", f"{total_kv_heads} is not divisible by {tp}")
     return total_kv_heads // tp
 
 
 def element_bytes(spec: ModelSpec, cache_dtype: str) -> int:
     name = spec.dtype if cache_dtype == "auto" else cache_dtype
     if name not in _ELEMENT_BYTES:
-        raise LayoutRefused("ValueError", f"Unknown kv cache dtype: {name}")
+        raise Refused("ValueError", f"Unknown kv cache dtype: {name}")
     return _ELEMENT_BYTES[name]
 
 
 def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, ...]:
     """The planes one token keeps in one layer on one tensor-parallel rank."""
     if tp < 1:
-        raise LayoutRefused("ValueError", f"tensor_parallel_size ({tp}) must be positive")
+        raise Refused("ValueError", f"tensor_parallel_size ({tp}) must be positive")
     elem = element_bytes(spec, cache_dtype)
     if spec.kv_lora_rank is not None:  # vLLM's use_mla: the config carries a latent rank
         if spec.qk_rope_head_dim is None:
-            raise LayoutRefused("ValueError", f"{spec.name}: an MLA config needs "
+            raise Refused("ValueError", f"{spec.name}: an MLA config needs "
                                 "qk_rope_head_dim beside kv_lora_rank")
         # Every rank keeps the whole latent: TP does not enter.
         rope = _ELEMENT_BYTES[_ROPE_DTYPE_OF_INT8_MLA] if cache_dtype == "int8" else elem
@@ -117,7 +109,7 @@ def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, 
 
 def cache_layout(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
                  cache_dtype: str = "auto") -> CacheLayout:
-    """The KV cache of one rank on the busiest stage; raises `LayoutRefused` as the engine
+    """The KV cache of one rank on the busiest stage; raises `Refused` as the engine
     would refuse the layout."""
     planes = layer_planes(spec, tp=tp, cache_dtype=cache_dtype)
     return CacheLayout(planes, max(stage_layers(spec.num_layers, pp)))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TextIO
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import serve_main
+from pretuner.sim.argv import Refused, serve_main
 from pretuner.sim.engine import (
     LOAD_OOM,
     Engine,
@@ -31,7 +31,6 @@ from pretuner.sim.engine import (
     log_oom,
 )
 from pretuner.sim.http import ANY_HOST, ApiConfig, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
     WHERE_CACHE,
@@ -39,7 +38,6 @@ from pretuner.sim.r01_checks import (
     WHERE_MODEL,
     WHERE_MS,
     WHERE_RAY,
-    StartupFailed,
     check_kv_blocks,
     chunked_prefill,
     int_env,
@@ -118,7 +116,7 @@ class Server:
         try:
             return [int(x) for x in raw.split(",") if x.strip()]
         except ValueError:
-            raise StartupFailed("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
+            raise Refused("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
                                 WHERE_MS) from None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -134,7 +132,7 @@ class Server:
         try:
             limits = self.boot()
             server = None if limits is None else self._serve(limits)
-        except (StartupFailed, OutOfMemory) as err:
+        except (Refused, OutOfMemory) as err:
             return self.failed_start(err)
         if server is None:  # stopped during startup
             return self._graceful()
@@ -158,7 +156,7 @@ class Server:
             spec = resolve(cfg.model)
             weights_fmt = spec.weights_format(cfg.weights_format)
         except PretunerError as err:
-            raise StartupFailed("OSError", f"{cfg.model} is not a local folder and is not a valid "
+            raise Refused("OSError", f"{cfg.model} is not a local folder and is not a valid "
                                 f"model identifier ({err})", WHERE_MODEL) from None
         mml, batched = verify_vllm_config(cfg, spec)
         chunked = chunked_prefill(cfg, mml)
@@ -204,22 +202,22 @@ class Server:
             self.remote = self._place_on_ray(cfg.ray_address, idents)
             counts = list(self.remote.placement.ranks_per_node)
         elif world % cfg.nodes:
-            raise StartupFailed("ValueError", f"world size {world} cannot be split evenly over "
+            raise Refused("ValueError", f"world size {world} cannot be split evenly over "
                                 f"{cfg.nodes} nodes", WHERE_CONFIG)
         else:
             counts = [world // cfg.nodes] * cfg.nodes
         per_node = max(counts)
         devices = self._visible_devices()
         if len(devices) < per_node:
-            raise StartupFailed(
+            raise Refused(
                 "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
                 f"less than the {per_node} ranks this node must run", WHERE_MS)
         try:
             models = mem.card_models(spec, weights_fmt.total_bytes, layout, cfg.seed,
                                      cfg.rank_skew)
             block_bytes = models[0].block_bytes
-        except LayoutRefused as err:
-            raise StartupFailed(err.exc_type, err.message, WHERE_CONFIG) from None
+        except Refused as err:
+            raise Refused(err.exc_type, err.message, WHERE_CONFIG) from None
         starts = [sum(counts[:k]) for k in range(len(counts))]
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)
@@ -309,7 +307,7 @@ class Server:
         except OSError as err:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
-            raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}",
+            raise Refused("OSError", f"[Errno {err.errno}] {err.strerror}",
                                 WHERE_MS) from None
         port = server.server_address[1]
         log.info("api_server.py:640", "Using supplied chat template:\nNone")
@@ -328,13 +326,13 @@ class Server:
         try:
             from pretuner.sim.raynodes import PlacementFailed, RayRanks
         except ImportError as err:
-            raise StartupFailed("ModuleNotFoundError", str(err), WHERE_RAY) from None
+            raise Refused("ModuleNotFoundError", str(err), WHERE_RAY) from None
         try:
             remote = RayRanks(address, idents)
         except PlacementFailed as err:
-            raise StartupFailed("ValueError", str(err), WHERE_RAY) from None
+            raise Refused("ValueError", str(err), WHERE_RAY) from None
         except PretunerError as err:  # Ray missing or the cluster unreachable
-            raise StartupFailed("ConnectionError", err.message, WHERE_RAY) from None
+            raise Refused("ConnectionError", err.message, WHERE_RAY) from None
         # Ray's core installs its own SIGTERM handler (it dies at once, printing nothing);
         # vLLM's uvicorn installs its handlers after Ray starts, and so does the emulator.
         self.stop.install()
@@ -367,12 +365,12 @@ class Server:
         self.card.unpublish()
         return 0
 
-    def failed_start(self, err: StartupFailed | OutOfMemory) -> int:
+    def failed_start(self, err: Refused | OutOfMemory) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
         self.card.unpublish()
         out = self.stream or sys.stderr
         out.write(traceback_text(err.exc_type, err.message, err.where)
-                  if isinstance(err, StartupFailed)
+                  if isinstance(err, Refused)
                   else traceback_text("RuntimeError", str(err), WHERE_MS))
         out.flush()
         return 1

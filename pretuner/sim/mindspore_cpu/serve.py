@@ -17,17 +17,11 @@ from typing import TYPE_CHECKING
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import serve_main
+from pretuner.sim.argv import Refused, serve_main
 from pretuner.sim.http import ANY_HOST, ApiConfig, serve_in_thread
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu import card
-from pretuner.sim.r01_checks import (
-    StartupFailed,
-    check_kv_blocks,
-    int_env,
-    traceback_text,
-    verify_vllm_config,
-)
+from pretuner.sim.r01_checks import check_kv_blocks, int_env, traceback_text, verify_vllm_config
 from pretuner.sim.r01_config import VLLM_VERSION, ServeConfig, build_parser, parse
 from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.scheduler import SchedulerLimits
@@ -52,7 +46,7 @@ class Server:
         self.stop.install()
         try:
             server = self._start()
-        except StartupFailed as err:
+        except Refused as err:
             sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
             return 1
         except (RuntimeError, MemoryError):  # MindSpore's allocation failures
@@ -84,7 +78,7 @@ class Server:
         try:
             spec = resolve(cfg.model)
         except PretunerError as err:
-            raise StartupFailed("OSError", f"{cfg.model} is not a valid model identifier "
+            raise Refused("OSError", f"{cfg.model} is not a valid model identifier "
                                 f"({err})", _WHERE) from None
         mml, batched = verify_vllm_config(cfg, spec)
         env = cfg.env
@@ -148,7 +142,7 @@ class Server:
             server = SimHTTPServer((host, cfg.port), self.engine,
                                    ApiConfig(cfg.served_names, cfg.model, mml), log)
         except OSError as err:
-            raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}", _WHERE) from None
+            raise Refused("OSError", f"[Errno {err.errno}] {err.strerror}", _WHERE) from None
         serve_in_thread(server)
         log.uvicorn(f"Started server process [{os.getpid()}]")
         log.uvicorn("Application startup complete.")

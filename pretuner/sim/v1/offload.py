@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from pretuner.models.quant import Quantization, from_flag, quantized_bytes
 from pretuner.models.spec import ModelSpec
+from pretuner.sim.argv import Refused
 from pretuner.units import GIB, MIB
 
 HOST_ENV = "PRETUNER_SIM_HOST_MIB"
@@ -46,14 +47,6 @@ SPEEDS: dict[str, CardSpeed] = {
 }
 
 
-class LoadRefused(Exception):
-    """vLLM refuses the quantization or swap settings before the engine starts."""
-
-    def __init__(self, exc: str, message: str) -> None:
-        super().__init__(message)
-        self.exc, self.message = exc, message
-
-
 @dataclass(frozen=True, slots=True)
 class Loaded:
     """One rank's weights as loaded, and what the host holds for it."""
@@ -76,16 +69,16 @@ def _quantization(spec: ModelSpec, method: str | None, capability: int) -> Quant
     name = method.lower()
     if stored is not None:
         if stored.method != name:
-            raise LoadRefused("ValueError", f"Quantization method specified in the model config "
+            raise Refused("ValueError", f"Quantization method specified in the model config "
                               f"({stored.method}) does not match the quantization method "
                               f"specified in the `quantization` argument ({name}).")
         return stored
     if name not in IN_FLIGHT:
-        raise LoadRefused("ValueError", f"Cannot find the config file for {name}: the checkpoint "
+        raise Refused("ValueError", f"Cannot find the config file for {name}: the checkpoint "
                           "has no quantization_config (only bitsandbytes and fp8 quantize a "
                           "16-bit checkpoint while loading)")
     if name == "fp8" and capability < 80:
-        raise LoadRefused("ValueError", f"The quantization method fp8 is not supported for the "
+        raise Refused("ValueError", f"The quantization method fp8 is not supported for the "
                           f"current GPU. Minimum capability: 80. Current capability: "
                           f"{capability}.")
     return from_flag(name)
@@ -93,7 +86,7 @@ def _quantization(spec: ModelSpec, method: str | None, capability: int) -> Quant
 
 def load(spec: ModelSpec, profile: str, tp: int, quantization: str | None,
          offload_gib: float) -> Loaded:
-    """The weights as this server loads them; LoadRefused for a quantization vLLM refuses."""
+    """The weights as this server loads them; Refused for a quantization vLLM refuses."""
     speed = SPEEDS[profile]
     quant = _quantization(spec, quantization, speed.capability)
     native = spec.weights_format().total_bytes

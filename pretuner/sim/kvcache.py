@@ -65,7 +65,7 @@ def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
         raise Refused("ValueError", f"pipeline_parallel_size ({pp}) must be positive")
     if pp > num_layers:
         raise Refused("ValueError", f"pipeline_parallel_size ({pp}) is larger than the "
-                            f"number of hidden layers ({num_layers})")
+                      f"number of hidden layers ({num_layers})")
     split = [num_layers // pp] * pp
     for back in range(2, num_layers % pp + 2):
         split[-back] += 1
@@ -98,7 +98,7 @@ def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, 
     if spec.kv_lora_rank is not None:  # vLLM's use_mla: the config carries a latent rank
         if spec.qk_rope_head_dim is None:
             raise Refused("ValueError", f"{spec.name}: an MLA config needs "
-                                "qk_rope_head_dim beside kv_lora_rank")
+                          "qk_rope_head_dim beside kv_lora_rank")
         # Every rank keeps the whole latent: TP does not enter.
         rope = _ELEMENT_BYTES[_ROPE_DTYPE_OF_INT8_MLA] if cache_dtype == "int8" else elem
         return (Plane("latent", spec.kv_lora_rank, elem),

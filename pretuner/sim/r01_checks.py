@@ -47,20 +47,20 @@ def int_env(env: dict[str, str], name: str, where: str | None = None) -> int:
         where = WHERE_PLATFORM if name == "ASCEND_TOTAL_MEMORY_GB" else WHERE_BLOCKS
     if raw is None:
         raise Refused("TypeError", "int() argument must be a string, a bytes-like object "
-                            "or a real number, not 'NoneType'", where)
+                      "or a real number, not 'NoneType'", where)
     try:
         return int(raw)
     except ValueError:
         raise Refused("ValueError", f"invalid literal for int() with base 10: {raw!r}",
-                            where) from None
+                      where) from None
 
 
 def check_kv_blocks(blocks: int, block_size: int, mml: int, where: str) -> int:
     """vLLM's checks on the KV blocks r0.1 computed; returns the tokens they hold."""
     if blocks <= 0:
         raise Refused("ValueError", "No available memory for the cache blocks. Try "
-                            "increasing `gpu_memory_utilization` when initializing the "
-                            "engine.", where)
+                      "increasing `gpu_memory_utilization` when initializing the "
+                      "engine.", where)
     max_seq = blocks * block_size
     if mml > max_seq:
         raise Refused(
@@ -93,11 +93,11 @@ def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
             WHERE_CONFIG)
     if not 0 < cfg.util <= 1:
         raise Refused("ValueError", "GPU memory utilization must be less than 1.0. Got "
-                            f"{cfg.util}.", WHERE_CONFIG)
+                      f"{cfg.util}.", WHERE_CONFIG)
     if spec.num_heads % cfg.tp:
         raise Refused("ValueError", f"Total number of attention heads ({spec.num_heads}) "
-                            "must be divisible by tensor parallel size "
-                            f"({cfg.tp}).", WHERE_CONFIG)
+                      "must be divisible by tensor parallel size "
+                      f"({cfg.tp}).", WHERE_CONFIG)
     chunked = chunked_prefill(cfg, mml)
     default = mem.DEFAULT_CHUNK_TOKENS if chunked else max(mml, 2048)
     batched = cfg.max_num_batched_tokens or default
@@ -110,6 +110,6 @@ def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
             "decrease max_model_len.", WHERE_CONFIG)
     if batched < cfg.max_num_seqs:
         raise Refused("ValueError", f"max_num_batched_tokens ({batched}) must be greater "
-                            f"than or equal to max_num_seqs ({cfg.max_num_seqs}).",
-                            WHERE_CONFIG)
+                      f"than or equal to max_num_seqs ({cfg.max_num_seqs}).",
+                      WHERE_CONFIG)
     return mml, batched

@@ -117,7 +117,7 @@ class Server:
             return [int(x) for x in raw.split(",") if x.strip()]
         except ValueError:
             raise Refused("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
-                                WHERE_MS) from None
+                          WHERE_MS) from None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -157,7 +157,7 @@ class Server:
             weights_fmt = spec.weights_format(cfg.weights_format)
         except PretunerError as err:
             raise Refused("OSError", f"{cfg.model} is not a local folder and is not a valid "
-                                f"model identifier ({err})", WHERE_MODEL) from None
+                          f"model identifier ({err})", WHERE_MODEL) from None
         mml, batched = verify_vllm_config(cfg, spec)
         chunked = chunked_prefill(cfg, mml)
         if chunked and cfg.chunked_prefill is None:
@@ -203,7 +203,7 @@ class Server:
             counts = list(self.remote.placement.ranks_per_node)
         elif world % cfg.nodes:
             raise Refused("ValueError", f"world size {world} cannot be split evenly over "
-                                f"{cfg.nodes} nodes", WHERE_CONFIG)
+                          f"{cfg.nodes} nodes", WHERE_CONFIG)
         else:
             counts = [world // cfg.nodes] * cfg.nodes
         per_node = max(counts)
@@ -308,7 +308,7 @@ class Server:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
             raise Refused("OSError", f"[Errno {err.errno}] {err.strerror}",
-                                WHERE_MS) from None
+                          WHERE_MS) from None
         port = server.server_address[1]
         log.info("api_server.py:640", "Using supplied chat template:\nNone")
         print_routes(log.info, ("launcher.py:19", "launcher.py:27"), ROUTES)

@@ -79,7 +79,7 @@ class Server:
             spec = resolve(cfg.model)
         except PretunerError as err:
             raise Refused("OSError", f"{cfg.model} is not a valid model identifier "
-                                f"({err})", _WHERE) from None
+                          f"({err})", _WHERE) from None
         mml, batched = verify_vllm_config(cfg, spec)
         env = cfg.env
         if env.get("ASCEND_TOTAL_MEMORY_GB"):

@@ -70,17 +70,17 @@ def _quantization(spec: ModelSpec, method: str | None, capability: int) -> Quant
     if stored is not None:
         if stored.method != name:
             raise Refused("ValueError", f"Quantization method specified in the model config "
-                              f"({stored.method}) does not match the quantization method "
-                              f"specified in the `quantization` argument ({name}).")
+                          f"({stored.method}) does not match the quantization method "
+                          f"specified in the `quantization` argument ({name}).")
         return stored
     if name not in IN_FLIGHT:
         raise Refused("ValueError", f"Cannot find the config file for {name}: the checkpoint "
-                          "has no quantization_config (only bitsandbytes and fp8 quantize a "
-                          "16-bit checkpoint while loading)")
+                      "has no quantization_config (only bitsandbytes and fp8 quantize a "
+                      "16-bit checkpoint while loading)")
     if name == "fp8" and capability < 80:
         raise Refused("ValueError", f"The quantization method fp8 is not supported for the "
-                          f"current GPU. Minimum capability: 80. Current capability: "
-                          f"{capability}.")
+                      f"current GPU. Minimum capability: 80. Current capability: "
+                      f"{capability}.")
     return from_flag(name)
 
 

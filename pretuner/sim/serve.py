@@ -79,6 +79,8 @@ class _Rank:
 class Server:
     """One emulated server process: startup phases, HTTP, graceful stop, crash."""
 
+    fatal: tuple[type[Exception], ...] = (Refused, OutOfMemory)  # a failed start
+
     def __init__(self, cfg: ServeConfig, stream: TextIO | None = None) -> None:
         self.cfg = cfg
         self.stream = stream  # where every line goes (stderr unless run in-process)
@@ -89,7 +91,7 @@ class Server:
         self.ranks: list[_Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
-        self.dead: OutOfMemory | None = None
+        self.dead: Exception | None = None
         self.crashed = threading.Event()
         self._phase_s = cfg.startup_s / 5
         self.remote: RayRanks | None = None  # ranks on a Ray cluster's nodes
@@ -132,7 +134,7 @@ class Server:
         try:
             limits = self.boot()
             server = None if limits is None else self._serve(limits)
-        except (Refused, OutOfMemory) as err:
+        except self.fatal as err:
             return self.failed_start(err)
         if server is None:  # stopped during startup
             return self._graceful()
@@ -296,8 +298,7 @@ class Server:
     def _serve(self, limits: SchedulerLimits) -> SimHTTPServer:
         """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
         cfg, log, mml = self.cfg, self.vlog, limits.max_model_len
-        self.engine = Engine(self.pools, limits, log, self._on_dead, pool_format=cfg.pool_format,
-                             seed=cfg.seed)
+        self.engine = self._engine(limits)
         self.engine.start()
         api = ApiConfig(cfg.served_names, cfg.model, mml)
         host = cfg.host or ANY_HOST
@@ -317,7 +318,11 @@ class Server:
         log.uvicorn(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
         return server
 
-    def _on_dead(self, oom: OutOfMemory) -> None:
+    def _engine(self, limits: SchedulerLimits) -> Engine:
+        return Engine(self.pools, limits, self.vlog, self._on_dead,
+                      pool_format=self.cfg.pool_format, seed=self.cfg.seed)
+
+    def _on_dead(self, oom: Exception) -> None:
         self.dead = oom
         self.crashed.set()
 
@@ -365,7 +370,7 @@ class Server:
         self.card.unpublish()
         return 0
 
-    def failed_start(self, err: Refused | OutOfMemory) -> int:
+    def failed_start(self, err: Exception) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
         self.card.unpublish()
         out = self.stream or sys.stderr

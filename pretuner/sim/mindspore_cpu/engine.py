@@ -26,19 +26,14 @@ class MsEngine(Engine):
     """The emulated engine's queues and admission, stepping a real MindSpore network."""
 
     def __init__(self, net: TinyLM, limits: SchedulerLimits, vlog: VllmLog,
-                 on_dead: Callable[[BaseException], None], seed: int = 0) -> None:
-        super().__init__([], limits, vlog, self._dead_noop, seed=seed)
+                 on_dead: Callable[[Exception], None], seed: int = 0) -> None:
+        super().__init__([], limits, vlog, lambda _oom: None, seed=seed)  # see _fail
         self.net = net
         self._on_failure = on_dead
         self._free_list = list(range(limits.num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._filled: dict[str, int] = {}
         self._tokens = random.Random(seed)  # noqa: S311 - prompt ids are given; this fills gaps
-        self.failure: BaseException | None = None
-
-    @staticmethod
-    def _dead_noop(_: object) -> None:
-        return
 
     def _table(self, seq: SchedSeq) -> list[int]:
         """The sequence's block ids, grown to the blocks the scheduler gave it."""
@@ -98,8 +93,6 @@ class MsEngine(Engine):
                 self._maybe_metrics()
 
     def _fail(self, err: BaseException) -> None:
-        self.log.error("engine.py:135", f"RuntimeError({str(err).splitlines()[0]!r})")
-        self.failure = err
         # The HTTP layer only asks whether the engine is dead; the real text is in the log.
         self._fail_all(OutOfMemory(0, 0, "see the MindSpore log", 0), str(err))
-        self._on_failure(err)
+        self._on_failure(RuntimeError(str(err).splitlines()[0]))  # what the server prints

@@ -111,6 +111,16 @@ class Server:
             return None
         return Path(base) / f"node{node}" if self.cfg.nodes > 1 else Path(base)
 
+    def total_gb(self, where: str | None = None) -> int:
+        """ASCEND_TOTAL_MEMORY_GB as vLLM-MindSpore's platform reads it (64 when unset)."""
+        if self.cfg.env.get("ASCEND_TOTAL_MEMORY_GB"):
+            return int_env(self.cfg.env, "ASCEND_TOTAL_MEMORY_GB", where)
+        self.vlog.warning("ascend.py:110", "Total device memory should be set by environ "
+                          "'ASCEND_TOTAL_MEMORY_GB', please check size by cmd(npu-smi info). For "
+                          "now, we will try default size(64GB) which might not be correct "
+                          "exactly.")
+        return 64
+
     def _visible_devices(self) -> list[int]:
         raw = self.cfg.env.get("ASCEND_RT_VISIBLE_DEVICES")
         if not raw:
@@ -171,13 +181,7 @@ class Server:
             log.info("config.py:1020", "Chunked prefill is enabled with "
                      f"max_num_batched_tokens={batched}.")
         env = cfg.env
-        if env.get("ASCEND_TOTAL_MEMORY_GB"):
-            total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB")
-        else:
-            total_gb = 64
-            log.warning("ascend.py:110", "Total device memory should be set by environ "
-                        "'ASCEND_TOTAL_MEMORY_GB', please check size by cmd(npu-smi info). For "
-                        "now, we will try default size(64GB) which might not be correct exactly.")
+        total_gb = self.total_gb()
         self.pool_cap = cap = mem.pool_cap_bytes(total_gb, cfg.util)
         log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
         log.info("config.py:510", "This model supports multiple tasks: {'generate', 'embed'}. "

@@ -53,14 +53,8 @@ class Server(R01Server):
             raise Refused("OSError", f"{cfg.model} is not a valid model identifier "
                           f"({err})", _WHERE) from None
         mml, batched = verify_vllm_config(cfg, spec)
-        env = cfg.env
-        if env.get("ASCEND_TOTAL_MEMORY_GB"):
-            total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB", _WHERE)
-        else:
-            total_gb = 64
-            log.warning("ascend.py:110", "Total device memory should be set by environ "
-                        "'ASCEND_TOTAL_MEMORY_GB'; using the default size (64GB).")
-        model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB", _WHERE)
+        total_gb = self.total_gb(_WHERE)
+        model_use = int_env(cfg.env, "vLLM_MODEL_MEMORY_USE_GB", _WHERE)
         log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
 
         card.keep_reservations_small()

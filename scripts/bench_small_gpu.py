@@ -36,9 +36,9 @@ from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.plan.layout import PlanConfig
 from pretuner.plan.propose import propose
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.plugin import V1_CARDS as SIM_PROFILES
 from pretuner.sim.v1 import inproc
-from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes
 from pretuner.speed import Speed

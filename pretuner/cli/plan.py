@@ -42,14 +42,10 @@ def plan_cmd(
     card: int | None = typer.Option(
         None, "--card", metavar="GIB", help="Card GiB (default: as run, what the device reports)."
     ),
-    util: float = typer.Option(
-        0.9, *UTIL_FLAGS, metavar="FRACTION", help="--gpu-memory-utilization."
-    ),
+    util: float = typer.Option(0.9, *UTIL_FLAGS, metavar="FRACTION",
+                               help="--gpu-memory-utilization."),
     max_model_len: int | None = typer.Option(
-        None,
-        "--max-model-len",
-        metavar="TOKENS",
-        parser=human_int,
+        None, "--max-model-len", metavar="TOKENS", parser=human_int,
         help="Tokens per request (32K, 32k...; default the engine's, as run).",
     ),
     tp: int | None = typer.Option(
@@ -78,37 +74,26 @@ def plan_cmd(
         None, "--kv-gib", metavar="GIB", help="Also say how many tokens fit in this many GiB."
     ),
     limit_mm_per_prompt: str | None = typer.Option(
-        None,
-        "--limit-mm-per-prompt",
-        metavar="LIMITS",
+        None, "--limit-mm-per-prompt", metavar="LIMITS",
         help="VL models (V1 engines): images per prompt, vLLM's forms image=2 or "
         "'{\"image\": 2}' (default vLLM's 999, capped by what fits in --max-model-len).",
     ),
     max_num_batched_tokens: int | None = typer.Option(
-        None,
-        "--max-num-batched-tokens",
-        metavar="TOKENS",
-        parser=human_int,
+        None, "--max-num-batched-tokens", metavar="TOKENS", parser=human_int,
         help="VL models: sizes vLLM's encoder cache (default vLLM's, 8192).",
     ),
     mm_processor_cache_gb: float | None = typer.Option(
-        None,
-        "--mm-processor-cache-gb",
-        metavar="GIB",
+        None, "--mm-processor-cache-gb", metavar="GIB",
         help="VL models: vLLM's preprocessor cache, host memory per API server (default 4).",
     ),
     engine: str = typer.Option(
-        "auto",
-        "--engine",
-        metavar="NAME",
+        "auto", "--engine", metavar="NAME",
         help="auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu, "
         "as run picks it. When the weights fit no layout of these cards, a V1 engine's plan "
         "proposes quantization, then offload.",
     ),
     quantization: str | None = typer.Option(
-        None,
-        "--quantization",
-        metavar="METHOD",
+        None, "--quantization", metavar="METHOD",
         help=f"V1 engines: vLLM's --quantization: {' | '.join(METHODS)} (bitsandbytes loads "
         "4-bit).",
     ),
@@ -125,10 +110,9 @@ def plan_cmd(
     import dataclasses
 
     from pretuner.devices.cpu import host_available_bytes
+    from pretuner.engines.base import Family
     from pretuner.errors import InfeasibleError
-    from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB
     from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
-    from pretuner.plan.weights import is_v1
     from pretuner.tune.layout import run_layout_options
     from pretuner.tune.options import RunOptions
 
@@ -146,15 +130,15 @@ def plan_cmd(
     cfg = dataclasses.replace(  # no image key: None, vLLM then allows 999
         cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
         max_num_batched_tokens=max_num_batched_tokens, cards_per_node=cards_per_node,
-        mm_processor_cache_gib=(DEFAULT_MM_PROCESSOR_CACHE_GIB if mm_processor_cache_gb is None
-                                else mm_processor_cache_gb))
-    if is_v1(cfg.engine) or cpu_offload_gb:
-        cfg = dataclasses.replace(cfg, host_available_bytes=host_available_bytes())
+        host_available_bytes=(host_available_bytes()
+                              if cfg.family is Family.V1 or cpu_offload_gb else None),
+        mm_processor_cache_gib=(cfg.mm_processor_cache_gib if mm_processor_cache_gb is None
+                                else mm_processor_cache_gb))  # fmt: skip
     try:
         result = decide_layout(cfg)
     except InfeasibleError as err:  # say what would serve it: stdout, or the error's JSON
         if proposes(cfg):
-            proposal, _ = propose(cfg)
+            proposal = propose(cfg)
             err.report = {"fits": False, "proposal": proposal.to_json()}
             if not as_json:
                 typer.echo("\n".join(render_proposal(proposal)))

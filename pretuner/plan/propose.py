@@ -168,18 +168,12 @@ def propose(cfg: PlanConfig) -> Proposal:
 
 def render_proposal(p: Proposal) -> list[str]:
     lines = [f"proposal for {p.max_model_len:,} tokens on {p.tp} card(s) (predicted):"]
-    for s in p.tried:
-        mark = "serves" if s.fits else "no"
-        lines.append(f"  {s.label}: {mark} - {s.why}")
+    lines += [f"  {s.label}: {'serves' if s.fits else 'no'} - {s.why}" for s in p.tried]
     if p.chosen:
-        host = p.chosen.host_gib
-        lines.append(
-            f"  proposed: {p.chosen.label}; host memory {host:.2f} GiB "
-            f"({p.chosen.cpu_offload_gib} GiB offload + {p.swap_gib:g} GiB swap per card)"
-        )
+        lines.append(f"  proposed: {p.chosen.label}; host memory {p.chosen.host_gib:.2f} GiB "
+                     f"({p.chosen.cpu_offload_gib} GiB offload + {p.swap_gib:g} GiB swap per "
+                     "card)")
         lines.append(f"  vLLM flags: {' '.join(p.flags)}")
     else:
         lines.append("  nothing tried serves this length on these cards")
-    for alt in p.alternatives:
-        lines.append(f"  or: {alt}")
-    return lines
+    return lines + [f"  or: {alt}" for alt in p.alternatives]

@@ -144,41 +144,31 @@ def render_weights_plan(wp: WeightsPlan, activation_bytes: int, kv_bytes: int) -
     """The text block `plan` prints when quantization, offload, swap or an engine is named."""
     lines = ["weights as loaded (predicted):"]
     if wp.quantization and wp.linear_bytes_per_param:
-        lines.append(
-            f"  {wp.quantization} ({wp.quant_source}): {wp.linear_bytes_per_param:.4f} B per "
-            f"linear-layer param ({wp.linear_params / 1e9:.2f}e9 params); "
-            f"{wp.other_params / 1e9:.2f}e9 params (embeddings, lm_head, norms, routers) "
-            f"stay {wp.other_dtype}"
-        )
+        lines.append(f"  {wp.quantization} ({wp.quant_source}): {wp.linear_bytes_per_param:.4f} B "
+                     f"per linear-layer param ({wp.linear_params / 1e9:.2f}e9 params); "
+                     f"{wp.other_params / 1e9:.2f}e9 params (embeddings, lm_head, norms, "
+                     f"routers) stay {wp.other_dtype}")
     else:
         lines.append(f"  unquantized ({wp.quant_source})")
     if wp.skipped_modules:
         lines.append(f"  {wp.skipped_modules} module(s) listed as not converted (kept 16-bit)")
     lines.append(f"  loaded: {wp.loaded_bytes_per_card / GIB:.2f} GiB per card")
     if wp.offload_bytes_per_card:
-        lines.append(
-            f"  --cpu-offload-gb: {wp.offload_bytes_per_card / GIB:.2f} GiB of weights per card "
-            "stay in host memory and cross to the card on every forward pass (slower decode)"
-        )
+        lines.append(f"  --cpu-offload-gb: {wp.offload_bytes_per_card / GIB:.2f} GiB of weights "
+                     "per card stay in host memory and cross to the card on every forward pass "
+                     "(slower decode)")
     runtime = activation_bytes + wp.headroom_gib * GIB
-    lines.append(
-        f"  per card: weights {wp.card_weights_bytes / GIB:.2f} GiB, KV {kv_bytes / GIB:.2f} GiB, "
-        f"runtime {runtime / GIB:.2f} GiB (activation + {wp.headroom_gib:g} GiB headroom)"
-    )
-    host = (
-        f"  host memory: {wp.offload_bytes_per_card / GIB:.2f} GiB offload + "
-        f"{wp.swap_bytes_per_card / GIB:.2f} GiB swap per card x {wp.cards} card(s) = "
-        f"{wp.host_bytes / GIB:.2f} GiB"
-    )
+    lines.append(f"  per card: weights {wp.card_weights_bytes / GIB:.2f} GiB, KV "
+                 f"{kv_bytes / GIB:.2f} GiB, runtime {runtime / GIB:.2f} GiB (activation + "
+                 f"{wp.headroom_gib:g} GiB headroom)")
+    host = (f"  host memory: {wp.offload_bytes_per_card / GIB:.2f} GiB offload + "
+            f"{wp.swap_bytes_per_card / GIB:.2f} GiB swap per card x {wp.cards} card(s) = "
+            f"{wp.host_bytes / GIB:.2f} GiB")
     if wp.host_available_bytes is not None:
-        host += (
-            f"; host has {wp.host_available_bytes / GIB:.2f} GiB available "
-            "(measured, /proc/meminfo MemAvailable)"
-        )
+        host += (f"; host has {wp.host_available_bytes / GIB:.2f} GiB available "
+                 "(measured, /proc/meminfo MemAvailable)")
     lines.append(host)
     if wp.host_fits is False:
-        lines.append(
-            "  warning: the host does not have that much memory available; lower "
-            "--cpu-offload-gb/--swap-space or free host memory"
-        )
+        lines.append("  warning: the host does not have that much memory available; lower "
+                     "--cpu-offload-gb/--swap-space or free host memory")
     return lines

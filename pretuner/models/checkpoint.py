@@ -1,6 +1,7 @@
 """A local checkpoint's size without loading any weights: the index's total, or the safetensors
 *headers* (an 8-byte little-endian header length N, N bytes of JSON
-`{name: {dtype, shape, data_offsets}}`, then the tensor data, which is never touched).
+`{name: {dtype, shape, data_offsets}}`, then the tensor data, which is never touched); and the
+strict reading of the JSON beside it (config keys, registry records) that hf and vision share.
 """
 
 from __future__ import annotations
@@ -73,6 +74,13 @@ def load_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise BadInputError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def reject_unknown(data: dict[str, Any], valid: set[str], what: str) -> None:
+    """Refuse the keys a record does not have: a typo must not pass silently."""
+    if unknown := set(data) - valid:
+        raise BadInputError(f"{what} {', '.join(sorted(unknown))}",
+                            hint=f"valid keys: {', '.join(sorted(valid))}")
 
 
 def config_int(cfg: dict[str, Any], origin: object, *keys: str) -> int | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError, UnknownModelError
+from pretuner.models.checkpoint import reject_unknown
 from pretuner.models.spec import AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_dict
 
@@ -20,18 +21,11 @@ _WEIGHTS_KEYS = {f.name for f in fields(WeightsFormat)}
 
 
 def spec_from_dict(data: dict[str, Any], origin: str) -> ModelSpec:
-    """Build a spec from its JSON form, rejecting unknown keys (typos must not pass silently)."""
-    unknown = set(data) - _SPEC_KEYS
-    if unknown:
-        raise BadInputError(
-            f"{origin}: unknown key(s) {', '.join(sorted(unknown))}",
-            hint=f"valid keys: {', '.join(sorted(_SPEC_KEYS))}",
-        )
+    """Build a spec from its JSON form, rejecting unknown keys."""
+    reject_unknown(data, _SPEC_KEYS, f"{origin}: unknown key(s)")
     weights = []
     for w in data.get("weights", []):
-        bad = set(w) - _WEIGHTS_KEYS
-        if bad:
-            raise BadInputError(f"{origin}: unknown weights key(s) {', '.join(sorted(bad))}")
+        reject_unknown(w, _WEIGHTS_KEYS, f"{origin}: unknown weights key(s)")
         weights.append(WeightsFormat(**w))
     values = {**data, "weights": tuple(weights), "aliases": tuple(data.get("aliases", ())),
               "attention": AttentionKind(data["attention"])}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pretuner.errors import BadInputError
-from pretuner.models.checkpoint import config_int
+from pretuner.models.checkpoint import config_int, reject_unknown
 from pretuner.units import GIB
 
 # Qwen3-VL's preprocessor_config.json: size.longest_edge 16,777,216 px (= 4096 x 4096, the
@@ -75,15 +75,9 @@ def vision_from_dict(data: Any, origin: str) -> VisionSpec:
     """A registry entry's "vision" block, rejecting unknown keys."""
     if not isinstance(data, dict):
         raise BadInputError(f"{origin}: vision must be a JSON object")
-    unknown = set(data) - _VISION_KEYS
-    if unknown:
-        raise BadInputError(
-            f"{origin}: unknown vision key(s) {', '.join(sorted(unknown))}",
-            hint=f"valid keys: {', '.join(sorted(_VISION_KEYS))}",
-        )
-    values = dict(data)
-    values["deepstack_visual_indexes"] = tuple(data.get("deepstack_visual_indexes", ()))
-    values.setdefault("pixels_source", "registry")
+    reject_unknown(data, _VISION_KEYS, f"{origin}: unknown vision key(s)")
+    values = {"pixels_source": "registry", **data,
+              "deepstack_visual_indexes": tuple(data.get("deepstack_visual_indexes", ()))}
     try:
         return VisionSpec(**values)
     except TypeError as err:

@@ -8,7 +8,7 @@ import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json, table
-from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
+from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, kv_dtype, tokens_option
 from pretuner.models.quant import METHODS
 from pretuner.models.vision import parse_limit_mm_per_prompt
 from pretuner.units import GIB
@@ -42,10 +42,8 @@ def plan_cmd(
                                     help="Card GiB (default: as run, what the device reports)."),
     util: float = typer.Option(0.9, *UTIL_FLAGS, metavar="FRACTION",
                                help="--gpu-memory-utilization."),
-    max_model_len: int | None = typer.Option(
-        None, "--max-model-len", metavar="TOKENS", parser=human_int,
-        help="Tokens per request (32K, 32k...; default the engine's, as run).",
-    ),
+    max_model_len: int | None = tokens_option(
+        "--max-model-len", "Tokens per request (32K, 32k...; default the engine's, as run)."),
     tp: int | None = typer.Option(None, *TP_FLAGS, metavar="N",
                                   help="Tensor parallel size (default: chosen)."),
     pp: int = typer.Option(1, *PP_FLAGS, metavar="N", help="Pipeline parallel size."),
@@ -70,10 +68,9 @@ def plan_cmd(
         help="VL models (V1 engines): images per prompt, vLLM's forms image=2 or "
         "'{\"image\": 2}' (default vLLM's 999, capped by what fits in --max-model-len).",
     ),
-    max_num_batched_tokens: int | None = typer.Option(
-        None, "--max-num-batched-tokens", metavar="TOKENS", parser=human_int,
-        help="VL models: sizes vLLM's encoder cache (default vLLM's, 8192).",
-    ),
+    max_num_batched_tokens: int | None = tokens_option(
+        "--max-num-batched-tokens",
+        "VL models: sizes vLLM's encoder cache (default vLLM's, 8192)."),
     mm_processor_cache_gb: float | None = typer.Option(
         None, "--mm-processor-cache-gb", metavar="GIB",
         help="VL models: vLLM's preprocessor cache, host memory per API server (default 4).",

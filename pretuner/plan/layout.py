@@ -291,25 +291,20 @@ def plan(cfg: PlanConfig) -> PlanResult:
     if cfg.kv_gib is not None:
         kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
     wp = pw.weights_plan(cfg, tp * cfg.pp)
+    # A VL model's images block; the tower stays in the model dtype (bf16 in w8a8).
+    vision = None if cfg.model.vision is None else plan_images(
+        cfg.model.vision, dtype_bytes=cfg.model.dtype_bytes, tp=tp,
+        budget_bytes=int(cfg.card_gib * cfg.util * GIB), max_model_len=cfg.max_model_len,
+        image_limit=cfg.image_limit, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        mm_processor_cache_gib=cfg.mm_processor_cache_gib,
+    )  # fmt: skip
     return PlanResult(
-        vision=_vision_plan(cfg, tp), model=cfg.model.name, card_gib=cfg.card_gib, util=cfg.util,
+        vision=vision, model=cfg.model.name, card_gib=cfg.card_gib, util=cfg.util,
         tp=tp, pp=cfg.pp, nodes=nodes, weights_format=wp.quantization or fmt.name,
         weights_bytes_per_card=wp.card_weights_bytes, weights_plan=wp, kv_bytes_per_token=bpt,
         block_size=cfg.block_size, requested=_length_plan(cfg, tp, cfg.max_model_len),
         ladder=tuple(_length_plan(cfg, tp, n) for n in LADDER if n < cfg.max_model_len),
         layout_reason=reason, rejected=tuple(rejected), kv_query=kv_query, notes=tuple(notes),
-    )  # fmt: skip
-
-
-def _vision_plan(cfg: PlanConfig, tp: int) -> VisionPlan | None:
-    """The images block of a VL model; the tower stays in the model dtype (bf16 in w8a8)."""
-    if cfg.model.vision is None:
-        return None
-    return plan_images(
-        cfg.model.vision, dtype_bytes=cfg.model.dtype_bytes, tp=tp,
-        budget_bytes=int(cfg.card_gib * cfg.util * GIB), max_model_len=cfg.max_model_len,
-        image_limit=cfg.image_limit, max_num_batched_tokens=cfg.max_num_batched_tokens,
-        mm_processor_cache_gib=cfg.mm_processor_cache_gib,
     )  # fmt: skip
 
 

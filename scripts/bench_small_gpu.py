@@ -113,7 +113,7 @@ def proposal(model: str, card_gib: int, length: int) -> tuple[str | None, int]:
     offload (GiB). A shared card is planned by what it leaves (the budget)."""
     cfg = PlanConfig(model=resolve(model), card_gib=card_gib, util=0.9, max_model_len=length,
                      tp=1, engine="vllm")
-    p, _ = propose(cfg)
+    p = propose(cfg)
     if p.chosen is None:
         return "bitsandbytes", 0
     quant = p.chosen.quantization.split("-")[0] if p.chosen.quantization else None

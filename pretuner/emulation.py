@@ -1,11 +1,6 @@
-"""The emulated card as production sees it: a plugin found through an entry point.
-
-Production never imports `pretuner.sim` (ARCHITECTURE.md rule 3). The emulator registers itself
-in the `pretuner.emulators` entry-point group (pyproject.toml), as vLLM's platforms do, and
-answers this protocol: the command of an emulated server, the environment that picks its card,
-and the readers of its devices and host. An installation without it says so when an emulated
-engine is asked for.
-"""
+"""The emulated card as production sees it: a plugin found through the `pretuner.emulators`
+entry point (production never imports `pretuner.sim`, ARCHITECTURE.md rule 3). An installation
+without it says so when an emulated engine is asked for."""
 
 from __future__ import annotations
 

@@ -36,9 +36,9 @@ from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.plan.layout import PlanConfig
 from pretuner.plan.propose import propose
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.plugin import V1_CARDS as SIM_PROFILES
 from pretuner.sim.v1 import inproc
-from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes
 from pretuner.speed import Speed
@@ -113,7 +113,7 @@ def proposal(model: str, card_gib: int, length: int) -> tuple[str | None, int]:
     offload (GiB). A shared card is planned by what it leaves (the budget)."""
     cfg = PlanConfig(model=resolve(model), card_gib=card_gib, util=0.9, max_model_len=length,
                      tp=1, engine="vllm")
-    p, _ = propose(cfg)
+    p = propose(cfg)
     if p.chosen is None:
         return "bitsandbytes", 0
     quant = p.chosen.quantization.split("-")[0] if p.chosen.quantization else None

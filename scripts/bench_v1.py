@@ -12,7 +12,7 @@
    one 8-device node are counted apart ("multi-node": not a V1 target yet).
 
 Every run is the whole V1 loop against the emulated V1 server run in this process
-(`pretuner.sim.v1.executor.tune_v1_in_process`: same command line, boot, memory accounting,
+(`pretuner.sim.executor.tune_v1_in_process`: same command line, boot, memory accounting,
 log lines and judge as a real run, no processes).
 
     python scripts/bench_v1.py [--seeds 3] [--cards 24,32,64,80] [--models a,b] [--length 16384]
@@ -30,8 +30,8 @@ from typing import TypedDict
 
 from pretuner.errors import PretunerError
 from pretuner.models import builtin_specs, resolve
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.plugin import V1_CARDS as SIM_PROFILES
-from pretuner.sim.v1.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, util_kv_bytes
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.pinned.loop import V1Result

@@ -31,7 +31,7 @@ from typing import TypedDict
 
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
-from pretuner.sim.v1.executor import tune_v1_in_process
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, util_outcome
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.pinned.soak import soak_figures

@@ -125,22 +125,22 @@ def test_offload_lowers_card_weights_and_raises_host_memory() -> None:
 
 def test_proposal_quantizes_then_offloads_whole_gib() -> None:
     cfg = PlanConfig(model=lookup(LLAMA70), card_gib=32, max_model_len=8192, engine="vllm")
-    p, r = propose(cfg)
-    assert r is not None
+    p = propose(cfg)
     assert p.chosen is not None
+    assert p.chosen.fits
     assert [s.quantization for s in p.tried[:3]] == [None, "fp8-8bit", "bitsandbytes-nf4-dq"]
     assert p.chosen.quantization == "bitsandbytes-nf4-dq"
     k = p.chosen.cpu_offload_gib
     assert 1 <= k <= 20
-    less, _ = propose(dataclasses.replace(cfg, max_model_len=8192, tp=1))
+    less = propose(dataclasses.replace(cfg, max_model_len=8192, tp=1))
     assert less.chosen == p.chosen
-    assert r.requested.max_num_seqs >= 1
+    assert p.chosen.max_num_seqs >= 1
 
 
 def test_proposal_for_a_card_that_serves_as_is() -> None:
-    p, r = propose(PlanConfig(model=lookup("qwen3-8b"), card_gib=80, engine="vllm"))
-    assert r is not None
+    p = propose(PlanConfig(model=lookup("qwen3-8b"), card_gib=80, engine="vllm"))
     assert p.chosen is not None
+    assert p.chosen.fits
     assert p.chosen.label == "unquantized"
 
 

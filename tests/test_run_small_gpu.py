@@ -16,7 +16,7 @@ from pretuner.engines.v1_knobs import Knobs
 from pretuner.engines.v1_log import read_v1_log
 from pretuner.engines.vllm_v1 import ROWS, V1Engine
 from pretuner.errors import ServerFailedError
-from pretuner.sim.v1.executor import tune_v1_in_process
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.tune.options import RunOptions
 from tests.helpers import FAST_SIM, FinishedRun, cli_env, invoke, run_cli
 

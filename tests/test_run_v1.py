@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 
-from pretuner.sim.v1.executor import tune_v1_in_process
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.tune.entry import RunOptions
 from pretuner.units import GIB
 from tests.helpers import (

@@ -17,7 +17,7 @@ from pretuner.launch.images import image_shape, worst_case_images
 from pretuner.models import resolve
 from pretuner.presets.model import preset_from_report
 from pretuner.report.records import RunReport, read_report
-from pretuner.sim.v1.executor import tune_v1_in_process
+from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.v1.truth import Images, max_kv_bytes, survives
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.pinned.setup import DEFAULT_SOAK

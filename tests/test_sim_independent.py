@@ -17,8 +17,9 @@ from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import builtin_specs, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.sim import memory as mem
-from pretuner.sim.kvcache import LayoutRefused, cache_layout, stage_layers
-from pretuner.sim.v1.boot import Failed, check_args
+from pretuner.sim.argv import Refused
+from pretuner.sim.kvcache import cache_layout, stage_layers
+from pretuner.sim.v1.boot import check_args
 from pretuner.sim.v1.config import parse
 from pretuner.sim.v1.memory import V1Card, perturbed
 
@@ -75,7 +76,7 @@ def source_of(module: str) -> Path | None:
 # The harness that runs the tuner against the emulator in this process (benchmarks, decision
 # tests) imports the tuner by design; it is not the emulator's truth, and nothing else in the
 # emulator may import it.
-HARNESS = ("pretuner.sim.executor", "pretuner.sim.v1.executor")
+HARNESS = ("pretuner.sim.executor",)
 SIM_FILES = sorted(p for p in (PACKAGE / "sim").rglob("*.py") if module_name(p) not in HARNESS)
 
 
@@ -177,7 +178,7 @@ def test_stages_split_as_vllm_does() -> None:
     assert stage_layers(36, 5) == (7, 7, 7, 8, 7)  # the remainder goes to the second-last
     assert stage_layers(61, 4) == (15, 15, 16, 15)
     assert stage_layers(94, 8) == (11, 12, 12, 12, 12, 12, 12, 11)
-    with pytest.raises(LayoutRefused, match="larger than the number of hidden layers"):
+    with pytest.raises(Refused, match="larger than the number of hidden layers"):
         stage_layers(4, 5)
 
 
@@ -202,11 +203,11 @@ def test_both_emulated_cards_size_blocks_with_the_sims_own_rule() -> None:
 def test_kv_heads_that_do_not_split_over_the_ranks_are_refused() -> None:
     # Qwen2.5-7B: 28 heads split over 7 ranks, but its 4 KV heads neither split nor replicate.
     spec = resolve("qwen2.5-7b")
-    with pytest.raises(LayoutRefused, match="7 is not divisible by 4"):
+    with pytest.raises(Refused, match="7 is not divisible by 4"):
         cache_layout(spec, tp=7)
     card = mem.card_models(spec, spec.weights_format(None).total_bytes, mem.Layout(tp=7), 0)[0]
-    with pytest.raises(LayoutRefused):
+    with pytest.raises(Refused):
         _ = card.block_bytes
     cfg = parse(["--model", "qwen2.5-7b", "--tensor-parallel-size", "7"], {})
-    with pytest.raises(Failed, match="7 is not divisible by 4"):
+    with pytest.raises(Refused, match="7 is not divisible by 4"):
         check_args(cfg, spec)

@@ -6,11 +6,11 @@ import pytest
 
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
+from pretuner.sim.loop import blocks_for
 from pretuner.sim.scheduler import (
     Scheduler,
     SchedulerLimits,
     Seq,
-    blocks_for,
     capacity_warning,
     watermark_blocks,
 )

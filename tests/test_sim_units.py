@@ -15,13 +15,14 @@ from typer.testing import CliRunner
 from pretuner.cli import app
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import normalize_argv
-from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, RankPool, Request
+from pretuner.sim.argv import Refused, normalize_argv
+from pretuner.sim.engine import Engine, OutOfMemory, RankPool, Request
 from pretuner.sim.launcher import DEFAULT_ENTRY, child_argv
 from pretuner.sim.logs import PoolStats, RankLog, VllmLog, ms_prefix, pool_dump, vllm_prefix
 from pretuner.sim.npusmi import CardUse, render
-from pretuner.sim.r01_checks import StartupFailed, verify_vllm_config
+from pretuner.sim.r01_checks import verify_vllm_config
 from pretuner.sim.r01_config import UsageError, parse
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-8b")
@@ -188,7 +189,7 @@ def test_parse_flags_env_and_unknown() -> None:
      (["m", "--tensor-parallel-size", "3"], "must be divisible by tensor parallel size (3)")],
 )
 def test_vllm_config_checks(argv: list[str], text: str) -> None:
-    with pytest.raises(StartupFailed) as err:
+    with pytest.raises(Refused) as err:
         verify_vllm_config(parse(argv, {}), SPEC)
     assert text in err.value.message
 
@@ -224,7 +225,7 @@ def _engine(cap: int, seqs: int, batched: int, dead: list[OutOfMemory]) -> Engin
     m = card()
     kv = 100 * m.block_bytes * 16
     pool = RankPool(m, RankLog(0, 1, 2, None, io.StringIO()), 0, kv)
-    limits = EngineLimits(16384, seqs, batched, 16, 100 * 16 * 16, cap)
+    limits = SchedulerLimits(16384, seqs, batched, 16, 100 * 16 * 16, pool_cap_bytes=cap)
     return Engine([pool], limits, VllmLog(io.StringIO()), dead.append)
 
 

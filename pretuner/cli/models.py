@@ -41,27 +41,10 @@ def models_list(
     if as_json:
         echo_json({"models": [_summary_json(s) for s in specs]})
         return
-    rows = [
-        (
-            s.name,
-            s.hf_id,
-            s.attention.value,
-            s.num_layers,
-            f"{s.total_params / 1e9:,.2f}",
-            s.dtype,
-            f"{kvmath.kv_bytes_per_token(s):,}",
-        )
-        for s in specs
-    ]
-    headers = (
-        "NAME",
-        "HF ID",
-        "ATTENTION",
-        "LAYERS",
-        "PARAMS (1e9)",
-        "DTYPE",
-        "KV BYTES/TOKEN (TP1)",
-    )
+    rows = [(s.name, s.hf_id, s.attention.value, s.num_layers, f"{s.total_params / 1e9:,.2f}",
+             s.dtype, f"{kvmath.kv_bytes_per_token(s):,}") for s in specs]
+    headers = ("NAME", "HF ID", "ATTENTION", "LAYERS", "PARAMS (1e9)", "DTYPE",
+               "KV BYTES/TOKEN (TP1)")
     typer.echo(table(headers, rows))
 
 
@@ -94,57 +77,34 @@ def _kv_by_tp(spec: ModelSpec) -> tuple[dict[int, int], dict[int, str]]:
 
 
 def _summary_json(spec: ModelSpec) -> dict[str, Any]:
-    return {
-        "name": spec.name,
-        "hf_id": spec.hf_id,
-        "attention": spec.attention.value,
-        "num_layers": spec.num_layers,
-        "total_params": spec.total_params,
-        "dtype": spec.dtype,
-        "kv_bytes_per_token_tp1": kvmath.kv_bytes_per_token(spec),
-    }
+    return {"name": spec.name, "hf_id": spec.hf_id, "attention": spec.attention.value,
+            "num_layers": spec.num_layers, "total_params": spec.total_params, "dtype": spec.dtype,
+            "kv_bytes_per_token_tp1": kvmath.kv_bytes_per_token(spec)}
+
+
+# `models show --json`: these spec fields as they are, in this order, then the derived ones.
+SHOW_FIELDS = (
+    "name", "hf_id", "aliases", "attention", "num_layers", "hidden_size", "num_heads",
+    "num_kv_heads", "head_dim", "vocab_size", "intermediate_size", "kv_lora_rank",
+    "qk_rope_head_dim", "sliding_window", "sliding_window_layers", "num_experts", "total_params",
+    "active_params", "dtype", "dtype_bytes", "max_position_embeddings",
+)
 
 
 def _spec_json(
     spec: ModelSpec, kv_valid: dict[int, int], kv_invalid: dict[int, str]
 ) -> dict[str, Any]:
+    data: dict[str, Any] = {name: getattr(spec, name) for name in SHOW_FIELDS}
+    data.update(aliases=list(spec.aliases), attention=spec.attention.value)
+    weights = [{"name": w.name, "total_bytes": w.total_bytes,
+                "total_gib": round(w.total_bytes / 2**30, 2), "source": w.source}
+               for w in spec.weights]
     return {
-        "name": spec.name,
-        "hf_id": spec.hf_id,
-        "aliases": list(spec.aliases),
-        "attention": spec.attention.value,
-        "num_layers": spec.num_layers,
-        "hidden_size": spec.hidden_size,
-        "num_heads": spec.num_heads,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "vocab_size": spec.vocab_size,
-        "intermediate_size": spec.intermediate_size,
-        "kv_lora_rank": spec.kv_lora_rank,
-        "qk_rope_head_dim": spec.qk_rope_head_dim,
-        "sliding_window": spec.sliding_window,
-        "sliding_window_layers": spec.sliding_window_layers,
-        "num_experts": spec.num_experts,
-        "total_params": spec.total_params,
-        "active_params": spec.active_params,
-        "dtype": spec.dtype,
-        "dtype_bytes": spec.dtype_bytes,
-        "max_position_embeddings": spec.max_position_embeddings,
-        "default_weights": spec.weights_format().name,
-        "weights": [
-            {
-                "name": w.name,
-                "total_bytes": w.total_bytes,
-                "total_gib": round(w.total_bytes / 2**30, 2),
-                "source": w.source,
-            }
-            for w in spec.weights
-        ],
+        **data, "default_weights": spec.weights_format().name, "weights": weights,
         "kv_bytes_per_token": {str(tp): n for tp, n in kv_valid.items()},
         "kv_tp_not_valid": {str(tp): why for tp, why in kv_invalid.items()},
-        "notes": spec.notes,
-        "extra": dict(spec.extra),
-    }
+        "notes": spec.notes, "extra": dict(spec.extra),
+    }  # fmt: skip
 
 
 def _params(n: int) -> str:
@@ -154,10 +114,8 @@ def _params(n: int) -> str:
 def _spec_text(spec: ModelSpec, kv_valid: dict[int, int], kv_invalid: dict[int, str]) -> str:
     attention = spec.attention.value
     if spec.kv_lora_rank is not None:
-        attention += (
-            f" (latent cache: kv_lora_rank {spec.kv_lora_rank} + "
-            f"qk_rope_head_dim {spec.qk_rope_head_dim} elements per layer, not split by TP)"
-        )
+        attention += (f" (latent cache: kv_lora_rank {spec.kv_lora_rank} + qk_rope_head_dim "
+                      f"{spec.qk_rope_head_dim} elements per layer, not split by TP)")
     fields: list[tuple[str, str]] = [
         ("HF id", spec.hf_id),
         ("aliases", ", ".join(spec.aliases) or "none"),
@@ -171,13 +129,8 @@ def _spec_text(spec: ModelSpec, kv_valid: dict[int, int], kv_invalid: dict[int, 
         ("intermediate size", f"{spec.intermediate_size:,} elements"),
     ]
     if spec.sliding_window is not None:
-        fields.append(
-            (
-                "sliding window",
-                f"{spec.sliding_window:,} tokens on {spec.sliding_window_layers} of "
-                f"{spec.num_layers} layers",
-            )
-        )
+        fields.append(("sliding window", f"{spec.sliding_window:,} tokens on "
+                       f"{spec.sliding_window_layers} of {spec.num_layers} layers"))
     if spec.num_experts:
         fields.append(("experts", f"{spec.num_experts:,} per MoE layer"))
     fields.append(("total params", _params(spec.total_params)))
@@ -190,21 +143,15 @@ def _spec_text(spec: ModelSpec, kv_valid: dict[int, int], kv_invalid: dict[int, 
     for key, value in sorted(spec.extra.items()):
         fields.append((key.replace("_", " "), value))
     width = max(len(k) for k, _ in fields) + 2
-    lines = [spec.name]
-    lines += [f"  {(k + ':').ljust(width)}{v}" for k, v in fields]
-
+    lines = [spec.name, *(f"  {(k + ':').ljust(width)}{v}" for k, v in fields)]
     lines.append(f"  weights (checkpoint formats; default {spec.weights_format().name}):")
-    weight_rows = [
-        (w.name, f"{w.total_bytes:,}", fmt_gib(w.total_bytes), w.source) for w in spec.weights
-    ]
+    weight_rows = [(w.name, f"{w.total_bytes:,}", fmt_gib(w.total_bytes), w.source)
+                   for w in spec.weights]
     weight_table = table(("FORMAT", "BYTES", "SIZE", "SOURCE"), weight_rows)
     lines += ["    " + line for line in weight_table.splitlines()]
-
     lines.append(f"  KV cache per token per card (kv dtype {spec.dtype}):")
-    kv_rows = [
-        (f"TP {tp}", f"{kv_valid[tp]:,} B" if tp in kv_valid else f"not valid: {kv_invalid[tp]}")
-        for tp in SHOW_TPS
-    ]
+    kv_rows = [(f"TP {tp}", f"{kv_valid[tp]:,} B" if tp in kv_valid else
+                f"not valid: {kv_invalid[tp]}") for tp in SHOW_TPS]
     lines += ["    " + line for line in table(("TP", "BYTES/TOKEN"), kv_rows).splitlines()]
     if spec.notes:
         lines.append(f"  notes: {spec.notes}")

@@ -45,6 +45,11 @@ class EngineChoice:
         return R01Engine(self.name, self.simulated, self.version, self.reason)
 
 
+def family_of(name: str | None) -> Family:
+    """The family of a registry name; None (an r0.1 run's layout options) is r0.1's."""
+    return Family.V1 if name in ROWS else Family.R01
+
+
 def installed_version(*names: str) -> str | None:
     """The version of the first of these distributions that is installed."""
     for name in names:

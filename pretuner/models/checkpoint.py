@@ -1,6 +1,7 @@
 """A local checkpoint's size without loading any weights: the index's total, or the safetensors
 *headers* (an 8-byte little-endian header length N, N bytes of JSON
-`{name: {dtype, shape, data_offsets}}`, then the tensor data, which is never touched).
+`{name: {dtype, shape, data_offsets}}`, then the tensor data, which is never touched); and the
+strict reading of the JSON beside it (config keys, registry records) that hf and vision share.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ BYTES_PER_PARAM: dict[str, float] = {
     "int8": 1.0, "mxfp4": 0.53, "awq": 0.52, "gptq": 0.52,
 }
 
-HINT_REDOWNLOAD = "re-download that file (the download may be incomplete) or remove it"
+def broken(message: str) -> BadInputError:
+    """A broken file's error: whatever broke, the fix is to fetch that file again."""
+    return BadInputError(
+        message, hint="re-download that file (the download may be incomplete) or remove it")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +65,34 @@ def load_json(path: Path) -> dict[str, Any]:
     except OSError as err:
         raise BadInputError(f"cannot read {path}: {err.strerror}") from None
     except UnicodeDecodeError:
-        raise BadInputError(f"{path} is not UTF-8 text", hint=HINT_REDOWNLOAD) from None
+        raise broken(f"{path} is not UTF-8 text") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
-        raise BadInputError(
-            f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})",
-            hint=HINT_REDOWNLOAD,
-        ) from None
+        raise broken(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: "
+                     f"{err.msg})") from None
     if not isinstance(data, dict):
         raise BadInputError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def reject_unknown(data: dict[str, Any], valid: set[str], what: str) -> None:
+    """Refuse the keys a record does not have: a typo must not pass silently."""
+    if unknown := set(data) - valid:
+        raise BadInputError(f"{what} {', '.join(sorted(unknown))}",
+                            hint=f"valid keys: {', '.join(sorted(valid))}")
+
+
+def config_int(cfg: dict[str, Any], origin: object, *keys: str) -> int | None:
+    """The first of `keys` a config sets, checked to be a non-negative integer; None if none."""
+    for key in keys:
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not _is_count(value):
+            raise BadInputError(f"{origin}: {key} must be a non-negative integer, got {value!r}")
+        return int(value)
+    return None
 
 
 def _tensor_params(name: str, entry: dict[str, Any], quant_bits: int) -> int:
@@ -94,31 +115,20 @@ def read_safetensors_header(path: Path, *, quant_bits: int = 4) -> SafetensorsHe
         with path.open("rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
-                raise BadInputError(
-                    f"{path} is {size} bytes, too short to be a safetensors file",
-                    hint=HINT_REDOWNLOAD,
-                )
+                raise broken(f"{path} is {size} bytes, too short to be a safetensors file")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len == 0 or header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise BadInputError(
-                    f"{path}: safetensors header claims {header_len:,} bytes but the file is "
-                    f"{size:,} bytes; the file is truncated or not safetensors",
-                    hint=HINT_REDOWNLOAD,
-                )
+                raise broken(f"{path}: safetensors header claims {header_len:,} bytes but the "
+                             f"file is {size:,} bytes; the file is truncated or not safetensors")
             raw = f.read(header_len)
     except OSError as err:
         raise BadInputError(f"cannot read {path}: {err.strerror}") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise BadInputError(
-            f"{path}: safetensors header is not valid JSON; the file is corrupt",
-            hint=HINT_REDOWNLOAD,
-        ) from None
+        raise broken(f"{path}: safetensors header is not valid JSON; the file is corrupt") from None
     if not isinstance(header, dict):
-        raise BadInputError(
-            f"{path}: safetensors header is not a JSON object", hint=HINT_REDOWNLOAD
-        )
+        raise broken(f"{path}: safetensors header is not a JSON object")
     data_bytes = size - 8 - header_len
     tensor_bytes = 0
     params = 0
@@ -127,19 +137,14 @@ def read_safetensors_header(path: Path, *, quant_bits: int = 4) -> SafetensorsHe
         if name == "__metadata__":
             continue
         if not _valid_entry(entry):
-            raise BadInputError(
-                f"{path}: malformed safetensors entry for tensor {name!r}", hint=HINT_REDOWNLOAD
-            )
+            raise broken(f"{path}: malformed safetensors entry for tensor {name!r}")
         start, end = entry["data_offsets"]
         tensor_bytes += end - start
         data_end = max(data_end, end)
         params += _tensor_params(name, entry, quant_bits)
     if data_end > data_bytes:
-        raise BadInputError(
-            f"{path} is {size:,} bytes but its header places tensor data up to byte "
-            f"{8 + header_len + data_end:,}; the download is incomplete",
-            hint=HINT_REDOWNLOAD,
-        )
+        raise broken(f"{path} is {size:,} bytes but its header places tensor data up to byte "
+                     f"{8 + header_len + data_end:,}; the download is incomplete")
     return SafetensorsHeader(path, header_len, tensor_bytes, params)
 
 
@@ -175,10 +180,7 @@ def checkpoint_size(folder: Path, fmt: str, quant_bits: int = 4) -> CheckpointSi
         metadata = index.get("metadata")
         total = metadata.get("total_size") if isinstance(metadata, dict) else None
         if not _is_count(total) or total == 0:
-            raise BadInputError(
-                f"{index_path} has no positive integer metadata.total_size",
-                hint=HINT_REDOWNLOAD,
-            )
+            raise broken(f"{index_path} has no positive integer metadata.total_size")
         index_total = total
         weight_map = index.get("weight_map")
         if isinstance(weight_map, dict):

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError
-from pretuner.models.checkpoint import BYTES_PER_PARAM, HINT_REDOWNLOAD, checkpoint_size, load_json
+from pretuner.models.checkpoint import (
+    BYTES_PER_PARAM,
+    broken,
+    checkpoint_size,
+    config_int,
+    load_json,
+)
 from pretuner.models.quant import from_config as quantization_from_config
 from pretuner.models.spec import DTYPE_BYTES, AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_config
@@ -32,24 +39,15 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+@dataclass(frozen=True, slots=True)
 class _Reader:
     """Typed access to config keys, with errors that name the file and the key."""
 
-    def __init__(self, cfg: dict[str, Any], origin: Path) -> None:
-        self.cfg = cfg
-        self.origin = origin
+    cfg: dict[str, Any]
+    origin: Path
 
     def opt_int(self, *keys: str) -> int | None:
-        for key in keys:
-            value = self.cfg.get(key)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise BadInputError(
-                    f"{self.origin}: {key} must be a non-negative integer, got {value!r}"
-                )
-            return value
-        return None
+        return config_int(self.cfg, self.origin, *keys)
 
     def req_int(self, *keys: str) -> int:
         value = self.opt_int(*keys)
@@ -110,11 +108,11 @@ def _sliding_layers(r: _Reader, num_layers: int) -> tuple[int | None, int, int]:
     return window, num_layers, 0  # Mistral-style: every layer
 
 
-def _estimate_params(r: _Reader, spec_dims: dict[str, int], attention: AttentionKind) -> int:
+def _estimate_params(r: _Reader, spec: ModelSpec) -> int:
     """A dims-only parameter estimate for a folder without weights (decoder layers + embeddings)."""
-    h, layers = spec_dims["hidden_size"], spec_dims["num_layers"]
-    heads, kv, hd = spec_dims["num_heads"], spec_dims["num_kv_heads"], spec_dims["head_dim"]
-    if attention is AttentionKind.MLA:
+    h, layers = spec.hidden_size, spec.num_layers
+    heads, kv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if spec.attention is AttentionKind.MLA:
         rank = r.req_int("kv_lora_rank")
         rope = r.req_int("qk_rope_head_dim")
         nope = r.opt_int("qk_nope_head_dim") or hd - rope
@@ -124,10 +122,10 @@ def _estimate_params(r: _Reader, spec_dims: dict[str, int], attention: Attention
         attn = q + h * (rank + rope) + rank * heads * (nope + v_dim) + heads * v_dim * h
     else:
         attn = 2 * h * heads * hd + 2 * h * kv * hd
-    experts = spec_dims["num_experts"]
-    dense_mlp = 3 * h * spec_dims["intermediate_size"]
+    experts = spec.num_experts
+    dense_mlp = 3 * h * spec.intermediate_size
     if experts:
-        moe_inter = r.opt_int("moe_intermediate_size") or spec_dims["intermediate_size"]
+        moe_inter = r.opt_int("moe_intermediate_size") or spec.intermediate_size
         shared_inter = r.opt_int("shared_expert_intermediate_size")
         shared = r.opt_int("n_shared_experts") or (1 if shared_inter else 0)
         moe_mlp = 3 * h * (experts * moe_inter + shared * (shared_inter or moe_inter)) + h * experts
@@ -136,7 +134,7 @@ def _estimate_params(r: _Reader, spec_dims: dict[str, int], attention: Attention
     else:
         mlp = layers * dense_mlp
     tied = bool(r.cfg.get("tie_word_embeddings", False))
-    embeddings = spec_dims["vocab_size"] * h * (1 if tied else 2)
+    embeddings = spec.vocab_size * h * (1 if tied else 2)
     return layers * (attn + 2 * h) + mlp + embeddings + h
 
 
@@ -172,18 +170,6 @@ def spec_from_folder(path: Path) -> ModelSpec:
             else AttentionKind.GQA
         )
         head_dim = r.opt_int("head_dim") or hidden // heads
-    dims = {
-        "num_layers": num_layers,
-        "hidden_size": hidden,
-        "num_heads": heads,
-        "num_kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": r.req_int("vocab_size", "padded_vocab_size"),
-        "intermediate_size": r.req_int(
-            "intermediate_size", "ffn_hidden_size", "n_inner", "moe_intermediate_size"
-        ),
-        "num_experts": r.opt_int("num_experts", "n_routed_experts", "num_local_experts") or 0,
-    }
     window, sliding_layers, linear_layers = _sliding_layers(r, num_layers)
     dtype, dtype_note = _dtype(r.cfg)
     fmt, bits = _weights_format_name(folder, r.cfg, dtype)
@@ -204,23 +190,6 @@ def spec_from_folder(path: Path) -> ModelSpec:
     vision, vision_note = vision_from_config(outer, preproc, str(config_path), str(preproc_path))
     if vision_note:
         notes.append(vision_note)
-
-    size = checkpoint_size(folder, fmt, bits)
-    if size is not None:
-        total_params = size.params
-        weights = WeightsFormat(fmt, size.total_bytes, "measured")
-        notes.append(f"Weights sized from {size.how}.")
-    else:
-        total_params = _estimate_params(r, dims, attention)
-        bpp = BYTES_PER_PARAM.get(fmt, float(DTYPE_BYTES[dtype]))
-        weights = WeightsFormat(fmt, round(total_params * bpp), "derived")
-        notes.append(
-            "No checkpoint in the folder: parameters estimated from the config dims "
-            "(decoder layers and embeddings only)."
-        )
-    if total_params <= 0:
-        raise BadInputError(f"{folder}: the checkpoint holds no tensors", hint=HINT_REDOWNLOAD)
-
     name_or_path = outer.get("_name_or_path")
     hf_id = (
         name_or_path
@@ -228,31 +197,35 @@ def spec_from_folder(path: Path) -> ModelSpec:
         and not os.path.isabs(name_or_path)
         else folder.resolve().name
     )
-    log.debug("spec from %s: %s, %s bytes", folder, fmt, weights.total_bytes)
-    return ModelSpec(
-        name=folder.resolve().name,
-        hf_id=hf_id,
-        attention=attention,
-        total_params=total_params,
-        dtype=dtype,
-        weights=(weights,),
+    spec = ModelSpec(  # sized below: from the checkpoint, else estimated from these dims
+        name=folder.resolve().name, hf_id=hf_id, attention=attention, total_params=0,
+        dtype=dtype, weights=(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=r.req_int("vocab_size", "padded_vocab_size"),
+        intermediate_size=r.req_int(
+            "intermediate_size", "ffn_hidden_size", "n_inner", "moe_intermediate_size"),
+        num_experts=r.opt_int("num_experts", "n_routed_experts", "num_local_experts") or 0,
         max_position_embeddings=r.req_int(
-            "max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"
-        ),
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=qk_rope,
-        sliding_window=window,
-        sliding_window_layers=sliding_layers,
-        notes=" ".join(notes),
-        extra=extra,
-        num_layers=dims["num_layers"],
-        hidden_size=dims["hidden_size"],
-        num_heads=dims["num_heads"],
-        num_kv_heads=dims["num_kv_heads"],
-        head_dim=dims["head_dim"],
-        vocab_size=dims["vocab_size"],
-        intermediate_size=dims["intermediate_size"],
-        num_experts=dims["num_experts"],
-        vision=vision,
+            "max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"),
+        kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope, sliding_window=window,
+        sliding_window_layers=sliding_layers, extra=extra, vision=vision,
         quantization=quantization_from_config(outer) or quantization_from_config(r.cfg),
-    )
+    )  # fmt: skip
+
+    size = checkpoint_size(folder, fmt, bits)
+    if size is not None:
+        total_params = size.params
+        weights = WeightsFormat(fmt, size.total_bytes, "measured")
+        notes.append(f"Weights sized from {size.how}.")
+    else:
+        total_params = _estimate_params(r, spec)
+        bpp = BYTES_PER_PARAM.get(fmt, float(DTYPE_BYTES[dtype]))
+        weights = WeightsFormat(fmt, round(total_params * bpp), "derived")
+        notes.append(
+            "No checkpoint in the folder: parameters estimated from the config dims "
+            "(decoder layers and embeddings only)."
+        )
+    if total_params <= 0:
+        raise broken(f"{folder}: the checkpoint holds no tensors")
+    log.debug("spec from %s: %s, %s bytes", folder, fmt, weights.total_bytes)
+    return replace(spec, total_params=total_params, weights=(weights,), notes=" ".join(notes))

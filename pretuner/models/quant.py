@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 METHODS = ("bitsandbytes", "fp8", "awq", "gptq")
 BNB_BLOCK = 64
 BNB_DQ_GROUP = 256  # absmax values per fp32 second-level constant (double quantization)
+FROM_CONFIG = "config.json quantization_config"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ class Quantization:
     double_quant: bool = False  # bitsandbytes 4-bit only
     block_elems: int | None = None  # fp8 block quantization: elements per fp32 scale
     skipped: tuple[str, ...] = ()  # modules_to_not_convert / ignore, as the config lists them
-    source: str = "--quantization"  # or "config.json quantization_config"
+    source: str = "--quantization"  # or FROM_CONFIG
 
     @property
     def name(self) -> str:
@@ -83,13 +84,11 @@ class ParamSplit:
 
 
 def param_split(spec: ModelSpec) -> ParamSplit:
-    """Linear-in-decoder parameters vs embeddings, lm_head, norms and routers.
-
-    Reuses the registry's w8a8 derivation where a model has one (linear layers at 1 B, the
-    rest at the dtype's bytes: linear = (native - w8a8) / (dtype_bytes - 1)); otherwise
-    counts the rest from the dims (untied embeddings and lm_head, two norms per layer and a
-    final one, a router per MoE layer) and takes the linear layers as what is left.
-    """
+    """Linear-in-decoder parameters vs embeddings, lm_head, norms and routers."""
+    # The registry's w8a8 derivation where a model has one (linear layers at 1 B, the rest at
+    # the dtype's bytes: linear = (native - w8a8) / (dtype_bytes - 1)); else the rest counted
+    # from the dims (untied embeddings and lm_head, two norms per layer and a final one, a
+    # router per MoE layer) and the linear layers as what is left.
     native = spec.weights_format(None)
     dtype_b = spec.dtype_bytes
     w8a8 = next((f for f in spec.weights if f.name.lower() == "w8a8"), None)
@@ -106,9 +105,8 @@ def param_split(spec: ModelSpec) -> ParamSplit:
 def quantized_bytes(spec: ModelSpec, quant: Quantization) -> int:
     """Weights bytes of the whole model loaded with `quant` (all cards together)."""
     split = param_split(spec)
-    return round(
-        split.linear_params * quant.linear_bytes_per_param + split.other_params * spec.dtype_bytes
-    )
+    linear = split.linear_params * quant.linear_bytes_per_param
+    return round(linear + split.other_params * spec.dtype_bytes)
 
 
 def from_flag(method: str) -> Quantization:
@@ -121,10 +119,8 @@ def from_flag(method: str) -> Quantization:
     if name in ("awq", "gptq"):
         # vLLM cannot quantize these in flight; sized as the usual 4-bit, group-128 export.
         return Quantization(name, 4, group_size=128)
-    raise BadInputError(
-        f"--quantization {method!r} is not supported by plan",
-        hint=f"choose one of: {', '.join(METHODS)}",
-    )
+    raise BadInputError(f"--quantization {method!r} is not supported by plan",
+                        hint=f"choose one of: {', '.join(METHODS)}")
 
 
 def _int(value: Any) -> int | None:
@@ -143,9 +139,7 @@ def _compressed_tensors(q: dict[str, Any], skipped: tuple[str, ...]) -> Quantiza
     bits = _int(weights.get("num_bits")) or 8
     group = _int(weights.get("group_size")) if weights.get("strategy") == "group" else None
     method = "fp8" if weights.get("type") == "float" and bits == 8 else "compressed-tensors"
-    return Quantization(
-        method, bits, group_size=group, skipped=skipped, source="config.json quantization_config"
-    )
+    return Quantization(method, bits, group_size=group, skipped=skipped, source=FROM_CONFIG)
 
 
 def from_config(cfg: dict[str, Any]) -> Quantization | None:
@@ -154,18 +148,14 @@ def from_config(cfg: dict[str, Any]) -> Quantization | None:
     if not isinstance(q, dict):
         return None
     method = str(q.get("quant_method", "")).lower()
-    raw_skip = (
-        q.get("modules_to_not_convert") or q.get("ignore") or q.get("llm_int8_skip_modules") or ()
-    )
+    raw_skip = (q.get("modules_to_not_convert") or q.get("ignore")
+                or q.get("llm_int8_skip_modules") or ())
     skipped = tuple(str(m) for m in raw_skip) if isinstance(raw_skip, list) else ()
-    src = "config.json quantization_config"
+    src = FROM_CONFIG
     if method == "fp8":
         block = q.get("weight_block_size")
-        elems = (
-            block[0] * block[1]
-            if isinstance(block, list) and len(block) == 2 and all(_int(b) for b in block)
-            else None
-        )
+        elems = (block[0] * block[1] if isinstance(block, list) and len(block) == 2
+                 and all(_int(b) for b in block) else None)
         return Quantization("fp8", 8, block_elems=elems, skipped=skipped, source=src)
     if method in ("awq", "gptq"):
         bits = _int(q.get("bits") or q.get("w_bit")) or 4

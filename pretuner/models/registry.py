@@ -4,47 +4,35 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import fields
 from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError, UnknownModelError
+from pretuner.models.checkpoint import reject_unknown
 from pretuner.models.spec import AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_dict
 
-_SPEC_KEYS = {
-    "name", "hf_id", "aliases", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
-    "head_dim", "vocab_size", "intermediate_size", "attention", "total_params", "dtype",
-    "weights", "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
-    "sliding_window_layers", "num_experts", "active_params", "default_weights", "notes", "extra",
-    "eager_attention", "workspace_bytes", "vision",
-}
-_WEIGHTS_KEYS = {"name", "total_bytes", "source"}
+# A registry file spells every field but the quantization (a local folder's config.json has it).
+_SPEC_KEYS = {f.name for f in fields(ModelSpec)} - {"quantization"}
+_WEIGHTS_KEYS = {f.name for f in fields(WeightsFormat)}
 
 
 def spec_from_dict(data: dict[str, Any], origin: str) -> ModelSpec:
-    """Build a spec from its JSON form, rejecting unknown keys (typos must not pass silently)."""
-    unknown = set(data) - _SPEC_KEYS
-    if unknown:
-        raise BadInputError(
-            f"{origin}: unknown key(s) {', '.join(sorted(unknown))}",
-            hint=f"valid keys: {', '.join(sorted(_SPEC_KEYS))}",
-        )
+    """Build a spec from its JSON form, rejecting unknown keys."""
+    reject_unknown(data, _SPEC_KEYS, f"{origin}: unknown key(s)")
     weights = []
     for w in data.get("weights", []):
-        bad = set(w) - _WEIGHTS_KEYS
-        if bad:
-            raise BadInputError(f"{origin}: unknown weights key(s) {', '.join(sorted(bad))}")
+        reject_unknown(w, _WEIGHTS_KEYS, f"{origin}: unknown weights key(s)")
         weights.append(WeightsFormat(**w))
-    fields = dict(data)
-    fields["weights"] = tuple(weights)
-    fields["aliases"] = tuple(data.get("aliases", ()))
-    fields["attention"] = AttentionKind(data["attention"])
+    values = {**data, "weights": tuple(weights), "aliases": tuple(data.get("aliases", ())),
+              "attention": AttentionKind(data["attention"])}
     if data.get("vision") is not None:
-        fields["vision"] = vision_from_dict(data["vision"], origin)
+        values["vision"] = vision_from_dict(data["vision"], origin)
     try:
-        return ModelSpec(**fields)
+        return ModelSpec(**values)
     except TypeError as err:
         raise BadInputError(f"{origin}: {err}") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pretuner.errors import BadInputError
 from pretuner.models.quant import Quantization
 from pretuner.models.vision import VisionSpec
 
@@ -19,16 +20,9 @@ class AttentionKind(str, Enum):
 
 
 DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "bf16": 2,
-    "fp16": 2,
-    "int8": 1,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
+    "float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1,
+    "fp8_e4m3": 1, "fp8_e5m2": 1,
+}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +88,6 @@ class ModelSpec:
         for fmt in self.weights:
             if fmt.name.lower() == name.lower():
                 return fmt
-        from pretuner.errors import BadInputError
-
         choices = ", ".join(f.name for f in self.weights)
         raise BadInputError(
             f"model {self.name} has no weights format {name!r}", hint=f"choose one of: {choices}"

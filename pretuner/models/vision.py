@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pretuner.errors import BadInputError
+from pretuner.models.checkpoint import config_int, reject_unknown
 from pretuner.units import GIB
 
 # Qwen3-VL's preprocessor_config.json: size.longest_edge 16,777,216 px (= 4096 x 4096, the
@@ -74,30 +75,13 @@ def vision_from_dict(data: Any, origin: str) -> VisionSpec:
     """A registry entry's "vision" block, rejecting unknown keys."""
     if not isinstance(data, dict):
         raise BadInputError(f"{origin}: vision must be a JSON object")
-    unknown = set(data) - _VISION_KEYS
-    if unknown:
-        raise BadInputError(
-            f"{origin}: unknown vision key(s) {', '.join(sorted(unknown))}",
-            hint=f"valid keys: {', '.join(sorted(_VISION_KEYS))}",
-        )
-    values = dict(data)
-    values["deepstack_visual_indexes"] = tuple(data.get("deepstack_visual_indexes", ()))
-    values.setdefault("pixels_source", "registry")
+    reject_unknown(data, _VISION_KEYS, f"{origin}: unknown vision key(s)")
+    values = {"pixels_source": "registry", **data,
+              "deepstack_visual_indexes": tuple(data.get("deepstack_visual_indexes", ()))}
     try:
         return VisionSpec(**values)
     except TypeError as err:
         raise BadInputError(f"{origin}: vision: {err}") from None
-
-
-def _count(cfg: dict[str, Any], origin: str, *keys: str) -> int | None:
-    for key in keys:
-        value = cfg.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise BadInputError(f"{origin}: {key} must be a non-negative integer, got {value!r}")
-        return value
-    return None
 
 
 def _pixel_limits(preproc: dict[str, Any] | None, origin: str) -> tuple[int, int, str]:
@@ -107,12 +91,10 @@ def _pixel_limits(preproc: dict[str, Any] | None, origin: str) -> tuple[int, int
         return QWEN3_VL_MAX_PIXELS, QWEN3_VL_MIN_PIXELS, "assumed: Qwen3-VL's preprocessor_config"
     size = preproc.get("size")
     size = size if isinstance(size, dict) else {}
-    most = _count(size, origin, "longest_edge", "max_pixels") or _count(
-        preproc, origin, "max_pixels"
-    )
-    least = _count(size, origin, "shortest_edge", "min_pixels") or _count(
-        preproc, origin, "min_pixels"
-    )
+    most = (config_int(size, origin, "longest_edge", "max_pixels")
+            or config_int(preproc, origin, "max_pixels"))
+    least = (config_int(size, origin, "shortest_edge", "min_pixels")
+             or config_int(preproc, origin, "min_pixels"))
     if most is None:
         why = f"assumed: {origin} names no max pixels; Qwen3-VL's 4096 x 4096"
         return QWEN3_VL_MAX_PIXELS, least or QWEN3_VL_MIN_PIXELS, why
@@ -122,19 +104,16 @@ def _pixel_limits(preproc: dict[str, Any] | None, origin: str) -> tuple[int, int
 def vision_from_config(
     cfg: dict[str, Any], preproc: dict[str, Any] | None, origin: str, preproc_origin: str
 ) -> tuple[VisionSpec | None, str]:
-    """The VisionSpec of a config.json's `vision_config`, and a note when it has none we read.
-
-    A vision_config without the Qwen-VL patch keys (CLIP/SigLIP towers of other families) gives
-    None and a note: the text figures still hold, the image ones are not predicted.
-    """
+    """The VisionSpec of a config.json's `vision_config`, and a note when it has none we read
+    (CLIP/SigLIP towers of other families: the text figures still hold)."""
     vc = cfg.get("vision_config")
     if not isinstance(vc, dict):
         return None, ""
-    depth = _count(vc, origin, "depth", "num_hidden_layers")
-    hidden = _count(vc, origin, "hidden_size", "embed_dim")
-    inter = _count(vc, origin, "intermediate_size")
-    heads = _count(vc, origin, "num_heads", "num_attention_heads")
-    patch = _count(vc, origin, "patch_size")
+    depth = config_int(vc, origin, "depth", "num_hidden_layers")
+    hidden = config_int(vc, origin, "hidden_size", "embed_dim")
+    inter = config_int(vc, origin, "intermediate_size")
+    heads = config_int(vc, origin, "num_heads", "num_attention_heads")
+    patch = config_int(vc, origin, "patch_size")
     if not depth or not hidden or not inter or not heads or not patch:
         return None, (
             "vision_config lacks the Qwen-VL keys (depth, hidden_size, intermediate_size, "
@@ -145,21 +124,15 @@ def vision_from_config(
         raise BadInputError(f"{origin}: deepstack_visual_indexes must be a list of integers")
     most, least, source = _pixel_limits(preproc, preproc_origin)
     spec = VisionSpec(
-        depth=depth,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_heads=heads,
-        patch_size_px=patch,
-        spatial_merge_size=_count(vc, origin, "spatial_merge_size") or 2,
-        temporal_patch_size=_count(vc, origin, "temporal_patch_size") or 2,
-        out_hidden_size=_count(vc, origin, "out_hidden_size") or hidden,
+        depth=depth, hidden_size=hidden, intermediate_size=inter, num_heads=heads,
+        patch_size_px=patch, spatial_merge_size=config_int(vc, origin, "spatial_merge_size") or 2,
+        temporal_patch_size=config_int(vc, origin, "temporal_patch_size") or 2,
+        out_hidden_size=config_int(vc, origin, "out_hidden_size") or hidden,
         deepstack_visual_indexes=tuple(deepstack),
-        num_position_embeddings=_count(vc, origin, "num_position_embeddings") or 0,
-        in_channels=_count(vc, origin, "in_channels", "in_chans") or 3,
-        max_image_pixels=most,
-        min_image_pixels=least,
-        pixels_source=source,
-    )
+        num_position_embeddings=config_int(vc, origin, "num_position_embeddings") or 0,
+        in_channels=config_int(vc, origin, "in_channels", "in_chans") or 3,
+        max_image_pixels=most, min_image_pixels=least, pixels_source=source,
+    )  # fmt: skip
     return spec, ""
 
 
@@ -219,22 +192,17 @@ def vision_params(v: VisionSpec) -> tuple[int, int]:
 
 
 def vision_bytes_per_card(v: VisionSpec, tp: int, dtype_bytes: int) -> int:
-    """The tower's weights on one card: linear matrices / tp, the rest on every card.
-
-    vLLM's default --mm-encoder-tp-mode "weights" shards the tower's linear layers like the
-    language model's; "data" (opt-in, per model) would replicate all of it.
-    """
+    """The tower's weights on one card: linear matrices / tp, the rest on every card."""
+    # vLLM's default --mm-encoder-tp-mode "weights" shards the tower's linear layers like the
+    # language model's; "data" (opt-in, per model) would replicate all of it.
     total, matrices = vision_params(v)
     return (matrices // tp + (total - matrices)) * dtype_bytes
 
 
 def encoder_activation_bytes(v: VisionSpec, images: int, tp: int, dtype_bytes: int) -> int:
-    """Estimated encoder activation peak for `images` max-size images run together.
-
-    patches x (ENCODER_HIDDEN_COPIES x hidden + (3 x hidden + intermediate) / tp) x dtype
-    bytes, with patches = tokens x merge^2; attention over one image's patches is assumed
-    flash-style (linear in patches), so images add up.
-    """
+    """Estimated encoder activation peak for `images` max-size images run together."""
+    # Attention over one image's patches is assumed flash-style (linear in patches), so
+    # images add up.
     patches = images * max_image_tokens(v) * v.spatial_merge_size**2
     per_patch = (
         ENCODER_HIDDEN_COPIES * v.hidden_size + (3 * v.hidden_size + v.intermediate_size) // tp
@@ -282,9 +250,8 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
         try:
             loaded = json.loads(raw)
         except json.JSONDecodeError as err:
-            raise BadInputError(
-                f"{flag} {text!r} is not valid JSON ({err.msg})", hint=hint
-            ) from None
+            why = f"{flag} {text!r} is not valid JSON ({err.msg})"
+            raise BadInputError(why, hint=hint) from None
         pairs = loaded if isinstance(loaded, dict) else {}
     else:
         pairs = {}
@@ -298,15 +265,12 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
     limits: dict[str, int] = {}
     for key, value in pairs.items():
         if key not in VLLM_MM_MODALITIES:
-            raise BadInputError(
-                f"{flag}: unknown modality {key!r}",
-                hint=f"choose from {', '.join(VLLM_MM_MODALITIES)}",
-            )
+            raise BadInputError(f"{flag}: unknown modality {key!r}",
+                                hint=f"choose from {', '.join(VLLM_MM_MODALITIES)}")
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             # vLLM also takes {"count": N, "width": ..}: plan sizes images at the maximum.
-            raise BadInputError(
-                f"{flag}: {key} must be a count of 0 or more, got {value!r}", hint=hint
-            )
+            raise BadInputError(f"{flag}: {key} must be a count of 0 or more, got {value!r}",
+                                hint=hint)
         limits[key] = value
     return limits
 
@@ -343,36 +307,25 @@ class VisionPlan:
     def to_json(self) -> dict[str, Any]:
         return {
             "max_image_px": [self.max_image_side_px, self.max_image_side_px],
-            "tokens_per_image": self.tokens_per_image,
-            "image_limit": self.image_limit,
+            "tokens_per_image": self.tokens_per_image, "image_limit": self.image_limit,
             "image_limit_source": self.image_limit_source,
             "images_per_prompt": self.images_per_prompt,
-            "prompt_image_tokens": self.prompt_image_tokens,
-            "max_model_len": self.max_model_len,
+            "prompt_image_tokens": self.prompt_image_tokens, "max_model_len": self.max_model_len,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "encoder_cache_tokens": self.encoder_cache_tokens,
             "encoder_cache_gib": round(self.encoder_cache_bytes / GIB, 3),
-            "profiled_images": self.profiled_images,
-            "vision_params": self.vision_params,
+            "profiled_images": self.profiled_images, "vision_params": self.vision_params,
             "vision_weights_gib_per_card": round(self.weights_bytes_per_card / GIB, 3),
             "encoder_activation_gib": round(self.activation_bytes / GIB, 3),
             "mm_processor_cache_gib_host": self.mm_processor_cache_gib,
             "image_gib_per_card": round(self.card_bytes / GIB, 3),
-            "image_share": round(self.image_share, 4),
-            "provenance": "predicted",
-        }
+            "image_share": round(self.image_share, 4), "provenance": "predicted",
+        }  # fmt: skip
 
 
 def plan_images(
-    v: VisionSpec,
-    *,
-    dtype_bytes: int,
-    tp: int,
-    budget_bytes: int,
-    max_model_len: int,
-    image_limit: int | None,
-    max_num_batched_tokens: int | None,
-    mm_processor_cache_gib: float,
+    v: VisionSpec, *, dtype_bytes: int, tp: int, budget_bytes: int, max_model_len: int,
+    image_limit: int | None, max_num_batched_tokens: int | None, mm_processor_cache_gib: float,
 ) -> VisionPlan:
     """The images block of `plan`: what max-size images take of the prompt and of the card."""
     tokens = max_image_tokens(v)
@@ -382,20 +335,14 @@ def plan_images(
     cache_tokens = encoder_cache_tokens(batched, tokens) if limit else 0
     profiled = profiled_images(cache_tokens, tokens, per_prompt, VLLM_DEFAULT_MAX_NUM_SEQS)
     return VisionPlan(
-        max_image_side_px=v.max_image_side_px,
-        tokens_per_image=tokens,
-        image_limit=limit,
+        max_image_side_px=v.max_image_side_px, tokens_per_image=tokens, image_limit=limit,
         image_limit_source=("vLLM's default" if image_limit is None else "--limit-mm-per-prompt"),
-        images_per_prompt=per_prompt,
-        prompt_image_tokens=per_prompt * tokens,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=batched,
+        images_per_prompt=per_prompt, prompt_image_tokens=per_prompt * tokens,
+        max_model_len=max_model_len, max_num_batched_tokens=batched,
         encoder_cache_tokens=cache_tokens,
         encoder_cache_bytes=encoder_cache_bytes(v, cache_tokens, dtype_bytes),
-        profiled_images=profiled,
-        vision_params=vision_params(v)[0],
+        profiled_images=profiled, vision_params=vision_params(v)[0],
         weights_bytes_per_card=vision_bytes_per_card(v, tp, dtype_bytes),
         activation_bytes=encoder_activation_bytes(v, profiled, tp, dtype_bytes),
-        mm_processor_cache_gib=mm_processor_cache_gib,
-        budget_bytes=budget_bytes,
-    )
+        mm_processor_cache_gib=mm_processor_cache_gib, budget_bytes=budget_bytes,
+    )  # fmt: skip

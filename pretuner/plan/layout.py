@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner import validate as v
 from pretuner.devices import select_reader
+from pretuner.engines.base import Family
+from pretuner.engines.registry import family_of
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.engines.vllm_v1 import V1Row
 from pretuner.errors import BadInputError, InfeasibleError
@@ -68,9 +70,9 @@ def v1_layout_options(
     opts: RunOptions, row: V1Row, simulated: bool, model: ModelSpec, knobs: Knobs
 ) -> PlanConfig:
     """A V1 run's layout options: its card (`card_gib_for`), the engine's length and block size
-    when none is given (vLLM on CPU, vllm-ascend: 128; the KV arithmetic counts the engine's
-    whole blocks, even where --block-size equals another engine's default), the weights as the
-    knobs load them."""
+    when none is given, the weights as the knobs load them."""
+    # vLLM on CPU and vllm-ascend default to 128-token blocks; the KV arithmetic counts the
+    # engine's whole blocks, even where --block-size equals another engine's default.
     return layout_options(
         opts, model=model, card_gib=card_gib_for(row, simulated, opts.card_gib),
         max_model_len=opts.max_model_len or row.default_max_model_len or V1_MAX_MODEL_LEN,
@@ -95,14 +97,12 @@ def card_gib_for(row: V1Row, simulated: bool, card_gib: int | None) -> int:
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
-    """Predicted activation peak of one prefill of `tokens` tokens on one card.
-
-    Hidden states and their residual/norm copies (~4 x hidden) plus the MLP's gate/up/down
-    intermediates (~3 x intermediate / tp) per token in the model dtype, plus a fixed workspace.
-    Flash attention keeps attention linear in length, so no quadratic term, except for models
-    declared with eager attention (the CPU reference models): their score matrix, its masked
-    copy and its softmax, (heads / tp) x tokens^2 each, are alive together.
-    """
+    """Predicted activation peak of one prefill of `tokens` tokens on one card."""
+    # Hidden states and their residual/norm copies (~4 x hidden) plus the MLP's gate/up/down
+    # intermediates (~3 x intermediate / tp) per token, plus a fixed workspace. Flash attention
+    # keeps attention linear in length, except for models declared with eager attention (the
+    # CPU reference models): their score matrix, its masked copy and its softmax, (heads / tp)
+    # x tokens^2 each, are alive together.
     per_token = 4 * spec.hidden_size + 3 * spec.intermediate_size // tp
     act = tokens * per_token * spec.dtype_bytes
     if spec.eager_attention:
@@ -141,6 +141,10 @@ class PlanConfig:
     swap_space_gib: float = 0.0
     engine: str | None = None  # None: vLLM-MindSpore r0.1's integer model-use GiB; else V1
     host_available_bytes: int | None = None
+
+    @property
+    def family(self) -> Family:
+        return family_of(self.engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,59 +193,53 @@ class PlanResult:
     weights_plan: pw.WeightsPlan | None = None
 
     def to_json(self) -> dict[str, Any]:
+        query = self.kv_query
+        kv_query = {"kv_gib": query[0], "tokens": query[1]} if query else None
         return {
-            "model": self.model,
-            "card_gib": self.card_gib,
-            "util": self.util,
-            "tp": self.tp,
-            "pp": self.pp,
-            "nodes": self.nodes,
-            "weights_format": self.weights_format,
+            "model": self.model, "card_gib": self.card_gib, "util": self.util, "tp": self.tp,
+            "pp": self.pp, "nodes": self.nodes, "weights_format": self.weights_format,
             "weights_gib_per_card": round(self.weights_bytes_per_card / GIB, 3),
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "block_size": self.block_size,
+            "kv_bytes_per_token": self.kv_bytes_per_token, "block_size": self.block_size,
             **self.requested.to_json(),
             "ladder": [lp.to_json() for lp in self.ladder],
             "layout_reason": self.layout_reason,
             "rejected_layouts": [{"tp": tp, "reason": why} for tp, why in self.rejected],
-            "notes": list(self.notes),
-            "kv_query": (
-                {"kv_gib": self.kv_query[0], "tokens": self.kv_query[1]} if self.kv_query else None
-            ),
+            "notes": list(self.notes), "kv_query": kv_query,
             "vision": self.vision.to_json() if self.vision else None,
             "weights_plan": self.weights_plan.to_json() if self.weights_plan else None,
             "provenance": "predicted",
-        }
+        }  # fmt: skip
 
 
-def _length_plan(cfg: PlanConfig, tp: int, weights: int, bpt: int, length: int) -> LengthPlan:
-    act = activation_bytes(cfg.model, length, tp)
-    v1 = pw.is_v1(cfg.engine)
-    model_use = None if v1 else math.ceil((weights + act) / GIB + cfg.headroom_gib)
-    used = weights + act + int(cfg.headroom_gib * GIB) if model_use is None else model_use * GIB
-    budget = int(cfg.card_gib * GIB * cfg.util) - used
-    blocks = num_kv_blocks(budget, bpt, cfg.block_size)
-    tokens = blocks * cfg.block_size
-    return LengthPlan(
-        max_model_len=length,
-        activation_bytes=act,
-        model_use_gib=model_use,
-        kv_bytes=blocks * cfg.block_size * bpt,
-        kv_tokens=tokens,
-        max_num_seqs=tokens // length,
-    )
-
-
-def _weights_per_card(cfg: PlanConfig, tp: int) -> int:
-    return pw.card_weights_bytes(cfg, tp * cfg.pp)
+def _bpt(cfg: PlanConfig, tp: int) -> int:
+    return kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
 
 
 def _layout_error(cfg: PlanConfig, tp: int) -> str | None:
     try:
-        kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+        _bpt(cfg, tp)
     except BadInputError as err:
         return err.message
     return None
+
+
+def _length_plan(cfg: PlanConfig, tp: int, length: int) -> LengthPlan:
+    weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
+    bpt = _bpt(cfg, tp)
+    act = activation_bytes(cfg.model, length, tp)
+    # r0.1 is told a whole model-use GiB; a V1 engine's KV cache is pinned in bytes.
+    r01 = cfg.family is Family.R01
+    model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib) if r01 else None
+    used = weights + act + int(cfg.headroom_gib * GIB) if model_use is None else model_use * GIB
+    blocks = num_kv_blocks(int(cfg.card_gib * GIB * cfg.util) - used, bpt, cfg.block_size)
+    tokens = blocks * cfg.block_size
+    return LengthPlan(max_model_len=length, activation_bytes=act, model_use_gib=model_use,
+                      kv_bytes=tokens * bpt, kv_tokens=tokens, max_num_seqs=tokens // length)
+
+
+def _seqs(cfg: PlanConfig, tp: int) -> LengthPlan | None:
+    """The requested length's prediction at TP `tp`, None where the model cannot split so."""
+    return None if _layout_error(cfg, tp) else _length_plan(cfg, tp, cfg.max_model_len)
 
 
 def _nodes_for(cfg: PlanConfig, tp: int) -> int:
@@ -288,61 +286,26 @@ def plan(cfg: PlanConfig) -> PlanResult:
                 hint=f"use --nodes {nodes} or a smaller --tp",
             )
         nodes = cfg.nodes
-    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
-    weights = _weights_per_card(cfg, tp)
-    requested = _length_plan(cfg, tp, weights, bpt, cfg.max_model_len)
-    ladder = tuple(_length_plan(cfg, tp, weights, bpt, n) for n in LADDER if n < cfg.max_model_len)
+    bpt = _bpt(cfg, tp)
     kv_query = None
     if cfg.kv_gib is not None:
         kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
     wp = pw.weights_plan(cfg, tp * cfg.pp)
-    return PlanResult(
-        vision=_vision_plan(cfg, tp),
-        model=cfg.model.name,
-        card_gib=cfg.card_gib,
-        util=cfg.util,
-        tp=tp,
-        pp=cfg.pp,
-        nodes=nodes,
-        weights_format=wp.quantization or fmt.name,
-        weights_bytes_per_card=weights,
-        weights_plan=wp,
-        kv_bytes_per_token=bpt,
-        block_size=cfg.block_size,
-        requested=requested,
-        ladder=ladder,
-        layout_reason=reason,
-        rejected=tuple(rejected),
-        kv_query=kv_query,
-        notes=tuple(notes),
-    )
-
-
-def _vision_plan(cfg: PlanConfig, tp: int) -> VisionPlan | None:
-    """The images block of a VL model; the tower stays in the model dtype (bf16 in w8a8)."""
-    if cfg.model.vision is None:
-        return None
-    return plan_images(
-        cfg.model.vision,
-        dtype_bytes=cfg.model.dtype_bytes,
-        tp=tp,
-        budget_bytes=int(cfg.card_gib * cfg.util * GIB),
-        max_model_len=cfg.max_model_len,
-        image_limit=cfg.image_limit,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+    # A VL model's images block; the tower stays in the model dtype (bf16 in w8a8).
+    vision = None if cfg.model.vision is None else plan_images(
+        cfg.model.vision, dtype_bytes=cfg.model.dtype_bytes, tp=tp,
+        budget_bytes=int(cfg.card_gib * cfg.util * GIB), max_model_len=cfg.max_model_len,
+        image_limit=cfg.image_limit, max_num_batched_tokens=cfg.max_num_batched_tokens,
         mm_processor_cache_gib=cfg.mm_processor_cache_gib,
-    )
-
-
-def _fits_one_node(cfg: PlanConfig, tp: int, base_tp: int) -> bool:
-    return tp * cfg.pp <= max(cfg.cards_per_node, base_tp * cfg.pp)
-
-
-def _seqs(cfg: PlanConfig, tp: int) -> LengthPlan | None:
-    if _layout_error(cfg, tp):
-        return None
-    bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
-    return _length_plan(cfg, tp, _weights_per_card(cfg, tp), bpt, cfg.max_model_len)
+    )  # fmt: skip
+    return PlanResult(
+        vision=vision, model=cfg.model.name, card_gib=cfg.card_gib, util=cfg.util,
+        tp=tp, pp=cfg.pp, nodes=nodes, weights_format=wp.quantization or fmt.name,
+        weights_bytes_per_card=wp.card_weights_bytes, weights_plan=wp, kv_bytes_per_token=bpt,
+        block_size=cfg.block_size, requested=_length_plan(cfg, tp, cfg.max_model_len),
+        ladder=tuple(_length_plan(cfg, tp, n) for n in LADDER if n < cfg.max_model_len),
+        layout_reason=reason, rejected=tuple(rejected), kv_query=kv_query, notes=tuple(notes),
+    )  # fmt: skip
 
 
 def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
@@ -352,10 +315,8 @@ def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
     if base is None:
         return None
     cur, cur_lp = tp, base
-    while True:
-        nxt = cur * 2
-        if nxt not in TP_CANDIDATES or not _fits_one_node(cfg, nxt, tp):
-            break
+    room = max(cfg.cards_per_node, tp * cfg.pp)  # cards on the node(s) TP`tp` already takes
+    while (nxt := cur * 2) in TP_CANDIDATES and nxt * cfg.pp <= room:
         lp = _seqs(cfg, nxt)
         if lp is None or not lp.fits:
             break
@@ -375,18 +336,16 @@ def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
 
 def smallest_weights_layout(cfg: PlanConfig) -> int | None:
     """The smallest TP whose weights leave room for KV on this card, by the checkpoint size."""
-    cap = cfg.card_gib * cfg.util * GIB
     for tp in TP_CANDIDATES:
-        if _layout_error(cfg, tp) is None and _weights_per_card(cfg, tp) < cap:
-            lp = _seqs(cfg, tp)
-            if lp is not None and lp.fits:
-                return tp
+        lp = _seqs(cfg, tp)
+        if lp is not None and lp.fits:
+            return tp
     return None
 
 
 def _check_weights_fit(cfg: PlanConfig, tp: int) -> None:
     """Refuse a layout whose weights alone fill the pool: no launch can change that."""
-    weights = _weights_per_card(cfg, tp)
+    weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
     cap = cfg.card_gib * cfg.util * GIB
     if weights < cap:
         return
@@ -413,30 +372,24 @@ def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, s
         if err:
             rejected.append((tp, err))
             continue
-        weights = _weights_per_card(cfg, tp)
-        bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
-        lp = _length_plan(cfg, tp, weights, bpt, cfg.max_model_len)
+        weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
+        lp = _length_plan(cfg, tp, cfg.max_model_len)
         if lp.fits and lp.kv_bytes >= MIN_KV_SHARE * cap_gib * GIB:
             better = _better_tp(cfg, tp)
             if better is not None:
                 rejected.append((tp, f"fits, but {better[1]}"))
-                return better[0], better[1]
+                return better
             nodes = _nodes_for(cfg, tp)
-            where = f"{nodes} node{'s' if nodes > 1 else ''}"
-            why = (
-                f"TP{tp} on {where}: the smallest power-of-two TP whose weights "
-                f"({weights / GIB:.2f} GiB/card) leave at least {MIN_KV_SHARE:.0%} of card*util = "
-                f"{cap_gib:.2f} GiB for KV ({lp.kv_bytes / GIB:.2f} GiB predicted)"
+            return tp, (
+                f"TP{tp} on {nodes} node{'s' if nodes > 1 else ''}: the smallest power-of-two TP "
+                f"whose weights ({weights / GIB:.2f} GiB/card) leave at least {MIN_KV_SHARE:.0%} "
+                f"of card*util = {cap_gib:.2f} GiB for KV ({lp.kv_bytes / GIB:.2f} GiB predicted)"
             )
-            return tp, why
-        rejected.append(
-            (
-                tp,
-                f"weights {weights / GIB:.2f} GiB + activations "
-                f"{lp.activation_bytes / GIB:.2f} GiB + headroom leave {lp.kv_bytes / GIB:.2f} "
-                f"GiB of KV ({lp.kv_tokens:,} tokens), under {MIN_KV_SHARE:.0%} of card*util",
-            )
-        )
+        rejected.append((tp, (
+            f"weights {weights / GIB:.2f} GiB + activations {lp.activation_bytes / GIB:.2f} GiB "
+            f"+ headroom leave {lp.kv_bytes / GIB:.2f} GiB of KV ({lp.kv_tokens:,} tokens), "
+            f"under {MIN_KV_SHARE:.0%} of card*util"
+        )))
     raise InfeasibleError(
         f"{cfg.model.name} does not fit on {cfg.card_gib} GiB cards at any TP up to "
         f"{TP_CANDIDATES[-1]} with --max-model-len {cfg.max_model_len:,}",

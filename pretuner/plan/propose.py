@@ -13,10 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from pretuner.engines.base import Family
 from pretuner.errors import BadInputError, InfeasibleError, PretunerError
 from pretuner.models.quant import Quantization, from_flag
 from pretuner.plan.layout import TP_CANDIDATES, PlanConfig, PlanResult, plan
-from pretuner.plan.weights import is_v1, loaded
+from pretuner.plan.weights import loaded
 from pretuner.units import GIB
 
 SHORTER = (16384, 8192, 4096, 2048, 1024, 512)
@@ -24,23 +25,21 @@ V1_MAX_CARDS = 8  # pretuner drives a V1 engine on one node of at most this many
 
 
 def decide_layout(cfg: PlanConfig) -> PlanResult:
-    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines.
-
-    Never quantizes on its own: weights that do not fit the cards asked for are refused
-    (exit 4), with what `propose` would serve them with on those cards.
-    """
+    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines."""
+    # Never quantizes on its own: weights that fit no layout of the cards asked for are
+    # refused (exit 4), with what `propose` would serve them with on those cards.
     try:
         p = plan(cfg)
     except InfeasibleError as err:
         if not proposes(cfg):
             raise
-        proposal, _ = propose(cfg)
+        proposal = propose(cfg)
         if proposal.chosen is not None:
             flags = " ".join(f for f in proposal.flags if not f.startswith("--max-model-len"))
             err.hint = (f"{err.hint}; or on TP{proposal.tp}: {flags} ({proposal.chosen.label}, "
                         "predicted; a run with them measures it)")
         raise
-    if is_v1(cfg.engine) and p.tp * p.pp > V1_MAX_CARDS:
+    if cfg.family is Family.V1 and p.tp * p.pp > V1_MAX_CARDS:
         raise BadInputError(
             f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
             f"node of at most {V1_MAX_CARDS} devices so far",
@@ -53,9 +52,8 @@ def decide_layout(cfg: PlanConfig) -> PlanResult:
 def proposes(cfg: PlanConfig) -> bool:
     """Whether weights that fit no layout get a proposal: a V1 engine loading a 16-bit
     checkpoint as stored (quantization and offload are its flags)."""
-    return is_v1(cfg.engine) and not (
-        cfg.quantization or cfg.cpu_offload_gib or cfg.model.quantization is not None
-    )
+    return cfg.family is Family.V1 and not (
+        cfg.quantization or cfg.cpu_offload_gib or cfg.model.quantization is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +70,8 @@ class Step:
 
     @property
     def label(self) -> str:
-        what = self.quantization or "unquantized"
-        return what + (
-            f" + --cpu-offload-gb {self.cpu_offload_gib}" if self.cpu_offload_gib else ""
-        )
+        offload = f" + --cpu-offload-gb {self.cpu_offload_gib}" if self.cpu_offload_gib else ""
+        return (self.quantization or "unquantized") + offload
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,54 +91,39 @@ class Proposal:
         return {**dataclasses.asdict(self), "provenance": "predicted"}
 
 
-def _try(
-    cfg: PlanConfig, quant: Quantization | None, offload: int
-) -> tuple[Step, PlanResult | None]:
-    c = dataclasses.replace(cfg, quantization=quant, cpu_offload_gib=float(offload))
+def _try(cfg: PlanConfig, quant: Quantization | None, offload: int) -> Step:
     name = quant.name if quant else None
     try:
-        r = plan(c)
+        r = plan(dataclasses.replace(cfg, quantization=quant, cpu_offload_gib=float(offload)))
     except PretunerError as err:
-        return Step(name, offload, False, 0.0, 0.0, 0, err.message), None
-    wp = r.weights_plan
-    host = wp.host_bytes / GIB if wp else 0.0
+        return Step(name, offload, False, 0.0, 0.0, 0, err.message)
+    host = r.weights_plan.host_bytes / GIB if r.weights_plan else 0.0
     seqs = r.requested.max_num_seqs
-    why = (
-        f"{seqs} sequence(s) of {cfg.max_model_len:,} tokens"
-        if seqs
-        else f"weights leave {r.requested.kv_tokens:,} KV tokens, under {cfg.max_model_len:,}"
-    )
+    why = (f"{seqs} sequence(s) of {cfg.max_model_len:,} tokens" if seqs
+           else f"weights leave {r.requested.kv_tokens:,} KV tokens, under {cfg.max_model_len:,}")
     weights_gib = round(r.weights_bytes_per_card / GIB, 3)
-    step = Step(name, offload, seqs >= 1, weights_gib, round(host, 3), seqs, why)
-    return step, (r if step.fits else None)
+    return Step(name, offload, seqs >= 1, weights_gib, round(host, 3), seqs, why)
 
 
-def _quant_ladder(cfg: PlanConfig) -> list[Quantization | None]:
-    if cfg.model.quantization is not None or cfg.quantization is not None:
-        return [cfg.quantization]  # the checkpoint's (or the user's) quantization, nothing else
-    return [None, from_flag("fp8"), from_flag("bitsandbytes")]
-
-
-def _smallest(cfg: PlanConfig, tried: list[Step]) -> tuple[Step | None, PlanResult | None]:
+def _smallest(cfg: PlanConfig, tried: list[Step]) -> Step | None:
     """Quantize step by step, then offload the smallest whole GiB that serves the length."""
-    ladder = _quant_ladder(cfg)
+    # the checkpoint's (or the user's) quantization, nothing else; else each in-flight one
+    given = cfg.model.quantization is not None or cfg.quantization is not None
+    ladder = [cfg.quantization] if given else [None, from_flag("fp8"), from_flag("bitsandbytes")]
     for quant in ladder:
-        step, r = _try(cfg, quant, 0)
-        tried.append(step)
-        if r is not None:
-            return step, r
-    last = ladder[-1]
-    total, _ = loaded(cfg.model, cfg.weights_format, last)
+        tried.append(step := _try(cfg, quant, 0))
+        if step.fits:
+            return step
+    total, _ = loaded(cfg.model, cfg.weights_format, ladder[-1])
     per_card = total / ((cfg.tp or 1) * cfg.pp)
-    step = tried[-1]
     for gib in range(1, math.ceil(per_card / GIB) + 1):
-        step, r = _try(cfg, last, gib)
-        if r is not None:
+        step = _try(cfg, ladder[-1], gib)
+        if step.fits:
             tried.append(step)
-            return step, r
+            return step
     if step.cpu_offload_gib:
         tried.append(step)  # even all weights on the host leave no room for one sequence
-    return None, None
+    return None
 
 
 def _flags(cfg: PlanConfig, step: Step) -> tuple[str, ...]:
@@ -160,7 +141,7 @@ def _alternatives(cfg: PlanConfig, tp: int, chosen: Step | None) -> list[str]:
         for n in SHORTER:
             if n >= cfg.max_model_len:
                 continue
-            step, _ = _smallest(dataclasses.replace(cfg, max_model_len=n), [])
+            step = _smallest(dataclasses.replace(cfg, max_model_len=n), [])
             if step is not None:
                 out.append(f"--max-model-len {n} on {tp} card(s): {step.label}")
                 break
@@ -168,40 +149,31 @@ def _alternatives(cfg: PlanConfig, tp: int, chosen: Step | None) -> list[str]:
         for more in TP_CANDIDATES:
             if more <= tp:
                 continue
-            step, _ = _try(dataclasses.replace(cfg, tp=more), None, 0)
-            if step.fits:
+            if _try(dataclasses.replace(cfg, tp=more), None, 0).fits:
                 out.append(f"more cards: TP{more} ({more * cfg.pp} cards) serves it unquantized")
                 break
     return out
 
 
-def propose(cfg: PlanConfig) -> tuple[Proposal, PlanResult | None]:
+def propose(cfg: PlanConfig) -> Proposal:
     """The cheapest combination that serves cfg.max_model_len on cfg.tp (default 1) cards."""
     tp = cfg.tp or 1
     cfg = dataclasses.replace(cfg, tp=tp)
     tried: list[Step] = []
-    chosen, result = _smallest(cfg, tried)
+    chosen = _smallest(cfg, tried)
     flags = _flags(cfg, chosen) if chosen else ()
-    alts = _alternatives(cfg, tp, chosen)
-    proposal = Proposal(tp, cfg.max_model_len, tuple(tried), chosen, flags, tuple(alts),
-                        cfg.swap_space_gib)
-    return proposal, result
+    alts = tuple(_alternatives(cfg, tp, chosen))
+    return Proposal(tp, cfg.max_model_len, tuple(tried), chosen, flags, alts, cfg.swap_space_gib)
 
 
 def render_proposal(p: Proposal) -> list[str]:
     lines = [f"proposal for {p.max_model_len:,} tokens on {p.tp} card(s) (predicted):"]
-    for s in p.tried:
-        mark = "serves" if s.fits else "no"
-        lines.append(f"  {s.label}: {mark} - {s.why}")
+    lines += [f"  {s.label}: {'serves' if s.fits else 'no'} - {s.why}" for s in p.tried]
     if p.chosen:
-        host = p.chosen.host_gib
-        lines.append(
-            f"  proposed: {p.chosen.label}; host memory {host:.2f} GiB "
-            f"({p.chosen.cpu_offload_gib} GiB offload + {p.swap_gib:g} GiB swap per card)"
-        )
+        lines.append(f"  proposed: {p.chosen.label}; host memory {p.chosen.host_gib:.2f} GiB "
+                     f"({p.chosen.cpu_offload_gib} GiB offload + {p.swap_gib:g} GiB swap per "
+                     "card)")
         lines.append(f"  vLLM flags: {' '.join(p.flags)}")
     else:
         lines.append("  nothing tried serves this length on these cards")
-    for alt in p.alternatives:
-        lines.append(f"  or: {alt}")
-    return lines
+    return lines + [f"  or: {alt}" for alt in p.alternatives]

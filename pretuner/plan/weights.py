@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pretuner.engines.mindspore_r01 import NAMES as R01_NAMES
 from pretuner.errors import BadInputError
 from pretuner.models.quant import Quantization, param_split, quantized_bytes
 from pretuner.models.spec import ModelSpec
@@ -26,12 +25,6 @@ if TYPE_CHECKING:
     from pretuner.plan.layout import PlanConfig
 
 IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bit checkpoint
-
-
-
-def is_v1(engine: str | None) -> bool:
-    """V1 engines size KV from the exact non-KV bytes, not r0.1's integer model-use GiB."""
-    return engine is not None and engine not in R01_NAMES
 
 
 def loaded(
@@ -64,23 +57,6 @@ def loaded(
             hint="drop one of --quantization and --weights-format",
         )
     return quantized_bytes(spec, quant), quant
-
-
-def embedding_bytes(spec: ModelSpec) -> int:
-    """The token embedding and the lm_head (untied, as `param_split` counts them), 16-bit."""
-    return 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes
-
-
-def offloaded_bytes(spec: ModelSpec, loaded_total: int, cards: int, offload_gib: float) -> int:
-    """What --cpu-offload-gb moves to the host per card: at most the decoder layers' share."""
-    layers = max(0, loaded_total - embedding_bytes(spec)) // cards
-    return min(layers, int(offload_gib * GIB))
-
-
-def card_weights_bytes(cfg: PlanConfig, cards: int) -> int:
-    """Weights left on each card: the loaded share minus what --cpu-offload-gb moves."""
-    total, _ = loaded(cfg.model, cfg.weights_format, cfg.quantization)
-    return total // cards - offloaded_bytes(cfg.model, total, cards, cfg.cpu_offload_gib)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,43 +95,33 @@ class WeightsPlan:
     @property
     def active(self) -> bool:
         """Whether the plan text shows this block (existing invocations print as before)."""
-        return bool(
-            self.quantization
-            or self.offload_bytes_per_card
-            or self.swap_bytes_per_card
-            or self.engine
-        )
+        return bool(self.quantization or self.offload_bytes_per_card or self.swap_bytes_per_card
+                    or self.engine)
 
     def to_json(self) -> dict[str, Any]:
+        per_param = self.linear_bytes_per_param
+        available = self.host_available_bytes
         return {
-            "quantization": self.quantization,
-            "quantization_source": self.quant_source,
-            "linear_params": self.linear_params,
-            "other_params": self.other_params,
-            "linear_bytes_per_param": (
-                round(self.linear_bytes_per_param, 4) if self.linear_bytes_per_param else None
-            ),
+            "quantization": self.quantization, "quantization_source": self.quant_source,
+            "linear_params": self.linear_params, "other_params": self.other_params,
+            "linear_bytes_per_param": round(per_param, 4) if per_param else None,
             "loaded_gib_per_card": round(self.loaded_bytes_per_card / GIB, 3),
             "cpu_offload_gib_per_card": round(self.offload_bytes_per_card / GIB, 3),
             "card_weights_gib": round(self.card_weights_bytes / GIB, 3),
             "swap_space_gib_per_card": round(self.swap_bytes_per_card / GIB, 3),
-            "cards": self.cards,
-            "host_gib": round(self.host_bytes / GIB, 3),
-            "host_available_gib": (
-                round(self.host_available_bytes / GIB, 3)
-                if self.host_available_bytes is not None
-                else None
-            ),
-            "host_fits": self.host_fits,
-            "engine": self.engine,
-            "provenance": "predicted",
-        }
+            "cards": self.cards, "host_gib": round(self.host_bytes / GIB, 3),
+            "host_available_gib": round(available / GIB, 3) if available is not None else None,
+            "host_fits": self.host_fits, "engine": self.engine, "provenance": "predicted",
+        }  # fmt: skip
 
 
 def weights_plan(cfg: PlanConfig, cards: int) -> WeightsPlan:
     total, quant = loaded(cfg.model, cfg.weights_format, cfg.quantization)
-    per_card = total // cards
     split = param_split(cfg.model)
+    # --cpu-offload-gb moves at most the decoder layers' share: the token embedding and the
+    # lm_head (untied, as `param_split` counts them, 16-bit) stay on the card.
+    embeddings = 2 * cfg.model.vocab_size * cfg.model.hidden_size * cfg.model.dtype_bytes
+    layers = max(0, total - embeddings) // cards
     return WeightsPlan(
         quantization=quant.name if quant else None,
         quant_source=quant.source if quant else "checkpoint as stored",
@@ -163,8 +129,8 @@ def weights_plan(cfg: PlanConfig, cards: int) -> WeightsPlan:
         other_params=split.other_params,
         linear_bytes_per_param=quant.linear_bytes_per_param if quant else None,
         other_dtype=cfg.model.dtype,
-        loaded_bytes_per_card=per_card,
-        offload_bytes_per_card=offloaded_bytes(cfg.model, total, cards, cfg.cpu_offload_gib),
+        loaded_bytes_per_card=total // cards,
+        offload_bytes_per_card=min(layers, int(cfg.cpu_offload_gib * GIB)),
         swap_bytes_per_card=int(cfg.swap_space_gib * GIB),
         cards=cards,
         engine=cfg.engine,
@@ -178,41 +144,31 @@ def render_weights_plan(wp: WeightsPlan, activation_bytes: int, kv_bytes: int) -
     """The text block `plan` prints when quantization, offload, swap or an engine is named."""
     lines = ["weights as loaded (predicted):"]
     if wp.quantization and wp.linear_bytes_per_param:
-        lines.append(
-            f"  {wp.quantization} ({wp.quant_source}): {wp.linear_bytes_per_param:.4f} B per "
-            f"linear-layer param ({wp.linear_params / 1e9:.2f}e9 params); "
-            f"{wp.other_params / 1e9:.2f}e9 params (embeddings, lm_head, norms, routers) "
-            f"stay {wp.other_dtype}"
-        )
+        lines.append(f"  {wp.quantization} ({wp.quant_source}): {wp.linear_bytes_per_param:.4f} B "
+                     f"per linear-layer param ({wp.linear_params / 1e9:.2f}e9 params); "
+                     f"{wp.other_params / 1e9:.2f}e9 params (embeddings, lm_head, norms, "
+                     f"routers) stay {wp.other_dtype}")
     else:
         lines.append(f"  unquantized ({wp.quant_source})")
     if wp.skipped_modules:
         lines.append(f"  {wp.skipped_modules} module(s) listed as not converted (kept 16-bit)")
     lines.append(f"  loaded: {wp.loaded_bytes_per_card / GIB:.2f} GiB per card")
     if wp.offload_bytes_per_card:
-        lines.append(
-            f"  --cpu-offload-gb: {wp.offload_bytes_per_card / GIB:.2f} GiB of weights per card "
-            "stay in host memory and cross to the card on every forward pass (slower decode)"
-        )
+        lines.append(f"  --cpu-offload-gb: {wp.offload_bytes_per_card / GIB:.2f} GiB of weights "
+                     "per card stay in host memory and cross to the card on every forward pass "
+                     "(slower decode)")
     runtime = activation_bytes + wp.headroom_gib * GIB
-    lines.append(
-        f"  per card: weights {wp.card_weights_bytes / GIB:.2f} GiB, KV {kv_bytes / GIB:.2f} GiB, "
-        f"runtime {runtime / GIB:.2f} GiB (activation + {wp.headroom_gib:g} GiB headroom)"
-    )
-    host = (
-        f"  host memory: {wp.offload_bytes_per_card / GIB:.2f} GiB offload + "
-        f"{wp.swap_bytes_per_card / GIB:.2f} GiB swap per card x {wp.cards} card(s) = "
-        f"{wp.host_bytes / GIB:.2f} GiB"
-    )
+    lines.append(f"  per card: weights {wp.card_weights_bytes / GIB:.2f} GiB, KV "
+                 f"{kv_bytes / GIB:.2f} GiB, runtime {runtime / GIB:.2f} GiB (activation + "
+                 f"{wp.headroom_gib:g} GiB headroom)")
+    host = (f"  host memory: {wp.offload_bytes_per_card / GIB:.2f} GiB offload + "
+            f"{wp.swap_bytes_per_card / GIB:.2f} GiB swap per card x {wp.cards} card(s) = "
+            f"{wp.host_bytes / GIB:.2f} GiB")
     if wp.host_available_bytes is not None:
-        host += (
-            f"; host has {wp.host_available_bytes / GIB:.2f} GiB available "
-            "(measured, /proc/meminfo MemAvailable)"
-        )
+        host += (f"; host has {wp.host_available_bytes / GIB:.2f} GiB available "
+                 "(measured, /proc/meminfo MemAvailable)")
     lines.append(host)
     if wp.host_fits is False:
-        lines.append(
-            "  warning: the host does not have that much memory available; lower "
-            "--cpu-offload-gb/--swap-space or free host memory"
-        )
+        lines.append("  warning: the host does not have that much memory available; lower "
+                     "--cpu-offload-gb/--swap-space or free host memory")
     return lines

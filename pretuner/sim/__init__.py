@@ -1,6 +1,5 @@
-"""The emulated Ascend card and vLLM-MindSpore r0.1 server (all memory figures simulated).
+"""The emulated cards and servers (all memory figures simulated): one front end, two personalities.
 
-`memory` is the physical model, `engine` the scheduler, `http` the OpenAI API, `logs` the real
-log formats, `serve` the server's lifecycle, `launcher` the r0.1 wrapper, `npusmi` the device
-tool. See `pretuner sim serve --help`.
-"""
+Shared: `argv` (command line), `http` (OpenAI API), `loop` (scheduler base, engine thread),
+`state` (what device tools read). The r0.1 personality (Ascend, vLLM-MindSpore) is this
+package's `memory`, `engine`, `logs`, `serve`; the V1 one (CUDA, vLLM 0.24) is `v1/`."""

@@ -16,6 +16,15 @@ class UsageError(Exception):
     """A command line or emulator setting the server refuses before it starts."""
 
 
+class Refused(Exception):
+    """The server dies starting, with the Python exception `exc_type: message`; `where` is the
+    traceback frame it prints (r0.1) or the start-up stage that failed (V1)."""
+
+    def __init__(self, exc_type: str, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.exc_type, self.message, self.where = exc_type, message, where
+
+
 def normalize_argv(argv: Sequence[str]) -> list[str]:
     """vLLM's FlexibleArgumentParser: `--max_model_len` is `--max-model-len`."""
     out = []

@@ -1,11 +1,8 @@
-"""The emulated engine: vLLM 0.6 V0 scheduling over the card model, with pool accounting and OOM.
+"""The emulated r0.1 engine: V0 scheduling (`pretuner.sim.scheduler`) on a thread, each step
+accounted in every rank's MindSpore pool.
 
-The decisions (admission, watermark, chunked prefill, preemption) are `pretuner.sim.scheduler`'s;
-this module runs them on a thread with step times and accounts each step in every rank's pool.
-If one rank cannot find a step's dynamic memory, that rank logs the MindSpore OOM and its pool
-dump, every request in flight fails and the engine is dead. A prompt the scheduler ignores
-(too long for the KV cache beside the watermark) finishes at once with no output, as in vLLM.
-"""
+A rank that cannot find a step's memory logs MindSpore's OOM and pool dump, every request in
+flight fails and the engine is dead."""
 
 from __future__ import annotations
 
@@ -69,22 +66,6 @@ class RankPool:
         return PoolStats(in_used=self.in_used, peak_used=peak, actual_peak=actual, alloc=alloc)
 
 
-@dataclass(frozen=True, slots=True)
-class EngineLimits:
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    block_size: int
-    num_blocks: int
-    pool_cap_bytes: int
-    chunked_prefill: bool = False
-
-    def scheduler(self) -> SchedulerLimits:
-        return SchedulerLimits(self.max_model_len, self.max_num_seqs,
-                               self.max_num_batched_tokens, self.block_size, self.num_blocks,
-                               self.chunked_prefill)
-
-
 class OutOfMemory(Exception):
     """A rank's pool could not serve an allocation."""
 
@@ -140,7 +121,7 @@ def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: i
 class Engine(EngineThread):
     """Continuous batching over threads: requests really overlap in the same steps."""
 
-    def __init__(self, pools: Sequence[RankPool], limits: EngineLimits, log: VllmLog,
+    def __init__(self, pools: Sequence[RankPool], limits: SchedulerLimits, log: VllmLog,
                  on_dead: Callable[[OutOfMemory], None], *, pool_format: str = "2.5",
                  seed: int = 0) -> None:
         super().__init__("engine")
@@ -149,7 +130,7 @@ class Engine(EngineThread):
         self.limits = limits
         self.log = log
         self._on_dead = on_dead
-        self.sched = Scheduler(limits.scheduler())
+        self.sched = Scheduler(limits)
         self._requests: dict[str, Request] = {}
         self.dead: OutOfMemory | None = None
         self._rng = random.Random(seed)  # noqa: S311 - fake output tokens

@@ -1,11 +1,7 @@
 """The emulated servers' shared HTTP front: an OpenAI-compatible API on the standard library.
 
-Both personalities serve `GET /health`, `GET /v1/models` and `POST /v1/completions` through
-`Handler`: socket, body parsing, model check, access lines (uvicorn's, written through the
-personality's log) and the completion body are here; what a route answers (error bodies,
-length checks, streaming, /health after a death) is the personality's subclass:
-`pretuner.sim.r01_http` (vLLM 0.6.6) and `pretuner.sim.v1.http` (vLLM 0.24).
-"""
+`Handler` owns the socket, body parsing, model check, access lines and completion bodies; what
+a route answers is the personality's subclass (`r01_http`: vLLM 0.6.6, `v1.http`: vLLM 0.24)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The emulated server run in this process, stepping its engine synchronously.
+"""The emulated r0.1 server run in this process, stepping its engine synchronously.
 
-Same command line, environment, boot sequence, scheduler, memory accounting and log lines as
-`pretuner sim serve`; no process, no HTTP, no clocks. A benchmark scores thousands of tuning
-runs this way in seconds, and decision tests drive the tuner against the emulated card in
-milliseconds. `tests/test_run_sim.py` and `scripts/bench_tune.py --subprocess` check it
-against the real subprocess server.
-"""
+Same command line, boot, scheduler, memory and log lines as `pretuner sim serve`; no process,
+HTTP or clock. `tests/test_run_sim.py` checks it against the subprocess server."""
 
 from __future__ import annotations
 
@@ -14,11 +10,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretuner.sim.argv import UsageError
-from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory, Request
+from pretuner.sim.argv import Refused, UsageError
+from pretuner.sim.engine import Engine, OutOfMemory, Request
 from pretuner.sim.http import Reply
-from pretuner.sim.r01_checks import StartupFailed
 from pretuner.sim.r01_config import parse
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.serve import Server
 
 MAX_STEPS = 10_000_000
@@ -47,7 +43,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     server = Server(cfg, stream)
     try:
         limits = server.boot()
-    except (StartupFailed, OutOfMemory) as err:
+    except (Refused, OutOfMemory) as err:
         code = server.failed_start(err)  # the traceback first, then the log is complete
         return InprocRun(stream.getvalue(), (), False, code, *_device(server))
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
@@ -67,7 +63,7 @@ def _device(server: Server) -> tuple[int, int]:
     return peak + server.cfg.occupied_mib, server.profile.total_mib
 
 
-def _serve(server: Server, limits: EngineLimits, prompts: Sequence[int],
+def _serve(server: Server, limits: SchedulerLimits, prompts: Sequence[int],
            max_tokens: int) -> tuple[tuple[Reply, ...], bool]:
     """The server's engine stepped in this process until every request is answered."""
     engine = Engine(server.pools, limits, server.vlog, lambda _oom: None,

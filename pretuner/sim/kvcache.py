@@ -1,36 +1,17 @@
 """How the emulated engines lay out their KV cache: a page per attention layer, summed per block.
 
-Pure: no I/O. This is the emulator's own statement of the engines' published rules, written
-apart from the tuner's KV arithmetic on purpose: the emulator grades the tuner, and a grader
-that shares the code under test cannot catch a fault in it.
-`tests/test_sim_independent.py` checks that the two agree on the registered models and that no
-module under `pretuner/sim` imports the tuner's arithmetic.
-
-The engine's view (vLLM's per-layer KV cache specs; vLLM-MindSpore r0.1 sizes its blocks the
-same way):
-
-- Each rank stores, for every attention layer of its pipeline stage, one page per block. A page
-  holds `block_size` token slots; a slot holds the layer's *planes* side by side.
-- Full attention (MHA/GQA/MQA): a key plane and a value plane, each `heads * head_dim` elements,
-  where `heads` is the rank's share of the KV heads. `QKVParallelLinear` splits the KV heads
-  over the tensor-parallel ranks, or, with fewer KV heads than ranks, gives every rank one
-  replicated head (`tp` must then be a multiple of the KV heads).
-- Multi-head latent attention (DeepSeek, a config with `kv_lora_rank`): one compressed latent
-  plane (`kv_lora_rank` elements) and one rope-key plane (`qk_rope_head_dim`), the same on every
-  rank: the latent is not split by TP. MindSpore's int8 cache of an MLA model keeps the latent
-  in int8 but the rope key in bf16.
-- The cache dtype `auto` is the model's own dtype; int8 and the fp8 kinds take one byte.
-- Pipeline stages split the layers as vLLM's `get_pp_indices` does: `layers // pp` each, the
-  remainder one apiece to the stages before the last, from the second-last back. Every rank
-  sizes blocks for its own stage and the engine keeps the fewest blocks any rank can hold, so
-  the stage with the most layers decides the block size of all.
-"""
+Pure. Written apart from the tuner's KV arithmetic on purpose: the emulator grades the tuner,
+and a grader that shares the code under test cannot catch a fault in it
+(`tests/test_sim_independent.py` checks both agree and that nothing here imports the tuner).
+Full attention keeps a key and a value plane of the rank's KV heads; MLA keeps the latent and
+the rope key on every rank; the pipeline stage with the most layers decides the block size."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from pretuner.models.spec import ModelSpec
+from pretuner.sim.argv import Refused
 
 # Element sizes in bytes by the names the emulated servers and model configs use.
 _ELEMENT_BYTES = {
@@ -38,15 +19,6 @@ _ELEMENT_BYTES = {
     "int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
 }
 _ROPE_DTYPE_OF_INT8_MLA = "bf16"  # MindSpore leaves the rope key unquantized
-
-
-class LayoutRefused(ValueError):
-    """The engine refuses this parallel layout or cache dtype; `exc_type` is what it raises."""
-
-    def __init__(self, exc_type: str, message: str) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +62,10 @@ class CacheLayout:
 def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
     """The layers of each pipeline stage, split as vLLM's `get_pp_indices` does."""
     if pp < 1:
-        raise LayoutRefused("ValueError", f"pipeline_parallel_size ({pp}) must be positive")
+        raise Refused("ValueError", f"pipeline_parallel_size ({pp}) must be positive")
     if pp > num_layers:
-        raise LayoutRefused("ValueError", f"pipeline_parallel_size ({pp}) is larger than the "
-                            f"number of hidden layers ({num_layers})")
+        raise Refused("ValueError", f"pipeline_parallel_size ({pp}) is larger than the "
+                      f"number of hidden layers ({num_layers})")
     split = [num_layers // pp] * pp
     for back in range(2, num_layers % pp + 2):
         split[-back] += 1
@@ -104,29 +76,29 @@ def rank_kv_heads(total_kv_heads: int, tp: int) -> int:
     """The KV heads one tensor-parallel rank holds (QKVParallelLinear's split or replication)."""
     if tp >= total_kv_heads:
         if tp % total_kv_heads:
-            raise LayoutRefused("AssertionError", f"{tp} is not divisible by {total_kv_heads}")
+            raise Refused("AssertionError", f"{tp} is not divisible by {total_kv_heads}")
         return 1
     if total_kv_heads % tp:
-        raise LayoutRefused("AssertionError", f"{total_kv_heads} is not divisible by {tp}")
+        raise Refused("AssertionError", f"{total_kv_heads} is not divisible by {tp}")
     return total_kv_heads // tp
 
 
 def element_bytes(spec: ModelSpec, cache_dtype: str) -> int:
     name = spec.dtype if cache_dtype == "auto" else cache_dtype
     if name not in _ELEMENT_BYTES:
-        raise LayoutRefused("ValueError", f"Unknown kv cache dtype: {name}")
+        raise Refused("ValueError", f"Unknown kv cache dtype: {name}")
     return _ELEMENT_BYTES[name]
 
 
 def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, ...]:
     """The planes one token keeps in one layer on one tensor-parallel rank."""
     if tp < 1:
-        raise LayoutRefused("ValueError", f"tensor_parallel_size ({tp}) must be positive")
+        raise Refused("ValueError", f"tensor_parallel_size ({tp}) must be positive")
     elem = element_bytes(spec, cache_dtype)
     if spec.kv_lora_rank is not None:  # vLLM's use_mla: the config carries a latent rank
         if spec.qk_rope_head_dim is None:
-            raise LayoutRefused("ValueError", f"{spec.name}: an MLA config needs "
-                                "qk_rope_head_dim beside kv_lora_rank")
+            raise Refused("ValueError", f"{spec.name}: an MLA config needs "
+                          "qk_rope_head_dim beside kv_lora_rank")
         # Every rank keeps the whole latent: TP does not enter.
         rope = _ELEMENT_BYTES[_ROPE_DTYPE_OF_INT8_MLA] if cache_dtype == "int8" else elem
         return (Plane("latent", spec.kv_lora_rank, elem),
@@ -137,7 +109,7 @@ def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, 
 
 def cache_layout(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
                  cache_dtype: str = "auto") -> CacheLayout:
-    """The KV cache of one rank on the busiest stage; raises `LayoutRefused` as the engine
+    """The KV cache of one rank on the busiest stage; raises `Refused` as the engine
     would refuse the layout."""
     planes = layer_planes(spec, tp=tp, cache_dtype=cache_dtype)
     return CacheLayout(planes, max(stage_layers(spec.num_layers, pp)))

@@ -1,20 +1,9 @@
 """The r0.1 launcher trap: a wrapper that runs the real server as a child via `subprocess.run`.
 
-`python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model M ...` (r0.1)
-writes a small temp script and runs it with `subprocess.run`, so the server is a *child* of the
-process the user started. Consequences the tuner must survive, reproduced here:
-
-- SIGINT to the wrapper alone: `subprocess.run` catches KeyboardInterrupt, gives the child
-  0.25 s, then kills it: the child never prints its pool dump.
-- SIGTERM to the whole process group: the wrapper dies at once, the server stops gracefully and
-  prints its dump after the wrapper is gone; wait for every member of the group.
-- The wrapper's exit code says nothing about the server's (it ignores it).
-
-One deliberate difference: the child gets a parent-death guard (SIGTERM when the wrapper dies),
-so a SIGKILL of pretuner, which kills the wrapper by pretuner's own guard, stops the server too.
-SIGTERM, not SIGKILL: on a normal stop the wrapper dies first and the server must still dump
-its pool. The real r0.1 wrapper has no such guard: there pretuner's pid file names the orphan.
-"""
+Reproduced because the tuner must survive it: SIGINT to the wrapper alone kills the child after
+0.25 s (no pool dump); a group SIGTERM kills the wrapper at once while the server still dumps;
+the wrapper's exit code ignores the server's. Unlike r0.1, the child gets a parent-death
+SIGTERM (not SIGKILL, so it still dumps its pool) so that killing pretuner stops it too."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """Log lines as vLLM 0.6 and MindSpore print them, and the per-rank writers of the emulator.
 
-Formatting functions are pure; `RankLog` and `VllmLog` own the streams. MindSpore C++ lines
-honour `GLOG_v` (0 debug, 1 info, 2 warning, 3 error) and go to stderr, or with
-`GLOG_logtostderr=0` and `GLOG_log_dir=D` to `D/rank_<RANK_ID>/logs/` as MindSpore 2.10 writes
-them: `mindspore.<host>.<user>.log.INFO.<YYYYMMDD-HHMMSS>.<pid>` plus a `mindspore.INFO` symlink
-to it, and Python-side lines in `mindspore.log.<pid>`.
-"""
+MindSpore C++ lines honour `GLOG_v` and go to stderr, or with `GLOG_logtostderr=0` to
+`$GLOG_log_dir/rank_<RANK_ID>/logs/` under MindSpore 2.10's file names."""
 
 from __future__ import annotations
 

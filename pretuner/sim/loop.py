@@ -1,9 +1,5 @@
-"""The engine loop both personalities share: a request's bookkeeping, the scheduler's queues
-and KV blocks, the thread the HTTP server's engine steps on, and its throughput line.
-
-The rules a step follows (vLLM 0.6's V0 scheduler, vLLM 0.24's V1 scheduler) and the memory a
-step takes stay with each personality (`pretuner.sim.scheduler`, `pretuner.sim.v1.scheduler`).
-"""
+"""The engine loop both personalities share: sequences, the scheduler's queues and KV blocks,
+the engine thread and its throughput line; the step rules and memory stay with each."""
 
 from __future__ import annotations
 

@@ -1,46 +1,12 @@
-"""The emulated card's physical memory model: every coefficient of the simulator lives here.
+"""The emulated Ascend card's physical memory model under r0.1: every coefficient lives here.
 
-Pure: no I/O, no clocks. All figures are bytes per card (per rank) unless the name says
-otherwise. The numbers are *simulated*: plausible for a 910B running vLLM-MindSpore r0.1, not
-measurements of one.
-
-What a card holds, bottom to top (REFERENCE section 1, seed 003):
-
-1. System + driver reservation (`CardProfile.driver_reserved_mib`): visible as `HBM-Usage` in
-   `npu-smi info` on an idle card (3379 MB on a real 64 GB 910B). Nobody can use it.
-2. The non-framework CANN share (`CardProfile.cann_mib`, 0.5-1 GiB): runtime contexts, HCCL
-   buffers. It sits outside MindSpore's pool. The card's *free* memory as MindSpore sees it at
-   init is `total - driver - cann`; `max_device_memory` (= ASCEND_TOTAL_MEMORY_GB * util GiB)
-   must be strictly below it.
-3. MindSpore's pool, capped at `max_device_memory`. It holds, per rank:
-   - the weights shard: `total_bytes * (1 - replicated) / (tp * pp) + total_bytes *
-     replicated / pp`, times `1 + weights_overhead` (alignment, quantisation scales);
-   - a fixed workspace (`workspace_mib`, kernels' scratch, communication buffers);
-   - the KV cache, allocated at start by the r0.1 formula
-     `blocks = max(0, floor((TOTAL * 2^30 * util - MODEL_USE * 2^30) / block_bytes))`, a block
-     being a page per layer of the busiest pipeline stage (`pretuner.sim.kvcache`, the
-     emulator's own reading of the engine's rules, never the tuner's arithmetic);
-   - the *dynamic* part of one engine step, freed after the step:
-       activation(prefill) = act_hidden * T * hidden * dtype            (linear in tokens)
-                           + act_mlp * T * (intermediate / tp) * dtype   (linear in tokens)
-                           + attn_quad * sum(S_i^2) * heads_local        (super-linear)
-       where T = prefill tokens in flight (the scheduler caps it at max-num-batched-tokens)
-       and S_i the prompt lengths batched in the step;
-       decode = decode_act * running * hidden * dtype;
-       sampler = sampler_copies * running * vocab * 4   (fp32 logits, probs, sorted copies
-       kept for every running sequence, so it grows with max-num-seqs and vocabulary);
-   - fragmentation: `frag * dynamic + frag_per_seq_mib * running` on top of the dynamic part
-     (many sequences allocating and freeing per-step buffers fragment the pool). MindSpore's
-     `peak used mem` leaves it out, `actual peak used mem` includes it, and an allocation
-     fails when the figure *with* fragments passes the pool cap.
-
-`actual peak used` (integer MiB) = weights + workspace + KV + the largest dynamic step with
-its fragments. Each rank multiplies its dynamic part by its own factor (`rank_jitter`), so the
-ranks of a TP group print slightly different peaks and the worst one decides.
-
-The hidden coefficients are perturbed by a seeded +-`PERTURBATION` factor each, so tests and
-tuners cannot rely on exact values; the default seed is fixed (0).
-"""
+Pure; bytes per card (per rank) unless the name says otherwise; the numbers are *simulated*.
+A card holds the driver reservation, the CANN share (outside MindSpore's pool), then the pool
+capped at `max_device_memory`: weights shard, workspace, the KV cache r0.1's formula allocates,
+and each step's dynamic part (activations, decode, sampler) plus fragments. `actual peak used`
+includes the fragments; each rank scales its dynamic part by its own seeded factor, so the
+ranks of a TP group print slightly different peaks. The hidden coefficients are perturbed by a
+seeded +-`PERTURBATION` factor each, so nothing can rely on exact values."""
 
 from __future__ import annotations
 
@@ -187,10 +153,7 @@ class CardModel:
         return self.kv_cache.block_bytes(self.layout.block_size)
 
     def activation_bytes(self, prefill: Prefill) -> int:
-        """Activation peak of one step prefilling these chunks: (new tokens, context) each.
-
-        A whole prompt of S tokens is (S, S); a chunk attends over its whole context.
-        """
+        """Activation peak of one step prefilling (new tokens, context) chunks."""
         if not prefill:
             return 0
         s, c, tp = self.spec, self.coeffs, self.layout.tp
@@ -252,12 +215,8 @@ def whole(lens: Sequence[int]) -> list[tuple[int, int]]:
 def full_load_prefill(
     max_model_len: int, max_num_seqs: int, batched: int, chunked: bool = False
 ) -> list[tuple[int, int]]:
-    """The worst prefill step under full load.
-
-    Whole prompts: as many max-length prompts (`max_model_len - 1` tokens: vLLM needs room for
-    one output token) as the budget admits, at least one. Chunked prefill: one chunk of the
-    whole budget at the end of a max-length prompt, where its attention spans the most context.
-    """
+    """The worst prefill step under full load: as many max-length prompts as the budget
+    admits, or, chunked, one budget-sized chunk at the end of a max-length prompt."""
     longest = max(1, max_model_len - 1)
     if chunked:
         return [(max(1, min(batched, longest)), longest)]
@@ -267,14 +226,8 @@ def full_load_prefill(
 
 @dataclass(frozen=True, slots=True)
 class Truth:
-    """What only the emulator knows; written by `--sim-truth` to score a tuner.
-
-    `safe_kv_bytes_full_load` = the card's free memory (`CardProfile.free_bytes`, i.e. the
-    largest pool MindSpore could get) minus the worst rank's true non-KV peak with max-num-seqs
-    sequences running and one full prefill step (`full_load_prefill`) in flight, fragments
-    included. `safe_kv_bytes_in_pool` is the same against the configured pool cap
-    (TOTAL * util): the largest KV this util could hold without an OOM under full load.
-    """
+    """What only the emulator knows; written by `--sim-truth` to score a tuner. The safe KV
+    figures are the card's free memory, or the pool cap, less the worst full-load peak."""
 
     profile: str
     seed: int

@@ -1,12 +1,8 @@
 """`npu-smi info` for the emulated cards, in the real 910B layout (two rows per NPU).
 
-HBM-Usage is the driver reservation of the profile plus, for a card a running emulated server
-uses, its CANN share and its whole MindSpore pool (the MindFormers backend runs with
-`enable_vmm:False`, so MindSpore takes `max_device_memory` from the card at init; the emulator
-does so even when `MS_ALLOC_CONF` asks for the virtual-memory pool, which would show less).
-Servers publish that in `$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`; entries of dead
-processes are ignored. `PRETUNER_SIM_NODE` selects which emulated node this npu-smi runs on.
-"""
+A card a live emulated server uses shows the driver reservation, the CANN share and the whole
+MindSpore pool (`enable_vmm:False`: MindSpore takes `max_device_memory` at init), as published
+in the state dir; `PRETUNER_SIM_NODE` selects the emulated node."""
 
 from __future__ import annotations
 
@@ -18,8 +14,7 @@ from pathlib import Path
 
 from pretuner.files import write_atomic
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
-from pretuner.sim.state import TENANT_PID as TENANT_PID  # re-exported: readers list it
-from pretuner.sim.state import env_int, read_live, state_dir
+from pretuner.sim.state import TENANT_PID, env_int, read_live, state_dir
 
 VERSION = "23.0.6"
 _BUS = ("C1", "01", "41", "81", "C2", "02", "42", "82")
@@ -34,6 +29,12 @@ class CardUse:
     pid: int | None = None  # the emulated server's rank on this card
     process_mib: int = 0
     tenant_mib: int = 0  # another tenant's process (TENANT_PID) on this card
+
+    @property
+    def processes(self) -> tuple[tuple[int, int], ...]:
+        """(pid, MiB) of the tenant and the server's rank, where they hold memory."""
+        pairs = ((TENANT_PID, self.tenant_mib), (self.pid, self.process_mib))
+        return tuple((p, m) for p, m in pairs if p is not None and m)
 
 
 def _usage(used: int, total: int) -> str:
@@ -69,8 +70,7 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
         _DOUBLE,
     ]
     for card in cards:
-        procs = [(p, m) for p, m in ((TENANT_PID, card.tenant_mib), (card.pid, card.process_mib))
-                 if p is not None and m]
+        procs = card.processes
         if not procs:
             lines.append("| " + f"No running processes found in NPU {card.npu}".ljust(width - 1)
                          + "|")

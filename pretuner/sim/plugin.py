@@ -1,8 +1,5 @@
-"""The emulator as a plugin: what production may ask of it (`pretuner.emulation.Emulator`).
-
-Registered in the `pretuner.emulators` entry-point group (pyproject.toml); production finds it
-there and never imports this package.
-"""
+"""The emulator as a plugin (`pretuner.emulation.Emulator`), registered in the `pretuner.emulators`
+entry-point group (pyproject.toml): what production may ask of it."""
 
 from __future__ import annotations
 

@@ -5,18 +5,8 @@ from __future__ import annotations
 
 from pretuner.models import ModelSpec
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import Refused
 from pretuner.sim.r01_config import ServeConfig
-
-
-class StartupFailed(Exception):
-    """Startup ended in a Python exception the real server would print as a traceback."""
-
-    def __init__(self, exc_type: str, message: str, where: str) -> None:
-        super().__init__(message)
-        self.exc_type = exc_type
-        self.message = message
-        self.where = where
-
 
 _TRACE_HEAD = (
     '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
@@ -56,24 +46,24 @@ def int_env(env: dict[str, str], name: str, where: str | None = None) -> int:
     if where is None:
         where = WHERE_PLATFORM if name == "ASCEND_TOTAL_MEMORY_GB" else WHERE_BLOCKS
     if raw is None:
-        raise StartupFailed("TypeError", "int() argument must be a string, a bytes-like object "
-                            "or a real number, not 'NoneType'", where)
+        raise Refused("TypeError", "int() argument must be a string, a bytes-like object "
+                      "or a real number, not 'NoneType'", where)
     try:
         return int(raw)
     except ValueError:
-        raise StartupFailed("ValueError", f"invalid literal for int() with base 10: {raw!r}",
-                            where) from None
+        raise Refused("ValueError", f"invalid literal for int() with base 10: {raw!r}",
+                      where) from None
 
 
 def check_kv_blocks(blocks: int, block_size: int, mml: int, where: str) -> int:
     """vLLM's checks on the KV blocks r0.1 computed; returns the tokens they hold."""
     if blocks <= 0:
-        raise StartupFailed("ValueError", "No available memory for the cache blocks. Try "
-                            "increasing `gpu_memory_utilization` when initializing the "
-                            "engine.", where)
+        raise Refused("ValueError", "No available memory for the cache blocks. Try "
+                      "increasing `gpu_memory_utilization` when initializing the "
+                      "engine.", where)
     max_seq = blocks * block_size
     if mml > max_seq:
-        raise StartupFailed(
+        raise Refused(
             "ValueError",
             f"The model's max seq len ({mml}) is larger than the maximum number of tokens "
             f"that can be stored in KV cache ({max_seq}). Try increasing "
@@ -94,7 +84,7 @@ def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
     derived = spec.max_position_embeddings
     mml = cfg.max_model_len or derived
     if mml > derived:
-        raise StartupFailed(
+        raise Refused(
             "ValueError",
             f"User-specified max_model_len ({mml}) is greater than the derived max_model_len "
             f"(max_position_embeddings={derived} or model_max_length=None in model's "
@@ -102,24 +92,24 @@ def verify_vllm_config(cfg: ServeConfig, spec: ModelSpec) -> tuple[int, int]:
             "overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
             WHERE_CONFIG)
     if not 0 < cfg.util <= 1:
-        raise StartupFailed("ValueError", "GPU memory utilization must be less than 1.0. Got "
-                            f"{cfg.util}.", WHERE_CONFIG)
+        raise Refused("ValueError", "GPU memory utilization must be less than 1.0. Got "
+                      f"{cfg.util}.", WHERE_CONFIG)
     if spec.num_heads % cfg.tp:
-        raise StartupFailed("ValueError", f"Total number of attention heads ({spec.num_heads}) "
-                            "must be divisible by tensor parallel size "
-                            f"({cfg.tp}).", WHERE_CONFIG)
+        raise Refused("ValueError", f"Total number of attention heads ({spec.num_heads}) "
+                      "must be divisible by tensor parallel size "
+                      f"({cfg.tp}).", WHERE_CONFIG)
     chunked = chunked_prefill(cfg, mml)
     default = mem.DEFAULT_CHUNK_TOKENS if chunked else max(mml, 2048)
     batched = cfg.max_num_batched_tokens or default
     if batched < mml and not chunked:
-        raise StartupFailed(
+        raise Refused(
             "ValueError",
             f"max_num_batched_tokens ({batched}) is smaller than max_model_len ({mml}). This "
             "effectively limits the maximum sequence length to max_num_batched_tokens and "
             "makes vLLM reject longer sequences. Please increase max_num_batched_tokens or "
             "decrease max_model_len.", WHERE_CONFIG)
     if batched < cfg.max_num_seqs:
-        raise StartupFailed("ValueError", f"max_num_batched_tokens ({batched}) must be greater "
-                            f"than or equal to max_num_seqs ({cfg.max_num_seqs}).",
-                            WHERE_CONFIG)
+        raise Refused("ValueError", f"max_num_batched_tokens ({batched}) must be greater "
+                      f"than or equal to max_num_seqs ({cfg.max_num_seqs}).",
+                      WHERE_CONFIG)
     return mml, batched

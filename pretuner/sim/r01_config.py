@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
@@ -18,18 +19,28 @@ DEFAULT_TEARDOWN_S = 0.5
 _KV_DTYPES = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8",
               "int8": "int8", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16"}
 
-SIM_ENV = {
-    "profile": "PRETUNER_SIM_PROFILE",
-    "seed": "PRETUNER_SIM_SEED",
-    "truth": "PRETUNER_SIM_TRUTH",
-    "pool_format": "PRETUNER_SIM_POOL_FORMAT",
-    "startup_s": "PRETUNER_SIM_STARTUP_S",
-    "teardown_s": "PRETUNER_SIM_TEARDOWN_S",
-    "weights_format": "PRETUNER_SIM_WEIGHTS_FORMAT",
-    "nodes": "PRETUNER_SIM_NODES",
-    "rank_skew": "PRETUNER_SIM_RANK_SKEW",
-    "ray_address": "PRETUNER_SIM_RAY_ADDRESS",
-    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
+# The emulator's knobs, in --help's order: key -> (variable, default, help). Each is also a
+# `--sim-*` option, which wins over the variable.
+SIM: dict[str, tuple[str, Any, str]] = {
+    "profile": ("PRETUNER_SIM_PROFILE", mem.DEFAULT_PROFILE,
+                f"card profile: {', '.join(mem.PROFILES)} (default {mem.DEFAULT_PROFILE})"),
+    "seed": ("PRETUNER_SIM_SEED", mem.DEFAULT_SEED,
+             f"perturbs the hidden coefficients (default {mem.DEFAULT_SEED})"),
+    "truth": ("PRETUNER_SIM_TRUTH", "", "write what only the emulator knows (JSON) to this file"),
+    "pool_format": ("PRETUNER_SIM_POOL_FORMAT", "2.5", "MindSpore pool dump format (default 2.5)"),
+    "startup_s": ("PRETUNER_SIM_STARTUP_S", DEFAULT_STARTUP_S,
+                  f"startup duration (default {DEFAULT_STARTUP_S})"),
+    "teardown_s": ("PRETUNER_SIM_TEARDOWN_S", DEFAULT_TEARDOWN_S,
+                   f"device release time at a graceful stop (default {DEFAULT_TEARDOWN_S})"),
+    "weights_format": ("PRETUNER_SIM_WEIGHTS_FORMAT", "",
+                       "checkpoint format from the model spec (default: native dtype)"),
+    "nodes": ("PRETUNER_SIM_NODES", 1, "nodes the TP group spans (default 1)"),
+    "rank_skew": ("PRETUNER_SIM_RANK_SKEW", "", "RANK=FACTOR[,...]: multiply these ranks' "
+                  "activations (the worst or an OOMing rank where a test wants it)"),
+    "occupied_mib": ("PRETUNER_SIM_OCCUPIED_MIB", 0,
+                     "another tenant's process holds this much of every card (MiB)"),
+    "ray_address": ("PRETUNER_SIM_RAY_ADDRESS", "", "place the ranks on this Ray cluster "
+                    "(default: RAY_ADDRESS with --distributed-executor-backend ray, as vLLM does)"),
 }
 NODE_LOG_DIRS_ENV = "PRETUNER_SIM_NODE_LOG_DIRS"
 
@@ -43,12 +54,9 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
         "ASCEND_RT_VISIBLE_DEVICES) and prints the real log lines, including the memory pool "
         "dump with `actual peak used mem` at a graceful stop. All memory figures are "
         "SIMULATED. Unknown flags are ignored.",
-        "Sim-only options also read env vars: PRETUNER_SIM_PROFILE, PRETUNER_SIM_SEED, "
-        "PRETUNER_SIM_TRUTH, PRETUNER_SIM_POOL_FORMAT, PRETUNER_SIM_STARTUP_S, "
-        "PRETUNER_SIM_TEARDOWN_S, PRETUNER_SIM_WEIGHTS_FORMAT, PRETUNER_SIM_NODES, "
-        "PRETUNER_SIM_RANK_SKEW, PRETUNER_SIM_RAY_ADDRESS; "
+        f"Sim-only options also read env vars: {', '.join(v for v, _, _ in SIM.values())}; "
         "PRETUNER_SIM_STATE_DIR is where the server publishes HBM use for `npu-smi`, "
-        "PRETUNER_SIM_NODE_LOG_DIRS overrides GLOG_log_dir/node<k> per node.",
+        f"{NODE_LOG_DIRS_ENV} overrides GLOG_log_dir/node<k> per node.",
         model_help="model (registry name or local HF folder)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--trust-remote-code", action="store_true")
@@ -57,32 +65,10 @@ def build_parser(prog: str = "pretuner sim serve") -> argparse.ArgumentParser:
     p.add_argument("--enable-chunked-prefill", nargs="?", const="true", default=None,
                    type=_bool_arg)
     sim = p.add_argument_group("emulator (not part of the real command line)")
-    sim.add_argument("--sim-profile", default=None,
-                     help=f"card profile: {', '.join(mem.PROFILES)} (default "
-                          f"{mem.DEFAULT_PROFILE})")
-    sim.add_argument("--sim-seed", type=int, default=None,
-                     help=f"perturbs the hidden coefficients (default {mem.DEFAULT_SEED})")
-    sim.add_argument("--sim-truth", "--truth", dest="sim_truth", default=None,
-                     help="write what only the emulator knows (JSON) to this file")
-    sim.add_argument("--sim-pool-format", choices=POOL_FORMATS, default=None,
-                     help="MindSpore pool dump format (default 2.5)")
-    sim.add_argument("--sim-startup-s", type=float, default=None,
-                     help=f"startup duration (default {DEFAULT_STARTUP_S})")
-    sim.add_argument("--sim-teardown-s", type=float, default=None,
-                     help=f"device release time at a graceful stop (default "
-                          f"{DEFAULT_TEARDOWN_S})")
-    sim.add_argument("--sim-weights-format", default=None,
-                     help="checkpoint format from the model spec (default: native dtype)")
-    sim.add_argument("--sim-nodes", type=int, default=None,
-                     help="nodes the TP group spans (default 1)")
-    sim.add_argument("--sim-rank-skew", default=None,
-                     help="RANK=FACTOR[,...]: multiply these ranks' activations (the worst or "
-                          "an OOMing rank where a test wants it)")
-    sim.add_argument("--sim-occupied-mib", type=int, default=None,
-                     help="another tenant's process holds this much of every card (MiB)")
-    sim.add_argument("--sim-ray-address", default=None,
-                     help="place the ranks on this Ray cluster (default: RAY_ADDRESS with "
-                          "--distributed-executor-backend ray, as vLLM does)")
+    for key, (_, default, text) in SIM.items():
+        flags = [f"--sim-{key.replace('_', '-')}"] + (["--truth"] if key == "truth" else [])
+        sim.add_argument(*flags, dest=f"sim_{key}", type=type(default), default=None, help=text,
+                         choices=POOL_FORMATS if key == "pool_format" else None)
     return p
 
 
@@ -133,17 +119,8 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
     ns, model, ignored = parse_known(build_parser(), normalize_argv(argv),
                                      "a model is required: pass it as --model M (or "
                                      "positionally)")
-    knobs = env_values(env, {
-        "seed": (SIM_ENV["seed"], mem.DEFAULT_SEED),
-        "startup_s": (SIM_ENV["startup_s"], DEFAULT_STARTUP_S),
-        "teardown_s": (SIM_ENV["teardown_s"], DEFAULT_TEARDOWN_S),
-        "nodes": (SIM_ENV["nodes"], 1), "occupied_mib": (SIM_ENV["occupied_mib"], 0),
-        "profile": (SIM_ENV["profile"], mem.DEFAULT_PROFILE),
-        "pool_format": (SIM_ENV["pool_format"], "2.5"), "truth": (SIM_ENV["truth"], ""),
-        "rank_skew": (SIM_ENV["rank_skew"], ""),
-        "ray_address": (SIM_ENV["ray_address"], ""),
-        "weights_format": (SIM_ENV["weights_format"], ""),
-    }, {key: getattr(ns, f"sim_{key}") for key in SIM_ENV})
+    knobs = env_values(env, {key: (var, default) for key, (var, default, _) in SIM.items()},
+                       {key: getattr(ns, f"sim_{key}") for key in SIM})
     if knobs["profile"] not in mem.PROFILES:
         raise UsageError(f"unknown card profile {knobs['profile']!r}; choose one of: "
                          f"{', '.join(mem.PROFILES)}")

@@ -13,8 +13,9 @@ from typing import Protocol
 
 from pretuner.files import write_atomic
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import Refused
 from pretuner.sim.logs import RankWriter
-from pretuner.sim.r01_checks import WHERE_MS, StartupFailed
+from pretuner.sim.r01_checks import WHERE_MS
 from pretuner.sim.state import Published, state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
@@ -79,7 +80,7 @@ class CardState:
                    f"memory size.Device {ranks[0].device_id} Device HBM total size:{total} "
                    f"Device HBM free size:{free} may be other processes occupying this card, "
                    "check as: ps -ef|grep python")
-            raise StartupFailed("RuntimeError", msg, WHERE_MS)
+            raise Refused("RuntimeError", msg, WHERE_MS)
         if cap >= free:
             msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
                    f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
@@ -88,7 +89,7 @@ class CardState:
                 r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/device/"
                           "ascend_memory_adapter.cc:142", "Initialize",
                           f"#umsg#Framework Error Message:#umsg#{msg}")
-            raise StartupFailed("RuntimeError", msg, WHERE_MS)
+            raise Refused("RuntimeError", msg, WHERE_MS)
         for r in ranks:
             r.log.py("WARNING", "For 'context.set_context', the parameter 'max_device_memory' "
                      "will be deprecated and removed in a future version. Please use the api "

@@ -1,19 +1,9 @@
 """The emulated server's ranks on a Ray cluster: one actor per node writes its ranks' logs there.
 
-Like vLLM's Ray executor, the server process is the driver: it places the ranks on the
-cluster's nodes (one NPU each, its own node first: `pretuner.cluster.nodes.place`) and keeps
-the engine, here with the emulated card's memory model. What a rank prints goes to the actor
-on the rank's node, which writes it to that node's own disk with the environment that node's
-Ray workers have: `GLOG_v`, `GLOG_logtostderr` and `GLOG_log_dir` from the launch (a job
-runtime env, or the node's `ray start`), `PRETUNER_SIM_NODE_ROOT` from the node's
-`ray start`. So a rank's `actual peak used` and OOM lines appear only where the rank lives, and
-a launch whose variables do not reach a node leaves no dump there, as on a real cluster.
-
-The actors hold their node's `NPU` resources while the server runs. Health is aggregated: a
-dead actor fails `/health` and the server exits like vLLM when a worker dies. At a graceful stop
-the actors write the teardown dumps, then the driver kills them: Ray workers are not in the
-server's process group, so the stop goes through Ray (and Ray kills them if the driver dies).
-"""
+Like vLLM's Ray executor, the server is the driver: it places the ranks (one NPU each, its own
+node first) and keeps the engine; what a rank prints goes to the actor on its node, written
+with that node's environment, so a dump appears only where the rank lives. A dead actor fails
+`/health`; at a stop the actors write the teardown dumps and the driver kills them."""
 
 from __future__ import annotations
 
@@ -74,11 +64,8 @@ class NodeAgent:
 
 
 class RemoteRankLog:
-    """A rank's MindSpore log on its own node: RankLog's calls, forwarded to the node's actor.
-
-    Calls are fire-and-forget; Ray runs one caller's calls on an actor in order, and
-    `RayRanks.close` waits for all of them before the process exits.
-    """
+    """RankLog's calls, forwarded to the node's actor (fire-and-forget: Ray keeps one
+    caller's calls in order, and `RayRanks.close` waits for them)."""
 
     def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:
         self.agent = agent

@@ -1,25 +1,10 @@
 """vLLM 0.6 (V0) scheduling as a pure state machine: admission, KV blocks, chunked prefill.
 
-No threads, no clocks: `Scheduler.plan()` decides one engine step, `Scheduler.commit()` applies
-it after the memory check passed. The threaded `Engine` and the in-process launch driver both
-step it, so a benchmark and the HTTP server see the same decisions.
-
-Rules reproduced from vLLM 0.6.6's V0 scheduler and block manager:
-- Admission is FCFS. A prompt needs `ceil(prompt / block)` blocks at admission (decode blocks
-  are appended later, one whenever a sequence crosses a block boundary).
-- The block manager keeps a 1 % watermark: `watermark_blocks = int(0.01 * num_gpu_blocks)`.
-  A prompt whose blocks would leave fewer than the watermark *even on an empty cache* can never
-  run: it is ignored with the warning `Input prompt (N tokens) is too long and exceeds the
-  capacity of block_manager` and answered with an empty completion (finish reason "length").
-  One that would leave fewer *now* waits.
-- A prompt above the prompt limit (`max_model_len` with chunked prefill, else
-  `min(max_model_len, max_num_batched_tokens)`) is ignored with `... exceeds limit of L`.
-- Without chunked prefill a step is all prefills (whole prompts, at most
-  max_num_batched_tokens tokens, at most max_num_seqs running) or all decodes. With chunked
-  prefill a step spends the token budget on running decodes first, then on prompt chunks.
-- A decode that finds no free block preempts the youngest running sequence (recompute: its
-  blocks are freed and it waits again at the head of the queue).
-"""
+`plan()` decides one step, `commit()` applies it once the memory check passed; the threaded
+`Engine` and the in-process run step the same object. As in vLLM 0.6.6: FCFS admission, a 1 %
+block watermark (a prompt that could never fit beside it is ignored with vLLM's warning and
+answered empty), prompts over the limit ignored, whole-prompt or decode-only steps unless
+chunked prefill spends the budget on decodes first, and preemption by recompute."""
 
 from __future__ import annotations
 
@@ -27,7 +12,6 @@ from dataclasses import dataclass, field
 
 from pretuner.sim.loop import SchedulerBase, SeqBase, blocks_for
 
-__all__ = ["blocks_for"]
 WATERMARK = 0.01
 
 
@@ -90,6 +74,7 @@ class SchedulerLimits:
     block_size: int
     num_blocks: int
     chunked_prefill: bool = False
+    pool_cap_bytes: int = 0  # the engine's MindSpore pool (the scheduler ignores it)
 
     @property
     def prompt_limit(self) -> int:

@@ -1,21 +1,10 @@
 """`pretuner sim serve`: an emulated vLLM-MindSpore r0.1 OpenAI server on an emulated Ascend card.
 
-Same command line as `python -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server`
-(unknown flags are accepted and ignored), same environment variables, same HTTP API, same log
-lines at the same moments and the same failure modes. Its memory figures are *simulated* by
-`pretuner.sim.memory`.
-
-Sim-only knobs never change the real command line: each is a `--sim-*` option and an env var
-(`PRETUNER_SIM_*`), the option winning. Multi-node TP (`--sim-nodes N`): ranks are split evenly
-over N emulated nodes; node k's MindSpore logs go to `$GLOG_log_dir/node<k>` (or to the k-th
-entry of `PRETUNER_SIM_NODE_LOG_DIRS`, an os.pathsep-separated list), each rank in
-`rank_<RANK_ID>/logs/`. With a Ray address (`--distributed-executor-backend ray` and
-`RAY_ADDRESS`, or `--sim-ray-address`) the ranks are placed on the Ray cluster's nodes instead
-and each rank's log is written on its own node (`pretuner.sim.raynodes`).
-
-Exit codes: 0 after a graceful stop (SIGINT/SIGTERM), 1 on a startup error or an engine crash
-(OOM during a request), -9 (killed) prints nothing.
-"""
+Same command line, environment, HTTP API, log lines and failure modes as r0.1; memory figures
+are *simulated* (`pretuner.sim.memory`). Emulator knobs are `--sim-*` options or
+`PRETUNER_SIM_*` variables. With `--sim-nodes N` the ranks split over N emulated nodes, node k
+logging to `$GLOG_log_dir/node<k>`; with a Ray address they are placed on the cluster's nodes
+(`pretuner.sim.raynodes`). Exit codes: 0 after a graceful stop, 1 on a startup error or crash."""
 
 from __future__ import annotations
 
@@ -32,18 +21,16 @@ from typing import TYPE_CHECKING, TextIO
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import serve_main
+from pretuner.sim.argv import Refused, serve_main
 from pretuner.sim.engine import (
     LOAD_OOM,
     Engine,
-    EngineLimits,
     OutOfMemory,
     RankPool,
     check_step,
     log_oom,
 )
 from pretuner.sim.http import ANY_HOST, ApiConfig, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.kvcache import LayoutRefused
 from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
     WHERE_CACHE,
@@ -51,7 +38,6 @@ from pretuner.sim.r01_checks import (
     WHERE_MODEL,
     WHERE_MS,
     WHERE_RAY,
-    StartupFailed,
     check_kv_blocks,
     chunked_prefill,
     int_env,
@@ -67,6 +53,7 @@ from pretuner.sim.r01_config import (
 )
 from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.r01_state import CardState, write_truth
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB
 
@@ -77,6 +64,7 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
           ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
           ("/v1/embeddings", "POST"))
+
 
 @dataclass
 class _Rank:
@@ -91,6 +79,8 @@ class _Rank:
 class Server:
     """One emulated server process: startup phases, HTTP, graceful stop, crash."""
 
+    fatal: tuple[type[Exception], ...] = (Refused, OutOfMemory)  # a failed start
+
     def __init__(self, cfg: ServeConfig, stream: TextIO | None = None) -> None:
         self.cfg = cfg
         self.stream = stream  # where every line goes (stderr unless run in-process)
@@ -101,16 +91,12 @@ class Server:
         self.ranks: list[_Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
-        self.dead: OutOfMemory | None = None
+        self.dead: Exception | None = None
         self.crashed = threading.Event()
         self._phase_s = cfg.startup_s / 5
         self.remote: RayRanks | None = None  # ranks on a Ray cluster's nodes
 
     # -- helpers -----------------------------------------------------------------------------
-    def _sleep(self, seconds: float) -> bool:
-        """Sleep unless a stop signal comes; True when stopped."""
-        return self.stop.wait(seconds)
-
     def _node_log_dir(self, node: int) -> Path | None:
         env = self.cfg.env
         if env.get("GLOG_logtostderr", "1") != "0":
@@ -125,15 +111,25 @@ class Server:
             return None
         return Path(base) / f"node{node}" if self.cfg.nodes > 1 else Path(base)
 
-    def _visible_devices(self, per_node: int) -> list[int]:
+    def total_gb(self, where: str | None = None) -> int:
+        """ASCEND_TOTAL_MEMORY_GB as vLLM-MindSpore's platform reads it (64 when unset)."""
+        if self.cfg.env.get("ASCEND_TOTAL_MEMORY_GB"):
+            return int_env(self.cfg.env, "ASCEND_TOTAL_MEMORY_GB", where)
+        self.vlog.warning("ascend.py:110", "Total device memory should be set by environ "
+                          "'ASCEND_TOTAL_MEMORY_GB', please check size by cmd(npu-smi info). For "
+                          "now, we will try default size(64GB) which might not be correct "
+                          "exactly.")
+        return 64
+
+    def _visible_devices(self) -> list[int]:
         raw = self.cfg.env.get("ASCEND_RT_VISIBLE_DEVICES")
         if not raw:
             return list(range(self.profile.cards_per_node))
         try:
             return [int(x) for x in raw.split(",") if x.strip()]
         except ValueError:
-            raise StartupFailed("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
-                                WHERE_MS) from None
+            raise Refused("RuntimeError", f"Invalid ASCEND_RT_VISIBLE_DEVICES {raw!r}",
+                          WHERE_MS) from None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -146,8 +142,9 @@ class Server:
 
     def _run(self) -> int:
         try:
-            server = self._start()
-        except (StartupFailed, OutOfMemory) as err:
+            limits = self.boot()
+            server = None if limits is None else self._serve(limits)
+        except self.fatal as err:
             return self.failed_start(err)
         if server is None:  # stopped during startup
             return self._graceful()
@@ -156,16 +153,8 @@ class Server:
                 return self._crash_exit(server)
         return self._graceful(server)
 
-    def _start(self) -> SimHTTPServer | None:
-        limits = self.boot()
-        return None if limits is None else self._serve(limits)
-
-    def boot(self) -> EngineLimits | None:
-        """Everything before the socket opens: checks, devices, weights, KV cache, warm-up.
-
-        Returns the engine's limits, or None when a stop signal came during startup; raises
-        StartupFailed or OutOfMemory as the real server dies.
-        """
+    def boot(self) -> SchedulerLimits | None:
+        """Everything before the socket opens; None when a stop signal came during it."""
         cfg, log = self.cfg, self.vlog
         log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION}")
         log.info("api_server.py:713", f"args: Namespace(model={cfg.model!r}, host={cfg.host!r}, "
@@ -179,8 +168,8 @@ class Server:
             spec = resolve(cfg.model)
             weights_fmt = spec.weights_format(cfg.weights_format)
         except PretunerError as err:
-            raise StartupFailed("OSError", f"{cfg.model} is not a local folder and is not a valid "
-                                f"model identifier ({err})", WHERE_MODEL) from None
+            raise Refused("OSError", f"{cfg.model} is not a local folder and is not a valid "
+                          f"model identifier ({err})", WHERE_MODEL) from None
         mml, batched = verify_vllm_config(cfg, spec)
         chunked = chunked_prefill(cfg, mml)
         if chunked and cfg.chunked_prefill is None:
@@ -192,13 +181,7 @@ class Server:
             log.info("config.py:1020", "Chunked prefill is enabled with "
                      f"max_num_batched_tokens={batched}.")
         env = cfg.env
-        if env.get("ASCEND_TOTAL_MEMORY_GB"):
-            total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB")
-        else:
-            total_gb = 64
-            log.warning("ascend.py:110", "Total device memory should be set by environ "
-                        "'ASCEND_TOTAL_MEMORY_GB', please check size by cmd(npu-smi info). For "
-                        "now, we will try default size(64GB) which might not be correct exactly.")
+        total_gb = self.total_gb()
         self.pool_cap = cap = mem.pool_cap_bytes(total_gb, cfg.util)
         log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
         log.info("config.py:510", "This model supports multiple tasks: {'generate', 'embed'}. "
@@ -225,22 +208,22 @@ class Server:
             self.remote = self._place_on_ray(cfg.ray_address, idents)
             counts = list(self.remote.placement.ranks_per_node)
         elif world % cfg.nodes:
-            raise StartupFailed("ValueError", f"world size {world} cannot be split evenly over "
-                                f"{cfg.nodes} nodes", WHERE_CONFIG)
+            raise Refused("ValueError", f"world size {world} cannot be split evenly over "
+                          f"{cfg.nodes} nodes", WHERE_CONFIG)
         else:
             counts = [world // cfg.nodes] * cfg.nodes
         per_node = max(counts)
-        devices = self._visible_devices(per_node)
+        devices = self._visible_devices()
         if len(devices) < per_node:
-            raise StartupFailed(
+            raise Refused(
                 "RuntimeError", f"Device count {len(devices)} from ASCEND_RT_VISIBLE_DEVICES is "
                 f"less than the {per_node} ranks this node must run", WHERE_MS)
         try:
             models = mem.card_models(spec, weights_fmt.total_bytes, layout, cfg.seed,
                                      cfg.rank_skew)
             block_bytes = models[0].block_bytes
-        except LayoutRefused as err:
-            raise StartupFailed(err.exc_type, err.message, WHERE_CONFIG) from None
+        except Refused as err:
+            raise Refused(err.exc_type, err.message, WHERE_CONFIG) from None
         starts = [sum(counts[:k]) for k in range(len(counts))]
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)
@@ -265,7 +248,7 @@ class Server:
 
         self.card.init_pool(self.ranks, cap, total_gb * cfg.util, cfg.occupied_mib)
         self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
-        if self._sleep(self._phase_s):
+        if self.stop.wait(self._phase_s):
             return None
 
         # Weights.
@@ -276,7 +259,7 @@ class Server:
                 pool.peak_dynamic = cap - r.model.static_bytes
                 log_oom(r.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
                 raise oom
-        if self._sleep(2 * self._phase_s):
+        if self.stop.wait(2 * self._phase_s):
             return None
         weights_gb = self.ranks[0].model.weights_bytes / GIB
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
@@ -297,7 +280,7 @@ class Server:
                         cfg.pool_format, LOAD_OOM)
                 raise oom
             pool.kv_bytes = kv
-        if self._sleep(self._phase_s):
+        if self.stop.wait(self._phase_s):
             return None
 
         # r0.1 warm-up prefill.
@@ -310,16 +293,16 @@ class Server:
             pool = self.pools[oom.rank]
             log_oom(pool.log, oom, pool.stats(), cfg.pool_format)
             raise
-        if self._sleep(self._phase_s):
+        if self.stop.wait(self._phase_s):
             return None
 
-        return EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap, chunked)
+        return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, chunked,
+                               cap)
 
-    def _serve(self, limits: EngineLimits) -> SimHTTPServer:
+    def _serve(self, limits: SchedulerLimits) -> SimHTTPServer:
         """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
         cfg, log, mml = self.cfg, self.vlog, limits.max_model_len
-        self.engine = Engine(self.pools, limits, log, self._on_dead, pool_format=cfg.pool_format,
-                             seed=cfg.seed)
+        self.engine = self._engine(limits)
         self.engine.start()
         api = ApiConfig(cfg.served_names, cfg.model, mml)
         host = cfg.host or ANY_HOST
@@ -329,8 +312,8 @@ class Server:
         except OSError as err:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
-            raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}",
-                                WHERE_MS) from None
+            raise Refused("OSError", f"[Errno {err.errno}] {err.strerror}",
+                          WHERE_MS) from None
         port = server.server_address[1]
         log.info("api_server.py:640", "Using supplied chat template:\nNone")
         print_routes(log.info, ("launcher.py:19", "launcher.py:27"), ROUTES)
@@ -339,7 +322,11 @@ class Server:
         log.uvicorn(f"Uvicorn running on http://{host}:{port} (Press CTRL+C to quit)")
         return server
 
-    def _on_dead(self, oom: OutOfMemory) -> None:
+    def _engine(self, limits: SchedulerLimits) -> Engine:
+        return Engine(self.pools, limits, self.vlog, self._on_dead,
+                      pool_format=self.cfg.pool_format, seed=self.cfg.seed)
+
+    def _on_dead(self, oom: Exception) -> None:
         self.dead = oom
         self.crashed.set()
 
@@ -348,13 +335,13 @@ class Server:
         try:
             from pretuner.sim.raynodes import PlacementFailed, RayRanks
         except ImportError as err:
-            raise StartupFailed("ModuleNotFoundError", str(err), WHERE_RAY) from None
+            raise Refused("ModuleNotFoundError", str(err), WHERE_RAY) from None
         try:
             remote = RayRanks(address, idents)
         except PlacementFailed as err:
-            raise StartupFailed("ValueError", str(err), WHERE_RAY) from None
+            raise Refused("ValueError", str(err), WHERE_RAY) from None
         except PretunerError as err:  # Ray missing or the cluster unreachable
-            raise StartupFailed("ConnectionError", err.message, WHERE_RAY) from None
+            raise Refused("ConnectionError", err.message, WHERE_RAY) from None
         # Ray's core installs its own SIGTERM handler (it dies at once, printing nothing);
         # vLLM's uvicorn installs its handlers after Ray starts, and so does the emulator.
         self.stop.install()
@@ -387,12 +374,12 @@ class Server:
         self.card.unpublish()
         return 0
 
-    def failed_start(self, err: StartupFailed | OutOfMemory) -> int:
+    def failed_start(self, err: Exception) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
         self.card.unpublish()
         out = self.stream or sys.stderr
         out.write(traceback_text(err.exc_type, err.message, err.where)
-                  if isinstance(err, StartupFailed)
+                  if isinstance(err, Refused)
                   else traceback_text("RuntimeError", str(err), WHERE_MS))
         out.flush()
         return 1

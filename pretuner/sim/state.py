@@ -1,9 +1,5 @@
-"""Where emulated servers publish the memory they hold, for the emulated device tools.
-
-Each personality names its own files and fields (`pretuner.sim.r01_state` for `npu-smi`,
-`pretuner.sim.v1.smi` for `nvidia-smi`); writing them atomically, removing them when the
-server ends and ignoring those of dead processes is shared here.
-"""
+"""Where emulated servers publish the memory they hold, for the emulated device tools: files
+written atomically, removed at the server's end, ignored once their writer died."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""What only the emulator knows: the largest KV cache and the longest length that truly fit.
+"""What only the emulator knows about r0.1: the largest KV cache and longest length that fit.
 
-Pure functions over `pretuner.sim.memory`: a benchmark scores a tuner against them without
-launching anything. "Fits" means: on every rank, weights + workspace + KV cache + the worst
-step under full load (max-num-seqs sequences running, the worst prefill step of
-`full_load_prefill`, fragments included) stay within the card's free memory, the largest pool
-MindSpore accepts; and the KV cache holds max-num-seqs max-length sequences beside vLLM's 1 %
-block watermark.
-
-Two ceilings are reported. `physical`: the pool may be split anywhere. `r01`: the split
-vLLM-MindSpore r0.1 can express, where the room left for weights and activations is
-`vLLM_MODEL_MEMORY_USE_GB`, an integer number of GiB: no r0.1 configuration holds more KV than
-this, so a tuner of r0.1 is scored against it.
-"""
+Pure, over `pretuner.sim.memory`. "Fits": on every rank, weights + workspace + KV + the worst
+full-load step stay within the card's free memory, and the KV holds max-num-seqs max-length
+sequences beside the 1 % watermark. `physical` splits the pool anywhere; `r01` only where the
+integer `vLLM_MODEL_MEMORY_USE_GB` can, the ceiling an r0.1 tuner is scored against."""
 
 from __future__ import annotations
 
@@ -19,12 +11,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pretuner.sim.loop import blocks_for
 from pretuner.sim.memory import (
     DEFAULT_CHUNK_TOKENS,
     CardModel,
     full_load_prefill,
 )
-from pretuner.sim.scheduler import blocks_for, watermark_blocks
+from pretuner.sim.scheduler import watermark_blocks
 from pretuner.units import GIB
 
 

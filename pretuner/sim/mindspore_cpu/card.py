@@ -1,20 +1,9 @@
 """The card on a CPU: MindSpore's pool sized like `max_device_memory`, capped by an OS limit.
 
-MindSpore ignores `max_device_memory` on CPU, so the server sizes its pool's first block like
-`max_device_memory` would (TOTAL x util), then caps its own address space (RLIMIT_AS) at
-`baseline + pool block + HOST_ALLOWANCE`, the baseline being measured once MindSpore is
-imported, its thread pools exist and one op has run. The pool grows in 1 GiB blocks on CPU, and
-the allowance is smaller than that, so the pool cannot grow past TOTAL x util: an allocation
-beyond it fails in MindSpore's own allocator, which logs `Memory not enough` and its pool dump,
-as on a card whose `max_device_memory` is reached.
-
-The allowance exists because MindSpore's CPU kernels and the Python server allocate host
-buffers outside the pool (on an NPU host those live in host RAM, not on the card). Limits of
-the method: RLIMIT_AS counts reserved address space, not touched memory; if host buffers ever
-outgrow the allowance, the failure is a host `std::bad_alloc`, not MindSpore's pool OOM (the
-server keeps them small: two malloc arenas, a fixed mmap threshold so freed buffers go back,
-1 MiB thread stacks, and no kernel that copies through host memory in the network).
-"""
+MindSpore ignores `max_device_memory` on CPU, so the server sizes the pool's first block as
+TOTAL x util and caps its address space (RLIMIT_AS) at baseline + pool + HOST_ALLOWANCE. The
+allowance is below the pool's 1 GiB growth unit, so growing past the cap fails in MindSpore's
+own allocator, with its `Memory not enough` and pool dump, as on a card."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""The emulated engine's scheduler over the real network: FCFS prefills, then decode steps.
+"""The emulated r0.1 engine's scheduling (`pretuner.sim.scheduler`) over a real MindSpore network.
 
-Scheduling (admission by max-num-seqs, batched tokens, free KV blocks and vLLM's
-watermark) is the emulated engine's (`pretuner.sim.scheduler`); each step runs the MindSpore
-network instead of the memory model. Prefills of one step run one after the other (their
-activations do not overlap, as one fused prefill's would); a decode step runs every running
-sequence, DECODE_BATCH at a time (one batched forward pays MindSpore's per-op dispatch once for
-all of them). A MindSpore allocation failure kills the engine like vLLM's
-AsyncEngineDeadError: every request in flight fails, the server exits 1.
-"""
+Prefills of one step run one after the other, decodes DECODE_BATCH at a time (one batched
+forward pays MindSpore's per-op dispatch once). A MindSpore allocation failure kills the
+engine like vLLM's AsyncEngineDeadError."""
 
 from __future__ import annotations
 
@@ -16,9 +11,10 @@ import random
 import time
 from collections.abc import Callable
 
-from pretuner.sim.engine import Engine, EngineLimits, OutOfMemory
+from pretuner.sim.engine import Engine, OutOfMemory
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
+from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.scheduler import Seq as SchedSeq
 
 log = logging.getLogger(__name__)
@@ -29,20 +25,15 @@ DECODE_BATCH = 16
 class MsEngine(Engine):
     """The emulated engine's queues and admission, stepping a real MindSpore network."""
 
-    def __init__(self, net: TinyLM, limits: EngineLimits, vlog: VllmLog,
-                 on_dead: Callable[[BaseException], None], seed: int = 0) -> None:
-        super().__init__([], limits, vlog, self._dead_noop, seed=seed)
+    def __init__(self, net: TinyLM, limits: SchedulerLimits, vlog: VllmLog,
+                 on_dead: Callable[[Exception], None], seed: int = 0) -> None:
+        super().__init__([], limits, vlog, lambda _oom: None, seed=seed)  # see _fail
         self.net = net
         self._on_failure = on_dead
         self._free_list = list(range(limits.num_blocks))
         self._tables: dict[str, list[int]] = {}
         self._filled: dict[str, int] = {}
         self._tokens = random.Random(seed)  # noqa: S311 - prompt ids are given; this fills gaps
-        self.failure: BaseException | None = None
-
-    @staticmethod
-    def _dead_noop(_: object) -> None:
-        return
 
     def _table(self, seq: SchedSeq) -> list[int]:
         """The sequence's block ids, grown to the blocks the scheduler gave it."""
@@ -102,8 +93,6 @@ class MsEngine(Engine):
                 self._maybe_metrics()
 
     def _fail(self, err: BaseException) -> None:
-        self.log.error("engine.py:135", f"RuntimeError({str(err).splitlines()[0]!r})")
-        self.failure = err
         # The HTTP layer only asks whether the engine is dead; the real text is in the log.
         self._fail_all(OutOfMemory(0, 0, "see the MindSpore log", 0), str(err))
-        self._on_failure(err)
+        self._on_failure(RuntimeError(str(err).splitlines()[0]))  # what the server prints

@@ -1,22 +1,9 @@
 """A small decoder-only LLM in MindSpore: embedding, GQA or MLA attention, MLP, LM head.
 
-Random weights from a seed; the dimensions are the registry's, so the KV arithmetic of
-`pretuner.kvmath` applies. The KV cache is `num_blocks` MindSpore tensors of `block_size`
-slots, held in one pool tensor of `num_blocks x block_size` slots, each slot holding every
-layer's K and V (GQA) or latent vector and rope key (MLA) for one token, allocated at start.
-New tokens are written in place with `scatter_update`, the one in-place row write MindSpore 2.10
-runs on CPU (`index_copy_`/`index_put_` have no CPU kernel, `cache[idx] = x` copies the whole
-cache, a Parameter keeps its data outside the pool, and per-block tensors replaced on every
-write fragment the pool until a large activation finds no room); a step gathers its sequence's
-slots through the block table, as paged attention does.
-
-Attention is eager, as in Hugging Face's reference implementations: one (heads, T, S) score
-matrix per layer, so activation memory grows with the square of the prompt length. That is the
-growth the max_model_len ladder has to find on this backend. The causal mask is an additive bias
-built on the pool; `masked_fill` and broadcasting adds are avoided because their CPU kernels
-copy through host memory, which the card limit would count. No rotary embedding: positions do
-not change memory.
-"""
+Random weights, the registry's dimensions. The paged KV cache is one pool tensor allocated at
+start and written in place with `scatter_update` (the only in-place row write MindSpore 2.10
+runs on CPU; the alternatives copy or fragment the pool). Attention is eager, so activation
+memory grows with the square of the prompt; masks avoid kernels that copy through host memory."""
 
 from __future__ import annotations
 

@@ -1,108 +1,60 @@
-"""The reference server: the emulated server's interface over a real MindSpore network on CPU.
+"""The reference server: the emulated r0.1 server's interface over a real MindSpore network on CPU.
 
-Same command line (parsed by `pretuner.sim.r01_config.parse`; emulator-only options are accepted and
-ignored), same environment (`ASCEND_TOTAL_MEMORY_GB`, `vLLM_MODEL_MEMORY_USE_GB` through int()
-as r0.1 does, `GLOG_v`), same HTTP API (`pretuner.sim.http`). What differs is that every memory
-figure is MindSpore's own: the pool dump with `actual peak used mem` is printed by MindSpore when
-the process exits normally after SIGINT/SIGTERM, and an allocation beyond the card fails in
-MindSpore's allocator (see `card.py`).
-
-Exit codes: 0 after a graceful stop, 1 on a startup error or an engine crash (OOM), 2 on usage.
-"""
+Same command line, environment and HTTP API; every memory figure is MindSpore's own: its pool
+dump at a normal exit, its allocator's failure beyond the card (`card.py`). Exit codes: 0 after
+a graceful stop, 1 on a startup error or an engine crash, 2 on usage."""
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
-import time
 import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from pretuner.errors import PretunerError
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
-from pretuner.sim.argv import serve_main
-from pretuner.sim.engine import EngineLimits
-from pretuner.sim.http import ANY_HOST, ApiConfig, serve_in_thread
-from pretuner.sim.logs import VllmLog
+from pretuner.sim.argv import Refused, serve_main
+from pretuner.sim.engine import Engine
 from pretuner.sim.mindspore_cpu import card
-from pretuner.sim.r01_checks import (
-    StartupFailed,
-    check_kv_blocks,
-    int_env,
-    traceback_text,
-    verify_vllm_config,
-)
-from pretuner.sim.r01_config import ServeConfig, build_parser, parse
-from pretuner.sim.r01_http import SimHTTPServer
-from pretuner.stopflag import StopFlag
+from pretuner.sim.r01_checks import check_kv_blocks, int_env, verify_vllm_config
+from pretuner.sim.r01_config import VLLM_VERSION, build_parser, parse
+from pretuner.sim.scheduler import SchedulerLimits
+from pretuner.sim.serve import Server as R01Server
 
-if TYPE_CHECKING:
-    from pretuner.sim.mindspore_cpu.engine import MsEngine
-
-VLLM_VERSION = "0.6.6.post1"
-WARMUP_TOKENS_CAP = 8192  # r0.1 warms up with one prefill of min(8192, max_model_len) tokens
 POOL_GROWTH = "1GB"
 _WHERE = ('  File "pretuner/sim/mindspore_cpu/serve.py", in start\n')
 
 
-class Server:
-    def __init__(self, cfg: ServeConfig) -> None:
-        self.cfg = cfg
-        self.vlog = VllmLog()
-        self.stop = StopFlag()
-        self.crashed = threading.Event()
-        self.engine: MsEngine | None = None
+class Server(R01Server):
+    """The emulated r0.1 server's lifecycle (`pretuner.sim.serve.Server`) around a real
+    network: MindSpore prints its own pool dump as the interpreter exits."""
 
-    def run(self) -> int:
-        self.stop.install()
-        try:
-            server = self._start()
-        except StartupFailed as err:
-            sys.stderr.write(traceback_text(err.exc_type, err.message, err.where))
-            return 1
-        except (RuntimeError, MemoryError):  # MindSpore's allocation failures
-            sys.stderr.write(traceback.format_exc())
-            return 1
-        while not self.stop.wait(0.1):
-            if self.crashed.is_set():
-                self.vlog.error("launcher.py:101",
-                                "AsyncLLMEngine has failed, terminating server process")
-                time.sleep(0.2)  # let the handlers send their 500s
-                self._shutdown(server)
-                return 1
-        self._shutdown(server)
-        return 0  # MindSpore prints its pool dump as the interpreter exits
+    fatal = (Refused, RuntimeError, MemoryError)  # MindSpore's allocation failures raise these
 
-    def _shutdown(self, server: SimHTTPServer) -> None:
-        self.vlog.uvicorn("Shutting down")
-        server.shutdown()
-        server.server_close()
-        if self.engine is not None:
-            self.engine.stop()
-        self.vlog.uvicorn("Application shutdown complete.")
-        self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
+    def failed_start(self, err: BaseException) -> int:
+        if isinstance(err, Refused):
+            return super().failed_start(err)
+        sys.stderr.write(traceback.format_exc())
+        return 1
 
-    def _start(self) -> SimHTTPServer:
+    def _engine(self, limits: SchedulerLimits) -> Engine:
+        from pretuner.sim.mindspore_cpu.engine import MsEngine  # imports MindSpore
+
+        return MsEngine(self.net, limits, self.vlog, self._on_dead, seed=self.cfg.seed)
+
+    def boot(self) -> SchedulerLimits:
+        """MindSpore, the network, its KV cache and the card's limit, then the warm-up."""
         cfg, log = self.cfg, self.vlog
         log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION} "
                  "(pretuner mindspore-cpu reference server)")
         try:
             spec = resolve(cfg.model)
         except PretunerError as err:
-            raise StartupFailed("OSError", f"{cfg.model} is not a valid model identifier "
-                                f"({err})", _WHERE) from None
+            raise Refused("OSError", f"{cfg.model} is not a valid model identifier "
+                          f"({err})", _WHERE) from None
         mml, batched = verify_vllm_config(cfg, spec)
-        env = cfg.env
-        if env.get("ASCEND_TOTAL_MEMORY_GB"):
-            total_gb = int_env(env, "ASCEND_TOTAL_MEMORY_GB", _WHERE)
-        else:
-            total_gb = 64
-            log.warning("ascend.py:110", "Total device memory should be set by environ "
-                        "'ASCEND_TOTAL_MEMORY_GB'; using the default size (64GB).")
-        model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB", _WHERE)
+        total_gb = self.total_gb(_WHERE)
+        model_use = int_env(cfg.env, "vLLM_MODEL_MEMORY_USE_GB", _WHERE)
         log.info("ascend.py:116", f"max_device_memory for mindspore is: {total_gb * cfg.util}GB")
 
         card.keep_reservations_small()
@@ -110,7 +62,6 @@ class Server:
         from mindspore import ops
 
         from pretuner.sim.mindspore_cpu.dims import Dims
-        from pretuner.sim.mindspore_cpu.engine import MsEngine
         from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
 
         ms.set_device("CPU")
@@ -143,25 +94,13 @@ class Server:
                  f"RLIMIT_AS {limit >> 20} MiB = baseline {baseline >> 20} MiB + pool "
                  f"{cap_bytes >> 20} MiB + host allowance {card.HOST_ALLOWANCE_BYTES >> 20} MiB")
 
-        warm = min(WARMUP_TOKENS_CAP, mml)
+        warm = min(mem.WARMUP_TOKENS_CAP, mml)
         log.info("model_runner.py:1415", f"Warm-up with a dummy prefill of {warm} tokens.")
         net.forward([Seq([1] * warm, list(range(-(-warm // cfg.block_size))), 0)])
 
-        limits = EngineLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, cap_bytes)
-        self.engine = MsEngine(net, limits, log, lambda _err: self.crashed.set(), seed=cfg.seed)
-        self.engine.start()
-        host = cfg.host or ANY_HOST
-        try:
-            server = SimHTTPServer((host, cfg.port), self.engine,
-                                   ApiConfig(cfg.served_names, cfg.model, mml), log)
-        except OSError as err:
-            raise StartupFailed("OSError", f"[Errno {err.errno}] {err.strerror}", _WHERE) from None
-        serve_in_thread(server)
-        log.uvicorn(f"Started server process [{os.getpid()}]")
-        log.uvicorn("Application startup complete.")
-        log.uvicorn(f"Uvicorn running on http://{host}:{server.server_address[1]} "
-                    "(Press CTRL+C to quit)")
-        return server
+        self.net = net
+        return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks,
+                               pool_cap_bytes=cap_bytes)
 
 
 def main(argv: Sequence[str] | None = None,

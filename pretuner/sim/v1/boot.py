@@ -1,11 +1,8 @@
 """The emulated vLLM 0.24 start-up: argument checks, device, weights, profiling, KV cache,
 graph capture, warm-up; the same log lines and the same failures as the real server.
 
-`boot()` is shared by the subprocess server and the in-process run: everything that differs
-(where lines go, whether levels are published and held, whether time passes) is behind the
-`Sink` it is given. It returns the engine's starting state, or None after printing the real
-failure (the caller exits 1).
-"""
+Shared by the subprocess server and the in-process run; what differs between them (publishing,
+holding, sleeping) is behind the `Sink` it is given."""
 
 from __future__ import annotations
 
@@ -15,7 +12,8 @@ from typing import Protocol
 
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
-from pretuner.sim.kvcache import LayoutRefused, cache_layout
+from pretuner.sim.argv import Refused
+from pretuner.sim.kvcache import cache_layout
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
 from pretuner.sim.v1.config import V1Config
@@ -49,17 +47,9 @@ class Booted:
     capacity_bytes: int  # torch total minus what others hold on the GPU
     non_torch_bytes: int
     private_bytes: int
+    clock: offload.Clock  # how long a step takes on the emulated card
     vision: VisionCard | None = None  # a vision-language model's tower and budget
     processor_cache_bytes: int = 0  # --mm-processor-cache-gb (host memory)
-    clock: offload.Clock | None = None  # how long a step takes (None: the fast test clock)
-
-
-class Failed(Exception):
-    """Start-up ended the way the real server dies: (stage, exception type, message)."""
-
-    def __init__(self, stage: str, exc: str, message: str) -> None:
-        super().__init__(message)
-        self.stage, self.exc, self.message = stage, exc, message
 
 
 def resolve_model(name: str) -> ModelSpec:
@@ -82,22 +72,22 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def _print_start_failure(log: L.V1Log, err: Failed) -> None:
-    if err.stage == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
+def _print_start_failure(log: L.V1Log, err: Refused) -> None:
+    if err.where == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
         log.raw(L.API, L.api_failure_lines(err.message))
         return
-    body, raw = L.start_failure_lines(err.stage, err.exc, err.message)
+    body, raw = L.start_failure_lines(err.where, err.exc_type, err.message)
     log.block(L.CORE, "ERROR", L.WHERE_START, body)
     log.raw(L.CORE, raw)
     log.raw(L.API, L.api_failure_lines())
 
 
 def oom(card_total: int, capacity: int, in_use: int, alloc: Alloc, *, non_torch: int,
-        private: int, unallocated: int, stage: str, gpu: int = 0) -> Failed:
+        private: int, unallocated: int, stage: str, gpu: int = 0) -> Refused:
     free = capacity - in_use
     text = L.oom_text(gpu=gpu, alloc=alloc.size, total=card_total, free=free, in_use=in_use,
                       non_torch=non_torch, private=private, unallocated=unallocated)
-    return Failed(stage, "torch.OutOfMemoryError", text)
+    return Refused("torch.OutOfMemoryError", text, stage)
 
 
 def check_args(cfg: V1Config, spec: ModelSpec) -> int:
@@ -105,27 +95,24 @@ def check_args(cfg: V1Config, spec: ModelSpec) -> int:
     derived = spec.max_position_embeddings
     mml = cfg.max_model_len or derived
     if mml > derived:
-        raise Failed("config", "pydantic_core._pydantic_core.ValidationError",
-                     f"1 validation error for ModelConfig\n  Value error, User-specified "
-                     f"max_model_len ({mml}) is greater than the derived max_model_len "
-                     f"(max_position_embeddings={derived} or model_max_length=None in model's "
-                     "config.json). To allow overriding this maximum, set the env var "
-                     "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.")
+        raise Refused("pydantic_core._pydantic_core.ValidationError",
+                      f"1 validation error for ModelConfig\n  Value error, User-specified "
+                      f"max_model_len ({mml}) is greater than the derived max_model_len "
+                      f"(max_position_embeddings={derived} or model_max_length=None in model's "
+                      "config.json). To allow overriding this maximum, set the env var "
+                      "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.", "config")
     if not 0 < cfg.util <= 1:
-        raise Failed("config", "ValueError", "GPU memory utilization must be within (0, 1]. "
-                     f"Got {cfg.util}.")
+        raise Refused("ValueError", "GPU memory utilization must be within (0, 1]. "
+                      f"Got {cfg.util}.", "config")
     if cfg.max_num_batched_tokens < cfg.max_num_seqs:
-        raise Failed("config", "ValueError", f"max_num_batched_tokens "
-                     f"({cfg.max_num_batched_tokens}) must be greater than or equal to "
-                     f"max_num_seqs ({cfg.max_num_seqs}).")
+        raise Refused("ValueError", f"max_num_batched_tokens "
+                      f"({cfg.max_num_batched_tokens}) must be greater than or equal to "
+                      f"max_num_seqs ({cfg.max_num_seqs}).", "config")
     if spec.num_heads % cfg.tp:
-        raise Failed("config", "ValueError", f"Total number of attention heads "
-                     f"({spec.num_heads}) must be divisible by tensor parallel size "
-                     f"({cfg.tp}).")
-    try:
-        cache_layout(spec, tp=cfg.tp, cache_dtype=cfg.kv_cache_dtype)
-    except LayoutRefused as err:  # the KV heads split over the ranks
-        raise Failed("config", err.exc_type, err.message) from None
+        raise Refused("ValueError", f"Total number of attention heads "
+                      f"({spec.num_heads}) must be divisible by tensor parallel size "
+                      f"({cfg.tp}).", "config")
+    cache_layout(spec, tp=cfg.tp, cache_dtype=cfg.kv_cache_dtype)  # the KV heads' split
     return mml
 
 
@@ -154,15 +141,11 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
             log.raw(L.API, ["Traceback (most recent call last):", f"OSError: {err.message}"])
             return None
     _api_preamble(log, cfg, spec)
-    try:
+    try:  # the API server's own checks
         mml = check_args(cfg, spec)
-    except Failed as err:
-        log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc}: {err.message}"])
-        return None
-    try:
         loaded = _load_plan(cfg, spec, log)
-    except offload.LoadRefused as err:
-        log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc}: {err.message}"])
+    except Refused as err:
+        log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc_type}: {err.message}"])
         return None
     log.api("model.py:1725", f"Using max model len {mml}")
     log.api("scheduler.py:252", "Chunked prefill is enabled with max_num_batched_tokens="
@@ -170,7 +153,7 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     log.api("vllm.py:1006", "Asynchronous scheduling is enabled.")
     try:
         return _engine_start(cfg, sink, spec, mml, others_bytes, loaded)
-    except Failed as err:
+    except Refused as err:
         _print_start_failure(log, err)
         return None
 
@@ -181,7 +164,7 @@ def _load_plan(cfg: V1Config, spec: ModelSpec, log: L.V1Log) -> offload.Loaded:
     refused, warned = offload.swap_check(cfg.swap_space_gib, cfg.tp,
                                          offload.host_total_bytes(cfg.profile, cfg.host_mib))
     if refused:
-        raise offload.LoadRefused("ValueError", refused)
+        raise Refused("ValueError", refused)
     if warned:
         log.api("config.py:388", warned, level="WARNING")
     return loaded
@@ -210,10 +193,10 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     free = capacity - context
     requested = int(cfg.util * total)
     if free < requested:
-        raise Failed("free", "ValueError", f"Free memory on device cuda:0 ({_gib(free)}/"
-                     f"{_gib(total)} GiB) on startup is less than desired GPU memory utilization "
-                     f"({cfg.util}, {_gib(requested)} GiB). Decrease GPU memory utilization or "
-                     "reduce GPU memory used by other processes.")
+        raise Refused("ValueError", f"Free memory on device cuda:0 ({_gib(free)}/"
+                      f"{_gib(total)} GiB) on startup is less than desired GPU memory utilization "
+                      f"({cfg.util}, {_gib(requested)} GiB). Decrease GPU memory utilization or "
+                      "reduce GPU memory used by other processes.", "free")
     log.core("gpu_worker.py:331", "Using V2 Model Runner")
     log.core("model_runner.py:281", "Loading model from scratch...")
     log.core("cuda.py:480", "Using FLASH_ATTN attention backend out of potential backends: "
@@ -223,7 +206,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
                  "quantization. May take a while ...")
     host_free = offload.host_available_bytes(cfg.profile, cfg.host_mib)
     if offload.host_needed_bytes(loaded) > host_free:
-        raise Failed("killed", "", "{'EngineCore_DP0': -9}")
+        raise Refused("", "{'EngineCore_DP0': -9}", "killed")
     if context + card.weights_bytes > capacity:
         layer = Alloc("weights", 0, card.weights_bytes // max(1, spec.num_layers))
         raise oom(total, capacity, capacity - layer.size // 2, layer, non_torch=context,
@@ -290,8 +273,9 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
              f"{cfg.startup_s:.2f} s{compile_note}")
     return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
-                  non_torch, private, vision, int(cfg.mm_processor_cache_gib * GIB),
-                  offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager))
+                  non_torch, private,
+                  offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager), vision,
+                  int(cfg.mm_processor_cache_gib * GIB))
 
 
 def _vision(cfg: V1Config, spec: ModelSpec, mml: int) -> VisionCard | None:
@@ -325,17 +309,17 @@ def check_kv(kv: int, card: V1Card, mml: int) -> int:
     """vLLM's checks on the KV budget; returns its whole blocks."""
     blocks = max(0, kv) // card.block_bytes
     if blocks <= 0:
-        raise Failed("config", "ValueError", "No available memory for the cache blocks. Try "
-                     "increasing `gpu_memory_utilization` when initializing the engine.")
+        raise Refused("ValueError", "No available memory for the cache blocks. Try "
+                      "increasing `gpu_memory_utilization` when initializing the engine.", "config")
     tokens = blocks * card.block_size
     if mml > tokens:
         need = mml * card.kv_bytes_per_token
-        raise Failed("config", "ValueError", f"To serve at least one request with the models's "
-                     f"max seq len ({mml}), ({_gib(need)} GiB KV cache is needed, which is "
-                     f"larger than the available KV cache memory ({_gib(kv)} GiB). Based on the "
-                     f"available memory, the estimated maximum model length is {tokens}. Try "
-                     "increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
-                     "initializing the engine.")
+        raise Refused("ValueError", f"To serve at least one request with the models's "
+                      f"max seq len ({mml}), ({_gib(need)} GiB KV cache is needed, which is "
+                      f"larger than the available KV cache memory ({_gib(kv)} GiB). Based on the "
+                      f"available memory, the estimated maximum model length is {tokens}. Try "
+                      "increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
+                      "initializing the engine.", "config")
     return blocks
 
 

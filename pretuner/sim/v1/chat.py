@@ -1,12 +1,8 @@
-"""`/v1/chat/completions` as the emulated vLLM 0.24 reads it: OpenAI messages with text and
-image parts, the chat template's tokens, each image's tokens from its PNG header.
+"""`/v1/chat/completions` as the emulated vLLM 0.24 reads it: text and image parts in, a
+`ChatPrompt` (length, images' positions and hashes) or a `ChatError` (vLLM's 400) out.
 
-Pure: a request body in, a `ChatPrompt` (prompt length, the images' positions and hashes) or
-a `ChatError` (vLLM's 400 texts) out. The template is Qwen's (`<|im_start|>role ... <|im_end|>`
-per message, `<|im_start|>assistant` after them) and an image is
-`<|vision_start|>` + its tokens + `<|vision_end|>`; text counts as the emulator's tokenizer
-counts it (about four characters a token, `pretuner.sim.http.count_tokens`).
-"""
+Pure. Qwen's chat template; an image is its tokens (from the PNG header) between
+`<|vision_start|>` and `<|vision_end|>`."""
 
 from __future__ import annotations
 

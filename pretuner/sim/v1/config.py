@@ -1,9 +1,5 @@
-"""`vllm serve`'s command line (vLLM 0.24) and the emulator's environment, parsed into values.
-
-Pure: argv and an env mapping in, a frozen `V1Config` out. Unknown flags are accepted and
-ignored, `--max_model_len` is `--max-model-len` (vLLM's FlexibleArgumentParser), and the
-emulator's own knobs come from `PRETUNER_SIM_*` variables only, never from the command line.
-"""
+"""`vllm serve`'s command line (vLLM 0.24) and the emulator's environment, parsed into a frozen
+`V1Config`. Pure; the emulator's knobs come from `PRETUNER_SIM_*` variables only."""
 
 from __future__ import annotations
 

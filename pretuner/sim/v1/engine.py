@@ -1,9 +1,5 @@
-"""The emulated V1 engine core: steps the scheduler, checks each step's memory, dies on OOM.
-
-`EngineCore` is synchronous and shared by the in-process run and the HTTP server; `Engine`
-runs it in a thread for the server (requests wait on events, published memory levels are held
-long enough for a 20 ms sampler to see them).
-"""
+"""The emulated V1 engine: `EngineCore` steps the scheduler and checks each step's memory
+(synchronous, shared with the in-process run); `Engine` runs it on the server's thread."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ from pretuner.sim.v1.scheduler import Limits, Plan, Req, Scheduler
 class StepResult:
     finished: list[Req]
     peak_bytes: int  # process memory at the step's peak
-    after_bytes: int  # process memory once the step freed its transients (torch keeps them)
     tokens: int
     oom: str | None = None  # torch's message when the step died
     gate_up_width: int = 0
@@ -62,7 +57,7 @@ class EngineCore:
             return None
         plan: Plan = self.sched.plan()
         if not plan.scheduled:
-            return StepResult([], self.level_bytes, self.level_bytes, 0)
+            return StepResult([], self.level_bytes, 0)
         b = self.b
         allocs = b.card.step(plan.tokens, plan.rows)
         held = self.held_bytes
@@ -81,13 +76,13 @@ class EngineCore:
                 in_use=in_use, non_torch=b.non_torch_bytes, private=b.private_bytes,
                 unallocated=max(0, self.reserved - bad.live_before) + int(0.2 * bad.size)
                 + (self.mm.frag_bytes if self.mm is not None else 0))
-            return StepResult([], in_use, in_use, plan.tokens, self.dead, width)
+            return StepResult([], in_use, plan.tokens, self.dead, width)
         peak = max(self.reserved, peak_of(allocs))
         self.reserved = peak
         prefill, rows, images = plan.prefill_tokens, plan.rows, len(plan.encode)
         sampled = tuple(r for r, n in plan.scheduled if r.computed + n >= r.num_tokens)
         finished = self.sched.commit(plan)
-        return StepResult(finished, b.fixed_bytes + held + peak, self.level_bytes, plan.tokens,
+        return StepResult(finished, b.fixed_bytes + held + peak, plan.tokens,
                           prefill_tokens=prefill, rows=rows, images=images, sampled=sampled)
 
 

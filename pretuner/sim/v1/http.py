@@ -1,14 +1,6 @@
-"""vLLM 0.24's OpenAI API as the emulated server serves it, on the standard library only.
-
-`GET /health` (200 while the engine lives, 503 once it died), `GET /v1/models`,
-`POST /v1/completions` (prompt as text or token ids; `max_tokens` default 16; `"stream": true`
-sends each token as a server-sent event as the engine samples it, then `data: [DONE]`, with a
-usage chunk first when `stream_options.include_usage` is set), `POST /v1/chat/completions`
-(text and image parts, `pretuner.sim.v1.chat`) and, with `VLLM_SERVER_DEV_MODE=1` as in vLLM,
-`POST /reset_mm_cache`. A request over max_model_len or with more images than allowed gets
-vLLM's 400; every request caught by, or sent after, an engine death gets the real 500 body.
-Access lines are uvicorn's, behind the APIServer prefix.
-"""
+"""vLLM 0.24's OpenAI API on the shared front (`pretuner.sim.http`): completions (streamed with
+an optional usage chunk), chat with images (`pretuner.sim.v1.chat`), `/reset_mm_cache` with
+`VLLM_SERVER_DEV_MODE=1`; /health 503 and the real 500 body once the engine died."""
 
 from __future__ import annotations
 

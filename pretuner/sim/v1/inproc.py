@@ -1,11 +1,8 @@
 """The emulated vLLM 0.24 server run in this process: no subprocess, no HTTP, no sleeping.
 
-Same command line, environment, boot sequence, scheduler, memory accounting and log lines as
-`python -m pretuner.sim vllm serve` (the code is shared); a benchmark scores thousands of
-tuning runs this way, and tests replay the real H100 runs in milliseconds. Other emulated
-servers' state files are not read: an in-process run is alone on its emulated GPUs (the tenant
-of `PRETUNER_SIM_OCCUPIED_MIB` still counts).
-"""
+Same command line, boot, scheduler, memory and log lines as `python -m pretuner.sim vllm
+serve` (the code is shared). An in-process run is alone on its emulated GPUs: other servers'
+state files are not read (the `PRETUNER_SIM_OCCUPIED_MIB` tenant still counts)."""
 
 from __future__ import annotations
 
@@ -99,7 +96,7 @@ class V1InprocRun:
 
 
 @dataclass
-class _Recorder:
+class Recorder:
     """The boot Sink of an in-process run: tracks each phase's peak and last level."""
 
     log: L.V1Log
@@ -117,7 +114,7 @@ class _Recorder:
         return
 
 
-class _Client:
+class Client:
     """The HTTP side, reduced to what a reply and an access line are."""
 
     def __init__(self, log: L.V1Log, dev_mode: bool = False) -> None:
@@ -133,7 +130,7 @@ class _Client:
 
 
 @dataclass
-class _Times:
+class Times:
     """The emulated clock of one burst: when it ended, each request's first and last token."""
 
     step_s: Callable[[int], float]
@@ -142,7 +139,7 @@ class _Times:
     last: dict[int, float] = field(default_factory=dict)
 
 
-def _refused(core: EngineCore, client: _Client, r: SimRequest, mml: int) -> Reply | None:
+def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply | None:
     """The answer a request gets without running: too long, images over the limit, dead."""
     path = "/v1/chat/completions" if r.images else "/v1/completions"
     mm = core.mm
@@ -156,8 +153,8 @@ def _refused(core: EngineCore, client: _Client, r: SimRequest, mml: int) -> Repl
     return None
 
 
-def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave, mml: int,
-           times: _Times) -> tuple[list[Reply], int | None]:
+def drive(core: EngineCore, rec: Recorder, client: Client, wave: Wave, mml: int,
+           times: Times) -> tuple[list[Reply], int | None]:
     """Send the wave's requests (all at once, or a closed loop) and step until answered,
     keeping the emulated clock in `times`."""
     replies: dict[int, Reply] = {}
@@ -213,10 +210,7 @@ def _drive(core: EngineCore, rec: _Recorder, client: _Client, wave: Wave, mml: i
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_tokens: int,
         *, first: int | None = None) -> V1InprocRun:
-    """Boot, send `first` alone (when given) then `prompts` at once, stop with SIGTERM.
-
-    `argv` is what follows `vllm serve`; `env` is laid over this process's environment.
-    """
+    """Boot, send `first` alone (when given) then `prompts` at once, stop with SIGTERM."""
     waves = [Wave("probe", (SimRequest(first, max_tokens),))] if first is not None else []
     waves.append(Wave("load", tuple(SimRequest(n, max_tokens) for n in prompts)))
     return run_waves(argv, env, waves)
@@ -231,7 +225,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
         return V1InprocRun(f"vllm serve: error: {err}\n", (), False, 2, {}, 0)
     profile = CUDA_PROFILES[cfg.profile]
     log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET, stream)
-    rec = _Recorder(log, profile.idle_mib + cfg.occupied_mib)
+    rec = Recorder(log, profile.idle_mib + cfg.occupied_mib)
     total = profile.nvml_total_mib
     if devices_for(cfg) is None:
         log.raw(L.API, ["ValueError: The number of required GPUs exceeds the total number of "
@@ -243,17 +237,16 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
         return V1InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
     core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     print_ready(log, cfg.host or ANY_HOST, cfg.port)
-    client = _Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
+    client = Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
-    clock = booted.clock
-    step_s = clock.step_seconds if clock is not None else (lambda tokens: 0.0)
-    timing: dict[str, tuple[_Times, list[Reply]]] = {}
+    step_s = booted.clock.step_seconds
+    timing: dict[str, tuple[Times, list[Reply]]] = {}
     reset: int | None = None
     for wave in waves:
         rec.phase = wave.phase
         rec.level(core.level_bytes)
-        times = _Times(step_s)
-        got, status = _drive(core, rec, client, wave, booted.max_model_len, times)
+        times = Times(step_s)
+        got, status = drive(core, rec, client, wave, booted.max_model_len, times)
         timing[wave.phase] = (times, got)
         replies += got
         reset = status if status is not None else reset

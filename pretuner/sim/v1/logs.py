@@ -1,10 +1,7 @@
-"""vLLM 0.24's log lines: the `(APIServer pid=N)` / `(EngineCore pid=N)` prefixes, torch's
-out-of-memory text and the traceback blocks a failed engine prints.
+"""vLLM 0.24's log lines: process prefixes, torch's out-of-memory text, failure tracebacks.
 
-Formatting functions are pure; `V1Log` owns the stream (thread-safe, one line per write).
-A tuner's log scanner reads these texts, so they follow the real files under
-../shared/real-logs/vllm-0.24-h100/ character for character where it matters.
-"""
+The tuner's scanner reads these, so they follow ../shared/real-logs/vllm-0.24-h100/ character
+for character where it matters."""
 
 from __future__ import annotations
 
@@ -128,11 +125,8 @@ _API_FRAMES = (
 
 
 def start_failure_lines(stage: str, exc: str, message: str) -> tuple[list[str], list[str]]:
-    """The EngineCore's two blocks for a failed start: (ERROR-prefixed body, raw body).
-
-    Returns the lines after the prefix; the caller adds `[core.py:1231]` to the first block and
-    the bare `(EngineCore pid=N) ` to the second, as the real log shows both.
-    """
+    """The EngineCore's two blocks for a failed start, as the real log shows both: (body
+    after an ERROR prefix, body after the bare process prefix)."""
     frames = _frames(_CORE_HEAD + START_FRAMES[stage])
     body = ["Traceback (most recent call last):", *frames, f"{exc}: {message}"]
     raw = ["Process EngineCore:", "Traceback (most recent call last):",

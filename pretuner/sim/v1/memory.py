@@ -1,57 +1,12 @@
 """The emulated CUDA card's memory under vLLM 0.24 (V1 engine): every coefficient lives here.
 
-Pure: no I/O, no clocks. Figures are bytes per rank unless the name says MiB. The numbers are
-*simulated*: calibrated so that seed 0 on `h100-80` replays the real Qwen3-8B runs under
-../shared/real-logs/vllm-0.24-h100/ (outcome, KV figures and NVML peaks), not measurements
-of any other model or card.
-
-What NVML counts on one GPU, bottom to top:
-
-1. The driver's idle reservation (`CudaProfile.idle_mib`, 480 MiB on the real H100): NVML shows
-   it with no process. torch's "total capacity" is NVML total minus it (79.18 GiB).
-2. Another tenant (`PRETUNER_SIM_OCCUPIED_MIB`) and other emulated servers on the same GPU.
-3. This process:
-   - the CUDA context (`context_mib`; the real "Initial free memory 78.66 GiB");
-   - the weights shard plus small load-time buffers (`load_extra_mib`): "Model loading took";
-   - persistent runner buffers and the non-torch increase of the first forward
-     (`persistent_mib`), which stay after profiling;
-   - the KV cache: `util * torch_total - non_kv` (profiling) or the pinned bytes;
-   - the CUDA-graph pool (`graph_pool_mib`, none with --enforce-eager);
-   - torch's cached blocks: the caching allocator keeps the largest transient so far
-     reserved, so NVML only grows while the server runs.
-
-Profiling (util mode) runs a dummy step of max_num_batched_tokens tokens and sets
-`non_kv = weights + persistent + profile activation`. It does not see what comes after it:
-graph capture (its scratch and pool), the kernel warm-up and the sampler warm-up
-(`sampler_copies * max_num_seqs * vocab` fp32 logits), nor the per-step workspace of real
-steps (`step_fixed_mib`). That gap is why util 0.98 passes profiling and dies in graph
-capture, and why a pinned KV cache near the card's size dies in the sampler warm-up.
-
-A step of n scheduled tokens (a prefill chunk of at most max_num_batched_tokens, plus one per
-decode) holds `step_fixed + 2 * hidden * n` bytes of bf16 activations, then allocates the MLP's
-gate_up output in one tensor (`2 * intermediate/tp * n`) and the activation output
-(`intermediate/tp * n`), plus the sampler's fp32 logits for its rows. The one-tensor gate_up is
-what fails first on a long unchunked step (1.50 GiB at 32768 tokens on Qwen3-8B).
-
-Model-shaped coefficients given in MiB were fitted on Qwen3-8B (36 layers x 4096 hidden). The
-CUDA-graph terms scale with `layers * hidden` for other models (a graph keeps buffers for every
-layer). The persistent buffers, the warm-up batch and the per-step workspace scale with the
-width only (`hidden`: a step reuses one layer's buffers for the next), and, fitted at
-max_num_batched_tokens 8192, shrink with a smaller step budget (`batched_tokens / 8192`, never
-grown above it): a 70B model served 512 tokens at a time (the field note's 7 GB configuration)
-holds neither 80 layers' nor 8192 tokens' worth of them.
-
-Calibration (seed 0, h100-80, Qwen3-8B, max_model_len 32768; process MiB above NVML's 480):
-context 532 + weights 15,637 ("15.27 GiB") + persistent 617 = 16,786 before the KV cache.
-Profiling's non-KV = 15,637 + 617 + 608 (8192-token dummy step) = 16,862 MiB = 16.47 GiB, so
-util 0.9 -> 54.79 GiB (398,992 tokens) and 0.98 -> 61.13 GiB (445,120 tokens). Graph capture
-peaks at +1,778 (608 pool + 922 scratch + the 248 MiB FULL-graph allocation) and keeps 1,034;
-warm-up keeps 640, the sampler asks 594 then 310: +2,578 after the KV cache at the end of the
-start (NVML non-KV ~19,845). An 8192-token step needs 1,734 on top of the pool, the serving
-peak (NVML non-KV ~20,035). Outcomes: B (61.13 GiB) misses graph capture by ~80 MiB, E2 (61G)
-passes it by ~50 MiB and misses the sampler, E1 (60G) keeps ~70 MiB spare under 26 x 32k, F's
-32768-token step asks its 1.50 GiB gate_up with ~1.3 GiB free.
-"""
+Pure. Bytes per rank unless the name says MiB; the numbers are *simulated*, calibrated so that
+seed 0 on `h100-80` replays the real Qwen3-8B runs under ../shared/real-logs/vllm-0.24-h100/
+(outcome, KV figures and NVML peaks). NVML counts the driver's idle reservation, other tenants,
+then this process: CUDA context, weights, persistent buffers, KV cache, CUDA-graph pool and
+torch's cached transients (kept reserved, so NVML only grows). Profiling (util mode) sees only
+a dummy step of max_num_batched_tokens: not graph capture, warm-up, the sampler's logits nor a
+real step's workspace. That gap is why util 0.98 passes profiling and dies in graph capture."""
 
 from __future__ import annotations
 

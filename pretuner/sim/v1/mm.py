@@ -1,41 +1,10 @@
 """The emulated vision tower under vLLM 0.24 (V1): its memory on the card and its caches.
 
-Pure: no I/O, no clocks. Bytes per rank. Every figure is *simulated*: shaped like vLLM's
-multimodal path, with coefficients fitted to the field notes on Qwen3-VL-8B TP2
-(../shared/seeds/000_*, 001_*), which are vllm-ascend figures on a 64 GB card.
-
-What an image costs, in the order vLLM spends it:
-
-1. Start-up profiling (`profile_run`): the encoder runs `profiled` dummy images of the largest
-   size at once (its activation peak), their outputs go into the encoder cache, and the
-   language model's dummy step runs beside them; the non-KV figure takes the larger of the two
-   moments, `max(act(profiled), out(profiled) + dummy step)`. Seed 000: 32,768-token budget,
-   2 images of 4096 x 4096 -> act 3.77 GiB (the note's "forward_oot peak 3.8 G"), outputs
-   1.00 GiB ("image_cache: 1 G"), outputs + an 32,768-token dummy step 2.25 GiB (the note's
-   "2.25 G ?"), and torch's peak increase 3.86 GiB.
-2. A step that encodes images: the encoder's activation for all of them at once (transient,
-   kept by torch's caching allocator afterwards, like every transient), then the language
-   model's step. `act = patches x (hidden_copies x hidden + (3 x hidden + inter) / tp) x 2 B`:
-   1.88 GiB for one 4096 x 4096 image (the note's "forward_oot: 1.884 G").
-3. The encoder cache on the card (`GPUModelRunner.encoder_cache`): each encoded image's output,
-   `tokens x out_hidden x (1 + deepstack) x 2 B`, kept while a request needs it and then left
-   "freeable" until space is wanted; at most the budget's tokens. Its high-water mark stays
-   reserved by torch: it grows with distinct images up to the budget and never shrinks.
-4. Fragmentation: torch's cached blocks are shaped by the images that made them; an image of
-   a shape not seen before cannot reuse them and leaves part of its activation stranded.
-   Each new shape class (tokens in `FRAG_CLASS_TOKENS` steps) adds `frag_rate` of what is left
-   below a ceiling of `frag_cap_images` largest-image activations. Never given back.
-5. The processor cache (`--mm-processor-cache-gb`, default 4 GiB): host memory of the API
-   server, LRU by content hash. `/reset_mm_cache` clears it and nothing else: the card keeps
-   3 and 4, as seed 001 saw (61,548 MiB before and after the reset).
-
-Calibration (seed 0, `cuda-64`, Qwen3-VL-8B TP2, max_model_len 65,536, max-num-seqs 8,
-max-num-batched-tokens 32,768, the soak's mix of `pretuner.launch.images`): the card holds
-about 3.7 GB more after 1,000 distinct image prompts than after start-up (seed 001: 57,766 ->
-61,548 MiB, +3,782 MiB; `tests/test_sim_v1_vision.py` pins it within 10 %). Seed 001 prints
-that figure after the 32B commands; the 8B run beside it has no after-figure, so which model
-it belongs to is not certain: the fit is the 8B one, as issue 18 reads it.
-"""
+Pure; bytes per rank; *simulated*, fitted to the field notes on Qwen3-VL-8B TP2
+(../shared/seeds/000_*, 001_*). An image costs, in vLLM's order: profiling's dummy images, the
+encoder's transient when it runs, its output in the encoder cache (whose high-water mark torch
+keeps), the blocks a new image shape strands, and host memory in the processor cache, the only
+thing `/reset_mm_cache` clears. `tests/test_sim_v1_vision.py` pins the soak's growth."""
 
 from __future__ import annotations
 

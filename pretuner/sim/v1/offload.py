@@ -1,33 +1,11 @@
 """The emulated card's weights as loaded (quantized, offloaded), its host, and its clock.
 
-Pure: no I/O, no clocks. Every figure is *simulated*: a documented model with coefficients
-chosen to be plausible for each emulated card, never measured on one.
-
-- **Weights.** `--quantization bitsandbytes|fp8` quantizes a 16-bit checkpoint as it loads (the
-  bytes per parameter of `pretuner.models.quant`); a checkpoint whose config.json carries a
-  `quantization_config` loads at its own size; `--quantization awq|gptq` on a checkpoint without
-  one is refused as vLLM refuses it. fp8 needs compute capability 8.0 or more.
-- **Offload.** `--cpu-offload-gb X` keeps up to X GiB of each rank's decoder-layer weights in
-  pinned host memory (the token embedding and the lm_head stay on the card). The card no longer
-  holds them; every forward pass reads them over PCIe, so each engine step costs
-  `offloaded bytes / PCIe bandwidth` more, whatever its size: decode slows in proportion.
-- **Host.** The host has `PRETUNER_SIM_HOST_MIB` MiB (default: the profile's), of which the
-  system keeps some. A server process holds `PROCESS_HOST_MIB` of host memory plus the pinned
-  offloaded weights; when that is more than the host has available, the kernel's OOM killer ends
-  the engine while it loads (signal 9). `--swap-space` is checked at start-up as vLLM checks
-  it (refused above 70 % of the host's total per node, warned above 40 %); the V1 engine
-  preempts by recomputing, so it pins none of it.
-- **Clock.** One engine step of n tokens takes `step_overhead` + the weights on the card read
-  once from its memory + the offloaded weights over PCIe + `2 * active params * n` FLOPs at
-  the card's rate + a launch cost per layer without CUDA graphs (`--enforce-eager`); 4-bit
-  bitsandbytes kernels also dequantize every weight they use (`BNB_DEQUANT` times the 4-bit
-  bytes at the card's memory rate: 4-bit Qwen3-8B decodes at about 0.7x its bf16 speed). The
-  server sleeps that times `PRETUNER_SIM_TIME_SCALE` (default 1: the card's own speed).
-
-Calibration checks (simulated): Qwen3-8B decodes at about 110 tokens/s on `h100-80`; the field
-note's 7 GB configuration of the 70B distill (4-bit, every layer offloaded) decodes at about
-0.35 tokens/s on `cuda-32`, where the note measured 0.4 on its 32 GB vGPU.
-"""
+Pure; every figure *simulated*. `--quantization` quantizes a 16-bit checkpoint as it loads
+(awq/gptq without a quantization_config are refused, fp8 needs capability 8.0);
+`--cpu-offload-gb` keeps decoder weights in pinned host memory, read over PCIe every step; a
+server that takes more host memory than is available is killed by the OOM killer while it
+loads; a step's time is weights read + offload streamed + FLOPs + eager launch costs, slept
+times `PRETUNER_SIM_TIME_SCALE`."""
 
 from __future__ import annotations
 
@@ -35,6 +13,7 @@ from dataclasses import dataclass
 
 from pretuner.models.quant import Quantization, from_flag, quantized_bytes
 from pretuner.models.spec import ModelSpec
+from pretuner.sim.argv import Refused
 from pretuner.units import GIB, MIB
 
 HOST_ENV = "PRETUNER_SIM_HOST_MIB"
@@ -68,14 +47,6 @@ SPEEDS: dict[str, CardSpeed] = {
 }
 
 
-class LoadRefused(Exception):
-    """vLLM refuses the quantization or swap settings before the engine starts."""
-
-    def __init__(self, exc: str, message: str) -> None:
-        super().__init__(message)
-        self.exc, self.message = exc, message
-
-
 @dataclass(frozen=True, slots=True)
 class Loaded:
     """One rank's weights as loaded, and what the host holds for it."""
@@ -98,24 +69,24 @@ def _quantization(spec: ModelSpec, method: str | None, capability: int) -> Quant
     name = method.lower()
     if stored is not None:
         if stored.method != name:
-            raise LoadRefused("ValueError", f"Quantization method specified in the model config "
-                              f"({stored.method}) does not match the quantization method "
-                              f"specified in the `quantization` argument ({name}).")
+            raise Refused("ValueError", f"Quantization method specified in the model config "
+                          f"({stored.method}) does not match the quantization method "
+                          f"specified in the `quantization` argument ({name}).")
         return stored
     if name not in IN_FLIGHT:
-        raise LoadRefused("ValueError", f"Cannot find the config file for {name}: the checkpoint "
-                          "has no quantization_config (only bitsandbytes and fp8 quantize a "
-                          "16-bit checkpoint while loading)")
+        raise Refused("ValueError", f"Cannot find the config file for {name}: the checkpoint "
+                      "has no quantization_config (only bitsandbytes and fp8 quantize a "
+                      "16-bit checkpoint while loading)")
     if name == "fp8" and capability < 80:
-        raise LoadRefused("ValueError", f"The quantization method fp8 is not supported for the "
-                          f"current GPU. Minimum capability: 80. Current capability: "
-                          f"{capability}.")
+        raise Refused("ValueError", f"The quantization method fp8 is not supported for the "
+                      f"current GPU. Minimum capability: 80. Current capability: "
+                      f"{capability}.")
     return from_flag(name)
 
 
 def load(spec: ModelSpec, profile: str, tp: int, quantization: str | None,
          offload_gib: float) -> Loaded:
-    """The weights as this server loads them; LoadRefused for a quantization vLLM refuses."""
+    """The weights as this server loads them; Refused for a quantization vLLM refuses."""
     speed = SPEEDS[profile]
     quant = _quantization(spec, quantization, speed.capability)
     native = spec.weights_format().total_bytes

@@ -1,21 +1,10 @@
 """vLLM V1's scheduler as a pure state machine: a token budget per step, KV blocks on demand.
 
-No threads, no clocks: `plan()` decides one step, `commit()` applies it once the memory check
-passed. The threaded engine of the HTTP server and the in-process run step the same object.
-
-The rules kept from V1 (what decides memory and admission; prefix caching is left out):
-- One budget of `max_num_batched_tokens` tokens per step. Running requests go first (a decode
-  takes one token, an unfinished prefill its next chunk), then waiting ones in FCFS order while
-  fewer than `max_num_seqs` run. A prompt longer than the budget is chunked over steps.
-- KV blocks are allocated for the tokens a step computes. A running request that finds no free
-  block preempts the newest running request (its blocks freed, recomputed later from its
-  prompt and what it generated); a waiting request that finds none waits. Nothing is dropped.
-- Images (a vision-language model, `mm` given): a chunk that reaches an image whose output is
-  not in the encoder cache encodes it in the same step, within the encoder budget (tokens per
-  step) and the cache's room; an image that does not fit cuts the chunk before it. An output
-  is released once its positions are computed, and kept "freeable" for another request with
-  the same image (`pretuner.sim.v1.mm.EncoderCache`).
-"""
+`plan()` decides one step, `commit()` applies it once the memory check passed. Running requests
+take the budget first, then waiting ones FCFS; blocks are allocated for the tokens computed,
+and a request that finds none preempts the newest. With images, a chunk encodes the images it
+reaches within the encoder budget and cache room, or stops before them
+(`pretuner.sim.v1.mm.EncoderCache`)."""
 
 from __future__ import annotations
 
@@ -29,7 +18,6 @@ from pretuner.sim.v1.mm import MMItem, MMState
 class Req(SeqBase):
     """A V1 request: it may be preempted, and carry images."""
 
-    preemptions: int = 0
     mm: tuple[MMItem, ...] = ()  # its images, by offset
     encoded: set[str] = field(default_factory=set)  # images whose outputs it holds
 
@@ -85,7 +73,6 @@ class Scheduler(SchedulerBase[Req]):
         self.free_blocks += victim.blocks
         victim.blocks = 0
         victim.computed = 0
-        victim.preemptions += 1
         self._release(victim, everything=True)
         self.waiting.appendleft(victim)
         plan.preempted.append(victim)

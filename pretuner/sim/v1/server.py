@@ -1,11 +1,8 @@
 """`python -m pretuner.sim vllm serve MODEL ...`: the emulated vLLM 0.24 server process.
 
-Boots (`pretuner.sim.v1.boot`), opens its socket only once ready like the real server, serves
-until SIGTERM/SIGINT (exit 0), and keeps running with a dead engine after an OOM during a
-request (every request 500, /health 503) until stopped. A failed start exits 1. While it runs
-it publishes its memory per GPU in the state dir and holds every level it passes through for
-`HOLD_S`, so a 20 ms sampler in another process sees each transient.
-"""
+Opens its socket once booted, serves until SIGTERM/SIGINT (exit 0), keeps serving 500s with a
+dead engine after an OOM, exits 1 on a failed start. It publishes its memory per GPU and holds
+every level for `HOLD_S`, so a 20 ms sampler in another process sees each transient."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pretuner.sim.argv import serve_main
@@ -47,20 +44,6 @@ def devices_for(cfg: V1Config) -> list[int] | None:
     visible = list(cfg.visible) if cfg.visible is not None else list(
         range(CUDA_PROFILES[cfg.profile].gpus_per_node))
     return visible[:cfg.tp] if len(visible) >= cfg.tp else None
-
-
-def step_seconds(tokens: int) -> float:
-    """Emulated duration of one engine step when no clock is modeled (fast)."""
-    return 0.0005 + tokens * 1e-7
-
-
-def step_clock(cfg: V1Config, booted: Booted) -> Callable[[int], float]:
-    """What one step sleeps: the emulated card's time (`pretuner.sim.v1.offload`) scaled by
-    PRETUNER_SIM_TIME_SCALE."""
-    clock = booted.clock
-    if clock is None:
-        return step_seconds
-    return lambda tokens: clock.step_seconds(tokens) * cfg.time_scale
 
 
 class _Publisher:
@@ -112,7 +95,9 @@ class Server:
             sink.unpublish()
             return 1
         core = EngineCore(booted, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
-        engine = Engine(core, self.log, sink.level, step_clock(self.cfg, booted))
+        scale = self.cfg.time_scale  # PRETUNER_SIM_TIME_SCALE
+        engine = Engine(core, self.log, sink.level,
+                        lambda tokens: booted.clock.step_seconds(tokens) * scale)
         try:
             http = self._open(engine, booted)
         except OSError as err:

@@ -1,10 +1,7 @@
 """`nvidia-smi` for the emulated CUDA cards, and the state files servers publish for it.
 
-A running emulated vLLM server writes `$PRETUNER_SIM_STATE_DIR/cuda-gpu<i>-pid<pid>.json`
-(`{"pid": ..., "process_mib": ...}`) for each GPU it uses. A GPU's NVML `memory.used` is the
-profile's idle reservation + the tenant (`PRETUNER_SIM_OCCUPIED_MIB`) + every live server's
-process memory on it; entries of dead processes are ignored (`pretuner.sim.state.read_live`).
-"""
+A GPU's `memory.used` is the profile's idle reservation + the tenant + every live server's
+`cuda-gpu<i>-pid<pid>.json` in the state dir."""
 
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
-"""What only the emulator knows about vLLM 0.24 on an emulated CUDA card: the largest pinned
-KV cache that truly works, and what util-mode profiling would give.
+"""What only the emulator knows about vLLM 0.24: the largest pinned KV cache that truly works.
 
-Pure (no I/O, no clocks): both replay the shared boot and engine code with a silent log, so
-they can never disagree with the server. A benchmark scores a tuner's
-`--kv-cache-memory-bytes` against `max_kv_bytes`; a tuner must never call these.
-
-The load a configuration must survive: for a text model, one max-length prompt alone, then as
-many at once as the KV cache holds. For a vision-language model (`Images` given), the
-validation of `pretuner.launch.images.validation_phases`: the longest text prefill, the burst
-of worst-case image requests, and with `soak` requests the mixed soak, a cache reset and the
-burst again on top of what the soak left.
-"""
+Pure: replays the shared boot and engine code with a silent log, so it cannot disagree with the
+server. The load to survive: one max-length prompt, then as many as the KV cache holds; for a
+vision-language model, `pretuner.launch.images.validation_phases`. A tuner never calls these."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pretuner.launch.images import image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
@@ -28,9 +20,8 @@ from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, KV_DTYPES, parse
 from pretuner.sim.v1.engine import EngineCore
-from pretuner.sim.v1.inproc import SimRequest, Wave, waves_of
+from pretuner.sim.v1.inproc import Client, Recorder, SimRequest, Times, Wave, drive, waves_of
 from pretuner.sim.v1.memory import CUDA_PROFILES
-from pretuner.sim.v1.scheduler import Req
 from pretuner.units import MIB
 
 VALIDATION_DECODE = 16  # what the tuner's validation generates per request
@@ -46,19 +37,6 @@ class Images:
 
     def argv(self) -> list[str]:
         return [] if self.limit is None else ["--limit-mm-per-prompt", f"image={self.limit}"]
-
-MAX_STEPS = 1_000_000
-
-
-@dataclass
-class _Quiet:
-    log: L.V1Log = field(default_factory=lambda: L.V1Log(0, 0, io.StringIO()))
-
-    def level(self, process_bytes: int) -> None:
-        return
-
-    def pause(self, seconds: float) -> None:
-        return
 
 
 def _argv(max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
@@ -76,29 +54,19 @@ def _env(profile_name: str, seed: int, occupied_mib: int) -> dict[str, str]:
 
 
 def _survives(booted: Booted, max_num_seqs: int, batched: int, waves: list[Wave]) -> bool:
-    """Each wave through the engine (all at once, or `concurrency` in flight, then the cache
-    reset it asks for); False at the first step that runs out of memory."""
+    """Each wave through the in-process server's engine; False once a step ran out of memory."""
     core = EngineCore(booted, max_num_seqs, batched)
-    ids = 0
+    rec = _quiet()
+    client = Client(rec.log, dev_mode=True)
     for wave in waves:
-        todo = list(wave.requests)
-        limit = wave.concurrency or len(todo)
-        live: set[str] = set()
-        for _ in range(MAX_STEPS):
-            while todo and len(live) < limit:
-                r = todo.pop(0)
-                ids += 1
-                core.sched.add(Req(f"truth-{ids}", r.prompt_len, r.max_tokens, mm=r.images))
-                live.add(f"truth-{ids}")
-            result = core.step()
-            if result is None:
-                break
-            if result.oom is not None:
-                return False
-            live -= {req.request_id for req in result.finished}
-        if wave.reset and core.mm is not None:
-            core.mm.reset()
-    return True
+        rec.phase = wave.phase
+        drive(core, rec, client, wave, booted.max_model_len, Times(lambda tokens: 0.0))
+    return core.dead is None
+
+
+def _quiet() -> Recorder:
+    """A boot sink that prints nowhere."""
+    return Recorder(L.V1Log(0, 0, io.StringIO()), 0)
 
 
 def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,
@@ -138,7 +106,7 @@ def survives(spec: ModelSpec, argv: list[str], env: dict[str, str], max_num_seqs
     """Whether this server command starts and survives the worst-case load."""
     if images is not None:
         argv = [*argv, *images.argv()]
-    booted = boot(parse(argv, env), _Quiet(), spec=spec)
+    booted = boot(parse(argv, env), _quiet(), spec=spec)
     if booted is None:
         return False
     mml = booted.max_model_len
@@ -181,7 +149,7 @@ def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                  kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util),
                                                  *extra_args])
-    booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _Quiet(), spec=spec)
+    booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _quiet(), spec=spec)
     return 0 if booted is None else booted.kv_bytes
 
 

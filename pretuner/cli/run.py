@@ -10,7 +10,7 @@ import typer
 import pretuner.cli.options as o
 from pretuner.cli.app import app
 from pretuner.cli.render import emit
-from pretuner.cli.vocab import CONFIG_EXTRA, KvDtype, config_callback, human_int, kv_dtype
+from pretuner.cli.vocab import CONFIG_EXTRA, KvDtype, config_callback, kv_dtype, tokens_option
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
 # The tuner is imported inside `run_cmd`: `pretuner --help` and a usage error answer without
@@ -75,10 +75,9 @@ def run_cmd(
         "many tokens/s, else exit 9 with the files written.",
     ),
     max_model_len: o.MaxModelLen = None,
-    min_model_len: int | None = typer.Option(
-        None, "--min-model-len", metavar="TOKENS", parser=human_int,
-        help="Shortest length the fallback may go to (default 4096; 256 on mindspore-cpu).",
-    ),
+    min_model_len: int | None = tokens_option(
+        "--min-model-len", "Shortest length the fallback may go to (default 4096; 256 on "
+        "mindspore-cpu)."),
     util: o.Util = 0.9,
     tp: o.Tp = None,
     pp: o.Pp = 1,

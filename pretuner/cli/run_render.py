@@ -21,25 +21,21 @@ SIM_BANNER = f"*** {SIM_NOTE} ***"
 def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
     """`run --dry-run --json`: what the first launch would be, as data (secrets redacted)."""
     shown = d.command.redacted()
+    shape, soak = d.vision.images, d.vision.soak
+    images = None  # a vision-language model's worst case and soak, as the run will send them
+    if shape is not None:
+        count, side = worst_case_images(shape, d.max_model_len, 1)
+        images = {"image_limit": shape.image_limit, "worst_case_images": count,
+                  "worst_case_image_px": [side, side], "tokens_per_image": shape.tokens_per_image,
+                  "soak_requests": soak.requests, "soak_minutes": soak.minutes}
     return {
         "dry_run": True, "method": d.method, "engine": d.engine, "engine_reason": d.reason,
         "simulated": d.simulated, "card_gib": d.card.card_gib, "card_source": d.card.source,
         "free_mib": d.card.free_mib, "layout": d.layout_reason,
         "device_reader": d.device_reader, "ray_address": ray_address,
         "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
-        "images": _images_json(d),
+        "images": images,
     }
-
-
-def _images_json(d: DryRun) -> dict[str, Any] | None:
-    """A vision-language model's worst case and soak, as the run will send them (predicted)."""
-    shape, soak = d.vision.images, d.vision.soak
-    if shape is None:
-        return None
-    count, side = worst_case_images(shape, d.max_model_len, 1)
-    return {"image_limit": shape.image_limit, "worst_case_images": count,
-            "worst_case_image_px": [side, side], "tokens_per_image": shape.tokens_per_image,
-            "soak_requests": soak.requests, "soak_minutes": soak.minutes}
 
 
 def render_dry_run(d: DryRun, ray_address: str | None) -> str:

@@ -102,6 +102,4 @@ class Progress:
                 if self._live is not None:
                     self._live.update(self._status_text(), refresh=True)
                 elif self.phase and time.monotonic() - self.said_at >= self.heartbeat_s:
-                    self.said_at = time.monotonic()
-                    self.stream.write(self.status_line() + "\n")
-                    self.stream.flush()
+                    self._say(self.status_line())

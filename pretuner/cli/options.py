@@ -16,6 +16,7 @@ from pretuner.models.quant import METHODS
 MODEL = typer.Option("--model", "-m", metavar="MODEL",
                      help="Registry name, alias, or model path the server loads.")
 Model = Annotated[str | None, MODEL]
+RequiredModel = Annotated[str, MODEL]
 Card = Annotated[int | None, typer.Option(
     "--card", metavar="GIB",
     help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
@@ -30,7 +31,8 @@ Engine = Annotated[str, typer.Option(
 )]
 MaxModelLen = Annotated[int | None, typer.Option(
     "--max-model-len", metavar="TOKENS", parser=human_int,
-    help="Longest request to support (32K, 32k...; default 16384; 1024 on mindspore-cpu).",
+    help="Longest request to support (32K, 32k...; default the engine's: 16384, 4096 on "
+    "vllm-cpu, 1024 on mindspore-cpu).",
 )]
 Util = Annotated[float, typer.Option(
     *UTIL_FLAGS, metavar="FRACTION", help="Pre-run --gpu-memory-utilization (the method's 0.9)."

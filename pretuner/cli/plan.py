@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING
 
 import typer
 
+import pretuner.cli.options as o
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json, table
-from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, kv_dtype, tokens_option
-from pretuner.models.quant import METHODS
+from pretuner.cli.render import emit, table
+from pretuner.cli.vocab import KvDtype, kv_dtype
 from pretuner.models.vision import parse_limit_mm_per_prompt
 from pretuner.units import GIB
 
@@ -33,63 +33,32 @@ Examples:
 
 \b
 The flags it shares with `pretuner run` take run's defaults and checks: plan shows the layout
-run would launch. Exit codes: 2 bad input, 4 no layout fits (plan says what would).""",
+run would launch. Exit codes: 2 bad input, 4 no layout fits (plan says what would: on a V1
+engine, quantization, then offload).""",
 )
 def plan_cmd(
-    model: str = typer.Option(..., "--model", "-m", metavar="MODEL",
-                              help="Registry name, alias, or local HF folder."),
-    card: int | None = typer.Option(None, "--card", metavar="GIB",
-                                    help="Card GiB (default: as run, what the device reports)."),
-    util: float = typer.Option(0.9, *UTIL_FLAGS, metavar="FRACTION",
-                               help="--gpu-memory-utilization."),
-    max_model_len: int | None = tokens_option(
-        "--max-model-len", "Tokens per request (32K, 32k...; default the engine's, as run)."),
-    tp: int | None = typer.Option(None, *TP_FLAGS, metavar="N",
-                                  help="Tensor parallel size (default: chosen)."),
-    pp: int = typer.Option(1, *PP_FLAGS, metavar="N", help="Pipeline parallel size."),
-    nodes: int | None = typer.Option(None, "--nodes", metavar="N",
-                                     help="Nodes (default: from TP x PP)."),
+    model: o.RequiredModel,
+    card: o.Card = None,
+    util: o.Util = 0.9,
+    max_model_len: o.MaxModelLen = None,
+    tp: o.Tp = None,
+    pp: o.Pp = 1,
+    nodes: o.Nodes = None,
     cards_per_node: int = typer.Option(8, "--cards-per-node", metavar="N", help="Cards per node."),
-    kv_cache_dtype: KvDtype = typer.Option(KvDtype.AUTO, "--kv-cache-dtype",
-                                           help="KV cache dtype (vLLM's names too)."),
-    block_size: int | None = typer.Option(
-        None, "--block-size", metavar="TOKENS",
-        help="KV block size in tokens (default the engine's: 16 on r0.1 and vLLM, 128 on "
-        "vllm-ascend and vLLM on CPU).",
-    ),
-    weights_format: str | None = typer.Option(None, "--weights-format", metavar="FORMAT",
-                                              help="Checkpoint format, e.g. bf16, w8a8."),
+    kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
+    block_size: o.BlockSize = None,
+    weights_format: o.WeightsFormat = None,
     headroom_gb: float | None = typer.Option(None, "--headroom-gb", metavar="GIB",
                                              help="GiB added to weights+activations (0.5)."),
     kv_gib: float | None = typer.Option(None, "--kv-gib", metavar="GIB",
                                         help="Also say how many tokens fit in this many GiB."),
-    limit_mm_per_prompt: str | None = typer.Option(
-        None, "--limit-mm-per-prompt", metavar="LIMITS",
-        help="VL models (V1 engines): images per prompt, vLLM's forms image=2 or "
-        "'{\"image\": 2}' (default vLLM's 999, capped by what fits in --max-model-len).",
-    ),
-    max_num_batched_tokens: int | None = tokens_option(
-        "--max-num-batched-tokens",
-        "VL models: sizes vLLM's encoder cache (default vLLM's, 8192)."),
-    mm_processor_cache_gb: float | None = typer.Option(
-        None, "--mm-processor-cache-gb", metavar="GIB",
-        help="VL models: vLLM's preprocessor cache, host memory per API server (default 4).",
-    ),
-    engine: str = typer.Option(
-        "auto", "--engine", metavar="NAME",
-        help="auto | vllm-mindspore-r01 | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu, "
-        "as run picks it. When the weights fit no layout of these cards, a V1 engine's plan "
-        "proposes quantization, then offload.",
-    ),
-    quantization: str | None = typer.Option(
-        None, "--quantization", metavar="METHOD",
-        help=f"V1 engines: vLLM's --quantization: {' | '.join(METHODS)} (bitsandbytes loads "
-        "4-bit).",
-    ),
-    cpu_offload_gb: float = typer.Option(0.0, "--cpu-offload-gb", metavar="GIB",
-                                         help="Weights per card kept in host memory."),
-    swap_space: float | None = typer.Option(None, "--swap-space", metavar="GIB",
-                                            help="Host memory per card for preempted KV blocks."),
+    limit_mm_per_prompt: o.LimitMmPerPrompt = None,
+    max_num_batched_tokens: o.MaxNumBatchedTokens = None,
+    mm_processor_cache_gb: o.MmProcessorCacheGb = None,
+    engine: o.Engine = "auto",
+    quantization: o.Quantization = None,
+    cpu_offload_gb: o.CpuOffloadGb = 0.0,
+    swap_space: o.SwapSpace = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Predict the layout `pretuner run` would launch, and its weights, activations, KV cache
@@ -130,10 +99,7 @@ def plan_cmd(
             if not as_json:
                 typer.echo("\n".join(render_proposal(proposal)))
         raise
-    if as_json:
-        echo_json(result.to_json())
-    else:
-        typer.echo(render_plan(result))
+    emit(as_json, result.to_json(), render_plan(result))
 
 
 def render_images(vp: VisionPlan) -> list[str]:

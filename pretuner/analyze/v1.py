@@ -18,9 +18,9 @@ from typing import Any
 from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
 from pretuner.devices.series import parse_memory_tsv
-from pretuner.engines.v1_log import V1Log
 from pretuner.errors import BadInputError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
+from pretuner.logscan.v1 import V1Log
 from pretuner.pinned import (
     MARGIN_FLOOR_MIB,
     PinnedBudget,

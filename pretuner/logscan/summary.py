@@ -45,6 +45,7 @@ from pretuner.logscan.result import (
     Truncation,
 )
 from pretuner.logscan.scanner import FileDone, FileStart, ScanItem
+from pretuner.logscan.v1 import V1Log
 
 N = TypeVar("N", int, float)
 
@@ -98,6 +99,7 @@ class Summariser:
         self.concurrency: float | None = None
         self.kv_blocks: int | None = None
         self.weights_gib: float | None = None
+        self.v1 = V1Log()
         self._file: _FileState | None = None
 
     def feed(self, items: Iterable[ScanItem]) -> Summariser:
@@ -123,6 +125,7 @@ class Summariser:
         if ev.pid is not None and ev.rank is not None and state.rank is None:
             self.pid_rank.setdefault(ev.pid, ev.rank)
         event = ev.event
+        self.v1 = self.v1.add(event)
         if isinstance(event, LoadingStarted):
             state.loading = True
         elif isinstance(event, ModelLoaded):
@@ -145,7 +148,7 @@ class Summariser:
         elif isinstance(event, PoolDumpHeader | PartialPoolDump | PoolDump | DeviceMemoryInit
                         | MemoryStat | OomEvent):
             self._per_rank(state, ev, event, pid)
-        # the rest (AvailableMemory, a V1 engine's start-up) is not what a scan reports
+        # the rest (AvailableMemory, a V1 engine's start-up) is only the V1 fold's
 
     def _acc(self, ev: Located, pid: int | None) -> RankAcc:
         if ev.rank is not None:
@@ -280,6 +283,7 @@ class Summariser:
             oom_omitted=self.oom_omitted,
             truncated_omitted=self.truncated_omitted,
             prompts_ignored_omitted=self.ignored_omitted,
+            v1=self.v1,
         )
 
     def _rank(self, rank: int | None, pid: int | None) -> int | None:

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from pretuner.cluster.nodefs import node_local
 from pretuner.launch.collect import CollectedScan, rank_name
+from pretuner.logscan.events import DeviceMemoryInit, Located
 from pretuner.logscan.files import Unreadable, list_log_files
-from pretuner.logscan.lines import DeviceMemoryInit, Located
 from pretuner.logscan.result import MAX_EXAMPLES, ScanResult
 from pretuner.logscan.scanner import ScanItem, iter_scan
 from pretuner.logscan.summary import summarize_items

@@ -27,7 +27,8 @@ from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
 from pretuner.launch.collect import CollectedScan, LocalCollector
 from pretuner.launch.command import LaunchCommand
-from pretuner.logscan import Located, scan_paths
+from pretuner.logscan import scan_paths
+from pretuner.logscan.events import Located
 
 log = logging.getLogger(__name__)
 

@@ -12,18 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pretuner.errors import BadInputError
-from pretuner.logscan.events import Located, LogEvent, OomEvent, OomKind
 from pretuner.logscan.files import list_log_files
 from pretuner.logscan.follow import LogFollower
-from pretuner.logscan.lines import parse_line, parse_origin
-from pretuner.logscan.result import (
-    OomPhase,
-    OomRecord,
-    RankSummary,
-    ScanResult,
-    TruncatedRecord,
-    Truncation,
-)
+from pretuner.logscan.result import RankSummary, ScanResult
 from pretuner.logscan.scanner import iter_scan
 from pretuner.logscan.summary import summarize_items
 
@@ -39,19 +30,4 @@ def scan_paths(paths: Sequence[Path], *, workers: int | None = None) -> ScanResu
     return summarize_items(iter_scan(files, workers=workers), unreadable)
 
 
-__all__ = [
-    "LogEvent",
-    "LogFollower",
-    "Located",
-    "OomEvent",
-    "OomKind",
-    "OomPhase",
-    "OomRecord",
-    "RankSummary",
-    "ScanResult",
-    "TruncatedRecord",
-    "Truncation",
-    "parse_line",
-    "parse_origin",
-    "scan_paths",
-]
+__all__ = ["LogFollower", "RankSummary", "ScanResult", "scan_paths"]

@@ -102,7 +102,7 @@ class RayCollector(LocalCollector):
         here, server_log = self.nodes[0], Path(self.follower.path)
         if server_log.exists():
             server = scan_paths([server_log])
-            nodes.append(NodeScan(here.node_id, here.label, str(server_log), True, server, ()))
+            nodes.append(NodeScan(here.node_id, here.label, str(server_log), True, server))
         merged = merge_node_scans(nodes)
         return replace(merged, problem=self._problem(merged))
 

@@ -121,6 +121,7 @@ class ScanResult:
     oom_omitted: int = 0
     truncated_omitted: int = 0
     prompts_ignored_omitted: int = 0
+    init_free_mib: tuple[int, ...] = ()  # `Device free MOC Size` of the init lines, then the least
     v1: V1Log = V1Log()  # a V1 engine's facts (not in the JSON: `analyze` reads them)
 
     @property

@@ -99,6 +99,7 @@ class Summariser:
         self.concurrency: float | None = None
         self.kv_blocks: int | None = None
         self.weights_gib: float | None = None
+        self.init_free: list[int] = []
         self.v1 = V1Log()
         self._file: _FileState | None = None
 
@@ -179,6 +180,11 @@ class Summariser:
             if acc.best is None or event.actual_peak_mib > acc.best.actual_peak_mib:
                 acc.best, acc.best_at = event, (now, ev.file, ev.line, pid)
         elif isinstance(event, DeviceMemoryInit):
+            free = event.device_free_mib
+            if free and len(self.init_free) < MAX_EXAMPLES:
+                self.init_free.append(free)
+            elif free:
+                self.init_free[-1] = min(self.init_free[-1], free)  # the tuner reads the least
             if event.device_mib:
                 acc.card_init = (now, event.device_mib)
             if event.user_define_mib:
@@ -283,6 +289,7 @@ class Summariser:
             oom_omitted=self.oom_omitted,
             truncated_omitted=self.truncated_omitted,
             prompts_ignored_omitted=self.ignored_omitted,
+            init_free_mib=tuple(self.init_free),
             v1=self.v1,
         )
 

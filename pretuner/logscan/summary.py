@@ -20,7 +20,6 @@ from pretuner.logscan.events import (
     AvailableKvMemory,
     BlockCounts,
     DeviceMemoryInit,
-    KvCacheSize,
     KvReserved,
     LoadingStarted,
     Located,
@@ -94,7 +93,6 @@ class Summariser:
         self.truncated: list[TruncatedRecord] = []
         self.truncated_omitted = 0
         # The vLLM figures: the smallest of each (the rank that decides), the largest weights.
-        self.kv_tokens: int | None = None
         self.kv_gib: float | None = None
         self.concurrency: float | None = None
         self.kv_blocks: int | None = None
@@ -133,8 +131,6 @@ class Summariser:
             state.loaded = True
             if self.weights_gib is None or event.weights_gib > self.weights_gib:
                 self.weights_gib = event.weights_gib
-        elif isinstance(event, KvCacheSize):
-            self.kv_tokens = _least(event.tokens, self.kv_tokens)
         elif isinstance(event, AvailableKvMemory | KvReserved):
             self.kv_gib = _least(event.gib, self.kv_gib)
         elif isinstance(event, MaxConcurrency):
@@ -274,7 +270,7 @@ class Summariser:
             ranks=ranks,
             oom=tuple(dataclasses.replace(o, rank=self._rank(o.rank, o.pid)) for o in self.oom),
             card_mib=max(cards) if cards else None,
-            kv_cache_tokens=self.kv_tokens,
+            kv_cache_tokens=self.v1.kv_tokens,  # the smallest, as the V1 fold keeps it
             available_kv_gib=self.kv_gib,
             max_concurrency=self.concurrency,
             weights_gib=self.weights_gib,

@@ -61,6 +61,28 @@ def choice(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
     return value
 
 
+def layout(card_gib: int | None, util: float | None, tp: int | None, pp: int | None,
+           block_size: int | None, headroom_gib: float | None) -> None:
+    """The layout options `run` and `analyze` both take, by the same rules (None: not given)."""
+    if card_gib is not None and card_gib < 1:
+        raise BadInputError(f"card size {card_gib} GiB is invalid",
+                            hint="pass the card's GiB, e.g. --card 64")
+    if card_gib is not None:
+        int_range("--card", card_gib, 1, MAX_CARD_GIB)
+    if util is not None:
+        finite("--util", util, example="0.9")
+        if not 0 < util <= 1:
+            raise BadInputError(f"--util {util} is outside (0, 1]",
+                                hint="use the fraction of the card, e.g. 0.9")
+    for flag, value in (("--tp", tp), ("--pp", pp)):
+        if value is not None:
+            int_range(flag, value, 1)
+    if block_size is not None:
+        choice("--block-size", block_size, BLOCK_SIZES)
+    if headroom_gib is not None:
+        non_negative("--headroom-gb", headroom_gib, example="1")
+
+
 def path_text(flag: str, value: str) -> str:
     """A path that names something: not empty or blank (which would mean the current folder)."""
     if not value.strip():

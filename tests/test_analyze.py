@@ -133,6 +133,18 @@ def test_missing_path(tmp_path: Path) -> None:
     assert "does not exist" in proc.stderr
 
 
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--util", "95"], "--util 95.0 is outside (0, 1]"),  # run's rule: analyze took it before
+    (["--card", "0"], "card size 0 GiB is invalid"),
+])
+def test_the_layout_options_are_checked_as_run_checks_them(flags: list[str], said: str,
+                                                            tmp_path: Path) -> None:
+    log = write_log(tmp_path / "server.log", {4242: 29614})
+    proc = invoke("analyze", str(log), "--model", "deepseek-v3", *flags)
+    assert proc.returncode == 2
+    assert said in proc.stderr
+
+
 def test_pre_run_settings_not_given_are_said_as_assumed(tmp_path: Path) -> None:
     """The log does not say the pre-run's util, model-use or length: never silently assumed."""
     log = write_log(tmp_path / "server.log", {4242: 29614})

@@ -16,7 +16,7 @@ from pretuner.analyze import AnalyzeConfig
 from pretuner.analyze.front import analyze_logs
 from pretuner.analyze.r01 import R01Analysis
 from pretuner.errors import InfeasibleError, NothingFoundError
-from pretuner.logscan import Truncation
+from pretuner.logscan.result import Truncation
 from pretuner.models import resolve
 from tests.helpers import invoke
 from tests.test_logscan_truncated import (

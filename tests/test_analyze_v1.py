@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pretuner.analyze.v1 import read_memory_series
-from pretuner.engines.v1_log import read_v1_log
+from pretuner.engines.v1_launch import read_log
 from tests.helpers import invoke, shared
 
 REAL = shared("real-logs")
@@ -421,13 +421,13 @@ def test_read_memory_series(
         (["[INFO] nothing about memory"], False),
     ],
 )  # fmt: skip
-def test_the_v1_reader_tells_v1_from_r01(lines: list[str], is_v1: bool) -> None:
-    assert read_v1_log(iter(lines)).is_v1 is is_v1
+def test_the_v1_reader_tells_v1_from_r01(lines: list[str], is_v1: bool, tmp_path: Path) -> None:
+    (tmp_path / "server.log").write_text("\n".join(lines) + "\n")
+    assert read_log(tmp_path / "server.log").is_v1 is is_v1
 
 
 def test_the_v1_reader_reads_what_analyze_needs() -> None:
-    lines = (H100 / "F-kv59g-mbt32k.log").read_text().splitlines()
-    log = read_v1_log(iter(lines))
+    log = read_log(H100 / "F-kv59g-mbt32k.log")
     assert log.pinned_kv_bytes == 59 * GIB
     assert log.max_model_len == 32_768
     assert (log.tp, log.pp) == (1, 1)

@@ -11,7 +11,8 @@ import pytest
 from pretuner.devices.base import decode_output
 from pretuner.devices.npu_smi import parse_npu_smi
 from pretuner.errors import BadInputError
-from pretuner.logscan import parse_line, parse_origin, scan_paths
+from pretuner.logscan import scan_paths
+from pretuner.logscan.lines import parse_line, parse_origin
 from pretuner.method import MAX_NUM_SEQS, max_num_seqs
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.record import RunRecord

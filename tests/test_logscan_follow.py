@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from pretuner.logscan import LogFollower
-from pretuner.logscan.lines import OomEvent
+from pretuner.logscan.events import OomEvent
 from pretuner.logscan.pooldump import PoolDump
 from tests.test_logscan_scanner import peak_mib
 

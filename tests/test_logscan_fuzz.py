@@ -9,8 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pretuner.logscan import LogFollower, parse_line, parse_origin, scan_paths
-from pretuner.logscan.lines import ANCHORS, split_writers
+from pretuner.logscan import LogFollower, scan_paths
+from pretuner.logscan.lines import ANCHORS, parse_line, parse_origin, split_writers
 from tests.test_logscan_lines import OOM_CASES, POOL_CASES, VLLM_CASES
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from pretuner.errors import BadInputError
-from pretuner.logscan import OomKind, OomPhase, scan_paths
+from pretuner.logscan import scan_paths
+from pretuner.logscan.events import Located, LogEvent, OomKind
 from pretuner.logscan.files import list_log_files, rank_from_path
-from pretuner.logscan.lines import Located, LogEvent
 from pretuner.logscan.pooldump import PoolDump
+from pretuner.logscan.result import OomPhase
 from pretuner.logscan.scanner import WINDOW_BYTES, FileDone, iter_scan
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"

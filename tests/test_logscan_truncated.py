@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.logscan import LogFollower, Truncation, scan_paths
+from pretuner.logscan import LogFollower, scan_paths
 from pretuner.logscan.lines import parse_line, split_writers
 from pretuner.logscan.pooldump import PartialPoolDump, PoolDump, PoolDumpHeader, PoolFormat
+from pretuner.logscan.result import Truncation
 from tests.test_logscan_scanner import scan_file
 
 RANK_DIR = Path(__file__).parent / "fixtures" / "logs" / "ms_rank_dir"

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pretuner.kvmath import kv_bytes_per_token
-from pretuner.logscan import OomKind, scan_paths
+from pretuner.logscan import scan_paths
+from pretuner.logscan.events import OomKind
 from pretuner.models import resolve
 from pretuner.sim.mindspore_cpu.dims import Dims
 from tests.helpers import cli_env, require, run_cli

@@ -28,7 +28,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from pretuner.cluster.env import job_config_env  # noqa: E402
 from pretuner.cluster.nodefs import NODE_ROOT_ENV  # noqa: E402
-from pretuner.logscan import Located, scan_paths  # noqa: E402
+from pretuner.logscan import scan_paths  # noqa: E402
+from pretuner.logscan.events import Located  # noqa: E402
 
 # One worker runs this file: its tests share the module's Ray cluster.
 pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.slow,
@@ -377,7 +378,7 @@ def test_live_poll_reports_an_oom_written_on_the_second_node(
 ) -> None:
     from pretuner.cluster import session as collector_module
     from pretuner.cluster.session import ClusterPlan, ray_cluster
-    from pretuner.logscan import OomEvent
+    from pretuner.logscan.events import OomEvent
     from pretuner.sim.logs import RankLog
 
     monkeypatch.setattr(collector_module, "POLL_EVERY_S", 0.2)

@@ -13,7 +13,7 @@ import pytest
 
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.v1_knobs import Knobs
-from pretuner.engines.v1_log import read_v1_log
+from pretuner.engines.v1_launch import read_log
 from pretuner.engines.vllm_v1 import ROWS, V1Engine
 from pretuner.errors import ServerFailedError
 from pretuner.sim.executor import tune_v1_in_process
@@ -232,8 +232,10 @@ def test_an_engine_the_host_cannot_hold_is_a_server_failure_naming_the_host(
     ("(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above. "
      "Failed core proc(s): {}", None),
 ])
-def test_the_log_names_an_engine_killed_by_a_signal(line: str, signal: int | None) -> None:
-    assert read_v1_log([line]).killed_by_signal == signal
+def test_the_log_names_an_engine_killed_by_a_signal(line: str, signal: int | None,
+                                                    tmp_path: Path) -> None:
+    (tmp_path / "server.log").write_text(line + "\n")
+    assert read_log(tmp_path / "server.log").killed_by_signal == signal
 
 
 def test_a_knob_given_as_a_server_arg_is_the_runs_knob() -> None:

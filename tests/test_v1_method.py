@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import Executor, Exercised, LaunchOutcome, OutcomeKind
-from pretuner.engines.v1_launch import classify, concurrency
-from pretuner.engines.v1_log import V1Log, read_v1_log
+from pretuner.engines.v1_launch import classify, concurrency, read_log
 from pretuner.errors import InfeasibleError, NotValidatedError
+from pretuner.logscan.v1 import V1Log
 from pretuner.models import resolve
 from pretuner.pinned import back_off_bytes, derive_pinned, kv_held_bytes
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
@@ -26,11 +25,6 @@ H100 = shared("real-logs", "vllm-0.24-h100")
 CPU = shared("real-logs", "vllm-cpu-0.32")
 BPT = 147_456  # Qwen3-8B: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
 H100_MARGIN_MIB = 408  # 0.5 % of the H100's 81,559 MiB, rounded up
-
-
-def _log(path: Path) -> V1Log:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        return read_v1_log(f)
 
 
 def _run(name: str) -> dict[str, Any]:
@@ -51,7 +45,7 @@ def _run(name: str) -> dict[str, Any]:
 )
 def test_reads_the_real_h100_logs(name: str, kv_gib: float, tokens: int, ready: bool,
                                   alloc_mib: int | None, dead: bool) -> None:
-    v1 = _log(H100 / f"{name}.log")
+    v1 = read_log(H100 / f"{name}.log")
     assert v1.weights_gib == 15.27
     assert v1.kv_gib == kv_gib
     assert v1.kv_tokens == tokens
@@ -62,11 +56,11 @@ def test_reads_the_real_h100_logs(name: str, kv_gib: float, tokens: int, ready: 
 
 
 def test_reads_the_real_cpu_logs() -> None:
-    auto = _log(CPU / "util030-auto.log")
+    auto = read_log(CPU / "util030-auto.log")
     assert (auto.available_kv_gib, auto.non_kv_gib, auto.kv_tokens) == (2.7, 0.7, 2_836_096)
-    pinned = _log(CPU / "kv1g-explicit.log")
+    pinned = read_log(CPU / "kv1g-explicit.log")
     assert (pinned.pinned_kv_gib, pinned.kv_tokens) == (1.0, 1_048_576)
-    oom = _log(CPU / "kv8g-data6g-oom.log")
+    oom = read_log(CPU / "kv8g-data6g-oom.log")
     assert oom.oom_alloc_bytes == 8 * GIB
     assert oom.start_failed
     assert not oom.ready

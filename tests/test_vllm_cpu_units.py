@@ -18,8 +18,7 @@ from pretuner.devices.cpu import CpuBudgetReader, session_of, vm_data_kib
 from pretuner.engines.base import LaunchSettings, Purpose, Target
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
 from pretuner.engines.registry import choose_engine
-from pretuner.engines.v1_launch import classify
-from pretuner.engines.v1_log import read_v1_log
+from pretuner.engines.v1_launch import classify, read_log
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, engine_python, parse_server_args
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token
@@ -207,8 +206,7 @@ def test_the_limit_wrapper_sets_rlimit_data_and_the_reader_sees_the_child() -> N
 )
 def test_the_real_cpu_logs_are_classified(name: str, kind: OutcomeKind, kv_gib: float,
                                           tokens: int, alloc: int | None) -> None:
-    with (CPU_LOGS / f"{name}.log").open(encoding="utf-8", errors="replace") as f:
-        v1 = read_v1_log(f)
+    v1 = read_log(CPU_LOGS / f"{name}.log")
     ran = Exercised(0, 0, 0, None) if alloc else Exercised(1, 1, 0, None)
     assert classify(v1, ran, None) is kind
     assert (v1.kv_gib, v1.kv_tokens, v1.oom_alloc_bytes) == (kv_gib, tokens, alloc)
@@ -221,18 +219,18 @@ def test_the_real_prefill_oom_under_the_budget_is_an_oom_in_a_request() -> None:
     """5,200 MiB pinned under 6 GiB starts (VmData 6,143 MiB) and dies on the first 4,000-token
     prefill: the budget's edge is the worst-case request, not the start-up."""
     log = Path(__file__).parent / "fixtures" / "logs" / "vllm-cpu-kv5200m-data6g-prefill-oom.log"
-    with log.open(encoding="utf-8", errors="replace") as f:
-        v1 = read_v1_log(f)
+    v1 = read_log(log)
     assert (v1.ready, v1.engine_dead, v1.start_failed) == (True, True, False)
     assert v1.pinned_kv_gib == 5.08
     assert v1.oom_alloc_bytes == 8_192_000
     assert classify(v1, Exercised(0, 1, 0, "HTTP 500"), None) is OutcomeKind.OOM_IN_REQUEST
 
 
-def test_an_oom_before_any_kv_line_is_still_the_weights() -> None:
-    line = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
-            "can't allocate memory: you tried to allocate 19139072 bytes. Error code 12")
-    v1 = read_v1_log([line])
+def test_an_oom_before_any_kv_line_is_still_the_weights(tmp_path: Path) -> None:
+    (tmp_path / "server.log").write_text(
+        "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+        "can't allocate memory: you tried to allocate 19139072 bytes. Error code 12\n")
+    v1 = read_log(tmp_path / "server.log")
     assert classify(v1, Exercised(0, 0, 0, None), None) is OutcomeKind.OOM_WEIGHTS
 
 

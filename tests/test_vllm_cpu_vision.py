@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.engines.v1_log import read_v1_log
+from pretuner.engines.v1_launch import read_log
 from pretuner.engines.vllm_v1 import ROWS, engine_python
 from pretuner.models import resolve
 from pretuner.models.vision import max_image_tokens
@@ -49,8 +49,7 @@ def test_the_real_log_shows_the_encoder_budget_plan_predicts() -> None:
     """vLLM profiled 2 images of 1,024 tokens: the budget of max(batched tokens, one image)
     with the CPU server's default of 2,048 batched tokens (the request lines say 1,024
     tokens per 1024 x 1024 image, as `smart_resize` does)."""
-    with REAL_LOG.open(encoding="utf-8") as f:
-        log = read_v1_log(f)
+    log = read_log(REAL_LOG)
     spec = resolve(str(TINY_VL))
     assert spec.vision is not None
     assert max_image_tokens(spec.vision) == 1024

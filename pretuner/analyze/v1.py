@@ -18,9 +18,9 @@ from typing import Any
 from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
 from pretuner.devices.series import parse_memory_tsv
-from pretuner.engines.v1_log import V1Log
 from pretuner.errors import BadInputError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
+from pretuner.logscan.v1 import V1Log
 from pretuner.pinned import (
     MARGIN_FLOOR_MIB,
     PinnedBudget,
@@ -56,9 +56,7 @@ class DevicePeak:
 
 
 def read_memory_series(text: str, file: str) -> DevicePeak:
-    """The device peak of a pretuner launch's memory.tsv, an NVML series
-    (`epoch<TAB>phase<TAB>used_mib` rows) or repeated
-    `nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader,nounits`."""
+    """The device peak of a launch's memory.tsv, an NVML series or nvidia-smi CSV rows."""
     launch = parse_memory_tsv(0, text)
     if launch.rows:
         phases: dict[str, int] = {}
@@ -494,8 +492,7 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
 
 
 def _kv_in_log(log: V1Log) -> tuple[str | None, int | None]:
-    """The KV cache the run asked for: the pinned bytes (exact when the arguments were echoed),
-    else the KV that profiling gave it."""
+    """The KV cache the run asked for: pinned (exact when echoed), else what profiling gave."""
     if log.pinned_kv_bytes is not None:
         return "pinned", log.pinned_kv_bytes
     if log.pinned_kv_gib is not None:

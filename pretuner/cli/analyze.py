@@ -99,15 +99,9 @@ def analyze_cmd(
     from pretuner.analyze.front import analyze_logs
     from pretuner.models import resolve
 
-    for flag, given, high in (("--card", card, v.MAX_CARD_GIB),
-                              ("--card-total-mib", card_total_mib, v.MAX_CARD_GIB * 1024),
-                              ("--tp", tp, None), ("--pp", pp, None)):
-        if given is not None:
-            v.int_range(flag, given, 1, high)
-    if util is not None:
-        v.finite("--util", util, example="0.9")
-    v.non_negative("--headroom-gb", headroom_gb, example="1")
-    v.choice("--block-size", block_size, v.BLOCK_SIZES)
+    v.layout(card, util, tp, pp, block_size, headroom_gb)
+    if card_total_mib is not None:
+        v.int_range("--card-total-mib", card_total_mib, 1, v.MAX_CARD_GIB * 1024)
     result = analyze_logs(AnalyzeConfig(
         paths=tuple(logs),
         model=resolve(model) if model is not None else None,

@@ -7,16 +7,15 @@ nodes' summaries into one scan and remembers which node each rank was on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pretuner.cluster.nodefs import node_local
 from pretuner.launch.collect import CollectedScan, rank_name
-from pretuner.logscan.files import Unreadable, list_log_files
-from pretuner.logscan.lines import DeviceMemoryInit, Located
-from pretuner.logscan.result import MAX_EXAMPLES, ScanResult
-from pretuner.logscan.scanner import ScanItem, iter_scan
+from pretuner.logscan import scan_paths
+from pretuner.logscan.files import Unreadable
+from pretuner.logscan.result import ScanResult
 from pretuner.logscan.summary import summarize_items
 
 T = TypeVar("T")
@@ -31,29 +30,14 @@ class NodeScan:
     folder: str  # the folder as read on the node
     found: bool  # the folder exists on this node
     scan: ScanResult
-    init_free_mib: tuple[int, ...]  # `Device free MOC Size` of the init lines (and the least)
 
 
 def scan_node_folder(folder: str, node_id: str, label: str) -> NodeScan:
     """Scan `folder` on this node's disk with pretuner's scanner (runs on the node)."""
     path = node_local(folder)
     found = path.exists()
-    files, unreadable = list_log_files([path]) if found else ([], [])
-    free: list[int] = []
-    result = summarize_items(_noting_free(iter_scan(files), free), unreadable)
-    return NodeScan(node_id, label, str(path), found, result, tuple(free))
-
-
-def _noting_free(items: Iterable[ScanItem], free: list[int]) -> Iterator[ScanItem]:
-    """The items, noting the free memory of the init lines: the first ones, then the least."""
-    for item in items:
-        if isinstance(item, Located) and isinstance(item.event, DeviceMemoryInit):
-            mib = item.event.device_free_mib
-            if mib and len(free) < MAX_EXAMPLES:
-                free.append(mib)
-            elif mib:
-                free[-1] = min(free[-1], mib)  # what the tuner reads is the least
-        yield item
+    scan = scan_paths([path]) if found else summarize_items(())
+    return NodeScan(node_id, label, str(path), found, scan)
 
 
 def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
@@ -111,7 +95,7 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
         scan,
         {name: r.actual_peak_mib for name, r in zip(names, ranks, strict=True)
          if r.actual_peak_mib is not None},
-        init_free_mib=tuple(f for n in nodes for f in n.init_free_mib),
+        init_free_mib=tuple(f for n in nodes for f in n.scan.init_free_mib),
         worst_node=worst_node,
         doc=doc,
     )

@@ -150,9 +150,7 @@ def env_problems(probes: Sequence[NodeProbe], placement: Placement) -> list[EnvP
 
 
 def proposed_envs(probes: Sequence[NodeProbe], placement: Placement) -> dict[str, dict[str, str]]:
-    """Node id -> the node variables it should export before `ray start`: its own values
-    where they are right; for a NIC, the interface holding the node's Ray address; for
-    values that must agree, the guide's value if a node has it, else the local node's."""
+    """Node id -> the node variables it should export before `ray start` (its own where right)."""
     bad = {(e.node.node_id, e.name) for e in env_problems(probes, placement)}
     ranks = {n.node_id: c for n, c in zip(placement.nodes, placement.ranks_per_node, strict=True)}
     # Values that must agree: the guide's value if a node has it, else the local node's, else

@@ -27,7 +27,8 @@ from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
 from pretuner.launch.collect import CollectedScan, LocalCollector
 from pretuner.launch.command import LaunchCommand
-from pretuner.logscan import Located, scan_paths
+from pretuner.logscan import scan_paths
+from pretuner.logscan.events import Located
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class RayCollector(LocalCollector):
         here, server_log = self.nodes[0], Path(self.follower.path)
         if server_log.exists():
             server = scan_paths([server_log])
-            nodes.append(NodeScan(here.node_id, here.label, str(server_log), True, server, ()))
+            nodes.append(NodeScan(here.node_id, here.label, str(server_log), True, server))
         merged = merge_node_scans(nodes)
         return replace(merged, problem=self._problem(merged))
 

@@ -20,13 +20,14 @@ from typing import Protocol
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
 from pretuner.engines.v1_images import Soak, exercise_images
-from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.images import ImageShape
 from pretuner.launch.probe import Arrivals, CompletionOutcome, LoadOutcome, stream_complete
 from pretuner.launch.process import read_tail
 from pretuner.launch.sampler import requests_status
+from pretuner.logscan import scan_paths
+from pretuner.logscan.v1 import V1Log
 from pretuner.speed import Speed
 from pretuner.units import GIB, MIB
 
@@ -47,11 +48,7 @@ log = logging.getLogger(__name__)
 
 
 def read_log(path: Path) -> V1Log:
-    try:
-        with path.open(encoding="utf-8", errors="replace") as f:
-            return read_v1_log(f)
-    except FileNotFoundError:
-        return V1Log()
+    return scan_paths([path]).v1 if path.exists() else V1Log()
 
 
 def concurrency(s: LaunchSettings, kv_tokens: int | None, bytes_per_token: int) -> int:

@@ -1,6 +1,6 @@
 """The V1 engine family: vLLM on CUDA, vllm-ascend, vLLM-MindSpore >= 0.3, vLLM on CPU.
 
-They share vLLM's V1 worker: the same flags, the same memory lines (`pretuner.engines.v1_log`)
+They share vLLM's V1 worker: the same flags, the same memory lines (`pretuner.logscan.v1`)
 and `--kv-cache-memory-bytes` (vLLM >= 0.11) to pin the KV cache instead of profiling. They
 differ only in data, so each is one `V1Row`. When the engine's stack is not installed the
 emulated vLLM 0.24 server (the emulator plugin, `pretuner.emulation`) stands in, on an emulated

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pretuner.launch.command import LaunchCommand
-from pretuner.logscan import Located, LogFollower, OomEvent, ScanResult, scan_paths
-from pretuner.logscan.lines import DeviceMemoryInit
-from pretuner.logscan.result import RankSummary
+from pretuner.logscan import LogFollower, RankSummary, ScanResult, scan_paths
+from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent
 
 
 @dataclass(frozen=True, slots=True)

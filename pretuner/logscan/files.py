@@ -38,11 +38,6 @@ NOT_LOGS = frozenset({
 })  # fmt: skip
 
 
-def not_a_log(name: str) -> bool:
-    """A file a folder walk leaves out: its suffix says it is a document, a record or data."""
-    return os.path.splitext(name)[1].lower() in NOT_LOGS
-
-
 def list_log_files(paths: Sequence[Path]) -> tuple[list[str], list[Unreadable]]:
     """Every regular file under the given paths, once each, and those that cannot be read.
 
@@ -62,7 +57,7 @@ def list_log_files(paths: Sequence[Path]) -> tuple[list[str], list[Unreadable]]:
             for root, dirs, names in os.walk(text):
                 dirs.sort()
                 for name in sorted(names):
-                    if not_a_log(name):
+                    if os.path.splitext(name)[1].lower() in NOT_LOGS:
                         continue
                     full = os.path.join(root, name)
                     (links if os.path.islink(full) else pending).append(full)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from pretuner.logscan.events import Located, LogEvent
 from pretuner.logscan.files import rank_from_path
-from pretuner.logscan.lines import ANCHORS, Located, LogEvent, locate_line
+from pretuner.logscan.lines import ANCHORS, locate_line
 from pretuner.logscan.search import MAX_HIT_LINE_BYTES
 
 READ_BYTES = 4 * 2**20  # at most this much is read per poll: memory stays bounded

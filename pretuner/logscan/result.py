@@ -8,6 +8,7 @@ from typing import Any
 
 from pretuner.logscan.events import OomEvent, OomKind, PromptIgnored
 from pretuner.logscan.files import Unreadable
+from pretuner.logscan.v1 import V1Log
 
 MAX_EXAMPLES = 100  # OOM, truncated-dump and ignored-prompt records kept; the rest are counted
 
@@ -120,6 +121,8 @@ class ScanResult:
     oom_omitted: int = 0
     truncated_omitted: int = 0
     prompts_ignored_omitted: int = 0
+    init_free_mib: tuple[int, ...] = ()  # `Device free MOC Size` of the init lines, then the least
+    v1: V1Log = V1Log()  # a V1 engine's facts (not in the JSON: `analyze` reads them)
 
     @property
     def worst(self) -> RankSummary | None:

@@ -24,8 +24,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pretuner.logscan.events import Located
 from pretuner.logscan.files import rank_from_path
-from pretuner.logscan.lines import Located, locate_line
+from pretuner.logscan.lines import locate_line
 from pretuner.logscan.search import find_anchor_lines, hit_bytes
 
 if TYPE_CHECKING:

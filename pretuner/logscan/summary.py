@@ -20,7 +20,6 @@ from pretuner.logscan.events import (
     AvailableKvMemory,
     BlockCounts,
     DeviceMemoryInit,
-    KvCacheSize,
     KvReserved,
     LoadingStarted,
     Located,
@@ -45,6 +44,7 @@ from pretuner.logscan.result import (
     Truncation,
 )
 from pretuner.logscan.scanner import FileDone, FileStart, ScanItem
+from pretuner.logscan.v1 import V1Log
 
 N = TypeVar("N", int, float)
 
@@ -93,11 +93,12 @@ class Summariser:
         self.truncated: list[TruncatedRecord] = []
         self.truncated_omitted = 0
         # The vLLM figures: the smallest of each (the rank that decides), the largest weights.
-        self.kv_tokens: int | None = None
         self.kv_gib: float | None = None
         self.concurrency: float | None = None
         self.kv_blocks: int | None = None
         self.weights_gib: float | None = None
+        self.init_free: list[int] = []
+        self.v1 = V1Log()
         self._file: _FileState | None = None
 
     def feed(self, items: Iterable[ScanItem]) -> Summariser:
@@ -123,14 +124,13 @@ class Summariser:
         if ev.pid is not None and ev.rank is not None and state.rank is None:
             self.pid_rank.setdefault(ev.pid, ev.rank)
         event = ev.event
+        self.v1 = self.v1.add(event)
         if isinstance(event, LoadingStarted):
             state.loading = True
         elif isinstance(event, ModelLoaded):
             state.loaded = True
             if self.weights_gib is None or event.weights_gib > self.weights_gib:
                 self.weights_gib = event.weights_gib
-        elif isinstance(event, KvCacheSize):
-            self.kv_tokens = _least(event.tokens, self.kv_tokens)
         elif isinstance(event, AvailableKvMemory | KvReserved):
             self.kv_gib = _least(event.gib, self.kv_gib)
         elif isinstance(event, MaxConcurrency):
@@ -145,7 +145,7 @@ class Summariser:
         elif isinstance(event, PoolDumpHeader | PartialPoolDump | PoolDump | DeviceMemoryInit
                         | MemoryStat | OomEvent):
             self._per_rank(state, ev, event, pid)
-        # the rest (AvailableMemory, a V1 engine's start-up) is not what a scan reports
+        # the rest (AvailableMemory, a V1 engine's start-up) is only the V1 fold's
 
     def _acc(self, ev: Located, pid: int | None) -> RankAcc:
         if ev.rank is not None:
@@ -176,6 +176,11 @@ class Summariser:
             if acc.best is None or event.actual_peak_mib > acc.best.actual_peak_mib:
                 acc.best, acc.best_at = event, (now, ev.file, ev.line, pid)
         elif isinstance(event, DeviceMemoryInit):
+            free = event.device_free_mib
+            if free and len(self.init_free) < MAX_EXAMPLES:
+                self.init_free.append(free)
+            elif free:
+                self.init_free[-1] = min(self.init_free[-1], free)  # the tuner reads the least
             if event.device_mib:
                 acc.card_init = (now, event.device_mib)
             if event.user_define_mib:
@@ -265,7 +270,7 @@ class Summariser:
             ranks=ranks,
             oom=tuple(dataclasses.replace(o, rank=self._rank(o.rank, o.pid)) for o in self.oom),
             card_mib=max(cards) if cards else None,
-            kv_cache_tokens=self.kv_tokens,
+            kv_cache_tokens=self.v1.kv_tokens,  # the smallest, as the V1 fold keeps it
             available_kv_gib=self.kv_gib,
             max_concurrency=self.concurrency,
             weights_gib=self.weights_gib,
@@ -280,6 +285,8 @@ class Summariser:
             oom_omitted=self.oom_omitted,
             truncated_omitted=self.truncated_omitted,
             prompts_ignored_omitted=self.ignored_omitted,
+            init_free_mib=tuple(self.init_free),
+            v1=self.v1,
         )
 
     def _rank(self, rank: int | None, pid: int | None) -> int | None:

@@ -33,8 +33,7 @@ from pretuner.launch import probe
 from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
-from pretuner.logscan import Located, OomEvent, OomKind
-from pretuner.logscan.lines import DeviceMemoryInit
+from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
 from pretuner.speed import Speed
 from pretuner.tune.busy import device_busy
 from pretuner.tune.record import RunRecord

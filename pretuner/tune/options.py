@@ -181,29 +181,14 @@ class RunOptions:
         o = self
         if not o.model.strip():
             raise BadInputError("--model is empty", hint="pass a registry name or a model folder")
-        if o.card_gib is not None and o.card_gib < 1:
-            raise BadInputError(f"card size {o.card_gib} GiB is invalid",
-                                hint="pass the card's GiB, e.g. --card 64")
-        if o.card_gib is not None:
-            v.int_range("--card", o.card_gib, 1, v.MAX_CARD_GIB)
-        v.finite("--util", o.util, example="0.9")
-        if not 0 < o.util <= 1:
-            raise BadInputError(f"--util {o.util} is outside (0, 1]",
-                                hint="use the fraction of the card, e.g. 0.9")
+        v.layout(o.card_gib, o.util, o.tp, o.pp, o.block_size, o.headroom_gib)
         for flag, value in (("--max-model-len", o.max_model_len),
                             ("--min-model-len", o.min_model_len)):
             if value is not None:
                 v.int_range(flag, value, 1)
-        if o.tp is not None:
-            v.int_range("--tp", o.tp, 1)
-        v.int_range("--pp", o.pp, 1)
         if o.nodes is not None:
             v.int_range("--nodes", o.nodes, 1)
-        if o.block_size is not None:
-            v.choice("--block-size", o.block_size, v.BLOCK_SIZES)
         v.choice("--kv-cache-dtype", o.kv_cache_dtype, KV_DTYPES)
-        if o.headroom_gib is not None:
-            v.non_negative("--headroom-gb", o.headroom_gib, example="1")
         if o.reserve_gib is not None:
             v.non_negative("--reserve-gb", o.reserve_gib, example="1")
         if o.model_use_gib is not None:

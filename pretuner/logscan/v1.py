@@ -1,14 +1,12 @@
-"""What a V1 engine's log says: vLLM >= 0.8 on CUDA and CPU, vllm-ascend and vLLM-MindSpore >= 0.3
-(they share vLLM's V1 worker and its lines, which `pretuner.logscan` parses into typed events).
+"""What a V1 engine's log says (vLLM >= 0.8 on CUDA and CPU, vllm-ascend, vLLM-MindSpore >= 0.3
+share vLLM's V1 worker and its lines): its events folded in log order by the scan's summary.
 
-`read_v1_log(lines)` never raises: a line that is no event is skipped. Of each figure it keeps
-the first (a multi-rank log repeats them; the ranks of one engine agree) except the KV token
-count, where the smallest rank decides.
+Of each figure it keeps the first (a multi-rank log repeats them; the ranks of one engine
+agree) except the KV token count, where the smallest rank decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -33,7 +31,6 @@ from pretuner.logscan.events import (
     ServerReady,
     V1EngineConfig,
 )
-from pretuner.logscan.lines import parse_line
 from pretuner.logscan.pooldump import PartialPoolDump, PoolDump, PoolDumpHeader
 
 T = TypeVar("T")
@@ -102,6 +99,8 @@ class V1Log:
     def add(self, e: LogEvent) -> V1Log:
         """This log with one more event, in log order."""
         match e:
+            case PoolDump() | PartialPoolDump() | PoolDumpHeader():
+                return self if self.pool_dump else replace(self, pool_dump=True)
             case ModelLoaded():
                 return replace(self, weights_gib=_or(self.weights_gib, e.weights_gib))
             case AvailableKvMemory():
@@ -148,8 +147,6 @@ class V1Log:
                 return replace(self, engine_dead=True)
             case SchedulerDump():
                 return replace(self, prefill_died=self.prefill_died or e.prefill)
-            case PoolDump() | PartialPoolDump() | PoolDumpHeader():
-                return replace(self, pool_dump=True)
             case OomEvent():
                 return self._oom(e)
         return self
@@ -165,12 +162,3 @@ class V1Log:
                 self.estimated_max_len, e.estimated_max_model_len))
         return replace(self, oom_text=text, oom_alloc_bytes=_or(self.oom_alloc_bytes,
                                                                  e.alloc_bytes))
-
-
-def read_v1_log(lines: Iterable[str]) -> V1Log:
-    """Every memory fact of a V1 log, from its lines."""
-    log = V1Log()
-    for line in lines:
-        if (event := parse_line(line)) is not None:
-            log = log.add(event)
-    return log

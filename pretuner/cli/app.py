@@ -17,14 +17,11 @@ from pretuner.errors import ExitCode, PretunerError, RunInterrupted
 
 
 class Group(TyperGroup):
-    """A command group whose `--help`, when not given, reads False rather than None.
-
-    Typer (0.29) coerces every value it processes with a pydantic adapter built on first use,
-    except a bool; a group's absent `--help` was None, so `pretuner run --help` imported
-    pydantic (about 0.2 s here) for a flag nobody gave (tests/test_cli_startup.py).
-    """
+    """A command group whose `--help`, when not given, reads False rather than None."""
 
     def get_help_option(self, ctx: Any) -> Any:
+        # Typer (0.29) coerces every value but a bool with a pydantic adapter: an absent `--help`
+        # of None imported pydantic (0.2 s) for a flag nobody gave (tests/test_cli_startup.py).
         option = super().get_help_option(ctx)
         if option is not None:
             option.default = False
@@ -79,8 +76,7 @@ def _root(
 
 
 def error_json(err: PretunerError) -> dict[str, Any]:
-    """What every command prints on stdout under `--json` when it fails: the error, and for
-    `run` the failure report when the run got as far as its run folder."""
+    """A failed command's `--json`: the error, and `run`'s failure report if it has a folder."""
     head = {"error": err.message, "hint": err.hint, "exit_code": int(err.exit_code),
             "error_type": type(err).__name__,
             "run_record": str(err.run_record) if err.run_record is not None else None}

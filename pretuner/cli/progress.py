@@ -1,10 +1,8 @@
 """`pretuner run`'s progress on stderr, also under `--json` (stdout keeps the JSON alone).
 
-One line per phase, as before; between them the status keeps moving, so that a 20-minute wait
-for /health or a long validation load is never silence: on a terminal a live line (rich) under
-the phase lines, elsewhere a plain line whenever nothing was said for `heartbeat_s`. Both say
-the launch (n of at most N), the phase and how long it has run, the load's requests done and
-in flight, and the device memory sampled so far.
+One line per phase; between them the status keeps moving, so that a 20-minute wait for /health
+or a long validation load is never silence: on a terminal a live line (rich) under the phase
+lines, elsewhere a plain line (`status_line`) whenever nothing was said for `heartbeat_s`.
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ from pretuner.errors import BadInputError
 if TYPE_CHECKING:
     from pretuner.deploy.given import GivenValues
     from pretuner.presets.model import Preset
+    from pretuner.report.records import RunReport
 
 # The presets and the templates are imported where they are used: `pretuner --help` and a
 # usage error answer without loading them (tests/test_cli_startup.py).
 
 
-def preset_from_run_dir(run_dir: Path) -> Preset:
-    from pretuner.presets.model import preset_from_report
+def finished_run(run_dir: Path) -> RunReport:
     from pretuner.report.records import FailureReport, read_report
 
     rep = read_report(Path(run_dir))
@@ -32,7 +32,13 @@ def preset_from_run_dir(run_dir: Path) -> Preset:
             f"run {str(run_dir)!r} failed (exit {rep.exit_code}): {reason}",
             hint="a failed run has no configuration; see its report.md",
         )
-    return preset_from_report(rep, date="-")
+    return rep
+
+
+def preset_from_run_dir(run_dir: Path) -> Preset:
+    from pretuner.presets.model import preset_from_report
+
+    return preset_from_report(finished_run(run_dir), date="-")
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -155,7 +161,7 @@ def script_cmd(
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
     from pretuner.deploy.context import ScriptOptions
     from pretuner.deploy.given import preset_from_values
-    from pretuner.deploy.render import render_scripts, write_scripts
+    from pretuner.deploy.render import render_scripts, run_scripts, write_scripts
     from pretuner.presets.model import resolve_preset
 
     if util is not None:
@@ -194,7 +200,8 @@ def script_cmd(
         ]
         if extra:
             raise BadInputError(f"{', '.join(extra)} only go with --model", hint="drop them")
-        p = preset_from_run_dir(run_dir) if run_dir is not None else resolve_preset(str(preset))
+        if preset is not None:
+            p = resolve_preset(preset)
     opts = ScriptOptions(
         engine_version=engine_version,
         model_path=model_path,
@@ -203,7 +210,10 @@ def script_cmd(
         install_dir=install_dir,
         extra_env=_env_pairs(env),
     )
-    files = render_scripts(p, opts, list(target))
+    if run_dir is not None:  # the files its folder holds
+        files = run_scripts(finished_run(run_dir), opts, list(target))
+    else:
+        files = render_scripts(p, opts, list(target))
     if out is None:
         if as_json:
             echo_json({"files": files})

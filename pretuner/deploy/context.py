@@ -46,7 +46,8 @@ class ScriptOptions:
     ray_port: int = 6379
     install_dir: str = "/etc/pretuner"  # where the systemd unit finds tuned.env
     extra_env: dict[str, str] = field(default_factory=dict)
-    command: tuple[str, ...] | None = None  # a server command to use instead of the version's
+    # r0.1 only: the server command, model included, to use instead of the version's
+    command: tuple[str, ...] | None = None
     status: str | None = None  # a run's own files: "validated under full load" or not
 
 
@@ -243,13 +244,9 @@ def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
             f"{r01[0]} is vLLM-MindSpore r0.1's; {p.engine} ignores it",
             hint=f"drop it: {KV_FLAG} sizes the KV cache",
         )
-    if opts.command is None:
-        argv = [*(p.server_command or row.command), model_path, *flags]
-    else:
-        argv = list(opts.command)
     return _Server(
         env=env,
-        argv=argv,
+        argv=[*(p.server_command or row.command), model_path, *flags],
         config=config_entries(classify_argv(flags)),
         notes=[
             f"KV cache pinned with {KV_FLAG} {kv} ({kv / GIB:.2f} GiB = {p.kv_tokens:,} tokens "

@@ -18,6 +18,7 @@ from pretuner.engines.mindspore_r01 import (
     V03_COMMAND,
     chunked_prefill_flag,
     server_kv_cache_dtype,
+    version_tuple,
 )
 from pretuner.engines.vllm_v1 import DEFAULT_UTIL, NIC_VARS, RAY_RESOURCE, ROWS, V1Engine, V1Row
 from pretuner.envfile import server_args
@@ -77,16 +78,6 @@ def check_env_names(env: dict[str, str], extra_env: dict[str, str]) -> dict[str,
     return out
 
 
-def engine_tuple(version: str) -> tuple[int, int]:
-    nums = [int(x) for x in re.findall(r"\d+", version)[:2]]
-    if len(nums) < 2:
-        raise BadInputError(
-            f"vLLM-MindSpore version {version!r} is not understood",
-            hint="use e.g. 0.1, 0.3, 0.4 or 0.5",
-        )
-    return nums[0], nums[1]
-
-
 @dataclass(frozen=True, slots=True)
 class _Server:
     """What one engine family puts in the scripts; `build_context` adds what every one shares."""
@@ -106,7 +97,10 @@ class _Server:
 def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     """vLLM-MindSpore r0.1 and its later versions: the memory variables while they are read."""
     engine_version = opts.engine_version or "0.1"
-    ver = engine_tuple(engine_version)
+    ver = version_tuple(engine_version)[:2]
+    if len(ver) < 2:
+        raise BadInputError(f"vLLM-MindSpore version {engine_version!r} is not understood",
+                            hint="use e.g. 0.1, 0.3, 0.4 or 0.5")
     notes: list[str] = []
     env: dict[str, str] = {"GLOG_v": "2"}  # MindSpore WARNING; 0.3+ would set 3 otherwise
     if ver < (0, 2):

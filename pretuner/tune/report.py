@@ -124,12 +124,6 @@ def given_up(
     return cuts
 
 
-def first_validation_seqs(outcomes: Sequence[LaunchOutcome]) -> int | None:
-    """The r0.1 method's promise: the sequences its first validation was derived to serve."""
-    return next((o.settings.max_num_seqs for o in outcomes
-                 if o.settings.purpose is Purpose.VALIDATE), None)
-
-
 def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision],
              validated: bool, **layout: Any) -> dict[str, Any]:
     """The fields a success and a failure report share, on any engine; `layout` names the
@@ -163,7 +157,9 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
     f = d.final
     tag = provenance(meta.simulated)
     asked_len = meta.asked_max_model_len or f.max_model_len
-    asked_seqs = first_validation_seqs(result.outcomes)
+    # The method's promise: the sequences its first validation was derived to serve.
+    asked_seqs = next((o.settings.max_num_seqs for o in result.outcomes
+                       if o.settings.purpose is Purpose.VALIDATE), None)
     flags = engine.deploy(LaunchSettings(
         Purpose.VALIDATE, f.ascend_total_memory_gb, f.gpu_memory_utilization,
         f.vllm_model_memory_use_gb, f.max_model_len, f.max_num_seqs, f.max_num_batched_tokens,
@@ -392,22 +388,9 @@ def write_report(record: RunRecord, rep: RunReport) -> None:
     refresh_run_page(record.path)
 
 
-def write_failure(record: RunRecord, rep: FailureReport, err: PretunerError) -> None:
-    """A failed run's report.json, report.md and report.html, attached to `err`."""
-    try:
-        record.write_json("report.json", rep.model_dump(mode="json"))
-        record.write("report.md", failure_md(rep))
-    except (OSError, PretunerError) as write_err:
-        # The run's own error is what the user must see; the journal still has every event.
-        log.warning("could not write the failure report in %s: %s", record.path, write_err)
-        return
-    refresh_run_page(record.path)
-    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error
-
-
 def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: RunMeta) -> None:
-    """A failed run's reports, with every launch made: also one that raised before it had an
-    outcome (the journal's last launch_started)."""
+    """A failed run's report.json, report.md and report.html, attached to `err`, with every
+    launch made: also one that raised before it had an outcome (the last launch_started)."""
     steps = [step_json(o) for o in method.outcomes]
     started = None
     for event in record.of_kind("launch_started"):
@@ -418,5 +401,13 @@ def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: 
         log_path = err.log_path if isinstance(err, ServerFailedError) and err.log_path else (
             str(path) if path.is_file() else None)
         steps.append(unfinished_step(n, started["settings"], log_path))
-    write_failure(record, failure_json(err, meta, steps, method.decisions, method.name,
-                                       **method.layout()), err)
+    rep = failure_json(err, meta, steps, method.decisions, method.name, **method.layout())
+    try:
+        record.write_json("report.json", rep.model_dump(mode="json"))
+        record.write("report.md", failure_md(rep))
+    except (OSError, PretunerError) as write_err:
+        # The run's own error is what the user must see; the journal still has every event.
+        log.warning("could not write the failure report in %s: %s", record.path, write_err)
+        return
+    refresh_run_page(record.path)
+    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error

@@ -301,13 +301,10 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         "secret_checks": [_check_line(a.var, f"the server flag {a.flag}") for a in secret_args]
         + env_checks,
         "secret_env_checks": env_checks,
-        "simulated": p.kind is PresetKind.SIMULATED,
         "env": {k: v for k, v in env.items() if k not in secret_env},
         "argv": argv,
         "head_argv": head_argv,
         "config": s.config,
-        "model_path": model_path,
-        "nodes": p.nodes,
         "expected_npus": p.nodes * p.cards_per_node,
         "ray_resource": s.ray_resource,
         "ray_port": opts.ray_port,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pretuner.explain.measured import report_section
 from pretuner.launch.images import IMAGE_WRAP_TOKENS
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
-from pretuner.report.records import PinnedDerivation, RunReport, V1Soak, V1Weights
+from pretuner.report.records import PinnedDerivation, RunReport, V1Weights
 from pretuner.speed import Speed
 from pretuner.tune.pinned.soak import HOLD_DOUBLINGS
 
@@ -134,17 +134,12 @@ def memory_md(rep: RunReport, d: PinnedDerivation) -> list[str]:
             "run 4 times as long)",
             f"- peak before the soak {s.peak_before_mib:,}, from the soak on "
             f"{s.peak_after_mib:,} (the worst-case burst again after it included)"]
-        if not settled(s):
+        if 4 * s.second_half_mib > max(0, s.growth_mib):  # more than a quarter: not slowed
             lines.append(f"- NOT SETTLED: the second half added {s.second_half_mib:,} of the "
                          f"soak's {s.growth_mib:,} MiB; memory was still growing fast: a longer "
                          "--soak measures more of it")
         lines.append("")
     return lines
-
-
-def settled(s: V1Soak) -> bool:
-    """A soak whose second half added at most a quarter of its growth: memory had slowed."""
-    return 4 * s.second_half_mib <= max(0, s.growth_mib)
 
 
 def images_md(d: PinnedDerivation) -> list[str]:

@@ -30,7 +30,6 @@ from pretuner.presets.model import (
     PresetKind,
     config_entries,
     engine_words,
-    flag_value,
 )
 from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
 from pretuner.units import GIB
@@ -204,9 +203,9 @@ def layout_flags(flags: list[str], p: Preset) -> list[str]:
     """`flags` with the parallel sizes and, across nodes, the Ray executor, where missing."""
     out = list(flags)
     for name, size in (("--tensor-parallel-size", p.tp), ("--pipeline-parallel-size", p.pp)):
-        if size > 1 and flag_value(out, name) is None:
+        if size > 1 and name[2:] not in config_entries(out):
             out += [name, str(size)]
-    if p.nodes > 1 and flag_value(out, RAY_BACKEND[0]) is None:
+    if p.nodes > 1 and RAY_BACKEND[0][2:] not in config_entries(out):
         out += RAY_BACKEND
     return out
 
@@ -294,7 +293,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         *s.late_notes,
     ]
     head_argv = list(argv)
-    if flag_value([w for w in head_argv if isinstance(w, str)], RAY_BACKEND[0]) is None:
+    if RAY_BACKEND[0][2:] not in config_entries(head_argv):
         head_argv += RAY_BACKEND
     return {
         "header": [one_line(h) for h in header],

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pretuner.explain.flags import FLAGS
-from pretuner.presets.model import flag_value
+from pretuner.presets.model import config_entries
 from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport, V1Weights
 
 DEFAULT_SWAP_GIB = 4.0
@@ -128,7 +128,7 @@ def _seqs(rep: RunReport) -> list[str]:
 
 
 def _dtype(rep: RunReport) -> list[str]:
-    return [f"--kv-cache-dtype {flag_value(rep.final.flags, '--kv-cache-dtype') or 'auto'}"]
+    return [f"--kv-cache-dtype {config_entries(rep.final.flags).get('kv-cache-dtype', 'auto')}"]
 
 
 def _r01(var: str) -> Measure:

@@ -14,7 +14,6 @@ from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
-    from pretuner.deploy.given import GivenValues
     from pretuner.presets.model import Preset
     from pretuner.report.records import RunReport
 
@@ -49,24 +48,6 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
             raise BadInputError(f"--env {item!r} lacks '='", hint="use --env KEY=VALUE")
         out[key] = value
     return out
-
-
-def values_from_flags(
-    model: str, given: dict[str, int | float | None], **rest: Any
-) -> GivenValues:
-    """The hand-tuned values, once every required flag is there (`given`: flag -> value)."""
-    from pretuner.deploy.given import GivenValues
-
-    missing = [flag for flag, value in given.items() if value is None]
-    if missing:
-        raise BadInputError(
-            f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
-        )
-    # The fields are named as the flags, but for the two that name their unit.
-    v: dict[str, Any] = {flag[2:].replace("-", "_"): value for flag, value in given.items()}
-    return GivenValues(
-        model=model, card_gib=v.pop("card"), model_use_gib=v.pop("model_use_gb"), **v, **rest
-    )
 
 
 @app.command(
@@ -160,7 +141,7 @@ def script_cmd(
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
     from pretuner.deploy.context import ScriptOptions
-    from pretuner.deploy.given import preset_from_values
+    from pretuner.deploy.given import GivenValues, preset_from_values
     from pretuner.deploy.render import render_scripts, run_scripts, write_scripts
     from pretuner.presets.model import resolve_preset
 
@@ -183,9 +164,17 @@ def script_cmd(
             hint=f"{sum(sources)} given",
         )
     if model is not None:
-        values = values_from_flags(model, given, pp=pp, nodes=nodes,
-                                   kv_cache_dtype=kv_cache_dtype, weights_format=weights_format)
-        p = preset_from_values(values)
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            raise BadInputError(
+                f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
+            )
+        # The fields are named as the flags, but for the two that name their unit.
+        values: dict[str, Any] = {f[2:].replace("-", "_"): value for f, value in given.items()}
+        p = preset_from_values(GivenValues(
+            model=model, card_gib=values.pop("card"), model_use_gib=values.pop("model_use_gb"),
+            **values, pp=pp, nodes=nodes, kv_cache_dtype=kv_cache_dtype,
+            weights_format=weights_format))
     else:
         extra = [flag for flag, value in given.items() if value is not None]
         extra += [

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.explain import FLAGS, find, measured_lines, report_section
+from pretuner.explain.flags import FLAGS, find
+from pretuner.explain.measured import MEASURED, report_section
 from pretuner.report.records import (
     PinnedDerivation,
     RunReport,
@@ -69,7 +70,7 @@ def test_every_flag_has_its_words_and_a_figure_reader() -> None:
         assert doc.summary
         assert doc.does
         assert doc.not_this
-        assert measured_lines(doc, rep)
+        assert MEASURED[doc.name](rep)
 
 
 @pytest.mark.parametrize(("flag", "says"), [
@@ -86,7 +87,7 @@ def test_every_flag_has_its_words_and_a_figure_reader() -> None:
 def test_a_v1_runs_figures(flag: str, says: str) -> None:
     doc = find(flag)
     assert doc is not None
-    assert says in "\n".join(measured_lines(doc, v1_report()))
+    assert says in "\n".join(MEASURED[doc.name](v1_report()))
 
 
 def test_an_r01_runs_variables() -> None:
@@ -94,12 +95,12 @@ def test_an_r01_runs_variables() -> None:
     assert isinstance(rep, RunReport)
     doc = find("vLLM_MODEL_MEMORY_USE_GB")
     assert doc is not None
-    lines = measured_lines(doc, rep)
+    lines = MEASURED[doc.name](rep)
     assert lines[0] == "vLLM_MODEL_MEMORY_USE_GB=20"
     assert "19.21 GiB (derived from 'actual peak used' 22,329M, simulated)" in lines[1]
     v1_only = find("--cpu-offload-gb")
     assert v1_only is not None
-    assert measured_lines(v1_only, rep) == ["not given: every weight stays on the card"]
+    assert MEASURED[v1_only.name](rep) == ["not given: every weight stays on the card"]
 
 
 def test_report_md_explains_the_flags_of_the_final_command() -> None:

@@ -25,7 +25,6 @@ from pretuner.presets.model import (
     builtin_presets,
     check_preset,
     config_entries,
-    flag_value,
     preset_from_dict,
     preset_from_report,
     preset_to_json,
@@ -101,20 +100,6 @@ REPORT = v1_record()
 
 
 @pytest.mark.parametrize(
-    ("flags", "name", "want"),
-    [
-        pytest.param(["--a", "1", "--b", "2"], "--b", "2", id="spaced"),
-        pytest.param(["--a=1"], "--a", "1", id="inline"),
-        pytest.param(["--enforce-eager", "--a", "1"], "--enforce-eager", None, id="switch"),
-        pytest.param(["--ab", "1"], "--a", None, id="prefix-is-not-the-flag"),
-        pytest.param([], "--a", None, id="absent"),
-    ],
-)
-def test_flag_value(flags: list[str], name: str, want: str | None) -> None:
-    assert flag_value(flags, name) == want
-
-
-@pytest.mark.parametrize(
     ("command", "flags", "want"),
     [
         pytest.param(["vllm", "serve", "M", "--x", "1"], ["--x", "1"], (["vllm", "serve"], "M"),
@@ -142,6 +127,10 @@ def test_split_command_refuses_a_command_without_its_flags() -> None:
         pytest.param(["--enforce-eager", "--gpu-memory-utilization", "0.95"],
                      {"enforce-eager": True, "gpu-memory-utilization": 0.95}, id="switch-float"),
         pytest.param(["--load-format=dummy"], {"load-format": "dummy"}, id="inline"),
+        pytest.param(["--enforce-eager", "--a", "1"], {"enforce-eager": True, "a": 1},
+                     id="switch-then-flag"),
+        pytest.param(["--ab", "1"], {"ab": 1}, id="prefix-is-not-the-flag"),
+        pytest.param([], {}, id="absent"),
         pytest.param(["--api-key", SecretArg("", "PRETUNER_API_KEY", "--api-key"), "--x", "1"],
                      {"x": 1}, id="secret-left-out"),
     ],

@@ -79,6 +79,23 @@ def test_run_validates_in_two_launches(finished_run: Callable[..., FinishedRun])
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_the_run_folder_holds_what_script_writes(
+        finished_run: Callable[..., FinishedRun], tmp_path: Path) -> None:
+    """One renderer: the run folder's startup files are `pretuner script RUN`'s, byte for byte;
+    on the emulated card they start the real vLLM-MindSpore, which report.md names."""
+    run = finished_run(*R01_QWEN_64)
+    out = tmp_path / "files"
+    assert invoke("script", str(run.folder), "--out", str(out)).returncode == 0
+    for path in out.iterdir():
+        assert (run.folder / path.name).read_text() == path.read_text(), path.name
+    real = report(run.folder)["final"]["engine_serve_command"]
+    assert real[:5] == ["python3", "-m", "vllm_mindspore.entrypoints",
+                        "vllm.entrypoints.openai.api_server", "--model"]
+    assert "exec python3 -m vllm_mindspore.entrypoints" in (out / "serve.sh").read_text()
+    assert " ".join(real) in (run.folder / "report.md").read_text()
+
+
 def test_default_command_deepseek_v3(tmp_path: Path) -> None:
     proc = run_cli("run", "--model", "deepseek-v3", "--card", "64", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -77,12 +77,11 @@ def test_the_knobs_reach_every_launch_and_every_file(small_run: Path, tmp_path: 
     assert " ".join(FLAGS) in (small_run / "serve.sh").read_text()
     assert " ".join(FLAGS) in (small_run / "pretuner-serve.service").read_text()
     config = (small_run / "vllm-config.yaml").read_text()
-    for line in ('quantization: "bitsandbytes"', "cpu_offload_gb: 14", "swap_space: 2",
-                 "enforce_eager: true"):
+    for line in ('quantization: "bitsandbytes"', "cpu-offload-gb: 14", "swap-space: 2",
+                 "enforce-eager: true"):  # vLLM's --config takes the CLI spelling
         assert line in config
-    env = (small_run / "tuned.env").read_text()
-    assert "PRETUNER_CPU_OFFLOAD_GB=14" in env
-    assert "PRETUNER_QUANTIZATION=bitsandbytes" in env
+    # The knobs are serve.sh's flags; tuned.env holds only what the server reads.
+    assert "PRETUNER_" not in (small_run / "tuned.env").read_text()
     out = tmp_path / "files"
     script = invoke("script", str(small_run), "--out", str(out))
     assert script.returncode == 0, script.stderr

@@ -109,7 +109,7 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
     assert "--mm-processor-cache-gb 2" in serve
     assert "VLLM_SERVER_DEV_MODE" not in serve  # the reset route was for the tuning only
     config = (out / "vllm-config.yaml").read_text()
-    assert "mm_processor_cache_gb: 2" in config
+    assert "mm-processor-cache-gb: 2" in config  # vLLM's --config: the CLI spelling
     record = read_report(out)
     assert isinstance(record, RunReport)
     preset = preset_from_report(record, date="2026-01-01")

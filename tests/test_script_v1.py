@@ -79,6 +79,17 @@ def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path)
     bash_n(files["tuned.env"])
 
 
+def test_the_run_folder_holds_what_script_writes(v1_run: Path, tmp_path: Path) -> None:
+    """One renderer: the run folder's startup files are `pretuner script RUN`'s, byte for byte
+    (vLLM's `--config` spelling, only the variables serve.sh reads)."""
+    out = tmp_path / "files"
+    assert invoke("script", str(v1_run), "--out", str(out)).returncode == 0
+    for path in out.iterdir():
+        assert (v1_run / path.name).read_text() == path.read_text(), path.name
+    assert "PRETUNER_" not in (out / "tuned.env").read_text()
+    assert "max_model_len" not in (out / "vllm-config.yaml").read_text()
+
+
 def test_script_ray_target_for_a_v1_run(v1_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "ray"
     proc = invoke("script", str(v1_run), "--target", "ray", "--nic", "ens3", "--out", str(out))

@@ -10,11 +10,11 @@ import typer
 
 from pretuner.cli.app import app
 from pretuner.cli.render import echo_json
+from pretuner.cli.script import finished_run
 from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
-    from pretuner.explain import FlagDoc
-    from pretuner.report.records import RunReport
+    from pretuner.explain.flags import FlagDoc
 
 # The flag texts are imported where they are read: `pretuner --help` and a usage error answer
 # without them (tests/test_cli_startup.py).
@@ -41,7 +41,8 @@ def explain_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Say what FLAG does in the engine's own terms (memory, speed, what it is not)."""
-    from pretuner.explain import FLAGS, find, measured_lines
+    from pretuner.explain.flags import FLAGS, find
+    from pretuner.explain.measured import MEASURED
 
     if flag is None:
         if as_json:
@@ -59,8 +60,7 @@ def explain_cmd(
             f"no memory flag named {flag!r}",
             hint=f"did you mean {', '.join(close)}?" if close
             else "run `pretuner explain` for the list")
-    rep = _report(run) if run is not None else None
-    figures = measured_lines(doc, rep) if rep is not None else None
+    figures = MEASURED[doc.name](finished_run(run)) if run is not None else None
     if as_json:
         echo_json({"flag": doc.name, "engines": doc.engines, "summary": doc.summary,
                    "does": list(doc.does), "not": doc.not_this, "run": str(run) if run else None,
@@ -76,13 +76,3 @@ def render(doc: FlagDoc, figures: list[str] | None, run: Path | None) -> str:
     if figures is not None:
         lines += ["", f"In run {run}:"] + [f"  {line}" for line in figures]
     return "\n".join(lines)
-
-
-def _report(run: Path) -> RunReport:
-    from pretuner.report.records import RunReport, read_report
-
-    rep = read_report(run)
-    if not isinstance(rep, RunReport):
-        raise BadInputError(f"{str(run)!r} is not a finished run's record",
-                            hint="pass a folder where `pretuner run` finished")
-    return rep

@@ -14,15 +14,14 @@ from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
-    from pretuner.deploy.given import GivenValues
     from pretuner.presets.model import Preset
+    from pretuner.report.records import RunReport
 
 # The presets and the templates are imported where they are used: `pretuner --help` and a
 # usage error answer without loading them (tests/test_cli_startup.py).
 
 
-def preset_from_run_dir(run_dir: Path) -> Preset:
-    from pretuner.presets.model import preset_from_report
+def finished_run(run_dir: Path) -> RunReport:
     from pretuner.report.records import FailureReport, read_report
 
     rep = read_report(Path(run_dir))
@@ -32,7 +31,13 @@ def preset_from_run_dir(run_dir: Path) -> Preset:
             f"run {str(run_dir)!r} failed (exit {rep.exit_code}): {reason}",
             hint="a failed run has no configuration; see its report.md",
         )
-    return preset_from_report(rep, date="-")
+    return rep
+
+
+def preset_from_run_dir(run_dir: Path) -> Preset:
+    from pretuner.presets.model import preset_from_report
+
+    return preset_from_report(finished_run(run_dir), date="-")
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -43,24 +48,6 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
             raise BadInputError(f"--env {item!r} lacks '='", hint="use --env KEY=VALUE")
         out[key] = value
     return out
-
-
-def values_from_flags(
-    model: str, given: dict[str, int | float | None], **rest: Any
-) -> GivenValues:
-    """The hand-tuned values, once every required flag is there (`given`: flag -> value)."""
-    from pretuner.deploy.given import GivenValues
-
-    missing = [flag for flag, value in given.items() if value is None]
-    if missing:
-        raise BadInputError(
-            f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
-        )
-    # The fields are named as the flags, but for the two that name their unit.
-    v: dict[str, Any] = {flag[2:].replace("-", "_"): value for flag, value in given.items()}
-    return GivenValues(
-        model=model, card_gib=v.pop("card"), model_use_gib=v.pop("model_use_gb"), **v, **rest
-    )
 
 
 @app.command(
@@ -154,8 +141,8 @@ def script_cmd(
 ) -> None:
     """Render serve.sh, tuned.env, a vLLM config YAML, Ray scripts and a systemd unit."""
     from pretuner.deploy.context import ScriptOptions
-    from pretuner.deploy.given import preset_from_values
-    from pretuner.deploy.render import render_scripts, write_scripts
+    from pretuner.deploy.given import GivenValues, preset_from_values
+    from pretuner.deploy.render import render_scripts, run_scripts, write_scripts
     from pretuner.presets.model import resolve_preset
 
     if util is not None:
@@ -177,9 +164,17 @@ def script_cmd(
             hint=f"{sum(sources)} given",
         )
     if model is not None:
-        values = values_from_flags(model, given, pp=pp, nodes=nodes,
-                                   kv_cache_dtype=kv_cache_dtype, weights_format=weights_format)
-        p = preset_from_values(values)
+        missing = [flag for flag, value in given.items() if value is None]
+        if missing:
+            raise BadInputError(
+                f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
+            )
+        # The fields are named as the flags, but for the two that name their unit.
+        values: dict[str, Any] = {f[2:].replace("-", "_"): value for f, value in given.items()}
+        p = preset_from_values(GivenValues(
+            model=model, card_gib=values.pop("card"), model_use_gib=values.pop("model_use_gb"),
+            **values, pp=pp, nodes=nodes, kv_cache_dtype=kv_cache_dtype,
+            weights_format=weights_format))
     else:
         extra = [flag for flag, value in given.items() if value is not None]
         extra += [
@@ -194,7 +189,8 @@ def script_cmd(
         ]
         if extra:
             raise BadInputError(f"{', '.join(extra)} only go with --model", hint="drop them")
-        p = preset_from_run_dir(run_dir) if run_dir is not None else resolve_preset(str(preset))
+        if preset is not None:
+            p = resolve_preset(preset)
     opts = ScriptOptions(
         engine_version=engine_version,
         model_path=model_path,
@@ -203,7 +199,10 @@ def script_cmd(
         install_dir=install_dir,
         extra_env=_env_pairs(env),
     )
-    files = render_scripts(p, opts, list(target))
+    if run_dir is not None:  # the files its folder holds
+        files = run_scripts(finished_run(run_dir), opts, list(target))
+    else:
+        files = render_scripts(p, opts, list(target))
     if out is None:
         if as_json:
             echo_json({"files": files})

@@ -18,6 +18,7 @@ from pretuner.engines.mindspore_r01 import (
     V03_COMMAND,
     chunked_prefill_flag,
     server_kv_cache_dtype,
+    version_tuple,
 )
 from pretuner.engines.vllm_v1 import DEFAULT_UTIL, NIC_VARS, RAY_RESOURCE, ROWS, V1Engine, V1Row
 from pretuner.envfile import server_args
@@ -29,7 +30,6 @@ from pretuner.presets.model import (
     PresetKind,
     config_entries,
     engine_words,
-    flag_value,
 )
 from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
 from pretuner.units import GIB
@@ -46,7 +46,8 @@ class ScriptOptions:
     ray_port: int = 6379
     install_dir: str = "/etc/pretuner"  # where the systemd unit finds tuned.env
     extra_env: dict[str, str] = field(default_factory=dict)
-    command: tuple[str, ...] | None = None  # a server command to use instead of the version's
+    # r0.1 only: the server command, model included, to use instead of the version's
+    command: tuple[str, ...] | None = None
     status: str | None = None  # a run's own files: "validated under full load" or not
 
 
@@ -76,16 +77,6 @@ def check_env_names(env: dict[str, str], extra_env: dict[str, str]) -> dict[str,
     return out
 
 
-def engine_tuple(version: str) -> tuple[int, int]:
-    nums = [int(x) for x in re.findall(r"\d+", version)[:2]]
-    if len(nums) < 2:
-        raise BadInputError(
-            f"vLLM-MindSpore version {version!r} is not understood",
-            hint="use e.g. 0.1, 0.3, 0.4 or 0.5",
-        )
-    return nums[0], nums[1]
-
-
 @dataclass(frozen=True, slots=True)
 class _Server:
     """What one engine family puts in the scripts; `build_context` adds what every one shares."""
@@ -105,7 +96,10 @@ class _Server:
 def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     """vLLM-MindSpore r0.1 and its later versions: the memory variables while they are read."""
     engine_version = opts.engine_version or "0.1"
-    ver = engine_tuple(engine_version)
+    ver = version_tuple(engine_version)[:2]
+    if len(ver) < 2:
+        raise BadInputError(f"vLLM-MindSpore version {engine_version!r} is not understood",
+                            hint="use e.g. 0.1, 0.3, 0.4 or 0.5")
     notes: list[str] = []
     env: dict[str, str] = {"GLOG_v": "2"}  # MindSpore WARNING; 0.3+ would set 3 otherwise
     if ver < (0, 2):
@@ -209,9 +203,9 @@ def layout_flags(flags: list[str], p: Preset) -> list[str]:
     """`flags` with the parallel sizes and, across nodes, the Ray executor, where missing."""
     out = list(flags)
     for name, size in (("--tensor-parallel-size", p.tp), ("--pipeline-parallel-size", p.pp)):
-        if size > 1 and flag_value(out, name) is None:
+        if size > 1 and name[2:] not in config_entries(out):
             out += [name, str(size)]
-    if p.nodes > 1 and flag_value(out, RAY_BACKEND[0]) is None:
+    if p.nodes > 1 and RAY_BACKEND[0][2:] not in config_entries(out):
         out += RAY_BACKEND
     return out
 
@@ -243,13 +237,9 @@ def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
             f"{r01[0]} is vLLM-MindSpore r0.1's; {p.engine} ignores it",
             hint=f"drop it: {KV_FLAG} sizes the KV cache",
         )
-    if opts.command is None:
-        argv = [*(p.server_command or row.command), model_path, *flags]
-    else:
-        argv = list(opts.command)
     return _Server(
         env=env,
-        argv=argv,
+        argv=[*(p.server_command or row.command), model_path, *flags],
         config=config_entries(classify_argv(flags)),
         notes=[
             f"KV cache pinned with {KV_FLAG} {kv} ({kv / GIB:.2f} GiB = {p.kv_tokens:,} tokens "
@@ -303,20 +293,17 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         *s.late_notes,
     ]
     head_argv = list(argv)
-    if flag_value([w for w in head_argv if isinstance(w, str)], RAY_BACKEND[0]) is None:
+    if RAY_BACKEND[0][2:] not in config_entries(head_argv):
         head_argv += RAY_BACKEND
     return {
         "header": [one_line(h) for h in header],
         "secret_checks": [_check_line(a.var, f"the server flag {a.flag}") for a in secret_args]
         + env_checks,
         "secret_env_checks": env_checks,
-        "simulated": p.kind is PresetKind.SIMULATED,
         "env": {k: v for k, v in env.items() if k not in secret_env},
         "argv": argv,
         "head_argv": head_argv,
         "config": s.config,
-        "model_path": model_path,
-        "nodes": p.nodes,
         "expected_npus": p.nodes * p.cards_per_node,
         "ray_resource": s.ray_resource,
         "ray_port": opts.ray_port,

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from pretuner.deploy.context import ScriptOptions, build_context
 from pretuner.deploy.targets import Target, files_for
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
-from pretuner.presets.model import Preset
+from pretuner.presets.model import Preset, preset_from_report
+from pretuner.report.records import R01Derivation, RunReport
 from pretuner.templating import render_template
 
 
@@ -23,6 +25,20 @@ def render_scripts(p: Preset, opts: ScriptOptions, targets: list[Target]) -> dic
         )
     ctx = build_context(p, opts)
     return {name: render_template(tpl, ctx) for name, tpl in files_for(targets, p.nodes)}
+
+
+def run_scripts(rep: RunReport, opts: ScriptOptions, targets: list[Target]) -> dict[str, str]:
+    """A finished run's startup files: those in its folder, and `pretuner script RUN`'s."""
+    f = rep.final
+    command = None
+    if (isinstance(rep.derivation, R01Derivation) and f.engine_serve_command is None
+            and opts.engine_version is None and opts.model_path is None):
+        # The command the run proved (a --serve-cmd wrapper, the installed engine's); an
+        # emulated card's run, or a version or path asked for, gets the version's command.
+        command = tuple(f.serve_command[: len(f.serve_command) - len(f.flags)])
+    status = "validated under full load" if rep.validated else "NOT validated"
+    return render_scripts(preset_from_report(rep, date="-"),
+                          replace(opts, command=command, status=status), targets)
 
 
 def write_scripts(files: dict[str, str], out: Path) -> list[Path]:

@@ -8,18 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pretuner.explain.flags import FLAGS, FlagDoc
+from pretuner.explain.flags import FLAGS
+from pretuner.presets.model import config_entries
 from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport, V1Weights
 
 DEFAULT_SWAP_GIB = 4.0
-
-
-def _flag(flags: list[str], name: str) -> str | None:
-    for i, word in enumerate(flags):
-        if word == name:
-            nxt = flags[i + 1] if i + 1 < len(flags) else None
-            return nxt if nxt is not None and not nxt.startswith("--") else "on"
-    return None
 
 
 def _pinned(rep: RunReport) -> PinnedDerivation | None:
@@ -135,7 +128,7 @@ def _seqs(rep: RunReport) -> list[str]:
 
 
 def _dtype(rep: RunReport) -> list[str]:
-    return [f"--kv-cache-dtype {_flag(rep.final.flags, '--kv-cache-dtype') or 'auto'}"]
+    return [f"--kv-cache-dtype {config_entries(rep.final.flags).get('kv-cache-dtype', 'auto')}"]
 
 
 def _r01(var: str) -> Measure:
@@ -162,11 +155,6 @@ MEASURED: dict[str, Measure] = {
 }
 
 
-def measured_lines(doc: FlagDoc, rep: RunReport) -> list[str]:
-    """What this run shows of `doc`'s flag."""
-    return MEASURED[doc.name](rep)
-
-
 def report_section(rep: RunReport) -> list[str]:
     """report.md's "What these flags do": each memory flag of the run's final command, what
     it really does, and this run's figure beside it."""
@@ -175,7 +163,7 @@ def report_section(rep: RunReport) -> list[str]:
         d.name in flags or d.name in ("--gpu-memory-utilization", "--swap-space"))]
     lines = ["## What these flags do", ""]
     for doc in shown:
-        figures = measured_lines(doc, rep)
+        figures = MEASURED[doc.name](rep)
         # The KV's derivation has its own section: its first line is the figure.
         figure = "; ".join(figures[:1] if doc.name == "--kv-cache-memory-bytes" else figures)
         lines.append(f"- `{doc.name}`: {doc.summary}. {doc.not_this} Here: {figure}.")

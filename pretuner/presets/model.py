@@ -362,16 +362,6 @@ def _r01_fields(rep: RunReport, d: R01Derivation) -> dict[str, Any]:
     }
 
 
-def flag_value(flags: list[str], name: str) -> str | None:
-    """The value after `name` in a flat argv (`--name value` or `--name=value`); None if absent."""
-    for i, token in enumerate(flags):
-        if token == name and i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-            return flags[i + 1]
-        if token.startswith(name + "="):
-            return token.partition("=")[2]
-    return None
-
-
 def config_entries(flags: Sequence[str | SecretArg]) -> dict[str, Any]:
     """The flags as `vllm serve --config` YAML keys (long names with dashes); a switch is
     `true`, a secret is left out (the scripts read it from the environment)."""
@@ -429,15 +419,15 @@ def _pinned_fields(rep: RunReport, d: PinnedDerivation) -> dict[str, Any]:
     if d.kv_cache_memory_bytes is None:
         raise BadInputError("the V1 run record pinned no KV cache",
                             hint="pass a finished run folder")
+    given = config_entries(f.flags)
     flags: dict[str, int | float] = {
         "max_model_len": f.max_model_len,
         "max_num_seqs": f.max_num_seqs,
         "max_num_batched_tokens": f.max_num_batched_tokens,
-        "block_size": int(flag_value(f.flags, "--block-size") or ROWS[engine].default_block_size),
+        "block_size": int(given.get("block-size", ROWS[engine].default_block_size)),
     }
-    util = flag_value(f.flags, "--gpu-memory-utilization")
-    if util is not None:
-        flags["gpu_memory_utilization"] = float(util)
+    if "gpu-memory-utilization" in given:
+        flags["gpu_memory_utilization"] = float(given["gpu-memory-utilization"])
     notes = ["validated under full load" if rep.validated else "NOT validated"]
     if rep.simulated:
         notes.append(

@@ -1,15 +1,8 @@
 """The files a run leaves for people, on every engine: report.json (one typed `RunReport`),
-report.md, and the files that start production.
-
-report.json is the record dumped as JSON; report.md and the startup files are rendered from the
-record alone, by one writer: what both methods share is written once, and a method adds its own
-sections (`tune.pinned.report_sections` for the pinned KV) only where the methods really differ.
-Every figure says its provenance: the record's `provenance` ("simulated" on an emulated engine,
-"measured" on a real one), "derived" from those, or "predicted".
-
-A run that fails (a `PretunerError`) leaves report.json and report.md too, with the reason, the
-fix, every launch and every decision; never the startup files. A Ctrl-C writes none of this:
-that run stays resumable.
+report.md from the record alone (a method adds its own sections, `tune.pinned.report_sections`),
+and the startup files `pretuner script RUN` writes. Every figure says its provenance. A failed
+run leaves report.json and report.md with the reason and the fix, never startup files; a Ctrl-C
+writes none of this (the run stays resumable).
 """
 
 from __future__ import annotations
@@ -22,16 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
 from pretuner.deploy.context import ScriptOptions
-from pretuner.deploy.render import render_scripts
+from pretuner.deploy.render import run_scripts
 from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
-from pretuner.engines.base import Purpose
-from pretuner.engines.mindspore_r01 import chunked_prefill_flag, server_kv_cache_dtype
+from pretuner.engines.base import LaunchSettings, Purpose
+from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
 from pretuner.engines.outcome import LaunchOutcome
-from pretuner.envfile import server_args
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
+from pretuner.models import local_model_path, resolve
 from pretuner.plan.layout import PlanResult
-from pretuner.presets.model import preset_from_report
 from pretuner.redact import one_line, redact_argv
 from pretuner.report.html.page import refresh_run_page
 from pretuner.report.records import (
@@ -40,7 +32,6 @@ from pretuner.report.records import (
     Decision,
     FailureReport,
     Final,
-    PinnedDerivation,
     Provenance,
     R01Derivation,
     RunReport,
@@ -52,7 +43,7 @@ from pretuner.report.records import (
     kv_words,
 )
 from pretuner.report.records import Method as MethodName
-from pretuner.tune.pinned.report_sections import pinned_sections, v1_files
+from pretuner.tune.pinned.report_sections import pinned_sections
 from pretuner.tune.r01.budget import outside_pool_mib
 from pretuner.tune.r01.config import TuneResult
 from pretuner.tune.record import RunRecord
@@ -133,12 +124,6 @@ def given_up(
     return cuts
 
 
-def first_validation_seqs(outcomes: Sequence[LaunchOutcome]) -> int | None:
-    """The r0.1 method's promise: the sequences its first validation was derived to serve."""
-    return next((o.settings.max_num_seqs for o in outcomes
-                 if o.settings.purpose is Purpose.VALIDATE), None)
-
-
 def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision],
              validated: bool, **layout: Any) -> dict[str, Any]:
     """The fields a success and a failure report share, on any engine; `layout` names the
@@ -155,36 +140,43 @@ def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision]
     }
 
 
+def real_model(meta: RunMeta, model: str) -> str:
+    """What the real engine loads: the folder, else the Hugging Face id (not the registry's
+    name an emulated server took)."""
+    return local_model_path(meta.model_arg) or resolve(model).hf_id
+
+
 def plan_layout(p: PlanResult) -> dict[str, Any]:
     return {"model": p.model, "card_gib": p.card_gib, "tp": p.tp, "pp": p.pp, "nodes": p.nodes,
             "weights_format": p.weights_format, "kv_bytes_per_token": p.kv_bytes_per_token}
 
 
-def report_json(result: TuneResult, meta: RunMeta, serve_command: list[str]) -> RunReport:
+def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunReport:
     """The record of a finished r0.1 run; report.json is its `model_dump(mode="json")`."""
     d, p = result.derivation, result.plan
     f = d.final
     tag = provenance(meta.simulated)
     asked_len = meta.asked_max_model_len or f.max_model_len
-    asked_seqs = first_validation_seqs(result.outcomes)
-    values: dict[str, Any] = {**f.flags, "tensor_parallel_size": p.tp}
-    if p.pp > 1:
-        values["pipeline_parallel_size"] = p.pp
-    chunk_flag = chunked_prefill_flag(f.max_model_len, f.chunked_prefill)
-    if chunk_flag is not None:
-        values["enable_chunked_prefill"] = chunk_flag
-    server_dtype = server_kv_cache_dtype(meta.kv_cache_dtype)
-    if server_dtype is not None:
-        values["kv_cache_dtype"] = server_dtype
-    flags = server_args(values)
+    # The method's promise: the sequences its first validation was derived to serve.
+    asked_seqs = next((o.settings.max_num_seqs for o in result.outcomes
+                       if o.settings.purpose is Purpose.VALIDATE), None)
+    flags = engine.deploy(LaunchSettings(
+        Purpose.VALIDATE, f.ascend_total_memory_gb, f.gpu_memory_utilization,
+        f.vllm_model_memory_use_gb, f.max_model_len, f.max_num_seqs, f.max_num_batched_tokens,
+        f.block_size, p.tp, p.pp, meta.kv_cache_dtype, f.chunked_prefill)).argv()
+    base, model_as_flag = engine.base_command()
+    serve = [*base, *(["--model", meta.model_arg] if model_as_flag else [meta.model_arg])]
+    # An emulated card's run: what the real engine would run (`script` writes it).
+    real = [*R01_COMMAND, "--model", real_model(meta, p.model), *flags]
     cap_gib = f.ascend_total_memory_gb * f.gpu_memory_utilization
     return RunReport(
         **run_head(meta, [step_json(o) for o in result.outcomes], result.decisions,
                    result.validated, **plan_layout(p)),
         final=Final(
             env=f.env, flags=flags,
-            serve_command=redact_argv([*serve_command, *flags]),  # serve.sh reads a secret
-            engine_serve_command=None, notes=[], max_model_len=f.max_model_len,
+            serve_command=redact_argv([*serve, *flags]),  # serve.sh reads a secret
+            engine_serve_command=real if meta.simulated and not engine.serve_cmd else None,
+            notes=[], max_model_len=f.max_model_len,
             max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
             kv_tokens=f.kv_tokens, kv_gib=round(f.kv_bytes / GIB, 4),
         ),
@@ -303,9 +295,9 @@ def report_md(rep: RunReport) -> str:
               "```", ""]
     lines += [f"- {note}" for note in f.notes] + ([""] if f.notes else [])
     if f.engine_serve_command:
-        lines += ["The figures above are simulated. With the real engine and a real device, the "
-                  "same flags are (run `pretuner run` there to measure and prove them):", "",
-                  "```sh", shlex.join(f.engine_serve_command), "```", ""]
+        lines += ["The figures above are simulated; serve.sh starts the real engine with the "
+                  "same flags (run `pretuner run` on a real device to measure and prove them):",
+                  "", "```sh", shlex.join(f.engine_serve_command), "```", ""]
     if rep.retune_command:
         lines += [f"Re-tune: `{shlex.join(rep.retune_command)}`", ""]
     return "\n".join(lines)
@@ -383,21 +375,8 @@ def launch_lines(rep: AnyReport) -> list[str]:
 
 
 def run_files(rep: RunReport) -> dict[str, str]:
-    """The files that start production, by name: the engine's own (serve.sh first)."""
-    f = rep.final
-    if isinstance(rep.derivation, PinnedDerivation):  # the engine's flags, its own templates
-        status = "validated under the worst-case load" if rep.validated else "NOT validated"
-        header = [f"pretuner {rep.pretuner_version} run {rep.run_id}: {status}",
-                  f"{rep.engine}: {rep.model} on {device_words(rep)}, KV pinned at "
-                  f"{f.kv_gib:.2f} GiB", *([SIM_NOTE] if rep.simulated else [])]
-        return v1_files(rep, rep.derivation, header)
-    # Presets read the run record (`pretuner preset add`): the r0.1 files come from its preset.
-    preset = preset_from_report(rep, date="-")
-    # The header line `# run <id>: <status>` is built and made one line by the script context.
-    opts = ScriptOptions(command=tuple(f.serve_command[: len(f.serve_command) - len(f.flags)]),
-                         status="validated under full load" if rep.validated else "NOT validated")
-    files = render_scripts(preset, opts, [Target.ENV, Target.SERVE])
-    return {"serve.sh": files["serve.sh"], "tuned.env": files["tuned.env"]}
+    """The files that start production, by name: those `pretuner script RUN` writes."""
+    return run_scripts(rep, ScriptOptions(), [Target.ALL])
 
 
 def write_report(record: RunRecord, rep: RunReport) -> None:
@@ -409,22 +388,9 @@ def write_report(record: RunRecord, rep: RunReport) -> None:
     refresh_run_page(record.path)
 
 
-def write_failure(record: RunRecord, rep: FailureReport, err: PretunerError) -> None:
-    """A failed run's report.json, report.md and report.html, attached to `err`."""
-    try:
-        record.write_json("report.json", rep.model_dump(mode="json"))
-        record.write("report.md", failure_md(rep))
-    except (OSError, PretunerError) as write_err:
-        # The run's own error is what the user must see; the journal still has every event.
-        log.warning("could not write the failure report in %s: %s", record.path, write_err)
-        return
-    refresh_run_page(record.path)
-    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error
-
-
 def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: RunMeta) -> None:
-    """A failed run's reports, with every launch made: also one that raised before it had an
-    outcome (the journal's last launch_started)."""
+    """A failed run's report.json, report.md and report.html, attached to `err`, with every
+    launch made: also one that raised before it had an outcome (the last launch_started)."""
     steps = [step_json(o) for o in method.outcomes]
     started = None
     for event in record.of_kind("launch_started"):
@@ -435,5 +401,13 @@ def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: 
         log_path = err.log_path if isinstance(err, ServerFailedError) and err.log_path else (
             str(path) if path.is_file() else None)
         steps.append(unfinished_step(n, started["settings"], log_path))
-    write_failure(record, failure_json(err, meta, steps, method.decisions, method.name,
-                                       **method.layout()), err)
+    rep = failure_json(err, meta, steps, method.decisions, method.name, **method.layout())
+    try:
+        record.write_json("report.json", rep.model_dump(mode="json"))
+        record.write("report.md", failure_md(rep))
+    except (OSError, PretunerError) as write_err:
+        # The run's own error is what the user must see; the journal still has every event.
+        log.warning("could not write the failure report in %s: %s", record.path, write_err)
+        return
+    refresh_run_page(record.path)
+    err.report = rep.model_dump(mode="json")  # `run --json` prints it beside the error

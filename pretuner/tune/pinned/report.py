@@ -9,7 +9,6 @@ from typing import Any
 
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.vllm_v1 import V1Engine
-from pretuner.models import resolve
 from pretuner.report.records import (
     Asked,
     Final,
@@ -31,6 +30,7 @@ from pretuner.tune.report import (
     RunMeta,
     given_up,
     provenance,
+    real_model,
     run_head,
     step_json,
 )
@@ -76,15 +76,15 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
     argv = deployment.argv()
     asked_len = m.asked_max_model_len or f.max_model_len
     asked_seqs = x.asked_max_num_seqs or f.max_num_seqs
-    # A simulated run's serve.sh starts the emulated server: what the real engine would run.
-    real = [*x.engine.row.command, resolve(x.model).hf_id or x.model, *argv]
+    # An emulated card's run (no --serve-cmd): what the real engine would run.
+    real = [*x.engine.row.command, real_model(m, x.model), *argv]
     return RunReport(
         **run_head(m, [step_json(o) for o in r.outcomes], r.decisions, r.validated,
                    **pinned_layout(x, f.tp, f.pp)),
         final=Final(
             env=deployment.env, flags=argv,
             serve_command=[*x.engine.serve_command(x.card_gib), m.model_arg, *argv],
-            engine_serve_command=real if m.simulated else None,
+            engine_serve_command=real if m.simulated and not x.engine.serve_cmd else None,
             notes=list(deployment.notes), max_model_len=f.max_model_len,
             max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
             kv_tokens=r.kv_tokens, kv_gib=round((f.kv_cache_bytes or 0) / GIB, 3),

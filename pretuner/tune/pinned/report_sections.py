@@ -1,20 +1,16 @@
-"""What only the pinned-KV (V1) method adds to a run's report.md, summary and startup files
-(pure, from the record): where the device's memory went (the final configuration at its worst
-moment, the soak), a vision-language model's images, where the weights live, the speed, what
-each memory flag does, and the files in the engine's own terms (`--kv-cache-memory-bytes`,
-never r0.1's variables). Every printed sum is the record's (`tests/test_report_arithmetic.py`
-recomputes them)."""
+"""What only the pinned-KV (V1) method adds to a run's report.md and summary (pure, from the
+record): where the device's memory went (the final configuration at its worst moment, the
+soak), a vision-language model's images, where the weights live, the speed, what each memory
+flag does. Every printed sum is the record's (`tests/test_report_arithmetic.py` recomputes them).
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pretuner.explain import report_section
+from pretuner.explain.measured import report_section
 from pretuner.launch.images import IMAGE_WRAP_TOKENS
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
-from pretuner.report.records import PinnedDerivation, RunReport, V1Soak, V1Weights
+from pretuner.report.records import PinnedDerivation, RunReport, V1Weights
 from pretuner.speed import Speed
-from pretuner.templating import render_template
 from pretuner.tune.pinned.soak import HOLD_DOUBLINGS
 
 
@@ -138,17 +134,12 @@ def memory_md(rep: RunReport, d: PinnedDerivation) -> list[str]:
             "run 4 times as long)",
             f"- peak before the soak {s.peak_before_mib:,}, from the soak on "
             f"{s.peak_after_mib:,} (the worst-case burst again after it included)"]
-        if not settled(s):
+        if 4 * s.second_half_mib > max(0, s.growth_mib):  # more than a quarter: not slowed
             lines.append(f"- NOT SETTLED: the second half added {s.second_half_mib:,} of the "
                          f"soak's {s.growth_mib:,} MiB; memory was still growing fast: a longer "
                          "--soak measures more of it")
         lines.append("")
     return lines
-
-
-def settled(s: V1Soak) -> bool:
-    """A soak whose second half added at most a quarter of its growth: memory had slowed."""
-    return 4 * s.second_half_mib <= max(0, s.growth_mib)
 
 
 def images_md(d: PinnedDerivation) -> list[str]:
@@ -171,39 +162,3 @@ def images_md(d: PinnedDerivation) -> list[str]:
             f"- encoder cache budget: {budget}",
             f"- processor cache: {cache}",
             f"- flags: {' '.join(i.flags) or 'none'}", ""]
-
-
-def v1_files(rep: RunReport, d: PinnedDerivation, header: list[str],
-             install_dir: str = "/etc/pretuner") -> dict[str, str]:
-    """serve.sh, vllm-config.yaml (`vllm serve --config`), tuned.env and a systemd unit."""
-    f = rep.final
-    config: dict[str, Any] = {}  # the tuned flags by their long names, no dashes
-    i = 0
-    while i < len(f.flags):
-        key = f.flags[i].removeprefix("--").replace("-", "_")
-        takes_value = i + 1 < len(f.flags) and not f.flags[i + 1].startswith("--")
-        value: Any = f.flags[i + 1] if takes_value else True  # `--enforce-eager` alone
-        config[key] = int(value) if isinstance(value, str) and value.isdigit() else value
-        i += 2 if takes_value else 1
-    env = dict(f.env)
-    env["PRETUNER_KV_CACHE_MEMORY_BYTES"] = str(d.kv_cache_memory_bytes)
-    w = d.weights  # the weights knobs the run proved, when given (serve.sh has the flags)
-    if w is not None and w.quantization:
-        env["PRETUNER_QUANTIZATION"] = w.quantization
-    if w is not None and w.cpu_offload_gib:
-        env["PRETUNER_CPU_OFFLOAD_GB"] = f"{w.cpu_offload_gib:g}"
-    if w is not None and w.swap_space_gib is not None:
-        env["PRETUNER_SWAP_SPACE_GB"] = f"{w.swap_space_gib:g}"
-    if w is not None and w.enforce_eager:
-        env["PRETUNER_ENFORCE_EAGER"] = "1"
-    return {
-        "serve.sh": render_template("serve.sh.j2", {"header": header, "secret_checks": [],
-                                                    "env": f.env, "argv": f.serve_command}),
-        "vllm-config.yaml": render_template("vllm-config.yaml.j2",
-                                            {"header": header, "config": config}),
-        "tuned.env": render_template("tuned.env.j2", {"header": header, "env": env}),
-        "pretuner-serve.service": render_template("systemd.service.j2", {
-            "header": header, "env_path": f"{install_dir}/tuned.env",
-            "unit_description": f"{rep.engine} serving {rep.model} (tuned by pretuner)",
-            "argv": f.serve_command}),
-    }

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
-from pretuner.engines.mindspore_r01 import BLOCK_SIZE
+from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.errors import BadInputError
@@ -94,11 +94,8 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
         decode_tokens=lengths.decode_tokens,
         device_reader=select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp),
     )
-    base, model_as_flag = engine.base_command()
-    serve_argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
-
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
-        return R01Method(cfg, execute, phase, on_decision, setup=setup, serve_argv=serve_argv)
+        return R01Method(cfg, execute, phase, on_decision, setup=setup, engine=engine)
 
     setup = Setup(choice, engine, spec, target.model, ctx, card, p.layout_reason, cfg, start)
     return setup
@@ -112,9 +109,9 @@ class R01Method(Tuner):
             "with max-num-seqs concurrent max-length requests (launch 2).")
 
     def __init__(self, cfg: TuneConfig, execute: Executor, phase: Phase, on_decision: OnDecision,
-                 *, setup: Setup[TuneConfig], serve_argv: list[str]) -> None:
+                 *, setup: Setup[TuneConfig], engine: R01Engine) -> None:
         super().__init__(cfg, execute, phase, on_decision)
-        self.setup, self.serve_argv = setup, serve_argv
+        self.setup, self.engine = setup, engine
 
     def begin(self) -> None:
         if self.setup.ctx.device_reader is None:
@@ -124,7 +121,7 @@ class R01Method(Tuner):
         return self.prerun_settings(prerun_util(self.cfg), self.cfg.max_model_len)
 
     def report_json(self, result: TuneResult, meta: RunMeta) -> RunReport:
-        return report_json(result, meta, self.serve_argv)
+        return report_json(result, meta, self.engine)
 
     def layout(self) -> dict[str, Any]:
         return plan_layout(self.plan)

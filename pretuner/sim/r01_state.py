@@ -5,7 +5,6 @@ emulated `npu-smi` (`$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`), and the tru
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +15,7 @@ from pretuner.sim import memory as mem
 from pretuner.sim.argv import Refused
 from pretuner.sim.logs import RankWriter
 from pretuner.sim.r01_checks import WHERE_MS
-from pretuner.sim.state import Published, state_dir
+from pretuner.sim.state import Published, others_bytes, state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
@@ -48,24 +47,9 @@ class CardState:
 
     def publish(self, ranks: Sequence[OnCard], used_bytes: int) -> None:
         self.peak_mib = max(self.peak_mib, used_bytes // MIB)
-        state = state_dir(self.env)
         for r in ranks:
-            self.files.write(state / f"node{r.node}-npu{r.device_id}.json", {
-                "pid": os.getpid(), "rank_pid": r.pid, "profile": self.profile.name,
-                "used_mib": used_bytes // MIB, "process_name": "python3"})
-
-    def occupied_bytes(self, ranks: Sequence[OnCard]) -> int:
-        """The most any other live emulated server holds on one of these ranks' cards."""
-        from pretuner.sim.npusmi import read_cards
-
-        worst = 0
-        for node in {r.node for r in ranks}:
-            cards = read_cards(self.profile, state_dir(self.env), node)
-            for r in (r for r in ranks if r.node == node):
-                use = next((c for c in cards if c.npu == r.device_id), None)
-                if use is not None and use.pid is not None:
-                    worst = max(worst, use.process_mib * MIB)
-        return worst
+            self.files.hold(state_dir(self.env), "npu", r.node, r.device_id,
+                            used_bytes // MIB - self.profile.driver_reserved_mib, r.pid)
 
     def init_pool(self, ranks: Sequence[OnCard], cap: int, user_gb: float,
                   occupied_mib: int) -> None:
@@ -73,7 +57,8 @@ class CardState:
         another tenant, or another live server on the same card (a leftover pre-run, say), has
         taken its share of; then the whole pool is the server's (`enable_vmm:False`)."""
         p = self.profile
-        free = p.free_bytes - occupied_mib * MIB - self.occupied_bytes(ranks)
+        others = others_bytes(state_dir(self.env), "npu", [(r.node, r.device_id) for r in ranks])
+        free = p.free_bytes - occupied_mib * MIB - others
         total = p.total_bytes
         if free < total // 2:
             msg = ("Malloc device memory failed, free memory size is less than half of total "

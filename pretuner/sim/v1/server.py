@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from pretuner.sim.argv import serve_main
-from pretuner.sim.http import ANY_HOST, print_routes, uvicorn_started
-from pretuner.sim.state import Published, state_dir
+from pretuner.sim.http import ANY_HOST, print_routes, serve_in_thread, uvicorn_started
+from pretuner.sim.state import Published, others_bytes, state_dir
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, boot
 from pretuner.sim.v1.config import V1Config, build_parser, parse
 from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
 from pretuner.sim.v1.memory import CUDA_PROFILES
-from pretuner.sim.v1.smi import others_bytes, publish
 from pretuner.stopflag import StopFlag
+from pretuner.units import MIB
 
 HOLD_S = 0.1  # every published level lasts at least this long
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /reset_mm_cache and other dev routes
@@ -58,7 +57,8 @@ class _Publisher:
         self.files = Published()
 
     def level(self, process_bytes: int) -> None:
-        publish(self.state, self.devices, os.getpid(), process_bytes, self.files)
+        for device in self.devices:
+            self.files.hold(self.state, "cuda", 0, device, -(-process_bytes // MIB))
         time.sleep(HOLD_S)
 
     def pause(self, seconds: float) -> None:
@@ -87,7 +87,8 @@ class Server:
         sink = _Publisher(self.log, self.state, devices, self.stop)
         try:
             booted = boot(self.cfg, sink,
-                          others_bytes=others_bytes(self.state, devices, os.getpid()))
+                          others_bytes=others_bytes(self.state, "cuda",
+                                                    [(0, d) for d in devices]))
         except Stopped:
             sink.unpublish()
             return 0
@@ -106,9 +107,7 @@ class Server:
             sink.unpublish()
             return 1
         engine.start()
-        thread = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.05},
-                                  daemon=True)
-        thread.start()
+        serve_in_thread(http, 0.05)
         self.stop.wait()
         self._shutdown(http, engine)
         sink.unpublish()

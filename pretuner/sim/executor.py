@@ -96,12 +96,12 @@ def inprocess_executor(
             rank_peaks_mib=rank_peaks(scan),
             times=(0.0, 0.0, 0.0, time.monotonic() - t0),
         )
-        if not res.device_peak_mib:
+        if not res.peaks_mib:
             return outcome
         # What the sampler of a real run reads from the emulated npu-smi.
-        return replace(outcome, device_peaks_mib={"run": res.device_peak_mib},
+        return replace(outcome, device_peaks_mib=dict(res.peaks_mib),
                        device_reader="emulated npu-smi (in process)",
-                       device_total_mib=res.device_total_mib)
+                       device_total_mib=res.total_mib)
 
     return execute
 
@@ -204,7 +204,7 @@ def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int
     return answered
 
 
-def emulated_speed(res: v1_inproc.V1InprocRun, s: LaunchSettings,
+def emulated_speed(res: inproc.InprocRun, s: LaunchSettings,
                    prompt_len: int | None) -> Speed | None:
     """A validation's speed on the emulated card's own clock (the lone request, the burst);
     None for a pre-run and for image requests (their length is the server's count)."""

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
 from pretuner.sim.argv import env_values, normalize_argv, parse_known, server_parser
-from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, DEFAULT_SEED
+from pretuner.sim.memory import DEFAULT_SEED
+from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE
 
 DEFAULT_STARTUP_S = 1.0
 DEFAULT_BATCHED_TOKENS = 8192

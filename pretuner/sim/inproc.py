@@ -59,7 +59,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)
     if crashed:
-        server.card.unpublish()
+        server.card.files.remove()
         return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
     return InprocRun(stream.getvalue(), replies, True, 0, *_device(server))

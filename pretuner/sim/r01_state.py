@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
 
 from pretuner.files import write_atomic
 from pretuner.sim import memory as mem
@@ -20,20 +19,16 @@ from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
 
-class OnCard(Protocol):
-    """A rank as the card state needs it: where it runs, its process and its log."""
+@dataclass
+class Rank:
+    """One emulated rank: where it runs, its process, its log and its memory model."""
 
-    @property
-    def log(self) -> RankWriter: ...
-
-    @property
-    def node(self) -> int: ...
-
-    @property
-    def device_id(self) -> int: ...
-
-    @property
-    def pid(self) -> int: ...
+    rank: int
+    node: int
+    device_id: int
+    pid: int
+    log: RankWriter
+    model: mem.CardModel
 
 
 class CardState:
@@ -45,13 +40,13 @@ class CardState:
         self.files = Published()
         self.peak_mib = 0  # the most this server published for one of its cards
 
-    def publish(self, ranks: Sequence[OnCard], used_bytes: int) -> None:
+    def publish(self, ranks: Sequence[Rank], used_bytes: int) -> None:
         self.peak_mib = max(self.peak_mib, used_bytes // MIB)
         for r in ranks:
             self.files.hold(state_dir(self.env), "npu", r.node, r.device_id,
                             used_bytes // MIB - self.profile.driver_reserved_mib, r.pid)
 
-    def init_pool(self, ranks: Sequence[OnCard], cap: int, user_gb: float,
+    def init_pool(self, ranks: Sequence[Rank], cap: int, user_gb: float,
                   occupied_mib: int) -> None:
         """MindSpore's device init: the pool cap must fit in the card's free memory, which
         another tenant, or another live server on the same card (a leftover pre-run, say), has
@@ -82,9 +77,6 @@ class CardState:
             r.log.adapter_init(p.total_mib, free, cap, user_gb)
             r.log.noise("start", 24)
         self.publish(ranks, (p.driver_reserved_mib + p.cann_mib) * MIB + cap)
-
-    def unpublish(self) -> None:
-        self.files.remove()
 
 
 def write_truth(path: Path, models: list[mem.CardModel], profile: mem.CardProfile, *,

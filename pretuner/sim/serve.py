@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -52,7 +51,7 @@ from pretuner.sim.r01_config import (
     parse,
 )
 from pretuner.sim.r01_http import SimHTTPServer
-from pretuner.sim.r01_state import CardState, write_truth
+from pretuner.sim.r01_state import CardState, Rank, write_truth
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB
@@ -64,16 +63,6 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
           ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
           ("/v1/embeddings", "POST"))
-
-
-@dataclass
-class _Rank:
-    rank: int
-    node: int
-    device_id: int
-    pid: int
-    log: RankWriter
-    model: mem.CardModel
 
 
 class Server:
@@ -88,7 +77,7 @@ class Server:
         self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
         self.card = CardState(cfg.env, self.profile)  # what npu-smi shows of its cards
-        self.ranks: list[_Rank] = []
+        self.ranks: list[Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
         self.dead: Exception | None = None
@@ -230,7 +219,7 @@ class Server:
             writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
                                   RankLog(idx, rank_pid, tid, self._node_log_dir(node),
                                           self.stream, glog_level(cfg.env)))
-            self.ranks.append(_Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
+            self.ranks.append(Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
                                     model))
 
         model_use: int | None = None
@@ -371,12 +360,12 @@ class Server:
             r.log.pool_dump(stats, self.cfg.pool_format)
             r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
             r.log.close()
-        self.card.unpublish()
+        self.card.files.remove()
         return 0
 
     def failed_start(self, err: Exception) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
-        self.card.unpublish()
+        self.card.files.remove()
         out = self.stream or sys.stderr
         out.write(traceback_text(err.exc_type, err.message, err.where)
                   if isinstance(err, Refused)
@@ -395,7 +384,7 @@ class Server:
         server.server_close()
         self.vlog.uvicorn("Shutting down")
         self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-        self.card.unpublish()
+        self.card.files.remove()
         return 1
 
 

@@ -16,7 +16,7 @@ from pretuner.sim.argv import UsageError
 from pretuner.sim.http import ANY_HOST, Reply, access_line
 from pretuner.sim.inproc import InprocRun
 from pretuner.sim.v1 import logs as L
-from pretuner.sim.v1.boot import boot
+from pretuner.sim.v1.boot import Sink, boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images
 from pretuner.sim.v1.config import V1Config, parse
 from pretuner.sim.v1.engine import EngineCore, print_fatal
@@ -27,12 +27,10 @@ from pretuner.sim.v1.scheduler import Req
 from pretuner.sim.v1.server import (
     CORE_PID_OFFSET,
     DEV_MODE_ENV,
-    devices_for,
     print_ready,
     print_shutdown,
     print_stopped,
 )
-from pretuner.units import MIB
 
 MAX_STEPS = 10_000_000
 
@@ -78,25 +76,6 @@ def waves_of(phases: Sequence[LoadPhase]) -> list[Wave]:
     return waves
 
 
-@dataclass
-class Recorder:
-    """The boot Sink of an in-process run: tracks each phase's peak and last level."""
-
-    log: L.V1Log
-    floor_mib: int  # NVML used without this process (idle + tenant)
-    phase: str = "start"
-    peaks: dict[str, int] = field(default_factory=dict)
-    last: dict[str, int] = field(default_factory=dict)
-
-    def level(self, process_bytes: int) -> None:
-        used = self.floor_mib + -(-process_bytes // MIB)
-        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), used)
-        self.last[self.phase] = used
-
-    def pause(self, seconds: float) -> None:
-        return
-
-
 class Client:
     """The HTTP side, reduced to what a reply and an access line are."""
 
@@ -136,7 +115,7 @@ def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply
     return None
 
 
-def drive(core: EngineCore, rec: Recorder, client: Client, wave: Wave, mml: int,
+def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
            times: Times) -> tuple[list[Reply], int | None]:
     """Send the wave's requests (all at once, or a closed loop) and step until answered,
     keeping the emulated clock in `times`."""
@@ -208,12 +187,8 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
         return InprocRun(f"vllm serve: error: {err}\n", (), False, 2)
     profile = CUDA_PROFILES[cfg.profile]
     log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET, stream)
-    rec = Recorder(log, profile.idle_mib + cfg.occupied_mib)
+    rec = Sink(log, profile.idle_mib + cfg.occupied_mib)
     total = profile.nvml_total_mib
-    if devices_for(cfg) is None:
-        log.raw(L.API, ["ValueError: The number of required GPUs exceeds the total number of "
-                        "available GPUs in the placement group."])
-        return InprocRun(stream.getvalue(), (), False, 1, {"stop": rec.floor_mib}, total)
     booted = boot(cfg, rec)
     if booted is None:
         rec.peaks["stop"] = rec.floor_mib

@@ -8,6 +8,7 @@ logging to `$GLOG_log_dir/node<k>`; with a Ray address they are placed on the cl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -222,14 +223,10 @@ class Server:
             self.ranks.append(Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
                                     model))
 
-        model_use: int | None = None
-        if env.get("vLLM_MODEL_MEMORY_USE_GB") is not None:
-            try:
-                model_use = int(env["vLLM_MODEL_MEMORY_USE_GB"])
-            except ValueError:
-                model_use = None
-        blocks = (mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
-                  if model_use is not None else 0)
+        blocks = 0  # without a valid vLLM_MODEL_MEMORY_USE_GB r0.1 fails at the KV cache
+        with contextlib.suppress(KeyError, ValueError):
+            blocks = mem.r01_kv_blocks(total_gb, cfg.util,
+                                       int(env["vLLM_MODEL_MEMORY_USE_GB"]), block_bytes)
         if cfg.truth:
             write_truth(Path(cfg.truth), models, self.profile, seed=cfg.seed, total_gb=total_gb,
                         util=cfg.util, blocks=blocks, mml=mml, seqs=cfg.max_num_seqs,
@@ -254,7 +251,7 @@ class Server:
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
-        model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
+        int_env(env, "vLLM_MODEL_MEMORY_USE_GB")  # r0.1's calc_block_num refuses it here
         max_seq = check_kv_blocks(blocks, cfg.block_size, mml, WHERE_CACHE)
         log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
                  f"{(4 * GIB) // block_bytes}")

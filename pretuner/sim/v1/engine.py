@@ -42,6 +42,13 @@ class EngineCore:
         self.reserved = booted.reserved_bytes
         self.dead: str | None = None
 
+    def add(self, req: Req) -> None:
+        """A request in, once the API server's processor ran on each of its images."""
+        if self.mm is not None:
+            for item in req.mm:
+                self.mm.processed(item.key, pixel_bytes(self.mm.card.vision, item.tokens))
+        self.sched.add(req)
+
     @property
     def held_bytes(self) -> int:
         """What images left on the card: the encoder cache's high-water mark, stranded blocks."""
@@ -134,13 +141,9 @@ class Engine(EngineThread):
         with self._cond:
             if self.dead:
                 raise EngineDead(L.ENGINE_DEAD)
-            mm = self.core.mm
-            if mm is not None:  # the API server's processor ran on each image first
-                for item in req.mm:
-                    mm.processed(item.key, pixel_bytes(mm.card.vision, item.tokens))
             p = Pending(req)
             self._pending[req.request_id] = p
-            self.core.sched.add(req)
+            self.core.add(req)
             self._cond.notify_all()
             return p
 

@@ -22,7 +22,7 @@ from pretuner.sim.v1.config import V1Config, parse
 from pretuner.sim.v1.engine import EngineCore, print_fatal
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
-from pretuner.sim.v1.mm import MMItem, pixel_bytes
+from pretuner.sim.v1.mm import MMItem
 from pretuner.sim.v1.scheduler import Req
 from pretuner.sim.v1.server import (
     CORE_PID_OFFSET,
@@ -133,10 +133,7 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
                 continue
             req = Req(f"cmpl-{rec.phase}-{i}", r.prompt_len, r.max_tokens, mm=r.images)
             reqs[req.request_id] = i
-            if core.mm is not None:
-                for item in r.images:
-                    core.mm.processed(item.key, pixel_bytes(core.mm.card.vision, item.tokens))
-            core.sched.add(req)
+            core.add(req)
 
     feed()
     for _ in range(MAX_STEPS):

@@ -293,8 +293,7 @@ class Server:
         api = ApiConfig(cfg.served_names, cfg.model, mml)
         host = cfg.host or ANY_HOST
         try:
-            server = SimHTTPServer((host, cfg.port), self.engine, api, log)
-            server.health = self._health
+            server = SimHTTPServer((host, cfg.port), self.engine, api, log, self._health)
         except OSError as err:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
@@ -338,19 +337,16 @@ class Server:
     def _health(self) -> str | None:
         return self.remote.lost if self.remote is not None else None
 
-    def _shutdown_http(self, server: SimHTTPServer | None) -> None:
+    def _graceful(self, server: SimHTTPServer | None = None) -> int:
+        """SIGINT/SIGTERM: stop serving, release the devices, every rank dumps its pool."""
         self.vlog.uvicorn("Shutting down")
         if server is not None:
             server.shutdown()
             server.server_close()
             self.engine.stop()
-        self.vlog.uvicorn("Waiting for application shutdown.")
-        self.vlog.uvicorn("Application shutdown complete.")
-        self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-
-    def _graceful(self, server: SimHTTPServer | None = None) -> int:
-        """SIGINT/SIGTERM: stop serving, release the devices, every rank dumps its pool."""
-        self._shutdown_http(server)
+        for line in ("Waiting for application shutdown.", "Application shutdown complete.",
+                     f"Finished server process [{os.getpid()}]"):
+            self.vlog.uvicorn(line)
         time.sleep(self.cfg.teardown_s)  # device release takes seconds on a real card
         for r, pool in zip(self.ranks, self.pools, strict=False):
             stats = pool.stats()

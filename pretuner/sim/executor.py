@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from pretuner.engines.base import Family, LaunchCommand, LaunchSettings, Purpose
+from pretuner.engines.base import Family, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import SIM, outcome_of
 from pretuner.engines.outcome import Exercised, LaunchOutcome, tally, workload
 from pretuner.engines.registry import EngineChoice
@@ -58,12 +58,24 @@ def _outcomes(replies: Sequence[Reply]) -> list[CompletionOutcome]:
                               r.completion_tokens, r.error) for r in replies]
 
 
-def inprocess_executor(
-    build: Callable[[LaunchSettings, int], LaunchCommand],
-    workdir: Path,
-    decode_tokens: int = DECODE_TOKENS,
-) -> Callable[[LaunchSettings], LaunchOutcome]:
-    """An executor that runs every launch on the in-process emulated r0.1 server."""
+def _init_free_mib(log: str) -> list[int]:
+    """`Device free MOC Size` of every MindSpore init line (what the live follower reads)."""
+    found = []
+    for line in log.splitlines():
+        if "Device MOC Size" in line or "Device HBM Size" in line:
+            event = parse_line(line)
+            if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
+                found.append(event.device_free_mib)
+    return found
+
+
+def tune_in_process(
+    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
+) -> TuneResult:
+    """The whole r0.1 loop against the emulated server run in this process."""
+    choice = EngineChoice(SIM, Family.R01, True, None, "in-process emulated card")
+    setup = r01_setup(opts, choice, card)
+    build, decode_tokens = setup.ctx.build, setup.ctx.decode_tokens
     counter = itertools.count(1)
 
     def execute(settings: LaunchSettings) -> LaunchOutcome:
@@ -103,94 +115,7 @@ def inprocess_executor(
                        device_reader="emulated npu-smi (in process)",
                        device_total_mib=res.total_mib)
 
-    return execute
-
-
-def _init_free_mib(log: str) -> list[int]:
-    """`Device free MOC Size` of every MindSpore init line (what the live follower reads)."""
-    found = []
-    for line in log.splitlines():
-        if "Device MOC Size" in line or "Device HBM Size" in line:
-            event = parse_line(line)
-            if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
-                found.append(event.device_free_mib)
-    return found
-
-
-def tune_in_process(
-    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
-) -> TuneResult:
-    """The whole r0.1 loop against the emulated server run in this process."""
-    choice = EngineChoice(SIM, Family.R01, True, None, "in-process emulated card")
-    setup = r01_setup(opts, choice, card)
-    execute = inprocess_executor(setup.ctx.build, workdir, setup.ctx.decode_tokens)
     return Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()
-
-
-def inprocess_v1_executor(
-    build: Callable[[LaunchSettings, int], LaunchCommand],
-    workdir: Path,
-    bytes_per_token: int,
-    decode_tokens: int = DECODE_TOKENS,
-    *,
-    images: ImageShape | None = None,
-    soak: Soak | None = None,
-    seed: int = 0,
-) -> Callable[[LaunchSettings], LaunchOutcome]:
-    """An executor that runs every launch on the in-process emulated V1 server; a
-    vision-language model's launches get `pretuner.engines.v1_images`' requests, with the
-    emulator's own chat template (what the HTTP path calibrates)."""
-    counter = itertools.count(1)
-    soak = soak or Soak()
-    hooks = V1Hooks(bytes_per_token, images, soak)
-    shape = images if images is not None and not images.is_text_only else None
-
-    def image_phases(images: ImageShape, s: LaunchSettings) -> list[LoadPhase]:
-        if s.purpose is Purpose.PRERUN:
-            req = worst_case(images, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
-            return [LoadPhase("probe", (req,))]
-        decode = min(decode_tokens, max(1, s.max_model_len // 2))
-        return validation_phases(images, s.max_model_len, decode,
-                                 concurrency(s, None, bytes_per_token), soak.planned, seed,
-                                 TEMPLATE_TOKENS)
-
-    def execute(s: LaunchSettings) -> LaunchOutcome:
-        n = next(counter)
-        t0 = time.monotonic()
-        cmd = build(s, 0)
-        argv = EMULATOR.server_flags("v1", cmd.argv)
-        if argv[:1] == ["serve"]:
-            argv = argv[1:]
-        plen: int | None
-        phases: list[LoadPhase] = []
-        if shape is not None:
-            phases = image_phases(shape, s)
-            res = v1_inproc.run_waves(argv, cmd.env, v1_inproc.waves_of(phases))
-            plen = None
-        elif s.purpose is Purpose.PRERUN:
-            plen = probe.max_length_prompt_len(s.max_model_len, 1)
-            res = v1_inproc.run(argv, cmd.env, [plen], 1)
-        else:
-            decode = min(decode_tokens, max(1, s.max_model_len // 2))
-            plen = probe.max_length_prompt_len(s.max_model_len, decode)
-            count = concurrency(s, None, bytes_per_token)
-            res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
-        log_path = _launch_log(workdir, n, res.log)
-        outs = _outcomes(res.replies)
-        failure = None if res.ready or "out of memory" in res.log.lower() \
-            or "estimated maximum model length" in res.log \
-            or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
-        ran = tally(outs, plen)
-        if phases:
-            ran = Exercised(ran.ok, ran.total, ran.dropped, ran.error,
-                            soak_answered(phases, outs), res.reset_status)
-        outcome = hooks.outcome(n, s, log_path, ran, failure, None,
-                                (0.0, 0.0, 0.0, time.monotonic() - t0))
-        return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
-                       device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
-                       speed=emulated_speed(res, s, plen))
-
-    return execute
 
 
 def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int:
@@ -222,10 +147,61 @@ def emulated_speed(res: inproc.InprocRun, s: LaunchSettings,
 
 def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = None) -> V1Result:
     """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
-    tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
+    tests): the same setup, loop and judge as `pretuner run --engine vllm`; a vision-language
+    model's launches get `pretuner.engines.v1_images`' requests, with the emulator's own chat
+    template (what the HTTP path calibrates)."""
     choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
     setup = pinned_setup(opts, choice)
-    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token,
-                                    images=setup.vision.images, soak=setup.vision.soak,
-                                    seed=opts.seed)
+    build, bytes_per_token = setup.ctx.build, setup.cfg.bytes_per_token
+    images, seed = setup.vision.images, opts.seed
+    counter = itertools.count(1)
+    soak = setup.vision.soak or Soak()
+    hooks = V1Hooks(bytes_per_token, images, soak)
+    shape = images if images is not None and not images.is_text_only else None
+
+    def image_phases(images: ImageShape, s: LaunchSettings) -> list[LoadPhase]:
+        if s.purpose is Purpose.PRERUN:
+            req = worst_case(images, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
+            return [LoadPhase("probe", (req,))]
+        decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
+        return validation_phases(images, s.max_model_len, decode,
+                                 concurrency(s, None, bytes_per_token), soak.planned, seed,
+                                 TEMPLATE_TOKENS)
+
+    def execute(s: LaunchSettings) -> LaunchOutcome:
+        n = next(counter)
+        t0 = time.monotonic()
+        cmd = build(s, 0)
+        argv = EMULATOR.server_flags("v1", cmd.argv)
+        if argv[:1] == ["serve"]:
+            argv = argv[1:]
+        plen: int | None
+        phases: list[LoadPhase] = []
+        if shape is not None:
+            phases = image_phases(shape, s)
+            res = v1_inproc.run_waves(argv, cmd.env, v1_inproc.waves_of(phases))
+            plen = None
+        elif s.purpose is Purpose.PRERUN:
+            plen = probe.max_length_prompt_len(s.max_model_len, 1)
+            res = v1_inproc.run(argv, cmd.env, [plen], 1)
+        else:
+            decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
+            plen = probe.max_length_prompt_len(s.max_model_len, decode)
+            count = concurrency(s, None, bytes_per_token)
+            res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
+        log_path = _launch_log(workdir, n, res.log)
+        outs = _outcomes(res.replies)
+        failure = None if res.ready or "out of memory" in res.log.lower() \
+            or "estimated maximum model length" in res.log \
+            or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
+        ran = tally(outs, plen)
+        if phases:
+            ran = Exercised(ran.ok, ran.total, ran.dropped, ran.error,
+                            soak_answered(phases, outs), res.reset_status)
+        outcome = hooks.outcome(n, s, log_path, ran, failure, None,
+                                (0.0, 0.0, 0.0, time.monotonic() - t0))
+        return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
+                       device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
+                       speed=emulated_speed(res, s, plen))
+
     return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pretuner.sim.engine import Engine, EngineDeadError, Request
+from pretuner.sim.engine import Engine, Request
 from pretuner.sim.http import (
     ApiConfig,
     FrontServer,
@@ -22,6 +22,7 @@ from pretuner.sim.http import (
     stream_choice,
 )
 from pretuner.sim.logs import VllmLog
+from pretuner.sim.loop import EngineDead
 
 _PLAIN = "text/plain; charset=utf-8"
 
@@ -82,7 +83,7 @@ class _Handler(Handler):
         req = Request(rid, prompt_len, max_tokens, on_token=tokens.put if stream else None)
         try:
             self.server.engine.submit(req)
-        except EngineDeadError:
+        except EngineDead:
             self._send(500, b"Internal Server Error", _PLAIN)
             return
         log.info("engine.py:267", f"Added request {rid}-0.")

@@ -104,6 +104,8 @@ class Server(R01Server):
 
 
 def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m pretuner.sim.mindspore_cpu serve") -> int:
-    return serve_main(sys.argv[1:] if argv is None else argv, prog, lambda: build_parser(prog),
-                      parse, lambda cfg: Server(cfg).run())
+         prog: str = "python -m pretuner.sim mindspore-cpu serve") -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    args = args[1:] if args[:1] == ["serve"] else args
+    return serve_main(args, prog, lambda: build_parser(prog), parse,
+                      lambda cfg: Server(cfg).run())

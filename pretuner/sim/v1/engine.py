@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pretuner.sim.loop import EngineThread, Throughput
+from pretuner.sim.loop import EngineDead, EngineThread, Throughput
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted
 from pretuner.sim.v1.memory import Alloc, first_failure, peak_of
@@ -114,10 +114,6 @@ class Pending:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     tokens: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)  # per token
-
-
-class EngineDead(RuntimeError):
-    pass
 
 
 class Engine(EngineThread):

@@ -12,9 +12,10 @@ from typing import Any
 
 from pretuner.sim import http as front
 from pretuner.sim.http import detokenize, prompt_length, usage
+from pretuner.sim.loop import EngineDead
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.chat import ChatError, chat_max_tokens, parse_chat
-from pretuner.sim.v1.engine import Engine, EngineDead, Pending
+from pretuner.sim.v1.engine import Engine, Pending
 from pretuner.sim.v1.mm import MMItem, VisionCard
 from pretuner.sim.v1.scheduler import Req
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pretuner.models.spec import ModelSpec
 from pretuner.sim.kvcache import CacheLayout, cache_layout
 from pretuner.sim.memory import DEFAULT_SEED, perturb
-from pretuner.units import GIB, MIB
+from pretuner.units import MIB
 
 ALLOC_ROUND = 2 * MIB  # torch rounds large allocations up to 2 MiB
 _REF_LAYERS_X_HIDDEN = 36 * 4096  # Qwen3-8B, the calibration model
@@ -217,7 +217,3 @@ def first_failure(allocs: list[Alloc], reserved: int, room: int) -> Alloc | None
         if max(reserved, a.live_before + a.size) > room:
             return a
     return None
-
-
-def gib(n_bytes: float) -> float:
-    return n_bytes / GIB

@@ -11,7 +11,6 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pretuner.files import write_atomic
 from pretuner.units import MIB
@@ -106,14 +105,12 @@ class Published:
              shown_pid: int | None = None) -> None:
         """This process now holds `process_mib` on the device (`shown_pid`: the rank's pid)."""
         pid = os.getpid()
-        self.write(state / f"{kind}-node{node}-dev{device}-pid{pid}.json",
-                   {"pid": pid, "shown_pid": shown_pid or pid, "process_mib": process_mib})
-
-    def write(self, path: Path, data: dict[str, Any]) -> None:
+        path = state / f"{kind}-node{node}-dev{device}-pid{pid}.json"
+        data = {"pid": pid, "shown_pid": shown_pid or pid, "process_mib": process_mib}
         with self._lock:
             if self._gone:
                 return
-            path.parent.mkdir(parents=True, exist_ok=True)
+            state.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(data), overwrite=True)
             if path not in self.paths:
                 self.paths.append(path)

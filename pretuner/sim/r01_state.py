@@ -1,5 +1,5 @@
 """What the emulated r0.1 server writes beside its log: what it holds on its cards, for the
-emulated `npu-smi` (`$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`), and the truth file
+emulated `npu-smi` (`pretuner.sim.state`), and the truth file
 (`--sim-truth`) a benchmark scores against."""
 
 from __future__ import annotations

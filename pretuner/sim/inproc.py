@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim.argv import Refused, UsageError
-from pretuner.sim.engine import Engine, OutOfMemory, Request
+from pretuner.sim.engine import OutOfMemory, Request
 from pretuner.sim.http import Reply
 from pretuner.sim.r01_config import parse
 from pretuner.sim.scheduler import SchedulerLimits
@@ -76,8 +76,7 @@ def _device(server: Server) -> tuple[dict[str, int], int]:
 def _serve(server: Server, limits: SchedulerLimits, prompts: Sequence[int],
            max_tokens: int) -> tuple[tuple[Reply, ...], bool]:
     """The server's engine stepped in this process until every request is answered."""
-    engine = Engine(server.pools, limits, server.vlog, lambda _oom: None,
-                    pool_format=server.cfg.pool_format, seed=server.cfg.seed)
+    engine = server._engine(limits)  # not started: stepped below
     reqs = [Request(f"cmpl-{i}", n, max_tokens) for i, n in enumerate(prompts)]
     for req in reqs:
         if req.prompt_len + max_tokens <= limits.max_model_len:

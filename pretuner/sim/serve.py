@@ -111,6 +111,14 @@ class Server:
                           "exactly.")
         return 64
 
+    def kv_blocks(self, blocks: int, cpu_blocks: int, mml: int, where: str) -> None:
+        """vLLM's checks on the KV blocks r0.1 computed, and the lines it prints after them."""
+        max_seq = check_kv_blocks(blocks, self.cfg.block_size, mml, where)
+        self.vlog.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
+                       f"{cpu_blocks}")
+        self.vlog.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per "
+                       f"request: {max_seq / mml:.2f}x")
+
     def _visible_devices(self) -> list[int]:
         raw = self.cfg.env.get("ASCEND_RT_VISIBLE_DEVICES")
         if not raw:
@@ -252,11 +260,7 @@ class Server:
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
         int_env(env, "vLLM_MODEL_MEMORY_USE_GB")  # r0.1's calc_block_num refuses it here
-        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, WHERE_CACHE)
-        log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
-                 f"{(4 * GIB) // block_bytes}")
-        log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
-                 f"{max_seq / mml:.2f}x")
+        self.kv_blocks(blocks, (4 * GIB) // block_bytes, mml, WHERE_CACHE)
         kv = blocks * block_bytes
         for r, pool in zip(self.ranks, self.pools, strict=True):
             if r.model.static_bytes + kv > cap:

@@ -19,8 +19,9 @@ from pretuner.devices.nvidia import (
     series_peaks,
 )
 from pretuner.sim.memory import PROFILES
-from pretuner.sim.npusmi import CardUse, render, write_shim
+from pretuner.sim.npusmi import render, write_shim
 from pretuner.sim.reader import EmulatedReader
+from pretuner.sim.state import DeviceUse, Published
 from tests.helpers import shared
 
 NVML_SERIES = ("real-logs", "vllm-0.24-h100", "nvml-series.tsv")
@@ -71,7 +72,7 @@ def test_parse_nvml_series_skips_garbage() -> None:
 
 def test_npu_memory_from_the_emulated_table() -> None:
     profile = PROFILES["910b-64"]
-    text = render(profile, [CardUse(0, 40000, pid=7, process_mib=37000), CardUse(1, 3000)])
+    text = render(profile, [DeviceUse(0, 40000, ((7, 37000),)), DeviceUse(1, 3000)])
     found = npu_memory(parse_npu_smi(text))
     assert found == (DeviceMemory(0, 40000, profile.total_mib),
                      DeviceMemory(1, 3000, profile.total_mib))
@@ -108,10 +109,10 @@ def test_nvidia_smi_reader(tmp_path: Path) -> None:
 def test_emulated_reader_reads_the_card_in_process(tmp_path: Path) -> None:
     state = tmp_path / "card"
     state.mkdir()
-    (state / "node0-npu1.json").write_text(f'{{"pid": {os.getpid()}, "used_mib": 50000}}')
+    profile = PROFILES["910b-64"]
+    Published().hold(state, "npu", 0, 1, 50000 - profile.driver_reserved_mib)
     env = {"PRETUNER_SIM_STATE_DIR": str(state), "PRETUNER_SIM_PROFILE": "910b-64"}
     sample = EmulatedReader(env, frozenset({0, 1})).sample()
-    profile = PROFILES["910b-64"]
     assert sample is not None
     assert [d.device for d in sample.devices] == [0, 1]
     assert sample.worst_used_mib == 50000
@@ -155,11 +156,10 @@ def test_select_reader_cpu_budget_and_attach() -> None:
 
 def test_emulated_reader_reads_the_cuda_card_in_process(tmp_path: Path) -> None:
     from pretuner.sim.v1.memory import CUDA_PROFILES
-    from pretuner.sim.v1.smi import publish
-
     state = tmp_path / "gpus"
-    publish(state, [1], os.getpid(), 75000 * 2**20)
-    (state / "cuda-gpu0-pid999999999.json").write_text('{"pid": 999999999, "process_mib": 9}')
+    Published().hold(state, "cuda", 0, 1, 75000)
+    dead = '{"pid": 999999999, "shown_pid": 999999999, "process_mib": 9}'
+    (state / "cuda-node0-dev0-pid999999999.json").write_text(dead)
     env = {"PRETUNER_SIM_STATE_DIR": str(state), "PRETUNER_SIM_PROFILE": "h100-80",
            "PRETUNER_SIM_OCCUPIED_MIB": "100"}
     sample = EmulatedReader(env, frozenset({0, 1})).sample()
@@ -175,9 +175,9 @@ def test_emulated_reader_reads_the_cuda_card_in_process(tmp_path: Path) -> None:
 def test_emulated_nvidia_smi_csv_parses(tmp_path: Path, fmt: str,
                                         monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from pretuner.sim.v1.smi import main, publish
+    from pretuner.sim.v1.smi import main
 
-    publish(tmp_path, [0], os.getpid(), 75672 * 2**20)
+    Published().hold(tmp_path, "cuda", 0, 0, 75672)
     monkeypatch.setenv("PRETUNER_SIM_STATE_DIR", str(tmp_path))
     monkeypatch.setenv("PRETUNER_SIM_PROFILE", "h100-80")
     monkeypatch.delenv("PRETUNER_SIM_OCCUPIED_MIB", raising=False)

@@ -19,9 +19,9 @@ import pytest
 from pretuner.devices import DeviceMemory, DeviceReadError, nvidia, select_reader
 from pretuner.devices.nvidia import NvidiaSmiStreamReader
 from pretuner.procgroups import group_alive, group_members
+from pretuner.sim.state import Published
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.smi import main as emulated_smi
-from pretuner.sim.v1.smi import publish
 
 MIB = 2**20
 
@@ -76,7 +76,7 @@ def emulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_streams_the_emulated_nvidia_smi(tmp_path: Path, emulated: Path,
                                          readers: list[NvidiaSmiStreamReader]) -> None:
     profile = CUDA_PROFILES["h100-80"]
-    publish(tmp_path / "gpus", [1], os.getpid(), 75000 * MIB)
+    Published().hold(tmp_path / "gpus", "cuda", 0, 1, 75000)
     reader = NvidiaSmiStreamReader(str(emulated), frozenset({1}))
     readers.append(reader)
     first = reader.sample()  # the first sample waits for the first block
@@ -86,7 +86,7 @@ def test_streams_the_emulated_nvidia_smi(tmp_path: Path, emulated: Path,
     assert stream is not None
     assert stream.argv[-2:] == ["-lms", "20"]
     assert reader.fallback is None
-    publish(tmp_path / "gpus", [1], os.getpid(), 76000 * MIB)  # the server grows
+    Published().hold(tmp_path / "gpus", "cuda", 0, 1, 76000)  # the server grows
 
     def grown() -> bool:
         got = reader.sample()

@@ -17,6 +17,7 @@ import pytest
 from pretuner.launch.probe import stream_complete
 from pretuner.models import lookup
 from pretuner.models.quant import from_flag, quantized_bytes
+from pretuner.sim.inproc import InprocRun
 from pretuner.sim.v1 import inproc, offload
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes
 from pretuner.units import GIB
@@ -40,7 +41,7 @@ def weights_gib(log: str) -> float:
 
 
 def boot(args: list[str], env: dict[str, str] | None = None, prompts: list[int] | None = None,
-         first: int | None = None, max_tokens: int = 16) -> inproc.V1InprocRun:
+         first: int | None = None, max_tokens: int = 16) -> InprocRun:
     return inproc.run(args, {**V100, **(env or {})}, prompts or [], max_tokens, first=first)
 
 

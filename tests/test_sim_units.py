@@ -19,10 +19,11 @@ from pretuner.sim.argv import Refused, normalize_argv
 from pretuner.sim.engine import Engine, OutOfMemory, RankPool, Request
 from pretuner.sim.launcher import DEFAULT_ENTRY, child_argv
 from pretuner.sim.logs import PoolStats, RankLog, VllmLog, ms_prefix, pool_dump, vllm_prefix
-from pretuner.sim.npusmi import CardUse, render
+from pretuner.sim.npusmi import render
 from pretuner.sim.r01_checks import verify_vllm_config
 from pretuner.sim.r01_config import UsageError, parse
 from pretuner.sim.scheduler import SchedulerLimits
+from pretuner.sim.state import DeviceUse
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-8b")
@@ -133,7 +134,7 @@ def test_glog_v_filters_info(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_npu_smi_matches_the_real_910b_layout() -> None:
     prof = mem.PROFILES["910b-64"]
-    text = render(prof, [CardUse(0, 3379), CardUse(1, 41697, 4242, 38318)])
+    text = render(prof, [DeviceUse(0, 3379), DeviceUse(1, 41697, ((4242, 38318),))])
     lines = text.splitlines()
     real = [
         "| NPU   Name                | Health        | Power(W)    Temp(C)           "

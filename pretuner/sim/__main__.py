@@ -1,5 +1,6 @@
-"""`python -m pretuner.sim serve|launch|npu-smi|vllm|nvidia-smi ...` without typer (keeps the
-servers light). `vllm serve ...` is the emulated vLLM 0.24 on a CUDA card (`pretuner.sim.v1`)."""
+"""`python -m pretuner.sim serve|launch|npu-smi|vllm|nvidia-smi|mindspore-cpu ...` without typer
+(keeps the servers light). `vllm serve ...` is the emulated vLLM 0.24 on a CUDA card
+(`pretuner.sim.v1`), `mindspore-cpu serve ...` the reference server on real MindSpore."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 # command -> the module whose main(argv) runs it
 COMMANDS = {"serve": "pretuner.sim.serve", "launch": "pretuner.sim.launcher",
             "npu-smi": "pretuner.sim.npusmi", "vllm": "pretuner.sim.v1.server",
-            "nvidia-smi": "pretuner.sim.v1.smi"}
+            "nvidia-smi": "pretuner.sim.v1.smi",
+            "mindspore-cpu": "pretuner.sim.mindspore_cpu.serve"}
 USAGE = f"usage: python -m pretuner.sim {{{','.join(COMMANDS)}}} ...\n"
 
 

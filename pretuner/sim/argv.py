@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 C = TypeVar("C")
@@ -56,14 +57,39 @@ def server_parser(prog: str, description: str, epilog: str, *,
     return p
 
 
-def parse_known(parser: argparse.ArgumentParser, argv: Sequence[str],
-                no_model: str) -> tuple[argparse.Namespace, str, tuple[str, ...]]:
-    """(namespace, model, ignored flags); UsageError(`no_model`) without a model."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerArgs:
+    """What both emulated servers read alike from their command line and environment."""
+
+    model: str
+    host: str | None
+    port: int
+    served_names: tuple[str, ...]
+    max_model_len: int | None
+    max_num_seqs: int
+    util: float
+    block_size: int
+    tp: int
+    profile: str
+    startup_s: float
+    occupied_mib: int = 0  # another tenant's share of every card
+    env: dict[str, str] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+
+def parse_known(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str],
+                no_model: str) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """(namespace, `ServerArgs` fields of the command line); UsageError(`no_model`) without a
+    model."""
     ns, unknown = parser.parse_known_args(list(argv))
     model = ns.model or ns.model_tag
     if not model:
         raise UsageError(no_model)
-    return ns, model, tuple(unknown)
+    return ns, {"model": model, "host": ns.host, "port": ns.port,
+                "served_names": tuple(ns.served_model_name or (model,)),
+                "max_model_len": ns.max_model_len, "max_num_seqs": ns.max_num_seqs,
+                "util": ns.gpu_memory_utilization, "block_size": ns.block_size,
+                "tp": ns.tensor_parallel_size, "env": dict(env), "ignored": tuple(unknown)}
 
 
 def env_values(env: Mapping[str, str], wanted: Mapping[str, tuple[str, Any]],

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim.logs import PoolStats, RankWriter, VllmLog
-from pretuner.sim.loop import EngineThread, Throughput
+from pretuner.sim.loop import EngineDead, EngineThread, Throughput
 from pretuner.sim.memory import CardModel, Prefill
 from pretuner.sim.scheduler import Scheduler, SchedulerLimits, Seq, StepPlan
 
@@ -23,10 +23,6 @@ PREFILL_PER_TOKEN_S = 2e-7
 DECODE_STEP_S = 0.003
 METRICS_EVERY_S = 5.0
 _POOL_CHUNK = 1 << 30  # MindSpore grows its dynamic pool in 1 GiB chunks
-
-
-class EngineDeadError(RuntimeError):
-    """The engine crashed (OOM): like vLLM's AsyncEngineDeadError."""
 
 
 @dataclass
@@ -139,7 +135,7 @@ class Engine(EngineThread):
     def submit(self, req: Request) -> None:
         with self._cond:
             if self.dead is not None:
-                raise EngineDeadError("Background loop has errored already.")
+                raise EngineDead("Background loop has errored already.")
             self._requests[req.request_id] = req
             self.sched.add(Seq(req.request_id, req.prompt_len, req.max_tokens))
             self._cond.notify_all()

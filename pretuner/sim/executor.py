@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from pretuner.engines.base import Family, LaunchCommand, LaunchSettings, Purpose
+from pretuner.engines.base import Family, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import SIM, outcome_of
 from pretuner.engines.outcome import Exercised, LaunchOutcome, tally, workload
 from pretuner.engines.registry import EngineChoice
@@ -58,12 +58,24 @@ def _outcomes(replies: Sequence[Reply]) -> list[CompletionOutcome]:
                               r.completion_tokens, r.error) for r in replies]
 
 
-def inprocess_executor(
-    build: Callable[[LaunchSettings, int], LaunchCommand],
-    workdir: Path,
-    decode_tokens: int = DECODE_TOKENS,
-) -> Callable[[LaunchSettings], LaunchOutcome]:
-    """An executor that runs every launch on the in-process emulated r0.1 server."""
+def _init_free_mib(log: str) -> list[int]:
+    """`Device free MOC Size` of every MindSpore init line (what the live follower reads)."""
+    found = []
+    for line in log.splitlines():
+        if "Device MOC Size" in line or "Device HBM Size" in line:
+            event = parse_line(line)
+            if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
+                found.append(event.device_free_mib)
+    return found
+
+
+def tune_in_process(
+    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
+) -> TuneResult:
+    """The whole r0.1 loop against the emulated server run in this process."""
+    choice = EngineChoice(SIM, Family.R01, True, None, "in-process emulated card")
+    setup = r01_setup(opts, choice, card)
+    build, decode_tokens = setup.ctx.build, setup.ctx.decode_tokens
     counter = itertools.count(1)
 
     def execute(settings: LaunchSettings) -> LaunchOutcome:
@@ -96,52 +108,54 @@ def inprocess_executor(
             rank_peaks_mib=rank_peaks(scan),
             times=(0.0, 0.0, 0.0, time.monotonic() - t0),
         )
-        if not res.device_peak_mib:
+        if not res.peaks_mib:
             return outcome
         # What the sampler of a real run reads from the emulated npu-smi.
-        return replace(outcome, device_peaks_mib={"run": res.device_peak_mib},
+        return replace(outcome, device_peaks_mib=dict(res.peaks_mib),
                        device_reader="emulated npu-smi (in process)",
-                       device_total_mib=res.device_total_mib)
+                       device_total_mib=res.total_mib)
 
-    return execute
-
-
-def _init_free_mib(log: str) -> list[int]:
-    """`Device free MOC Size` of every MindSpore init line (what the live follower reads)."""
-    found = []
-    for line in log.splitlines():
-        if "Device MOC Size" in line or "Device HBM Size" in line:
-            event = parse_line(line)
-            if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
-                found.append(event.device_free_mib)
-    return found
-
-
-def tune_in_process(
-    opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
-) -> TuneResult:
-    """The whole r0.1 loop against the emulated server run in this process."""
-    choice = EngineChoice(SIM, Family.R01, True, None, "in-process emulated card")
-    setup = r01_setup(opts, choice, card)
-    execute = inprocess_executor(setup.ctx.build, workdir, setup.ctx.decode_tokens)
     return Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()
 
 
-def inprocess_v1_executor(
-    build: Callable[[LaunchSettings, int], LaunchCommand],
-    workdir: Path,
-    bytes_per_token: int,
-    decode_tokens: int = DECODE_TOKENS,
-    *,
-    images: ImageShape | None = None,
-    soak: Soak | None = None,
-    seed: int = 0,
-) -> Callable[[LaunchSettings], LaunchOutcome]:
-    """An executor that runs every launch on the in-process emulated V1 server; a
-    vision-language model's launches get `pretuner.engines.v1_images`' requests, with the
-    emulator's own chat template (what the HTTP path calibrates)."""
+def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int:
+    """How many of the soak's requests were answered 200 (replies come in phase order)."""
+    answered, i = 0, 0
+    for p in phases:
+        got = outs[i:i + len(p.requests)]
+        i += len(p.requests)
+        if p.name in SOAK_PHASES:
+            answered += sum(o.ok for o in got)
+    return answered
+
+
+def emulated_speed(res: inproc.InprocRun, s: LaunchSettings,
+                   prompt_len: int | None) -> Speed | None:
+    """A validation's speed on the emulated card's own clock (the lone request, the burst);
+    None for a pre-run and for image requests (their length is the server's count)."""
+    if s.purpose is Purpose.PRERUN or prompt_len is None or res.first_ttft_s is None \
+            or not res.replies:
+        return None
+    first = res.replies[0]
+    burst = res.replies[1:]
+    return Speed(prompt_tokens=prompt_len, ttft_s=round(res.first_ttft_s, 4),
+                 decode_tokens=max(0, (first.completion_tokens or 1) - 1),
+                 decode_s=round(res.first_decode_s or 0.0, 4), load_requests=len(burst),
+                 load_tokens=res.load_tokens,
+                 load_s=round(res.load_s, 4) if res.load_s else None, how="emulated clock")
+
+
+def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = None) -> V1Result:
+    """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
+    tests): the same setup, loop and judge as `pretuner run --engine vllm`; a vision-language
+    model's launches get `pretuner.engines.v1_images`' requests, with the emulator's own chat
+    template (what the HTTP path calibrates)."""
+    choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
+    setup = pinned_setup(opts, choice)
+    build, bytes_per_token = setup.ctx.build, setup.cfg.bytes_per_token
+    images, seed = setup.vision.images, opts.seed
     counter = itertools.count(1)
-    soak = soak or Soak()
+    soak = setup.vision.soak or Soak()
     hooks = V1Hooks(bytes_per_token, images, soak)
     shape = images if images is not None and not images.is_text_only else None
 
@@ -149,7 +163,7 @@ def inprocess_v1_executor(
         if s.purpose is Purpose.PRERUN:
             req = worst_case(images, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
             return [LoadPhase("probe", (req,))]
-        decode = min(decode_tokens, max(1, s.max_model_len // 2))
+        decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
         return validation_phases(images, s.max_model_len, decode,
                                  concurrency(s, None, bytes_per_token), soak.planned, seed,
                                  TEMPLATE_TOKENS)
@@ -171,7 +185,7 @@ def inprocess_v1_executor(
             plen = probe.max_length_prompt_len(s.max_model_len, 1)
             res = v1_inproc.run(argv, cmd.env, [plen], 1)
         else:
-            decode = min(decode_tokens, max(1, s.max_model_len // 2))
+            decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
             plen = probe.max_length_prompt_len(s.max_model_len, decode)
             count = concurrency(s, None, bytes_per_token)
             res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
@@ -190,42 +204,4 @@ def inprocess_v1_executor(
                        device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
                        speed=emulated_speed(res, s, plen))
 
-    return execute
-
-
-def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int:
-    """How many of the soak's requests were answered 200 (replies come in phase order)."""
-    answered, i = 0, 0
-    for p in phases:
-        got = outs[i:i + len(p.requests)]
-        i += len(p.requests)
-        if p.name in SOAK_PHASES:
-            answered += sum(o.ok for o in got)
-    return answered
-
-
-def emulated_speed(res: v1_inproc.V1InprocRun, s: LaunchSettings,
-                   prompt_len: int | None) -> Speed | None:
-    """A validation's speed on the emulated card's own clock (the lone request, the burst);
-    None for a pre-run and for image requests (their length is the server's count)."""
-    if s.purpose is Purpose.PRERUN or prompt_len is None or res.first_ttft_s is None \
-            or not res.replies:
-        return None
-    first = res.replies[0]
-    burst = res.replies[1:]
-    return Speed(prompt_tokens=prompt_len, ttft_s=round(res.first_ttft_s, 4),
-                 decode_tokens=max(0, (first.completion_tokens or 1) - 1),
-                 decode_s=round(res.first_decode_s or 0.0, 4), load_requests=len(burst),
-                 load_tokens=res.load_tokens,
-                 load_s=round(res.load_s, 4) if res.load_s else None, how="emulated clock")
-
-
-def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = None) -> V1Result:
-    """The whole V1 loop against the emulated V1 server run in this process (benchmarks,
-    tests): the same setup, loop and judge as `pretuner run --engine vllm`."""
-    choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
-    setup = pinned_setup(opts, choice)
-    execute = inprocess_v1_executor(setup.ctx.build, workdir, setup.cfg.bytes_per_token,
-                                    images=setup.vision.images, soak=setup.vision.soak,
-                                    seed=opts.seed)
     return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

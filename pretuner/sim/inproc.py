@@ -8,10 +8,10 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pretuner.sim.argv import Refused, UsageError
-from pretuner.sim.engine import Engine, OutOfMemory, Request
+from pretuner.sim.engine import OutOfMemory, Request
 from pretuner.sim.http import Reply
 from pretuner.sim.r01_config import parse
 from pretuner.sim.scheduler import SchedulerLimits
@@ -22,14 +22,24 @@ MAX_STEPS = 10_000_000
 
 @dataclass(frozen=True, slots=True)
 class InprocRun:
-    log: str  # everything the server printed (stdout and stderr together)
-    replies: tuple[Reply, ...]
+    """What an in-process run of either personality gave (the clock figures: V1's only)."""
+
+    log: str  # everything the server printed
+    replies: tuple[Reply, ...]  # every phase's, in order
     ready: bool  # it reached the point where the real server opens its socket
     exit_code: int
-    # What a device reader sampling the server's cards would have seen at most, and their
-    # total (npu-smi's HBM figures, the other tenant included); 0 when it never took a pool.
-    device_peak_mib: int = 0
-    device_total_mib: int = 0
+    # phase -> the worst device's used MiB as its smi tool shows it (the tenant included), and
+    # the device's total; none when the server never held memory.
+    peaks_mib: dict[str, int] = field(default_factory=dict)
+    total_mib: int = 0
+    last_mib: dict[str, int] = field(default_factory=dict)  # phase -> used MiB at its end
+    reset_status: int | None = None  # the last /reset_mm_cache's HTTP status
+    # The emulated card's clock (simulated seconds): the `first` request's time to its first
+    # token and from its first to its last token, and the load's duration and tokens.
+    first_ttft_s: float | None = None
+    first_decode_s: float | None = None
+    load_s: float | None = None
+    load_tokens: int = 0
 
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
@@ -49,25 +59,24 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)
     if crashed:
-        server.card.unpublish()
+        server.card.files.remove()
         return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
     return InprocRun(stream.getvalue(), replies, True, 0, *_device(server))
 
 
-def _device(server: Server) -> tuple[int, int]:
-    """(peak, total) MiB of the server's cards as the emulated npu-smi shows them."""
+def _device(server: Server) -> tuple[dict[str, int], int]:
+    """The peak and total MiB of the server's cards as the emulated npu-smi shows them."""
     peak = server.card.peak_mib
     if peak == 0:
-        return 0, 0
-    return peak + server.cfg.occupied_mib, server.profile.total_mib
+        return {}, 0
+    return {"run": peak + server.cfg.occupied_mib}, server.profile.total_mib
 
 
 def _serve(server: Server, limits: SchedulerLimits, prompts: Sequence[int],
            max_tokens: int) -> tuple[tuple[Reply, ...], bool]:
     """The server's engine stepped in this process until every request is answered."""
-    engine = Engine(server.pools, limits, server.vlog, lambda _oom: None,
-                    pool_format=server.cfg.pool_format, seed=server.cfg.seed)
+    engine = server._engine(limits)  # not started: stepped below
     reqs = [Request(f"cmpl-{i}", n, max_tokens) for i, n in enumerate(prompts)]
     for req in reqs:
         if req.prompt_len + max_tokens <= limits.max_model_len:

@@ -92,8 +92,8 @@ def glog_level(env: Mapping[str, str] | None = None) -> int:
         return 3
 
 
-class VllmLog:
-    """vLLM's Python logger (always stderr) and uvicorn's plain lines."""
+class LineLog:
+    """Whole lines to one stream (stderr unless run in-process), safe across threads."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream or sys.stderr
@@ -103,6 +103,10 @@ class VllmLog:
         with self._lock:
             self._stream.write(text if text.endswith("\n") else text + "\n")
             self._stream.flush()
+
+
+class VllmLog(LineLog):
+    """vLLM's Python logger (always stderr) and uvicorn's plain lines."""
 
     def log(self, level: str, src: str, msg: str) -> None:
         self._write(vllm_prefix(level, dt.datetime.now(), src) + msg)

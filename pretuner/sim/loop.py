@@ -74,6 +74,10 @@ class Throughput:
         return rates
 
 
+class EngineDead(RuntimeError):
+    """A request submitted to an engine that died (vLLM's AsyncEngineDeadError)."""
+
+
 class EngineThread:
     """An engine stepping on its own thread while HTTP handlers submit and wait."""
 

@@ -14,10 +14,16 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, TypeVar
 
 from pretuner.models.spec import ModelSpec
 from pretuner.sim.kvcache import CacheLayout, cache_layout
 from pretuner.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 Prefill = Sequence[tuple[int, int]]  # (new tokens, context tokens) per prompt chunk in a step
 
@@ -86,15 +92,20 @@ class Coefficients:
     rank_jitter: float = 0.015  # per-rank spread of the dynamic part (+-)
 
 
-def perturbed(seed: int, base: Coefficients | None = None) -> Coefficients:
-    """`base` with every coefficient scaled by a seeded factor in [1 - P, 1 + P]."""
-    base = base or Coefficients()
-    rng = random.Random(f"pretuner-sim-coefficients-{seed}")  # noqa: S311 - not crypto
-    changes = {
-        f.name: getattr(base, f.name) * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
-        for f in fields(base)
-    }
+def perturb(base: T, key: str, fixed: frozenset[str] = frozenset(), exact: bool = False) -> T:
+    """`base` (`exact`: as it is) with each field but `fixed` scaled within +-PERTURBATION by a
+    generator seeded with `key`: both personalities' hidden coefficients."""
+    if exact:
+        return base
+    rng = random.Random(key)  # noqa: S311 - not crypto
+    changes = {f.name: getattr(base, f.name) * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
+               for f in fields(base) if f.name not in fixed}
     return replace(base, **changes)
+
+
+def perturbed(seed: int) -> Coefficients:
+    """r0.1's coefficients: perturbed for every seed, 0 included."""
+    return perturb(Coefficients(), f"pretuner-sim-coefficients-{seed}")
 
 
 def rank_factors(seed: int, world: int, jitter: float) -> tuple[float, ...]:

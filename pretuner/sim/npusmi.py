@@ -2,19 +2,18 @@
 
 A card a live emulated server uses shows the driver reservation, the CANN share and the whole
 MindSpore pool (`enable_vmm:False`: MindSpore takes `max_device_memory` at init), as published
-in the state dir; `PRETUNER_SIM_NODE` selects the emulated node."""
+in the state dir (`pretuner.sim.state`); `PRETUNER_SIM_NODE` selects the emulated node."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from pretuner.files import write_atomic
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES, CardProfile
-from pretuner.sim.state import TENANT_PID, env_int, read_live, state_dir
+from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
 
 VERSION = "23.0.6"
 _BUS = ("C1", "01", "41", "81", "C2", "02", "42", "82")
@@ -22,26 +21,11 @@ _BORDER = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 _DOUBLE = "+" + "=" * 27 + "+" + "=" * 15 + "+" + "=" * 52 + "+"
 
 
-@dataclass(frozen=True, slots=True)
-class CardUse:
-    npu: int
-    hbm_used_mib: int
-    pid: int | None = None  # the emulated server's rank on this card
-    process_mib: int = 0
-    tenant_mib: int = 0  # another tenant's process (TENANT_PID) on this card
-
-    @property
-    def processes(self) -> tuple[tuple[int, int], ...]:
-        """(pid, MiB) of the tenant and the server's rank, where they hold memory."""
-        pairs = ((TENANT_PID, self.tenant_mib), (self.pid, self.process_mib))
-        return tuple((p, m) for p, m in pairs if p is not None and m)
-
-
 def _usage(used: int, total: int) -> str:
     return f"{used:<5}/ {total}"  # a 5-digit figure touches the slash, as on a real card
 
 
-def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
+def render(profile: CardProfile, cards: Sequence[DeviceUse]) -> str:
     """The full `npu-smi info` text."""
     width = len(_BORDER) - 2
     lines = [
@@ -55,13 +39,13 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
         _DOUBLE,
     ]
     for card in cards:
-        bus = f"0000:{_BUS[card.npu % len(_BUS)]}:00.0"
-        busy = card.pid is not None or card.tenant_mib > 0
+        bus = f"0000:{_BUS[card.index % len(_BUS)]}:00.0"
+        busy = bool(card.processes)
         power = f"{profile.power_w + (95.0 if busy else 0.0):.1f}"
-        lines.append(f"| {card.npu:<6}{profile.chip_name:<20}| {'OK':<14}| {power:<12}"
+        lines.append(f"| {card.index:<6}{profile.chip_name:<20}| {'OK':<14}| {power:<12}"
                      f"{profile.temp_c + (6 if busy else 0):<18}{_usage(0, 0):<21}|")
         lines.append(f"| {0:<26}| {bus:<14}| {0:<12}{_usage(0, 0):<18}"
-                     f"{_usage(card.hbm_used_mib, profile.total_mib):<21}|")
+                     f"{_usage(card.used_mib, profile.total_mib):<21}|")
         lines.append(_DOUBLE)
     lines += [
         _BORDER,
@@ -70,29 +54,13 @@ def render(profile: CardProfile, cards: Sequence[CardUse]) -> str:
         _DOUBLE,
     ]
     for card in cards:
-        procs = card.processes
-        if not procs:
-            lines.append("| " + f"No running processes found in NPU {card.npu}".ljust(width - 1)
+        if not card.processes:
+            lines.append("| " + f"No running processes found in NPU {card.index}".ljust(width - 1)
                          + "|")
-        for pid, mib in procs:
-            lines.append(f"| {card.npu:<8}{0:<18}| {pid:<14}| {'python3':<25}| {mib:<24}|")
+        for pid, mib in card.processes:
+            lines.append(f"| {card.index:<8}{0:<18}| {pid:<14}| {'python3':<25}| {mib:<24}|")
         lines.append(_DOUBLE)
     return "\n".join(lines) + "\n"
-
-
-def read_cards(profile: CardProfile, state: Path, node: int,
-               tenant_mib: int = 0) -> list[CardUse]:
-    """Every card of the node: idle ones show the driver reservation (and the tenant) only."""
-    cards = []
-    for npu in range(profile.cards_per_node):
-        use = CardUse(npu, profile.driver_reserved_mib + tenant_mib, tenant_mib=tenant_mib)
-        data = read_live(state / f"node{node}-npu{npu}.json")
-        if data is not None:
-            used = int(data["used_mib"])
-            use = CardUse(npu, used + tenant_mib, int(data.get("rank_pid") or data["pid"]),
-                          used - profile.driver_reserved_mib, tenant_mib)
-        cards.append(use)
-    return cards
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,8 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
                            PROFILES[DEFAULT_PROFILE])
-    cards = read_cards(profile, state_dir(env), env_int(env, "PRETUNER_SIM_NODE"),
-                       env_int(env, "PRETUNER_SIM_OCCUPIED_MIB"))
+    cards = read_devices(state_dir(env), "npu", env_int(env, "PRETUNER_SIM_NODE"),
+                         profile.cards_per_node, profile.driver_reserved_mib,
+                         env_int(env, "PRETUNER_SIM_OCCUPIED_MIB"))
     sys.stdout.write(render(profile, cards))
     return 0
 

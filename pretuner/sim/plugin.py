@@ -21,7 +21,7 @@ COMMANDS: dict[Personality, tuple[str, ...]] = {
     # handling meets the real trap.
     "r01": ("-m", "pretuner.sim", "launch", "vllm.entrypoints.openai.api_server"),
     "v1": ("-m", "pretuner.sim", "vllm", "serve"),
-    "mindspore-cpu": ("-m", "pretuner.sim.mindspore_cpu", "serve"),
+    "mindspore-cpu": ("-m", "pretuner.sim", "mindspore-cpu", "serve"),
 }
 
 

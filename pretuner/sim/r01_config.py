@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pretuner.sim import memory as mem
+from pretuner.sim.argv import ServerArgs, env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
-from pretuner.sim.argv import env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.logs import POOL_FORMATS
 
 VLLM_VERSION = "0.6.6.post1"
@@ -82,43 +82,28 @@ def _bool_arg(raw: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected a boolean, got {raw!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class ServeConfig:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig(ServerArgs):
     """Everything the emulated server needs, from the command line and the environment."""
 
-    model: str
-    host: str | None
-    port: int
-    max_model_len: int | None
-    max_num_seqs: int
     max_num_batched_tokens: int | None
-    util: float
-    tp: int
     pp: int
-    block_size: int
-    served_names: tuple[str, ...]
     kv_dtype: str
-    profile: str
     seed: int
     truth: str | None
     pool_format: str
-    startup_s: float
     teardown_s: float
     weights_format: str | None
     nodes: int
-    env: dict[str, str] = field(default_factory=dict)
-    ignored: tuple[str, ...] = ()
     rank_skew: dict[int, float] = field(default_factory=dict)
     ray_address: str | None = None  # ranks placed on this Ray cluster's nodes
     chunked_prefill: bool | None = None  # None: vLLM's default (on above 32K)
-    occupied_mib: int = 0  # another tenant's share of every card
 
 
 def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
     """Command line + environment -> config. Raises UsageError for sim options out of range."""
-    ns, model, ignored = parse_known(build_parser(), normalize_argv(argv),
-                                     "a model is required: pass it as --model M (or "
-                                     "positionally)")
+    ns, args = parse_known(build_parser(), normalize_argv(argv), env,
+                           "a model is required: pass it as --model M (or positionally)")
     knobs = env_values(env, {key: (var, default) for key, (var, default, _) in SIM.items()},
                        {key: getattr(ns, f"sim_{key}") for key in SIM})
     if knobs["profile"] not in mem.PROFILES:
@@ -130,18 +115,13 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
     ray_address = knobs["ray_address"] or (
         env.get("RAY_ADDRESS") if ns.distributed_executor_backend == "ray" else None) or None
     return ServeConfig(
-        model=model, host=ns.host, port=ns.port, max_model_len=ns.max_model_len,
-        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
-        util=ns.gpu_memory_utilization, tp=ns.tensor_parallel_size,
-        pp=ns.pipeline_parallel_size, block_size=ns.block_size,
-        served_names=tuple(ns.served_model_name or (model,)),
+        **args, max_num_batched_tokens=ns.max_num_batched_tokens, pp=ns.pipeline_parallel_size,
         kv_dtype=_KV_DTYPES.get(ns.kv_cache_dtype, "auto"), profile=knobs["profile"],
         seed=knobs["seed"], truth=knobs["truth"] or None, pool_format=knobs["pool_format"],
         startup_s=max(0.0, knobs["startup_s"]), teardown_s=max(0.0, knobs["teardown_s"]),
         weights_format=knobs["weights_format"] or None, nodes=max(1, knobs["nodes"]),
-        env=dict(env), ignored=ignored, rank_skew=_rank_skew(knobs["rank_skew"]),
-        ray_address=ray_address, chunked_prefill=ns.enable_chunked_prefill,
-        occupied_mib=max(0, knobs["occupied_mib"]),
+        rank_skew=_rank_skew(knobs["rank_skew"]), ray_address=ray_address,
+        chunked_prefill=ns.enable_chunked_prefill, occupied_mib=max(0, knobs["occupied_mib"]),
     )
 
 

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from pretuner.sim.engine import Engine, EngineDeadError, Request
+from pretuner.sim.engine import Engine, Request
 from pretuner.sim.http import (
     ApiConfig,
     FrontServer,
@@ -22,6 +22,7 @@ from pretuner.sim.http import (
     stream_choice,
 )
 from pretuner.sim.logs import VllmLog
+from pretuner.sim.loop import EngineDead
 
 _PLAIN = "text/plain; charset=utf-8"
 
@@ -34,14 +35,13 @@ def context_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
 
 
 class SimHTTPServer(FrontServer):
+    log: VllmLog
+
     def __init__(self, addr: tuple[str, int], engine: Engine, api: ApiConfig, log: VllmLog,
-                 on_request_done: Callable[[], None] | None = None) -> None:
+                 health: Callable[[], str | None]) -> None:
         super().__init__(addr, _Handler, api, log)
         self.engine = engine
-        self.vlog = log
-        self.on_request_done = on_request_done
-        # A failing rank elsewhere (a dead Ray worker): vLLM's /health asks every worker.
-        self.health: Callable[[], str | None] | None = None
+        self.health = health  # a failing rank elsewhere (a dead Ray worker): vLLM asks them all
 
 
 class _Handler(Handler):
@@ -53,8 +53,7 @@ class _Handler(Handler):
                 "code": code}
 
     def health(self) -> None:
-        health = self.server.health
-        if self.server.engine.dead is not None or (health is not None and health()):
+        if self.server.engine.dead is not None or self.server.health():
             self._send(500, b"Internal Server Error", _PLAIN)
         else:
             self._send(200, b"")
@@ -75,7 +74,7 @@ class _Handler(Handler):
             self._error(400, context_error(mml, prompt_len, max_tokens))
             return
         rid = f"cmpl-{uuid.uuid4().hex}"
-        log = self.server.vlog
+        log = self.server.log
         log.info("logger.py:37", f"Received request {rid}-0: prompt: None, params: "
                  f"SamplingParams(n=1, max_tokens={max_tokens}), prompt_token_ids: "
                  f"[{prompt_len} tokens], lora_request: None, prompt_adapter_request: None.")
@@ -84,24 +83,20 @@ class _Handler(Handler):
         req = Request(rid, prompt_len, max_tokens, on_token=tokens.put if stream else None)
         try:
             self.server.engine.submit(req)
-        except EngineDeadError:
+        except EngineDead:
             self._send(500, b"Internal Server Error", _PLAIN)
             return
         log.info("engine.py:267", f"Added request {rid}-0.")
-        try:
-            if stream:
-                self._stream(req, tokens, model)
-                return
-            req.finished.wait()
-            # A prompt the scheduler ignored is answered 200 with no output, as vLLM does.
-            if req.error is not None:
-                self._send(500, b"Internal Server Error", _PLAIN)
-                return
-            self._json(200, completion(rid, model, detokenize(req.output), prompt_len,
-                                       len(req.output)))
-        finally:
-            if self.server.on_request_done is not None:
-                self.server.on_request_done()
+        if stream:
+            self._stream(req, tokens, model)
+            return
+        req.finished.wait()
+        # A prompt the scheduler ignored is answered 200 with no output, as vLLM does.
+        if req.error is not None:
+            self._send(500, b"Internal Server Error", _PLAIN)
+            return
+        self._json(200, completion(rid, model, detokenize(req.output), prompt_len,
+                                   len(req.output)))
 
     def _stream(self, req: Request, tokens: queue.Queue[int], model: str) -> None:
         self._open_stream()

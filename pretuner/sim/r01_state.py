@@ -1,40 +1,34 @@
 """What the emulated r0.1 server writes beside its log: what it holds on its cards, for the
-emulated `npu-smi` (`$PRETUNER_SIM_STATE_DIR/node<k>-npu<id>.json`), and the truth file
+emulated `npu-smi` (`pretuner.sim.state`), and the truth file
 (`--sim-truth`) a benchmark scores against."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Protocol
 
 from pretuner.files import write_atomic
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import Refused
 from pretuner.sim.logs import RankWriter
 from pretuner.sim.r01_checks import WHERE_MS
-from pretuner.sim.state import Published, state_dir
+from pretuner.sim.state import Published, others_bytes, state_dir
 from pretuner.sim.truth import max_safe_kv
 from pretuner.units import GIB, MIB
 
 
-class OnCard(Protocol):
-    """A rank as the card state needs it: where it runs, its process and its log."""
+@dataclass
+class Rank:
+    """One emulated rank: where it runs, its process, its log and its memory model."""
 
-    @property
-    def log(self) -> RankWriter: ...
-
-    @property
-    def node(self) -> int: ...
-
-    @property
-    def device_id(self) -> int: ...
-
-    @property
-    def pid(self) -> int: ...
+    rank: int
+    node: int
+    device_id: int
+    pid: int
+    log: RankWriter
+    model: mem.CardModel
 
 
 class CardState:
@@ -46,34 +40,20 @@ class CardState:
         self.files = Published()
         self.peak_mib = 0  # the most this server published for one of its cards
 
-    def publish(self, ranks: Sequence[OnCard], used_bytes: int) -> None:
+    def publish(self, ranks: Sequence[Rank], used_bytes: int) -> None:
         self.peak_mib = max(self.peak_mib, used_bytes // MIB)
-        state = state_dir(self.env)
         for r in ranks:
-            self.files.write(state / f"node{r.node}-npu{r.device_id}.json", {
-                "pid": os.getpid(), "rank_pid": r.pid, "profile": self.profile.name,
-                "used_mib": used_bytes // MIB, "process_name": "python3"})
+            self.files.hold(state_dir(self.env), "npu", r.node, r.device_id,
+                            used_bytes // MIB - self.profile.driver_reserved_mib, r.pid)
 
-    def occupied_bytes(self, ranks: Sequence[OnCard]) -> int:
-        """The most any other live emulated server holds on one of these ranks' cards."""
-        from pretuner.sim.npusmi import read_cards
-
-        worst = 0
-        for node in {r.node for r in ranks}:
-            cards = read_cards(self.profile, state_dir(self.env), node)
-            for r in (r for r in ranks if r.node == node):
-                use = next((c for c in cards if c.npu == r.device_id), None)
-                if use is not None and use.pid is not None:
-                    worst = max(worst, use.process_mib * MIB)
-        return worst
-
-    def init_pool(self, ranks: Sequence[OnCard], cap: int, user_gb: float,
+    def init_pool(self, ranks: Sequence[Rank], cap: int, user_gb: float,
                   occupied_mib: int) -> None:
         """MindSpore's device init: the pool cap must fit in the card's free memory, which
         another tenant, or another live server on the same card (a leftover pre-run, say), has
         taken its share of; then the whole pool is the server's (`enable_vmm:False`)."""
         p = self.profile
-        free = p.free_bytes - occupied_mib * MIB - self.occupied_bytes(ranks)
+        others = others_bytes(state_dir(self.env), "npu", [(r.node, r.device_id) for r in ranks])
+        free = p.free_bytes - occupied_mib * MIB - others
         total = p.total_bytes
         if free < total // 2:
             msg = ("Malloc device memory failed, free memory size is less than half of total "
@@ -97,9 +77,6 @@ class CardState:
             r.log.adapter_init(p.total_mib, free, cap, user_gb)
             r.log.noise("start", 24)
         self.publish(ranks, (p.driver_reserved_mib + p.cann_mib) * MIB + cap)
-
-    def unpublish(self) -> None:
-        self.files.remove()
 
 
 def write_truth(path: Path, models: list[mem.CardModel], profile: mem.CardProfile, *,

@@ -7,13 +7,8 @@ from collections.abc import Mapping
 
 from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceMemory, Holder, Sample, keep
 from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES
-from pretuner.sim.npusmi import read_cards
-from pretuner.sim.state import env_int, state_dir
+from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
 from pretuner.sim.v1.memory import CUDA_PROFILES
-from pretuner.sim.v1.smi import read_gpus
-
-# (device, used MiB, (pid, MiB) of each process on it)
-Use = tuple[int, int, tuple[tuple[int, int], ...]]
 
 
 class EmulatedReader:
@@ -29,19 +24,21 @@ class EmulatedReader:
         self.tenant_mib = env_int(env, "PRETUNER_SIM_OCCUPIED_MIB")
         self.devices = devices
 
-    def _read(self) -> tuple[int, list[Use]]:
+    def _read(self) -> tuple[int, list[DeviceUse]]:
         """(total MiB, every device's use) as the emulated tool shows them now."""
         if self.cuda is not None:
-            gpus = read_gpus(self.cuda, self.state, self.tenant_mib)
-            return self.cuda.nvml_total_mib, [(g.index, g.used_mib, g.processes) for g in gpus]
-        cards = read_cards(self.profile, self.state, self.node, self.tenant_mib)
-        return self.profile.total_mib, [(c.npu, c.hbm_used_mib, c.processes) for c in cards]
+            c = self.cuda
+            return c.nvml_total_mib, read_devices(self.state, "cuda", 0, c.gpus_per_node,
+                                                  c.idle_mib, self.tenant_mib, c.nvml_total_mib)
+        p = self.profile
+        return p.total_mib, read_devices(self.state, "npu", self.node, p.cards_per_node,
+                                         p.driver_reserved_mib, self.tenant_mib)
 
     def sample(self) -> Sample | None:
         total, uses = self._read()
-        return keep(tuple(DeviceMemory(i, used, total) for i, used, _ in uses), self.devices)
+        return keep(tuple(DeviceMemory(u.index, u.used_mib, total) for u in uses), self.devices)
 
     def holders(self) -> tuple[Holder, ...]:
         """The processes the emulated tool lists on the run's devices."""
-        return tuple(Holder(i, pid, "python3", mib) for i, _, procs in self._read()[1]
-                     for pid, mib in procs if self.devices is None or i in self.devices)
+        return tuple(Holder(u.index, pid, "python3", mib) for u in self._read()[1]
+                     for pid, mib in u.processes if self.devices is None or u.index in self.devices)

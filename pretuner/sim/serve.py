@@ -8,13 +8,13 @@ logging to `$GLOG_log_dir/node<k>`; with a Ray address they are placed on the cl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -52,7 +52,7 @@ from pretuner.sim.r01_config import (
     parse,
 )
 from pretuner.sim.r01_http import SimHTTPServer
-from pretuner.sim.r01_state import CardState, write_truth
+from pretuner.sim.r01_state import CardState, Rank, write_truth
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB
@@ -64,16 +64,6 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
           ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
           ("/v1/embeddings", "POST"))
-
-
-@dataclass
-class _Rank:
-    rank: int
-    node: int
-    device_id: int
-    pid: int
-    log: RankWriter
-    model: mem.CardModel
 
 
 class Server:
@@ -88,7 +78,7 @@ class Server:
         self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
         self.card = CardState(cfg.env, self.profile)  # what npu-smi shows of its cards
-        self.ranks: list[_Rank] = []
+        self.ranks: list[Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
         self.dead: Exception | None = None
@@ -120,6 +110,14 @@ class Server:
                           "now, we will try default size(64GB) which might not be correct "
                           "exactly.")
         return 64
+
+    def kv_blocks(self, blocks: int, cpu_blocks: int, mml: int, where: str) -> None:
+        """vLLM's checks on the KV blocks r0.1 computed, and the lines it prints after them."""
+        max_seq = check_kv_blocks(blocks, self.cfg.block_size, mml, where)
+        self.vlog.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
+                       f"{cpu_blocks}")
+        self.vlog.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per "
+                       f"request: {max_seq / mml:.2f}x")
 
     def _visible_devices(self) -> list[int]:
         raw = self.cfg.env.get("ASCEND_RT_VISIBLE_DEVICES")
@@ -230,17 +228,13 @@ class Server:
             writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
                                   RankLog(idx, rank_pid, tid, self._node_log_dir(node),
                                           self.stream, glog_level(cfg.env)))
-            self.ranks.append(_Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
+            self.ranks.append(Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
                                     model))
 
-        model_use: int | None = None
-        if env.get("vLLM_MODEL_MEMORY_USE_GB") is not None:
-            try:
-                model_use = int(env["vLLM_MODEL_MEMORY_USE_GB"])
-            except ValueError:
-                model_use = None
-        blocks = (mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
-                  if model_use is not None else 0)
+        blocks = 0  # without a valid vLLM_MODEL_MEMORY_USE_GB r0.1 fails at the KV cache
+        with contextlib.suppress(KeyError, ValueError):
+            blocks = mem.r01_kv_blocks(total_gb, cfg.util,
+                                       int(env["vLLM_MODEL_MEMORY_USE_GB"]), block_bytes)
         if cfg.truth:
             write_truth(Path(cfg.truth), models, self.profile, seed=cfg.seed, total_gb=total_gb,
                         util=cfg.util, blocks=blocks, mml=mml, seqs=cfg.max_num_seqs,
@@ -265,12 +259,8 @@ class Server:
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
-        model_use = int_env(env, "vLLM_MODEL_MEMORY_USE_GB")
-        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, WHERE_CACHE)
-        log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: "
-                 f"{(4 * GIB) // block_bytes}")
-        log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
-                 f"{max_seq / mml:.2f}x")
+        int_env(env, "vLLM_MODEL_MEMORY_USE_GB")  # r0.1's calc_block_num refuses it here
+        self.kv_blocks(blocks, (4 * GIB) // block_bytes, mml, WHERE_CACHE)
         kv = blocks * block_bytes
         for r, pool in zip(self.ranks, self.pools, strict=True):
             if r.model.static_bytes + kv > cap:
@@ -307,8 +297,7 @@ class Server:
         api = ApiConfig(cfg.served_names, cfg.model, mml)
         host = cfg.host or ANY_HOST
         try:
-            server = SimHTTPServer((host, cfg.port), self.engine, api, log)
-            server.health = self._health
+            server = SimHTTPServer((host, cfg.port), self.engine, api, log, self._health)
         except OSError as err:
             log.error("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
                       f"address ({host!r}, {cfg.port}): {err.strerror}")
@@ -352,31 +341,28 @@ class Server:
     def _health(self) -> str | None:
         return self.remote.lost if self.remote is not None else None
 
-    def _shutdown_http(self, server: SimHTTPServer | None) -> None:
+    def _graceful(self, server: SimHTTPServer | None = None) -> int:
+        """SIGINT/SIGTERM: stop serving, release the devices, every rank dumps its pool."""
         self.vlog.uvicorn("Shutting down")
         if server is not None:
             server.shutdown()
             server.server_close()
             self.engine.stop()
-        self.vlog.uvicorn("Waiting for application shutdown.")
-        self.vlog.uvicorn("Application shutdown complete.")
-        self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-
-    def _graceful(self, server: SimHTTPServer | None = None) -> int:
-        """SIGINT/SIGTERM: stop serving, release the devices, every rank dumps its pool."""
-        self._shutdown_http(server)
+        for line in ("Waiting for application shutdown.", "Application shutdown complete.",
+                     f"Finished server process [{os.getpid()}]"):
+            self.vlog.uvicorn(line)
         time.sleep(self.cfg.teardown_s)  # device release takes seconds on a real card
         for r, pool in zip(self.ranks, self.pools, strict=False):
             stats = pool.stats()
             r.log.pool_dump(stats, self.cfg.pool_format)
             r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
             r.log.close()
-        self.card.unpublish()
+        self.card.files.remove()
         return 0
 
     def failed_start(self, err: Exception) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
-        self.card.unpublish()
+        self.card.files.remove()
         out = self.stream or sys.stderr
         out.write(traceback_text(err.exc_type, err.message, err.where)
                   if isinstance(err, Refused)
@@ -395,7 +381,7 @@ class Server:
         server.server_close()
         self.vlog.uvicorn("Shutting down")
         self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-        self.card.unpublish()
+        self.card.files.remove()
         return 1
 
 

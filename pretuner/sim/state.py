@@ -1,5 +1,6 @@
-"""Where emulated servers publish the memory they hold, for the emulated device tools: files
-written atomically, removed at the server's end, ignored once their writer died."""
+"""Where emulated servers publish the memory they hold, for the emulated device tools: one file
+per server and device (`<kind>-node<k>-dev<i>-pid<pid>.json`, kind `npu` or `cuda`), written
+atomically, removed at the server's end, ignored once its writer died."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pretuner.files import write_atomic
+from pretuner.units import MIB
 
 STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
 TENANT_PID = 4242  # the pid the device tools show for the other tenant (OCCUPIED_MIB)
@@ -46,14 +48,48 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
-def read_live(path: Path) -> dict[str, Any] | None:
-    """A state file whose writer still runs; None when absent, unreadable or stale."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        live = isinstance(data, dict) and alive(int(data.get("pid", 0)))
-    except (OSError, ValueError, TypeError):
-        return None
-    return data if live else None
+@dataclass(frozen=True, slots=True)
+class DeviceUse:
+    """One emulated device as its tool shows it: memory used, and (pid, MiB) of each process."""
+
+    index: int
+    used_mib: int
+    processes: tuple[tuple[int, int], ...] = ()
+
+
+def _holders(state: Path, kind: str, node: int, device: int) -> list[tuple[int, int, int]]:
+    """(writer pid, pid shown, MiB) of every live server on one device."""
+    out = []
+    for path in sorted(state.glob(f"{kind}-node{node}-dev{device}-pid*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            pid = int(data["pid"])
+            if alive(pid):
+                out.append((pid, int(data["shown_pid"]), int(data["process_mib"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def read_devices(state: Path, kind: str, node: int, count: int, idle_mib: int,
+                 tenant_mib: int = 0, total_mib: int | None = None) -> list[DeviceUse]:
+    """Every device of the node: the idle reservation, the tenant and every live server."""
+    devices = []
+    for index in range(count):
+        procs = [(shown, mib) for _, shown, mib in _holders(state, kind, node, index)]
+        if tenant_mib:
+            procs.insert(0, (TENANT_PID, tenant_mib))
+        used = idle_mib + sum(m for _, m in procs)
+        devices.append(DeviceUse(index, used if total_mib is None else min(used, total_mib),
+                                 tuple(procs)))
+    return devices
+
+
+def others_bytes(state: Path, kind: str, places: Iterable[tuple[int, int]]) -> int:
+    """The most other live servers hold on one of these (node, device) places."""
+    own = os.getpid()
+    return max((sum(m for pid, _, m in _holders(state, kind, node, device) if pid != own) * MIB
+                for node, device in places), default=0)
 
 
 class Published:
@@ -65,11 +101,16 @@ class Published:
         self._lock = threading.Lock()
         self._gone = False
 
-    def write(self, path: Path, data: dict[str, Any]) -> None:
+    def hold(self, state: Path, kind: str, node: int, device: int, process_mib: int,
+             shown_pid: int | None = None) -> None:
+        """This process now holds `process_mib` on the device (`shown_pid`: the rank's pid)."""
+        pid = os.getpid()
+        path = state / f"{kind}-node{node}-dev{device}-pid{pid}.json"
+        data = {"pid": pid, "shown_pid": shown_pid or pid, "process_mib": process_mib}
         with self._lock:
             if self._gone:
                 return
-            path.parent.mkdir(parents=True, exist_ok=True)
+            state.mkdir(parents=True, exist_ok=True)
             write_atomic(path, json.dumps(data), overwrite=True)
             if path not in self.paths:
                 self.paths.append(path)

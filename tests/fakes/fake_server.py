@@ -100,9 +100,8 @@ def hold_card(mib: int) -> None:
         return
     os.makedirs(state, exist_ok=True)
     for npu in range(8):
-        path = os.path.join(state, f"node0-npu{npu}.json")
-        data = {"pid": os.getpid(), "rank_pid": os.getpid(), "used_mib": 3379 + mib,
-                "process_name": "python3"}
+        path = os.path.join(state, f"npu-node0-dev{npu}-pid{os.getpid()}.json")
+        data = {"pid": os.getpid(), "shown_pid": os.getpid(), "process_mib": mib}
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
             json.dump(data, fh)
         os.replace(path + ".tmp", path)

@@ -16,7 +16,7 @@ from pretuner.sim import memory as mem
 from pretuner.sim.argv import Refused, serve_main
 from pretuner.sim.engine import Engine
 from pretuner.sim.mindspore_cpu import card
-from pretuner.sim.r01_checks import check_kv_blocks, int_env, verify_vllm_config
+from pretuner.sim.r01_checks import int_env, verify_vllm_config
 from pretuner.sim.r01_config import VLLM_VERSION, build_parser, parse
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.serve import Server as R01Server
@@ -81,10 +81,7 @@ class Server(R01Server):
 
         block_bytes = cfg.block_size * dims.layers * dims.slot_elems * 4
         blocks = mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
-        max_seq = check_kv_blocks(blocks, cfg.block_size, mml, _WHERE)
-        log.info("executor_base.py:92", f"# npu blocks: {blocks}, # CPU blocks: 0")
-        log.info("executor_base.py:97", f"Maximum concurrency for {mml} tokens per request: "
-                 f"{max_seq / mml:.2f}x")
+        self.kv_blocks(blocks, 0, mml, _WHERE)
         net.allocate_cache(blocks, cfg.block_size)
         # The limit comes after weights and cache: both are in the pool, which the limit
         # counts once; what they left on the host side is part of the baseline.
@@ -104,6 +101,8 @@ class Server(R01Server):
 
 
 def main(argv: Sequence[str] | None = None,
-         prog: str = "python -m pretuner.sim.mindspore_cpu serve") -> int:
-    return serve_main(sys.argv[1:] if argv is None else argv, prog, lambda: build_parser(prog),
-                      parse, lambda cfg: Server(cfg).run())
+         prog: str = "python -m pretuner.sim mindspore-cpu serve") -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    args = args[1:] if args[:1] == ["serve"] else args
+    return serve_main(args, prog, lambda: build_parser(prog), parse,
+                      lambda cfg: Server(cfg).run())

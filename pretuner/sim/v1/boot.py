@@ -2,34 +2,69 @@
 graph capture, warm-up; the same log lines and the same failures as the real server.
 
 Shared by the subprocess server and the in-process run; what differs between them (publishing,
-holding, sleeping) is behind the `Sink` it is given."""
+holding, sleeping) is in the `Sink` each gives it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import PurePath
-from typing import Protocol
+import time
+from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 
 from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
 from pretuner.sim.argv import Refused
 from pretuner.sim.kvcache import cache_layout
+from pretuner.sim.state import Published
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
 from pretuner.sim.v1.config import V1Config
 from pretuner.sim.v1.memory import CUDA_PROFILES, Alloc, V1Card, first_failure, perturbed
 from pretuner.sim.v1.mm import VisionCard, vision_card
+from pretuner.stopflag import StopFlag
 from pretuner.units import GIB, MIB
 
+HOLD_S = 0.1  # a server process holds every published level at least this long
 
-class Sink(Protocol):
+
+class Stopped(Exception):
+    """A stop signal came during start-up."""
+
+
+@dataclass
+class Sink:
+    """Where the start-up and the engine report the process's memory: each phase's peak and
+    last NVML figure; a server process (`stop` given) also publishes each level for the device
+    tools, holds it HOLD_S so a sampler in another process sees it, and sleeps its start-up."""
+
     log: L.V1Log
+    floor_mib: int  # NVML used without this process (idle + tenant)
+    phase: str = "start"
+    peaks: dict[str, int] = field(default_factory=dict)
+    last: dict[str, int] = field(default_factory=dict)
+    stop: StopFlag | None = None
+    state: Path = Path()
+    devices: tuple[int, ...] = ()
+    files: Published = field(default_factory=Published)
 
     def level(self, process_bytes: int) -> None:
-        """The process's memory on each of its GPUs is now this (published, held)."""
+        mib = -(-process_bytes // MIB)
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.floor_mib + mib)
+        self.last[self.phase] = self.floor_mib + mib
+        if self.stop is not None:
+            for device in self.devices:
+                self.files.hold(self.state, "cuda", 0, device, mib)
+            time.sleep(HOLD_S)
 
     def pause(self, seconds: float) -> None:
-        """Emulated time passing (slept by the server, skipped in-process)."""
+        if self.stop is not None and self.stop.wait(seconds):
+            raise Stopped
+
+
+def devices_for(cfg: V1Config) -> list[int] | None:
+    """The GPUs the ranks use (one each, in CUDA_VISIBLE_DEVICES order); None if too few."""
+    visible = list(cfg.visible) if cfg.visible is not None else list(
+        range(CUDA_PROFILES[cfg.profile].gpus_per_node))
+    return visible[:cfg.tp] if len(visible) >= cfg.tp else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +169,11 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
 
     `spec` stands for the model `cfg.model` names (the truth functions pass it directly)."""
     log = sink.log
+    if devices_for(cfg) is None:
+        log.raw(L.API, ["Traceback (most recent call last):", "ValueError: The number of "
+                        "required GPUs exceeds the total number of available GPUs in the "
+                        "placement group."])
+        return None
     if spec is None:
         try:
             spec = resolve_model(cfg.model)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pretuner.sim.argv import ServerArgs, env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
-from pretuner.sim.argv import env_values, normalize_argv, parse_known, server_parser
-from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, DEFAULT_SEED
+from pretuner.sim.memory import DEFAULT_SEED
+from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE
 
 DEFAULT_STARTUP_S = 1.0
 DEFAULT_BATCHED_TOKENS = 8192
@@ -93,33 +94,19 @@ def image_limit(raw: str | None, dotted: Mapping[str, str]) -> int | None:
         raise UsageError(f"argument --limit-mm-per-prompt: {err.message}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class V1Config:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class V1Config(ServerArgs):
     """The server's command line and the emulator's settings."""
 
-    model: str
-    host: str | None
-    port: int
-    served_names: tuple[str, ...]
-    max_model_len: int | None
-    max_num_seqs: int
     max_num_batched_tokens: int
-    util: float
     kv_cache_memory_bytes: int | None
-    block_size: int
-    tp: int
     kv_cache_dtype: str
     enforce_eager: bool
     load_format: str
     seed: int
     non_default: tuple[tuple[str, object], ...]
-    profile: str = DEFAULT_CUDA_PROFILE
     sim_seed: int = DEFAULT_SEED
-    startup_s: float = DEFAULT_STARTUP_S
-    occupied_mib: int = 0
     visible: tuple[int, ...] | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    ignored: tuple[str, ...] = ()
     image_limit: int | None = None  # --limit-mm-per-prompt image=N (None: vLLM's 999)
     mm_processor_cache_gib: float = 4.0  # --mm-processor-cache-gb (host memory)
     quantization: str | None = None
@@ -174,9 +161,9 @@ def _non_default(ns: argparse.Namespace, model: str,
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
     """argv after `vllm serve` + environment -> config; UsageError for what argparse accepts
     but the emulator cannot run."""
-    args, dotted = _mm_limits(normalize_argv(argv))
-    ns, model, ignored = parse_known(build_parser(), args,
-                                     "a model is required: vllm serve MODEL [options]")
+    rest, dotted = _mm_limits(normalize_argv(argv))
+    ns, args = parse_known(build_parser(), rest, env,
+                           "a model is required: vllm serve MODEL [options]")
     profile = env.get(ENV["profile"]) or DEFAULT_CUDA_PROFILE
     if profile not in CUDA_PROFILES:
         raise UsageError(f"{ENV['profile']}={profile!r} is not a CUDA profile; choose one of: "
@@ -188,19 +175,15 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
                              "time_scale": (ENV["time_scale"], 1.0)})
     host_mib = knobs["host_mib"]
     return V1Config(
-        model=model, host=ns.host, port=ns.port,
-        served_names=tuple(ns.served_model_name or (model,)),
-        max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
-        util=ns.gpu_memory_utilization, kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
-        block_size=ns.block_size, tp=ns.tensor_parallel_size,
+        **args, max_num_batched_tokens=ns.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
         kv_cache_dtype=KV_DTYPES[ns.kv_cache_dtype], enforce_eager=ns.enforce_eager,
         load_format=ns.load_format, seed=ns.seed if ns.seed is not None else 0,
-        non_default=_non_default(ns, model, _given(args)), profile=profile,
+        non_default=_non_default(ns, args["model"], _given(rest)), profile=profile,
         sim_seed=knobs["seed"], startup_s=max(0.0, knobs["startup_s"]),
         occupied_mib=max(0, knobs["occupied_mib"]),
-        visible=_visible(env.get("CUDA_VISIBLE_DEVICES")), env=dict(env),
-        ignored=ignored, image_limit=image_limit(ns.limit_mm_per_prompt, dotted),
+        visible=_visible(env.get("CUDA_VISIBLE_DEVICES")),
+        image_limit=image_limit(ns.limit_mm_per_prompt, dotted),
         mm_processor_cache_gib=(4.0 if ns.mm_processor_cache_gb is None
                                 else max(0.0, ns.mm_processor_cache_gb)),
         quantization=ns.quantization,

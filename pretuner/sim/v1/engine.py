@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pretuner.sim.loop import EngineThread, Throughput
+from pretuner.sim.loop import EngineDead, EngineThread, Throughput
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted
 from pretuner.sim.v1.memory import Alloc, first_failure, peak_of
@@ -41,6 +41,13 @@ class EngineCore:
                                       booted.card.block_size, booted.num_blocks), self.mm)
         self.reserved = booted.reserved_bytes
         self.dead: str | None = None
+
+    def add(self, req: Req) -> None:
+        """A request in, once the API server's processor ran on each of its images."""
+        if self.mm is not None:
+            for item in req.mm:
+                self.mm.processed(item.key, pixel_bytes(self.mm.card.vision, item.tokens))
+        self.sched.add(req)
 
     @property
     def held_bytes(self) -> int:
@@ -109,10 +116,6 @@ class Pending:
     tokens: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)  # per token
 
 
-class EngineDead(RuntimeError):
-    pass
-
-
 class Engine(EngineThread):
     """The core in a thread: the HTTP handlers submit and wait."""
 
@@ -134,13 +137,9 @@ class Engine(EngineThread):
         with self._cond:
             if self.dead:
                 raise EngineDead(L.ENGINE_DEAD)
-            mm = self.core.mm
-            if mm is not None:  # the API server's processor ran on each image first
-                for item in req.mm:
-                    mm.processed(item.key, pixel_bytes(mm.card.vision, item.tokens))
             p = Pending(req)
             self._pending[req.request_id] = p
-            self.core.sched.add(req)
+            self.core.add(req)
             self._cond.notify_all()
             return p
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from pretuner.sim import http as front
 from pretuner.sim.http import detokenize, prompt_length, usage
+from pretuner.sim.loop import EngineDead
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.chat import ChatError, chat_max_tokens, parse_chat
-from pretuner.sim.v1.engine import Engine, EngineDead, Pending
+from pretuner.sim.v1.engine import Engine, Pending
 from pretuner.sim.v1.mm import MMItem, VisionCard
 from pretuner.sim.v1.scheduler import Req
 
@@ -46,11 +47,12 @@ def length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str | 
 
 
 class V1HTTPServer(front.FrontServer):
+    api: ApiConfig
+
     def __init__(self, addr: tuple[str, int], engine: Engine, api: ApiConfig,
                  log: L.V1Log) -> None:
         super().__init__(addr, _Handler, api, log)
         self.engine = engine
-        self.v1_api = api
 
 
 class _Handler(front.Handler):
@@ -66,7 +68,7 @@ class _Handler(front.Handler):
         self._send(503 if self.server.engine.dead else 200, b"")
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
-        if self.path == "/reset_mm_cache" and self.server.v1_api.dev_mode:
+        if self.path == "/reset_mm_cache" and self.server.api.dev_mode:
             self.server.engine.reset_mm_cache()
             self._send(200, b"")
             return
@@ -104,7 +106,7 @@ class _Handler(front.Handler):
                                              prompt_len, generated))
 
     def _chat(self, body: dict[str, Any]) -> None:
-        api = self.server.v1_api
+        api = self.server.api
         model = self._model(body)
         if model is None:
             return

@@ -14,24 +14,23 @@ from dataclasses import dataclass, field
 from pretuner.launch.images import LoadPhase, MMRequest, Request
 from pretuner.sim.argv import UsageError
 from pretuner.sim.http import ANY_HOST, Reply, access_line
+from pretuner.sim.inproc import InprocRun
 from pretuner.sim.v1 import logs as L
-from pretuner.sim.v1.boot import boot
+from pretuner.sim.v1.boot import Sink, boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images
 from pretuner.sim.v1.config import V1Config, parse
 from pretuner.sim.v1.engine import EngineCore, print_fatal
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
-from pretuner.sim.v1.mm import MMItem, pixel_bytes
+from pretuner.sim.v1.mm import MMItem
 from pretuner.sim.v1.scheduler import Req
 from pretuner.sim.v1.server import (
     CORE_PID_OFFSET,
     DEV_MODE_ENV,
-    devices_for,
     print_ready,
     print_shutdown,
     print_stopped,
 )
-from pretuner.units import MIB
 
 MAX_STEPS = 10_000_000
 
@@ -77,43 +76,6 @@ def waves_of(phases: Sequence[LoadPhase]) -> list[Wave]:
     return waves
 
 
-@dataclass(frozen=True, slots=True)
-class V1InprocRun:
-    log: str  # everything the server printed
-    replies: tuple[Reply, ...]  # every wave's, in order
-    ready: bool  # it reached the point where the real server opens its socket
-    exit_code: int
-    peaks_mib: dict[str, int]  # phase -> worst device's NVML used MiB
-    total_mib: int  # the GPU's NVML total
-    last_mib: dict[str, int] = field(default_factory=dict)  # phase -> NVML used at its end
-    reset_status: int | None = None  # the last /reset_mm_cache's HTTP status
-    # The emulated card's clock (simulated seconds): the `first` request's time to its first
-    # token and from its first to its last token, and the load's duration and tokens.
-    first_ttft_s: float | None = None
-    first_decode_s: float | None = None
-    load_s: float | None = None
-    load_tokens: int = 0
-
-
-@dataclass
-class Recorder:
-    """The boot Sink of an in-process run: tracks each phase's peak and last level."""
-
-    log: L.V1Log
-    floor_mib: int  # NVML used without this process (idle + tenant)
-    phase: str = "start"
-    peaks: dict[str, int] = field(default_factory=dict)
-    last: dict[str, int] = field(default_factory=dict)
-
-    def level(self, process_bytes: int) -> None:
-        used = self.floor_mib + -(-process_bytes // MIB)
-        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), used)
-        self.last[self.phase] = used
-
-    def pause(self, seconds: float) -> None:
-        return
-
-
 class Client:
     """The HTTP side, reduced to what a reply and an access line are."""
 
@@ -153,7 +115,7 @@ def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply
     return None
 
 
-def drive(core: EngineCore, rec: Recorder, client: Client, wave: Wave, mml: int,
+def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
            times: Times) -> tuple[list[Reply], int | None]:
     """Send the wave's requests (all at once, or a closed loop) and step until answered,
     keeping the emulated clock in `times`."""
@@ -171,10 +133,7 @@ def drive(core: EngineCore, rec: Recorder, client: Client, wave: Wave, mml: int,
                 continue
             req = Req(f"cmpl-{rec.phase}-{i}", r.prompt_len, r.max_tokens, mm=r.images)
             reqs[req.request_id] = i
-            if core.mm is not None:
-                for item in r.images:
-                    core.mm.processed(item.key, pixel_bytes(core.mm.card.vision, item.tokens))
-            core.sched.add(req)
+            core.add(req)
 
     feed()
     for _ in range(MAX_STEPS):
@@ -209,32 +168,28 @@ def drive(core: EngineCore, rec: Recorder, client: Client, wave: Wave, mml: int,
 
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_tokens: int,
-        *, first: int | None = None) -> V1InprocRun:
+        *, first: int | None = None) -> InprocRun:
     """Boot, send `first` alone (when given) then `prompts` at once, stop with SIGTERM."""
     waves = [Wave("probe", (SimRequest(first, max_tokens),))] if first is not None else []
     waves.append(Wave("load", tuple(SimRequest(n, max_tokens) for n in prompts)))
     return run_waves(argv, env, waves)
 
 
-def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -> V1InprocRun:
+def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -> InprocRun:
     """Boot, send each wave in its own phase, stop with SIGTERM."""
     stream = io.StringIO()
     try:
         cfg: V1Config = parse(list(argv), {**os.environ, **env})
     except UsageError as err:
-        return V1InprocRun(f"vllm serve: error: {err}\n", (), False, 2, {}, 0)
+        return InprocRun(f"vllm serve: error: {err}\n", (), False, 2)
     profile = CUDA_PROFILES[cfg.profile]
     log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET, stream)
-    rec = Recorder(log, profile.idle_mib + cfg.occupied_mib)
+    rec = Sink(log, profile.idle_mib + cfg.occupied_mib)
     total = profile.nvml_total_mib
-    if devices_for(cfg) is None:
-        log.raw(L.API, ["ValueError: The number of required GPUs exceeds the total number of "
-                        "available GPUs in the placement group."])
-        return V1InprocRun(stream.getvalue(), (), False, 1, {"stop": rec.floor_mib}, total)
     booted = boot(cfg, rec)
     if booted is None:
         rec.peaks["stop"] = rec.floor_mib
-        return V1InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
+        return InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
     core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     print_ready(log, cfg.host or ANY_HOST, cfg.port)
     client = Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
@@ -264,6 +219,6 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     rec.level(core.level_bytes)
     print_shutdown(log, "SIGTERM")
     print_stopped(log)
-    return V1InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
+    return InprocRun(stream.getvalue(), tuple(replies), True, 0, dict(rec.peaks), total,
                        dict(rec.last), reset, first_ttft_s=ttft, first_decode_s=decode,
                        load_s=load_s, load_tokens=generated)

@@ -6,10 +6,9 @@ for character where it matters."""
 from __future__ import annotations
 
 import datetime as dt
-import sys
-import threading
 from typing import TextIO
 
+from pretuner.sim.logs import LineLog
 from pretuner.units import GIB, MIB
 
 VERSION = "0.24.0"
@@ -158,19 +157,13 @@ def dead_handler_lines() -> list[str]:
             f"vllm.v1.engine.exceptions.EngineDeadError: {ENGINE_DEAD}"]
 
 
-class V1Log:
-    """Where every line goes: one stream, whole lines, safe across threads."""
+class V1Log(LineLog):
+    """The API server's and the engine core's lines, each with its process prefix."""
 
     def __init__(self, api_pid: int, core_pid: int, stream: TextIO | None = None) -> None:
+        super().__init__(stream)
         self.api_pid = api_pid
         self.core_pid = core_pid
-        self._stream = stream if stream is not None else sys.stderr
-        self._lock = threading.Lock()
-
-    def _write(self, text: str) -> None:
-        with self._lock:
-            self._stream.write(text + "\n")
-            self._stream.flush()
 
     def _pid(self, who: str) -> int:
         return self.api_pid if who == API else self.core_pid

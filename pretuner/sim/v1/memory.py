@@ -10,21 +10,13 @@ real step's workspace. That gap is why util 0.98 passes profiling and dies in gr
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass
 
 from pretuner.models.spec import ModelSpec
 from pretuner.sim.kvcache import CacheLayout, cache_layout
-from pretuner.units import GIB, MIB
+from pretuner.sim.memory import DEFAULT_SEED, perturb
+from pretuner.units import MIB
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
-
-T = TypeVar("T", bound="DataclassInstance")
-
-PERTURBATION = 0.10  # each hidden coefficient is scaled by a factor in [0.9, 1.1] (seed != 0)
-DEFAULT_SEED = 0
 ALLOC_ROUND = 2 * MIB  # torch rounds large allocations up to 2 MiB
 _REF_LAYERS_X_HIDDEN = 36 * 4096  # Qwen3-8B, the calibration model
 _REF_HIDDEN = 4096
@@ -92,20 +84,10 @@ class Coefficients:
 _FIXED = frozenset({"sampler_copies", "step_hidden", "profile_hidden"})  # shapes, not sizes
 
 
-def perturbed(seed: int, base: Coefficients | None = None) -> Coefficients:
-    """`base` (seed 0: exactly) or each size scaled by a seeded factor in [1 - P, 1 + P]."""
-    return perturb(base or Coefficients(), f"pretuner-sim-v1-coefficients-{seed}", seed, _FIXED)
-
-
-def perturb(base: T, key: str, seed: int, fixed: frozenset[str] = frozenset()) -> T:
-    """Seed 0: `base` exactly; else each field but `fixed` scaled within +-PERTURBATION by a
-    generator seeded with `key`."""
-    if seed == DEFAULT_SEED:
-        return base
-    rng = random.Random(key)  # noqa: S311 - not crypto
-    changes = {f.name: getattr(base, f.name) * (1 + rng.uniform(-PERTURBATION, PERTURBATION))
-               for f in fields(base) if f.name not in fixed}
-    return replace(base, **changes)
+def perturbed(seed: int) -> Coefficients:
+    """Seed 0: exactly the calibration; else each size perturbed (`pretuner.sim.memory`)."""
+    return perturb(Coefficients(), f"pretuner-sim-v1-coefficients-{seed}", _FIXED,
+                   exact=seed == DEFAULT_SEED)
 
 
 def round_alloc(n_bytes: float) -> int:
@@ -235,7 +217,3 @@ def first_failure(allocs: list[Alloc], reserved: int, room: int) -> Alloc | None
         if max(reserved, a.live_before + a.size) > room:
             return a
     return None
-
-
-def gib(n_bytes: float) -> float:
-    return n_bytes / GIB

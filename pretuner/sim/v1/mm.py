@@ -20,7 +20,8 @@ from pretuner.models.vision import (
     max_image_tokens,
     profiled_images,
 )
-from pretuner.sim.v1.memory import perturb, round_alloc
+from pretuner.sim.memory import DEFAULT_SEED, perturb
+from pretuner.sim.v1.memory import round_alloc
 
 FRAG_CLASS_TOKENS = 512  # images whose tokens differ by less share torch's cached blocks
 
@@ -36,7 +37,8 @@ class VisionCoefficients:
 
 def perturbed_vision(seed: int) -> VisionCoefficients:
     """Seed 0: exactly the calibration; else each coefficient scaled within +-PERTURBATION."""
-    return perturb(VisionCoefficients(), f"pretuner-sim-v1-vision-{seed}", seed)
+    return perturb(VisionCoefficients(), f"pretuner-sim-v1-vision-{seed}",
+                   exact=seed == DEFAULT_SEED)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,30 +2,24 @@
 
 Opens its socket once booted, serves until SIGTERM/SIGINT (exit 0), keeps serving 500s with a
 dead engine after an OOM, exits 1 on a failed start. It publishes its memory per GPU and holds
-every level for `HOLD_S`, so a 20 ms sampler in another process sees each transient."""
+every level (`boot.Sink`), so a 20 ms sampler in another process sees each transient."""
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 
 from pretuner.sim.argv import serve_main
-from pretuner.sim.http import ANY_HOST, print_routes, uvicorn_started
-from pretuner.sim.state import Published, state_dir
+from pretuner.sim.http import ANY_HOST, print_routes, serve_in_thread, uvicorn_started
+from pretuner.sim.state import others_bytes, state_dir
 from pretuner.sim.v1 import logs as L
-from pretuner.sim.v1.boot import Booted, boot
+from pretuner.sim.v1.boot import Booted, Sink, Stopped, boot, devices_for
 from pretuner.sim.v1.config import V1Config, build_parser, parse
 from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
-from pretuner.sim.v1.memory import CUDA_PROFILES
-from pretuner.sim.v1.smi import others_bytes, publish
 from pretuner.stopflag import StopFlag
 
-HOLD_S = 0.1  # every published level lasts at least this long
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /reset_mm_cache and other dev routes
 CORE_PID_OFFSET = 69  # the real EngineCore is a child process: a made-up pid beside ours
 ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "GET"),
@@ -33,40 +27,6 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/v1/models", "GET"), ("/version", "GET"), ("/v1/chat/completions", "POST"),
           ("/v1/completions", "POST"))
 DEV_ROUTES = (("/reset_mm_cache", "POST"), ("/reset_prefix_cache", "POST"))
-
-
-class Stopped(Exception):
-    """A stop signal came during start-up."""
-
-
-def devices_for(cfg: V1Config) -> list[int] | None:
-    """The GPUs the ranks use (one each, in CUDA_VISIBLE_DEVICES order); None if too few."""
-    visible = list(cfg.visible) if cfg.visible is not None else list(
-        range(CUDA_PROFILES[cfg.profile].gpus_per_node))
-    return visible[:cfg.tp] if len(visible) >= cfg.tp else None
-
-
-class _Publisher:
-    """The boot Sink of the subprocess server: publishes, holds, sleeps, honours a stop."""
-
-    def __init__(self, log: L.V1Log, state: Path, devices: list[int],
-                 stop: StopFlag) -> None:
-        self.log = log
-        self.state = state
-        self.devices = devices
-        self.stop = stop
-        self.files = Published()
-
-    def level(self, process_bytes: int) -> None:
-        publish(self.state, self.devices, os.getpid(), process_bytes, self.files)
-        time.sleep(HOLD_S)
-
-    def pause(self, seconds: float) -> None:
-        if self.stop.wait(seconds):
-            raise Stopped
-
-    def unpublish(self) -> None:
-        self.files.remove()
 
 
 class Server:
@@ -78,57 +38,42 @@ class Server:
 
     def run(self) -> int:
         self.stop.install()
-        devices = devices_for(self.cfg)
-        if devices is None:
-            self.log.raw(L.API, ["Traceback (most recent call last):", "ValueError: The number "
-                                 "of required GPUs exceeds the total number of available GPUs "
-                                 "in the placement group."])
-            return 1
-        sink = _Publisher(self.log, self.state, devices, self.stop)
+        devices = devices_for(self.cfg) or []  # too few: boot refuses
+        sink = Sink(self.log, 0, stop=self.stop, state=self.state, devices=tuple(devices))
         try:
-            booted = boot(self.cfg, sink,
-                          others_bytes=others_bytes(self.state, devices, os.getpid()))
+            booted = boot(self.cfg, sink, others_bytes=others_bytes(
+                self.state, "cuda", [(0, d) for d in devices]))
+            return 1 if booted is None else self._serve(booted, sink)
         except Stopped:
-            sink.unpublish()
             return 0
-        if booted is None:
-            sink.unpublish()
-            return 1
-        core = EngineCore(booted, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
-        scale = self.cfg.time_scale  # PRETUNER_SIM_TIME_SCALE
-        engine = Engine(core, self.log, sink.level,
-                        lambda tokens: booted.clock.step_seconds(tokens) * scale)
-        try:
-            http = self._open(engine, booted)
-        except OSError as err:
-            self.log.api("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind "
-                         f"on address: {err.strerror}", level="ERROR")
-            sink.unpublish()
-            return 1
-        engine.start()
-        thread = threading.Thread(target=http.serve_forever, kwargs={"poll_interval": 0.05},
-                                  daemon=True)
-        thread.start()
-        self.stop.wait()
-        self._shutdown(http, engine)
-        sink.unpublish()
-        return 0
+        finally:
+            sink.files.remove()
 
-    def _open(self, engine: Engine, booted: Booted) -> V1HTTPServer:
+    def _serve(self, booted: Booted, sink: Sink) -> int:
         cfg, log = self.cfg, self.log
+        core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        scale = cfg.time_scale  # PRETUNER_SIM_TIME_SCALE
+        engine = Engine(core, log, sink.level,
+                        lambda tokens: booted.clock.step_seconds(tokens) * scale)
         host = cfg.host or ANY_HOST
         api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
                         dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
-        http = V1HTTPServer((host, cfg.port), engine, api, log)
+        try:
+            http = V1HTTPServer((host, cfg.port), engine, api, log)
+        except OSError as err:
+            log.api("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
+                    f"address: {err.strerror}", level="ERROR")
+            return 1
         print_ready(log, host, http.server_address[1], dev=api.dev_mode)
-        return http
-
-    def _shutdown(self, http: V1HTTPServer, engine: Engine) -> None:
-        print_shutdown(self.log, self.stop.signal_name or "SIGTERM")
+        engine.start()
+        serve_in_thread(http, 0.05)
+        self.stop.wait()
+        print_shutdown(log, self.stop.signal_name or "SIGTERM")
         engine.stop()
         http.shutdown()
         http.server_close()
-        print_stopped(self.log)
+        print_stopped(log)
+        return 0
 
 
 def print_ready(log: L.V1Log, host: str, port: int, dev: bool = False) -> None:

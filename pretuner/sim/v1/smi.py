@@ -1,7 +1,7 @@
-"""`nvidia-smi` for the emulated CUDA cards, and the state files servers publish for it.
+"""`nvidia-smi` for the emulated CUDA cards.
 
 A GPU's `memory.used` is the profile's idle reservation + the tenant + every live server's
-`cuda-gpu<i>-pid<pid>.json` in the state dir."""
+share as published in the state dir (`pretuner.sim.state`)."""
 
 from __future__ import annotations
 
@@ -11,71 +11,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 
-from pretuner.sim.state import TENANT_PID, Published, env_int, read_live, state_dir
+from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
-from pretuner.units import MIB
 
 DRIVER = "580.95.05"
 CUDA = "13.0"
-
-
-@dataclass(frozen=True, slots=True)
-class GpuUse:
-    """One GPU as NVML reports it, with the processes on it."""
-
-    index: int
-    used_mib: int
-    processes: tuple[tuple[int, int], ...]  # (pid, MiB)
-
-
-def state_path(state: Path, device: int, pid: int) -> Path:
-    return state / f"cuda-gpu{device}-pid{pid}.json"
-
-
-def publish(state: Path, devices: Sequence[int], pid: int, process_bytes: int,
-            files: Published | None = None) -> list[Path]:
-    """Write (atomically) this process's memory on each of its GPUs; returns the paths."""
-    files = files or Published()
-    for device in devices:
-        files.write(state_path(state, device, pid),
-                    {"pid": pid, "process_mib": -(-process_bytes // MIB)})
-    return files.paths
-
-
-def _entries(state: Path, device: int) -> list[tuple[int, int]]:
-    out = []
-    for path in sorted(state.glob(f"cuda-gpu{device}-pid*.json")):
-        data = read_live(path)
-        try:
-            out += [(int(data["pid"]), int(data["process_mib"]))] if data else []
-        except (ValueError, KeyError, TypeError):
-            continue
-    return out
-
-
-def read_gpus(profile: CudaProfile, state: Path, tenant_mib: int = 0) -> list[GpuUse]:
-    """Every GPU of the emulated node, as NVML would report it now."""
-    gpus = []
-    for index in range(profile.gpus_per_node):
-        procs = _entries(state, index)
-        if tenant_mib:
-            procs.insert(0, (TENANT_PID, tenant_mib))
-        used = profile.idle_mib + sum(m for _, m in procs)
-        gpus.append(GpuUse(index, min(used, profile.nvml_total_mib), tuple(procs)))
-    return gpus
-
-
-def others_bytes(state: Path, devices: Sequence[int], own_pid: int) -> int:
-    """The most other live emulated servers hold on one of these GPUs."""
-    worst = 0
-    for device in devices:
-        held = sum(m for p, m in _entries(state, device) if p != own_pid)
-        worst = max(worst, held * MIB)
-    return worst
 
 
 def profile_from(env: Mapping[str, str]) -> CudaProfile:
@@ -83,7 +25,7 @@ def profile_from(env: Mapping[str, str]) -> CudaProfile:
                              CUDA_PROFILES[DEFAULT_CUDA_PROFILE])
 
 
-def query_csv(gpus: Sequence[GpuUse], profile: CudaProfile, fields: Sequence[str],
+def query_csv(gpus: Sequence[DeviceUse], profile: CudaProfile, fields: Sequence[str],
               units: bool, header: bool) -> str:
     """`--query-gpu=...` in CSV: index, memory.used, memory.total, memory.free, name."""
     values = {
@@ -103,7 +45,7 @@ def query_csv(gpus: Sequence[GpuUse], profile: CudaProfile, fields: Sequence[str
     return "\n".join(lines) + "\n"
 
 
-def table(gpus: Sequence[GpuUse], profile: CudaProfile) -> str:
+def table(gpus: Sequence[DeviceUse], profile: CudaProfile) -> str:
     """The plain `nvidia-smi` table (the memory columns are what a reader parses)."""
     bar = "+" + "-" * 41 + "+" + "-" * 24 + "+" + "-" * 22 + "+"
     wide = "+" + "-" * 89 + "+"
@@ -199,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = {o.strip() for o in fmt.split(",")}
 
     def output() -> str:
-        gpus = read_gpus(profile, state_dir(env), tenant)
+        gpus = read_devices(state_dir(env), "cuda", 0, profile.gpus_per_node, profile.idle_mib,
+                            tenant, profile.nvml_total_mib)
         if wanted is not None:
             gpus = [g for g in gpus if g.index in wanted]
         if query is None:

@@ -16,11 +16,11 @@ from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.sim.kvcache import cache_layout
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
-from pretuner.sim.v1.boot import Booted, boot
+from pretuner.sim.v1.boot import Booted, Sink, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, KV_DTYPES, parse
 from pretuner.sim.v1.engine import EngineCore
-from pretuner.sim.v1.inproc import Client, Recorder, SimRequest, Times, Wave, drive, waves_of
+from pretuner.sim.v1.inproc import Client, SimRequest, Times, Wave, drive, waves_of
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.units import MIB
 
@@ -64,9 +64,9 @@ def _survives(booted: Booted, max_num_seqs: int, batched: int, waves: list[Wave]
     return core.dead is None
 
 
-def _quiet() -> Recorder:
+def _quiet() -> Sink:
     """A boot sink that prints nowhere."""
-    return Recorder(L.V1Log(0, 0, io.StringIO()), 0)
+    return Sink(L.V1Log(0, 0, io.StringIO()), 0)
 
 
 def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,

@@ -59,8 +59,7 @@ class UnknownModelError(BadInputError):
         hint = (f"did you mean {', '.join(suggestions)}?" if suggestions
                 else "run `pretuner models` for the list, or pass a local model folder")
         super().__init__(f"unknown model {name!r}", hint=hint)
-        self.name = name
-        self.suggestions = suggestions
+
 
 
 class NothingFoundError(PretunerError):

@@ -76,9 +76,8 @@ def image_shape(v: VisionSpec, image_limit: int) -> ImageShape:
 
 def worst_case_images(shape: ImageShape, max_model_len: int, max_tokens: int,
                       template_tokens: int = TEMPLATE_TOKENS_GUESS) -> tuple[int, int]:
-    """(count, side px) of the worst case's square images: the most largest images that fit
-    beside the template and `max_tokens`, at most the limit; when not even one fits, one image
-    as large as fits (0 images when the limit is 0 or nothing fits)."""
+    """(count, side px) of the worst case's square images: as many of the largest as fit (at
+    most the limit), else one as large as fits."""
     room = max_model_len - max_tokens - template_tokens - 1
     per = shape.tokens_per_image + IMAGE_WRAP_TOKENS
     count = min(shape.image_limit, max(0, room // per))
@@ -94,21 +93,18 @@ def worst_case_images(shape: ImageShape, max_model_len: int, max_tokens: int,
 
 def worst_case(shape: ImageShape, max_model_len: int, max_tokens: int, uid: str,
                template_tokens: int = TEMPLATE_TOKENS_GUESS) -> MMRequest:
-    """The worst-case request: its images, and the text tokens that fill max_model_len (less
-    the template, the images and `max_tokens`)."""
+    """The worst-case request: its images, and text that fills the rest of max_model_len."""
     count, side = worst_case_images(shape, max_model_len, max_tokens, template_tokens)
     tokens = image_tokens(shape.vision, side, side)
     images = tuple(ImageAsk(side, side, f"{uid}/{k}", tokens) for k in range(count))
-    text = max_model_len - max_tokens - template_tokens - sum(
-        i.tokens + IMAGE_WRAP_TOKENS for i in images)
+    text = max_model_len - max_tokens - template_tokens - count * (tokens + IMAGE_WRAP_TOKENS)
     return MMRequest(images, max(1, text), max_tokens)
 
 
 def soak_request(shape: ImageShape, max_model_len: int, seed: int, i: int,
                  template_tokens: int = TEMPLATE_TOKENS_GUESS) -> MMRequest:
-    """The soak's `i`-th request (deterministic in seed and i): 0 to the worst case's count
-    of images, sides drawn from the palette independently (any aspect), text of a few hundred
-    tokens; whatever would not fit in max_model_len is dropped, largest image first."""
+    """The soak's `i`-th request (deterministic in seed and i); what would not fit in
+    max_model_len is dropped, largest image first."""
     rng = random.Random(f"pretuner-soak/{seed}/{i}")  # noqa: S311 - test data, not crypto
     most, _ = worst_case_images(shape, max_model_len, SOAK_MAX_TOKENS, template_tokens)
     most = max(1, most) if shape.image_limit else 0
@@ -125,6 +121,7 @@ def soak_request(shape: ImageShape, max_model_len: int, seed: int, i: int,
     return MMRequest(tuple(images), text, SOAK_MAX_TOKENS)
 
 
+
 @dataclass(frozen=True, slots=True)
 class TextRequest:
     """A completion of `prompt_len` token ids (no template): the text-only worst case."""
@@ -138,8 +135,9 @@ Request = TextRequest | MMRequest
 
 @dataclass(frozen=True, slots=True)
 class LoadPhase:
-    """Requests sent in one sampled phase: all at once, or `concurrency` in flight (a closed
-    loop); `reset` asks the server to drop its multimodal caches once they are answered."""
+    """Requests sent in one sampled phase: all at once, or `concurrency` in flight; `reset`
+    drops the server's multimodal caches once they are answered."""
+
 
     name: str
     requests: tuple[Request, ...]

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -223,11 +223,9 @@ class _Stream:
         self._previous = row.device
         self.rows += 1
         self.latest[row.device] = row
-        held = self.peak.get(row.device)
-        if held is None or row.used_mib > held.used_mib:
-            self.peak[row.device] = row
-        else:
-            self.peak[row.device] = DeviceMemory(row.device, held.used_mib, row.total_mib)
+        held = self.peak.get(row.device, row)
+        self.peak[row.device] = replace(row, used_mib=max(held.used_mib, row.used_mib))
+
 
     def exit_code(self) -> int | None:
         """The exit code once nvidia-smi has exited (its output read); None while it runs."""

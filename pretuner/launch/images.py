@@ -1,15 +1,10 @@
-"""The image requests a tuning sends a vision-language model, as data (pure, seeded).
-
-- The worst case: the most images of the largest size one prompt may carry (vLLM's
-  `--limit-mm-per-prompt`, capped by what fits in max_model_len), the text filling the rest.
-  Its encoder step, encoder cache and prefill are the largest a request can ask.
-- The soak: a bounded mixed load after validation, image sizes and counts varied, every image
-  distinct (its content derives from its uid), so that the caches that grow with distinct
-  images fill as production traffic fills them.
-
-The HTTP side (`pretuner.launch.chat`) renders these as chat requests with generated PNGs; the
-emulator's truth (`pretuner.sim.v1.truth`) replays the same requests in process.
+"""The image requests a tuning sends a vision-language model, as data (pure, seeded): the worst
+case (its encoder step, encoder cache and prefill are the largest a request can ask) and the
+soak (every image distinct, so that the caches that grow with distinct images fill as
+production traffic fills them). `pretuner.launch.chat` sends them; the emulator's truth
+(`pretuner.sim.v1.truth`) replays the same requests in process.
 """
+
 
 from __future__ import annotations
 

@@ -79,8 +79,8 @@ class ServerProcess:
     @classmethod
     def start(cls, argv: list[str], env: dict[str, str], log_path: Path,
               cwd: Path | None = None) -> ServerProcess:
-        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`, with the
-        parent-death guard and `server.pid` next to its log until its whole group is gone."""
+        """Start `argv` with exactly `env`, its output appended to `log_path`, `server.pid`
+        beside it until the whole group is gone."""
         if not argv:
             raise ValueError("empty server command")
         log_path = Path(log_path)
@@ -143,9 +143,9 @@ class ServerProcess:
 
     def wait_ready(self, url: str, timeout_s: float, *, check: Callable[[], None] | None = None,
                    interval_s: float = 0.2) -> float:
-        """Wait until `GET url` answers 200; return the seconds since the server started. Every
-        round first checks that the process lives, then runs `check` (which may raise, e.g.
-        when a live log scan saw an OOM), then asks `url`."""
+        """The seconds since the start once `GET url` answers 200; each round first checks
+        that the process lives, then runs `check` (which may raise: an OOM in the log)."""
+
         deadline = time.monotonic() + timeout_s
         while True:
             code = self.poll()

@@ -51,9 +51,8 @@ class HostMemory:
 
 
 def host_memory(device_kind: str, env: Mapping[str, str]) -> HostMemory | None:
-    """The memory of the host the server runs on (where offloaded weights and swap space live);
-    None where it cannot be read. The emulated card's host is the emulator's (simulated): the
-    host its server checks against."""
+    """The memory of the host the server runs on (offloaded weights and swap space live
+    there; the emulated card's is the emulator's); None where it cannot be read."""
     if device_kind == "emulated":
         from pretuner.emulation import emulator
 

@@ -53,7 +53,7 @@ def parse_nvidia_smi_csv(text: str) -> tuple[DeviceMemory, ...]:
 
 @dataclass(frozen=True, slots=True)
 class SeriesPoint:
-    """One row of an NVML series file: `epoch_s<TAB>[run:]phase<TAB>used_mib`."""
+    """One row of an NVML series file."""
 
     epoch_s: float
     run: str | None
@@ -62,8 +62,7 @@ class SeriesPoint:
 
 
 def parse_nvml_series(text: str) -> tuple[SeriesPoint, ...]:
-    """An NVML series (tab-separated epoch seconds, `run:phase` or `phase`, used MiB);
-    malformed rows are skipped."""
+    """An NVML series (`epoch_s<TAB>[run:]phase<TAB>used_mib`); malformed rows are skipped."""
     points = []
     for line in text.splitlines():
         cells = line.strip().split("\t")

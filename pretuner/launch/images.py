@@ -150,9 +150,7 @@ def burst(shape: ImageShape, max_model_len: int, max_tokens: int, count: int, ta
 def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count: int,
                       soak: int, seed: int,
                       template_tokens: int = TEMPLATE_TOKENS_GUESS) -> list[LoadPhase]:
-    """A vision-language model's validation, worst first: the longest text prefill alone, then
-    `count` worst-case image requests at once; with a soak, `soak` mixed requests in two
-    halves, a cache reset, and the image burst again on top of what the soak left."""
+    """A vision-language model's validation phases, worst first (`engines.v1_images`)."""
     text = TextRequest(max_model_len - decode, decode)
     phases = [LoadPhase("load", (text,)),
               LoadPhase("images", burst(shape, max_model_len, decode, count,

@@ -211,16 +211,11 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
         return ""
     try:
         with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            chunk = 8192
-            while True:
-                start = max(0, size - chunk)
-                fh.seek(start)
-                data = fh.read(size - start)
-                if start == 0 or data.count(b"\n") > n_lines or chunk >= _TAIL_MAX_BYTES:
-                    break
-                chunk *= 4
+            start = max(0, fh.seek(0, os.SEEK_END) - _TAIL_MAX_BYTES)
+            fh.seek(start)
+            data = fh.read()
     except OSError:
+
         return ""
     lines = data.decode("utf-8", errors="replace").replace("\r", "").splitlines()
     if start > 0 and lines:

@@ -81,10 +81,8 @@ class ModelSpec:
             name = self.default_weights
         if name is None:
             native = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
-            for fmt in self.weights:
-                if fmt.name == native:
-                    return fmt
-            return self.weights[0]
+            return next((f for f in self.weights if f.name == native), self.weights[0])
+
         for fmt in self.weights:
             if fmt.name.lower() == name.lower():
                 return fmt

@@ -61,7 +61,6 @@ class UnknownModelError(BadInputError):
         super().__init__(f"unknown model {name!r}", hint=hint)
 
 
-
 class NothingFoundError(PretunerError):
     """The logs hold none of the lines the command needs."""
 

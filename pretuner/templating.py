@@ -35,7 +35,6 @@ def yaml_scalar(value: object) -> str:
     return json.dumps(value if isinstance(value, int | float) else str(value))  # bool: true
 
 
-
 def systemd_word(value: object) -> str:
     """One ExecStart= word: specifiers (%) and variables ($) made literal, quoted if needed."""
     text = str(value)

@@ -3,7 +3,6 @@
 against that budget, so that the sampled peak is in the units of the limit that enforces it.
 """
 
-
 from __future__ import annotations
 
 import os
@@ -96,7 +95,6 @@ class CpuBudgetReader:
 
     def attach(self, pid: int) -> None:
         """Follow the processes of the session `pid` leads (a launch's server: a new session)."""
-
         self.session = pid
 
     def sample(self) -> Sample | None:
@@ -109,7 +107,6 @@ class CpuBudgetReader:
         found = (self._data_kib(self.proc / entry) for entry in entries if entry.isdigit())
         worst_kib = max((kib for kib in found if kib is not None), default=None)
         if worst_kib is None:
-
             return None  # the server is gone (or not yet started)
         return Sample((DeviceMemory(0, worst_kib // 1024, self.budget_mib),))
 

@@ -225,7 +225,6 @@ class _Stream:
         held = self.peak.get(row.device, row)
         self.peak[row.device] = replace(row, used_mib=max(held.used_mib, row.used_mib))
 
-
     def exit_code(self) -> int | None:
         """The exit code once nvidia-smi has exited (its output read); None while it runs."""
         code = self.proc.poll()

@@ -3,7 +3,6 @@ makes a prompt a given length, and `/reset_mm_cache`. A chat prompt's length is 
 to count (its template, its tokenizer, its image tokens): `calibrate` asks it.
 """
 
-
 from __future__ import annotations
 
 import functools
@@ -66,7 +65,6 @@ def post_chat(base_url: str, model: str, req: MMRequest, cal: Calibration, salt:
 
 def calibrate(base_url: str, model: str, timeout_s: float) -> Calibration | CompletionOutcome:
     """The server's template and filler-word token counts, or the outcome that failed."""
-
     counts = []
     for words in CALIBRATION_WORDS:
         out = post_chat(base_url, model, MMRequest((), words, 1), Calibration(0, 1.0),

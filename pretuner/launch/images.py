@@ -5,7 +5,6 @@ production traffic fills them). `pretuner.launch.chat` sends them; the emulator'
 (`pretuner.sim.v1.truth`) replays the same requests in process.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -116,7 +115,6 @@ def soak_request(shape: ImageShape, max_model_len: int, seed: int, i: int,
     return MMRequest(tuple(images), text, SOAK_MAX_TOKENS)
 
 
-
 @dataclass(frozen=True, slots=True)
 class TextRequest:
     """A completion of `prompt_len` token ids (no template): the text-only worst case."""
@@ -132,7 +130,6 @@ Request = TextRequest | MMRequest
 class LoadPhase:
     """Requests sent in one sampled phase: all at once, or `concurrency` in flight; `reset`
     drops the server's multimodal caches once they are answered."""
-
 
     name: str
     requests: tuple[Request, ...]

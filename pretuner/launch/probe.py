@@ -209,7 +209,6 @@ def load(base_url: str, model: str, num_requests: int, prompt_len: int, max_toke
          on_done: Callable[[int, int], None] | None = None) -> LoadOutcome:
     """`num_requests` completions at once, each with its own prompt, waited for about
     `timeout_s`; `on_done(done, total)` hears of each answer."""
-
     if num_requests < 1:
         raise ValueError(f"num_requests must be at least 1, got {num_requests}")
     prompts = [_token_ids(prompt_len, f"pretuner-load/{seed}/{i}") for i in range(num_requests)]

@@ -145,7 +145,6 @@ class ServerProcess:
                    interval_s: float = 0.2) -> float:
         """The seconds since the start once `GET url` answers 200; each round first checks
         that the process lives, then runs `check` (which may raise: an OOM in the log)."""
-
         deadline = time.monotonic() + timeout_s
         while True:
             code = self.poll()
@@ -215,7 +214,6 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
             fh.seek(start)
             data = fh.read()
     except OSError:
-
         return ""
     lines = data.decode("utf-8", errors="replace").replace("\r", "").splitlines()
     if start > 0 and lines:

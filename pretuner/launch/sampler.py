@@ -172,7 +172,6 @@ class MemorySampler:
 
 def series_tsv(sampled: Sampled, launch: int) -> str | None:
     """The launch's time series as `memory.tsv` (`devices.series`); None when it is empty."""
-
     if not sampled.series:
         return None
     total = "unknown" if sampled.total_mib is None else str(sampled.total_mib)

@@ -82,7 +82,6 @@ class ModelSpec:
         if name is None:
             native = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
             return next((f for f in self.weights if f.name == native), self.weights[0])
-
         for fmt in self.weights:
             if fmt.name.lower() == name.lower():
                 return fmt

@@ -359,7 +359,6 @@ def _check_weights_fit(cfg: PlanConfig, tp: int) -> None:
 
 def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, str]:
     """The smallest TP whose weights leave room for KV, or a better one (`_better_tp`)."""
-
     cap_gib = cfg.card_gib * cfg.util
     for tp in TP_CANDIDATES:
         err = _layout_error(cfg, tp)

@@ -146,7 +146,6 @@ def _alternatives(cfg: PlanConfig, tp: int, chosen: Step | None) -> list[str]:
     if chosen is None or chosen.quantization or chosen.cpu_offload_gib:
         for more in (more for more in TP_CANDIDATES if more > tp):
             if _try(dataclasses.replace(cfg, tp=more), None, 0).fits:
-
                 out.append(f"more cards: TP{more} ({more * cfg.pp} cards) serves it unquantized")
                 break
     return out

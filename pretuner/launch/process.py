@@ -68,10 +68,11 @@ class ServerProcess:
 
     def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, started: float) -> None:
         self._popen = popen
-        self._log_path = log_path
-        self._started = started
+        self.pid = popen.pid
         # start_new_session makes the child a session and group leader before exec.
-        self._pgid = popen.pid
+        self.pgid = popen.pid
+        self.log_path = log_path
+        self._started = started
         self._stop_lock = threading.RLock()
         self._stop_result: StopResult | None = None
         self._pid_file = log_path.parent / PID_FILE
@@ -107,18 +108,6 @@ class ServerProcess:
         return proc
 
     @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
-    def pgid(self) -> int:
-        return self._pgid
-
-    @property
-    def log_path(self) -> Path:
-        return self._log_path
-
-    @property
     def alive(self) -> bool:
         """True while the process we started runs (its children may outlive it)."""
         return self.poll() is None
@@ -136,10 +125,10 @@ class ServerProcess:
         return exited
 
     def _failure(self, what: str) -> ServerFailedError:
-        tail = read_tail(self._log_path)
-        message = f"server {what}; log: {self._log_path}"
+        tail = read_tail(self.log_path)
+        message = f"server {what}; log: {self.log_path}"
         message += f"\nlast log lines:\n{tail}" if tail else "\n(the log is empty)"
-        return ServerFailedError(message, log_path=str(self._log_path))
+        return ServerFailedError(message, log_path=str(self.log_path))
 
     def wait_ready(self, url: str, timeout_s: float, *, check: Callable[[], None] | None = None,
                    interval_s: float = 0.2) -> float:
@@ -170,10 +159,10 @@ class ServerProcess:
                 return self._stop_result
             started = time.monotonic()
             graceful = True
-            if group_alive(self._pgid):
-                log.info("stopping server group %d with %s", self._pgid, signal.Signals(sig).name)
+            if group_alive(self.pgid):
+                log.info("stopping server group %d with %s", self.pgid, signal.Signals(sig).name)
                 try:
-                    graceful = stop_group(self._pgid, grace_s, sig, reap=self._popen.poll)
+                    graceful = stop_group(self.pgid, grace_s, sig, reap=self._popen.poll)
                 except KeyboardInterrupt:
                     self._finish(killed=True, started=started)
                     raise
@@ -186,11 +175,11 @@ class ServerProcess:
             exit_code = None
         result = StopResult(exit_code, not killed, killed, time.monotonic() - started)
         self._stop_result = result
-        if exit_code is not None and not group_alive(self._pgid):
+        if exit_code is not None and not group_alive(self.pgid):
             remove_pid_file(self._pid_file)
         with _live_lock:
             _live.discard(self)
-        log.info("server group %d stopped: %s", self._pgid, result)
+        log.info("server group %d stopped: %s", self.pgid, result)
         return result
 
     def __enter__(self) -> ServerProcess:
@@ -201,7 +190,7 @@ class ServerProcess:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"ServerProcess(pid={self.pid}, log_path={str(self._log_path)!r})"
+        return f"ServerProcess(pid={self.pid}, log_path={str(self.log_path)!r})"
 
 
 def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:

@@ -6,7 +6,6 @@ to count (its template, its tokenizer, its image tokens): `calibrate` asks it.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import re
 import zlib
@@ -22,10 +21,7 @@ from pretuner.launch.probe import (
     post,
     probe_prompt,
     send_all,
-    session_for,
 )
-
-log = logging.getLogger(__name__)
 
 # Four-letter words: one token each in the common BPE vocabularies, about 1.25 by the
 # emulator's four-characters-a-token count; the calibration measures which.
@@ -127,10 +123,4 @@ def run_phase(base_url: str, model: str, phase: LoadPhase, cal: Calibration,
 def reset_mm_cache(base_url: str, timeout_s: float = 30.0) -> int:
     """POST /reset_mm_cache; the HTTP status (0: no answer; 404: the route is not served,
     vLLM serves it with VLLM_SERVER_DEV_MODE=1)."""
-    url = f"{base_url.rstrip('/')}/reset_mm_cache"
-    with session_for(url) as session:
-        try:
-            return int(session.post(url, timeout=timeout_s).status_code)
-        except Exception as exc:  # a server that died: no answer
-            log.debug("POST %s failed: %s", url, exc)
-            return 0
+    return post(f"{base_url.rstrip('/')}/reset_mm_cache", None, timeout_s).status

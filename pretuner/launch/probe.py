@@ -161,7 +161,7 @@ def usage_count(body: Any, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def post(url: str, body: dict[str, Any], timeout_s: float,
+def post(url: str, body: dict[str, Any] | None, timeout_s: float,
          read: Callable[[requests.Response, float], CompletionOutcome] | None = None,
          ) -> CompletionOutcome:
     """POST one completion request (`/v1/completions`, `/v1/chat/completions`); what came back.

@@ -117,12 +117,10 @@ class ServerProcess:
 
     def poll_settled(self, seconds: float) -> int | None:
         """The exit code once the process exited by itself, waiting up to `seconds` for it."""
-        deadline = time.monotonic() + seconds
-        exited = self.poll()
-        while exited is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-            exited = self.poll()
-        return exited
+        try:
+            return self._popen.wait(max(0.0, seconds))
+        except subprocess.TimeoutExpired:
+            return None
 
     def _failure(self, what: str) -> ServerFailedError:
         tail = read_tail(self.log_path)

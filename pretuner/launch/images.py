@@ -137,21 +137,17 @@ class LoadPhase:
     reset: bool = False
 
 
-def burst(shape: ImageShape, max_model_len: int, max_tokens: int, count: int, tag: str,
-          template_tokens: int = TEMPLATE_TOKENS_GUESS) -> tuple[MMRequest, ...]:
-    """`count` worst-case requests at once, every image distinct (uids under `tag`)."""
-    return tuple(worst_case(shape, max_model_len, max_tokens, f"{tag}/{i}", template_tokens)
-                 for i in range(count))
-
-
 def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count: int,
                       soak: int, seed: int,
                       template_tokens: int = TEMPLATE_TOKENS_GUESS) -> list[LoadPhase]:
     """A vision-language model's validation phases, worst first (`engines.v1_images`)."""
-    text = TextRequest(max_model_len - decode, decode)
-    phases = [LoadPhase("load", (text,)),
-              LoadPhase("images", burst(shape, max_model_len, decode, count,
-                                        f"worst/{seed}/a", template_tokens))]
+
+    def burst(tag: str) -> tuple[MMRequest, ...]:  # `count` at once, every image distinct
+        return tuple(worst_case(shape, max_model_len, decode, f"worst/{seed}/{tag}/{i}",
+                                template_tokens) for i in range(count))
+
+    phases = [LoadPhase("load", (TextRequest(max_model_len - decode, decode),)),
+              LoadPhase("images", burst("a"))]
     if soak <= 0:
         return phases
     # Two halves: the second one's growth says whether memory still grows.
@@ -162,6 +158,5 @@ def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count:
     mix = [soak_request(shape, max_model_len, seed, i, template_tokens) for i in range(soak)]
     phases += [LoadPhase("soak-1", tuple(mix[:first]), c),
                LoadPhase("soak-2", tuple(mix[first:]), c, reset=True),
-               LoadPhase("after-soak", burst(shape, max_model_len, decode, count,
-                                             f"worst/{seed}/b", template_tokens))]
+               LoadPhase("after-soak", burst("b"))]
     return phases

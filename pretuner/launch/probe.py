@@ -299,13 +299,6 @@ def _chunk(line: bytes) -> dict[str, Any] | str | None:
     return body if isinstance(body, dict) else None
 
 
-def _token(body: dict[str, Any]) -> bool:
-    """A chunk that carries generated output (its text may be empty: a token that ends in the
-    middle of a character); the usage chunk has no choices."""
-    choices = body.get("choices")
-    return isinstance(choices, list) and any(isinstance(c, dict) for c in choices)
-
-
 def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
                     timeout_s: float) -> tuple[CompletionOutcome, Arrivals | None]:
     """POST one streamed greedy completion of exactly `max_tokens` tokens; its outcome (as
@@ -327,7 +320,10 @@ def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens
             if isinstance(body.get("error"), dict):
                 error = str(body["error"].get("message") or body["error"])
                 break
-            if _token(body):
+            # A chunk with choices carries a token (its text may be empty: a token that ends
+            # in the middle of a character); the usage chunk has none.
+            choices = body.get("choices")
+            if isinstance(choices, list) and any(isinstance(c, dict) for c in choices):
                 first = now if first is None else first
                 last, chunks = now, chunks + 1
             if isinstance(body.get("usage"), dict):

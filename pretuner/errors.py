@@ -59,8 +59,6 @@ class UnknownModelError(BadInputError):
         hint = (f"did you mean {', '.join(suggestions)}?" if suggestions
                 else "run `pretuner models` for the list, or pass a local model folder")
         super().__init__(f"unknown model {name!r}", hint=hint)
-        self.name = name
-        self.suggestions = suggestions
 
 
 class NothingFoundError(PretunerError):
@@ -93,15 +91,13 @@ class NotValidatedError(PretunerError):
 
 
 class ClusterError(PretunerError):
-    """The Ray cluster cannot run the launch: unreachable, too few NPUs, a node with another
-    pretuner or without the environment its ranks need."""
+    """The Ray cluster cannot run the launch (unreachable, too few NPUs, a node not ready)."""
 
     exit_code = ExitCode.CLUSTER
 
 
 class CardBusyError(PretunerError):
-    """Another process holds memory on the card: too little is free for any verdict about the
-    model (the message says how much is free and, where the device tells, which pids hold it)."""
+    """Another process holds so much of the card that no verdict about the model is possible."""
 
     exit_code = ExitCode.CARD_BUSY
 

@@ -40,17 +40,14 @@ def write_atomic(path: Path, text: str, *, executable: bool = False,
                 raise BadInputError(f"{str(path)!r} appeared while writing; it was left untouched",
                                     hint="choose another path") from None
             os.unlink(tmp)
-        _fsync_dir(folder)
+        with contextlib.suppress(OSError):  # the folder's entry too
+            dir_fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
     return path
 
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -40,8 +40,7 @@ _reporter: list[Reporter] = []
 
 
 def report_stops_to(report: Reporter) -> Callable[[], None]:
-    """Send progress of slow stops (a line at 2 s, then every 10 s) to `report`; return a
-    restorer. Without one they go to the log at INFO."""
+    """Send slow stops' progress to `report` (else the log, at INFO); return a restorer."""
     _reporter.append(report)
     return lambda: _reporter.remove(report) if report in _reporter else None
 
@@ -127,8 +126,7 @@ def group_alive(pgid: int) -> bool:
 
 def wait_group_gone(pgid: int, deadline: float, *, reap: Callable[[], object] | None = None,
                     grace_s: float | None = None) -> bool:
-    """Wait until no process of group `pgid` is left; False at `deadline`. With `grace_s`
-    (the wait after SIGTERM), a slow stop is reported: once at 2 s, then every 10 s."""
+    """Wait until group `pgid` is gone (False at `deadline`), saying so when it is slow."""
     started = time.monotonic()
     next_note = started + _FIRST_NOTE_S
     while True:

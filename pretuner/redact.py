@@ -134,6 +134,3 @@ def one_line(value: object) -> str:
     """Text that cannot end a `#` comment or a unit-file line: control characters become `?`."""
     return "".join(c if c.isprintable() else "?" for c in str(value))
 
-
-def has_control_chars(value: str) -> bool:
-    return not value.isprintable()

@@ -32,11 +32,7 @@ def shell_join(values: Iterable[object]) -> str:
 def yaml_scalar(value: object) -> str:
     """A YAML scalar: numbers and booleans as they are, strings double-quoted (JSON strings
     are valid YAML); a switch (`enforce-eager: true`) is what `vllm serve --config` takes."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if not isinstance(value, int | float):
-        return json.dumps(str(value))
-    return json.dumps(value)
+    return json.dumps(value if isinstance(value, int | float) else str(value))  # bool: true
 
 
 def systemd_word(value: object) -> str:

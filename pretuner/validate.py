@@ -122,10 +122,8 @@ def fits_type(value: Any, hint: Any) -> bool:
     if origin is list:
         (item_t,) = typing.get_args(hint) or (Any,)
         return isinstance(value, list) and all(fits_type(v, item_t) for v in value)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(value, bool) and hint in (int, float):  # a bool is an int to isinstance
+        return False
     if hint is float:  # JSON writes 2.0 as 2.0, but a hand-edited 2 is a float too
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return isinstance(value, int | float)
     return isinstance(hint, type) and isinstance(value, hint)

@@ -1,11 +1,6 @@
-"""The host: its memory (/proc/meminfo), and the budgeted CPU "card" (the worst process of the
-server, against an RLIMIT_DATA budget).
-
-The budget is the RLIMIT_DATA `pretuner.launch.limit` imposes on every process of the server.
-What it checks is each process's data segment (VmData in /proc/PID/status), so the reader
-reports the largest VmData among the processes of the launch's session (`attach(pid)`: the
-server leads a new session whose id is its pid) as `used_mib`, and the budget as `total_mib`:
-the sampled peak is in the units of the limit that enforces the budget.
+"""The host: its memory (/proc/meminfo), and the budgeted CPU "card": the largest data segment
+(VmData, what the RLIMIT_DATA of `pretuner.launch.limit` checks) among the server's processes,
+against that budget, so that the sampled peak is in the units of the limit that enforces it.
 """
 
 from __future__ import annotations
@@ -55,9 +50,8 @@ class HostMemory:
 
 
 def host_memory(device_kind: str, env: Mapping[str, str]) -> HostMemory | None:
-    """The memory of the host the server runs on (where offloaded weights and swap space live);
-    None where it cannot be read. The emulated card's host is the emulator's (simulated): the
-    host its server checks against."""
+    """The memory of the host the server runs on (offloaded weights and swap space live
+    there; the emulated card's is the emulator's); None where it cannot be read."""
     if device_kind == "emulated":
         from pretuner.emulation import emulator
 
@@ -100,7 +94,7 @@ class CpuBudgetReader:
         self.session: int | None = None
 
     def attach(self, pid: int) -> None:
-        """Follow the processes of the session `pid` leads (a launch's server)."""
+        """Follow the processes of the session `pid` leads (a launch's server: a new session)."""
         self.session = pid
 
     def sample(self) -> Sample | None:
@@ -110,13 +104,8 @@ class CpuBudgetReader:
             entries = os.listdir(self.proc)
         except OSError as err:
             raise DeviceReadError(f"cannot list {self.proc}: {err}") from err
-        worst_kib: int | None = None
-        for entry in entries:
-            if not entry.isdigit():
-                continue
-            kib = self._data_kib(self.proc / entry)
-            if kib is not None and (worst_kib is None or kib > worst_kib):
-                worst_kib = kib
+        found = (self._data_kib(self.proc / entry) for entry in entries if entry.isdigit())
+        worst_kib = max((kib for kib in found if kib is not None), default=None)
         if worst_kib is None:
             return None  # the server is gone (or not yet started)
         return Sample((DeviceMemory(0, worst_kib // 1024, self.budget_mib),))

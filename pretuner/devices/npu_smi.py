@@ -31,7 +31,7 @@ MAX_FIGURE_DIGITS = 10  # MiB: 10 digits is over 9 PiB, far beyond any card
 _USAGE = re.compile(r"(\d+)\s*/\s*(\d+)")
 # First cell of the name row: "0     910B3"; of the chip row: "0" (910B) or "0       1" (A3).
 _NAME_CELL = re.compile(r"(\d+)\s+(\S.*)")
-_CHIP_CELL = re.compile(r"(\d+)(?:\s+\d+)?")
+_CHIP_CELL = re.compile(r"(\d+)(?:\s+(\d+))?")  # and of a process row
 _BUS_ID = re.compile(r"[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]")
 
 
@@ -84,12 +84,8 @@ class NpuProcess(Holder):
         return self.device
 
 
-_PROC_CHIP = re.compile(r"(\d+)(?:\s+(\d+))?")
-
-
 def parse_npu_processes(text: str) -> tuple[NpuProcess, ...]:
-    """Every process holding memory in `npu-smi info`'s process table ("No running processes"
-    rows and text that is no such table give nothing)."""
+    """Every process holding memory in `npu-smi info`'s process table."""
     found: list[NpuProcess] = []
     in_table = False
     for line in text.splitlines():
@@ -100,7 +96,7 @@ def parse_npu_processes(text: str) -> tuple[NpuProcess, ...]:
         cells = _cells(line) if in_table else []
         if len(cells) < 4:
             continue
-        chip = _PROC_CHIP.fullmatch(cells[0])
+        chip = _CHIP_CELL.fullmatch(cells[0])
         memory = re.match(r"\d+", cells[3])
         if chip is None or not cells[1].isdigit() or memory is None:
             continue

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -53,7 +53,7 @@ def parse_nvidia_smi_csv(text: str) -> tuple[DeviceMemory, ...]:
 
 @dataclass(frozen=True, slots=True)
 class SeriesPoint:
-    """One row of an NVML series file: `epoch_s<TAB>[run:]phase<TAB>used_mib`."""
+    """One row of an NVML series file."""
 
     epoch_s: float
     run: str | None
@@ -62,8 +62,7 @@ class SeriesPoint:
 
 
 def parse_nvml_series(text: str) -> tuple[SeriesPoint, ...]:
-    """An NVML series (tab-separated epoch seconds, `run:phase` or `phase`, used MiB);
-    malformed rows are skipped."""
+    """An NVML series (`epoch_s<TAB>[run:]phase<TAB>used_mib`); malformed rows are skipped."""
     points = []
     for line in text.splitlines():
         cells = line.strip().split("\t")
@@ -223,11 +222,8 @@ class _Stream:
         self._previous = row.device
         self.rows += 1
         self.latest[row.device] = row
-        held = self.peak.get(row.device)
-        if held is None or row.used_mib > held.used_mib:
-            self.peak[row.device] = row
-        else:
-            self.peak[row.device] = DeviceMemory(row.device, held.used_mib, row.total_mib)
+        held = self.peak.get(row.device, row)
+        self.peak[row.device] = replace(row, used_mib=max(held.used_mib, row.used_mib))
 
     def exit_code(self) -> int | None:
         """The exit code once nvidia-smi has exited (its output read); None while it runs."""

@@ -17,9 +17,8 @@ def visible_devices(env: Mapping[str, str], variable: str, count: int) -> frozen
 
 def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
                   budget_mib: int | None = None) -> DeviceReader | None:
-    """The reader for `kind`'s first `count` devices; None where nothing can read them.
-    On "cpu" the device is a memory budget imposed on the server's processes: read only
-    where a budget is given (`budget_mib`) and /proc shows processes."""
+    """The reader for `kind`'s first `count` devices; None where nothing can read them (on
+    "cpu": without a budget, `budget_mib`, imposed on the server's processes)."""
     if kind == "emulated":
         from pretuner.emulation import emulator
 

@@ -1,16 +1,11 @@
 """Image requests over HTTP: `/v1/chat/completions` with generated PNGs, the text filler that
-makes a prompt a given length, and `/reset_mm_cache`.
-
-A chat prompt's length is the server's to count (its template, its tokenizer, its image
-tokens): `calibrate` asks it with two short text-only requests (a line fitted to what `usage`
-says), and a request refused as too long is shortened by what the refusal names and sent
-again. The images are PNGs made here (`pretuner.launch.png`), every one distinct.
+makes a prompt a given length, and `/reset_mm_cache`. A chat prompt's length is the server's
+to count (its template, its tokenizer, its image tokens): `calibrate` asks it.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import re
 import zlib
@@ -26,10 +21,7 @@ from pretuner.launch.probe import (
     post,
     probe_prompt,
     send_all,
-    session_for,
 )
-
-log = logging.getLogger(__name__)
 
 # Four-letter words: one token each in the common BPE vocabularies, about 1.25 by the
 # emulator's four-characters-a-token count; the calibration measures which.
@@ -68,8 +60,7 @@ def post_chat(base_url: str, model: str, req: MMRequest, cal: Calibration, salt:
 
 
 def calibrate(base_url: str, model: str, timeout_s: float) -> Calibration | CompletionOutcome:
-    """The server's template and filler-word token counts, from two text-only requests; the
-    failed outcome when one of them fails."""
+    """The server's template and filler-word token counts, or the outcome that failed."""
     counts = []
     for words in CALIBRATION_WORDS:
         out = post_chat(base_url, model, MMRequest((), words, 1), Calibration(0, 1.0),
@@ -89,9 +80,8 @@ def calibrate(base_url: str, model: str, timeout_s: float) -> Calibration | Comp
 
 def send_fitted(base_url: str, model: str, req: MMRequest, cal: Calibration, salt: str,
                 max_model_len: int, timeout_s: float) -> CompletionOutcome:
-    """One chat request; refused as too long, its text is shortened by what the refusal
-    counts and it is sent again. An answer that counts fewer prompt tokens than its images
-    take means the server did not see them: a failure."""
+    """One chat request, its text shortened and sent again while refused as too long; an
+    answer that counts fewer prompt tokens than its images take is a failure."""
     text = req.text_tokens
     out = post_chat(base_url, model, req, cal, salt, text, timeout_s)
     for _ in range(REFITS):
@@ -123,8 +113,7 @@ def send(base_url: str, model: str, req: Request, cal: Calibration, salt: str,
 def run_phase(base_url: str, model: str, phase: LoadPhase, cal: Calibration,
               max_model_len: int, timeout_s: float, *, deadline: float | None = None,
               on_done: Callable[[int, int], None] | None = None) -> list[CompletionOutcome]:
-    """The phase's requests (`probe.send_all`); outcomes in request order, for the requests
-    that were sent."""
+    """The phase's requests (`probe.send_all`); the outcomes of those sent, in order."""
     calls = [functools.partial(send, base_url, model, req, cal, f"{phase.name}/{i}",
                                max_model_len, timeout_s) for i, req in enumerate(phase.requests)]
     return [r for r in send_all(calls, timeout_s, name=phase.name, workers=phase.concurrency,
@@ -134,10 +123,4 @@ def run_phase(base_url: str, model: str, phase: LoadPhase, cal: Calibration,
 def reset_mm_cache(base_url: str, timeout_s: float = 30.0) -> int:
     """POST /reset_mm_cache; the HTTP status (0: no answer; 404: the route is not served,
     vLLM serves it with VLLM_SERVER_DEV_MODE=1)."""
-    url = f"{base_url.rstrip('/')}/reset_mm_cache"
-    with session_for(url) as session:
-        try:
-            return int(session.post(url, timeout=timeout_s).status_code)
-        except Exception as exc:  # a server that died: no answer
-            log.debug("POST %s failed: %s", url, exc)
-            return 0
+    return post(f"{base_url.rstrip('/')}/reset_mm_cache", None, timeout_s).status

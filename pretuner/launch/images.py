@@ -1,14 +1,8 @@
-"""The image requests a tuning sends a vision-language model, as data (pure, seeded).
-
-- The worst case: the most images of the largest size one prompt may carry (vLLM's
-  `--limit-mm-per-prompt`, capped by what fits in max_model_len), the text filling the rest.
-  Its encoder step, encoder cache and prefill are the largest a request can ask.
-- The soak: a bounded mixed load after validation, image sizes and counts varied, every image
-  distinct (its content derives from its uid), so that the caches that grow with distinct
-  images fill as production traffic fills them.
-
-The HTTP side (`pretuner.launch.chat`) renders these as chat requests with generated PNGs; the
-emulator's truth (`pretuner.sim.v1.truth`) replays the same requests in process.
+"""The image requests a tuning sends a vision-language model, as data (pure, seeded): the worst
+case (its encoder step, encoder cache and prefill are the largest a request can ask) and the
+soak (every image distinct, so that the caches that grow with distinct images fill as
+production traffic fills them). `pretuner.launch.chat` sends them; the emulator's truth
+(`pretuner.sim.v1.truth`) replays the same requests in process.
 """
 
 from __future__ import annotations
@@ -76,9 +70,8 @@ def image_shape(v: VisionSpec, image_limit: int) -> ImageShape:
 
 def worst_case_images(shape: ImageShape, max_model_len: int, max_tokens: int,
                       template_tokens: int = TEMPLATE_TOKENS_GUESS) -> tuple[int, int]:
-    """(count, side px) of the worst case's square images: the most largest images that fit
-    beside the template and `max_tokens`, at most the limit; when not even one fits, one image
-    as large as fits (0 images when the limit is 0 or nothing fits)."""
+    """(count, side px) of the worst case's square images: as many of the largest as fit (at
+    most the limit), else one as large as fits."""
     room = max_model_len - max_tokens - template_tokens - 1
     per = shape.tokens_per_image + IMAGE_WRAP_TOKENS
     count = min(shape.image_limit, max(0, room // per))
@@ -94,21 +87,18 @@ def worst_case_images(shape: ImageShape, max_model_len: int, max_tokens: int,
 
 def worst_case(shape: ImageShape, max_model_len: int, max_tokens: int, uid: str,
                template_tokens: int = TEMPLATE_TOKENS_GUESS) -> MMRequest:
-    """The worst-case request: its images, and the text tokens that fill max_model_len (less
-    the template, the images and `max_tokens`)."""
+    """The worst-case request: its images, and text that fills the rest of max_model_len."""
     count, side = worst_case_images(shape, max_model_len, max_tokens, template_tokens)
     tokens = image_tokens(shape.vision, side, side)
     images = tuple(ImageAsk(side, side, f"{uid}/{k}", tokens) for k in range(count))
-    text = max_model_len - max_tokens - template_tokens - sum(
-        i.tokens + IMAGE_WRAP_TOKENS for i in images)
+    text = max_model_len - max_tokens - template_tokens - count * (tokens + IMAGE_WRAP_TOKENS)
     return MMRequest(images, max(1, text), max_tokens)
 
 
 def soak_request(shape: ImageShape, max_model_len: int, seed: int, i: int,
                  template_tokens: int = TEMPLATE_TOKENS_GUESS) -> MMRequest:
-    """The soak's `i`-th request (deterministic in seed and i): 0 to the worst case's count
-    of images, sides drawn from the palette independently (any aspect), text of a few hundred
-    tokens; whatever would not fit in max_model_len is dropped, largest image first."""
+    """The soak's `i`-th request (deterministic in seed and i); what would not fit in
+    max_model_len is dropped, largest image first."""
     rng = random.Random(f"pretuner-soak/{seed}/{i}")  # noqa: S311 - test data, not crypto
     most, _ = worst_case_images(shape, max_model_len, SOAK_MAX_TOKENS, template_tokens)
     most = max(1, most) if shape.image_limit else 0
@@ -138,8 +128,8 @@ Request = TextRequest | MMRequest
 
 @dataclass(frozen=True, slots=True)
 class LoadPhase:
-    """Requests sent in one sampled phase: all at once, or `concurrency` in flight (a closed
-    loop); `reset` asks the server to drop its multimodal caches once they are answered."""
+    """Requests sent in one sampled phase: all at once, or `concurrency` in flight; `reset`
+    drops the server's multimodal caches once they are answered."""
 
     name: str
     requests: tuple[Request, ...]
@@ -147,23 +137,17 @@ class LoadPhase:
     reset: bool = False
 
 
-def burst(shape: ImageShape, max_model_len: int, max_tokens: int, count: int, tag: str,
-          template_tokens: int = TEMPLATE_TOKENS_GUESS) -> tuple[MMRequest, ...]:
-    """`count` worst-case requests at once, every image distinct (uids under `tag`)."""
-    return tuple(worst_case(shape, max_model_len, max_tokens, f"{tag}/{i}", template_tokens)
-                 for i in range(count))
-
-
 def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count: int,
                       soak: int, seed: int,
                       template_tokens: int = TEMPLATE_TOKENS_GUESS) -> list[LoadPhase]:
-    """A vision-language model's validation, worst first: the longest text prefill alone, then
-    `count` worst-case image requests at once; with a soak, `soak` mixed requests in two
-    halves, a cache reset, and the image burst again on top of what the soak left."""
-    text = TextRequest(max_model_len - decode, decode)
-    phases = [LoadPhase("load", (text,)),
-              LoadPhase("images", burst(shape, max_model_len, decode, count,
-                                        f"worst/{seed}/a", template_tokens))]
+    """A vision-language model's validation phases, worst first (`engines.v1_images`)."""
+
+    def burst(tag: str) -> tuple[MMRequest, ...]:  # `count` at once, every image distinct
+        return tuple(worst_case(shape, max_model_len, decode, f"worst/{seed}/{tag}/{i}",
+                                template_tokens) for i in range(count))
+
+    phases = [LoadPhase("load", (TextRequest(max_model_len - decode, decode),)),
+              LoadPhase("images", burst("a"))]
     if soak <= 0:
         return phases
     # Two halves: the second one's growth says whether memory still grows.
@@ -174,6 +158,5 @@ def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count:
     mix = [soak_request(shape, max_model_len, seed, i, template_tokens) for i in range(soak)]
     phases += [LoadPhase("soak-1", tuple(mix[:first]), c),
                LoadPhase("soak-2", tuple(mix[first:]), c, reset=True),
-               LoadPhase("after-soak", burst(shape, max_model_len, decode, count,
-                                             f"worst/{seed}/b", template_tokens))]
+               LoadPhase("after-soak", burst("b"))]
     return phases

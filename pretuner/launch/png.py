@@ -37,8 +37,7 @@ def _prefix(width: int, height: int) -> tuple[bytes, zlib._Compress]:
     parts = [c.compress(first)]
     block = same * 64
     rows = height - 2  # the first and the last row are not in the block
-    for _ in range(rows // 64):
-        parts.append(c.compress(block))
+    parts += [c.compress(block) for _ in range(rows // 64)]
     parts.append(c.compress(same * (rows % 64)))
     return b"".join(parts), c
 

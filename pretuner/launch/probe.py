@@ -161,23 +161,28 @@ def usage_count(body: Any, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def post(url: str, body: dict[str, Any], timeout_s: float) -> CompletionOutcome:
-    """POST one completion request (`/v1/completions`, `/v1/chat/completions`); what came back."""
+def post(url: str, body: dict[str, Any] | None, timeout_s: float,
+         read: Callable[[requests.Response, float], CompletionOutcome] | None = None,
+         ) -> CompletionOutcome:
+    """POST one completion request (`/v1/completions`, `/v1/chat/completions`); what came back.
+    `read(response, started)` takes a streamed 200 answer apart; else it is one JSON body."""
     started = time.monotonic()
-    # The read timeout bounds the wait for the answer: a non-streaming completion sends
-    # nothing until it is done.
+    # The read timeout bounds the wait for the answer (a non-streaming completion sends
+    # nothing until it is done), or for each chunk of a streamed one.
     timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)
     with session_for(url) as session:
         try:
-            response = session.post(url, json=body, timeout=timeout)
+            response = session.post(url, json=body, timeout=timeout, stream=read is not None)
+            if response.status_code != 200:
+                return CompletionOutcome(response.status_code, False, time.monotonic() - started,
+                                         None, None, error_text(response))
+            if read is not None:
+                return read(response, started)
         except requests.RequestException as exc:
             seconds = time.monotonic() - started
             log.debug("POST %s failed after %.2f s: %s", url, seconds, exc)
             return CompletionOutcome(0, False, seconds, None, None, f"{type(exc).__name__}: {exc}")
     seconds = time.monotonic() - started
-    if response.status_code != 200:
-        return CompletionOutcome(response.status_code, False, seconds, None, None,
-                                 error_text(response))
     try:
         reply = response.json()
     except ValueError:
@@ -202,8 +207,8 @@ def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
 def load(base_url: str, model: str, num_requests: int, prompt_len: int, max_tokens: int,
          seed: int, timeout_s: float,
          on_done: Callable[[int, int], None] | None = None) -> LoadOutcome:
-    """Send `num_requests` completions at once, each with its own prompt; wait at most
-    about `timeout_s` for all of them. `on_done(done, total)` hears of each answer."""
+    """`num_requests` completions at once, each with its own prompt, waited for about
+    `timeout_s`; `on_done(done, total)` hears of each answer."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be at least 1, got {num_requests}")
     prompts = [_token_ids(prompt_len, f"pretuner-load/{seed}/{i}") for i in range(num_requests)]
@@ -294,58 +299,45 @@ def _chunk(line: bytes) -> dict[str, Any] | str | None:
     return body if isinstance(body, dict) else None
 
 
-def _token(body: dict[str, Any]) -> bool:
-    """A chunk that carries generated output (its text may be empty: a token that ends in the
-    middle of a character); the usage chunk has no choices."""
-    choices = body.get("choices")
-    return isinstance(choices, list) and any(isinstance(c, dict) for c in choices)
-
-
 def stream_complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
                     timeout_s: float) -> tuple[CompletionOutcome, Arrivals | None]:
     """POST one streamed greedy completion of exactly `max_tokens` tokens; its outcome (as
     `probe.complete` gives it) and when its tokens arrived (None when none did)."""
-    url = f"{base_url.rstrip('/')}/v1/completions"
+    arrived: list[Arrivals] = []
+
+    def read(response: requests.Response, started: float) -> CompletionOutcome:
+        first = last = None
+        chunks = 0
+        usage: dict[str, Any] = {}
+        error: str | None = None
+        for line in response.iter_lines():
+            body = _chunk(line)
+            if body == "[DONE]":
+                break
+            if not isinstance(body, dict):
+                continue
+            now = time.monotonic() - started
+            if isinstance(body.get("error"), dict):
+                error = str(body["error"].get("message") or body["error"])
+                break
+            # A chunk with choices carries a token (its text may be empty: a token that ends
+            # in the middle of a character); the usage chunk has none.
+            choices = body.get("choices")
+            if isinstance(choices, list) and any(isinstance(c, dict) for c in choices):
+                first = now if first is None else first
+                last, chunks = now, chunks + 1
+            if isinstance(body.get("usage"), dict):
+                usage = body
+        seconds = time.monotonic() - started
+        if first is not None and last is not None:
+            arrived.append(Arrivals(first, last, chunks))
+        if error is not None:
+            return CompletionOutcome(500, False, seconds, None, None, error)
+        completion = usage_count(usage, "completion_tokens")
+        return CompletionOutcome(200, True, seconds, usage_count(usage, "prompt_tokens"),
+                                 completion if completion is not None else chunks, None)
+
     payload = {**_completion(model, prompt_ids, max_tokens), "stream": True,
                "stream_options": {"include_usage": True}}
-    started = time.monotonic()
-    first = last = None
-    chunks = 0
-    usage: dict[str, Any] = {}
-    error: str | None = None
-    timeout = (min(CONNECT_TIMEOUT_S, timeout_s), timeout_s)  # the read timeout: per chunk
-    with session_for(url) as session:
-        try:
-            response = session.post(url, json=payload, timeout=timeout, stream=True)
-            if response.status_code != 200:
-                seconds = time.monotonic() - started
-                return CompletionOutcome(response.status_code, False, seconds, None, None,
-                                         error_text(response)), None
-            for line in response.iter_lines():
-                body = _chunk(line)
-                if body == "[DONE]":
-                    break
-                if not isinstance(body, dict):
-                    continue
-                now = time.monotonic() - started
-                if isinstance(body.get("error"), dict):
-                    error = str(body["error"].get("message") or body["error"])
-                    break
-                if _token(body):
-                    first = now if first is None else first
-                    last, chunks = now, chunks + 1
-                if isinstance(body.get("usage"), dict):
-                    usage = body
-        except requests.RequestException as exc:
-            seconds = time.monotonic() - started
-            log.debug("streamed POST %s failed after %.2f s: %s", url, seconds, exc)
-            return CompletionOutcome(0, False, seconds, None, None,
-                                     f"{type(exc).__name__}: {exc}"), None
-    seconds = time.monotonic() - started
-    arrivals = Arrivals(first, last, chunks) if first is not None and last is not None else None
-    if error is not None:
-        return CompletionOutcome(500, False, seconds, None, None, error), arrivals
-    prompt = usage_count(usage, "prompt_tokens")
-    completion = usage_count(usage, "completion_tokens")
-    return CompletionOutcome(200, True, seconds, prompt,
-                             completion if completion is not None else chunks, None), arrivals
+    out = post(f"{base_url.rstrip('/')}/v1/completions", payload, timeout_s, read)
+    return out, arrived[0] if arrived else None

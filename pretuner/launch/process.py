@@ -68,10 +68,11 @@ class ServerProcess:
 
     def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, started: float) -> None:
         self._popen = popen
-        self._log_path = log_path
-        self._started = started
+        self.pid = popen.pid
         # start_new_session makes the child a session and group leader before exec.
-        self._pgid = popen.pid
+        self.pgid = popen.pid
+        self.log_path = log_path
+        self._started = started
         self._stop_lock = threading.RLock()
         self._stop_result: StopResult | None = None
         self._pid_file = log_path.parent / PID_FILE
@@ -79,8 +80,8 @@ class ServerProcess:
     @classmethod
     def start(cls, argv: list[str], env: dict[str, str], log_path: Path,
               cwd: Path | None = None) -> ServerProcess:
-        """Start `argv` with exactly `env`, stdout and stderr appended to `log_path`, with the
-        parent-death guard and `server.pid` next to its log until its whole group is gone."""
+        """Start `argv` with exactly `env`, its output appended to `log_path`, `server.pid`
+        beside it until the whole group is gone."""
         if not argv:
             raise ValueError("empty server command")
         log_path = Path(log_path)
@@ -107,18 +108,6 @@ class ServerProcess:
         return proc
 
     @property
-    def pid(self) -> int:
-        return self._popen.pid
-
-    @property
-    def pgid(self) -> int:
-        return self._pgid
-
-    @property
-    def log_path(self) -> Path:
-        return self._log_path
-
-    @property
     def alive(self) -> bool:
         """True while the process we started runs (its children may outlive it)."""
         return self.poll() is None
@@ -128,24 +117,21 @@ class ServerProcess:
 
     def poll_settled(self, seconds: float) -> int | None:
         """The exit code once the process exited by itself, waiting up to `seconds` for it."""
-        deadline = time.monotonic() + seconds
-        exited = self.poll()
-        while exited is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-            exited = self.poll()
-        return exited
+        try:
+            return self._popen.wait(max(0.0, seconds))
+        except subprocess.TimeoutExpired:
+            return None
 
     def _failure(self, what: str) -> ServerFailedError:
-        tail = read_tail(self._log_path)
-        message = f"server {what}; log: {self._log_path}"
+        tail = read_tail(self.log_path)
+        message = f"server {what}; log: {self.log_path}"
         message += f"\nlast log lines:\n{tail}" if tail else "\n(the log is empty)"
-        return ServerFailedError(message, log_path=str(self._log_path))
+        return ServerFailedError(message, log_path=str(self.log_path))
 
     def wait_ready(self, url: str, timeout_s: float, *, check: Callable[[], None] | None = None,
                    interval_s: float = 0.2) -> float:
-        """Wait until `GET url` answers 200; return the seconds since the server started. Every
-        round first checks that the process lives, then runs `check` (which may raise, e.g.
-        when a live log scan saw an OOM), then asks `url`."""
+        """The seconds since the start once `GET url` answers 200; each round first checks
+        that the process lives, then runs `check` (which may raise: an OOM in the log)."""
         deadline = time.monotonic() + timeout_s
         while True:
             code = self.poll()
@@ -171,10 +157,10 @@ class ServerProcess:
                 return self._stop_result
             started = time.monotonic()
             graceful = True
-            if group_alive(self._pgid):
-                log.info("stopping server group %d with %s", self._pgid, signal.Signals(sig).name)
+            if group_alive(self.pgid):
+                log.info("stopping server group %d with %s", self.pgid, signal.Signals(sig).name)
                 try:
-                    graceful = stop_group(self._pgid, grace_s, sig, reap=self._popen.poll)
+                    graceful = stop_group(self.pgid, grace_s, sig, reap=self._popen.poll)
                 except KeyboardInterrupt:
                     self._finish(killed=True, started=started)
                     raise
@@ -187,11 +173,11 @@ class ServerProcess:
             exit_code = None
         result = StopResult(exit_code, not killed, killed, time.monotonic() - started)
         self._stop_result = result
-        if exit_code is not None and not group_alive(self._pgid):
+        if exit_code is not None and not group_alive(self.pgid):
             remove_pid_file(self._pid_file)
         with _live_lock:
             _live.discard(self)
-        log.info("server group %d stopped: %s", self._pgid, result)
+        log.info("server group %d stopped: %s", self.pgid, result)
         return result
 
     def __enter__(self) -> ServerProcess:
@@ -202,7 +188,7 @@ class ServerProcess:
         self.stop()
 
     def __repr__(self) -> str:
-        return f"ServerProcess(pid={self.pid}, log_path={str(self._log_path)!r})"
+        return f"ServerProcess(pid={self.pid}, log_path={str(self.log_path)!r})"
 
 
 def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
@@ -211,15 +197,9 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
         return ""
     try:
         with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            chunk = 8192
-            while True:
-                start = max(0, size - chunk)
-                fh.seek(start)
-                data = fh.read(size - start)
-                if start == 0 or data.count(b"\n") > n_lines or chunk >= _TAIL_MAX_BYTES:
-                    break
-                chunk *= 4
+            start = max(0, fh.seek(0, os.SEEK_END) - _TAIL_MAX_BYTES)
+            fh.seek(start)
+            data = fh.read()
     except OSError:
         return ""
     lines = data.decode("utf-8", errors="replace").replace("\r", "").splitlines()

@@ -89,8 +89,7 @@ class Sampled:
 
 
 class MemorySampler:
-    """Sample `reader` (None: nothing) on a daemon thread, tagging each sample with the phase
-    last reported through `wrap`."""
+    """Sample `reader` (None: nothing) on a thread, each sample tagged with the phase."""
 
     def __init__(self, reader: DeviceReader | None, first_phase: str = "launch",
                  status: Phase | None = None, series_max_points: int = SERIES_MAX_POINTS) -> None:
@@ -172,8 +171,7 @@ class MemorySampler:
 
 
 def series_tsv(sampled: Sampled, launch: int) -> str | None:
-    """The launch's time series as `memory.tsv` (`devices.series`); None when nothing was
-    sampled."""
+    """The launch's time series as `memory.tsv` (`devices.series`); None when it is empty."""
     if not sampled.series:
         return None
     total = "unknown" if sampled.total_mib is None else str(sampled.total_mib)

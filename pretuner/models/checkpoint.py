@@ -165,17 +165,13 @@ def _is_count(value: Any) -> bool:
 
 
 def checkpoint_size(folder: Path, fmt: str, quant_bits: int = 4) -> CheckpointSize | None:
-    """Bytes and parameters of the folder's weights, or None when it holds no checkpoint.
-
-    The index's `metadata.total_size` gives the bytes when present; the shard headers give
-    the parameter count when every shard is present (else bytes / bytes-per-param).
-    """
+    """Bytes and parameters of the folder's weights, or None when it holds no checkpoint."""
+    # The index's total_size gives the bytes when present; the shard headers the parameter
+    # count when every shard is present (else bytes / bytes-per-param).
     index_total: int | None = None
     shard_names: list[str] = []
-    for index_name in _INDEX_FILES:
-        index_path = folder / index_name
-        if not index_path.is_file():
-            continue
+    index_path = next((folder / n for n in _INDEX_FILES if (folder / n).is_file()), None)
+    if index_path is not None:
         index = load_json(index_path)
         metadata = index.get("metadata")
         total = metadata.get("total_size") if isinstance(metadata, dict) else None
@@ -185,7 +181,6 @@ def checkpoint_size(folder: Path, fmt: str, quant_bits: int = 4) -> CheckpointSi
         weight_map = index.get("weight_map")
         if isinstance(weight_map, dict):
             shard_names = sorted({v for v in weight_map.values() if isinstance(v, str)})
-        break
 
     if shard_names:
         shards = [folder / name for name in shard_names if name.endswith(".safetensors")]

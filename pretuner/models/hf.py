@@ -21,13 +21,10 @@ from pretuner.models.checkpoint import (
     load_json,
 )
 from pretuner.models.quant import from_config as quantization_from_config
-from pretuner.models.spec import DTYPE_BYTES, AttentionKind, ModelSpec, WeightsFormat
+from pretuner.models.spec import DTYPE_BYTES, SHORT_DTYPE, AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_config
 
 log = logging.getLogger(__name__)
-
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: VL models nest it under `text_config` (or similar)."""
@@ -84,7 +81,7 @@ def _weights_format_name(folder: Path, cfg: dict[str, Any], dtype: str) -> tuple
         kind = load_json(desc).get("model_quant_type")
         if isinstance(kind, str) and kind:
             return kind.lower(), 8
-    return _SHORT_DTYPE[dtype], 16
+    return SHORT_DTYPE[dtype], 16
 
 
 def _sliding_layers(r: _Reader, num_layers: int) -> tuple[int | None, int, int]:

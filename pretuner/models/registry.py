@@ -40,10 +40,9 @@ def spec_from_dict(data: dict[str, Any], origin: str) -> ModelSpec:
 @cache
 def builtin_specs() -> tuple[ModelSpec, ...]:
     """Every spec shipped with the package, sorted by name."""
-    specs = []
-    for entry in resources.files("pretuner.models").joinpath("data").iterdir():
-        if entry.name.endswith(".json"):
-            specs.append(spec_from_dict(json.loads(entry.read_text("utf-8")), entry.name))
+    data = resources.files("pretuner.models").joinpath("data")
+    specs = [spec_from_dict(json.loads(e.read_text("utf-8")), e.name) for e in data.iterdir()
+             if e.name.endswith(".json")]
     return tuple(sorted(specs, key=lambda s: s.name))
 
 

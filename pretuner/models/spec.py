@@ -23,6 +23,8 @@ DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "bfloat16": 2, "float16": 2, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1,
     "fp8_e4m3": 1, "fp8_e5m2": 1,
 }  # fmt: skip
+# A compute dtype's name as a checkpoint format: the native weights of a bfloat16 model are bf16.
+SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +82,8 @@ class ModelSpec:
         if name is None and self.default_weights is not None:
             name = self.default_weights
         if name is None:
-            native = {"bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, self.dtype)
-            for fmt in self.weights:
-                if fmt.name == native:
-                    return fmt
-            return self.weights[0]
+            native = SHORT_DTYPE.get(self.dtype, self.dtype)
+            return next((f for f in self.weights if f.name == native), self.weights[0])
         for fmt in self.weights:
             if fmt.name.lower() == name.lower():
                 return fmt

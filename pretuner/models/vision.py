@@ -211,16 +211,14 @@ def encoder_activation_bytes(v: VisionSpec, images: int, tp: int, dtype_bytes: i
 
 
 def encoder_cache_tokens(max_num_batched_tokens: int, item_tokens: int) -> int:
-    """vLLM's encoder cache size: max(max_num_batched_tokens, tokens of the largest item)
-    (vllm/v1/core/encoder_cache_manager.py compute_mm_encoder_budget, no encoder_cache_size
-    set; the encoder compute budget is the same figure)."""
+    """vLLM's encoder cache size, and compute budget (vllm/v1/core/encoder_cache_manager.py
+    compute_mm_encoder_budget, no encoder_cache_size set)."""
     return max(max_num_batched_tokens, item_tokens)
 
 
 def encoder_cache_bytes(v: VisionSpec, tokens: int, dtype_bytes: int) -> int:
-    """Card bytes of `tokens` cached encoder outputs: Qwen3-VL concatenates the deepstack
-    features to each merged token, out_hidden x (1 + deepstack layers) values per token.
-    Not divided by TP: every rank keeps the whole encoder output."""
+    """Card bytes of `tokens` cached encoder outputs (with Qwen3-VL's deepstack features)."""
+    # Not divided by TP: every rank keeps the whole encoder output.
     return tokens * v.out_hidden_size * (1 + len(v.deepstack_visual_indexes)) * dtype_bytes
 
 
@@ -262,7 +260,6 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
             pairs[key.strip()] = int(value)
     if not pairs:
         raise BadInputError(f"{flag} {text!r} names no modality", hint=hint)
-    limits: dict[str, int] = {}
     for key, value in pairs.items():
         if key not in VLLM_MM_MODALITIES:
             raise BadInputError(f"{flag}: unknown modality {key!r}",
@@ -271,8 +268,7 @@ def parse_limit_mm_per_prompt(text: str) -> dict[str, int]:
             # vLLM also takes {"count": N, "width": ..}: plan sizes images at the maximum.
             raise BadInputError(f"{flag}: {key} must be a count of 0 or more, got {value!r}",
                                 hint=hint)
-        limits[key] = value
-    return limits
+    return pairs  # every value checked to be a count
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,7 @@ def layout_options(
     flags: RunOptions | TuneConfig, *, model: ModelSpec, card_gib: int, max_model_len: int,
     block_size: int, engine: str | None = None, knobs: Knobs | None = None,
 ) -> PlanConfig:
-    """The layout options of a run's flags once the card, length and block are resolved: one
-    construction for `run` (r0.1 and V1) and `plan`, so the two cannot decide apart."""
+    """The layout options of a run's flags, for `run` (r0.1 and V1) and `plan` alike."""
     quant = knobs.quantization if knobs else None
     return PlanConfig(
         model=model, card_gib=card_gib, util=flags.util, max_model_len=max_model_len,
@@ -69,8 +68,7 @@ def layout_options(
 def v1_layout_options(
     opts: RunOptions, row: V1Row, simulated: bool, model: ModelSpec, knobs: Knobs
 ) -> PlanConfig:
-    """A V1 run's layout options: its card (`card_gib_for`), the engine's length and block size
-    when none is given, the weights as the knobs load them."""
+    """A V1 run's layout options: the engine's card, length and block size where none is given."""
     # vLLM on CPU and vllm-ascend default to 128-token blocks; the KV arithmetic counts the
     # engine's whole blocks, even where --block-size equals another engine's default.
     return layout_options(
@@ -113,10 +111,8 @@ def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PlanConfig:
-    """The layout options `run` and `plan` share, with their defaults resolved (the card's
-    size, the engine's length and block size); None where the layout may choose (tp, nodes)
-    or the checkpoint decides (weights format, quantization). `RunOptions.check()` has
-    refused bad values before one is built: both commands meet the same refusals."""
+    """The layout options `run` and `plan` share, defaults resolved; None where the layout
+    chooses (tp, nodes) or the checkpoint decides (weights format, quantization)."""
 
     model: ModelSpec
     card_gib: int
@@ -247,8 +243,8 @@ def _nodes_for(cfg: PlanConfig, tp: int) -> int:
 
 
 def plan(cfg: PlanConfig) -> PlanResult:
-    """Predict the memory split and pick (or check) the parallel layout (the values run and
-    plan share were checked by `RunOptions.check()`; plan's own ones are checked here)."""
+    """Predict the memory split and pick (or check) the parallel layout."""
+    # The values run and plan share were checked by `RunOptions.check()`; plan's own are here.
     if cfg.kv_gib is not None:
         v.positive("--kv-gib", cfg.kv_gib, example="36")
     limit = cfg.model.max_position_embeddings
@@ -260,8 +256,6 @@ def plan(cfg: PlanConfig) -> PlanResult:
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 override risks wrong outputs); for more, pass a "
             "model folder whose config.json sets a larger max_position_embeddings",
         )
-    if cfg.cards_per_node < 1:
-        raise BadInputError(f"--cards-per-node {cfg.cards_per_node} is invalid", hint="use 8")
     if cfg.max_num_batched_tokens is not None:
         v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
@@ -309,8 +303,8 @@ def plan(cfg: PlanConfig) -> PlanResult:
 
 
 def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
-    """Doubling TP (on the same node(s)) while each doubling serves BETTER_PER_CARD times more
-    max-length sequences per card; the TP reached and the sentence that says so, or None."""
+    """The TP reached by doubling while each doubling serves BETTER_PER_CARD times more
+    sequences per card, and the sentence that says so; None when the first does not."""
     base = _seqs(cfg, tp)
     if base is None:
         return None
@@ -364,8 +358,7 @@ def _check_weights_fit(cfg: PlanConfig, tp: int) -> None:
 
 
 def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, str]:
-    """The smallest power-of-two TP whose weights fit with room for KV, or a larger one on the
-    same node when it serves BETTER_PER_CARD times more sequences per card."""
+    """The smallest TP whose weights leave room for KV, or a better one (`_better_tp`)."""
     cap_gib = cfg.card_gib * cfg.util
     for tp in TP_CANDIDATES:
         err = _layout_error(cfg, tp)

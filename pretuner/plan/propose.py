@@ -138,17 +138,13 @@ def _flags(cfg: PlanConfig, step: Step) -> tuple[str, ...]:
 def _alternatives(cfg: PlanConfig, tp: int, chosen: Step | None) -> list[str]:
     out: list[str] = []
     if chosen is None:
-        for n in SHORTER:
-            if n >= cfg.max_model_len:
-                continue
+        for n in (n for n in SHORTER if n < cfg.max_model_len):
             step = _smallest(dataclasses.replace(cfg, max_model_len=n), [])
             if step is not None:
                 out.append(f"--max-model-len {n} on {tp} card(s): {step.label}")
                 break
     if chosen is None or chosen.quantization or chosen.cpu_offload_gib:
-        for more in TP_CANDIDATES:
-            if more <= tp:
-                continue
+        for more in (more for more in TP_CANDIDATES if more > tp):
             if _try(dataclasses.replace(cfg, tp=more), None, 0).fits:
                 out.append(f"more cards: TP{more} ({more * cfg.pp} cards) serves it unquantized")
                 break

@@ -27,7 +27,7 @@ from typing import Any
 
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
-from pretuner.redact import has_control_chars, redact_options, restore_command_text
+from pretuner.redact import redact_options, restore_command_text
 from pretuner.tune.ownership import (
     RunLock,
     check_free_space,
@@ -42,7 +42,7 @@ JOURNAL = "journal.jsonl"
 def check_folder_name(path: str, option: str) -> None:
     """Refuse a run folder whose path holds a newline or another control character: its name is
     the run id that report.md and serve.sh print, and pretuner never needs one."""
-    if has_control_chars(path):
+    if not path.isprintable():
         raise BadInputError(
             f"{option} {path!r} contains a newline or another control character",
             hint="choose a folder name of printable characters",

@@ -24,7 +24,6 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +41,7 @@ from pretuner.pinned import (
     one_sequence_bytes,
 )
 from pretuner.tune.pinned.soak import soak_figures
+from pretuner.tune.setup import Method, OnDecision
 from pretuner.units import GIB, MIB
 
 # A shared card may leave little: the field note served a 70B model from 7 GB of a 32 GB card.
@@ -93,28 +93,19 @@ def _how(o: LaunchOutcome) -> str:
     return "simulated" if o.device_reader == "emulated" else "measured"
 
 
-class V1Tuner:
+class V1Tuner(Method):
     """Pre-run, derive the pinned KV from the measured peak, validate, back off on OOM."""
 
+    why_key = "detail"
+
     def __init__(self, cfg: V1Config, execute: Executor, phase: Phase,
-                 on_decision: Callable[[dict[str, Any]], object] | None = None) -> None:
+                 on_decision: OnDecision = None) -> None:
+        super().__init__(execute, phase, on_decision, cfg.max_launches)
         self.cfg = cfg
-        self.execute = execute
-        self.phase = phase
-        self.on_decision = on_decision
-        self.outcomes: list[LaunchOutcome] = []
-        self.decisions: list[dict[str, Any]] = []
         self.start_util = cfg.util  # lowered only when the device refused util x total
         self.widened = False  # the proven KV is widened once at most
         self.one_seq = one_sequence_bytes(cfg.max_model_len, cfg.bytes_per_token, cfg.block_size)
         self.profiled_util: float | None = None
-
-    def decide(self, name: str, detail: str, **data: Any) -> None:
-        entry = {"decision": name, "detail": detail, **data}
-        self.decisions.append(entry)
-        self.phase("decide", f"{name}: {detail}")
-        if self.on_decision is not None:
-            self.on_decision(entry)
 
     def settings(self, purpose: Purpose, util: float, kv_bytes: int | None) -> LaunchSettings:
         c = self.cfg
@@ -125,16 +116,6 @@ class V1Tuner:
             pp=c.pp, kv_cache_dtype=c.kv_cache_dtype, chunked_prefill=True,
             kv_cache_bytes=kv_bytes,
         )
-
-    def launch(self, s: LaunchSettings) -> LaunchOutcome:
-        if len(self.outcomes) >= self.cfg.max_launches:
-            raise NotValidatedError(
-                f"no configuration was proven within --max-launches {self.cfg.max_launches}",
-                hint="raise --max-launches, or read the run's report.md for what each launch did",
-            )
-        o = self.execute(s)
-        self.outcomes.append(o)
-        return o
 
     # -- the method ---------------------------------------------------------------------
 
@@ -324,7 +305,7 @@ class V1Tuner:
         if hold > 0 and -spare_mib > margin // 2:
             return self.hold_back(s, o, proven, min(-spare_mib, hold), hold)
         if spare_mib < 0 or spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
-                or len(self.outcomes) >= self.cfg.max_launches:
+                or self.launches_left() <= 0:
             return proven
         self.widened = True
         wider = replace(s, kv_cache_bytes=s.kv_cache_bytes + spare_mib * MIB)
@@ -359,7 +340,7 @@ class V1Tuner:
                f"half's growth); the validation's peak "
                f"{max(o.device_peaks_mib.values()):,} of {total:,} MiB leaves "
                f"{short_mib:,} MiB too little beside it (keeping {tighten_margin_mib(total)} MiB)")
-        if len(self.outcomes) >= self.cfg.max_launches:
+        if self.launches_left() <= 0:
             self.decide("not held back", f"{why}; no launch left (--max-launches "
                         f"{self.cfg.max_launches}): the configuration proven under the soak "
                         "stands without room for more growth")

@@ -4,7 +4,7 @@ constants and the small pure helpers the decision modules share."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pretuner.devices.npu_smi import CardInfo as CardInfo
@@ -64,14 +64,6 @@ class TuneConfig:
     provenance: str = "measured"
 
 
-@dataclass
-class TuneState:
-    """Everything the loop learned so far (rebuilt by replay on --resume)."""
-
-    outcomes: list[LaunchOutcome] = field(default_factory=list)
-    decisions: list[dict[str, Any]] = field(default_factory=list)
-
-
 @dataclass(frozen=True, slots=True)
 class TuneResult:
     plan: PlanResult
@@ -86,14 +78,10 @@ class TuneResult:
     pool_on_demand: bool = False  # TuneConfig.pool_on_demand
 
 
-
-
 def plan_for(cfg: TuneConfig) -> PlanResult:
     return decide_layout(layout_options(cfg, model=cfg.model, card_gib=cfg.card.card_gib,
                                         max_model_len=cfg.max_model_len,
                                         block_size=cfg.block_size))
-
-
 
 
 def prerun_util(cfg: TuneConfig) -> float:

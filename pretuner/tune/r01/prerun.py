@@ -18,7 +18,7 @@ from pretuner.tune.r01.config import (
     CHUNK_GRID,
     UTIL_LADDER,
 )
-from pretuner.tune.r01.deriving import Deriving
+from pretuner.tune.r01.core import TunerCore
 from pretuner.tune.r01.search import (
     Bound,
     Measured,
@@ -28,7 +28,7 @@ from pretuner.tune.r01.search import (
 from pretuner.units import GIB
 
 
-class PrerunSearch(Deriving):
+class PrerunSearch(TunerCore):
 
     def prerun_most(self, util: float, length: int) -> int:
         """The largest integer model-use leaving KV for one sequence beside the watermark."""

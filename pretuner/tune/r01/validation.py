@@ -25,11 +25,11 @@ from pretuner.tune.r01.config import (
     TuneResult,
     kv_prerun_bytes,
 )
-from pretuner.tune.r01.deriving import Deriving
+from pretuner.tune.r01.core import TunerCore
 from pretuner.units import GIB, MIB
 
 
-class Validation(Deriving):
+class Validation(TunerCore):
 
     def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
         f = d.final

@@ -129,7 +129,7 @@ def plan_cmd(
     from pretuner.models.vision import DEFAULT_MM_PROCESSOR_CACHE_GIB
     from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
     from pretuner.plan.weights import is_v1
-    from pretuner.tune.layout import run_layout_options
+    from pretuner.tune.entry import run_layout_options
     from pretuner.tune.options import RunOptions
 
     opts = RunOptions(

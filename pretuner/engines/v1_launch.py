@@ -15,10 +15,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
-from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
+from pretuner.engines.outcome import (
+    Exercised,
+    LaunchOutcome,
+    OutcomeKind,
+    RequestContext,
+    decode_len,
+    probe_one,
+    tally,
+)
 from pretuner.engines.v1_images import Soak, exercise_images
 from pretuner.engines.v1_log import V1Log, read_v1_log
 from pretuner.errors import ServerFailedError
@@ -29,19 +36,6 @@ from pretuner.launch.process import read_tail
 from pretuner.launch.sampler import requests_status
 from pretuner.speed import Speed
 from pretuner.units import GIB, MIB
-
-
-class RequestContext(Protocol):
-    """What the exercise needs of the run's launch context (`tune.execute.LaunchContext`)."""
-
-    @property
-    def served_name(self) -> str: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def request_timeout_s(self) -> float: ...
-    @property
-    def decode_tokens(self) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +80,8 @@ def classify(v1: V1Log, ran: Exercised, failure: ServerFailedError | None) -> Ou
 
 @dataclass(frozen=True, slots=True)
 class V1Hooks:
-    """`LaunchHooks` for the V1 engines; `images`: a vision-language model's (its requests go
-    through the chat API with images, `pretuner.engines.v1_images`)."""
+    """How a V1 engine's launch is exercised and judged; `images`: a vision-language model's
+    (its requests go through the chat API with images, `pretuner.engines.v1_images`)."""
 
     bytes_per_token: int
     images: ImageShape | None = None
@@ -99,12 +93,8 @@ class V1Hooks:
             count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
             return exercise_images(self.images, self.soak, s, ctx, base, phase, count)
         if s.purpose is Purpose.PRERUN:
-            plen = probe.max_length_prompt_len(s.max_model_len, 1)
-            phase("probe", f"one request of {plen + 1:,} tokens")
-            one = probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed), 1,
-                                 ctx.request_timeout_s)
-            return tally([one], plen)
-        decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
+            return probe_one(s, ctx, base, phase)
+        decode = decode_len(s, ctx.decode_tokens)
         plen = probe.max_length_prompt_len(s.max_model_len, decode)
         phase("load", f"worst case first: one request of {plen + decode:,} tokens alone, "
               "streamed (time to first token, decode tokens/s)")

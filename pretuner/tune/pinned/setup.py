@@ -25,7 +25,7 @@ from pretuner.launch.images import image_shape
 from pretuner.models import local_model_path, resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
-from pretuner.plan.layout import v1_layout_options
+from pretuner.plan.layout import PlanConfig, v1_layout_options
 from pretuner.plan.propose import decide_layout
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
@@ -110,6 +110,15 @@ def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
                             "takes --kv-cache-memory-bytes, which pretuner derives",
                             hint="drop --model-use-gb")
     return seqs, opts.max_num_batched_tokens or 0
+
+
+def pinned_layout_options(opts: RunOptions, choice: EngineChoice) -> PlanConfig:
+    """What `pretuner plan` decides on for a V1 run of `opts` (the checks `run` makes)."""
+    opts.check()
+    knobs, _ = knobs_of(opts, parse_server_args(opts.server_args))
+    spec = resolve(opts.model)
+    vision_setup(opts, spec)  # a text model refuses the image options
+    return v1_layout_options(opts, ROWS[choice.name], choice.simulated, spec, knobs)
 
 
 def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:

@@ -19,10 +19,11 @@ from pretuner.errors import BadInputError
 from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
+from pretuner.plan.layout import PlanConfig, layout_options
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
-from pretuner.tune.layout import check_r01_flags
+from pretuner.tune.options import v1_only_flags
 from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
 from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.report import RunMeta, plan_layout, report_json
@@ -102,6 +103,51 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
 
     setup = Setup(choice, engine, spec, target.model, ctx, card, p.layout_reason, cfg, start)
     return setup
+
+
+def r01_layout_options(opts: RunOptions, choice: EngineChoice) -> PlanConfig:
+    """What `pretuner plan` decides on for an r0.1 run of `opts` (the checks `run` makes)."""
+    opts.check()
+    check_r01_flags(opts)
+    spec = resolve(opts.model)
+    engine = choice.r01()
+    card = opts.card_gib
+    if card is None:
+        env = engine.card_env(None, opts.seed, os.environ,
+                              weights_format=spec.weights_format(opts.weights_format).name,
+                              nodes=1)
+        card = detect_card(engine.smi_command(), "npu-smi", None,
+                           {**os.environ, **env, **opts.sim_env}).card_gib
+    given = opts.max_model_len
+    return layout_options(
+        opts, model=spec, card_gib=card,
+        block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
+        max_model_len=engine.lengths.max_model_len if given is None else given,
+    )  # fmt: skip
+
+
+def check_r01_flags(opts: RunOptions) -> None:
+    """Refuse what only a V1 engine takes: the r0.1 method builds its own command and sends
+    no images (exit 2)."""
+    if opts.server_args:
+        raise BadInputError("--server-arg (and a --config key pretuner does not read) passes "
+                            "flags to a V1 engine's server; the r0.1 "
+                            "method builds its own command",
+                            hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
+                            "whole command with --serve-cmd")
+    image_flags = [flag for flag, value in (
+        ("--limit-mm-per-prompt", opts.limit_mm_per_prompt),
+        ("--mm-processor-cache-gb", opts.mm_processor_cache_gb), ("--soak", opts.soak),
+        ("--soak-minutes", opts.soak_minutes)) if value is not None]
+    if image_flags:
+        raise BadInputError(f"{', '.join(image_flags)}: the r0.1 method sends no images "
+                            "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
+                            hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
+                            f"for a vision-language model, or drop {' '.join(image_flags)}")
+    if v1_only := v1_only_flags(opts):
+        raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
+                            "flag; the r0.1 method builds its own command",
+                            hint="name a V1 engine (--engine vllm|...)")
 
 
 class R01Method(Tuner):

@@ -109,6 +109,26 @@ class LaunchOutcome:
         return cls(**{k: v for k, v in fields_.items() if k in known})
 
 
+def kind_of(refused: OutcomeKind | None, oom: bool, in_request: bool, weights_loaded: bool,
+            failure: object, dropped: bool, ran: Exercised) -> OutcomeKind | None:
+    """A launch's kind, every engine's: the engine's refusal, else where an OOM struck, else
+    what the requests got; None when a failure has no line that explains it."""
+    if refused is not None:
+        return refused
+    if oom:
+        if in_request:
+            return OutcomeKind.OOM_IN_REQUEST
+        # Before the engine says the weights are in, the weights themselves did not fit.
+        return OutcomeKind.OOM_AT_START if weights_loaded else OutcomeKind.OOM_WEIGHTS
+    if failure is not None:
+        return None
+    if dropped:
+        return OutcomeKind.PROMPT_DROPPED
+    if ran.total and ran.ok < ran.total:
+        return OutcomeKind.REQUESTS_FAILED
+    return OutcomeKind.OK
+
+
 # One launch: run for real (`tune.execute.recorded_executor`), replayed, or scripted in a test.
 Executor = Callable[[LaunchSettings], LaunchOutcome]
 

@@ -23,6 +23,7 @@ from pretuner.engines.outcome import (
     OutcomeKind,
     RequestContext,
     decode_len,
+    kind_of,
     probe_one,
     tally,
 )
@@ -59,23 +60,11 @@ def concurrency(s: LaunchSettings, kv_tokens: int | None, bytes_per_token: int) 
 
 def classify(v1: V1Log, ran: Exercised, failure: ServerFailedError | None) -> OutcomeKind | None:
     """The launch's kind from its log and requests; None when nothing explains a failure."""
-    if v1.refused_free_gib is not None:
-        return OutcomeKind.DEVICE_REFUSED
-    if v1.estimated_max_len is not None:
-        return OutcomeKind.LEN_TOO_LARGE
-    if v1.no_kv_memory:
-        return OutcomeKind.KV_EXHAUSTED
-    if v1.failed_oom:
-        if v1.ready and ran.total:
-            return OutcomeKind.OOM_IN_REQUEST
-        return OutcomeKind.OOM_AT_START if v1.weights_loaded else OutcomeKind.OOM_WEIGHTS
-    if failure is not None:
-        return None
-    if ran.dropped:
-        return OutcomeKind.PROMPT_DROPPED
-    if ran.total and ran.ok < ran.total:
-        return OutcomeKind.REQUESTS_FAILED
-    return OutcomeKind.OK
+    refused = (OutcomeKind.DEVICE_REFUSED if v1.refused_free_gib is not None else
+               OutcomeKind.LEN_TOO_LARGE if v1.estimated_max_len is not None else
+               OutcomeKind.KV_EXHAUSTED if v1.no_kv_memory else None)
+    return kind_of(refused, v1.failed_oom, v1.ready and bool(ran.total), v1.weights_loaded,
+                   failure, bool(ran.dropped), ran)
 
 
 @dataclass(frozen=True, slots=True)

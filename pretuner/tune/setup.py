@@ -8,12 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from pretuner.devices import DeviceReader
 from pretuner.devices.npu_smi import CardInfo
-from pretuner.engines.base import LaunchSettings
+from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import R01Engine
 from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
+from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.errors import NotValidatedError
 from pretuner.launch.images import ImageShape
@@ -23,6 +25,7 @@ from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
 
 if TYPE_CHECKING:
+    from pretuner.tune.options import RunOptions
     from pretuner.tune.report import RunMeta
 
 C = TypeVar("C")
@@ -110,3 +113,17 @@ class Setup(Generic[C]):
     # (execute, phase, on_decision) -> the method, ready to run
     start: Callable[[Executor, Phase, OnDecision], Method]
     vision: Vision = Vision(None, Soak(), (), False)  # a V1 vision-language model's images
+
+
+def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: str, served: str,
+                   reader: DeviceReader | None, *, decode_tokens: int = 16,
+                   hooks: V1Hooks | None = None) -> LaunchContext:
+    """What every launch of a run shares, from its options and its engine."""
+
+    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
+        return engine.command(settings, Target(model_arg, served, opts.host, port))
+
+    return LaunchContext(
+        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
+        request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
+        decode_tokens=decode_tokens, device_reader=reader, hooks=hooks)

@@ -93,6 +93,12 @@ def _how(o: LaunchOutcome) -> str:
     return "simulated" if o.device_reader == "emulated" else "measured"
 
 
+def _ended(o: LaunchOutcome, what: str) -> ServerFailedError:
+    return ServerFailedError(
+        f"the {what} ended {o.kind.value}: {o.request_error or o.oom_text or 'see its log'}",
+        hint=f"log {o.log_path}", log_path=o.log_path)
+
+
 class V1Tuner(Method):
     """Pre-run, derive the pinned KV from the measured peak, validate, back off on OOM."""
 
@@ -197,10 +203,7 @@ class V1Tuner(Method):
                 + (f" ({o.oom_text})" if o.oom_text else ""),
                 hint=f"use {shorter}, a larger --tp, or larger cards",
             )
-        raise ServerFailedError(
-            f"the pre-run ended {o.kind.value}: {o.request_error or o.oom_text or 'see its log'}",
-            hint=f"log {o.log_path}", log_path=o.log_path,
-        )
+        raise _ended(o, "pre-run")
 
     def total_mib(self, o: LaunchOutcome) -> int:
         return o.device_total_mib or self.cfg.card_gib * 1024
@@ -249,11 +252,7 @@ class V1Tuner(Method):
                 proven = self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
                 return self.tighten(s, o, proven)
             if not o.kind.is_oom:
-                raise ServerFailedError(
-                    f"the validation ended {o.kind.value}: "
-                    f"{o.request_error or o.oom_text or 'see its log'}",
-                    hint=f"log {o.log_path}", log_path=o.log_path,
-                )
+                raise _ended(o, "validation")
             kv, how = self.back_off(s, o)
             self.decide("back off",
                         f"{o.kind.value} at {(s.kv_cache_bytes or 0) / GIB:.2f} GiB pinned "

@@ -13,7 +13,7 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
@@ -22,7 +22,7 @@ from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape
-from pretuner.models import local_model_path, resolve
+from pretuner.models import resolve
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
 from pretuner.plan.layout import PlanConfig, v1_layout_options
@@ -30,7 +30,7 @@ from pretuner.plan.propose import decide_layout
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
 from pretuner.tune.busy import refuse_busy_devices
-from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.execute import Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.pinned.report import PinnedFacts, pinned_layout, report_json
 from pretuner.tune.pinned.weights import (
@@ -40,7 +40,7 @@ from pretuner.tune.pinned.weights import (
     widen_hint,
 )
 from pretuner.tune.report import RunMeta
-from pretuner.tune.setup import OnDecision, Setup, Vision
+from pretuner.tune.setup import OnDecision, Setup, Vision, launch_context
 from pretuner.units import MIB
 
 if TYPE_CHECKING:
@@ -155,21 +155,12 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                    block_size=block, tp=p.tp, pp=p.pp,
                    kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
                    validate=opts.validate, profile_prerun=row.profile_prerun or choice.simulated)
-    model_arg = local_model_path(opts.model) or (
-        opts.model if engine.simulated else (spec.hf_id or opts.model))
-    served = spec.name
-
-    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return engine.command(settings, Target(model_arg, served, opts.host, port))
-
+    model_arg = engine.model_arg(opts.model, spec)
     budget = engine.budget_bytes(card)
     reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
                            budget_mib=budget // MIB if budget is not None else None)
-    ctx = LaunchContext(build=build, served_name=served, host=opts.host,
-                        ready_timeout_s=opts.ready_timeout_s,
-                        request_timeout_s=opts.request_timeout_s,
-                        stop_grace_s=opts.stop_grace_s, seed=opts.seed, device_reader=reader,
-                        hooks=V1Hooks(bpt, vision.images, vision.soak))
+    ctx = launch_context(opts, engine, model_arg, spec.name, reader,
+                         hooks=V1Hooks(bpt, vision.images, vision.soak))
     card_info = CardInfo(card, None,
                          "--card" if opts.card_gib is not None else "the device's size")
     facts = PinnedFacts(

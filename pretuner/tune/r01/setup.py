@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
+from pretuner.engines.base import LaunchSettings
 from pretuner.engines.mindspore_r01 import BLOCK_SIZE
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
@@ -22,12 +22,12 @@ from pretuner.models import builtin_specs, resolve
 from pretuner.plan.layout import PlanConfig, layout_options
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
-from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.execute import Phase
 from pretuner.tune.options import v1_only_flags
 from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
 from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.report import RunMeta, plan_layout, report_json
-from pretuner.tune.setup import OnDecision, Setup
+from pretuner.tune.setup import OnDecision, Setup, launch_context
 
 if TYPE_CHECKING:
     from pretuner.tune.options import RunOptions
@@ -83,25 +83,17 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
                      launch_env=extra_env)
     if not engine.serve_cmd:
         check_server_installed(engine.base_command()[0])
-    served = spec.name
-    target = Target(engine.model_arg(opts.model, spec), served, opts.host, 0)
-
-    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return engine.command(settings, replace(target, port=port))
-
-    ctx = LaunchContext(
-        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
-        request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
-        decode_tokens=lengths.decode_tokens,
-        device_reader=select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp),
-    )
+    model_arg = engine.model_arg(opts.model, spec)
+    reader = select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp)
+    ctx = launch_context(opts, engine, model_arg, spec.name, reader,
+                         decode_tokens=lengths.decode_tokens)
     base, model_as_flag = engine.base_command()
-    serve_argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
+    serve_argv = [*base, *(["--model", model_arg] if model_as_flag else [model_arg])]
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
         return R01Method(cfg, execute, phase, on_decision, setup=setup, serve_argv=serve_argv)
 
-    setup = Setup(choice, engine, spec, target.model, ctx, card, p.layout_reason, cfg, start)
+    setup = Setup(choice, engine, spec, model_arg, ctx, card, p.layout_reason, cfg, start)
     return setup
 
 

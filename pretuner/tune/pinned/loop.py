@@ -1,24 +1,13 @@
 """`V1Tuner.run() -> V1Result`: the pre-run method for V1 engines (vLLM, vllm-ascend,
 vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 
-1. pre-run with the production shape (max_model_len, max-num-seqs, max-num-batched-tokens) at
-   a safe util, letting the engine profile; sample the device the whole time. When that util
-   leaves no KV for one max-length sequence, pre-run again with exactly that much pinned. An
-   engine whose profiling does not see the card (vLLM on CPU under a memory budget) pins that
-   one sequence from the start.
-2. derive (`pretuner.pinned`): non-KV peak = device peak - KV held; pinned KV = device total -
-   non-KV peak - margin. Without a device reader the engine's own profiled KV is pinned
-   instead (no gain, said loudly), so that the result is still proven.
-3. validate with the worst case first (one max-length request alone, then as many concurrent
-   max-length requests as the KV holds). An OOM at start-up or in a request backs off by the
-   allocation it names plus the margin, and validates again. When the allocation that failed
-   was the KV cache itself (a CPU budget refuses it whole), the failed launch's own peak,
-   sampled before it, is the non-KV figure to derive again from. Never report an unproven
-   value.
-4. settle: the validation's own peak (its soak and the burst after it included, for a
-   vision-language model) decides the final KV, once widened when it left room, lowered (and
-   proven again) when the soak's second half was still growing by more than the room left:
-   that growth is held back as headroom (`pretuner.tune.pinned.soak`).
+1. pre-run with the production shape at a safe util, letting the engine profile (or pinning
+   one max-length sequence where its profiling cannot see the card), sampling the device;
+2. derive the pinned KV from the measured peak (`pretuner.pinned`), or pin the engine's own
+   profiled KV, said loudly, when no device reader sampled;
+3. validate, worst case first; an OOM backs off by the allocation it names plus the margin;
+4. settle on the validation's own peak: widen once when it left room, hold back what a soak
+   was still growing (`pretuner.tune.pinned.soak`). Never report an unproven value.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
-from pretuner.plan.layout import PlanResult, layout_options
+from pretuner.plan.layout import PlanConfig, PlanResult, layout_options
 from pretuner.plan.propose import decide_layout
 from pretuner.tune.r01 import budget as bud
 from pretuner.units import GIB, MIB
@@ -78,10 +78,13 @@ class TuneResult:
     pool_on_demand: bool = False  # TuneConfig.pool_on_demand
 
 
+def layout_of(cfg: TuneConfig) -> PlanConfig:
+    return layout_options(cfg, model=cfg.model, card_gib=cfg.card.card_gib,
+                          max_model_len=cfg.max_model_len, block_size=cfg.block_size)
+
+
 def plan_for(cfg: TuneConfig) -> PlanResult:
-    return decide_layout(layout_options(cfg, model=cfg.model, card_gib=cfg.card.card_gib,
-                                        max_model_len=cfg.max_model_len,
-                                        block_size=cfg.block_size))
+    return decide_layout(layout_of(cfg))
 
 
 def prerun_util(cfg: TuneConfig) -> float:

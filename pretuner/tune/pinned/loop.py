@@ -277,10 +277,8 @@ class V1Tuner(Method):
         return f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {what}, no OOM{peak}"
 
     def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:
-        """Give the KV what the validation's own peak left unused (less a thin margin and the
-        soak's still-growing second half), when that is worth a launch, once; or take from it
-        what that growth needs when the peak left less. Proven in turn; if widening fails, the
-        proven result stands."""
+        """Widen the KV once by what the validation's peak left unused (less a thin margin and
+        the soak's growth), or hold that growth back; proven in turn, else the proven stands."""
         if not o.device_peaks_mib or o.device_total_mib is None or s.kv_cache_bytes is None:
             return proven
         peak = max(o.device_peaks_mib.values())
@@ -320,9 +318,8 @@ class V1Tuner(Method):
 
     def hold_back(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result, short_mib: int,
                   hold_mib: int) -> V1Result:
-        """The soak was still growing (`hold_mib` held back for more) and the peak left
-        `short_mib` too little beside it: lower the KV by that and prove it again (while
-        launches remain)."""
+        """The peak left `short_mib` too little beside the soak's growth: lower the KV by that
+        and prove it again (while launches remain)."""
         total = o.device_total_mib or 0
         why = (f"the soak was still growing ({hold_mib:,} MiB held back: twice its second "
                f"half's growth); the validation's peak "

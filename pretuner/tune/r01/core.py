@@ -33,8 +33,7 @@ from pretuner.units import GIB, MIB
 
 
 class TunerCore(Method):
-    """The decision procedure's state; launches go through `execute` so tests and --resume can
-    replay."""
+    """The decision procedure's state; launches go through `execute` (tests and --resume replay)."""
 
     @property
     def seen(self) -> str:
@@ -294,8 +293,7 @@ class TunerCore(Method):
         self, prerun: LaunchOutcome, per_seq: int | None = None, base: int | None = None,
         announce: bool = True,
     ) -> tuple[Derivation, str]:
-        """The method at the final util: the card's free memory less the reserve, raised by
-        the integer rounding of the model-use budget."""
+        """The method at the final util (the module's docstring)."""
         per_seq = self.per_seq if per_seq is None else per_seq
         if base is None:
             wa = self.wa_bytes(prerun)

@@ -39,8 +39,7 @@ class PrerunSearch(TunerCore):
     def prerun_settings(
         self, util: float, length: int, model_use: int | None = None, chunked: bool = False
     ) -> LaunchSettings:
-        """The method's pre-run: max-num-seqs 1, one long request; whole-prompt steps unless
-        chunked."""
+        """The method's pre-run: max-num-seqs 1, one long request."""
         cfg = self.cfg
         if model_use is None:
             model_use = self.prerun_most(util, length)

@@ -130,10 +130,7 @@ class V1Tuner(Method):
 
     def prerun_kv(self) -> int | None:
         """The first pre-run's pinned KV: None lets the engine profile at util."""
-        c = self.cfg
-        if c.profile_prerun:
-            return None
-        return one_sequence_bytes(c.max_model_len, c.bytes_per_token, c.block_size)
+        return None if self.cfg.profile_prerun else self.one_seq
 
     def prerun(self) -> LaunchOutcome:
         """The first launch that measured the production shape."""

@@ -23,7 +23,6 @@ from pretuner.plan.layout import PlanConfig
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import Phase
-from pretuner.tune.options import v1_only_flags
 from pretuner.tune.r01.config import (
     TuneConfig,
     TuneResult,
@@ -138,7 +137,12 @@ def check_r01_flags(opts: RunOptions) -> None:
                             "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
                             hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
                             f"for a vision-language model, or drop {' '.join(image_flags)}")
-    if v1_only := v1_only_flags(opts):
+    v1_only = [flag for flag, on in (
+        ("--quantization", opts.quantization is not None),
+        ("--cpu-offload-gb", bool(opts.cpu_offload_gib)),
+        ("--swap-space", opts.swap_space_gib is not None), ("--enforce-eager", opts.enforce_eager),
+        ("--min-tokens-per-s", opts.min_tokens_per_s is not None)) if on]
+    if v1_only:
         raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
                             "flag; the r0.1 method builds its own command",
                             hint="name a V1 engine (--engine vllm|...)")

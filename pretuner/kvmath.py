@@ -71,10 +71,7 @@ def kv_dtype_bytes(spec: ModelSpec, kv_dtype: str) -> int:
 
 def kv_bytes_per_token(spec: ModelSpec, *, tp: int = 1, pp: int = 1, kv_dtype: str = "auto") -> int:
     """KV bytes one token occupies on one card (worst pipeline stage), as vLLM sizes blocks.
-
-    Sliding-window layers are counted like full layers: vLLM-MindSpore r0.1 allocates every
-    layer's cache for the full length, so this is the conservative figure.
-    """
+    Sliding-window layers count as full layers: vLLM-MindSpore r0.1 allocates them in full."""
     layers = layers_per_stage(spec.num_layers, pp)
     local_heads = kv_heads_per_card(spec, tp)
     elem = kv_dtype_bytes(spec, kv_dtype)

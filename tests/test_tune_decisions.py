@@ -96,7 +96,7 @@ def tuner(card: ScriptedCard, model: str = "qwen3-8b", card_gib: int = 64, **kw:
 
 
 def names(t: Tuner) -> list[str]:
-    return [d["decision"] for d in t.state.decisions]
+    return [d["decision"] for d in t.decisions]
 
 
 def flat(gib: float) -> Callable[[LaunchSettings], float]:

@@ -69,7 +69,7 @@ def plan_cmd(
     from pretuner.engines.base import Family
     from pretuner.errors import InfeasibleError
     from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
-    from pretuner.tune.layout import run_layout_options
+    from pretuner.tune.entry import run_layout_options
     from pretuner.tune.options import RunOptions
 
     opts = RunOptions(

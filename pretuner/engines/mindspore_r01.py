@@ -19,7 +19,7 @@ from pretuner.engines.base import (
     Purpose,
     Target,
 )
-from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind
+from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, kind_of
 from pretuner.errors import BadInputError, ServerFailedError
 from pretuner.launch.process import read_tail
 from pretuner.logscan import ScanResult
@@ -224,7 +224,7 @@ def outcome_of(
     times: tuple[float, float, float, float], exited: int | None = None,
 ) -> LaunchOutcome:
     """Classify a finished launch from its scanned logs and what its requests got."""
-    kind = _classify(scan, settings, failure, done.ok, done.total, done.dropped)
+    kind = _classify(scan, settings, failure, done)
     if kind is None:
         raise _fatal(failure, graceful, log_path, scan)
     if kind is OutcomeKind.OK and problem:
@@ -243,30 +243,17 @@ def outcome_of(
     )
 
 
-def _classify(
-    scan: ScanResult, s: LaunchSettings, failure: ServerFailedError | None, ok: int, total: int,
-    dropped: int = 0,
-) -> OutcomeKind | None:
+def _classify(scan: ScanResult, s: LaunchSettings, failure: ServerFailedError | None,
+              done: Exercised) -> OutcomeKind | None:
     """The outcome's kind, or None when nothing explains a failure (fatal for the run)."""
     kinds = [o.kind.name for o in scan.oom]
-    for name, outcome in _START_KINDS.items():
-        if name in kinds:
-            return outcome
-    if kinds:  # a device OOM: at start if the server never answered, else in a request
-        if total:
-            return OutcomeKind.OOM_IN_REQUEST
-        # vLLM prints how long the weights took once they are in: before that line, the
-        # weights themselves did not fit.
-        return OutcomeKind.OOM_AT_START if scan.weights_gib else OutcomeKind.OOM_WEIGHTS
-    if failure is not None:
-        return None
-    if dropped or (s.purpose is Purpose.PRERUN and scan.prompts_ignored):
-        return OutcomeKind.PROMPT_DROPPED
-    if total and ok < total:
-        return OutcomeKind.REQUESTS_FAILED
-    if scan.worst is None or scan.worst.actual_peak_mib is None:
-        return None
-    return OutcomeKind.OK
+    refused = next((kind for name, kind in _START_KINDS.items() if name in kinds), None)
+    dropped = bool(done.dropped) or (s.purpose is Purpose.PRERUN and bool(scan.prompts_ignored))
+    kind = kind_of(refused, bool(kinds), bool(done.total), bool(scan.weights_gib), failure,
+                   dropped, done)
+    if kind is OutcomeKind.OK and (scan.worst is None or scan.worst.actual_peak_mib is None):
+        return None  # no pool dump: nothing measured
+    return kind
 
 
 def _fatal(

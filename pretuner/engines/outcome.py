@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from pretuner.engines.base import LaunchSettings, Purpose
+from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.launch import probe
 from pretuner.speed import Speed
 
@@ -109,16 +109,62 @@ class LaunchOutcome:
         return cls(**{k: v for k, v in fields_.items() if k in known})
 
 
+def kind_of(refused: OutcomeKind | None, oom: bool, in_request: bool, weights_loaded: bool,
+            failure: object, dropped: bool, ran: Exercised) -> OutcomeKind | None:
+    """A launch's kind, every engine's: the engine's refusal, else where an OOM struck, else
+    what the requests got; None when a failure has no line that explains it."""
+    if refused is not None:
+        return refused
+    if oom:
+        if in_request:
+            return OutcomeKind.OOM_IN_REQUEST
+        # Before the engine says the weights are in, the weights themselves did not fit.
+        return OutcomeKind.OOM_AT_START if weights_loaded else OutcomeKind.OOM_WEIGHTS
+    if failure is not None:
+        return None
+    if dropped:
+        return OutcomeKind.PROMPT_DROPPED
+    if ran.total and ran.ok < ran.total:
+        return OutcomeKind.REQUESTS_FAILED
+    return OutcomeKind.OK
+
+
 # One launch: run for real (`tune.execute.recorded_executor`), replayed, or scripted in a test.
 Executor = Callable[[LaunchSettings], LaunchOutcome]
+
+
+class RequestContext(Protocol):
+    """What a launch's requests need of the run's launch context (`tune.execute.LaunchContext`)."""
+
+    @property
+    def served_name(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def request_timeout_s(self) -> float: ...
+    @property
+    def decode_tokens(self) -> int: ...
 
 
 def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
     """(requests, prompt tokens each, tokens to generate each) of a launch's exercise."""
     if s.purpose is Purpose.PRERUN:
         return 1, probe.max_length_prompt_len(s.max_model_len, 1), 1
-    decode = min(decode_tokens, max(1, s.max_model_len // 2))
+    decode = decode_len(s, decode_tokens)
     return s.max_num_seqs, probe.max_length_prompt_len(s.max_model_len, decode), decode
+
+
+def decode_len(s: LaunchSettings, decode_tokens: int) -> int:
+    """Tokens each validation request generates after its prompt."""
+    return min(decode_tokens, max(1, s.max_model_len // 2))
+
+
+def probe_one(s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase) -> Exercised:
+    """The pre-run's one max-length request."""
+    plen = probe.max_length_prompt_len(s.max_model_len, 1)
+    phase("probe", f"one request of {plen + 1:,} tokens")
+    return tally([probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed), 1,
+                                 ctx.request_timeout_s)], plen)
 
 
 def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int | None) -> Exercised:

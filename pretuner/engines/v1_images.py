@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
-from pretuner.engines.outcome import Exercised, tally
+from pretuner.engines.outcome import Exercised, decode_len, tally
 from pretuner.launch import chat
 from pretuner.launch.images import (
     IMAGE_WRAP_TOKENS,
@@ -31,7 +31,7 @@ from pretuner.launch.probe import CompletionOutcome
 from pretuner.launch.sampler import requests_status
 
 if TYPE_CHECKING:
-    from pretuner.engines.v1_launch import RequestContext
+    from pretuner.engines.outcome import RequestContext
 
 RESET_SETTLE_S = 0.5  # sampled after the reset, so that the chart and the record see it
 SOAK_PHASES = ("soak-1", "soak-2")
@@ -88,7 +88,7 @@ def exercise_images(shape: ImageShape, soak: Soak, s: LaunchSettings, ctx: Reque
               "tokens, counted by the server)")
         return tally([chat.send_fitted(base, name, req, cal, "probe", s.max_model_len,
                                        timeout)], None)
-    decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
+    decode = decode_len(s, ctx.decode_tokens)
     phases = validation_phases(shape, s.max_model_len, decode, count, soak.planned, ctx.seed,
                                cal.template_tokens)
     outs: list[CompletionOutcome] = []

@@ -15,10 +15,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
-from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, tally
+from pretuner.engines.outcome import (
+    Exercised,
+    LaunchOutcome,
+    OutcomeKind,
+    RequestContext,
+    decode_len,
+    kind_of,
+    probe_one,
+    tally,
+)
 from pretuner.engines.v1_images import Soak, exercise_images
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
@@ -30,19 +38,6 @@ from pretuner.logscan import scan_paths
 from pretuner.logscan.v1 import V1Log
 from pretuner.speed import Speed
 from pretuner.units import GIB, MIB
-
-
-class RequestContext(Protocol):
-    """What the exercise needs of the run's launch context (`tune.execute.LaunchContext`)."""
-
-    @property
-    def served_name(self) -> str: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def request_timeout_s(self) -> float: ...
-    @property
-    def decode_tokens(self) -> int: ...
 
 log = logging.getLogger(__name__)
 
@@ -62,29 +57,17 @@ def concurrency(s: LaunchSettings, kv_tokens: int | None, bytes_per_token: int) 
 
 def classify(v1: V1Log, ran: Exercised, failure: ServerFailedError | None) -> OutcomeKind | None:
     """The launch's kind from its log and requests; None when nothing explains a failure."""
-    if v1.refused_free_gib is not None:
-        return OutcomeKind.DEVICE_REFUSED
-    if v1.estimated_max_len is not None:
-        return OutcomeKind.LEN_TOO_LARGE
-    if v1.no_kv_memory:
-        return OutcomeKind.KV_EXHAUSTED
-    if v1.failed_oom:
-        if v1.ready and ran.total:
-            return OutcomeKind.OOM_IN_REQUEST
-        return OutcomeKind.OOM_AT_START if v1.weights_loaded else OutcomeKind.OOM_WEIGHTS
-    if failure is not None:
-        return None
-    if ran.dropped:
-        return OutcomeKind.PROMPT_DROPPED
-    if ran.total and ran.ok < ran.total:
-        return OutcomeKind.REQUESTS_FAILED
-    return OutcomeKind.OK
+    refused = (OutcomeKind.DEVICE_REFUSED if v1.refused_free_gib is not None else
+               OutcomeKind.LEN_TOO_LARGE if v1.estimated_max_len is not None else
+               OutcomeKind.KV_EXHAUSTED if v1.no_kv_memory else None)
+    return kind_of(refused, v1.failed_oom, v1.ready and bool(ran.total), v1.weights_loaded,
+                   failure, bool(ran.dropped), ran)
 
 
 @dataclass(frozen=True, slots=True)
 class V1Hooks:
-    """`LaunchHooks` for the V1 engines; `images`: a vision-language model's (its requests go
-    through the chat API with images, `pretuner.engines.v1_images`)."""
+    """How a V1 engine's launch is exercised and judged; `images`: a vision-language model's
+    (its requests go through the chat API with images, `pretuner.engines.v1_images`)."""
 
     bytes_per_token: int
     images: ImageShape | None = None
@@ -96,12 +79,8 @@ class V1Hooks:
             count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
             return exercise_images(self.images, self.soak, s, ctx, base, phase, count)
         if s.purpose is Purpose.PRERUN:
-            plen = probe.max_length_prompt_len(s.max_model_len, 1)
-            phase("probe", f"one request of {plen + 1:,} tokens")
-            one = probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed), 1,
-                                 ctx.request_timeout_s)
-            return tally([one], plen)
-        decode = min(ctx.decode_tokens, max(1, s.max_model_len // 2))
+            return probe_one(s, ctx, base, phase)
+        decode = decode_len(s, ctx.decode_tokens)
         plen = probe.max_length_prompt_len(s.max_model_len, decode)
         phase("load", f"worst case first: one request of {plen + decode:,} tokens alone, "
               "streamed (time to first token, decode tokens/s)")

@@ -24,6 +24,7 @@ from pathlib import Path
 from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
+from pretuner.models import ModelSpec, local_model_path
 from pretuner.units import GIB
 
 DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
@@ -186,6 +187,13 @@ class V1Engine:
         if self.python is not None:
             return [self.python, *self.row.command[1:]]
         return list(self.row.command)
+
+    def model_arg(self, model: str, spec: ModelSpec) -> str:
+        """What the server loads: a folder by its absolute path, else the Hugging Face id (the
+        emulated server takes the name)."""
+        if (local := local_model_path(model)) is not None:
+            return local
+        return model if self.simulated else (spec.hf_id or model)
 
     def budget_bytes(self, card_gib: int) -> int | None:
         """The per-process RLIMIT_DATA of a budgeted card, bytes (None: a real device)."""

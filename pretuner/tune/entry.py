@@ -10,6 +10,7 @@ the busy-device refusal, `--serve-cmd`, provenance, redaction, exit codes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from pretuner.engines.base import Family, LaunchCommand, LaunchSettings
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
+from pretuner.plan.layout import PlanConfig
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import Phase, recorded_executor
 from pretuner.tune.options import RunOptions as RunOptions
@@ -31,9 +33,9 @@ from pretuner.tune.ownership import (
     stop_own_orphans,
 )
 from pretuner.tune.pinned.loop import V1Config, V1Result
-from pretuner.tune.pinned.setup import pinned_setup
+from pretuner.tune.pinned.setup import pinned_layout_options, pinned_setup
 from pretuner.tune.r01.config import CardInfo, TuneConfig, TuneResult, plan_for
-from pretuner.tune.r01.setup import r01_setup
+from pretuner.tune.r01.setup import r01_layout_options, r01_setup
 from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.report import RunMeta, record_failure, write_report
 from pretuner.tune.setup import Setup, Vision
@@ -67,11 +69,23 @@ class DryRun:
     vision: Vision
 
 
-def setup(opts: RunOptions, choice: EngineChoice) -> Setup[TuneConfig] | Setup[V1Config]:
+# The one place the method is chosen: its setup, and its layout options for `pretuner plan`.
+AnySetup = Setup[TuneConfig] | Setup[V1Config]
+METHODS: dict[Family, tuple[Callable[[RunOptions, EngineChoice], AnySetup],
+                            Callable[[RunOptions, EngineChoice], PlanConfig]]] = {
+    Family.R01: (r01_setup, r01_layout_options), Family.V1: (pinned_setup, pinned_layout_options)}
+
+
+def setup(opts: RunOptions, choice: EngineChoice) -> AnySetup:
     """The run's setup; bad input is refused here (exit 2), before a run folder exists."""
-    if choice.family is Family.V1:  # the one place the method is chosen
-        return pinned_setup(opts, choice)
-    return r01_setup(opts, choice)
+    return METHODS[choice.family][0](opts, choice)
+
+
+def run_layout_options(opts: RunOptions) -> PlanConfig:
+    """The layout options a run of `opts` decides on (`pretuner plan`), bad input refused as
+    `run` refuses it."""
+    choice = choose_engine(opts.engine)
+    return METHODS[choice.family][1](opts, choice)
 
 
 def dry_run(opts: RunOptions) -> DryRun:

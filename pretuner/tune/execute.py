@@ -12,8 +12,6 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Protocol
 
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
@@ -24,9 +22,11 @@ from pretuner.engines.outcome import (
     Executor,
     Exercised,
     LaunchOutcome,
+    probe_one,
     tally,
     workload,
 )
+from pretuner.engines.v1_launch import V1Hooks
 from pretuner.errors import PretunerError, ServerFailedError
 from pretuner.files import write_atomic
 from pretuner.launch import probe
@@ -58,23 +58,9 @@ class LaunchContext:
     seed: int = 0
     collector: CollectorFactory | None = None  # where logs are read; default: this machine
     device_reader: DeviceReader | None = None  # samples the card during launches; None: logs only
-    # An engine whose launches are exercised and judged its own way (V1: no pool dump; the
-    # device peak is the measurement). None: the r0.1 engine's pool-dump rules below.
-    hooks: LaunchHooks | None = None
-
-
-class LaunchHooks(Protocol):
-    def exercise(self, s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase,
-                 log_path: Path) -> Exercised:
-        """Send the launch's requests; what came back."""
-        ...
-
-    def outcome(self, n: int, s: LaunchSettings, log_path: Path, ran: Exercised,
-                failure: ServerFailedError | None, exited: int | None,
-                times: tuple[float, float, float, float]) -> LaunchOutcome:
-        """Classify the finished launch from its log and requests (raises when nothing
-        explains a failure)."""
-        ...
+    # V1 engines exercise and judge their launches their own way (no pool dump: the device
+    # peak is the measurement). None: the r0.1 engine's pool-dump rules below.
+    hooks: V1Hooks | None = None
 
 
 class _OomSeen(Exception):
@@ -216,20 +202,12 @@ def _describe(s: LaunchSettings) -> str:
 
 def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:
     """The pre-run's one max-length request, or the validation's full concurrent load."""
-    count, plen, gen = workload(s, ctx.decode_tokens)
     if s.purpose is Purpose.PRERUN:
-        prompt = probe.probe_prompt(plen, ctx.seed)
-        phase("probe", f"one request of {plen + 1:,} tokens")
-        outs: tuple[probe.CompletionOutcome, ...] = (
-            probe.complete(base, ctx.served_name, prompt, 1, ctx.request_timeout_s),
-        )
-    else:
-        phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
-        outs = probe.load(
-            base, ctx.served_name, count, plen, gen, ctx.seed, ctx.request_timeout_s,
-            on_done=requests_status(phase),
-        ).outcomes
-    return tally(outs, plen)
+        return probe_one(s, ctx, base, phase)
+    count, plen, gen = workload(s, ctx.decode_tokens)
+    phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
+    return tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
+                            ctx.request_timeout_s, on_done=requests_status(phase)).outcomes, plen)
 
 
 def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:

@@ -47,16 +47,6 @@ def _redacted(words: str) -> str:
         return "<redacted>"
 
 
-def v1_only_flags(o: RunOptions) -> list[str]:
-    """The flags given that only a V1 engine takes (the r0.1 method refuses them)."""
-    given = (("--quantization", o.quantization is not None),
-             ("--cpu-offload-gb", bool(o.cpu_offload_gib)),
-             ("--swap-space", o.swap_space_gib is not None),
-             ("--enforce-eager", o.enforce_eager),
-             ("--min-tokens-per-s", o.min_tokens_per_s is not None))
-    return [flag for flag, on in given if on]
-
-
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     """Everything `pretuner run` was asked; journaled so that --resume rebuilds the same run."""

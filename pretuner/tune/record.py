@@ -132,15 +132,12 @@ class RunRecord:
         return (e for e in self.events if e["event"] == event)
 
     def launch_dir(self, n: int) -> Path:
-        """A fresh folder for launch `n`, after checking the disk has room for it.
-
-        An interrupted attempt's folder is moved aside, not reused: a server orphaned by a
-        killed pretuner may still write its pool dump to its old log, which must not be read
-        as a rank of the new attempt (the scan reads every file of the launch folder).
-        """
+        """A fresh folder for launch `n`, after checking the disk has room for it."""
         check_free_space(self.path)
         folder = self.path / f"launch-{n}"
         if folder.exists():
+            # Moved aside, not reused: a server orphaned by a killed pretuner may still write its
+            # pool dump to its old log, which the scan must not read as a rank of this attempt.
             k = 1
             while (aside := self.path / f"launch-{n}.interrupted-{k}").exists():
                 k += 1

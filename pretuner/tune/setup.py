@@ -3,17 +3,21 @@ method (`tune.r01`: the r0.1 pre-run loop, `tune.pinned`: the V1 pinned KV) it r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from pretuner.devices import DeviceReader
 from pretuner.devices.npu_smi import CardInfo
-from pretuner.engines.base import LaunchSettings
+from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import R01Engine
 from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
+from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import V1Engine
+from pretuner.errors import NotValidatedError
 from pretuner.launch.images import ImageShape
 from pretuner.models.spec import ModelSpec
 from pretuner.report.records import Method as MethodName
@@ -21,33 +25,68 @@ from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
 
 if TYPE_CHECKING:
+    from pretuner.tune.options import RunOptions
     from pretuner.tune.report import RunMeta
 
 C = TypeVar("C")
 OnDecision = Callable[[dict[str, Any]], object] | None
+log = logging.getLogger(__name__)
 
 
-class Method(Protocol):
-    """A tuning method as the pipeline drives it."""
+class Method:
+    """A tuning method as the pipeline drives it: the journal of its decisions and launches and
+    the launch budget, written once; each method adds its arithmetic and its order of launches."""
 
     name: MethodName  # the report's method
     then: str  # what the run does after the pre-run, as a dry run says it
+    why_key = "reason"  # what the journal calls a decision's reason ("detail" on V1)
 
-    @property
-    def outcomes(self) -> Sequence[LaunchOutcome]: ...
-    @property
-    def decisions(self) -> Sequence[dict[str, Any]]: ...
+    def __init__(self, execute: Executor, phase: Phase, on_decision: OnDecision,
+                 max_launches: int) -> None:
+        self.execute = execute
+        self.phase = phase
+        self.on_decision = on_decision
+        self.max_launches = max_launches
+        self.outcomes: list[LaunchOutcome] = []
+        self.decisions: list[dict[str, Any]] = []
+
+    def decide(self, what: str, why: str, **data: Any) -> None:
+        entry = {"decision": what, self.why_key: why, **data}
+        self.decisions.append(entry)
+        if self.on_decision is not None:
+            self.on_decision(entry)
+        log.info("decision: %s (%s)", what, why)
+        self.phase("decide", f"{what}: {why}")
+
+    def launches_left(self) -> int:
+        return self.max_launches - len(self.outcomes)
+
+    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        if self.launches_left() <= 0:
+            raise NotValidatedError(
+                f"launch budget of {self.max_launches} used up before a configuration was "
+                "validated",
+                hint="raise --max-launches, or read the run record's decisions",
+            )
+        outcome = self.execute(settings)
+        self.outcomes.append(outcome)
+        return outcome
 
     def begin(self) -> None:
         """What the method says and refuses before its first launch."""
-        ...
 
-    def run(self) -> Any: ...
-    def first_launch(self) -> LaunchSettings: ...
-    def report_json(self, result: Any, meta: RunMeta) -> RunReport: ...
+    def run(self) -> Any:
+        raise NotImplementedError
+
+    def first_launch(self) -> LaunchSettings:
+        raise NotImplementedError
+
+    def report_json(self, result: Any, meta: RunMeta) -> RunReport:
+        raise NotImplementedError
+
     def layout(self) -> dict[str, Any]:
         """The report's model, card_gib, tp, pp, nodes, weights_format, kv_bytes_per_token."""
-        ...
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +113,17 @@ class Setup(Generic[C]):
     # (execute, phase, on_decision) -> the method, ready to run
     start: Callable[[Executor, Phase, OnDecision], Method]
     vision: Vision = Vision(None, Soak(), (), False)  # a V1 vision-language model's images
+
+
+def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: str, served: str,
+                   reader: DeviceReader | None, *, decode_tokens: int = 16,
+                   hooks: V1Hooks | None = None) -> LaunchContext:
+    """What every launch of a run shares, from its options and its engine."""
+
+    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
+        return engine.command(settings, Target(model_arg, served, opts.host, port))
+
+    return LaunchContext(
+        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
+        request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
+        decode_tokens=decode_tokens, device_reader=reader, hooks=hooks)

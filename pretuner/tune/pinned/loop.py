@@ -1,30 +1,18 @@
 """`V1Tuner.run() -> V1Result`: the pre-run method for V1 engines (vLLM, vllm-ascend,
 vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 
-1. pre-run with the production shape (max_model_len, max-num-seqs, max-num-batched-tokens) at
-   a safe util, letting the engine profile; sample the device the whole time. When that util
-   leaves no KV for one max-length sequence, pre-run again with exactly that much pinned. An
-   engine whose profiling does not see the card (vLLM on CPU under a memory budget) pins that
-   one sequence from the start.
-2. derive (`pretuner.pinned`): non-KV peak = device peak - KV held; pinned KV = device total -
-   non-KV peak - margin. Without a device reader the engine's own profiled KV is pinned
-   instead (no gain, said loudly), so that the result is still proven.
-3. validate with the worst case first (one max-length request alone, then as many concurrent
-   max-length requests as the KV holds). An OOM at start-up or in a request backs off by the
-   allocation it names plus the margin, and validates again. When the allocation that failed
-   was the KV cache itself (a CPU budget refuses it whole), the failed launch's own peak,
-   sampled before it, is the non-KV figure to derive again from. Never report an unproven
-   value.
-4. settle: the validation's own peak (its soak and the burst after it included, for a
-   vision-language model) decides the final KV, once widened when it left room, lowered (and
-   proven again) when the soak's second half was still growing by more than the room left:
-   that growth is held back as headroom (`pretuner.tune.pinned.soak`).
+1. pre-run with the production shape at a safe util, letting the engine profile (or pinning
+   one max-length sequence where its profiling cannot see the card), sampling the device;
+2. derive the pinned KV from the measured peak (`pretuner.pinned`), or pin the engine's own
+   profiled KV, said loudly, when no device reader sampled;
+3. validate, worst case first; an OOM backs off by the allocation it names plus the margin;
+4. settle on the validation's own peak: widen once when it left room, hold back what a soak
+   was still growing (`pretuner.tune.pinned.soak`). Never report an unproven value.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,6 +30,7 @@ from pretuner.pinned import (
     one_sequence_bytes,
 )
 from pretuner.tune.pinned.soak import soak_figures
+from pretuner.tune.setup import Method, OnDecision
 from pretuner.units import GIB, MIB
 
 # A shared card may leave little: the field note served a 70B model from 7 GB of a 32 GB card.
@@ -93,28 +82,25 @@ def _how(o: LaunchOutcome) -> str:
     return "simulated" if o.device_reader == "emulated" else "measured"
 
 
-class V1Tuner:
+def _ended(o: LaunchOutcome, what: str) -> ServerFailedError:
+    return ServerFailedError(
+        f"the {what} ended {o.kind.value}: {o.request_error or o.oom_text or 'see its log'}",
+        hint=f"log {o.log_path}", log_path=o.log_path)
+
+
+class V1Tuner(Method):
     """Pre-run, derive the pinned KV from the measured peak, validate, back off on OOM."""
 
+    why_key = "detail"
+
     def __init__(self, cfg: V1Config, execute: Executor, phase: Phase,
-                 on_decision: Callable[[dict[str, Any]], object] | None = None) -> None:
+                 on_decision: OnDecision = None) -> None:
+        super().__init__(execute, phase, on_decision, cfg.max_launches)
         self.cfg = cfg
-        self.execute = execute
-        self.phase = phase
-        self.on_decision = on_decision
-        self.outcomes: list[LaunchOutcome] = []
-        self.decisions: list[dict[str, Any]] = []
         self.start_util = cfg.util  # lowered only when the device refused util x total
         self.widened = False  # the proven KV is widened once at most
         self.one_seq = one_sequence_bytes(cfg.max_model_len, cfg.bytes_per_token, cfg.block_size)
         self.profiled_util: float | None = None
-
-    def decide(self, name: str, detail: str, **data: Any) -> None:
-        entry = {"decision": name, "detail": detail, **data}
-        self.decisions.append(entry)
-        self.phase("decide", f"{name}: {detail}")
-        if self.on_decision is not None:
-            self.on_decision(entry)
 
     def settings(self, purpose: Purpose, util: float, kv_bytes: int | None) -> LaunchSettings:
         c = self.cfg
@@ -125,16 +111,6 @@ class V1Tuner:
             pp=c.pp, kv_cache_dtype=c.kv_cache_dtype, chunked_prefill=True,
             kv_cache_bytes=kv_bytes,
         )
-
-    def launch(self, s: LaunchSettings) -> LaunchOutcome:
-        if len(self.outcomes) >= self.cfg.max_launches:
-            raise NotValidatedError(
-                f"no configuration was proven within --max-launches {self.cfg.max_launches}",
-                hint="raise --max-launches, or read the run's report.md for what each launch did",
-            )
-        o = self.execute(s)
-        self.outcomes.append(o)
-        return o
 
     # -- the method ---------------------------------------------------------------------
 
@@ -154,10 +130,7 @@ class V1Tuner:
 
     def prerun_kv(self) -> int | None:
         """The first pre-run's pinned KV: None lets the engine profile at util."""
-        c = self.cfg
-        if c.profile_prerun:
-            return None
-        return one_sequence_bytes(c.max_model_len, c.bytes_per_token, c.block_size)
+        return None if self.cfg.profile_prerun else self.one_seq
 
     def prerun(self) -> LaunchOutcome:
         """The first launch that measured the production shape."""
@@ -216,10 +189,7 @@ class V1Tuner:
                 + (f" ({o.oom_text})" if o.oom_text else ""),
                 hint=f"use {shorter}, a larger --tp, or larger cards",
             )
-        raise ServerFailedError(
-            f"the pre-run ended {o.kind.value}: {o.request_error or o.oom_text or 'see its log'}",
-            hint=f"log {o.log_path}", log_path=o.log_path,
-        )
+        raise _ended(o, "pre-run")
 
     def total_mib(self, o: LaunchOutcome) -> int:
         return o.device_total_mib or self.cfg.card_gib * 1024
@@ -268,11 +238,7 @@ class V1Tuner:
                 proven = self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
                 return self.tighten(s, o, proven)
             if not o.kind.is_oom:
-                raise ServerFailedError(
-                    f"the validation ended {o.kind.value}: "
-                    f"{o.request_error or o.oom_text or 'see its log'}",
-                    hint=f"log {o.log_path}", log_path=o.log_path,
-                )
+                raise _ended(o, "validation")
             kv, how = self.back_off(s, o)
             self.decide("back off",
                         f"{o.kind.value} at {(s.kv_cache_bytes or 0) / GIB:.2f} GiB pinned "
@@ -308,10 +274,8 @@ class V1Tuner:
         return f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {what}, no OOM{peak}"
 
     def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:
-        """Give the KV what the validation's own peak left unused (less a thin margin and the
-        soak's still-growing second half), when that is worth a launch, once; or take from it
-        what that growth needs when the peak left less. Proven in turn; if widening fails, the
-        proven result stands."""
+        """Widen the KV once by what the validation's peak left unused (less a thin margin and
+        the soak's growth), or hold that growth back; proven in turn, else the proven stands."""
         if not o.device_peaks_mib or o.device_total_mib is None or s.kv_cache_bytes is None:
             return proven
         peak = max(o.device_peaks_mib.values())
@@ -324,7 +288,7 @@ class V1Tuner:
         if hold > 0 and -spare_mib > margin // 2:
             return self.hold_back(s, o, proven, min(-spare_mib, hold), hold)
         if spare_mib < 0 or spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
-                or len(self.outcomes) >= self.cfg.max_launches:
+                or self.launches_left() <= 0:
             return proven
         self.widened = True
         wider = replace(s, kv_cache_bytes=s.kv_cache_bytes + spare_mib * MIB)
@@ -351,15 +315,14 @@ class V1Tuner:
 
     def hold_back(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result, short_mib: int,
                   hold_mib: int) -> V1Result:
-        """The soak was still growing (`hold_mib` held back for more) and the peak left
-        `short_mib` too little beside it: lower the KV by that and prove it again (while
-        launches remain)."""
+        """The peak left `short_mib` too little beside the soak's growth: lower the KV by that
+        and prove it again (while launches remain)."""
         total = o.device_total_mib or 0
         why = (f"the soak was still growing ({hold_mib:,} MiB held back: twice its second "
                f"half's growth); the validation's peak "
                f"{max(o.device_peaks_mib.values()):,} of {total:,} MiB leaves "
                f"{short_mib:,} MiB too little beside it (keeping {tighten_margin_mib(total)} MiB)")
-        if len(self.outcomes) >= self.cfg.max_launches:
+        if self.launches_left() <= 0:
             self.decide("not held back", f"{why}; no launch left (--max-launches "
                         f"{self.cfg.max_launches}): the configuration proven under the soak "
                         "stands without room for more growth")

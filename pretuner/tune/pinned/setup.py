@@ -1,5 +1,8 @@
 """The pinned-KV method's `Setup` (engine, device, layout, launch context, a vision-language
-model's images) and `PinnedMethod`, the V1 loop as the pipeline in `pretuner.tune.entry` runs it."""
+model's images, the weights knobs the host must hold) and `PinnedMethod`, the V1 loop as the
+pipeline in `pretuner.tune.entry` runs it. The knobs (`--quantization`, `--cpu-offload-gb`,
+`--swap-space`, `--enforce-eager`) are checked here and the same in every launch: the loop
+derives and proves only the KV cache."""
 
 from __future__ import annotations
 
@@ -9,42 +12,145 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pretuner import validate as v
 from pretuner.devices import select_reader
-from pretuner.devices.cpu import host_memory
+from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose, Target
+from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
+from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape
-from pretuner.models import local_model_path, resolve
+from pretuner.models import resolve
+from pretuner.models.quant import METHODS
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT, parse_limit_mm_per_prompt
-from pretuner.plan.layout import v1_layout_options
+from pretuner.plan.layout import PlanConfig, PlanResult, v1_layout_options
 from pretuner.plan.propose import decide_layout
 from pretuner.report.records import Method as MethodName
-from pretuner.report.records import RunReport
+from pretuner.report.records import RunReport, V1Weights
 from pretuner.tune.busy import refuse_busy_devices
-from pretuner.tune.execute import LaunchContext, Phase
+from pretuner.tune.execute import Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.pinned.report import PinnedFacts, pinned_layout, report_json
-from pretuner.tune.pinned.weights import (
-    check_host,
-    knobs_of,
-    weights_record,
-    widen_hint,
-)
 from pretuner.tune.report import RunMeta
-from pretuner.tune.setup import OnDecision, Setup, Vision
-from pretuner.units import MIB
+from pretuner.tune.setup import OnDecision, Setup, Vision, launch_context
+from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
     from pretuner.tune.options import RunOptions
+
+SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host's total
+
+
+KNOB_FLAGS = ("--quantization", "--cpu-offload-gb", "--swap-space", "--enforce-eager")
+
+
+def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knobs,
+                                                                          tuple[Flag, ...]]:
+    """The run's knobs, and the other server flags: a knob given as a --server-arg (as
+    before pretuner knew them) is taken as if given as pretuner's own flag, once."""
+    values: dict[str, str | None] = {}
+    rest: list[Flag] = []
+    for name, value in server_args:
+        if name not in KNOB_FLAGS:
+            rest.append((name, value))
+            continue
+        own = {"--quantization": opts.quantization is not None,
+               "--cpu-offload-gb": bool(opts.cpu_offload_gib),
+               "--swap-space": opts.swap_space_gib is not None,
+               "--enforce-eager": opts.enforce_eager}[name]
+        if own or name in values:
+            raise BadInputError(f"{name} is given twice (as pretuner's flag or a --config key, "
+                                "and in --server-arg)", hint=f"give {name} once")
+        values[name] = value
+    try:
+        offload = float(values.get("--cpu-offload-gb") or opts.cpu_offload_gib)
+        swap = values.get("--swap-space")
+        knobs = Knobs(
+            (values.get("--quantization") or opts.quantization or "").lower() or None,
+            offload, float(swap) if swap is not None else opts.swap_space_gib,
+            opts.enforce_eager or "--enforce-eager" in values)
+    except ValueError as err:
+        raise BadInputError(f"--server-arg: {err}", hint="e.g. --cpu-offload-gb 14") from None
+    if knobs.quantization is not None:
+        v.choice("--quantization", knobs.quantization, METHODS)
+    v.non_negative("--cpu-offload-gb", knobs.cpu_offload_gib, example="14")
+    if knobs.swap_space_gib is not None:
+        v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
+    return knobs, tuple(rest)
+
+
+def check_host(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> str | None:
+    """Refuse (exit 4) offload or swap the host cannot hold; the line a decision records."""
+    wp = p.weights_plan
+    if wp is None or host is None:
+        return None
+    cards = p.tp * p.pp
+    offload = wp.offload_bytes_per_card * cards
+    swap = int(knobs.swap_gib * GIB) * p.tp
+    if swap > SWAP_REFUSE_SHARE * host.total_bytes:
+        most = int(SWAP_REFUSE_SHARE * host.total_bytes / GIB) // p.tp
+        raise InfeasibleError(
+            f"--swap-space {gib_text(knobs.swap_gib)} x TP{p.tp} = {swap / GIB:.2f} GiB is more "
+            f"than {SWAP_REFUSE_SHARE:.0%} of the host's {host.total_bytes / GIB:.2f} GiB "
+            f"({host.provenance}, {host.source}): vLLM refuses it at start-up",
+            hint=f"use --swap-space {most} or less (the V1 engine preempts by recomputing; 0 is "
+            "fine)")
+    if offload > host.available_bytes:
+        raise InfeasibleError(
+            f"--cpu-offload-gb {gib_text(knobs.cpu_offload_gib)} keeps {offload / GIB:.2f} GiB of "
+            f"weights in pinned host memory ({cards} card(s)), more than the "
+            f"{host.available_bytes / GIB:.2f} GiB the host has available ({host.provenance}, "
+            f"{host.source})",
+            hint="lower --cpu-offload-gb (quantize with --quantization bitsandbytes first), free "
+            "host memory, or use more cards (--tp)")
+    if not offload:
+        return None
+    return (f"--cpu-offload-gb {gib_text(knobs.cpu_offload_gib)}: {offload / GIB:.2f} GiB of "
+            f"weights in pinned host memory, {wp.card_weights_bytes / GIB:.2f} GiB per card left "
+            f"on the card (predicted); host {host.words()}")
+
+
+def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None,
+                   log_gib: float | None) -> V1Weights | None:
+    """The run record's `weights` block."""
+    wp = p.weights_plan
+    if wp is None:
+        return None
+    cards = p.tp * p.pp
+    return V1Weights(
+        quantization=knobs.quantization, loaded_as=wp.quantization or p.weights_format,
+        cpu_offload_gib=knobs.cpu_offload_gib, swap_space_gib=knobs.swap_space_gib,
+        enforce_eager=knobs.enforce_eager,
+        loaded_gib_per_card=round(wp.loaded_bytes_per_card / GIB, 3),
+        offloaded_gib_per_card=round(wp.offload_bytes_per_card / GIB, 3),
+        card_weights_gib=round(wp.card_weights_bytes / GIB, 3),
+        card_weights_log_gib=log_gib,
+        host_offload_gib=round(wp.offload_bytes_per_card * cards / GIB, 3),
+        host_swap_gib=round(knobs.swap_gib * p.tp, 3),
+        host_available_gib=round(host.available_bytes / GIB, 3) if host else None,
+        host_total_gib=round(host.total_bytes / GIB, 3) if host else None,
+        host_provenance=host.provenance if host else None,
+    )
+
+
+def widen_hint(err: InfeasibleError, knobs: Knobs) -> None:
+    """An infeasible length on a small card: also name the knobs that make room for KV."""
+    more = [] if knobs.enforce_eager else ["--enforce-eager (no CUDA-graph pool on the card)"]
+    more.append("a larger --cpu-offload-gb (weights to the host: slower decode)"
+                if knobs.cpu_offload_gib else "--cpu-offload-gb N (weights to the host: slower "
+                "decode)")
+    if not knobs.quantization:
+        more.append("--quantization bitsandbytes (4-bit weights)")
+    err.hint = f"{err.hint or ''}; or make room on the card: {', '.join(more)}".lstrip("; ")
+
 
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 MAX_NUM_SEQS = 4096
@@ -98,8 +204,6 @@ def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | No
 
 
 def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
-    from pretuner import validate as v
-
     seqs = opts.max_num_seqs if opts.max_num_seqs is not None else (
         row.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS)
     v.int_range("--max-num-seqs", seqs, 1, MAX_NUM_SEQS)
@@ -110,6 +214,15 @@ def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
                             "takes --kv-cache-memory-bytes, which pretuner derives",
                             hint="drop --model-use-gb")
     return seqs, opts.max_num_batched_tokens or 0
+
+
+def pinned_layout_options(opts: RunOptions, choice: EngineChoice) -> PlanConfig:
+    """What `pretuner plan` decides on for a V1 run of `opts` (the checks `run` makes)."""
+    opts.check()
+    knobs, _ = knobs_of(opts, parse_server_args(opts.server_args))
+    spec = resolve(opts.model)
+    vision_setup(opts, spec)  # a text model refuses the image options
+    return v1_layout_options(opts, ROWS[choice.name], choice.simulated, spec, knobs)
 
 
 def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
@@ -146,21 +259,12 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                    block_size=block, tp=p.tp, pp=p.pp,
                    kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
                    validate=opts.validate, profile_prerun=row.profile_prerun or choice.simulated)
-    model_arg = local_model_path(opts.model) or (
-        opts.model if engine.simulated else (spec.hf_id or opts.model))
-    served = spec.name
-
-    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return engine.command(settings, Target(model_arg, served, opts.host, port))
-
+    model_arg = engine.model_arg(opts.model, spec)
     budget = engine.budget_bytes(card)
     reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
                            budget_mib=budget // MIB if budget is not None else None)
-    ctx = LaunchContext(build=build, served_name=served, host=opts.host,
-                        ready_timeout_s=opts.ready_timeout_s,
-                        request_timeout_s=opts.request_timeout_s,
-                        stop_grace_s=opts.stop_grace_s, seed=opts.seed, device_reader=reader,
-                        hooks=V1Hooks(bpt, vision.images, vision.soak))
+    ctx = launch_context(opts, engine, model_arg, spec.name, reader,
+                         hooks=V1Hooks(bpt, vision.images, vision.soak))
     card_info = CardInfo(card, None,
                          "--card" if opts.card_gib is not None else "the device's size")
     facts = PinnedFacts(

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.v1_images import SOAK_PHASES
 
 HOLD_DOUBLINGS = 2
-SOAK_PHASES = ("soak-1", "soak-2")
 # Every phase from the soak on: what the soak left is in their samples.
 AFTER_PHASES = (*SOAK_PHASES, "reset", "after-soak", "stop")
 

@@ -4,7 +4,7 @@ constants and the small pure helpers the decision modules share."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pretuner.devices.npu_smi import CardInfo as CardInfo
@@ -13,7 +13,7 @@ from pretuner.engines.outcome import LaunchOutcome
 from pretuner.kvmath import num_kv_blocks
 from pretuner.method import Derivation
 from pretuner.models.spec import ModelSpec
-from pretuner.plan.layout import PlanResult, layout_options
+from pretuner.plan.layout import PlanConfig, PlanResult, layout_options
 from pretuner.plan.propose import decide_layout
 from pretuner.tune.r01 import budget as bud
 from pretuner.units import GIB, MIB
@@ -64,14 +64,6 @@ class TuneConfig:
     provenance: str = "measured"
 
 
-@dataclass
-class TuneState:
-    """Everything the loop learned so far (rebuilt by replay on --resume)."""
-
-    outcomes: list[LaunchOutcome] = field(default_factory=list)
-    decisions: list[dict[str, Any]] = field(default_factory=list)
-
-
 @dataclass(frozen=True, slots=True)
 class TuneResult:
     plan: PlanResult
@@ -86,14 +78,13 @@ class TuneResult:
     pool_on_demand: bool = False  # TuneConfig.pool_on_demand
 
 
+def layout_of(cfg: TuneConfig) -> PlanConfig:
+    return layout_options(cfg, model=cfg.model, card_gib=cfg.card.card_gib,
+                          max_model_len=cfg.max_model_len, block_size=cfg.block_size)
 
 
 def plan_for(cfg: TuneConfig) -> PlanResult:
-    return decide_layout(layout_options(cfg, model=cfg.model, card_gib=cfg.card.card_gib,
-                                        max_model_len=cfg.max_model_len,
-                                        block_size=cfg.block_size))
-
-
+    return decide_layout(layout_of(cfg))
 
 
 def prerun_util(cfg: TuneConfig) -> float:

@@ -1,22 +1,17 @@
 """`TunerCore`: the state every decision reads (the card, the measured peaks, the reserve and
-the budget the final configuration will have) and the launches; `pretuner.tune.r01.deriving` derives
-from it."""
+the budget the final configuration will have), the launches, and the derivation at the final
+util (the card's free memory less the reserve, raised by the integer rounding of the model-use
+budget)."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterator
 
 from pretuner.engines.base import LaunchSettings
 from pretuner.engines.outcome import Executor, LaunchOutcome
-from pretuner.errors import (
-    CardBusyError,
-    InfeasibleError,
-    NotValidatedError,
-)
+from pretuner.errors import CardBusyError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token, num_kv_blocks
-from pretuner.method import per_sequence_bytes
+from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.plan.layout import PlanConfig, activation_bytes, smallest_weights_layout
 from pretuner.tune import busy
 from pretuner.tune.busy import DeviceBusyRefusal
@@ -27,23 +22,18 @@ from pretuner.tune.r01.config import (
     TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MARGIN_SHARE,
     TuneConfig,
-    TuneState,
+    TuneResult,
     kv_prerun_bytes,
     plan_for,
     prerun_util,
 )
-from pretuner.tune.r01.search import (
-    Budget,
-    WaModel,
-)
+from pretuner.tune.r01.search import Budget, WaModel
+from pretuner.tune.setup import Method, OnDecision
 from pretuner.units import GIB, MIB
 
-log = logging.getLogger(__name__)
 
-
-class TunerCore:
-    """The decision procedure's state; launches go through `execute` so tests and --resume can
-    replay."""
+class TunerCore(Method):
+    """The decision procedure's state; launches go through `execute` (tests and --resume replay)."""
 
     @property
     def seen(self) -> str:
@@ -52,13 +42,10 @@ class TunerCore:
 
     def __init__(
         self, cfg: TuneConfig, execute: Executor, phase: Phase,
-        on_decision: Callable[[dict[str, Any]], object] | None = None,
+        on_decision: OnDecision = None,
     ) -> None:
+        super().__init__(execute, phase, on_decision, cfg.max_launches)
         self.cfg = cfg
-        self.execute = execute
-        self.phase = phase
-        self.on_decision = on_decision
-        self.state = TuneState()
         self.plan = plan_for(cfg)
         self.bpt = kv_bytes_per_token(
             cfg.model, tp=self.plan.tp, pp=self.plan.pp, kv_dtype=cfg.kv_cache_dtype
@@ -92,38 +79,11 @@ class TunerCore:
         self.free_readings: list[int] = []  # MiB free, as MindSpore's init lines read it
         self.reserves: dict[int, float] = {}  # id(derivation) -> the reserve it kept, GiB
 
-    # -- bookkeeping ------------------------------------------------------------------------
-    @property
-    def outcomes(self) -> list[LaunchOutcome]:
-        return self.state.outcomes
-
-    @property
-    def decisions(self) -> list[dict[str, Any]]:
-        return self.state.decisions
-
-    def decide(self, what: str, why: str, **data: Any) -> None:
-        entry = {"decision": what, "reason": why, **data}
-        self.state.decisions.append(entry)
-        if self.on_decision is not None:
-            self.on_decision(entry)
-        log.info("decision: %s (%s)", what, why)
-        self.phase("decide", f"{what}: {why}")
-
-    def launches_left(self) -> int:
-        return self.cfg.max_launches - len(self.state.outcomes)
-
     def launch(self, settings: LaunchSettings) -> LaunchOutcome:
-        if self.launches_left() <= 0:
-            raise NotValidatedError(
-                f"launch budget of {self.cfg.max_launches} used up before a configuration was "
-                "validated",
-                hint="raise --max-launches, or read the run record's decisions",
-            )
         try:
-            outcome = self.execute(settings)
+            outcome = super().launch(settings)
         except DeviceBusyRefusal as err:
             raise self.busy_error(err.free_mib, err.source, log_path=err.log_path) from err
-        self.state.outcomes.append(outcome)
         self.learn_card(outcome)
         return outcome
 
@@ -294,7 +254,7 @@ class TunerCore:
                 "about an idle card",
             )  # fmt: skip
 
-    def lower_util(self, util: float, outcome: LaunchOutcome, steps: Any) -> float:
+    def lower_util(self, util: float, outcome: LaunchOutcome, steps: Iterator[float]) -> float:
         if outcome.device_free_mib:
             free = self.engine_free(
                 outcome.device_free_mib, f"the device's refusal ({self.cfg.provenance})"
@@ -314,3 +274,93 @@ class TunerCore:
         self.util_cap = new
         self.decide("lower util", why, util=new)
         return new
+
+    # -- the derivation at the final util ---------------------------------------------------
+    def prerun_inputs(
+        self, o: LaunchOutcome, util: float, per_seq: int, base: int
+    ) -> PrerunInputs:
+        s = o.settings
+        assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
+        return PrerunInputs(
+            card_gib=s.card_gib, util=s.util, model_use_gib=s.model_use_gib,
+            actual_peak_mib=o.worst_peak_mib, kv_bytes_per_token=self.bpt, block_size=s.block_size,
+            max_model_len=s.max_model_len, headroom_gib=base / GIB,
+            max_num_batched_tokens=s.max_num_batched_tokens, final_util=util, per_seq_bytes=per_seq,
+            watermark=self.cfg.watermark,
+        )
+
+    def derive(
+        self, prerun: LaunchOutcome, per_seq: int | None = None, base: int | None = None,
+        announce: bool = True,
+    ) -> tuple[Derivation, str]:
+        """The method at the final util (the module's docstring)."""
+        per_seq = self.per_seq if per_seq is None else per_seq
+        if base is None:
+            wa = self.wa_bytes(prerun)
+            base = self.base_headroom = max(
+                self.base_headroom,
+                bud.base_headroom_bytes(
+                    wa, self.weights_bytes, prerun.rank_peaks_mib, self.cfg.headroom_gib
+                ),
+            )
+        try:
+            return self._derive(prerun, per_seq, base, announce)
+        except InfeasibleError:
+            tight = self.one_sequence_margin(self.wa_bytes(prerun))
+            if base <= tight:
+                raise
+        self.decide(
+            "one sequence",
+            f"with {base / MIB:,.0f} MiB of headroom no sequence of "
+            f"{prerun.settings.max_model_len:,} tokens fits; the pre-run {self.seen} exactly one "
+            f"such sequence, so {tight / MIB:,.0f} MiB above it is kept",
+        )
+        return self._derive(prerun, per_seq, tight, announce)
+
+    def _derive(
+        self, prerun: LaunchOutcome, per_seq: int, base: int, announce: bool
+    ) -> tuple[Derivation, str]:
+        card = self.cfg.card.card_gib
+        if self.free is None:
+            util = prerun.settings.util
+            source = "the pre-run's util (no free-memory reading)"
+            d = derive(self.prerun_inputs(prerun, util, per_seq, base))
+        else:
+            reserve = self.reserve()
+            # The rounding does not depend on util (the model-use budget is weights+activations
+            # plus headroom): learn it at the largest pool, then give it back within reach.
+            top = min(self.util_cap, bud.max_pool_util(card, self.free))
+            rounding = derive(self.prerun_inputs(prerun, top, per_seq, base)).rounding_cost_bytes
+            outside = (self.outside_mib or 0) / 1024
+            util = min(self.util_cap,
+                       bud.pool_util(card, self.free, reserve, rounding / GIB, outside))
+            d = derive(self.prerun_inputs(prerun, util, per_seq, base))
+            self.reserves[id(d)] = reserve
+            source = f"{self.free.source}: {self.free.mib:,} MiB free - {self.reserve_words()}"
+            if util > bud.pool_util(card, self.free, reserve):
+                source += (
+                    f" + {d.rounding_cost_bytes / GIB:.2f} GiB of integer rounding given back to "
+                    "the KV cache"
+                )
+        if not announce:
+            return d, source
+        self.decide(
+            "derive",
+            f"worst-rank peak {prerun.worst_peak_mib:,} MiB -> weights+activations "
+            f"{d.weights_act_gib:.2f} GiB; final util {util} from {source}",
+            vllm_model_memory_use_gb=d.final.vllm_model_memory_use_gb, gpu_memory_utilization=util,
+            max_num_seqs=d.final.max_num_seqs, kv_gib=round(d.final.kv_bytes / GIB, 3),
+        )
+        return d, source
+
+    def result(
+        self, d: Derivation, validated: bool, source: str, prerun: LaunchOutcome | None,
+        validation: LaunchOutcome | None,
+    ) -> TuneResult:
+        return TuneResult(
+            plan=self.plan, derivation=d, validated=validated, outcomes=tuple(self.outcomes),
+            decisions=tuple(self.decisions), final_util_source=source, prerun=prerun,
+            validation=validation, reserve_gib=self.reserves.get(id(d), 0.0),
+            pool_on_demand=self.cfg.pool_on_demand,
+        )
+

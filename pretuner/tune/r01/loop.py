@@ -1,16 +1,7 @@
-"""`Tuner.run() -> TuneResult`: the automated pre-run method with fallbacks and validation.
-
-1. plan: pick or check the layout; a layout whose weights cannot fit is refused before launch.
-2. pre-run: GLOG_v=1, max-num-seqs 1, one max-length request that must really run.
-3. every decision at the memory the final configuration will have: once a launch measured the
-   card's free memory, later pre-runs use the largest pool it allows and every fit is judged
-   with the final headroom and integer rounding (`pretuner.tune.r01.search.Budget`).
-4. fall back by cause; between the longest length that fits and the shortest that does not,
-   narrow with the measured peaks (`pretuner.tune.r01.search`) until they are within 1024 tokens;
-   when a whole-prompt prefill step is what does not fit, prefill in chunks instead.
-5. validate: max-num-seqs concurrent max-length requests. A validation that runs out of memory
-   teaches the per-sequence cost from its own pool dump; one that passes with room to spare is
-   tightened once with what it measured. Never report an unproven configuration.
+"""`Tuner.run() -> TuneResult`: the r0.1 pre-run method. Plan the layout, pre-run (max-num-seqs
+1, one max-length request that must really run) until the longest length that fits at the
+memory the final configuration will have is known (`prerun`), derive at the final util
+(`core`), and prove it under full load (`validation`). Never report an unproven configuration.
 """
 
 from __future__ import annotations
@@ -21,9 +12,6 @@ from pretuner.tune.r01.validation import Validation
 
 
 class Tuner(PrerunSearch, Validation):
-    """The automated pre-run method: plan, search the longest length that fits, derive at the
-    final util, validate."""
-
     def run(self) -> TuneResult:
         cfg = self.cfg
         self.decide(

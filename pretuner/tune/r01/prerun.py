@@ -18,7 +18,7 @@ from pretuner.tune.r01.config import (
     CHUNK_GRID,
     UTIL_LADDER,
 )
-from pretuner.tune.r01.deriving import Deriving
+from pretuner.tune.r01.core import TunerCore
 from pretuner.tune.r01.search import (
     Bound,
     Measured,
@@ -28,7 +28,7 @@ from pretuner.tune.r01.search import (
 from pretuner.units import GIB
 
 
-class PrerunSearch(Deriving):
+class PrerunSearch(TunerCore):
 
     def prerun_most(self, util: float, length: int) -> int:
         """The largest integer model-use leaving KV for one sequence beside the watermark."""
@@ -39,8 +39,7 @@ class PrerunSearch(Deriving):
     def prerun_settings(
         self, util: float, length: int, model_use: int | None = None, chunked: bool = False
     ) -> LaunchSettings:
-        """The method's pre-run: max-num-seqs 1, one long request; whole-prompt steps unless
-        chunked."""
+        """The method's pre-run: max-num-seqs 1, one long request."""
         cfg = self.cfg
         if model_use is None:
             model_use = self.prerun_most(util, length)

@@ -173,15 +173,8 @@ def edge(model: WaModel, budget: Budget, upto: int, grid: int = LENGTH_GRID,
 
 def next_length(model: WaModel, budget: Budget, *, requested: int, longest_fit: int | None,
                 shortest_fail: int | None, minimum: int, failures: int = 0) -> int | None:
-    """The next length to pre-run, or None when the search is done.
-
-    Done when the longest fit is the requested length, when fit and failure are within
-    CONVERGED_TOKENS, or when the model says no length CONVERGED_TOKENS beyond the longest fit
-    would hold. Otherwise: the predicted edge, kept strictly inside the bracket; once a
-    predicted length failed too (`failures`: lengths above the longest fit that failed, >= 2),
-    at most halfway between the longest fit (or the minimum) and the shortest failure, so
-    bounds that only say "more than this" cannot walk the search a step at a time.
-    """
+    """The next length to pre-run (the predicted edge inside the bracket), or None when the
+    search is done."""
     hi = requested if shortest_fail is None else shortest_fail - 1
     if longest_fit is not None:
         if longest_fit >= requested:
@@ -199,6 +192,8 @@ def next_length(model: WaModel, budget: Budget, *, requested: int, longest_fit: 
         if longest_fit is not None and target <= longest_fit:
             return None
     if shortest_fail is not None and failures >= 2:
+        # At most halfway: bounds that only say "more than this" must not walk the search a
+        # step at a time.
         low = longest_fit if longest_fit is not None else minimum
         half = (low + shortest_fail) // 2 // LENGTH_GRID * LENGTH_GRID
         target = min(target, max(minimum, half))

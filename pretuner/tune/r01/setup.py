@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
+from pretuner.engines.base import LaunchSettings
 from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
@@ -19,14 +19,21 @@ from pretuner.errors import BadInputError
 from pretuner.launch.process import check_server_installed
 from pretuner.method import check_launch_settings
 from pretuner.models import builtin_specs, resolve
+from pretuner.plan.layout import PlanConfig
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
-from pretuner.tune.execute import LaunchContext, Phase
-from pretuner.tune.layout import check_r01_flags
-from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for, pool_on_demand, prerun_util
+from pretuner.tune.execute import Phase
+from pretuner.tune.r01.config import (
+    TuneConfig,
+    TuneResult,
+    layout_of,
+    plan_for,
+    pool_on_demand,
+    prerun_util,
+)
 from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.report import RunMeta, plan_layout, report_json
-from pretuner.tune.setup import OnDecision, Setup
+from pretuner.tune.setup import OnDecision, Setup, launch_context
 
 if TYPE_CHECKING:
     from pretuner.tune.options import RunOptions
@@ -34,8 +41,10 @@ if TYPE_CHECKING:
 NO_READER = "no device memory reader here: measuring from the logs only"
 
 
-def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = None
-              ) -> Setup[TuneConfig]:
+def r01_config(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = None
+               ) -> TuneConfig:
+    """The r0.1 method's configuration for `opts`, bad input refused (exit 2): what `run`
+    tunes and `plan` decides the layout of."""
     engine = choice.r01()
     opts.check()
     check_r01_flags(opts)
@@ -51,17 +60,10 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
         raise BadInputError(
             f"--min-model-len {min_len} must be between 1 and --max-model-len {max_len}",
             hint=f"e.g. --min-model-len {max(1, max_len // 4)}")
-
-    def card_env(weights_format: str, nodes: int) -> dict[str, str]:
-        env = engine.card_env(opts.card_gib, opts.seed, os.environ,
-                              weights_format=weights_format, nodes=nodes)
-        return {**env, **opts.sim_env}
-
     if card is None:
-        base_env = card_env(spec.weights_format(opts.weights_format).name, 1)
         source = "emulated npu-smi" if engine.simulated else "npu-smi"
-        card = detect_card(engine.smi_command(), source, opts.card_gib,
-                           {**os.environ, **base_env})
+        env = card_env(opts, engine, spec.weights_format(opts.weights_format).name, 1)
+        card = detect_card(engine.smi_command(), source, opts.card_gib, {**os.environ, **env})
     cfg = TuneConfig(
         model=spec, card=card, util=opts.util, max_model_len=max_len, min_model_len=min_len,
         tp=1 if engine.device_kind == "cpu" else opts.tp, pp=opts.pp, nodes=opts.nodes,
@@ -73,8 +75,23 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     )
     if opts.model_use_gib is not None:
         check_launch_settings(card.card_gib, prerun_util(cfg), opts.model_use_gib)
+    return cfg
+
+
+def card_env(opts: RunOptions, engine: R01Engine, weights_format: str, nodes: int
+             ) -> dict[str, str]:
+    """The environment the card is read and served with (the emulated card's, and --sim-env)."""
+    env = engine.card_env(opts.card_gib, opts.seed, os.environ, weights_format=weights_format,
+                          nodes=nodes)
+    return {**env, **opts.sim_env}
+
+
+def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = None
+              ) -> Setup[TuneConfig]:
+    cfg = r01_config(opts, choice, card)
+    engine, spec = choice.r01(), cfg.model
     p = plan_for(cfg)
-    extra_env = card_env(p.weights_format, p.nodes)
+    extra_env = card_env(opts, engine, p.weights_format, p.nodes)
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
     if opts.serve_cmd is not None and not shlex.split(opts.serve_cmd):
         raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
@@ -82,23 +99,51 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
                      launch_env=extra_env)
     if not engine.serve_cmd:
         check_server_installed(engine.base_command()[0])
-    served = spec.name
-    target = Target(engine.model_arg(opts.model, spec), served, opts.host, 0)
+    model_arg = engine.model_arg(opts.model, spec)
+    reader = select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp)
+    ctx = launch_context(opts, engine, model_arg, spec.name, reader,
+                         decode_tokens=engine.lengths.decode_tokens)
 
-    def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return engine.command(settings, replace(target, port=port))
-
-    ctx = LaunchContext(
-        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
-        request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
-        decode_tokens=lengths.decode_tokens,
-        device_reader=select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp),
-    )
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
         return R01Method(cfg, execute, phase, on_decision, setup=setup, engine=engine)
 
-    setup = Setup(choice, engine, spec, target.model, ctx, card, p.layout_reason, cfg, start)
+    setup = Setup(choice, engine, spec, model_arg, ctx, cfg.card, p.layout_reason, cfg, start)
     return setup
+
+
+def r01_layout_options(opts: RunOptions, choice: EngineChoice) -> PlanConfig:
+    """What `pretuner plan` decides on for an r0.1 run of `opts`; a given --card is not read."""
+    card = None if opts.card_gib is None else CardInfo(opts.card_gib, None, "given")
+    return layout_of(r01_config(opts, choice, card))
+
+
+def check_r01_flags(opts: RunOptions) -> None:
+    """Refuse what only a V1 engine takes: the r0.1 method builds its own command and sends
+    no images (exit 2)."""
+    if opts.server_args:
+        raise BadInputError("--server-arg (and a --config key pretuner does not read) passes "
+                            "flags to a V1 engine's server; the r0.1 "
+                            "method builds its own command",
+                            hint="name a V1 engine (--engine vllm|vllm-cpu|...), or give the "
+                            "whole command with --serve-cmd")
+    image_flags = [flag for flag, value in (
+        ("--limit-mm-per-prompt", opts.limit_mm_per_prompt),
+        ("--mm-processor-cache-gb", opts.mm_processor_cache_gb), ("--soak", opts.soak),
+        ("--soak-minutes", opts.soak_minutes)) if value is not None]
+    if image_flags:
+        raise BadInputError(f"{', '.join(image_flags)}: the r0.1 method sends no images "
+                            "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
+                            hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
+                            f"for a vision-language model, or drop {' '.join(image_flags)}")
+    v1_only = [flag for flag, on in (
+        ("--quantization", opts.quantization is not None),
+        ("--cpu-offload-gb", bool(opts.cpu_offload_gib)),
+        ("--swap-space", opts.swap_space_gib is not None), ("--enforce-eager", opts.enforce_eager),
+        ("--min-tokens-per-s", opts.min_tokens_per_s is not None)) if on]
+    if v1_only:
+        raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
+                            "flag; the r0.1 method builds its own command",
+                            hint="name a V1 engine (--engine vllm|...)")
 
 
 class R01Method(Tuner):

@@ -25,11 +25,11 @@ from pretuner.tune.r01.config import (
     TuneResult,
     kv_prerun_bytes,
 )
-from pretuner.tune.r01.deriving import Deriving
+from pretuner.tune.r01.core import TunerCore
 from pretuner.units import GIB, MIB
 
 
-class Validation(Deriving):
+class Validation(TunerCore):
 
     def final_settings(self, prerun: LaunchOutcome, d: Derivation) -> LaunchSettings:
         f = d.final
@@ -150,11 +150,9 @@ class Validation(Deriving):
     def edge(
         self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int
     ) -> tuple[Derivation, str, int] | None:
-        """The candidate one integer GiB of model-use lower, when only the tightening margin's
-        floor pushes the budget over that integer (r0.1's integer model-use would give a whole
-        GiB of KV away for a few MiB): it keeps the margin's share of the activations (what
-        varies from one load to the next scales with them), at least EDGE_MARGIN_FLOOR_BYTES.
-        (derivation, source, margin kept), or None."""
+        """(derivation, source, margin kept) one integer GiB of model-use lower, when only the
+        margin's floor pushes the budget over that integer (a whole GiB of KV for a few MiB);
+        it keeps the margin's share of the activations, at least EDGE_MARGIN_FLOOR_BYTES."""
         least = max(EDGE_MARGIN_FLOOR_BYTES, margin - TIGHTEN_MARGIN_FLOOR_BYTES)
         try:
             low, source = self.derive(prerun, per_seq=slope, base=base - margin + least,

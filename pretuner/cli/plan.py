@@ -66,7 +66,6 @@ def plan_cmd(
     import dataclasses
 
     from pretuner.devices.cpu import host_available_bytes
-    from pretuner.engines.base import Family
     from pretuner.errors import InfeasibleError
     from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
     from pretuner.tune.entry import run_layout_options
@@ -87,7 +86,8 @@ def plan_cmd(
         cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
         max_num_batched_tokens=max_num_batched_tokens, cards_per_node=cards_per_node,
         host_available_bytes=(host_available_bytes()
-                              if cfg.family is Family.V1 or cpu_offload_gb else None),
+                              if cfg.engine_class.takes_weights_flags or cpu_offload_gb
+                                                              else None),
         mm_processor_cache_gib=(cfg.mm_processor_cache_gib if mm_processor_cache_gb is None
                                 else mm_processor_cache_gb))  # fmt: skip
     try:

@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from pretuner.emulation import emulator
 from pretuner.engines.base import (
@@ -62,6 +63,11 @@ class R01Engine:
     version: str | None  # the installed vLLM-MindSpore's; None for the emulated card and CPU
     reason: str  # why this engine runs (the registry's words)
     family: Family = Family.R01
+    # What plan asks before any launch: r0.1 is told a whole model-use GiB, places its ranks on
+    # as many nodes as Ray has, and takes no quantization or offload flags.
+    budget_in_whole_gib: ClassVar[bool] = True
+    max_devices: ClassVar[int | None] = None
+    takes_weights_flags: ClassVar[bool] = False
     # --serve-cmd: the user's own way to start the server, in place of base_command()'s.
     serve_cmd: tuple[str, ...] = ()
     nodes: int = 1  # more than one: the ranks are placed by Ray

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from pretuner.engines.base import Family
 from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine, version_tuple
-from pretuner.engines.vllm_v1 import INSTALL_HINT, ROWS, V1Row, engine_python
+from pretuner.engines.vllm_v1 import INSTALL_HINT, ROWS, V1Engine, V1Row, engine_python
 from pretuner.errors import BadInputError
 
 ENGINES = ("auto", *NAMES, *ROWS)
@@ -45,9 +45,9 @@ class EngineChoice:
         return R01Engine(self.name, self.simulated, self.version, self.reason)
 
 
-def family_of(name: str | None) -> Family:
-    """The family of a registry name; None (an r0.1 run's layout options) is r0.1's."""
-    return Family.V1 if name in ROWS else Family.R01
+def engine_class(name: str | None) -> type[R01Engine] | type[V1Engine]:
+    """The engine class of a registry name; None (an r0.1 run's layout options) is r0.1's."""
+    return V1Engine if name in ROWS else R01Engine
 
 
 def installed_version(*names: str) -> str | None:

@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
@@ -151,6 +152,11 @@ class V1Engine:
     version: str | None = None
     sim_env: dict[str, str] = field(default_factory=dict)  # the emulated card's knobs
     family: Family = Family.V1
+    # What plan asks before any launch: the KV cache pinned in bytes, one node of at most 8
+    # devices (what pretuner drives so far), quantization and offload are the engine's flags.
+    budget_in_whole_gib: ClassVar[bool] = False
+    max_devices: ClassVar[int | None] = 8
+    takes_weights_flags: ClassVar[bool] = True
     python: str | None = None  # the interpreter of a row that names one (engine_python)
     server_args: tuple[Flag, ...] = ()  # --server-arg: launched and deployed as given
     server_env: dict[str, str] = field(default_factory=dict)  # launched and deployed

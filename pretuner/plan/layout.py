@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner import validate as v
 from pretuner.devices import select_reader
-from pretuner.engines.base import Family
-from pretuner.engines.registry import family_of
+from pretuner.engines.mindspore_r01 import R01Engine
+from pretuner.engines.registry import engine_class
 from pretuner.engines.v1_knobs import Knobs
-from pretuner.engines.vllm_v1 import V1Row
+from pretuner.engines.vllm_v1 import V1Engine, V1Row
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB
@@ -139,8 +139,8 @@ class PlanConfig:
     host_available_bytes: int | None = None
 
     @property
-    def family(self) -> Family:
-        return family_of(self.engine)
+    def engine_class(self) -> type[R01Engine] | type[V1Engine]:
+        return engine_class(self.engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,9 +223,8 @@ def _length_plan(cfg: PlanConfig, tp: int, length: int) -> LengthPlan:
     weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
     bpt = _bpt(cfg, tp)
     act = activation_bytes(cfg.model, length, tp)
-    # r0.1 is told a whole model-use GiB; a V1 engine's KV cache is pinned in bytes.
-    r01 = cfg.family is Family.R01
-    model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib) if r01 else None
+    whole_gib = cfg.engine_class.budget_in_whole_gib
+    model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib) if whole_gib else None
     used = weights + act + int(cfg.headroom_gib * GIB) if model_use is None else model_use * GIB
     blocks = num_kv_blocks(int(cfg.card_gib * GIB * cfg.util) - used, bpt, cfg.block_size)
     tokens = blocks * cfg.block_size

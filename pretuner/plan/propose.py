@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pretuner.engines.base import Family
 from pretuner.errors import BadInputError, InfeasibleError, PretunerError
 from pretuner.models.quant import Quantization, from_flag
 from pretuner.plan.layout import TP_CANDIDATES, PlanConfig, PlanResult, plan
@@ -21,7 +20,6 @@ from pretuner.plan.weights import loaded
 from pretuner.units import GIB
 
 SHORTER = (16384, 8192, 4096, 2048, 1024, 512)
-V1_MAX_CARDS = 8  # pretuner drives a V1 engine on one node of at most this many devices
 
 
 def decide_layout(cfg: PlanConfig) -> PlanResult:
@@ -39,10 +37,11 @@ def decide_layout(cfg: PlanConfig) -> PlanResult:
             err.hint = (f"{err.hint}; or on TP{proposal.tp}: {flags} ({proposal.chosen.label}, "
                         "predicted; a run with them measures it)")
         raise
-    if cfg.family is Family.V1 and p.tp * p.pp > V1_MAX_CARDS:
+    most = cfg.engine_class.max_devices
+    if most is not None and p.tp * p.pp > most:
         raise BadInputError(
             f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
-            f"node of at most {V1_MAX_CARDS} devices so far",
+            f"node of at most {most} devices so far",
             hint="use a smaller --tp/--pp on one node, or the r0.1 method for multi-node "
             "(--engine vllm-mindspore-r01 --ray-address ...)",
         )
@@ -52,7 +51,7 @@ def decide_layout(cfg: PlanConfig) -> PlanResult:
 def proposes(cfg: PlanConfig) -> bool:
     """Whether weights that fit no layout get a proposal: a V1 engine loading a 16-bit
     checkpoint as stored (quantization and offload are its flags)."""
-    return cfg.family is Family.V1 and not (
+    return cfg.engine_class.takes_weights_flags and not (
         cfg.quantization or cfg.cpu_offload_gib or cfg.model.quantization is not None)
 
 

@@ -369,5 +369,3 @@ _TABLE: tuple[tuple[str, Callable[[re.Match[str]], LogEvent | None]], ...] = (
     ("|".join(_READY), lambda m: ServerReady()),
 )
 _PARSERS = tuple((re.compile(pattern), make) for pattern, make in _TABLE)
-
-__all__ = ["DeviceMemoryInit"]  # `pretuner.sim.executor` still takes it from here

@@ -27,7 +27,8 @@ from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, wor
 from pretuner.launch.probe import CompletionOutcome
 from pretuner.launch.process import read_tail
 from pretuner.logscan import scan_paths
-from pretuner.logscan.lines import DeviceMemoryInit, parse_line
+from pretuner.logscan.events import DeviceMemoryInit
+from pretuner.logscan.lines import parse_line
 from pretuner.sim import inproc
 from pretuner.sim.http import Reply
 from pretuner.sim.plugin import EMULATOR

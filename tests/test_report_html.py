@@ -22,11 +22,13 @@ from pretuner.report.html.page import render_html
 from pretuner.report.records import (
     Asked,
     FailureReport,
+    Method,
     PinnedDerivation,
     R01Derivation,
     RunReport,
     V1Memory,
     V1Soak,
+    device_words,
     read_report,
 )
 from tests.helpers import R01_QWEN_64, V1_QWEN_80_32K, FinishedRun, invoke
@@ -74,6 +76,29 @@ def v1_report(pinned: dict[str, object] | None = None, **extra: object) -> RunRe
 def pinned(rep: RunReport) -> PinnedDerivation:
     assert isinstance(rep.derivation, PinnedDerivation)
     return rep.derivation
+
+
+def failed(rep: RunReport, method: Method) -> FailureReport:
+    """`rep`'s run as if a server failure had stopped it."""
+    head = rep.model_dump(exclude={"final", "derivation", "asked", "given_up"})
+    return FailureReport(**head, method=method, error="boom", hint=None, exit_code=5,
+                         error_type="ServerFailedError", server_log=None)
+
+
+def test_the_card_is_said_in_its_methods_unit() -> None:
+    # r0.1's --card is the card's GiB (ASCEND_TOTAL_MEMORY_GB), a V1 engine's the device's GB;
+    # a failed run, which has no derivation, says it as a finished one of its method does.
+    r01, v1 = r01_report(), v1_report()
+    assert device_words(r01) == "64 GiB card(s) (emulated npu-smi)"
+    assert device_words(failed(r01, "r0.1")) == "64 GiB card(s) (emulated npu-smi)"
+    assert device_words(v1) == "80 GB device(s)"
+    assert device_words(failed(v1, "v1-pinned-kv")) == "80 GB device(s)"
+    real = v1.model_copy(update={"simulated": False})
+    assert device_words(real) == "81,559 MiB device(s) (measured)"
+    assert device_words(failed(real, "v1-pinned-kv")) == "80 GB device(s)"  # nothing measured
+    cpu = v1.model_copy(update={"device_kind": "cpu"})
+    for rep in (cpu, failed(cpu, "v1-pinned-kv")):
+        assert device_words(rep).startswith("a 80 GiB memory budget (RLIMIT_DATA")
 
 
 def test_r01_breakdown_sums_to_the_card() -> None:

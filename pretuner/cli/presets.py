@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 from pathlib import Path
@@ -11,7 +10,7 @@ import typer
 
 from pretuner.cli.app import Group, app
 from pretuner.cli.render import emit, table
-from pretuner.cli.script import preset_from_run_dir
+from pretuner.cli.script import finished_run
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
 
@@ -83,10 +82,15 @@ def add_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's name and file."),
 ) -> None:
     """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
-    from pretuner.presets.model import all_presets, check_preset, preset_to_json, user_presets_dir
+    from pretuner.presets.model import (
+        all_presets,
+        check_preset,
+        preset_from_report,
+        preset_to_json,
+        user_presets_dir,
+    )
 
-    p = preset_from_run_dir(run_dir)
-    p = dataclasses.replace(p, name=name or p.name, date=datetime.date.today().isoformat())
+    p = preset_from_report(finished_run(run_dir), name=name, date=datetime.date.today().isoformat())
     problems = check_preset(p)
     if problems:
         raise BadInputError(f"run record disagrees with the KV math: {problems[0]}")

@@ -82,27 +82,24 @@ def add_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's name and file."),
 ) -> None:
     """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
-    from pretuner.presets.model import (
-        all_presets,
-        check_preset,
-        preset_from_report,
-        preset_to_json,
-        user_presets_dir,
-    )
+    from pretuner.presets import model
 
-    p = preset_from_report(finished_run(run_dir), name=name, date=datetime.date.today().isoformat())
-    problems = check_preset(p)
+    if name is not None:  # a name that no file or `presets list` could read back is refused
+        model.check_name(name, "--name")
+    p = model.preset_from_report(finished_run(run_dir), name=name,
+                                 date=datetime.date.today().isoformat())
+    problems = model.check_preset(p)
     if problems:
         raise BadInputError(f"run record disagrees with the KV math: {problems[0]}")
     if out is None:
-        if p.name in {q.name for q in all_presets()}:
+        if p.name in {q.name for q in model.all_presets()}:
             raise BadInputError(
                 f"a preset named {p.name!r} exists already", hint="pass --name NEW-NAME"
             )
-        out = user_presets_dir()
+        out = model.user_presets_dir()
         out.mkdir(parents=True, exist_ok=True)
     path = write_atomic(
-        Path(out) / f"{p.name}.json", json.dumps(preset_to_json(p), indent=2) + "\n"
+        Path(out) / f"{p.name}.json", json.dumps(model.preset_to_json(p), indent=2) + "\n"
     )
     emit(as_json, {"preset": p.name, "file": str(path)},
          f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")

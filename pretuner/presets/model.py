@@ -124,11 +124,7 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
         preset = Preset(**(data | kinds))
     except (KeyError, TypeError, ValueError) as err:
         raise BadInputError(f"{origin}: invalid preset: {err}") from None
-    if not _NAME.match(preset.name):
-        raise BadInputError(
-            f"{origin}: preset name {preset.name!r} is invalid",
-            hint="use lower-case letters, digits, dots and dashes",
-        )
+    check_name(preset.name, origin)
     pinned = preset.kv_basis is KvBasis.PINNED
     for key in _PINNED_FLAGS if pinned else _R01_FLAGS:
         if key not in preset.flags:
@@ -142,6 +138,14 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
             hint=f"kv_basis is {preset.kv_basis.value!r}",
         )
     return preset
+
+
+def check_name(name: str, origin: str) -> str:
+    """`name` when it can name a preset: a file name in the presets folder and a shell word."""
+    if not _NAME.match(name):
+        raise BadInputError(f"{origin}: preset name {name!r} is invalid",
+                            hint="use lower-case letters, digits, dots and dashes")
+    return name
 
 
 def _check_pinned_fields(p: Preset, origin: str) -> None:

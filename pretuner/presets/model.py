@@ -235,19 +235,13 @@ def resolve_preset(name_or_path: str) -> Preset:
     return get_preset(name_or_path)
 
 
-def find_preset(
-    model: str, card_gib: int, tp: int, presets: tuple[Preset, ...] | None = None
-) -> Preset | None:
+def find_preset(model: str, card_gib: int, tp: int) -> Preset | None:
     """The preset for this model, card size and TP (in PresetKind's order: measured first)."""
     try:
         name = resolve(model).name
     except BadInputError:
         name = model
-    hits = [
-        p
-        for p in (all_presets() if presets is None else presets)
-        if p.model == name and p.card_gib == card_gib and p.tp == tp
-    ]
+    hits = [p for p in all_presets() if p.model == name and p.card_gib == card_gib and p.tp == tp]
     return min(hits, key=lambda p: (list(PresetKind).index(p.kind), p.name)) if hits else None
 
 
@@ -330,12 +324,16 @@ def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) ->
     own = _r01_fields(rep, d) if isinstance(d, R01Derivation) else _pinned_fields(rep, d)
     engine = "" if r01 else f"-{rep.engine}"
     default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g{engine}-{kind.value}-{rep.run_id}"
+    notes = ["validated under full load" if rep.validated else "NOT validated"]
+    if rep.simulated and not r01:
+        notes.append("figures simulated on the emulated card; the server command is the "
+                     f"real {rep.engine}'s with the run's flags")
     return Preset(
         name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
         kind=kind, model=rep.model, card_gib=rep.card_gib, tp=rep.tp, pp=rep.pp,
         nodes=rep.nodes, weights_format=rep.weights_format, kv_cache_dtype=rep.kv_cache_dtype,
         env=dict(rep.final.env), kv_bytes_per_token=rep.kv_bytes_per_token,
-        kv_tokens=rep.final.kv_tokens or 0, date=date,
+        kv_tokens=rep.final.kv_tokens or 0, date=date, notes="; ".join(notes),
         source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
         f"({'emulated card' if rep.simulated else rep.engine})",
         run_id=rep.run_id, kv_basis=KvBasis.MODEL_USE if r01 else KvBasis.PINNED, **own,
@@ -360,7 +358,6 @@ def _r01_fields(rep: RunReport, d: R01Derivation) -> dict[str, Any]:
         "engine": "emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
         "engine_version": "0.1", "flags": numeric_flags(rep.final.flags),
         "kv_gib": round(model_use_budget_bytes(rep.card_gib, d.util, model_use) / GIB, 2),
-        "notes": "validated under full load" if rep.validated else "NOT validated",
         "figures": {"actual_peak_mib": d.actual_peak_mib, "kv_prerun_gib": d.kv_prerun_gib,
                     "weights_act_gib": d.weights_act_gib, "headroom_gib": d.headroom_gib},
     }
@@ -432,17 +429,11 @@ def _pinned_fields(rep: RunReport, d: PinnedDerivation) -> dict[str, Any]:
     }
     if "gpu-memory-utilization" in given:
         flags["gpu_memory_utilization"] = float(given["gpu-memory-utilization"])
-    notes = ["validated under full load" if rep.validated else "NOT validated"]
-    if rep.simulated:
-        notes.append(
-            "figures simulated on the emulated card; the server command is the "
-            f"real {engine}'s with the run's flags"
-        )
     return {
         "model_path": model_path, "cards_per_node": rep.tp * rep.pp // rep.nodes,
         "engine": engine, "engine_version": rep.engine_version, "flags": flags,
         "kv_gib": round(d.kv_cache_memory_bytes / GIB, 2),
-        "notes": "; ".join(notes), "figures": _figures(d),
+        "figures": _figures(d),
         "kv_cache_memory_bytes": d.kv_cache_memory_bytes, "server_command": server_command,
         "server_flags": list(f.flags),
     }

@@ -190,11 +190,15 @@ def test_chart_marks_phases_devices_and_caps() -> None:
     assert chart(LaunchMemory(1, None, None, ()), []) is None
 
 
+DECISION = {"decision": "derive", "reason": "<b>19 GiB</b> & more"}
+
+
 def write_run(folder: Path, rep: RunReport, tsv: str | None = None) -> Path:
     folder.mkdir()
+    rep = rep.model_copy(update={"decisions": [DECISION]})
     (folder / "report.json").write_text(json.dumps(rep.model_dump(mode="json")))
-    (folder / "journal.jsonl").write_text(json.dumps(
-        {"event": "decision", "decision": "derive", "reason": "<b>19 GiB</b> & more"}) + "\n")
+    # A resumed run's journal: the interrupted attempt's decision, then the same one made again.
+    (folder / "journal.jsonl").write_text(2 * (json.dumps({"event": "decision", **DECISION}) + "\n"))
     if tsv is not None:
         (folder / "launch-1").mkdir()
         (folder / "launch-1" / "memory.tsv").write_text(tsv)
@@ -213,7 +217,7 @@ def test_page_escapes_and_shows_what_was_given_up(tmp_path: Path) -> None:
     html = render_html(write_run(tmp_path / "run", rep, tsv))
     assert "<script" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
-    assert "&lt;b&gt;19 GiB&lt;/b&gt; &amp; more" in html
+    assert html.count("&lt;b&gt;19 GiB&lt;/b&gt; &amp; more") == 1  # the record's, not the journal's
     assert "asked: max_model_len 16,384" in html
     assert "max_model_len 11,264 &lt; 16,384 asked" in html
     assert "SIMULATED" in html

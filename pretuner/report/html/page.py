@@ -1,16 +1,13 @@
 """report.html: one self-contained page (inline CSS and SVG, no script, no URL) built from a run
-folder's files only: its record (report.json), the journal's decisions and each launch's
-`memory.tsv`."""
+folder's files only: its record (report.json) and each launch's `memory.tsv`."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
@@ -40,24 +37,6 @@ class LaunchView:
     n: int
     title: str
     chart: Chart | None
-
-
-def journal_decisions(folder: Path, report: AnyReport) -> tuple[tuple[str, str], ...]:
-    """The journal's decisions in order, as (decision, text); the report's own list when the
-    journal has none."""
-    try:
-        lines = (folder / "journal.jsonl").read_text("utf-8").splitlines()
-    except OSError:
-        lines = []
-    found: list[dict[str, Any]] = []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(event, dict) and event.get("event") == "decision":
-            found.append(event)
-    return tuple((str(d.get("decision", "?")), decision_text(d)) for d in found or report.decisions)
 
 
 def launch_memory(folder: Path) -> tuple[LaunchMemory, ...]:
@@ -116,7 +95,9 @@ class Page:
     total_label: str
     overrun: str | None
     launches: tuple[LaunchView, ...]
-    decisions: tuple[tuple[str, str], ...]  # (decision, text)
+    # (decision, text): the record's, as report.md lists them; not the journal's, where a resumed
+    # run has its interrupted attempt's decisions twice
+    decisions: tuple[tuple[str, str], ...]
 
 
 def page_of(folder: Path) -> Page:
@@ -162,7 +143,7 @@ def page_of(folder: Path) -> Page:
         overrun=(f"the parts exceed the card by {b.overrun_mib:,.0f} MiB"
                  if b is not None and b.overrun_mib > 0 else None),
         launches=tuple(launches),
-        decisions=journal_decisions(folder, rep),
+        decisions=tuple((str(d.get("decision", "?")), decision_text(d)) for d in rep.decisions),
     )
 
 

@@ -7,7 +7,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from functools import cache
@@ -199,13 +199,12 @@ def builtin_presets() -> tuple[Preset, ...]:
     return tuple(sorted(found, key=lambda p: p.name))
 
 
-def user_presets_dir(env: Mapping[str, str] | None = None) -> Path:
+def user_presets_dir() -> Path:
     """Where `presets add` keeps a user's presets: $PRETUNER_PRESETS_DIR, else
     $XDG_DATA_HOME/pretuner/presets (~/.local/share/pretuner/presets); never the package."""
-    env = os.environ if env is None else env
-    if env.get("PRETUNER_PRESETS_DIR"):
-        return Path(env["PRETUNER_PRESETS_DIR"])
-    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    if os.environ.get("PRETUNER_PRESETS_DIR"):
+        return Path(os.environ["PRETUNER_PRESETS_DIR"])
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "pretuner" / "presets"
 
 

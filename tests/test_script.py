@@ -189,6 +189,13 @@ def test_presets_add_keeps_a_users_preset_outside_the_package(tmp_path: Path) ->
     assert "my-run" not in invoke("presets", "list").stdout
 
 
+def test_presets_add_help_names_out_a_folder() -> None:
+    # The preset file is written into --out as NAME.json: the option names a folder, not a file.
+    res = invoke("presets", "add", "--help")
+    assert res.returncode == 0, res.stderr
+    assert "--out DIR" in res.stdout
+
+
 @pytest.mark.parametrize("name", ["My Preset", "../escaped", "a/b"])
 def test_presets_add_refuses_a_name_no_preset_file_can_hold(tmp_path: Path, name: str) -> None:
     # Such a file broke every later `presets list` (its name is refused on reading), and a

@@ -74,7 +74,7 @@ def add_cmd(
         None, "--name", metavar="NAME", help="Preset name (default: derived)."
     ),
     out: Path | None = typer.Option(
-        None, "--out", metavar="FILE",
+        None, "--out", metavar="DIR",
         help="Folder of preset files to add it to (default: your presets folder, "
         "$PRETUNER_PRESETS_DIR or ~/.local/share/pretuner/presets; a checkout's "
         "pretuner/presets/data to ship it).",

@@ -27,23 +27,6 @@ NO_PEAK_HINT = (
 ASSUMED_UTIL, ASSUMED_MODEL_USE_GIB, ASSUMED_MAX_MODEL_LEN = 0.9, 50, 16384
 
 
-def assumed_settings(cfg: AnalyzeConfig) -> dict[str, float]:
-    """The pre-run settings not given, as `flag -> the method's default` it takes for them."""
-    return {flag: value for flag, given, value in (
-        ("--util", cfg.util, ASSUMED_UTIL),
-        ("--model-use-gb", cfg.model_use_gib, ASSUMED_MODEL_USE_GIB),
-        ("--max-model-len", cfg.max_model_len, ASSUMED_MAX_MODEL_LEN),
-    ) if given is None}
-
-
-def assumed_line(assumed: dict[str, float]) -> str | None:
-    if not assumed:
-        return None
-    given = ", ".join(f"{flag} {value:g}" for flag, value in assumed.items())
-    return (f"assumed, not given: {given} (the method's pre-run; the log does not say them): "
-            "if the pre-run used others, pass them, the derivation depends on them")
-
-
 @dataclass(frozen=True, slots=True)
 class R01Analysis:
     """The worst rank's peak, and the method's derivation from it."""
@@ -58,6 +41,14 @@ class R01Analysis:
     kv_bytes_per_token: int
     derivation: Derivation
     assumed: dict[str, float] = field(default_factory=dict)  # flag -> value not given
+
+    @property
+    def assumed_line(self) -> str | None:
+        if not self.assumed:
+            return None
+        given = ", ".join(f"{flag} {value:g}" for flag, value in self.assumed.items())
+        return (f"assumed, not given: {given} (the method's pre-run; the log does not say them): "
+                "if the pre-run used others, pass them, the derivation depends on them")
 
     def to_json(self) -> dict[str, Any]:
         d = self.derivation
@@ -114,9 +105,8 @@ class R01Analysis:
                 "too low; for a sure figure, pre-run again and stop the server gracefully"
             )
         lines += ["", *derivation_lines(self.derivation, card_source=self.card_source)]
-        said = assumed_line(self.assumed)
-        if said is not None:
-            lines += ["", f"warning: {said}"]
+        if self.assumed_line is not None:
+            lines += ["", f"warning: {self.assumed_line}"]
         return "\n".join(lines)
 
     def out_text(self, command: str) -> str:
@@ -128,7 +118,7 @@ class R01Analysis:
         ])
 
     def json_warnings(self) -> list[str]:
-        said = assumed_line(self.assumed)
+        said = self.assumed_line
         return [cut.describe() for cut in self.scan.truncated] + ([] if said is None else [said])
 
 
@@ -188,6 +178,11 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
     else:
         tp, tp_source = max(1, len(dumped_ranks(scan))), "derived"
     bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp or 1, kv_dtype=cfg.kv_cache_dtype)
+    assumed = {flag: value for flag, given, value in (
+        ("--util", cfg.util, ASSUMED_UTIL),
+        ("--model-use-gb", cfg.model_use_gib, ASSUMED_MODEL_USE_GIB),
+        ("--max-model-len", cfg.max_model_len, ASSUMED_MAX_MODEL_LEN),
+    ) if given is None}
     derivation = derive(
         PrerunInputs(
             card_gib=card,
@@ -200,7 +195,6 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
             max_model_len=(cfg.max_model_len if cfg.max_model_len is not None
                            else ASSUMED_MAX_MODEL_LEN),
             headroom_gib=cfg.headroom_gib,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
             per_seq_bytes=per_sequence_bytes(cfg.model.vocab_size),
         )
     )
@@ -214,5 +208,5 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
         tp_source=tp_source,
         kv_bytes_per_token=bpt,
         derivation=derivation,
-        assumed=assumed_settings(cfg),
+        assumed=assumed,
     )

@@ -43,10 +43,6 @@ SERIES_HINT = "pass the NVML series (TSV) or nvidia-smi CSV sampled during the r
 _NOT_THIS_RUN = "pass the series sampled during the run that wrote this log"
 
 
-def _mib_gib(nbytes: int) -> str:
-    return f"{nbytes / MIB:,.1f} MiB ({nbytes / GIB:.2f} GiB)"
-
-
 @dataclass(frozen=True, slots=True)
 class DevicePeak:
     """The worst device's highest sample in a memory series file, MiB."""
@@ -142,69 +138,16 @@ class BackOff:
 
 @dataclass(frozen=True, slots=True)
 class Suggestion:
-    """The `--kv-cache-memory-bytes` to try, and what it holds next to the log's run."""
+    """The `--kv-cache-memory-bytes` to try, and what it was derived from."""
 
     kv_bytes: int
-    basis: str  # "measured peak", "log: ready run", "back-off"
+    basis: str  # "measured peak", "log: ready run, ...", "back-off"
     derived_from: str  # the files and figures it comes from, in words
-    kv_tokens: int | None  # at the bytes/token below; None when it is not known
-    kv_tokens_exact: bool  # False when the bytes/token was derived from a rounded GiB figure
-    held_kv_bytes: int | None  # the log's KV, for the gain
-    held_kv_tokens: int | None
-    max_model_len: int | None
+    kv_tokens: int | None  # at the analysis' bytes/token; None when that is not known
 
     @property
     def flag(self) -> str:
         return f"--kv-cache-memory-bytes {self.kv_bytes}"
-
-    @property
-    def gain_bytes(self) -> int | None:
-        return None if self.held_kv_bytes is None else self.kv_bytes - self.held_kv_bytes
-
-    @property
-    def gain_tokens(self) -> int | None:
-        if self.kv_tokens is None or self.held_kv_tokens is None:
-            return None
-        return self.kv_tokens - self.held_kv_tokens
-
-    @property
-    def max_concurrency(self) -> float | None:
-        if self.kv_tokens is None or not self.max_model_len:
-            return None
-        return self.kv_tokens / self.max_model_len
-
-    def lines(self) -> list[str]:
-        about = "" if self.kv_tokens_exact else "about "
-        out = []
-        if self.kv_tokens is not None:
-            conc = self.max_concurrency
-            at = f"; {conc:.2f}x at max_model_len {self.max_model_len:,}" if conc else ""
-            out.append(f"KV tokens at {self.kv_bytes // MIB:,} MiB: {about}{self.kv_tokens:,} "
-                       f"(derived){at}")
-        gain = self.gain_bytes
-        if self.basis.startswith("log:"):  # the KV the log's run held: no peak to go further
-            out.append("the KV cache of the log's run, pinned: no gain until the device peak "
-                       "is measured")
-        elif gain is not None and self.held_kv_bytes is not None:
-            line = (f"gain vs the log: {self.kv_bytes / MIB:,.1f} MiB - "
-                    f"{self.held_kv_bytes / MIB:,.1f} MiB = {gain / MIB:+,.1f} MiB "
-                    f"({gain / GIB:+.2f} GiB)")
-            if self.gain_tokens is not None and self.held_kv_tokens is not None:
-                line += (f", {self.kv_tokens:,} - {self.held_kv_tokens:,} tokens = "
-                         f"{about}{self.gain_tokens:+,} tokens")
-            out.append(line)
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        conc = self.max_concurrency
-        return {
-            "kv_bytes": self.kv_bytes,
-            "kv_mib": self.kv_bytes // MIB,
-            "kv_gib": round(self.kv_bytes / GIB, 2),
-            **pick(self, "flag", "basis", "derived_from", "kv_tokens", "kv_tokens_exact"),
-            "max_concurrency": None if conc is None else round(conc, 2),
-            **pick(self, "held_kv_bytes", "held_kv_tokens", "gain_bytes", "gain_tokens"),
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +163,7 @@ class V1Analysis:
     tp: int
     pp: int
     bytes_per_token: int | None
+    kv_tokens_exact: bool  # False when the bytes/token was derived from a rounded GiB figure
     held_kv_bytes: int | None  # the KV cache the run held
     series: DevicePeak | None
     total_mib: int | None
@@ -232,29 +176,68 @@ class V1Analysis:
     provenance: dict[str, str]
 
     def _rows(self) -> list[tuple[str, str]]:
-        """What the log shows, one row a figure it says."""
+        """What the log shows: (label, value) for each figure it says."""
         log, mode, alloc = self.log, self.kv_mode, self.log.oom_alloc_bytes
-        kv_how = {"pinned": f" (--kv-cache-memory-bytes {self.kv_in_log_bytes})",
-                  "profiled": " (what profiling left under --gpu-memory-utilization)"}
+        how = {"pinned": f" (--kv-cache-memory-bytes {self.kv_in_log_bytes})",
+               "profiled": " (what profiling left under --gpu-memory-utilization)"}
         at = f" at max_model_len {log.max_model_len:,}" if log.max_model_len else ""
         size = "size not printed" if alloc is None else f"{alloc / MIB:,.1f} MiB"
-        rows = [
-            ("weights", log.weights_gib is not None and f"{log.weights_gib:.2f} GiB"),
-            ("KV cache", log.kv_gib is not None and mode is not None
-             and f"{log.kv_gib:.2f} GiB, {mode}{kv_how[mode]}"),
-            ("KV tokens", log.kv_tokens is not None and f"{log.kv_tokens:,}"),
-            ("concurrency", log.max_concurrency is not None and f"{log.max_concurrency:.2f}x{at}"),
-            ("graph capture", log.graphs_gib is not None
-             and f"{log.graphs_gib:.2f} GiB (after the KV allocation)"),
-            ("non-KV (profiled)", log.non_kv_gib is not None and f"{log.non_kv_gib:.2f} GiB"),
-            ("max_num_batched_tokens", log.max_num_batched_tokens is not None
-             and f"{log.max_num_batched_tokens:,}"),
-            ("out of memory", self.oom_phase is not None
-             and f"{size} at {self.oom_phase}: {log.oom_text}"),
-            ("longest sequence", log.estimated_max_len is not None
-             and f"{log.estimated_max_len:,} tokens (estimated)"),
-        ]
-        return [(label, text) for label, text in rows if text]
+        oom = self.oom_phase and f"{size} at {self.oom_phase}: {log.oom_text}"
+        rows = (  # label, figure (None: not in the log), its format
+            ("weights", log.weights_gib, "{:.2f} GiB"),
+            ("KV cache", mode and log.kv_gib, f"{{:.2f}} GiB, {mode}{how.get(mode or '')}"),
+            ("KV tokens", log.kv_tokens, "{:,}"),
+            ("concurrency", log.max_concurrency, "{:.2f}x" + at),
+            ("graph capture", log.graphs_gib, "{:.2f} GiB (after the KV allocation)"),
+            ("non-KV (profiled)", log.non_kv_gib, "{:.2f} GiB"),
+            ("max_num_batched_tokens", log.max_num_batched_tokens, "{:,}"),
+            ("out of memory", oom, "{}"),
+            ("longest sequence", log.estimated_max_len, "{:,} tokens (estimated)"),
+        )
+        return [(label, fmt.format(figure)) for label, figure, fmt in rows if figure is not None]
+
+    def _gains(self, s: Suggestion) -> tuple[int | None, int | None, float | None]:
+        """The suggestion's gain over the log's run in bytes and tokens, and its concurrency."""
+        held, tokens, length = self.held_kv_bytes, self.log.kv_tokens, self.log.max_model_len
+        return (None if held is None else s.kv_bytes - held,
+                None if s.kv_tokens is None or tokens is None else s.kv_tokens - tokens,
+                s.kv_tokens / length if s.kv_tokens is not None and length else None)
+
+    def _suggestion_lines(self, s: Suggestion) -> list[str]:
+        about = "" if self.kv_tokens_exact else "about "
+        gain, gain_tokens, conc = self._gains(s)
+        out = []
+        if s.kv_tokens is not None:
+            at = f"; {conc:.2f}x at max_model_len {self.log.max_model_len:,}" if conc else ""
+            out.append(f"KV tokens at {s.kv_bytes // MIB:,} MiB: {about}{s.kv_tokens:,} "
+                       f"(derived){at}")
+        if s.basis.startswith("log:"):  # the KV the log's run held: no peak to go further
+            out.append("the KV cache of the log's run, pinned: no gain until the device peak "
+                       "is measured")
+        elif gain is not None and self.held_kv_bytes is not None:
+            line = (f"gain vs the log: {s.kv_bytes / MIB:,.1f} MiB - "
+                    f"{self.held_kv_bytes / MIB:,.1f} MiB = {gain / MIB:+,.1f} MiB "
+                    f"({gain / GIB:+.2f} GiB)")
+            if gain_tokens is not None:
+                line += (f", {s.kv_tokens:,} - {self.log.kv_tokens:,} tokens = "
+                         f"{about}{gain_tokens:+,} tokens")
+            out.append(line)
+        return out
+
+    def _suggestion_json(self, s: Suggestion) -> dict[str, Any]:
+        gain, gain_tokens, conc = self._gains(s)
+        return {
+            "kv_bytes": s.kv_bytes,
+            "kv_mib": s.kv_bytes // MIB,
+            "kv_gib": round(s.kv_bytes / GIB, 2),
+            **pick(s, "flag", "basis", "derived_from", "kv_tokens"),
+            "kv_tokens_exact": self.kv_tokens_exact,
+            "max_concurrency": None if conc is None else round(conc, 2),
+            "held_kv_bytes": self.held_kv_bytes,
+            "held_kv_tokens": self.log.kv_tokens,
+            "gain_bytes": gain,
+            "gain_tokens": gain_tokens,
+        }
 
     def text(self) -> str:
         """The log's figures with their provenance, then the arithmetic."""
@@ -268,7 +251,7 @@ class V1Analysis:
             lines.append(f"KV bytes/token: {self.bytes_per_token:,} B, "
                          f"{prov['kv_bytes_per_token']}")
         if self.held_kv_bytes is not None:
-            held = _mib_gib(self.held_kv_bytes)
+            held = f"{self.held_kv_bytes / MIB:,.1f} MiB ({self.held_kv_bytes / GIB:.2f} GiB)"
             if prov["held_kv_bytes"] == HELD_FROM_TOKENS:
                 lines.append(f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
                              f"{self.held_kv_bytes:,} B = {held}, derived")
@@ -290,7 +273,7 @@ class V1Analysis:
             lines.append(f"  {self.back_off.line()}")
         elif s is not None:
             lines.append("what the log proves (no device peak):")
-        lines += [f"  {x}" for x in (s.lines() if s is not None else [])]
+        lines += [f"  {x}" for x in (self._suggestion_lines(s) if s is not None else [])]
         lines += [f"note: {n}" for n in self.notes]
         if s is not None:
             lines += ["", f"try:  {s.flag}  ({s.kv_bytes / GIB:.2f} GiB, {s.basis}: "
@@ -313,7 +296,7 @@ class V1Analysis:
         return []  # the object holds them
 
     def to_json(self) -> dict[str, Any]:
-        log, budget = self.log, self.budget
+        log, budget, s = self.log, self.budget, self.suggestion
         return {
             "engine": "v1",
             "files": list(self.files),
@@ -344,14 +327,14 @@ class V1Analysis:
                 **pick(budget, "total_mib", "margin_mib", "kv_mib", "kv_bytes", "source"),
             },
             "back_off": None if self.back_off is None else asdict(self.back_off),
-            "suggestion": None if self.suggestion is None else self.suggestion.to_json(),
+            "suggestion": None if s is None else self._suggestion_json(s),
             **pick(self, "warnings", "notes", "next_step", "provenance"),
         }
 
 
-def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Analysis:
+def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...],
+               series: DevicePeak | None) -> V1Analysis:
     """What the log shows, and the pinned KV that the measurements support."""
-    series = read_series_file(cfg.memory_series) if cfg.memory_series is not None else None
     if log.kv_gib is None and log.kv_tokens is None and not log.failed_oom \
             and not log.no_kv_memory and log.refused_free_gib is None:
         raise NothingFoundError(
@@ -438,15 +421,14 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
                 "unknown; pass --memory-series (an NVML series or repeated nvidia-smi CSV of "
                 "this run) and --card-total-mib to derive it"
             )
+            derived_from = f"the KV cache of the ready run in {names}"
             if kv_mode == "pinned" and kv_in_log is not None:
                 kv_bytes, basis = kv_in_log, "log: ready run, pinned"
-                derived_from = f"the KV cache pinned in {names}, which was ready"
             else:
                 # tokens x bytes/token is whole blocks: pinning it keeps every token; a GiB
                 # figure from the log is rounded, so round it down
                 kv_bytes = held if prov["held_kv_bytes"] == HELD_FROM_TOKENS else held // MIB * MIB
                 basis = "log: ready run, profiled KV pinned"
-                derived_from = f"the KV cache profiling gave in {names}, which was ready"
                 notes.append("pinning the KV that profiling gave keeps this run's cache, and "
                              "a later start with less free memory cannot shrink it")
     elif not (log.ready or log.start_failed or log.no_kv_memory or log.estimated_max_len
@@ -465,16 +447,29 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
             f"the engine refused to start: only {log.refused_free_gib:.2f} GiB was free and "
             "--gpu-memory-utilization asked more; lower it, or pin --kv-cache-memory-bytes"
         )
-    suggestion = None if kv_bytes is None else Suggestion(
-        kv_bytes, basis, derived_from,
-        kv_tokens_for(kv_bytes, bpt, cfg.block_size) if bpt else None, bpt_exact, held,
-        log.kv_tokens, log.max_model_len)
+    tokens = kv_tokens_for(kv_bytes, bpt, cfg.block_size) if kv_bytes is not None and bpt else None
+    suggestion = None if kv_bytes is None else Suggestion(kv_bytes, basis, derived_from, tokens)
     return V1Analysis(
-        files=files, outcome=_outcome(log, oom_phase), oom_phase=oom_phase, log=log,
-        kv_mode=kv_mode, kv_in_log_bytes=kv_in_log, tp=tp, pp=pp, bytes_per_token=bpt,
-        held_kv_bytes=held, series=series, total_mib=total_mib, budget=budget,
-        back_off=back_off, suggestion=suggestion, warnings=tuple(warnings), notes=tuple(notes),
-        next_step=_next_step(cfg, log, suggestion, tp), provenance=prov,
+        files=files,
+        outcome=_outcome(log, oom_phase),
+        oom_phase=oom_phase,
+        log=log,
+        kv_mode=kv_mode,
+        kv_in_log_bytes=kv_in_log,
+        tp=tp,
+        pp=pp,
+        bytes_per_token=bpt,
+        kv_tokens_exact=bpt_exact,
+        held_kv_bytes=held,
+        series=series,
+        total_mib=total_mib,
+        budget=budget,
+        back_off=back_off,
+        suggestion=suggestion,
+        warnings=tuple(warnings),
+        notes=tuple(notes),
+        next_step=_next_step(cfg, log, suggestion, tp),
+        provenance=prov,
     )
 
 

@@ -296,6 +296,19 @@ def test_the_engines_graph_estimate_decides_what_is_to_come(tmp_path: Path) -> N
     check_back_off_sums(data)
 
 
+def test_a_capture_oom_without_pool_figures_says_the_back_off_may_fall_short(
+    tmp_path: Path
+) -> None:
+    # an OOM report that does not say what the graph pools held (another allocator's wording)
+    text = (H100 / "B-util098.log").read_text()
+    log = tmp_path / "B-no-pools.log"
+    log.write_text(text.replace("allocated in private pools", "in graph pools"))
+    data = analyze_json(str(log))
+    assert data["back_off"]["graphs_to_come_bytes"] is None
+    assert any("may not be enough" in w for w in data["warnings"])
+    check_back_off_sums(data)
+
+
 def test_a_pass_that_finished_leaves_no_graphs_to_come() -> None:
     # E2 died in the sampler warm-up after "Graph capturing finished ... took 1.01 GiB"
     assert analyze_json(str(H100 / "E2-kv61g.log"))["back_off"]["graphs_to_come_bytes"] is None

@@ -95,18 +95,23 @@ def read_series_file(path: Path) -> DevicePeak:
     return read_memory_series(text, str(path))
 
 
-def graphs_to_come(log: V1Log) -> tuple[int, str] | None:
+def graphs_to_come(log: V1Log) -> tuple[int | None, str | None]:
     """The CUDA graph memory a run that ran out of memory while capturing graphs had still to
-    allocate, and how it was found; None when capture was not under way or its pools unknown."""
+    allocate, and how it was found: (None, None) when no capture was under way, (None, why)
+    when the log does not say how much was captured."""
     done = sum(graphs for _, graphs, _ in log.graph_capture)
     total = sum(graphs for _, _, graphs in log.graph_capture)
     pools = log.graph_pool_bytes
-    if log.graphs_gib is not None or done >= total or pools is None:
-        return None
+    if log.graphs_gib is not None or done >= total:
+        return None, None
     if log.graphs_estimated_gib is not None:
-        return (max(0, int(log.graphs_estimated_gib * GIB) - pools),
+        return (max(0, int(log.graphs_estimated_gib * GIB) - (pools or 0)),
                 f"the engine's estimate {log.graphs_estimated_gib:.2f} GiB less the "
-                f"{pools / MIB:,.1f} MiB in graph pools, derived")
+                f"{(pools or 0) / MIB:,.1f} MiB in graph pools, derived")
+    if pools is None:
+        return None, ("the run ran out of memory while capturing CUDA graphs and the log does "
+                      "not say how much graph memory was still to come: the back-off covers "
+                      "the failed allocation only, so it may not be enough")
     # vLLM captures the largest batch sizes first: the graphs left cost at most this rate
     return (pools * (total - done) // max(done, 1),
             f"{pools / MIB:,.1f} MiB in graph pools for {done} of {total} graphs, the "
@@ -540,15 +545,12 @@ def _back_off(log: V1Log, kv_in_log: int, total_mib: int | None,
         margin_total = 0
         margin_basis = (f"the floor {MARGIN_FLOOR_MIB} MiB; pass --card-total-mib for 0.5 % of "
                         "the device")
-    graphs = graphs_to_come(log)
-    if graphs is None and log.graphs_gib is None and any(d < t for _, d, t in log.graph_capture):
-        warnings.append("the run ran out of memory while capturing CUDA graphs and the log does "
-                        "not say how much graph memory was still to come: the back-off covers "
-                        "the failed allocation only, so it may not be enough")
-    to_come = None if graphs is None else graphs[0]
+    to_come, graphs_basis = graphs_to_come(log)
+    if to_come is None and graphs_basis is not None:
+        warnings.append(graphs_basis)
     kv = back_off_bytes(kv_in_log, (log.oom_alloc_bytes or 0) + (to_come or 0), margin_total)
     return BackOff(kv_in_log, log.oom_alloc_bytes, margin_mib(margin_total), margin_basis, kv,
-                   to_come, None if graphs is None else graphs[1])
+                   to_come, graphs_basis if to_come is not None else None)
 
 
 def _oom_phase(log: V1Log) -> str | None:

@@ -1,4 +1,4 @@
-"""The one entry of `analyze`: read the logs once, and give them to the method they belong to."""
+"""The one entry of `analyze`: read the logs, and give them to the method they belong to."""
 
 from __future__ import annotations
 

@@ -16,13 +16,6 @@ from pretuner.logscan.result import truncated_json
 from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.units import GIB, MIB
 
-NO_PEAK_HINT = (
-    "likely causes: the server ran without GLOG_v=1 (MindSpore prints the pool dump at INFO "
-    "level only), it was killed with SIGKILL or crashed before exit (the dump is printed at "
-    "teardown), or this is not the MindSpore log (with GLOG_logtostderr=0 look in "
-    "GLOG_log_dir/rank_*/logs/)"
-)
-
 # The seed's pre-run settings, taken where the user gave none and said as assumed.
 ASSUMED_UTIL, ASSUMED_MODEL_USE_GIB, ASSUMED_MAX_MODEL_LEN = 0.9, 50, 16384
 
@@ -155,7 +148,10 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
     if worst is None or worst.actual_peak_mib is None:
         raise NothingFoundError(
             f"no `actual peak used` line in {', '.join(str(p) for p in cfg.paths)}",
-            hint=NO_PEAK_HINT,
+            hint="likely causes: the server ran without GLOG_v=1 (MindSpore prints the pool dump "
+            "at INFO level only), it was killed with SIGKILL or crashed before exit (the dump is "
+            "printed at teardown), or this is not the MindSpore log (with GLOG_logtostderr=0 look "
+            "in GLOG_log_dir/rank_*/logs/)",
         )
     above = [t for t in scan.truncated if (t.peak_used_mib or 0) > worst.actual_peak_mib]
     if above:

@@ -39,7 +39,6 @@ MISMATCH_SHARE = 0.02
 HELD_FROM_TOKENS = "derived: KV tokens x bytes/token"
 _LOG_FIGURES = ("weights_gib", "kv_gib", "kv_tokens", "max_concurrency", "graphs_gib",
                 "oom_alloc_bytes", "max_model_len", "max_num_batched_tokens")
-SERIES_HINT = "pass the NVML series (TSV) or nvidia-smi CSV sampled during the run"
 _NOT_THIS_RUN = "pass the series sampled during the run that wrote this log"
 
 
@@ -90,7 +89,7 @@ def read_series_file(path: Path) -> DevicePeak:
     except OSError as err:
         raise BadInputError(
             f"--memory-series {str(path)!r} cannot be read: {err.strerror or err}",
-            hint=SERIES_HINT,
+            hint="pass the NVML series (TSV) or nvidia-smi CSV sampled during the run",
         ) from None
     return read_memory_series(text, str(path))
 

@@ -85,14 +85,14 @@ class V1Hooks:
         phase("load", f"worst case first: one request of {plen + decode:,} tokens alone, "
               "streamed (time to first token, decode tokens/s)")
         first, arrivals = stream_complete(base, ctx.served_name,
-                                          probe.probe_prompt(plen, ctx.seed + 7919), decode,
-                                          ctx.request_timeout_s)
+                                          probe.probe_prompt(plen, ctx.seed + 7919, ctx.vocab_size),
+                                          decode, ctx.request_timeout_s)
         if not first.ok:
             return tally([first], plen)
         count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
         phase("load", f"{count} concurrent requests of {plen + decode:,} tokens")
         burst = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
-                           ctx.request_timeout_s, on_done=requests_status(phase))
+                           ctx.request_timeout_s, ctx.vocab_size, on_done=requests_status(phase))
         ran = tally([first, *burst.outcomes], plen)
         return replace(ran, speed=streamed_speed(first, arrivals, burst, plen))
 

@@ -185,8 +185,11 @@ def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int | None) -> Ex
             f"{refused.error}): pretuner built a request this server or model does not accept",
             hint="this is pretuner's error, not a memory or server failure; please report it "
             "with the run folder")
-    error = describe_failure(*failed[:1])
-    if short and error is None:
+    error = None
+    if failed:
+        o = failed[0]
+        error = f"HTTP {o.status}: {o.error}" if o.status else str(o.error)
+    elif short:
         error = (f"the server counted {short[0].prompt_tokens:,} prompt tokens, not the "
                  f"{prompt_len:,} sent")
     ok = len(outs) - len(failed) - len(dropped) - len(short)
@@ -202,10 +205,3 @@ class Exercised:
     soak_requests: int = 0  # of `total`, the soak's
     reset_status: int | None = None  # POST /reset_mm_cache's HTTP status, when asked
     speed: Speed | None = None  # what the requests' timing showed (V1 validations)
-
-
-def describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:
-    for o in outcomes:
-        if not o.ok:
-            return f"HTTP {o.status}: {o.error}" if o.status else str(o.error)
-    return None

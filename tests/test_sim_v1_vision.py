@@ -157,8 +157,8 @@ def test_a_configuration_proven_at_start_up_fails_under_a_soak() -> None:
             "--max-num-batched-tokens", "32768", "-tp", "2",
             "--kv-cache-memory-bytes", str(fresh)]
     env = {**ENV, "PRETUNER_SIM_STARTUP_S": "0"}
-    assert survives(spec, argv, env, 8, 32768, Images(soak=0))
-    assert not survives(spec, argv, env, 8, 32768, Images(soak=200))
+    assert survives(spec, argv, env, Images(soak=0))
+    assert not survives(spec, argv, env, Images(soak=200))
 
 
 # -- the chat request, pure --------------------------------------------------------------------

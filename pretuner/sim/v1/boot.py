@@ -73,6 +73,7 @@ class Booted:
 
     card: V1Card
     max_model_len: int
+    max_num_seqs: int
     kv_bytes: int
     num_blocks: int
     fixed_bytes: int  # context + weights + persistent + KV + graph pool
@@ -118,10 +119,10 @@ def _print_start_failure(log: L.V1Log, err: Refused) -> None:
 
 
 def oom(card_total: int, capacity: int, in_use: int, alloc: Alloc, *, non_torch: int,
-        private: int, unallocated: int, stage: str, gpu: int = 0) -> Refused:
-    free = capacity - in_use
-    text = L.oom_text(gpu=gpu, alloc=alloc.size, total=card_total, free=free, in_use=in_use,
-                      non_torch=non_torch, private=private, unallocated=unallocated)
+        stage: str, private: int = 0, unallocated: int = 0) -> Refused:
+    text = L.oom_text(gpu=0, alloc=alloc.size, total=card_total, free=capacity - in_use,
+                      in_use=in_use, non_torch=non_torch, private=private,
+                      unallocated=unallocated)
     return Refused("torch.OutOfMemoryError", text, stage)
 
 
@@ -250,7 +251,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     if context + card.weights_bytes > capacity:
         layer = Alloc("weights", 0, card.weights_bytes // max(1, spec.num_layers))
         raise oom(total, capacity, capacity - layer.size // 2, layer, non_torch=context,
-                  private=0, unallocated=0, stage="load")
+                  stage="load")
     sink.pause(step_s)
     sink.level(context + card.weights_bytes)
     log.core("model_runner.py:302", f"Model loading took {_gib(card.weights_bytes)} GiB and "
@@ -272,8 +273,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         profile_bytes = vision.profile_bytes(profile_bytes)
     dummy = Alloc("profile", base, profile_bytes)
     if base + dummy.size > capacity:
-        raise oom(total, capacity, base, dummy, non_torch=non_torch, private=0,
-                  unallocated=0, stage="warmup")
+        raise oom(total, capacity, base, dummy, non_torch=non_torch, stage="warmup")
     sink.pause(step_s)
     sink.level(base + dummy.size)
     sink.level(base)
@@ -290,7 +290,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         layer = Alloc("kv", base, kv_bytes // spec.num_layers)
         done = (capacity - base) // layer.size
         raise oom(total, capacity, base + done * layer.size, layer, non_torch=non_torch,
-                  private=0, unallocated=0, stage="kv")
+                  stage="kv")
     sink.pause(step_s)
     sink.level(base + kv_bytes)
 
@@ -312,8 +312,8 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     compile_note = "" if cfg.enforce_eager else " (compilation: 6.25 s)"
     log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
              f"{cfg.startup_s:.2f} s{compile_note}")
-    return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
-                  non_torch, private,
+    return Booted(card, mml, cfg.max_num_seqs, kv_bytes, blocks, fixed, reserved, room, total,
+                  capacity, non_torch, private,
                   offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager), vision,
                   int(cfg.mm_processor_cache_gib * GIB))
 
@@ -374,8 +374,7 @@ def _capture(cfg: V1Config, sink: Sink, card: V1Card, fixed: int, capacity: int,
     sink.pause(cfg.startup_s / 8)
     if fixed + g.live_before > capacity:  # the pool and scratch themselves do not fit
         held = Alloc("graph", 0, g.live_before)
-        raise oom(total, capacity, fixed, held, non_torch=non_torch, private=0,
-                  unallocated=0, stage="graph")
+        raise oom(total, capacity, fixed, held, non_torch=non_torch, stage="graph")
     if fixed + g.live_before + g.size > capacity:
         sink.level(fixed + g.live_before)
         log.raw(L.CORE, ["Capturing CUDA graphs (FULL):   2%|▏         | 1/51 "

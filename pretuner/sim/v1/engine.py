@@ -34,10 +34,10 @@ METRICS_S = 10.0  # vLLM logs its throughput line every 10 s
 
 
 class EngineCore:
-    def __init__(self, booted: Booted, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, booted: Booted) -> None:
         self.b = booted
         self.mm = MMState(booted.vision, booted.processor_cache_bytes) if booted.vision else None
-        self.sched = Scheduler(Limits(max_num_seqs, max_num_batched_tokens,
+        self.sched = Scheduler(Limits(booted.max_num_seqs, booted.card.batched_tokens,
                                       booted.card.block_size, booted.num_blocks), self.mm)
         self.reserved = booted.reserved_bytes
         self.dead: str | None = None
@@ -52,7 +52,7 @@ class EngineCore:
     @property
     def held_bytes(self) -> int:
         """What images left on the card: the encoder cache's high-water mark, stranded blocks."""
-        return self.mm.held_bytes if self.mm is not None else 0
+        return self.mm.held_bytes() if self.mm is not None else 0
 
     @property
     def level_bytes(self) -> int:
@@ -71,7 +71,7 @@ class EngineCore:
         if self.mm is not None and plan.encode:
             # The encoder runs first, its transient freed before the language model's step;
             # its outputs stay in the encoder cache through that step.
-            held = self.mm.held_after(plan.encode_tokens)
+            held = self.mm.held_bytes(plan.encode_tokens)
             allocs = [Alloc("encoder", 0, self.mm.card.activation_bytes(plan.encode_tokens)),
                       *allocs]
         bad = first_failure(allocs, self.reserved, b.room_bytes - held)

@@ -190,7 +190,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     if booted is None:
         rec.peaks["stop"] = rec.floor_mib
         return InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
-    core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    core = EngineCore(booted)
     print_ready(log, cfg.host or ANY_HOST, cfg.port)
     client = Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []

@@ -51,7 +51,7 @@ class Server:
 
     def _serve(self, booted: Booted, sink: Sink) -> int:
         cfg, log = self.cfg, self.log
-        core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        core = EngineCore(booted)
         scale = cfg.time_scale  # PRETUNER_SIM_TIME_SCALE
         engine = Engine(core, log, sink.level,
                         lambda tokens: booted.clock.step_seconds(tokens) * scale)

@@ -184,10 +184,14 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     _api_preamble(log, cfg, spec)
     try:  # the API server's own checks
         mml = check_args(cfg, spec)
-        loaded = _load_plan(cfg, spec, log)
+        loaded = offload.load(spec, cfg.profile, cfg.tp, cfg.quantization, cfg.cpu_offload_gib)
+        warned = offload.swap_warning(cfg.swap_space_gib, cfg.tp,
+                                      offload.host_total_bytes(cfg.profile, cfg.host_mib))
     except Refused as err:
         log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc_type}: {err.message}"])
         return None
+    if warned:
+        log.api("config.py:388", warned, level="WARNING")
     log.api("model.py:1725", f"Using max model len {mml}")
     log.api("scheduler.py:252", "Chunked prefill is enabled with max_num_batched_tokens="
             f"{cfg.max_num_batched_tokens}.")
@@ -199,24 +203,13 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
         return None
 
 
-def _load_plan(cfg: V1Config, spec: ModelSpec, log: L.V1Log) -> offload.Loaded:
-    """The weights as loaded, and vLLM's --swap-space check against the host (API side)."""
-    loaded = offload.load(spec, cfg.profile, cfg.tp, cfg.quantization, cfg.cpu_offload_gib)
-    refused, warned = offload.swap_check(cfg.swap_space_gib, cfg.tp,
-                                         offload.host_total_bytes(cfg.profile, cfg.host_mib))
-    if refused:
-        raise Refused("ValueError", refused)
-    if warned:
-        log.api("config.py:388", warned, level="WARNING")
-    return loaded
-
-
 def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
                   others_bytes: int, loaded: offload.Loaded) -> Booted:
     log, step_s = sink.log, cfg.startup_s / 8
     profile = CUDA_PROFILES[cfg.profile]
-    card = V1Card(spec, offload.card_weights_total(loaded, cfg.tp), perturbed(cfg.sim_seed),
-                  cfg.tp, cfg.kv_cache_dtype, cfg.block_size, cfg.max_num_batched_tokens)
+    on_cards = loaded.total_bytes - loaded.offloaded_bytes * cfg.tp  # all ranks, less offload
+    card = V1Card(spec, on_cards, perturbed(cfg.sim_seed), cfg.tp, cfg.kv_cache_dtype,
+                  cfg.block_size, cfg.max_num_batched_tokens)
     context = profile.context_mib * MIB
     total = profile.torch_total_bytes
     capacity = total - cfg.occupied_mib * MIB - others_bytes
@@ -246,7 +239,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         log.core("bitsandbytes_loader.py:725", "Loading weights with BitsAndBytes "
                  "quantization. May take a while ...")
     host_free = offload.host_available_bytes(cfg.profile, cfg.host_mib)
-    if offload.host_needed_bytes(loaded) > host_free:
+    if offload.PROCESS_HOST_MIB * MIB + loaded.offloaded_bytes > host_free:  # the host's OOM
         raise Refused("", "{'EngineCore_DP0': -9}", "killed")
     if context + card.weights_bytes > capacity:
         layer = Alloc("weights", 0, card.weights_bytes // max(1, spec.num_layers))

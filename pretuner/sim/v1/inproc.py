@@ -19,7 +19,7 @@ from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Sink, boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images
 from pretuner.sim.v1.config import V1Config, parse
-from pretuner.sim.v1.engine import EngineCore, print_fatal
+from pretuner.sim.v1.engine import EngineCore
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.mm import MMItem
@@ -101,11 +101,11 @@ class Times:
     last: dict[int, float] = field(default_factory=dict)
 
 
-def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply | None:
+def _refused(core: EngineCore, client: Client, r: SimRequest) -> Reply | None:
     """The answer a request gets without running: too long, images over the limit, dead."""
     path = "/v1/chat/completions" if r.images else "/v1/completions"
     mm = core.mm
-    why = length_error(mml, r.prompt_len, r.max_tokens)
+    why = length_error(core.b.max_model_len, r.prompt_len, r.max_tokens)
     if why is None and r.images and (mm is None or len(r.images) > mm.card.image_limit):
         why = too_many_images(0 if mm is None else mm.card.image_limit, mm is not None)
     if why is not None:
@@ -115,8 +115,8 @@ def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply
     return None
 
 
-def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
-           times: Times) -> tuple[list[Reply], int | None]:
+def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave,
+          times: Times) -> tuple[list[Reply], int | None]:
     """Send the wave's requests (all at once, or a closed loop) and step until answered,
     keeping the emulated clock in `times`."""
     replies: dict[int, Reply] = {}
@@ -127,7 +127,7 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
     def feed() -> None:
         while todo and len(reqs) < limit:
             i, r = todo.pop(0)
-            refused = _refused(core, client, r, mml)
+            refused = _refused(core, client, r)
             if refused is not None:
                 replies[i] = refused
                 continue
@@ -141,8 +141,7 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
         if result is None:
             break
         rec.level(result.peak_bytes)
-        if result.oom is not None:
-            print_fatal(rec.log, core, result)
+        if core.dead is not None:
             break
         times.now += times.step_s(result.tokens)
         for req in result.sampled:
@@ -190,7 +189,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     if booted is None:
         rec.peaks["stop"] = rec.floor_mib
         return InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
-    core = EngineCore(booted)
+    core = EngineCore(booted, log)
     print_ready(log, cfg.host or ANY_HOST, cfg.port)
     client = Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
@@ -201,7 +200,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
         rec.phase = wave.phase
         rec.level(core.level_bytes)
         times = Times(step_s)
-        got, status = drive(core, rec, client, wave, booted.max_model_len, times)
+        got, status = drive(core, rec, client, wave, times)
         timing[wave.phase] = (times, got)
         replies += got
         reset = status if status is not None else reset

@@ -51,10 +51,8 @@ class Server:
 
     def _serve(self, booted: Booted, sink: Sink) -> int:
         cfg, log = self.cfg, self.log
-        core = EngineCore(booted)
-        scale = cfg.time_scale  # PRETUNER_SIM_TIME_SCALE
-        engine = Engine(core, log, sink.level,
-                        lambda tokens: booted.clock.step_seconds(tokens) * scale)
+        core = EngineCore(booted, log)
+        engine = Engine(core, sink.level, cfg.time_scale)
         host = cfg.host or ANY_HOST
         api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
                         dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")

@@ -107,12 +107,11 @@ def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None) -> bo
         decode = min(VALIDATION_DECODE, max(1, mml // 2))
         waves = waves_of(validation_phases(shape, mml, decode, count, images.soak,
                                            images.seed, TEMPLATE_TOKENS))
-    core = EngineCore(booted)
     rec = Sink(L.V1Log(0, 0, io.StringIO()), 0)
-    client = Client(rec.log, dev_mode=True)
+    core, client = EngineCore(booted, rec.log), Client(rec.log, dev_mode=True)
     for wave in waves:
         rec.phase = wave.phase
-        drive(core, rec, client, wave, mml, Times(lambda tokens: 0.0))
+        drive(core, rec, client, wave, Times(lambda tokens: 0.0))
     return core.dead is None
 
 

@@ -99,23 +99,8 @@ def resolve_model(name: str) -> ModelSpec:
         raise
 
 
-def architecture(spec: ModelSpec) -> str:
-    family = spec.name.split("-")[0].replace(".", "")
-    return spec.extra.get("architecture") or f"{family[:1].upper()}{family[1:]}ForCausalLM"
-
-
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
-
-
-def _print_start_failure(log: L.V1Log, err: Refused) -> None:
-    if err.where == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
-        log.raw(L.API, L.api_failure_lines(err.message))
-        return
-    body, raw = L.start_failure_lines(err.where, err.exc_type, err.message)
-    log.block(L.CORE, "ERROR", L.WHERE_START, body)
-    log.raw(L.CORE, raw)
-    log.raw(L.API, L.api_failure_lines())
 
 
 def oom(card_total: int, capacity: int, in_use: int, alloc: Alloc, *, non_torch: int,
@@ -161,7 +146,9 @@ def _api_preamble(log: L.V1Log, cfg: V1Config, spec: ModelSpec) -> None:
         log.api("api_utils.py:339", line)
     args = ", ".join(f"{k!r}: {v!r}" for k, v in cfg.non_default)
     log.api("api_utils.py:273", "non-default args: {" + args + "}")
-    log.api("model.py:598", f"Resolved architecture: {architecture(spec)}")
+    family = spec.name.split("-")[0].replace(".", "")
+    arch = spec.extra.get("architecture") or f"{family[:1].upper()}{family[1:]}ForCausalLM"
+    log.api("model.py:598", f"Resolved architecture: {arch}")
 
 
 def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
@@ -199,7 +186,13 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     try:
         return _engine_start(cfg, sink, spec, mml, others_bytes, loaded)
     except Refused as err:
-        _print_start_failure(log, err)
+        if err.where == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
+            log.raw(L.API, L.api_failure_lines(err.message))
+            return None
+        body, raw = L.start_failure_lines(err.where, err.exc_type, err.message)
+        log.block(L.CORE, "ERROR", L.WHERE_START, body)
+        log.raw(L.CORE, raw)
+        log.raw(L.API, L.api_failure_lines())
         return None
 
 
@@ -256,7 +249,10 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     # The dummy step of max_num_batched_tokens tokens (the profile run; in util mode its peak
     # is the non-KV figure), after the encoder's dummy images for a vision-language model.
     base = card.base_bytes(context)
-    vision = _vision(cfg, spec, mml)
+    vision = None if spec.vision is None else vision_card(
+        spec.vision, tp=cfg.tp, dtype_bytes=spec.dtype_bytes, seed=cfg.sim_seed,
+        image_limit=cfg.image_limit, max_model_len=mml, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens)
     profile_bytes = card.profile_activation_bytes(cfg.max_num_batched_tokens)
     if vision is not None:
         if vision.budget_tokens:
@@ -309,15 +305,6 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
                   capacity, non_torch, private,
                   offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager), vision,
                   int(cfg.mm_processor_cache_gib * GIB))
-
-
-def _vision(cfg: V1Config, spec: ModelSpec, mml: int) -> VisionCard | None:
-    if spec.vision is None:
-        return None
-    return vision_card(spec.vision, tp=cfg.tp, dtype_bytes=spec.dtype_bytes, seed=cfg.sim_seed,
-                       image_limit=cfg.image_limit, max_model_len=mml,
-                       max_num_seqs=cfg.max_num_seqs,
-                       max_num_batched_tokens=cfg.max_num_batched_tokens)
 
 
 def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: int,

@@ -72,17 +72,13 @@ def _mm_limits(args: list[str]) -> tuple[list[str], dict[str, str]]:
     argv: (the rest, modality -> count text)."""
     rest: list[str] = []
     dotted: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    it = iter(args)
+    for arg in it:
         if arg.startswith("--limit-mm-per-prompt."):
             key, eq, value = arg.removeprefix("--limit-mm-per-prompt.").partition("=")
-            if not eq and i + 1 < len(args):
-                value, i = args[i + 1], i + 1
-            dotted[key] = value
+            dotted[key] = value if eq else next(it, "")
         else:
             rest.append(arg)
-        i += 1
     return rest, dotted
 
 

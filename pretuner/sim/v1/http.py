@@ -110,7 +110,7 @@ class _Handler(front.Handler):
         try:
             prompt = parse_chat(body, api.vision)
         except ChatError as err:
-            self._error(400, err.message)
+            self._error(400, str(err))
             return
         max_tokens = chat_max_tokens(body, api.max_model_len, prompt.prompt_len)
         if max_tokens is None:

@@ -166,19 +166,15 @@ class V1Log(LineLog):
     def _pid(self, who: str) -> int:
         return self.api_pid if who == API else self.core_pid
 
-    def log(self, who: str, level: str, src: str, msg: str) -> None:
-        self._write(prefix(who, self._pid(who), level, src, dt.datetime.now()) + msg)
-
     def api(self, src: str, msg: str, level: str = "INFO") -> None:
-        self.log(API, level, src, msg)
+        self.block(API, level, src, [msg])
 
     def core(self, src: str, msg: str, level: str = "INFO") -> None:
-        self.log(CORE, level, src, msg)
+        self.block(CORE, level, src, [msg])
 
     def block(self, who: str, level: str, src: str, lines: list[str]) -> None:
         """A multi-line message: every line carries the prefix, as vLLM's logger prints it."""
-        when = dt.datetime.now()
-        head = prefix(who, self._pid(who), level, src, when)
+        head = prefix(who, self._pid(who), level, src, dt.datetime.now())
         self._write("\n".join(head + line for line in lines))
 
     def raw(self, who: str, lines: list[str]) -> None:

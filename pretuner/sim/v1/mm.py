@@ -53,10 +53,6 @@ class VisionCard:
         return max_image_tokens(self.vision)
 
     @property
-    def per_prompt(self) -> int:
-        return images_per_prompt(self.image_limit, self.max_model_len, self.max_item_tokens)
-
-    @property
     def budget_tokens(self) -> int:
         """The encoder cache size and compute budget (0: images refused)."""
         if self.image_limit == 0:
@@ -65,7 +61,9 @@ class VisionCard:
 
     @property
     def profiled(self) -> int:
-        return profiled_images(self.budget_tokens, self.max_item_tokens, self.per_prompt,
+        per_prompt = images_per_prompt(self.image_limit, self.max_model_len,
+                                       self.max_item_tokens)
+        return profiled_images(self.budget_tokens, self.max_item_tokens, per_prompt,
                                self.max_num_seqs)
 
     def activation_bytes(self, tokens: int) -> int:
@@ -85,10 +83,6 @@ class VisionCard:
         if tokens == 0:
             return dummy_step_bytes
         return max(self.activation_bytes(tokens), self.output_bytes(tokens) + dummy_step_bytes)
-
-    @property
-    def frag_cap_bytes(self) -> int:
-        return int(self.coeffs.frag_cap_images * self.activation_bytes(self.max_item_tokens))
 
 
 def vision_card(v: VisionSpec, *, tp: int, dtype_bytes: int, seed: int, image_limit: int | None,
@@ -182,8 +176,9 @@ class MMState:
             if shape in self.shapes:
                 continue
             self.shapes.add(shape)
-            cap = self.card.frag_cap_bytes
-            self.frag_bytes += int(self.card.coeffs.frag_rate * max(0, cap - self.frag_bytes))
+            card = self.card
+            cap = int(card.coeffs.frag_cap_images * card.activation_bytes(card.max_item_tokens))
+            self.frag_bytes += int(card.coeffs.frag_rate * max(0, cap - self.frag_bytes))
 
     def processed(self, key: str, host_bytes: int) -> None:
         """The API server kept an image's processed inputs (host memory, LRU)."""

@@ -11,7 +11,7 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretuner.launch.images import image_shape, validation_phases
+from pretuner.launch.images import LoadPhase, TextRequest, image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.sim.kvcache import cache_layout
@@ -21,7 +21,7 @@ from pretuner.sim.v1.boot import Booted, Sink, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, KV_DTYPES, parse
 from pretuner.sim.v1.engine import EngineCore
-from pretuner.sim.v1.inproc import Client, SimRequest, Times, Wave, drive, waves_of
+from pretuner.sim.v1.inproc import Client, Times, drive, waves_of
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.units import MIB
 
@@ -99,8 +99,8 @@ def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None) -> bo
     mml = booted.max_model_len
     count = max(1, min(booted.max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
     if images is None or spec.vision is None:  # one max-length prompt, then `count` at once
-        one = SimRequest(mml - 1, 1)
-        waves = [Wave("probe", (one,)), Wave("load", (one,) * count)]
+        one = TextRequest(mml - 1, 1)
+        waves = [LoadPhase("probe", (one,)), LoadPhase("load", (one,) * count)]
     else:
         shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
                             else images.limit)
@@ -110,7 +110,7 @@ def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None) -> bo
     rec = Sink(L.V1Log(0, 0, io.StringIO()), 0)
     core, client = EngineCore(booted, rec.log), Client(rec.log, dev_mode=True)
     for wave in waves:
-        rec.phase = wave.phase
+        rec.phase = wave.name
         drive(core, rec, client, wave, Times(lambda tokens: 0.0))
     return core.dead is None
 

@@ -7,24 +7,24 @@ import argparse
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pretuner.sim.argv import ServerArgs, env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
 from pretuner.sim.memory import DEFAULT_SEED
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE
+from pretuner.sim.v1.offload import HOST_ENV
 
-DEFAULT_STARTUP_S = 1.0
 DEFAULT_BATCHED_TOKENS = 8192
 KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
-ENV = {
-    "profile": "PRETUNER_SIM_PROFILE",
-    "seed": "PRETUNER_SIM_SEED",
-    "startup_s": "PRETUNER_SIM_STARTUP_S",
-    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
-    "state_dir": "PRETUNER_SIM_STATE_DIR",
-    "host_mib": "PRETUNER_SIM_HOST_MIB",
-    "time_scale": "PRETUNER_SIM_TIME_SCALE",
+KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variable, default)
+    "seed": ("PRETUNER_SIM_SEED", DEFAULT_SEED),
+    "startup_s": ("PRETUNER_SIM_STARTUP_S", 1.0),
+    "occupied_mib": ("PRETUNER_SIM_OCCUPIED_MIB", 0),
+    "host_mib": (HOST_ENV, None),
+    "time_scale": ("PRETUNER_SIM_TIME_SCALE", 1.0),
 }
+ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
 NON_DEFAULT_ORDER = (
     "host", "port", "model", "max_model_len", "served_model_name", "load_format", "seed",
     "enforce_eager", "tensor_parallel_size", "quantization", "block_size",
@@ -153,11 +153,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
     if profile not in CUDA_PROFILES:
         raise UsageError(f"{ENV['profile']}={profile!r} is not a CUDA profile; choose one of: "
                          f"{', '.join(CUDA_PROFILES)}")
-    knobs = env_values(env, {"seed": (ENV["seed"], DEFAULT_SEED),
-                             "startup_s": (ENV["startup_s"], DEFAULT_STARTUP_S),
-                             "occupied_mib": (ENV["occupied_mib"], 0),
-                             "host_mib": (ENV["host_mib"], None),
-                             "time_scale": (ENV["time_scale"], 1.0)})
+    knobs = env_values(env, KNOBS)
     host_mib = knobs["host_mib"]
     return V1Config(
         **args, max_num_batched_tokens=ns.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,

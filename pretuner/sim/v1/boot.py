@@ -269,8 +269,8 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     log.core("monitor.py:81", "Initial profiling/warmup run took "
              f"{0.1 + cfg.max_num_batched_tokens / 16000:.2f} s")
     kv = _kv_budget(cfg, card, log, requested, free, profile_bytes)
-    blocks = check_kv(kv, card, mml)
-    tokens = blocks * cfg.block_size
+    tokens = check_kv(kv, card, mml)
+    blocks = tokens // cfg.block_size
     log.core("kv_cache_utils.py:2146", f"GPU KV cache size: {tokens:,} tokens")
     log.core("kv_cache_utils.py:2147", f"Maximum concurrency for {mml:,} tokens per request: "
              f"{tokens / mml:.2f}x")
@@ -326,12 +326,11 @@ def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: 
 
 
 def check_kv(kv: int, card: V1Card, mml: int) -> int:
-    """vLLM's checks on the KV budget; returns its whole blocks."""
-    blocks = max(0, kv) // card.block_bytes
-    if blocks <= 0:
+    """vLLM's checks on the KV budget; returns its tokens (whole blocks)."""
+    tokens = card.kv_tokens(kv)
+    if tokens <= 0:
         raise Refused("ValueError", "No available memory for the cache blocks. Try "
                       "increasing `gpu_memory_utilization` when initializing the engine.", "config")
-    tokens = blocks * card.block_size
     if mml > tokens:
         need = mml * card.kv_bytes_per_token
         raise Refused("ValueError", f"To serve at least one request with the models's "
@@ -340,7 +339,7 @@ def check_kv(kv: int, card: V1Card, mml: int) -> int:
                       f"available memory, the estimated maximum model length is {tokens}. Try "
                       "increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
                       "initializing the engine.", "config")
-    return blocks
+    return tokens
 
 
 def _capture(cfg: V1Config, sink: Sink, card: V1Card, fixed: int, capacity: int, total: int,

@@ -27,8 +27,6 @@ from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, wor
 from pretuner.launch.probe import CompletionOutcome
 from pretuner.launch.process import read_tail
 from pretuner.logscan import scan_paths
-from pretuner.logscan.events import DeviceMemoryInit
-from pretuner.logscan.lines import parse_line
 from pretuner.sim import inproc
 from pretuner.sim.http import Reply
 from pretuner.sim.plugin import EMULATOR
@@ -57,17 +55,6 @@ def _launch_log(workdir: Path, n: int, log: str) -> Path:
 def _outcomes(replies: Sequence[Reply]) -> list[CompletionOutcome]:
     return [CompletionOutcome(r.status, r.status == 200, 0.0, r.prompt_tokens,
                               r.completion_tokens, r.error) for r in replies]
-
-
-def _init_free_mib(log: str) -> list[int]:
-    """`Device free MOC Size` of every MindSpore init line (what the live follower reads)."""
-    found = []
-    for line in log.splitlines():
-        if "Device MOC Size" in line or "Device HBM Size" in line:
-            event = parse_line(line)
-            if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
-                found.append(event.device_free_mib)
-    return found
 
 
 def tune_in_process(
@@ -102,7 +89,7 @@ def tune_in_process(
             tally(_outcomes(res.replies), plen) if res.ready else tally([], plen),
             failure=failure,
             graceful=res.exit_code == 0,
-            init_free_mib=_init_free_mib(res.log),
+            init_free_mib=list(scan.init_free_mib),
             log_path=log_path,
             problem=None,
             worst_node=None,

@@ -59,7 +59,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     assert limits is not None  # noqa: S101 - no signal reaches an in-process server
     replies, crashed = _serve(server, limits, prompts, max_tokens)
     if crashed:
-        server.card.files.remove()
+        server.files.remove()
         return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
     server._graceful(None)
     return InprocRun(stream.getvalue(), replies, True, 0, *_device(server))
@@ -67,7 +67,7 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
 
 def _device(server: Server) -> tuple[dict[str, int], int]:
     """The peak and total MiB of the server's cards as the emulated npu-smi shows them."""
-    peak = server.card.peak_mib
+    peak = server.peak_mib
     if peak == 0:
         return {}, 0
     return {"run": peak + server.cfg.occupied_mib}, server.profile.total_mib

@@ -9,16 +9,19 @@ logging to `$GLOG_log_dir/node<k>`; with a Ray address they are placed on the cl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from pretuner.errors import PretunerError
+from pretuner.files import write_atomic
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import Refused, serve_main
@@ -52,10 +55,11 @@ from pretuner.sim.r01_config import (
     parse,
 )
 from pretuner.sim.r01_http import SimHTTPServer
-from pretuner.sim.r01_state import CardState, Rank, write_truth
 from pretuner.sim.scheduler import SchedulerLimits
+from pretuner.sim.state import Published, others_bytes, state_dir
+from pretuner.sim.truth import truth
 from pretuner.stopflag import StopFlag
-from pretuner.units import GIB
+from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
@@ -64,6 +68,18 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/tokenize", "POST"), ("/detokenize", "POST"), ("/v1/models", "GET"),
           ("/version", "GET"), ("/v1/chat/completions", "POST"), ("/v1/completions", "POST"),
           ("/v1/embeddings", "POST"))
+
+
+@dataclass
+class Rank:
+    """One emulated rank: where it runs, its process, its log and its memory model."""
+
+    rank: int
+    node: int
+    device_id: int
+    pid: int
+    log: RankWriter
+    model: mem.CardModel
 
 
 class Server:
@@ -77,7 +93,8 @@ class Server:
         self.vlog = VllmLog(stream)
         self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
-        self.card = CardState(cfg.env, self.profile)  # what npu-smi shows of its cards
+        self.files = Published()  # what npu-smi shows of its cards
+        self.peak_mib = 0  # what this server published for each of its cards
         self.ranks: list[Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
@@ -236,11 +253,12 @@ class Server:
             blocks = mem.r01_kv_blocks(total_gb, cfg.util,
                                        int(env["vLLM_MODEL_MEMORY_USE_GB"]), block_bytes)
         if cfg.truth:
-            write_truth(Path(cfg.truth), models, self.profile, seed=cfg.seed, total_gb=total_gb,
-                        util=cfg.util, blocks=blocks, mml=mml, seqs=cfg.max_num_seqs,
+            doc = truth(models, self.profile, seed=cfg.seed, total_gb=total_gb, util=cfg.util,
+                        kv_blocks=blocks, max_model_len=mml, max_num_seqs=cfg.max_num_seqs,
                         batched=batched, chunked=chunked, occupied_mib=cfg.occupied_mib)
+            write_atomic(Path(cfg.truth), json.dumps(doc, indent=2) + "\n", overwrite=True)
 
-        self.card.init_pool(self.ranks, cap, total_gb * cfg.util, cfg.occupied_mib)
+        self._init_pool(cap, total_gb * cfg.util)
         self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
         if self.stop.wait(self._phase_s):
             return None
@@ -288,6 +306,39 @@ class Server:
 
         return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, chunked,
                                cap)
+
+    def _init_pool(self, cap: int, user_gb: float) -> None:
+        """MindSpore's device init: the pool cap must fit in the card's free memory, which
+        another tenant, or another live server on the same card (a leftover pre-run, say), has
+        taken its share of; then the whole pool is the server's (`enable_vmm:False`)."""
+        p, ranks, state = self.profile, self.ranks, state_dir(self.cfg.env)
+        others = others_bytes(state, "npu", [(r.node, r.device_id) for r in ranks])
+        free = p.free_bytes - self.cfg.occupied_mib * MIB - others
+        total = p.total_bytes
+        if free < total // 2:
+            msg = ("Malloc device memory failed, free memory size is less than half of total "
+                   f"memory size.Device {ranks[0].device_id} Device HBM total size:{total} "
+                   f"Device HBM free size:{free} may be other processes occupying this card, "
+                   "check as: ps -ef|grep python")
+            raise Refused("RuntimeError", msg, WHERE_MS)
+        if cap >= free:
+            msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
+                   f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
+                   "context key max_device_memory in valid range.")
+            for r in ranks:
+                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/device/"
+                          "ascend_memory_adapter.cc:142", "Initialize",
+                          f"#umsg#Framework Error Message:#umsg#{msg}")
+            raise Refused("RuntimeError", msg, WHERE_MS)
+        self.peak_mib = p.driver_reserved_mib + p.cann_mib + cap // MIB
+        for r in ranks:
+            r.log.py("WARNING", "For 'context.set_context', the parameter 'max_device_memory' "
+                     "will be deprecated and removed in a future version. Please use the api "
+                     "mindspore.set_device() instead.")
+            r.log.adapter_init(p.total_mib, free, cap, user_gb)
+            r.log.noise("start", 24)
+            self.files.hold(state, "npu", r.node, r.device_id,
+                            self.peak_mib - p.driver_reserved_mib, r.pid)
 
     def _serve(self, limits: SchedulerLimits) -> SimHTTPServer:
         """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
@@ -357,12 +408,12 @@ class Server:
             r.log.pool_dump(stats, self.cfg.pool_format)
             r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
             r.log.close()
-        self.card.files.remove()
+        self.files.remove()
         return 0
 
     def failed_start(self, err: Exception) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
-        self.card.files.remove()
+        self.files.remove()
         out = self.stream or sys.stderr
         out.write(traceback_text(err.exc_type, err.message, err.where)
                   if isinstance(err, Refused)
@@ -381,7 +432,7 @@ class Server:
         server.server_close()
         self.vlog.uvicorn("Shutting down")
         self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-        self.card.files.remove()
+        self.files.remove()
         return 1
 
 

@@ -41,14 +41,16 @@ class Request:
 
 @dataclass
 class RankPool:
-    """One rank's MindSpore pool: static part, KV, and the running peaks."""
+    """One rank (its log, memory model, node and device) and its MindSpore pool: static part,
+    KV, and the running peaks."""
 
     model: CardModel
-    log: RankWriter
+    log: RankWriter  # its rank and pid too
     device_id: int
     kv_bytes: int
     peak_dynamic: int = 0  # with fragments
     peak_dynamic_no_frag: int = 0
+    node: int = 0
 
     @property
     def in_used(self) -> int:
@@ -66,16 +68,9 @@ class OutOfMemory(Exception):
     """A rank's pool could not serve an allocation."""
 
     def __init__(self, rank: int, device_id: int, kernel: str, alloc_size: int) -> None:
-        self.rank = rank
-        self.device_id = device_id
-        self.kernel = kernel
-        self.alloc_size = alloc_size
-        super().__init__(oom_text(device_id, kernel, alloc_size))
-
-
-def oom_text(device_id: int, kernel: str, alloc_size: int) -> str:
-    return (f"Device(id:{device_id}) memory isn't enough and alloc failed, kernel name: {kernel}, "
-            f"alloc size: {alloc_size}B.")
+        self.rank = rank  # the pool that dumps
+        super().__init__(f"Device(id:{device_id}) memory isn't enough and alloc failed, kernel "
+                         f"name: {kernel}, alloc size: {alloc_size}B.")
 
 
 STEP_OOM = ("mindspore/ccsrc/runtime/pynative/op_runner.cc:585", "MallocForKernelOutput")
@@ -90,11 +85,8 @@ def log_oom(log: RankWriter, oom: OutOfMemory, stats: PoolStats, pool_format: st
     log.pool_dump(stats, pool_format)
 
 
-_KERNELS = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-Attention/"
-            "FlashAttentionScore-op0",
-            "Default/model-LlamaModel/layers-CellList/0-DecoderLayer/feed_forward-FeedForward/"
-            "MatMul-op1",
-            "Default/lm_head-Linear/MatMul-op2")
+_PREFILL_KERNEL = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-Attention/"
+                   "FlashAttentionScore-op0")
 
 
 def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: int) -> None:
@@ -105,7 +97,7 @@ def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: i
             over = pool.in_used + dyn - cap
             alloc = max(over, dyn // 4)
             alloc = -(-alloc // 512) * 512
-            kernel = _KERNELS[0] if prefill else _KERNELS[2]
+            kernel = _PREFILL_KERNEL if prefill else "Default/lm_head-Linear/MatMul-op2"
             pool.peak_dynamic = max(pool.peak_dynamic, cap - pool.in_used)
             raise OutOfMemory(rank, pool.device_id, kernel, alloc)
     for pool in pools:

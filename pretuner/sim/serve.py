@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -70,18 +69,6 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
           ("/v1/embeddings", "POST"))
 
 
-@dataclass
-class Rank:
-    """One emulated rank: where it runs, its process, its log and its memory model."""
-
-    rank: int
-    node: int
-    device_id: int
-    pid: int
-    log: RankWriter
-    model: mem.CardModel
-
-
 class Server:
     """One emulated server process: startup phases, HTTP, graceful stop, crash."""
 
@@ -95,7 +82,6 @@ class Server:
         self.profile = mem.PROFILES[cfg.profile]
         self.files = Published()  # what npu-smi shows of its cards
         self.peak_mib = 0  # what this server published for each of its cards
-        self.ranks: list[Rank] = []
         self.pools: list[RankPool] = []
         self.pool_cap = 0
         self.dead: Exception | None = None
@@ -245,8 +231,7 @@ class Server:
             writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
                                   RankLog(idx, rank_pid, tid, self._node_log_dir(node),
                                           self.stream, glog_level(cfg.env)))
-            self.ranks.append(Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
-                                    model))
+            self.pools.append(RankPool(model, writer, devices[idx - starts[node]], 0, node=node))
 
         blocks = 0  # without a valid vLLM_MODEL_MEMORY_USE_GB r0.1 fails at the KV cache
         with contextlib.suppress(KeyError, ValueError):
@@ -259,33 +244,33 @@ class Server:
             write_atomic(Path(cfg.truth), json.dumps(doc, indent=2) + "\n", overwrite=True)
 
         self._init_pool(cap, total_gb * cfg.util)
-        self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
         if self.stop.wait(self._phase_s):
             return None
 
         # Weights.
-        for r, pool in zip(self.ranks, self.pools, strict=True):
-            if r.model.static_bytes > cap:
-                oom = OutOfMemory(r.rank, r.device_id, "Default/model/embedding-Embedding/"
-                                  "Gather-op0", r.model.weights_bytes // 61 + 512)
-                pool.peak_dynamic = cap - r.model.static_bytes
-                log_oom(r.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
+        for pool in self.pools:
+            if pool.model.static_bytes > cap:
+                oom = OutOfMemory(pool.log.rank, pool.device_id, "Default/model/embedding-"
+                                  "Embedding/Gather-op0", pool.model.weights_bytes // 61 + 512)
+                pool.peak_dynamic = cap - pool.model.static_bytes
+                log_oom(pool.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
                 raise oom
         if self.stop.wait(2 * self._phase_s):
             return None
-        weights_gb = self.ranks[0].model.weights_bytes / GIB
+        weights_gb = self.pools[0].model.weights_bytes / GIB
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
         int_env(env, "vLLM_MODEL_MEMORY_USE_GB")  # r0.1's calc_block_num refuses it here
         self.kv_blocks(blocks, (4 * GIB) // block_bytes, mml, WHERE_CACHE)
         kv = blocks * block_bytes
-        for r, pool in zip(self.ranks, self.pools, strict=True):
-            if r.model.static_bytes + kv > cap:
-                oom = OutOfMemory(r.rank, r.device_id, "kv_cache", kv // max(1, r.model.spec
-                                                                             .num_layers))
-                log_oom(r.log, oom, pool.stats(extra_dynamic=cap - r.model.static_bytes),
-                        cfg.pool_format, LOAD_OOM)
+        for pool in self.pools:
+            static = pool.model.static_bytes
+            if static + kv > cap:
+                oom = OutOfMemory(pool.log.rank, pool.device_id, "kv_cache",
+                                  kv // max(1, pool.model.spec.num_layers))
+                log_oom(pool.log, oom, pool.stats(extra_dynamic=cap - static), cfg.pool_format,
+                        LOAD_OOM)
                 raise oom
             pool.kv_bytes = kv
         if self.stop.wait(self._phase_s):
@@ -311,7 +296,7 @@ class Server:
         """MindSpore's device init: the pool cap must fit in the card's free memory, which
         another tenant, or another live server on the same card (a leftover pre-run, say), has
         taken its share of; then the whole pool is the server's (`enable_vmm:False`)."""
-        p, ranks, state = self.profile, self.ranks, state_dir(self.cfg.env)
+        p, ranks, state = self.profile, self.pools, state_dir(self.cfg.env)
         others = others_bytes(state, "npu", [(r.node, r.device_id) for r in ranks])
         free = p.free_bytes - self.cfg.occupied_mib * MIB - others
         total = p.total_bytes
@@ -338,7 +323,7 @@ class Server:
             r.log.adapter_init(p.total_mib, free, cap, user_gb)
             r.log.noise("start", 24)
             self.files.hold(state, "npu", r.node, r.device_id,
-                            self.peak_mib - p.driver_reserved_mib, r.pid)
+                            self.peak_mib - p.driver_reserved_mib, r.log.pid)
 
     def _serve(self, limits: SchedulerLimits) -> SimHTTPServer:
         """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
@@ -403,11 +388,11 @@ class Server:
                      f"Finished server process [{os.getpid()}]"):
             self.vlog.uvicorn(line)
         time.sleep(self.cfg.teardown_s)  # device release takes seconds on a real card
-        for r, pool in zip(self.ranks, self.pools, strict=False):
+        for pool in self.pools:
             stats = pool.stats()
-            r.log.pool_dump(stats, self.cfg.pool_format)
-            r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
-            r.log.close()
+            pool.log.pool_dump(stats, self.cfg.pool_format)
+            pool.log.deinit(self.profile.total_mib, self.pool_cap, stats)
+            pool.log.close()
         self.files.remove()
         return 0
 

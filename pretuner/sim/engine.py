@@ -35,7 +35,6 @@ class Request:
     output: list[int] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
-    ignored: str | None = None  # the scheduler's warning when it dropped the prompt
     on_token: Callable[[int], None] | None = None
 
 
@@ -179,7 +178,6 @@ class Engine(EngineThread):
         for ignored in plan.ignored:
             self.log.warning("scheduler.py:1097", ignored.warning)
             req = self._requests.pop(ignored.seq.request_id)
-            req.ignored = ignored.warning
             req.finished.set()
             if req.on_token is not None:
                 req.on_token(-2)

@@ -20,12 +20,10 @@ from pretuner.engines.outcome import Exercised, LaunchOutcome, tally, workload
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
-from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.collect import rank_peaks
 from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
-from pretuner.launch.process import read_tail
 from pretuner.logscan import scan_paths
 from pretuner.sim import inproc
 from pretuner.sim.http import Reply
@@ -75,18 +73,12 @@ def tune_in_process(
         res = inproc.run(argv, cmd.env, [plen] * count, gen)
         log_path = _launch_log(workdir, n, res.log)
         scan = scan_paths([log_path])
-        failure = None
-        if not res.ready and not scan.oom:
-            failure = ServerFailedError(
-                f"the server exited with code {res.exit_code} before it was ready",
-                hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}",
-                log_path=str(log_path),
-            )
+        failure = None if res.ready or scan.oom else unexplained_exit(log_path, res.exit_code)
         outcome = outcome_of(
             n,
             settings,
             scan,
-            tally(_outcomes(res.replies), plen) if res.ready else tally([], plen),
+            tally(_outcomes(res.replies), plen),  # none when it never got ready
             failure=failure,
             graceful=res.exit_code == 0,
             init_free_mib=list(scan.init_free_mib),

@@ -75,14 +75,6 @@ def pool_dump(stats: PoolStats, fmt: str) -> str:
             f"{_m(stats.actual_peak)}. {tail}")
 
 
-def deinit_statistics(total_mib: int, pool_cap: int, stats: PoolStats) -> str:
-    return ("Ascend Memory Adapter deinitialize success, statistics:\n"
-            f"Device MOC memory size: {total_mib}M\n"
-            f"MindSpore Used memory size: {_m(pool_cap)}\n"
-            f"Used peak memory usage (without fragments): {_m(stats.peak_used)}\n"
-            f"Actual peak memory usage (with fragments): {_m(stats.actual_peak)}")
-
-
 def glog_level(env: Mapping[str, str] | None = None) -> int:
     """GLOG_v as MindSpore reads it; the emulator defaults to 3 (ERROR) like vllm-mindspore."""
     raw = (os.environ if env is None else env).get("GLOG_v", "3")
@@ -216,7 +208,11 @@ class RankLog:
 
     def deinit(self, total_mib: int, cap: int, stats: PoolStats) -> None:
         self.log("INFO", "DEVICE", f"{_ADAPTER_SRC}:271", "DeInitialize",
-                 deinit_statistics(total_mib, cap, stats))
+                 "Ascend Memory Adapter deinitialize success, statistics:\n"
+                 f"Device MOC memory size: {total_mib}M\n"
+                 f"MindSpore Used memory size: {_m(cap)}\n"
+                 f"Used peak memory usage (without fragments): {_m(stats.peak_used)}\n"
+                 f"Actual peak memory usage (with fragments): {_m(stats.actual_peak)}")
 
     def close(self) -> None:
         for f in self._own:

@@ -142,7 +142,12 @@ class Engine(EngineThread):
         """The scheduler's next step; the prompts it ignores are answered at once."""
         with self._cond:
             plan = self.sched.plan()
-            self._drop_ignored(plan)
+            for ignored in plan.ignored:
+                self.log.warning("scheduler.py:1097", ignored.warning)
+                req = self._requests.pop(ignored.seq.request_id)
+                req.finished.set()
+                if req.on_token is not None:
+                    req.on_token(-2)
             return plan
 
     def check(self, plan: StepPlan) -> bool:
@@ -152,7 +157,10 @@ class Engine(EngineThread):
             check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
                        plan.running)
         except OutOfMemory as oom:
-            self._crash(oom)
+            pool = self.pools[oom.rank]
+            log_oom(pool.log, oom, pool.stats(), self.pool_format)
+            self._fail_all(oom, str(oom))
+            self._on_dead(oom)
             return False
         return True
 
@@ -173,14 +181,6 @@ class Engine(EngineThread):
                 self.advance(plan)
                 self.tally.prompt_tokens += tokens
                 self._maybe_metrics()
-
-    def _drop_ignored(self, plan: StepPlan) -> None:
-        for ignored in plan.ignored:
-            self.log.warning("scheduler.py:1097", ignored.warning)
-            req = self._requests.pop(ignored.seq.request_id)
-            req.finished.set()
-            if req.on_token is not None:
-                req.on_token(-2)
 
     def advance(self, plan: StepPlan) -> None:
         """Apply a step that ran: each request gets the tokens it sampled."""
@@ -210,12 +210,6 @@ class Engine(EngineThread):
             f"Running: {len(self.sched.running)} reqs, Swapped: 0 reqs, "
             f"Pending: {len(self.sched.waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
             f"CPU KV cache usage: 0.0%.")
-
-    def _crash(self, oom: OutOfMemory) -> None:
-        pool = self.pools[oom.rank]
-        log_oom(pool.log, oom, pool.stats(), self.pool_format)
-        self._fail_all(oom, str(oom))
-        self._on_dead(oom)
 
     def _fail_all(self, dead: OutOfMemory, error: str) -> None:
         with self._cond:

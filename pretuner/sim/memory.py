@@ -108,12 +108,6 @@ def perturbed(seed: int) -> Coefficients:
     return perturb(Coefficients(), f"pretuner-sim-coefficients-{seed}")
 
 
-def rank_factors(seed: int, world: int, jitter: float) -> tuple[float, ...]:
-    """Each rank's multiplier on the dynamic part: ranks differ slightly, reproducibly."""
-    rng = random.Random(f"pretuner-sim-ranks-{seed}")  # noqa: S311 - not crypto
-    return tuple(1 + rng.uniform(-jitter, jitter) for _ in range(world))
-
-
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The parallel layout and the knobs of the r0.1 KV formula."""
@@ -200,12 +194,14 @@ class CardModel:
 
 def card_models(spec: ModelSpec, weights_total_bytes: int, layout: Layout, seed: int,
                 rank_skew: dict[int, float] | None = None) -> list[CardModel]:
-    """One memory model per rank, each with its seeded (and optionally skewed) factor."""
+    """One memory model per rank, each with its seeded (and optionally skewed) factor on the
+    dynamic part: ranks differ slightly, reproducibly."""
     coeffs = perturbed(seed)
-    factors = rank_factors(seed, layout.world, coeffs.rank_jitter)
-    skew = rank_skew or {}
-    return [CardModel(spec, weights_total_bytes, layout, coeffs, f * skew.get(i, 1.0))
-            for i, f in enumerate(factors)]
+    jitter, skew = coeffs.rank_jitter, rank_skew or {}
+    rng = random.Random(f"pretuner-sim-ranks-{seed}")  # noqa: S311 - not crypto
+    return [CardModel(spec, weights_total_bytes, layout, coeffs,
+                      (1 + rng.uniform(-jitter, jitter)) * skew.get(i, 1.0))
+            for i in range(layout.world)]
 
 
 def pool_cap_bytes(total_gb: int, util: float) -> int:

@@ -65,7 +65,8 @@ class NodeAgent:
 
 class RemoteRankLog:
     """RankLog's calls, forwarded to the node's actor (fire-and-forget: Ray keeps one
-    caller's calls in order, and `RayRanks.close` waits for them)."""
+    caller's calls in order, and `RayRanks.close` waits for them). `log`, `py`, `noise` and
+    `adapter_init` go as they are; pool stats travel as tuples."""
 
     def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:
         self.agent = agent
@@ -73,20 +74,8 @@ class RemoteRankLog:
         self.pid = pid
         self.tid = tid
 
-    def _send(self, method: str, *args: Any) -> None:
-        self.agent.call.remote(self.rank, method, args)
-
-    def log(self, level: str, module: str, src: str, func: str, msg: str) -> None:
-        self._send("log", level, module, src, func, msg)
-
-    def py(self, level: str, msg: str, src: str = "mindspore/context.py:1052") -> None:
-        self._send("py", level, msg, src)
-
-    def noise(self, phase: str, count: int) -> None:
-        self._send("noise", phase, count)
-
-    def adapter_init(self, total_mib: int, free_bytes: int, cap_bytes: int, user_gb: float) -> None:
-        self._send("adapter_init", total_mib, free_bytes, cap_bytes, user_gb)
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        return lambda *args: self.agent.call.remote(self.rank, method, args)
 
     def pool_dump(self, stats: PoolStats, fmt: str) -> None:
         self.agent.pool_dump.remote(self.rank, astuple(stats), fmt)

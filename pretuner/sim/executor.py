@@ -20,9 +20,8 @@ from pretuner.engines.outcome import Exercised, LaunchOutcome, tally, workload
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
-from pretuner.launch import probe
 from pretuner.launch.collect import rank_peaks
-from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, worst_case
+from pretuner.launch.images import LoadPhase, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
 from pretuner.logscan import scan_paths
 from pretuner.sim import inproc
@@ -139,15 +138,6 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
     hooks = V1Hooks(bytes_per_token, images, soak)
     shape = images if images is not None and not images.is_text_only else None
 
-    def image_phases(images: ImageShape, s: LaunchSettings) -> list[LoadPhase]:
-        if s.purpose is Purpose.PRERUN:
-            req = worst_case(images, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
-            return [LoadPhase("probe", (req,))]
-        decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
-        return validation_phases(images, s.max_model_len, decode,
-                                 concurrency(s, None, bytes_per_token), soak.planned, seed,
-                                 TEMPLATE_TOKENS)
-
     def execute(s: LaunchSettings) -> LaunchOutcome:
         n = next(counter)
         t0 = time.monotonic()
@@ -155,26 +145,28 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
         argv = EMULATOR.server_flags("v1", cmd.argv)
         if argv[:1] == ["serve"]:
             argv = argv[1:]
-        plen: int | None
+        count = concurrency(s, None, bytes_per_token)
+        _, plen, decode = workload(s, DECODE_TOKENS)  # a pre-run's: one token
         phases: list[LoadPhase] = []
-        if shape is not None:
-            phases = image_phases(shape, s)
+        if shape is not None and s.purpose is Purpose.PRERUN:
+            req = worst_case(shape, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
+            phases = [LoadPhase("probe", (req,))]
+        elif shape is not None:
+            phases = validation_phases(shape, s.max_model_len, decode, count, soak.planned, seed,
+                                       TEMPLATE_TOKENS)
+        if phases:
             res = v1_inproc.run_waves(argv, cmd.env, v1_inproc.waves_of(phases))
-            plen = None
         elif s.purpose is Purpose.PRERUN:
-            plen = probe.max_length_prompt_len(s.max_model_len, 1)
             res = v1_inproc.run(argv, cmd.env, [plen], 1)
         else:
-            decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
-            plen = probe.max_length_prompt_len(s.max_model_len, decode)
-            count = concurrency(s, None, bytes_per_token)
             res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
+        prompt_len = None if phases else plen  # an image request's length is the server's count
         log_path = _launch_log(workdir, n, res.log)
         outs = _outcomes(res.replies)
         failure = None if res.ready or "out of memory" in res.log.lower() \
             or "estimated maximum model length" in res.log \
             or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
-        ran = tally(outs, plen)
+        ran = tally(outs, prompt_len)
         if phases:
             ran = Exercised(ran.ok, ran.total, ran.dropped, ran.error,
                             soak_answered(phases, outs), res.reset_status)
@@ -182,6 +174,6 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
                                 (0.0, 0.0, 0.0, time.monotonic() - t0))
         return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
                        device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
-                       speed=emulated_speed(res, s, plen))
+                       speed=emulated_speed(res, s, prompt_len))
 
     return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

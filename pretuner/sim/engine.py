@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pretuner.sim.logs import PoolStats, RankWriter, VllmLog
+from pretuner.sim.logs import PoolStats, RankLog, VllmLog
 from pretuner.sim.loop import EngineDead, EngineThread, Throughput
 from pretuner.sim.memory import CardModel, Prefill
 from pretuner.sim.scheduler import Scheduler, SchedulerLimits, Seq, StepPlan
@@ -44,7 +44,7 @@ class RankPool:
     KV, and the running peaks."""
 
     model: CardModel
-    log: RankWriter  # its rank and pid too
+    log: RankLog  # its rank and pid too
     device_id: int
     kv_bytes: int
     peak_dynamic: int = 0  # with fragments
@@ -77,7 +77,7 @@ LOAD_OOM = ("mindspore/ccsrc/runtime/device/res_manager/memory_manager.cc:312",
             "MallocWorkSpaceDynamicMem")
 
 
-def log_oom(log: RankWriter, oom: OutOfMemory, stats: PoolStats, pool_format: str,
+def log_oom(log: RankLog, oom: OutOfMemory, stats: PoolStats, pool_format: str,
             where: tuple[str, str] = STEP_OOM) -> None:
     """MindSpore's lines when a rank's pool cannot serve an allocation: the error, the dump."""
     log.log("ERROR", "DEVICE", *where, f"#umsg#Memory not enough:#umsg#{oom}")

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import TextIO
 
 POOL_FORMATS = ("2.5", "2.6", "bestfit")
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
@@ -119,26 +119,9 @@ class VllmLog(LineLog):
         self._write(text)
 
 
-class RankWriter(Protocol):
-    """What the server and engine call on a rank's log: `RankLog` here, or the same calls
-    forwarded to the rank's own node (`pretuner.sim.raynodes.RemoteRankLog`)."""
-
-    rank: int
-    pid: int
-
-    def log(self, level: str, module: str, src: str, func: str, msg: str) -> None: ...
-    def py(self, level: str, msg: str, src: str = ...) -> None: ...
-    def noise(self, phase: str, count: int) -> None: ...
-    def adapter_init(
-        self, total_mib: int, free_bytes: int, cap_bytes: int, user_gb: float
-    ) -> None: ...
-    def pool_dump(self, stats: PoolStats, fmt: str) -> None: ...
-    def deinit(self, total_mib: int, cap: int, stats: PoolStats) -> None: ...
-    def close(self) -> None: ...
-
-
 class RankLog:
-    """One emulated rank's MindSpore C++ log (and its Python-side log when writing files)."""
+    """One emulated rank's MindSpore C++ log (and its Python-side log when writing files); on
+    a Ray cluster, `pretuner.sim.raynodes.RemoteRankLog` sends its lines to the rank's node."""
 
     def __init__(self, rank: int, pid: int, tid: int, log_dir: Path | None,
                  stderr: TextIO | None = None, level: int | None = None) -> None:

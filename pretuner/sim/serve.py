@@ -33,7 +33,7 @@ from pretuner.sim.engine import (
     log_oom,
 )
 from pretuner.sim.http import ANY_HOST, ApiConfig, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
+from pretuner.sim.logs import RankLog, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
     WHERE_CACHE,
     WHERE_CONFIG,
@@ -228,7 +228,7 @@ class Server:
         starts = [sum(counts[:k]) for k in range(len(counts))]
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)
-            writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
+            writer: RankLog = (self.remote.logs[idx] if self.remote is not None else
                                   RankLog(idx, rank_pid, tid, self._node_log_dir(node),
                                           self.stream, glog_level(cfg.env)))
             self.pools.append(RankPool(model, writer, devices[idx - starts[node]], 0, node=node))

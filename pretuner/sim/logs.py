@@ -115,9 +115,6 @@ class VllmLog(LineLog):
     def uvicorn(self, msg: str, level: str = "INFO") -> None:
         self._write(f"{level + ':':<9} {msg}")
 
-    def raw(self, text: str) -> None:
-        self._write(text)
-
 
 class RankLog:
     """One emulated rank's MindSpore C++ log (and its Python-side log when writing files); on

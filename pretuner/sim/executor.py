@@ -99,13 +99,9 @@ def tune_in_process(
 
 def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int:
     """How many of the soak's requests were answered 200 (replies come in phase order)."""
-    answered, i = 0, 0
-    for p in phases:
-        got = outs[i:i + len(p.requests)]
-        i += len(p.requests)
-        if p.name in SOAK_PHASES:
-            answered += sum(o.ok for o in got)
-    return answered
+    replies = iter(outs)
+    return sum(o.ok for p in phases for o in itertools.islice(replies, len(p.requests))
+               if p.name in SOAK_PHASES)
 
 
 def emulated_speed(res: inproc.InprocRun, s: LaunchSettings,

@@ -55,10 +55,9 @@ class RankPool:
     def in_used(self) -> int:
         return self.model.static_bytes + self.kv_bytes
 
-    def stats(self, extra_dynamic: int = 0, extra_no_frag: int = 0) -> PoolStats:
-        peak_dyn = max(self.peak_dynamic, extra_dynamic)
-        actual = self.in_used + peak_dyn
-        peak = self.in_used + max(self.peak_dynamic_no_frag, extra_no_frag)
+    def stats(self) -> PoolStats:
+        actual = self.in_used + self.peak_dynamic
+        peak = self.in_used + self.peak_dynamic_no_frag
         alloc = math.ceil(actual / _POOL_CHUNK) * _POOL_CHUNK
         return PoolStats(in_used=self.in_used, peak_used=peak, actual_peak=actual, alloc=alloc)
 

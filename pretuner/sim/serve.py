@@ -250,11 +250,8 @@ class Server:
         # Weights.
         for pool in self.pools:
             if pool.model.static_bytes > cap:
-                oom = OutOfMemory(pool.log.rank, pool.device_id, "Default/model/embedding-"
-                                  "Embedding/Gather-op0", pool.model.weights_bytes // 61 + 512)
-                pool.peak_dynamic = cap - pool.model.static_bytes
-                log_oom(pool.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
-                raise oom
+                raise self._load_oom(pool, "Default/model/embedding-Embedding/Gather-op0",
+                                     pool.model.weights_bytes // 61 + 512)
         if self.stop.wait(2 * self._phase_s):
             return None
         weights_gb = self.pools[0].model.weights_bytes / GIB
@@ -265,13 +262,8 @@ class Server:
         self.kv_blocks(blocks, (4 * GIB) // block_bytes, mml, WHERE_CACHE)
         kv = blocks * block_bytes
         for pool in self.pools:
-            static = pool.model.static_bytes
-            if static + kv > cap:
-                oom = OutOfMemory(pool.log.rank, pool.device_id, "kv_cache",
-                                  kv // max(1, pool.model.spec.num_layers))
-                log_oom(pool.log, oom, pool.stats(extra_dynamic=cap - static), cfg.pool_format,
-                        LOAD_OOM)
-                raise oom
+            if pool.model.static_bytes + kv > cap:
+                raise self._load_oom(pool, "kv_cache", kv // max(1, pool.model.spec.num_layers))
             pool.kv_bytes = kv
         if self.stop.wait(self._phase_s):
             return None
@@ -291,6 +283,14 @@ class Server:
 
         return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, chunked,
                                cap)
+
+    def _load_oom(self, pool: RankPool, kernel: str, alloc_size: int) -> OutOfMemory:
+        """MindSpore's OOM while loading and its pool dump: what the rank holds, or the whole cap
+        when that is less (the KV cache did not fit beside the weights)."""
+        pool.peak_dynamic = max(0, self.pool_cap - pool.in_used)
+        oom = OutOfMemory(pool.log.rank, pool.device_id, kernel, alloc_size)
+        log_oom(pool.log, oom, pool.stats(), self.cfg.pool_format, LOAD_OOM)
+        return oom
 
     def _init_pool(self, cap: int, user_gb: float) -> None:
         """MindSpore's device init: the pool cap must fit in the card's free memory, which

@@ -184,9 +184,8 @@ def test_stages_split_as_vllm_does() -> None:
 
 def test_a_block_is_a_page_per_layer() -> None:
     layout = cache_layout(resolve("qwen3-8b"), tp=2)
-    assert [(p.name, p.elements) for p in layout.planes] == [("key", 512), ("value", 512)]
-    assert layout.page_bytes(128) == 128 * 2 * 512 * 2
-    assert layout.block_bytes(128) == 36 * layout.page_bytes(128)
+    assert layout.slot_bytes == 2 * 512 * 2  # a key and a value plane of 4 x 128 bf16 values
+    assert layout.block_bytes(128) == 36 * 128 * layout.slot_bytes
 
 
 def test_both_emulated_cards_size_blocks_with_the_sims_own_rule() -> None:

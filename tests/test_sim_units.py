@@ -24,6 +24,7 @@ from pretuner.sim.r01_checks import verify_vllm_config
 from pretuner.sim.r01_config import UsageError, parse
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.state import DeviceUse
+from pretuner.sim.truth import truth
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-8b")
@@ -79,13 +80,13 @@ def test_full_load_prefill_and_truth() -> None:
     assert mem.full_load_prefill(65536, 8, 2048, chunked=True) == [(2048, 65535)]
     prof = mem.PROFILES["910b-64"]
     models = [card(3, tp=2, factor=f) for f in (0.99, 1.01)]
-    t = mem.truth(models, prof, 3, total_gb=64, util=0.9, kv_blocks=100, max_model_len=16384,
-                  max_num_seqs=8, batched=16384)
-    assert t.non_kv_peak_bytes_full_load == max(t.non_kv_peak_bytes_per_rank)
-    assert t.non_kv_peak_bytes_per_rank[1] > t.non_kv_peak_bytes_per_rank[0]
-    assert t.safe_kv_bytes_full_load == prof.free_bytes - t.non_kv_peak_bytes_full_load
-    assert t.safe_kv_bytes_in_pool == int(64 * 0.9 * GIB) - t.non_kv_peak_bytes_full_load
-    assert t.card_free_bytes == (65536 - 3379 - 700) * MIB
+    t = truth(models, prof, seed=3, total_gb=64, util=0.9, kv_blocks=100, max_model_len=16384,
+              max_num_seqs=8, batched=16384, chunked=False)
+    assert t["non_kv_peak_bytes_full_load"] == max(t["non_kv_peak_bytes_per_rank"])
+    assert t["non_kv_peak_bytes_per_rank"][1] > t["non_kv_peak_bytes_per_rank"][0]
+    assert t["safe_kv_bytes_full_load"] == prof.free_bytes - t["non_kv_peak_bytes_full_load"]
+    assert t["safe_kv_bytes_in_pool"] == int(64 * 0.9 * GIB) - t["non_kv_peak_bytes_full_load"]
+    assert t["card_free_bytes"] == (65536 - 3379 - 700) * MIB
 
 
 # -- log formats -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pretuner.sim.logs import PoolStats, RankWriter, VllmLog
+from pretuner.sim.logs import PoolStats, RankLog, VllmLog
 from pretuner.sim.loop import EngineDead, EngineThread, Throughput
 from pretuner.sim.memory import CardModel, Prefill
 from pretuner.sim.scheduler import Scheduler, SchedulerLimits, Seq, StepPlan
@@ -35,29 +35,29 @@ class Request:
     output: list[int] = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
-    ignored: str | None = None  # the scheduler's warning when it dropped the prompt
     on_token: Callable[[int], None] | None = None
 
 
 @dataclass
 class RankPool:
-    """One rank's MindSpore pool: static part, KV, and the running peaks."""
+    """One rank (its log, memory model, node and device) and its MindSpore pool: static part,
+    KV, and the running peaks."""
 
     model: CardModel
-    log: RankWriter
+    log: RankLog  # its rank and pid too
     device_id: int
     kv_bytes: int
     peak_dynamic: int = 0  # with fragments
     peak_dynamic_no_frag: int = 0
+    node: int = 0
 
     @property
     def in_used(self) -> int:
         return self.model.static_bytes + self.kv_bytes
 
-    def stats(self, extra_dynamic: int = 0, extra_no_frag: int = 0) -> PoolStats:
-        peak_dyn = max(self.peak_dynamic, extra_dynamic)
-        actual = self.in_used + peak_dyn
-        peak = self.in_used + max(self.peak_dynamic_no_frag, extra_no_frag)
+    def stats(self) -> PoolStats:
+        actual = self.in_used + self.peak_dynamic
+        peak = self.in_used + self.peak_dynamic_no_frag
         alloc = math.ceil(actual / _POOL_CHUNK) * _POOL_CHUNK
         return PoolStats(in_used=self.in_used, peak_used=peak, actual_peak=actual, alloc=alloc)
 
@@ -66,16 +66,9 @@ class OutOfMemory(Exception):
     """A rank's pool could not serve an allocation."""
 
     def __init__(self, rank: int, device_id: int, kernel: str, alloc_size: int) -> None:
-        self.rank = rank
-        self.device_id = device_id
-        self.kernel = kernel
-        self.alloc_size = alloc_size
-        super().__init__(oom_text(device_id, kernel, alloc_size))
-
-
-def oom_text(device_id: int, kernel: str, alloc_size: int) -> str:
-    return (f"Device(id:{device_id}) memory isn't enough and alloc failed, kernel name: {kernel}, "
-            f"alloc size: {alloc_size}B.")
+        self.rank = rank  # the pool that dumps
+        super().__init__(f"Device(id:{device_id}) memory isn't enough and alloc failed, kernel "
+                         f"name: {kernel}, alloc size: {alloc_size}B.")
 
 
 STEP_OOM = ("mindspore/ccsrc/runtime/pynative/op_runner.cc:585", "MallocForKernelOutput")
@@ -83,18 +76,15 @@ LOAD_OOM = ("mindspore/ccsrc/runtime/device/res_manager/memory_manager.cc:312",
             "MallocWorkSpaceDynamicMem")
 
 
-def log_oom(log: RankWriter, oom: OutOfMemory, stats: PoolStats, pool_format: str,
+def log_oom(log: RankLog, oom: OutOfMemory, stats: PoolStats, pool_format: str,
             where: tuple[str, str] = STEP_OOM) -> None:
     """MindSpore's lines when a rank's pool cannot serve an allocation: the error, the dump."""
     log.log("ERROR", "DEVICE", *where, f"#umsg#Memory not enough:#umsg#{oom}")
     log.pool_dump(stats, pool_format)
 
 
-_KERNELS = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-Attention/"
-            "FlashAttentionScore-op0",
-            "Default/model-LlamaModel/layers-CellList/0-DecoderLayer/feed_forward-FeedForward/"
-            "MatMul-op1",
-            "Default/lm_head-Linear/MatMul-op2")
+_PREFILL_KERNEL = ("Default/model-LlamaModel/layers-CellList/0-DecoderLayer/attention-Attention/"
+                   "FlashAttentionScore-op0")
 
 
 def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: int) -> None:
@@ -105,7 +95,7 @@ def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: i
             over = pool.in_used + dyn - cap
             alloc = max(over, dyn // 4)
             alloc = -(-alloc // 512) * 512
-            kernel = _KERNELS[0] if prefill else _KERNELS[2]
+            kernel = _PREFILL_KERNEL if prefill else "Default/lm_head-Linear/MatMul-op2"
             pool.peak_dynamic = max(pool.peak_dynamic, cap - pool.in_used)
             raise OutOfMemory(rank, pool.device_id, kernel, alloc)
     for pool in pools:
@@ -151,7 +141,12 @@ class Engine(EngineThread):
         """The scheduler's next step; the prompts it ignores are answered at once."""
         with self._cond:
             plan = self.sched.plan()
-            self._drop_ignored(plan)
+            for ignored in plan.ignored:
+                self.log.warning("scheduler.py:1097", ignored.warning)
+                req = self._requests.pop(ignored.seq.request_id)
+                req.finished.set()
+                if req.on_token is not None:
+                    req.on_token(-2)
             return plan
 
     def check(self, plan: StepPlan) -> bool:
@@ -161,7 +156,10 @@ class Engine(EngineThread):
             check_step(self.pools, self.limits.pool_cap_bytes, plan.prefill_shape(),
                        plan.running)
         except OutOfMemory as oom:
-            self._crash(oom)
+            pool = self.pools[oom.rank]
+            log_oom(pool.log, oom, pool.stats(), self.pool_format)
+            self._fail_all(oom, str(oom))
+            self._on_dead(oom)
             return False
         return True
 
@@ -182,15 +180,6 @@ class Engine(EngineThread):
                 self.advance(plan)
                 self.tally.prompt_tokens += tokens
                 self._maybe_metrics()
-
-    def _drop_ignored(self, plan: StepPlan) -> None:
-        for ignored in plan.ignored:
-            self.log.warning("scheduler.py:1097", ignored.warning)
-            req = self._requests.pop(ignored.seq.request_id)
-            req.ignored = ignored.warning
-            req.finished.set()
-            if req.on_token is not None:
-                req.on_token(-2)
 
     def advance(self, plan: StepPlan) -> None:
         """Apply a step that ran: each request gets the tokens it sampled."""
@@ -220,12 +209,6 @@ class Engine(EngineThread):
             f"Running: {len(self.sched.running)} reqs, Swapped: 0 reqs, "
             f"Pending: {len(self.sched.waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
             f"CPU KV cache usage: 0.0%.")
-
-    def _crash(self, oom: OutOfMemory) -> None:
-        pool = self.pools[oom.rank]
-        log_oom(pool.log, oom, pool.stats(), self.pool_format)
-        self._fail_all(oom, str(oom))
-        self._on_dead(oom)
 
     def _fail_all(self, dead: OutOfMemory, error: str) -> None:
         with self._cond:

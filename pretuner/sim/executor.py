@@ -20,15 +20,10 @@ from pretuner.engines.outcome import Exercised, LaunchOutcome, tally, workload
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
-from pretuner.errors import ServerFailedError
-from pretuner.launch import probe
 from pretuner.launch.collect import rank_peaks
-from pretuner.launch.images import ImageShape, LoadPhase, validation_phases, worst_case
+from pretuner.launch.images import LoadPhase, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
-from pretuner.launch.process import read_tail
 from pretuner.logscan import scan_paths
-from pretuner.logscan.events import DeviceMemoryInit
-from pretuner.logscan.lines import parse_line
 from pretuner.sim import inproc
 from pretuner.sim.http import Reply
 from pretuner.sim.plugin import EMULATOR
@@ -59,17 +54,6 @@ def _outcomes(replies: Sequence[Reply]) -> list[CompletionOutcome]:
                               r.completion_tokens, r.error) for r in replies]
 
 
-def _init_free_mib(log: str) -> list[int]:
-    """`Device free MOC Size` of every MindSpore init line (what the live follower reads)."""
-    found = []
-    for line in log.splitlines():
-        if "Device MOC Size" in line or "Device HBM Size" in line:
-            event = parse_line(line)
-            if isinstance(event, DeviceMemoryInit) and event.device_free_mib:
-                found.append(event.device_free_mib)
-    return found
-
-
 def tune_in_process(
     opts: RunOptions, workdir: Path, card: CardInfo | None = None, phase: Phase | None = None
 ) -> TuneResult:
@@ -88,21 +72,15 @@ def tune_in_process(
         res = inproc.run(argv, cmd.env, [plen] * count, gen)
         log_path = _launch_log(workdir, n, res.log)
         scan = scan_paths([log_path])
-        failure = None
-        if not res.ready and not scan.oom:
-            failure = ServerFailedError(
-                f"the server exited with code {res.exit_code} before it was ready",
-                hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}",
-                log_path=str(log_path),
-            )
+        failure = None if res.ready or scan.oom else unexplained_exit(log_path, res.exit_code)
         outcome = outcome_of(
             n,
             settings,
             scan,
-            tally(_outcomes(res.replies), plen) if res.ready else tally([], plen),
+            tally(_outcomes(res.replies), plen),  # none when it never got ready
             failure=failure,
             graceful=res.exit_code == 0,
-            init_free_mib=_init_free_mib(res.log),
+            init_free_mib=list(scan.init_free_mib),
             log_path=log_path,
             problem=None,
             worst_node=None,
@@ -121,13 +99,9 @@ def tune_in_process(
 
 def soak_answered(phases: list[LoadPhase], outs: list[CompletionOutcome]) -> int:
     """How many of the soak's requests were answered 200 (replies come in phase order)."""
-    answered, i = 0, 0
-    for p in phases:
-        got = outs[i:i + len(p.requests)]
-        i += len(p.requests)
-        if p.name in SOAK_PHASES:
-            answered += sum(o.ok for o in got)
-    return answered
+    replies = iter(outs)
+    return sum(o.ok for p in phases for o in itertools.islice(replies, len(p.requests))
+               if p.name in SOAK_PHASES)
 
 
 def emulated_speed(res: inproc.InprocRun, s: LaunchSettings,
@@ -160,15 +134,6 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
     hooks = V1Hooks(bytes_per_token, images, soak)
     shape = images if images is not None and not images.is_text_only else None
 
-    def image_phases(images: ImageShape, s: LaunchSettings) -> list[LoadPhase]:
-        if s.purpose is Purpose.PRERUN:
-            req = worst_case(images, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
-            return [LoadPhase("probe", (req,))]
-        decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
-        return validation_phases(images, s.max_model_len, decode,
-                                 concurrency(s, None, bytes_per_token), soak.planned, seed,
-                                 TEMPLATE_TOKENS)
-
     def execute(s: LaunchSettings) -> LaunchOutcome:
         n = next(counter)
         t0 = time.monotonic()
@@ -176,26 +141,28 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
         argv = EMULATOR.server_flags("v1", cmd.argv)
         if argv[:1] == ["serve"]:
             argv = argv[1:]
-        plen: int | None
+        count = concurrency(s, None, bytes_per_token)
+        _, plen, decode = workload(s, DECODE_TOKENS)  # a pre-run's: one token
         phases: list[LoadPhase] = []
-        if shape is not None:
-            phases = image_phases(shape, s)
+        if shape is not None and s.purpose is Purpose.PRERUN:
+            req = worst_case(shape, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
+            phases = [LoadPhase("probe", (req,))]
+        elif shape is not None:
+            phases = validation_phases(shape, s.max_model_len, decode, count, soak.planned, seed,
+                                       TEMPLATE_TOKENS)
+        if phases:
             res = v1_inproc.run_waves(argv, cmd.env, v1_inproc.waves_of(phases))
-            plen = None
         elif s.purpose is Purpose.PRERUN:
-            plen = probe.max_length_prompt_len(s.max_model_len, 1)
             res = v1_inproc.run(argv, cmd.env, [plen], 1)
         else:
-            decode = min(DECODE_TOKENS, max(1, s.max_model_len // 2))
-            plen = probe.max_length_prompt_len(s.max_model_len, decode)
-            count = concurrency(s, None, bytes_per_token)
             res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
+        prompt_len = None if phases else plen  # an image request's length is the server's count
         log_path = _launch_log(workdir, n, res.log)
         outs = _outcomes(res.replies)
         failure = None if res.ready or "out of memory" in res.log.lower() \
             or "estimated maximum model length" in res.log \
             or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
-        ran = tally(outs, plen)
+        ran = tally(outs, prompt_len)
         if phases:
             ran = Exercised(ran.ok, ran.total, ran.dropped, ran.error,
                             soak_answered(phases, outs), res.reset_status)
@@ -203,6 +170,6 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
                                 (0.0, 0.0, 0.0, time.monotonic() - t0))
         return replace(outcome, device_peaks_mib=dict(res.peaks_mib), device_reader="emulated",
                        device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
-                       speed=emulated_speed(res, s, plen))
+                       speed=emulated_speed(res, s, prompt_len))
 
     return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()

@@ -51,26 +51,21 @@ def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int],
     except UsageError as err:
         return InprocRun(f"pretuner sim serve: error: {err}\n", (), False, 2)
     server = Server(cfg, stream)
+    replies: tuple[Reply, ...] = ()
+    ready = False  # reached the point where the real server opens its socket
     try:
         limits = server.boot()
     except (Refused, OutOfMemory) as err:
         code = server.failed_start(err)  # the traceback first, then the log is complete
-        return InprocRun(stream.getvalue(), (), False, code, *_device(server))
-    assert limits is not None  # noqa: S101 - no signal reaches an in-process server
-    replies, crashed = _serve(server, limits, prompts, max_tokens)
-    if crashed:
-        server.card.files.remove()
-        return InprocRun(stream.getvalue(), replies, True, 1, *_device(server))
-    server._graceful(None)
-    return InprocRun(stream.getvalue(), replies, True, 0, *_device(server))
-
-
-def _device(server: Server) -> tuple[dict[str, int], int]:
-    """The peak and total MiB of the server's cards as the emulated npu-smi shows them."""
-    peak = server.card.peak_mib
-    if peak == 0:
-        return {}, 0
-    return {"run": peak + server.cfg.occupied_mib}, server.profile.total_mib
+    else:
+        assert limits is not None  # noqa: S101 - no signal reaches an in-process server
+        ready = True
+        replies, crashed = _serve(server, limits, prompts, max_tokens)
+        code = 1 if crashed else server._graceful(None)
+    # The peak and total MiB of the server's cards as the emulated npu-smi shows them.
+    peak = {"run": server.peak_mib + cfg.occupied_mib} if server.peak_mib else {}
+    return InprocRun(stream.getvalue(), replies, ready, code, peak,
+                     server.profile.total_mib if peak else 0)
 
 
 def _serve(server: Server, limits: SchedulerLimits, prompts: Sequence[int],
@@ -92,6 +87,7 @@ def _serve(server: Server, limits: SchedulerLimits, prompts: Sequence[int],
             continue
         if not engine.check(plan):
             server.print_crash(engine.dead)
+            server.files.remove()
             crashed = True
             break
         engine.advance(plan)

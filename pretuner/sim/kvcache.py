@@ -22,37 +22,16 @@ _ROPE_DTYPE_OF_INT8_MLA = "bf16"  # MindSpore leaves the rope key unquantized
 
 
 @dataclass(frozen=True, slots=True)
-class Plane:
-    """One tensor a token slot holds in one layer: `elements` values of `element_bytes` each."""
-
-    name: str
-    elements: int
-    element_bytes: int
-
-    @property
-    def bytes(self) -> int:
-        return self.elements * self.element_bytes
-
-
-@dataclass(frozen=True, slots=True)
 class CacheLayout:
-    """What one rank of the busiest pipeline stage keeps per token: its layers' planes."""
+    """What one rank of the busiest pipeline stage keeps per token."""
 
-    planes: tuple[Plane, ...]  # the planes of one layer (every layer has the same)
+    slot_bytes: int  # one token's slot in one layer: the layer's planes (every layer has the same)
     layers: int  # attention layers on the busiest stage
 
-    @property
-    def slot_bytes(self) -> int:
-        """One token's slot in one layer."""
-        return sum(p.bytes for p in self.planes)
-
-    def page_bytes(self, block_size: int) -> int:
-        """One layer's page: `block_size` token slots."""
-        return block_size * self.slot_bytes
-
     def block_bytes(self, block_size: int) -> int:
-        """One block across every layer of the stage: the unit the engine allocates."""
-        return self.layers * self.page_bytes(block_size)
+        """One block across every layer of the stage (a page of `block_size` slots per layer):
+        the unit the engine allocates."""
+        return self.layers * block_size * self.slot_bytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -90,8 +69,8 @@ def element_bytes(spec: ModelSpec, cache_dtype: str) -> int:
     return _ELEMENT_BYTES[name]
 
 
-def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, ...]:
-    """The planes one token keeps in one layer on one tensor-parallel rank."""
+def slot_bytes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> int:
+    """What one token keeps in one layer on one tensor-parallel rank: the sum of its planes."""
     if tp < 1:
         raise Refused("ValueError", f"tensor_parallel_size ({tp}) must be positive")
     elem = element_bytes(spec, cache_dtype)
@@ -99,17 +78,16 @@ def layer_planes(spec: ModelSpec, *, tp: int, cache_dtype: str) -> tuple[Plane, 
         if spec.qk_rope_head_dim is None:
             raise Refused("ValueError", f"{spec.name}: an MLA config needs "
                           "qk_rope_head_dim beside kv_lora_rank")
-        # Every rank keeps the whole latent: TP does not enter.
+        # Every rank keeps the whole latent and the rope key: TP does not enter.
         rope = _ELEMENT_BYTES[_ROPE_DTYPE_OF_INT8_MLA] if cache_dtype == "int8" else elem
-        return (Plane("latent", spec.kv_lora_rank, elem),
-                Plane("rope_key", spec.qk_rope_head_dim, rope))
-    width = rank_kv_heads(spec.num_kv_heads, tp) * spec.head_dim
-    return (Plane("key", width, elem), Plane("value", width, elem))
+        return spec.kv_lora_rank * elem + spec.qk_rope_head_dim * rope
+    # A key and a value plane of the rank's KV heads.
+    return 2 * rank_kv_heads(spec.num_kv_heads, tp) * spec.head_dim * elem
 
 
 def cache_layout(spec: ModelSpec, *, tp: int = 1, pp: int = 1,
                  cache_dtype: str = "auto") -> CacheLayout:
     """The KV cache of one rank on the busiest stage; raises `Refused` as the engine
     would refuse the layout."""
-    planes = layer_planes(spec, tp=tp, cache_dtype=cache_dtype)
-    return CacheLayout(planes, max(stage_layers(spec.num_layers, pp)))
+    slot = slot_bytes(spec, tp=tp, cache_dtype=cache_dtype)
+    return CacheLayout(slot, max(stage_layers(spec.num_layers, pp)))

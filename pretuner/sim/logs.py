@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import TextIO
 
 POOL_FORMATS = ("2.5", "2.6", "bestfit")
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
@@ -75,14 +75,6 @@ def pool_dump(stats: PoolStats, fmt: str) -> str:
             f"{_m(stats.actual_peak)}. {tail}")
 
 
-def deinit_statistics(total_mib: int, pool_cap: int, stats: PoolStats) -> str:
-    return ("Ascend Memory Adapter deinitialize success, statistics:\n"
-            f"Device MOC memory size: {total_mib}M\n"
-            f"MindSpore Used memory size: {_m(pool_cap)}\n"
-            f"Used peak memory usage (without fragments): {_m(stats.peak_used)}\n"
-            f"Actual peak memory usage (with fragments): {_m(stats.actual_peak)}")
-
-
 def glog_level(env: Mapping[str, str] | None = None) -> int:
     """GLOG_v as MindSpore reads it; the emulator defaults to 3 (ERROR) like vllm-mindspore."""
     raw = (os.environ if env is None else env).get("GLOG_v", "3")
@@ -123,30 +115,10 @@ class VllmLog(LineLog):
     def uvicorn(self, msg: str, level: str = "INFO") -> None:
         self._write(f"{level + ':':<9} {msg}")
 
-    def raw(self, text: str) -> None:
-        self._write(text)
-
-
-class RankWriter(Protocol):
-    """What the server and engine call on a rank's log: `RankLog` here, or the same calls
-    forwarded to the rank's own node (`pretuner.sim.raynodes.RemoteRankLog`)."""
-
-    rank: int
-    pid: int
-
-    def log(self, level: str, module: str, src: str, func: str, msg: str) -> None: ...
-    def py(self, level: str, msg: str, src: str = ...) -> None: ...
-    def noise(self, phase: str, count: int) -> None: ...
-    def adapter_init(
-        self, total_mib: int, free_bytes: int, cap_bytes: int, user_gb: float
-    ) -> None: ...
-    def pool_dump(self, stats: PoolStats, fmt: str) -> None: ...
-    def deinit(self, total_mib: int, cap: int, stats: PoolStats) -> None: ...
-    def close(self) -> None: ...
-
 
 class RankLog:
-    """One emulated rank's MindSpore C++ log (and its Python-side log when writing files)."""
+    """One emulated rank's MindSpore C++ log (and its Python-side log when writing files); on
+    a Ray cluster, `pretuner.sim.raynodes.RemoteRankLog` sends its lines to the rank's node."""
 
     def __init__(self, rank: int, pid: int, tid: int, log_dir: Path | None,
                  stderr: TextIO | None = None, level: int | None = None) -> None:
@@ -216,7 +188,11 @@ class RankLog:
 
     def deinit(self, total_mib: int, cap: int, stats: PoolStats) -> None:
         self.log("INFO", "DEVICE", f"{_ADAPTER_SRC}:271", "DeInitialize",
-                 deinit_statistics(total_mib, cap, stats))
+                 "Ascend Memory Adapter deinitialize success, statistics:\n"
+                 f"Device MOC memory size: {total_mib}M\n"
+                 f"MindSpore Used memory size: {_m(cap)}\n"
+                 f"Used peak memory usage (without fragments): {_m(stats.peak_used)}\n"
+                 f"Actual peak memory usage (with fragments): {_m(stats.actual_peak)}")
 
     def close(self) -> None:
         for f in self._own:

@@ -108,12 +108,6 @@ def perturbed(seed: int) -> Coefficients:
     return perturb(Coefficients(), f"pretuner-sim-coefficients-{seed}")
 
 
-def rank_factors(seed: int, world: int, jitter: float) -> tuple[float, ...]:
-    """Each rank's multiplier on the dynamic part: ranks differ slightly, reproducibly."""
-    rng = random.Random(f"pretuner-sim-ranks-{seed}")  # noqa: S311 - not crypto
-    return tuple(1 + rng.uniform(-jitter, jitter) for _ in range(world))
-
-
 @dataclass(frozen=True, slots=True)
 class Layout:
     """The parallel layout and the knobs of the r0.1 KV formula."""
@@ -200,12 +194,14 @@ class CardModel:
 
 def card_models(spec: ModelSpec, weights_total_bytes: int, layout: Layout, seed: int,
                 rank_skew: dict[int, float] | None = None) -> list[CardModel]:
-    """One memory model per rank, each with its seeded (and optionally skewed) factor."""
+    """One memory model per rank, each with its seeded (and optionally skewed) factor on the
+    dynamic part: ranks differ slightly, reproducibly."""
     coeffs = perturbed(seed)
-    factors = rank_factors(seed, layout.world, coeffs.rank_jitter)
-    skew = rank_skew or {}
-    return [CardModel(spec, weights_total_bytes, layout, coeffs, f * skew.get(i, 1.0))
-            for i, f in enumerate(factors)]
+    jitter, skew = coeffs.rank_jitter, rank_skew or {}
+    rng = random.Random(f"pretuner-sim-ranks-{seed}")  # noqa: S311 - not crypto
+    return [CardModel(spec, weights_total_bytes, layout, coeffs,
+                      (1 + rng.uniform(-jitter, jitter)) * skew.get(i, 1.0))
+            for i in range(layout.world)]
 
 
 def pool_cap_bytes(total_gb: int, util: float) -> int:
@@ -233,62 +229,3 @@ def full_load_prefill(
         return [(max(1, min(batched, longest)), longest)]
     longest = max(1, min(longest, batched))
     return whole([longest] * max(1, min(max_num_seqs, batched // longest)))
-
-
-@dataclass(frozen=True, slots=True)
-class Truth:
-    """What only the emulator knows; written by `--sim-truth` to score a tuner. The safe KV
-    figures are the card's free memory, or the pool cap, less the worst full-load peak."""
-
-    profile: str
-    seed: int
-    card_total_bytes: int
-    card_free_bytes: int
-    pool_cap_bytes: int
-    weights_bytes_per_card: int
-    workspace_bytes: int
-    kv_bytes_per_token: int
-    activation_peak_bytes_at_batched_budget: int
-    non_kv_peak_bytes_full_load: int
-    non_kv_peak_bytes_per_rank: tuple[int, ...]
-    safe_kv_bytes_full_load: int
-    safe_kv_bytes_in_pool: int
-    kv_bytes_allocated: int
-    coefficients: Coefficients
-
-
-def truth(
-    models: Sequence[CardModel],
-    profile: CardProfile,
-    seed: int,
-    *,
-    total_gb: int,
-    util: float,
-    kv_blocks: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    batched: int,
-    chunked: bool = False,
-) -> Truth:
-    lens = full_load_prefill(max_model_len, max_num_seqs, batched, chunked)
-    per_rank = tuple(m.static_bytes + m.dynamic_bytes(lens, max_num_seqs) for m in models)
-    worst = max(per_rank)
-    first = models[0]
-    cap = pool_cap_bytes(total_gb, util)
-    return Truth(
-        profile=profile.name,
-        seed=seed,
-        card_total_bytes=profile.total_bytes,
-        card_free_bytes=profile.free_bytes,
-        pool_cap_bytes=cap,
-        weights_bytes_per_card=first.weights_bytes,
-        workspace_bytes=first.workspace_bytes,
-        kv_bytes_per_token=first.kv_bytes_per_token,
-        activation_peak_bytes_at_batched_budget=max(m.activation_bytes(lens) for m in models),
-        non_kv_peak_bytes_full_load=worst,
-        non_kv_peak_bytes_per_rank=per_rank,
-        safe_kv_bytes_full_load=profile.free_bytes - worst,
-        safe_kv_bytes_in_pool=cap - worst,
-        kv_bytes_allocated=max(0, kv_blocks) * first.block_bytes,
-        coefficients=first.coeffs,
-    )

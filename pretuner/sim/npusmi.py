@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pretuner.files import write_atomic
@@ -23,6 +23,14 @@ _DOUBLE = "+" + "=" * 27 + "+" + "=" * 15 + "+" + "=" * 52 + "+"
 
 def _usage(used: int, total: int) -> str:
     return f"{used:<5}/ {total}"  # a 5-digit figure touches the slash, as on a real card
+
+
+def cards(env: Mapping[str, str]) -> tuple[CardProfile, list[DeviceUse]]:
+    """The card profile (`PRETUNER_SIM_PROFILE`) and the cards of `PRETUNER_SIM_NODE` now."""
+    p = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE, PROFILES[DEFAULT_PROFILE])
+    return p, read_devices(state_dir(env), "npu", env_int(env, "PRETUNER_SIM_NODE"),
+                           p.cards_per_node, p.driver_reserved_mib,
+                           env_int(env, "PRETUNER_SIM_OCCUPIED_MIB"))
 
 
 def render(profile: CardProfile, cards: Sequence[DeviceUse]) -> str:
@@ -72,13 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"Error: unsupported command {' '.join(args)!r} (the emulated npu-smi "
                          "knows `info`)\n")
         return 1
-    env = dict(os.environ)
-    profile = PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE,
-                           PROFILES[DEFAULT_PROFILE])
-    cards = read_devices(state_dir(env), "npu", env_int(env, "PRETUNER_SIM_NODE"),
-                         profile.cards_per_node, profile.driver_reserved_mib,
-                         env_int(env, "PRETUNER_SIM_OCCUPIED_MIB"))
-    sys.stdout.write(render(profile, cards))
+    sys.stdout.write(render(*cards(os.environ)))
     return 0
 
 

@@ -27,13 +27,6 @@ from pretuner.sim.loop import EngineDead
 _PLAIN = "text/plain; charset=utf-8"
 
 
-def context_error(max_model_len: int, prompt_len: int, max_tokens: int) -> str:
-    return (f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.")
-
-
 class SimHTTPServer(FrontServer):
     log: VllmLog
 
@@ -71,7 +64,10 @@ class _Handler(Handler):
         max_tokens = 16 if max_tokens is None else int(max_tokens)
         mml = self.server.api.max_model_len
         if prompt_len + max_tokens > mml:
-            self._error(400, context_error(mml, prompt_len, max_tokens))
+            self._error(400, f"This model's maximum context length is {mml} tokens. However, "
+                        f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                        f"messages, {max_tokens} in the completion). Please reduce the length "
+                        "of the messages or completion.")
             return
         rid = f"cmpl-{uuid.uuid4().hex}"
         log = self.server.log

@@ -11,12 +11,11 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import astuple
 from typing import Any
 
 from pretuner.cluster.nodefs import node_local
 from pretuner.cluster.nodes import Placement, place
-from pretuner.sim.logs import PoolStats, RankLog
+from pretuner.sim.logs import RankLog
 
 PLACEMENT_TIMEOUT_S = 60.0  # vLLM waits 1800 s for its placement group; tests cannot
 HEALTH_EVERY_S = 1.0
@@ -49,12 +48,6 @@ class NodeAgent:
     def call(self, rank: int, method: str, args: tuple[Any, ...]) -> None:
         getattr(self.logs[rank], method)(*args)
 
-    def pool_dump(self, rank: int, stats: tuple[int, int, int, int], fmt: str) -> None:
-        self.logs[rank].pool_dump(PoolStats(*stats), fmt)
-
-    def deinit(self, rank: int, total_mib: int, cap: int, stats: tuple[int, int, int, int]) -> None:
-        self.logs[rank].deinit(total_mib, cap, PoolStats(*stats))
-
     def close(self) -> None:
         for log in self.logs.values():
             log.close()
@@ -63,36 +56,22 @@ class NodeAgent:
         return True
 
 
-class RemoteRankLog:
-    """RankLog's calls, forwarded to the node's actor (fire-and-forget: Ray keeps one
-    caller's calls in order, and `RayRanks.close` waits for them)."""
+class RemoteRankLog(RankLog):
+    """A rank's lines, formatted here and written by the actor on the rank's node, with that
+    node's GLOG_v (fire-and-forget: Ray keeps one caller's calls in order, and
+    `RayRanks.close` waits for them, then closes the files)."""
 
-    def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:
+    def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:  # no files here
         self.agent = agent
         self.rank = rank
         self.pid = pid
         self.tid = tid
 
-    def _send(self, method: str, *args: Any) -> None:
-        self.agent.call.remote(self.rank, method, args)
-
     def log(self, level: str, module: str, src: str, func: str, msg: str) -> None:
-        self._send("log", level, module, src, func, msg)
+        self.agent.call.remote(self.rank, "log", (level, module, src, func, msg))
 
     def py(self, level: str, msg: str, src: str = "mindspore/context.py:1052") -> None:
-        self._send("py", level, msg, src)
-
-    def noise(self, phase: str, count: int) -> None:
-        self._send("noise", phase, count)
-
-    def adapter_init(self, total_mib: int, free_bytes: int, cap_bytes: int, user_gb: float) -> None:
-        self._send("adapter_init", total_mib, free_bytes, cap_bytes, user_gb)
-
-    def pool_dump(self, stats: PoolStats, fmt: str) -> None:
-        self.agent.pool_dump.remote(self.rank, astuple(stats), fmt)
-
-    def deinit(self, total_mib: int, cap: int, stats: PoolStats) -> None:
-        self.agent.deinit.remote(self.rank, total_mib, cap, astuple(stats))
+        self.agent.call.remote(self.rank, "py", (level, msg, src))
 
     def close(self) -> None:
         """Files are closed by the actor at `RayRanks.close`."""

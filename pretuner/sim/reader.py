@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceMemory, Holder, Sample, keep
-from pretuner.sim.memory import DEFAULT_PROFILE, PROFILES
+from pretuner.sim import npusmi
+from pretuner.sim.memory import DEFAULT_PROFILE
 from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
 from pretuner.sim.v1.memory import CUDA_PROFILES
 
@@ -16,23 +17,19 @@ class EmulatedReader:
     interval_s = FASTEST_INTERVAL_S
 
     def __init__(self, env: Mapping[str, str], devices: frozenset[int] | None = None) -> None:
-        wanted = env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE
-        self.cuda = CUDA_PROFILES.get(wanted)
-        self.profile = PROFILES.get(wanted, PROFILES[DEFAULT_PROFILE])
-        self.state = state_dir(env)
-        self.node = env_int(env, "PRETUNER_SIM_NODE")
-        self.tenant_mib = env_int(env, "PRETUNER_SIM_OCCUPIED_MIB")
+        self.env = dict(env)
+        self.cuda = CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE)
         self.devices = devices
 
     def _read(self) -> tuple[int, list[DeviceUse]]:
         """(total MiB, every device's use) as the emulated tool shows them now."""
         if self.cuda is not None:
             c = self.cuda
-            return c.nvml_total_mib, read_devices(self.state, "cuda", 0, c.gpus_per_node,
-                                                  c.idle_mib, self.tenant_mib, c.nvml_total_mib)
-        p = self.profile
-        return p.total_mib, read_devices(self.state, "npu", self.node, p.cards_per_node,
-                                         p.driver_reserved_mib, self.tenant_mib)
+            return c.nvml_total_mib, read_devices(
+                state_dir(self.env), "cuda", 0, c.gpus_per_node, c.idle_mib,
+                env_int(self.env, "PRETUNER_SIM_OCCUPIED_MIB"), c.nvml_total_mib)
+        profile, cards = npusmi.cards(self.env)
+        return profile.total_mib, cards
 
     def sample(self) -> Sample | None:
         total, uses = self._read()

@@ -202,8 +202,6 @@ class Scheduler(SchedulerBase[Seq]):
             self.free_blocks += seq.blocks
         return done
 
-    def abort_all(self) -> list[Seq]:
-        victims = list(self.waiting) + self.running
+    def abort_all(self) -> None:
         self.waiting.clear()
         self.running.clear()
-        return victims

@@ -9,6 +9,7 @@ logging to `$GLOG_log_dir/node<k>`; with a Ray address they are placed on the cl
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from pretuner.errors import PretunerError
+from pretuner.files import write_atomic
 from pretuner.models import resolve
 from pretuner.sim import memory as mem
 from pretuner.sim.argv import Refused, serve_main
@@ -31,7 +33,7 @@ from pretuner.sim.engine import (
     log_oom,
 )
 from pretuner.sim.http import ANY_HOST, ApiConfig, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.logs import RankLog, RankWriter, VllmLog, glog_level
+from pretuner.sim.logs import RankLog, VllmLog, glog_level
 from pretuner.sim.r01_checks import (
     WHERE_CACHE,
     WHERE_CONFIG,
@@ -52,10 +54,11 @@ from pretuner.sim.r01_config import (
     parse,
 )
 from pretuner.sim.r01_http import SimHTTPServer
-from pretuner.sim.r01_state import CardState, Rank, write_truth
 from pretuner.sim.scheduler import SchedulerLimits
+from pretuner.sim.state import Published, others_bytes, state_dir
+from pretuner.sim.truth import truth
 from pretuner.stopflag import StopFlag
-from pretuner.units import GIB
+from pretuner.units import GIB, MIB
 
 if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
@@ -77,8 +80,8 @@ class Server:
         self.vlog = VllmLog(stream)
         self.stop = StopFlag()
         self.profile = mem.PROFILES[cfg.profile]
-        self.card = CardState(cfg.env, self.profile)  # what npu-smi shows of its cards
-        self.ranks: list[Rank] = []
+        self.files = Published()  # what npu-smi shows of its cards
+        self.peak_mib = 0  # what this server published for each of its cards
         self.pools: list[RankPool] = []
         self.pool_cap = 0
         self.dead: Exception | None = None
@@ -225,50 +228,42 @@ class Server:
         starts = [sum(counts[:k]) for k in range(len(counts))]
         for (idx, rank_pid, tid), model in zip(idents, models, strict=True):
             node = max(k for k, first in enumerate(starts) if first <= idx)
-            writer: RankWriter = (self.remote.logs[idx] if self.remote is not None else
+            writer: RankLog = (self.remote.logs[idx] if self.remote is not None else
                                   RankLog(idx, rank_pid, tid, self._node_log_dir(node),
                                           self.stream, glog_level(cfg.env)))
-            self.ranks.append(Rank(idx, node, devices[idx - starts[node]], rank_pid, writer,
-                                    model))
+            self.pools.append(RankPool(model, writer, devices[idx - starts[node]], 0, node=node))
 
         blocks = 0  # without a valid vLLM_MODEL_MEMORY_USE_GB r0.1 fails at the KV cache
         with contextlib.suppress(KeyError, ValueError):
             blocks = mem.r01_kv_blocks(total_gb, cfg.util,
                                        int(env["vLLM_MODEL_MEMORY_USE_GB"]), block_bytes)
         if cfg.truth:
-            write_truth(Path(cfg.truth), models, self.profile, seed=cfg.seed, total_gb=total_gb,
-                        util=cfg.util, blocks=blocks, mml=mml, seqs=cfg.max_num_seqs,
+            doc = truth(models, self.profile, seed=cfg.seed, total_gb=total_gb, util=cfg.util,
+                        kv_blocks=blocks, max_model_len=mml, max_num_seqs=cfg.max_num_seqs,
                         batched=batched, chunked=chunked, occupied_mib=cfg.occupied_mib)
+            write_atomic(Path(cfg.truth), json.dumps(doc, indent=2) + "\n", overwrite=True)
 
-        self.card.init_pool(self.ranks, cap, total_gb * cfg.util, cfg.occupied_mib)
-        self.pools = [RankPool(r.model, r.log, r.device_id, 0) for r in self.ranks]
+        self._init_pool(cap, total_gb * cfg.util)
         if self.stop.wait(self._phase_s):
             return None
 
         # Weights.
-        for r, pool in zip(self.ranks, self.pools, strict=True):
-            if r.model.static_bytes > cap:
-                oom = OutOfMemory(r.rank, r.device_id, "Default/model/embedding-Embedding/"
-                                  "Gather-op0", r.model.weights_bytes // 61 + 512)
-                pool.peak_dynamic = cap - r.model.static_bytes
-                log_oom(r.log, oom, pool.stats(), cfg.pool_format, LOAD_OOM)
-                raise oom
+        for pool in self.pools:
+            if pool.model.static_bytes > cap:
+                raise self._load_oom(pool, "Default/model/embedding-Embedding/Gather-op0",
+                                     pool.model.weights_bytes // 61 + 512)
         if self.stop.wait(2 * self._phase_s):
             return None
-        weights_gb = self.ranks[0].model.weights_bytes / GIB
+        weights_gb = self.pools[0].model.weights_bytes / GIB
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
 
         # KV cache: r0.1's formula, then vLLM's checks, then the allocation in the pool.
         int_env(env, "vLLM_MODEL_MEMORY_USE_GB")  # r0.1's calc_block_num refuses it here
         self.kv_blocks(blocks, (4 * GIB) // block_bytes, mml, WHERE_CACHE)
         kv = blocks * block_bytes
-        for r, pool in zip(self.ranks, self.pools, strict=True):
-            if r.model.static_bytes + kv > cap:
-                oom = OutOfMemory(r.rank, r.device_id, "kv_cache", kv // max(1, r.model.spec
-                                                                             .num_layers))
-                log_oom(r.log, oom, pool.stats(extra_dynamic=cap - r.model.static_bytes),
-                        cfg.pool_format, LOAD_OOM)
-                raise oom
+        for pool in self.pools:
+            if pool.model.static_bytes + kv > cap:
+                raise self._load_oom(pool, "kv_cache", kv // max(1, pool.model.spec.num_layers))
             pool.kv_bytes = kv
         if self.stop.wait(self._phase_s):
             return None
@@ -288,6 +283,47 @@ class Server:
 
         return SchedulerLimits(mml, cfg.max_num_seqs, batched, cfg.block_size, blocks, chunked,
                                cap)
+
+    def _load_oom(self, pool: RankPool, kernel: str, alloc_size: int) -> OutOfMemory:
+        """MindSpore's OOM while loading and its pool dump: what the rank holds, or the whole cap
+        when that is less (the KV cache did not fit beside the weights)."""
+        pool.peak_dynamic = max(0, self.pool_cap - pool.in_used)
+        oom = OutOfMemory(pool.log.rank, pool.device_id, kernel, alloc_size)
+        log_oom(pool.log, oom, pool.stats(), self.cfg.pool_format, LOAD_OOM)
+        return oom
+
+    def _init_pool(self, cap: int, user_gb: float) -> None:
+        """MindSpore's device init: the pool cap must fit in the card's free memory, which
+        another tenant, or another live server on the same card (a leftover pre-run, say), has
+        taken its share of; then the whole pool is the server's (`enable_vmm:False`)."""
+        p, ranks, state = self.profile, self.pools, state_dir(self.cfg.env)
+        others = others_bytes(state, "npu", [(r.node, r.device_id) for r in ranks])
+        free = p.free_bytes - self.cfg.occupied_mib * MIB - others
+        total = p.total_bytes
+        if free < total // 2:
+            msg = ("Malloc device memory failed, free memory size is less than half of total "
+                   f"memory size.Device {ranks[0].device_id} Device HBM total size:{total} "
+                   f"Device HBM free size:{free} may be other processes occupying this card, "
+                   "check as: ps -ef|grep python")
+            raise Refused("RuntimeError", msg, WHERE_MS)
+        if cap >= free:
+            msg = (f"The Free Device Memory Size is {free / GIB:g} GB, max_device_memory should "
+                   f"be in range (0-{free / MIB:g}]MB, but got {cap / MIB:g}MB, please set the "
+                   "context key max_device_memory in valid range.")
+            for r in ranks:
+                r.log.log("ERROR", "DEVICE", "mindspore/ccsrc/plugin/device/ascend/hal/device/"
+                          "ascend_memory_adapter.cc:142", "Initialize",
+                          f"#umsg#Framework Error Message:#umsg#{msg}")
+            raise Refused("RuntimeError", msg, WHERE_MS)
+        self.peak_mib = p.driver_reserved_mib + p.cann_mib + cap // MIB
+        for r in ranks:
+            r.log.py("WARNING", "For 'context.set_context', the parameter 'max_device_memory' "
+                     "will be deprecated and removed in a future version. Please use the api "
+                     "mindspore.set_device() instead.")
+            r.log.adapter_init(p.total_mib, free, cap, user_gb)
+            r.log.noise("start", 24)
+            self.files.hold(state, "npu", r.node, r.device_id,
+                            self.peak_mib - p.driver_reserved_mib, r.log.pid)
 
     def _serve(self, limits: SchedulerLimits) -> SimHTTPServer:
         """Engine + HTTP. The socket opens only now, like the real server after its warm-up."""
@@ -352,17 +388,17 @@ class Server:
                      f"Finished server process [{os.getpid()}]"):
             self.vlog.uvicorn(line)
         time.sleep(self.cfg.teardown_s)  # device release takes seconds on a real card
-        for r, pool in zip(self.ranks, self.pools, strict=False):
+        for pool in self.pools:
             stats = pool.stats()
-            r.log.pool_dump(stats, self.cfg.pool_format)
-            r.log.deinit(self.profile.total_mib, self.pool_cap, stats)
-            r.log.close()
-        self.card.files.remove()
+            pool.log.pool_dump(stats, self.cfg.pool_format)
+            pool.log.deinit(self.profile.total_mib, self.pool_cap, stats)
+            pool.log.close()
+        self.files.remove()
         return 0
 
     def failed_start(self, err: Exception) -> int:
         """The traceback the real server dies with before it serves; its exit code."""
-        self.card.files.remove()
+        self.files.remove()
         out = self.stream or sys.stderr
         out.write(traceback_text(err.exc_type, err.message, err.where)
                   if isinstance(err, Refused)
@@ -381,7 +417,7 @@ class Server:
         server.server_close()
         self.vlog.uvicorn("Shutting down")
         self.vlog.uvicorn(f"Finished server process [{os.getpid()}]")
-        self.card.files.remove()
+        self.files.remove()
         return 1
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretuner.files import write_atomic
+from pretuner.procgroups import proc_available, stat_fields
 from pretuner.units import MIB
 
 STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
@@ -35,17 +36,16 @@ def alive(pid: int) -> bool:
     """A running process (an unreaped zombie holds no card memory)."""
     if pid <= 0:
         return False
+    if proc_available():
+        fields = stat_fields(pid)
+        return fields is not None and fields[0] not in (b"Z", b"X")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[:1] != ["Z"]
+    return True
 
 
 @dataclass(frozen=True, slots=True)

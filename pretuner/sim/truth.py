@@ -1,4 +1,5 @@
-"""What only the emulator knows about r0.1: the largest KV cache and longest length that fit.
+"""What only the emulator knows about r0.1: the largest KV cache and longest length that fit,
+and the truth file (`--sim-truth`) a benchmark scores against.
 
 Pure, over `pretuner.sim.memory`. "Fits": on every rank, weights + workspace + KV + the worst
 full-load step stay within the card's free memory, and the KV holds max-num-seqs max-length
@@ -9,16 +10,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from pretuner.sim.loop import blocks_for
 from pretuner.sim.memory import (
     DEFAULT_CHUNK_TOKENS,
     CardModel,
+    CardProfile,
     full_load_prefill,
+    pool_cap_bytes,
 )
 from pretuner.sim.scheduler import watermark_blocks
-from pretuner.units import GIB
+from pretuner.units import GIB, MIB
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,3 +93,39 @@ def max_length(models: Sequence[CardModel], free_bytes: int, *, limit: int, chun
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid * granularity) else (lo, mid - 1)
     return lo * granularity
+
+
+def truth(models: Sequence[CardModel], profile: CardProfile, *, seed: int, total_gb: int,
+          util: float, kv_blocks: int, max_model_len: int, max_num_seqs: int, batched: int,
+          chunked: bool, occupied_mib: int = 0) -> dict[str, Any]:
+    """The truth file's content. The safe KV figures are the card's free memory, or the pool
+    cap, less the worst full-load peak; `max_safe_kv_*` as `max_safe_kv` finds them."""
+    lens = full_load_prefill(max_model_len, max_num_seqs, batched, chunked)
+    per_rank = [m.static_bytes + m.dynamic_bytes(lens, max_num_seqs) for m in models]
+    worst = max(per_rank)
+    first = models[0]
+    cap = pool_cap_bytes(total_gb, util)
+    doc = {
+        "profile": profile.name,
+        "seed": seed,
+        "card_total_bytes": profile.total_bytes,
+        "card_free_bytes": profile.free_bytes,
+        "pool_cap_bytes": cap,
+        "weights_bytes_per_card": first.weights_bytes,
+        "workspace_bytes": first.workspace_bytes,
+        "kv_bytes_per_token": first.kv_bytes_per_token,
+        "activation_peak_bytes_at_batched_budget": max(m.activation_bytes(lens) for m in models),
+        "non_kv_peak_bytes_full_load": worst,
+        "non_kv_peak_bytes_per_rank": per_rank,
+        "safe_kv_bytes_full_load": profile.free_bytes - worst,
+        "safe_kv_bytes_in_pool": cap - worst,
+        "kv_bytes_allocated": max(0, kv_blocks) * first.block_bytes,
+        "coefficients": asdict(first.coeffs),
+    }
+    free = profile.free_bytes - occupied_mib * MIB
+    for name, integer in (("r01", True), ("physical", False)):
+        fit = max_safe_kv(models, free, max_model_len, batched=batched, chunked=chunked,
+                          integer_model_use=integer)
+        doc[f"max_safe_kv_{name}"] = asdict(fit) if fit else None
+    return {**doc, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": batched, "kv_blocks": kv_blocks}

@@ -82,8 +82,7 @@ def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knob
     if knobs.quantization is not None:
         v.choice("--quantization", knobs.quantization, METHODS)
     v.non_negative("--cpu-offload-gb", knobs.cpu_offload_gib, example="14")
-    if knobs.swap_space_gib is not None:
-        v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
+    v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
     return knobs, tuple(rest)
 
 
@@ -207,8 +206,7 @@ def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
     seqs = opts.max_num_seqs if opts.max_num_seqs is not None else (
         row.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS)
     v.int_range("--max-num-seqs", seqs, 1, MAX_NUM_SEQS)
-    if opts.max_num_batched_tokens is not None:
-        v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
+    v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
     if opts.model_use_gib is not None:
         raise BadInputError("--model-use-gb is vLLM-MindSpore r0.1's variable; a V1 engine "
                             "takes --kv-cache-memory-bytes, which pretuner derives",

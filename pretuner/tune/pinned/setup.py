@@ -38,7 +38,7 @@ from pretuner.report.records import RunReport, V1Weights
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
-from pretuner.tune.pinned.report import PinnedFacts, pinned_layout, report_json
+from pretuner.tune.pinned.report import PinnedFacts, report_json
 from pretuner.tune.report import RunMeta
 from pretuner.tune.setup import OnDecision, Setup, Vision, launch_context
 from pretuner.units import GIB, MIB
@@ -265,11 +265,8 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                          hooks=V1Hooks(bpt, vision.images, vision.soak))
     card_info = CardInfo(card, None,
                          "--card" if opts.card_gib is not None else "the device's size")
-    facts = PinnedFacts(
-        engine=engine, model=spec.name, card_gib=card, bytes_per_token=bpt,
-        asked_max_num_seqs=seqs, weights_format=p.weights_format,
-        vision=None if vision.images is None else vision,
-        weights=weights_record(p, knobs, host, None), min_tokens_per_s=opts.min_tokens_per_s)
+    facts = PinnedFacts(engine, cfg, p.weights_format, None if vision.images is None else vision,
+                        weights_record(p, knobs, host, None), opts.min_tokens_per_s)
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:
         return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,
@@ -320,4 +317,4 @@ class PinnedMethod(V1Tuner):
         return report_json(result, meta, self.facts)
 
     def layout(self) -> dict[str, Any]:
-        return pinned_layout(self.facts, self.cfg.tp, self.cfg.pp)
+        return self.facts.layout()

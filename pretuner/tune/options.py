@@ -4,7 +4,6 @@ every way into `pretuner run` meets (flags, a library call, a journal read back 
 from __future__ import annotations
 
 import json
-import shlex
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,7 +15,7 @@ from pretuner.errors import BadInputError
 from pretuner.kvmath import KV_DTYPES
 from pretuner.models import local_model_path
 from pretuner.models.quant import METHODS
-from pretuner.redact import redact_argv
+from pretuner.redact import redact_command_text
 
 # RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
 RETUNE_FLAGS = (
@@ -38,15 +37,6 @@ RETUNE_FLAGS = (
     ("swap_space_gib", "--swap-space"), ("enforce_eager", "--enforce-eager"),
     ("min_tokens_per_s", "--min-tokens-per-s"),
 )  # fmt: skip
-
-
-def _redacted(words: str) -> str:
-    """A shell-split option value (a server command, server flags) with its secrets redacted:
-    the re-tune command is written into report.md and report.json."""
-    try:
-        return shlex.join(redact_argv(shlex.split(words)))
-    except ValueError:  # unbalanced quotes: refused by the checks; keep it out of the record
-        return "<redacted>"
 
 
 @pydantic.with_config(pydantic.ConfigDict(extra="forbid", strict=True))
@@ -115,9 +105,9 @@ class RunOptions:
             if isinstance(value, bool):
                 argv.append(flag if value else f"--no-{flag[2:]}")
             elif isinstance(value, list):
-                argv += [part for item in value for part in (flag, _redacted(item))]
+                argv += [part for item in value for part in (flag, redact_command_text(item))]
             elif name == "serve_cmd":
-                argv += [flag, _redacted(str(value))]
+                argv += [flag, redact_command_text(str(value))]
             else:
                 argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return argv

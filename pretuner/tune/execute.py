@@ -189,15 +189,12 @@ def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
 
 def _describe(s: LaunchSettings) -> str:
     if s.kv_cache_bytes is not None:  # a V1 engine, KV pinned
-        return (f"--kv-cache-memory-bytes {s.kv_cache_bytes} ({s.kv_cache_bytes / 2**30:.2f} "
-                f"GiB), max_model_len {s.max_model_len:,}, max-num-seqs {s.max_num_seqs}")
-    if s.model_use_gib == 0:  # a V1 engine profiling at util
-        return (f"util {s.util:g} (the engine profiles), max_model_len {s.max_model_len:,}, "
-                f"max-num-seqs {s.max_num_seqs}")
-    return (
-        f"util {s.util:g}, model-use {s.model_use_gib} GiB, max_model_len {s.max_model_len:,}, "
-        f"max-num-seqs {s.max_num_seqs}"
-    )
+        kv = f"--kv-cache-memory-bytes {s.kv_cache_bytes} ({s.kv_cache_bytes / 2**30:.2f} GiB)"
+    elif s.model_use_gib == 0:  # a V1 engine profiling at util
+        kv = f"util {s.util:g} (the engine profiles)"
+    else:
+        kv = f"util {s.util:g}, model-use {s.model_use_gib} GiB"
+    return f"{kv}, max_model_len {s.max_model_len:,}, max-num-seqs {s.max_num_seqs}"
 
 
 def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:

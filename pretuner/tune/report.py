@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shlex
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
@@ -125,16 +125,10 @@ def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision]
              validated: bool, **layout: Any) -> dict[str, Any]:
     """The fields a success and a failure report share, on any engine; `layout` names the
     model, card_gib, tp, pp, nodes, weights_format and kv_bytes_per_token."""
-    return {
-        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.engine,
-        "engine_version": meta.engine_version, "engine_reason": meta.engine_reason,
-        "simulated": meta.simulated, "provenance": provenance(meta.simulated),
-        "model_arg": meta.model_arg, "card_source": meta.card_source,
-        "device_kind": meta.device_kind, "kv_cache_dtype": meta.kv_cache_dtype,
-        "validated": validated, "launches": len(steps), "steps": list(steps),
-        "decisions": list(decisions), "retune_command": list(meta.retune_command),
-        "cluster": meta.cluster, **layout,
-    }
+    said = {k: v for k, v in asdict(meta).items() if k != "asked_max_model_len"}
+    return {**said, "pretuner_version": __version__, "provenance": provenance(meta.simulated),
+            "validated": validated, "launches": len(steps), "steps": list(steps),
+            "decisions": list(decisions), "retune_command": list(meta.retune_command), **layout}
 
 
 def real_model(meta: RunMeta, model: str) -> str:

@@ -281,10 +281,10 @@ class V1Tuner(Method):
         peak = max(o.device_peaks_mib.values())
         soak = soak_figures(o)
         hold = soak.held_back_mib if soak is not None else 0
-        spare_mib = o.device_total_mib - peak - hold - tighten_margin_mib(o.device_total_mib)
+        margin = tighten_margin_mib(o.device_total_mib)
+        spare_mib = o.device_total_mib - peak - hold - margin
         # Without a soak, a proven peak near the top stands; a shortfall under half the thin
         # margin is within what one sampled run can tell apart (it would only creep).
-        margin = tighten_margin_mib(o.device_total_mib)
         if hold > 0 and -spare_mib > margin // 2:
             return self.hold_back(s, o, proven, min(-spare_mib, hold), hold)
         if spare_mib < 0 or spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
@@ -295,7 +295,7 @@ class V1Tuner(Method):
         self.decide("tighten",
                     f"the validation's peak left {o.device_total_mib - peak:,} MiB of "
                     f"{o.device_total_mib:,} MiB unused; try {spare_mib:,} MiB more KV (keeping "
-                    f"{tighten_margin_mib(o.device_total_mib)} MiB"
+                    f"{margin} MiB"
                     + (f" and {hold:,} MiB for more growth, twice the soak's second half"
                        if hold else "")
                     + "), proven in turn", kv_cache_bytes=wider.kv_cache_bytes)

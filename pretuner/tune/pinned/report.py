@@ -147,14 +147,9 @@ def soak_record(o: LaunchOutcome, asked: Soak) -> V1Soak | None:
     f = soak_figures(o)
     if f is None:
         return None
-    return V1Soak(
-        launch=o.n, requests_asked=asked.requests, minutes_asked=asked.minutes,
-        requests=f.requests, before_mib=f.before_mib, half_mib=f.half_mib,
-        after_mib=f.after_mib, after_reset_mib=f.after_reset_mib, reset_status=f.reset_status,
-        growth_mib=f.growth_mib, reset_gave_back_mib=f.reset_gave_back_mib,
-        second_half_mib=f.second_half_mib, held_back_mib=f.held_back_mib,
-        peak_before_mib=f.peak_before_mib,
-        peak_after_mib=f.peak_after_mib)
+    figures = {name: getattr(f, name) for name in V1Soak.model_fields if hasattr(f, name)}
+    return V1Soak(launch=o.n, requests_asked=asked.requests, minutes_asked=asked.minutes,
+                  **figures)
 
 
 def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory | None:

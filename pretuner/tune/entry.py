@@ -30,7 +30,6 @@ from pretuner.tune.r01.config import CardInfo, TuneConfig, TuneResult, plan_for
 from pretuner.tune.r01.setup import r01_layout_options, r01_setup
 from pretuner.tune.record import (
     RunRecord,
-    check_folder_name,
     check_no_orphans,
     claim_new_folder,
     disk_full_error,
@@ -118,7 +117,6 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
             )
         return record, RunOptions.from_json(started.get("options"), started.get("version"))
     if opts.out is not None:
-        check_folder_name(opts.out, "--out")
         out = Path(opts.out)
         check_no_orphans(out.parent, own=out)  # a server a killed run left on the card
         record = RunRecord(path=out, lock=claim_new_folder(out))  # new or empty, and locked

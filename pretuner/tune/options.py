@@ -175,8 +175,10 @@ class RunOptions:
             )
         if o.serve_cmd is not None:
             v.command_line("--serve-cmd", o.serve_cmd)
-        if o.out is not None:
-            v.path_text("--out", o.out)
+        if o.out is not None and not v.path_text("--out", o.out).isprintable():
+            # Its name is the run id that report.md and serve.sh print.
+            raise BadInputError(f"--out {o.out!r} contains a newline or another control character",
+                                hint="choose a folder name of printable characters")
         v.path_text("runs folder", o.runs_dir)
         v.positive("--ready-timeout", o.ready_timeout_s, example="1800")
         v.positive("--request-timeout", o.request_timeout_s, example="900")

@@ -221,16 +221,6 @@ def disk_full_error(err: OSError, folder: Path) -> DiskFullError:
     )
 
 
-def check_folder_name(path: str, option: str) -> None:
-    """Refuse a run folder whose path holds a newline or another control character: its name is
-    the run id that report.md and serve.sh print, and pretuner never needs one."""
-    if not path.isprintable():
-        raise BadInputError(
-            f"{option} {path!r} contains a newline or another control character",
-            hint="choose a folder name of printable characters",
-        )
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower() or "model"
 

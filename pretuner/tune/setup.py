@@ -19,7 +19,6 @@ from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.errors import NotValidatedError
 from pretuner.launch.images import ImageShape
-from pretuner.models.spec import ModelSpec
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
@@ -104,7 +103,6 @@ class Vision:
 class Setup(Generic[C]):
     choice: EngineChoice
     engine: R01Engine | V1Engine
-    spec: ModelSpec
     model_arg: str  # what the server loads
     ctx: LaunchContext
     card: CardInfo

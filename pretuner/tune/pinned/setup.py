@@ -272,7 +272,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
         return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,
                             host_line=host_line)
 
-    setup = Setup(choice, engine, spec, model_arg, ctx, card_info, p.layout_reason, cfg, start,
+    setup = Setup(choice, engine, model_arg, ctx, card_info, p.layout_reason, cfg, start,
                   vision)
     return setup
 

@@ -131,7 +131,6 @@ class Budget:
     headroom_one_seq_bytes: int  # headroom of a configuration that serves one sequence,
     headroom_share: float = 0.0  # plus this share of the activations (WA - weights)
     weights_bytes: int = 0
-    integer_model_use: bool = True  # r0.1: vLLM_MODEL_MEMORY_USE_GB is an integer of GiB
 
     def headroom(self, wa_bytes: int) -> int:
         act = max(0, wa_bytes - self.weights_bytes)
@@ -143,7 +142,7 @@ class Budget:
 
     def model_use_bytes(self, wa_bytes: int) -> int:
         need = wa_bytes + self.headroom(wa_bytes)
-        return math.ceil(need / GIB - 1e-9) * GIB if self.integer_model_use else need
+        return math.ceil(need / GIB - 1e-9) * GIB  # r0.1 takes whole GiB
 
     def fits(self, length: int, wa_bytes: int) -> bool:
         """One sequence of `length` fits beside this WA (headroom and rounding included)."""

@@ -107,7 +107,7 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
         return R01Method(cfg, execute, phase, on_decision, setup=setup, engine=engine)
 
-    setup = Setup(choice, engine, spec, model_arg, ctx, cfg.card, p.layout_reason, cfg, start)
+    setup = Setup(choice, engine, model_arg, ctx, cfg.card, p.layout_reason, cfg, start)
     return setup
 
 

@@ -100,6 +100,10 @@ class V1Tuner(Method):
         self.start_util = cfg.util  # lowered only when the device refused util x total
         self.widened = False  # the proven KV is widened once at most
         self.one_seq = one_sequence_bytes(cfg.max_model_len, cfg.bytes_per_token, cfg.block_size)
+        # What the pre-run gave: the derived budget, what measured it, the engine's own profile.
+        self.budget: PinnedBudget | None = None
+        self.measured_by = "log"
+        self.profiled: int | None = None
         self.profiled_util: float | None = None
 
     def settings(self, purpose: Purpose, util: float, kv_bytes: int | None) -> LaunchSettings:
@@ -117,16 +121,16 @@ class V1Tuner(Method):
     def run(self) -> V1Result:
         c = self.cfg
         pre = self.prerun()
-        budget, measured_by, kv_bytes = self.derive(pre)
-        profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
-        self.profiled_util = pre.settings.util if profiled is not None else None
+        self.budget, self.measured_by, kv_bytes = self.derive(pre)
+        self.profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
+        self.profiled_util = pre.settings.util if self.profiled is not None else None
         # vLLM checks util x total against the free memory at start-up even when the KV cache
         # is pinned: a busy card's lower util stays.
         final = self.settings(Purpose.VALIDATE, self.start_util, kv_bytes)
         if not c.validate:
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
-            return self.result(final, False, budget, measured_by, profiled, None)
-        return self.validate(final, budget, measured_by, profiled)
+            return self.result(final, False, None)
+        return self.validate(final)
 
     def prerun_kv(self) -> int | None:
         """The first pre-run's pinned KV: None lets the engine profile at util."""
@@ -229,13 +233,12 @@ class V1Tuner(Method):
             "--tp, or larger cards",
         )
 
-    def validate(self, s: LaunchSettings, budget: PinnedBudget | None, measured_by: str,
-                 profiled: int | None) -> V1Result:
+    def validate(self, s: LaunchSettings) -> V1Result:
         while True:
             o = self.launch(s)
             if o.kind is OutcomeKind.OK:
                 self.decide("validated", self.proven(s, o))
-                proven = self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
+                proven = self.result(s, True, o.kv_tokens)
                 return self.tighten(s, o, proven)
             if not o.kind.is_oom:
                 raise _ended(o, "validation")
@@ -307,11 +310,8 @@ class V1Tuner(Method):
             return replace(proven, outcomes=tuple(self.outcomes),
                            decisions=tuple(self.decisions))
         self.decide("validated", self.proven(wider, t))
-        widened = replace(proven, final=wider, kv_tokens=t.kv_tokens if t.kv_tokens is not None
-                          else kv_tokens_for(wider.kv_cache_bytes or 0, self.cfg.bytes_per_token,
-                                             self.cfg.block_size),
-                          outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
-        return self.tighten(wider, t, widened)  # its own soak may still ask for headroom
+        # Its own soak may still ask for headroom.
+        return self.tighten(wider, t, self.result(wider, True, t.kv_tokens))
 
     def hold_back(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result, short_mib: int,
                   hold_mib: int) -> V1Result:
@@ -336,12 +336,11 @@ class V1Tuner(Method):
                     f"{(lower.kv_cache_bytes or 0) / GIB:.2f} GiB, proven in turn",
                     kv_cache_bytes=lower.kv_cache_bytes, held_back_mib=hold_mib)
         self.check_one_sequence(lower.kv_cache_bytes or 0, "holding the growth back leaves")
-        return self.validate(lower, proven.budget, proven.measured_by, proven.profiled_kv_tokens)
+        return self.validate(lower)
 
-    def result(self, s: LaunchSettings, validated: bool, budget: PinnedBudget | None,
-               measured_by: str, profiled: int | None, kv_tokens: int | None) -> V1Result:
+    def result(self, s: LaunchSettings, validated: bool, kv_tokens: int | None) -> V1Result:
         c = self.cfg
         tokens = kv_tokens if kv_tokens is not None else kv_tokens_for(
             s.kv_cache_bytes or 0, c.bytes_per_token, c.block_size)
-        return V1Result(s, validated, budget, measured_by, profiled, self.profiled_util, tokens,
-                        tuple(self.outcomes), tuple(self.decisions))
+        return V1Result(s, validated, self.budget, self.measured_by, self.profiled,
+                        self.profiled_util, tokens, tuple(self.outcomes), tuple(self.decisions))

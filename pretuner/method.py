@@ -220,7 +220,6 @@ def derive(inp: PrerunInputs) -> Derivation:
     final_tokens = kv_tokens(final_kv_budget, bpt, block)
     final_kv = num_kv_blocks(final_kv_budget, bpt, block) * block * bpt
     if model_use >= inp.card_gib * final_util or final_seqs < 1:
-        fit = _largest_len(final_tokens, block)
         raise InfeasibleError(
             f"at --max-model-len {inp.max_model_len:,} the KV cache left after weights+activations "
             f"({weights_act / GIB:.2f} GiB + {headroom:.2f} GiB headroom) holds "
@@ -228,8 +227,8 @@ def derive(inp: PrerunInputs) -> Derivation:
             + (f" beside the engine's {inp.watermark:.0%} block watermark" if inp.watermark
                else ""),
             hint=(
-                f"a max-model-len of at most {fit:,} would fit one sequence; or add cards"
-                if fit
+                f"a max-model-len of at most {final_tokens:,} would fit one sequence; or add cards"
+                if final_tokens
                 else "add cards (--tp) or use a quantized checkpoint"
             ),
         )
@@ -257,7 +256,3 @@ def max_num_seqs(blocks: int, block_size: int, max_model_len: int, watermark: fl
     """Max-length sequences `blocks` KV blocks serve at once beside the engine's watermark."""
     usable = blocks - int(watermark * blocks)
     return min(MAX_NUM_SEQS, max(0, usable // -(-max_model_len // block_size)))
-
-
-def _largest_len(tokens: int, block_size: int) -> int:
-    return (tokens // block_size) * block_size

@@ -190,10 +190,6 @@ def derive(inp: PrerunInputs) -> Derivation:
     max_tokens = kv_tokens(max_kv, bpt, block)
     seqs_method = max_tokens // inp.max_model_len
 
-    def seqs_in(budget: int) -> int:
-        return max_num_seqs(num_kv_blocks(budget, bpt, block), block, inp.max_model_len,
-                            inp.watermark)
-
     # Final: the model-use budget must be an integer (r0.1 parses it with int()), and it holds
     # the per-sequence headroom of every sequence served. The smallest integer that holds
     # weights+activations and the base headroom leaves the most KV; when its room cannot hold
@@ -203,7 +199,8 @@ def derive(inp: PrerunInputs) -> Derivation:
     base_use = math.ceil(weights_act / GIB + inp.headroom_gib - 1e-9)
     best: tuple[int, int, int] | None = None  # (seqs, -model_use, model_use)
     for use in range(base_use, max(base_use, cap // GIB) + 1):
-        kv_seqs = seqs_in(cap - use * GIB)
+        kv_blocks = num_kv_blocks(cap - use * GIB, bpt, block)
+        kv_seqs = max_num_seqs(kv_blocks, block, inp.max_model_len, inp.watermark)
         if best is not None and kv_seqs <= best[0]:
             break
         if inp.per_seq_bytes:  # the pre-run ran one sequence: the others add headroom

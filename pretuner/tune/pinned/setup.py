@@ -117,9 +117,8 @@ def check_host(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> str | No
             f"on the card (predicted); host {host.words()}")
 
 
-def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None,
-                   log_gib: float | None) -> V1Weights | None:
-    """The run record's `weights` block."""
+def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> V1Weights | None:
+    """The run record's `weights` block, as planned (the proof adds what the engine loaded)."""
     wp = p.weights_plan
     if wp is None:
         return None
@@ -130,8 +129,7 @@ def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None,
         enforce_eager=knobs.enforce_eager,
         loaded_gib_per_card=round(wp.loaded_bytes_per_card / GIB, 3),
         offloaded_gib_per_card=round(wp.offload_bytes_per_card / GIB, 3),
-        card_weights_gib=round(wp.card_weights_bytes / GIB, 3),
-        card_weights_log_gib=log_gib,
+        card_weights_gib=round(wp.card_weights_bytes / GIB, 3), card_weights_log_gib=None,
         host_offload_gib=round(wp.offload_bytes_per_card * cards / GIB, 3),
         host_swap_gib=round(knobs.swap_gib * p.tp, 3),
         host_available_gib=round(host.available_bytes / GIB, 3) if host else None,
@@ -266,7 +264,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     card_info = CardInfo(card, None,
                          "--card" if opts.card_gib is not None else "the device's size")
     facts = PinnedFacts(engine, cfg, p.weights_format, None if vision.images is None else vision,
-                        weights_record(p, knobs, host, None), opts.min_tokens_per_s)
+                        weights_record(p, knobs, host), opts.min_tokens_per_s)
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:
         return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,

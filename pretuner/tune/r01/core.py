@@ -188,9 +188,6 @@ class TunerCore(Method):
 
     # -- the loop ---------------------------------------------------------------------------
 
-    def any_fit(self) -> bool:
-        return bool(self.fits[False] or self.fits[True])
-
     def free_desc(self) -> str:
         if self.free is None:
             return "no free-memory reading"

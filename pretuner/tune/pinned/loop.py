@@ -132,14 +132,15 @@ class V1Tuner(Method):
             return self.result(final, False, None)
         return self.validate(final)
 
-    def prerun_kv(self) -> int | None:
-        """The first pre-run's pinned KV: None lets the engine profile at util."""
-        return None if self.cfg.profile_prerun else self.one_seq
+    def first_launch(self) -> LaunchSettings:
+        """The first pre-run: the engine profiles at util, or one sequence's KV is pinned."""
+        kv = None if self.cfg.profile_prerun else self.one_seq
+        return self.settings(Purpose.PRERUN, self.cfg.util, kv)
 
     def prerun(self) -> LaunchOutcome:
         """The first launch that measured the production shape."""
         c = self.cfg
-        s = self.settings(Purpose.PRERUN, c.util, self.prerun_kv())
+        s = self.first_launch()
         if s.kv_cache_bytes is not None:
             self.decide("pin one sequence",
                         f"{c.model.name} on this engine: the pre-run pins "
@@ -164,8 +165,8 @@ class V1Tuner(Method):
                 f"(the OOM came before the weights finished loading: {o.oom_text})",
                 hint="use a larger --tp, a quantized checkpoint, or larger cards",
             )
-        if s.kv_cache_bytes is None and (o.kind.is_oom or o.kind in (
-                OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED)):
+        short = o.kind.is_oom or o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED)
+        if s.kv_cache_bytes is None and short:
             # The non-KV peak does not depend on the KV size: measure it with the least KV
             # that still runs a max-length request, whatever the engine's profiling missed.
             why = (f"ran out of memory ({o.oom_text})" if o.kind.is_oom else
@@ -182,7 +183,7 @@ class V1Tuner(Method):
                         f"the device has {o.device_free_mib:,} MiB free ({_how(o)}, the engine "
                         f"says); util {s.util:g} asked more", util=util)
             return replace(s, util=util)
-        if o.kind.is_oom or o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED):
+        if short:
             estimate = next((x.estimated_max_len for x in self.outcomes if x.estimated_max_len),
                             None)
             shorter = (f"--max-model-len {estimate:,} or less (the engine's own estimate)"

@@ -17,7 +17,6 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
@@ -307,9 +306,6 @@ class PinnedMethod(V1Tuner):
         except InfeasibleError as err:
             widen_hint(err, self.facts.engine.knobs)
             raise
-
-    def first_launch(self) -> LaunchSettings:
-        return self.settings(Purpose.PRERUN, self.cfg.util, self.prerun_kv())
 
     def report_json(self, result: V1Result, meta: RunMeta) -> RunReport:
         return report_json(result, meta, self.facts)

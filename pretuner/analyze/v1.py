@@ -19,7 +19,7 @@ from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
 from pretuner.devices.series import parse_memory_tsv
 from pretuner.errors import BadInputError, NothingFoundError
-from pretuner.kvmath import kv_bytes_per_token
+from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.logscan.v1 import V1Log
 from pretuner.pinned import (
     MARGIN_FLOOR_MIB,
@@ -27,7 +27,6 @@ from pretuner.pinned import (
     back_off_bytes,
     derive_pinned,
     kv_held_bytes,
-    kv_tokens_for,
     margin_mib,
 )
 from pretuner.units import GIB, MIB
@@ -465,7 +464,7 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
             "--gpu-memory-utilization asked more; lower it, or pin --kv-cache-memory-bytes"
         )
     if kv_bytes is not None and basis is not None:
-        suggestion = Suggestion(kv_bytes, basis, kv_tokens_for(kv_bytes, bpt, cfg.block_size)
+        suggestion = Suggestion(kv_bytes, basis, kv_tokens(kv_bytes, bpt, cfg.block_size)
                                 if bpt else None, bpt_exact, held, log.kv_tokens,
                                 log.max_model_len)
     return V1Analysis(

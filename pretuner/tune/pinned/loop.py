@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pretuner import kvmath
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.engines.outcome import Executor, LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
@@ -25,9 +26,7 @@ from pretuner.pinned import (
     back_off_bytes,
     derive_pinned,
     kv_held_bytes,
-    kv_tokens_for,
     margin_mib,
-    one_sequence_bytes,
 )
 from pretuner.tune.pinned.soak import soak_figures
 from pretuner.tune.setup import Method, OnDecision
@@ -99,7 +98,9 @@ class V1Tuner(Method):
         self.cfg = cfg
         self.start_util = cfg.util  # lowered only when the device refused util x total
         self.widened = False  # the proven KV is widened once at most
-        self.one_seq = one_sequence_bytes(cfg.max_model_len, cfg.bytes_per_token, cfg.block_size)
+        # The least KV that admits one max-length sequence: whole blocks, one spare.
+        self.one_seq = kvmath.kv_bytes_for_tokens(cfg.max_model_len + cfg.block_size,
+                                                  cfg.bytes_per_token, cfg.block_size)
         # What the pre-run gave: the derived budget, what measured it, the engine's own profile.
         self.budget: PinnedBudget | None = None
         self.measured_by = "log"
@@ -226,7 +227,7 @@ class V1Tuner(Method):
         c = self.cfg
         if kv_bytes >= self.one_seq:
             return
-        tokens = kv_tokens_for(kv_bytes, c.bytes_per_token, c.block_size)
+        tokens = kvmath.kv_tokens(kv_bytes, c.bytes_per_token, c.block_size)
         raise InfeasibleError(
             f"max_model_len {c.max_model_len:,} does not fit: {why} {kv_bytes / GIB:.2f} GiB of "
             f"KV ({tokens:,} tokens), less than one sequence needs ({self.one_seq / GIB:.2f} GiB)",
@@ -341,7 +342,7 @@ class V1Tuner(Method):
 
     def result(self, s: LaunchSettings, validated: bool, kv_tokens: int | None) -> V1Result:
         c = self.cfg
-        tokens = kv_tokens if kv_tokens is not None else kv_tokens_for(
+        tokens = kv_tokens if kv_tokens is not None else kvmath.kv_tokens(
             s.kv_cache_bytes or 0, c.bytes_per_token, c.block_size)
         return V1Result(s, validated, self.budget, self.measured_by, self.profiled,
                         self.profiled_util, tokens, tuple(self.outcomes), tuple(self.decisions))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pretuner import validate as v
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_tokens, num_kv_blocks
 from pretuner.units import GIB, MIB
@@ -132,14 +133,7 @@ MAX_NUM_SEQS = 1024
 
 def check_launch_settings(card_gib: int, util: float, model_use_gib: int) -> None:
     """The rules r0.1 enforces at start, as one-line errors naming the value and the fix."""
-    if card_gib < 1:
-        raise BadInputError(
-            f"card size {card_gib} GiB is invalid", hint="pass the card's memory, e.g. --card 64"
-        )
-    if not 0 < util <= 1:
-        raise BadInputError(
-            f"--util {util} is outside (0, 1]", hint="use the fraction of the card, e.g. 0.9"
-        )
+    v.layout(card_gib, util, None, None, None, None)  # the card and util as a user gives them
     if model_use_gib < 1:
         raise BadInputError(f"model-use budget {model_use_gib} GiB is invalid", hint="use e.g. 50")
     if model_use_gib >= card_gib * util:

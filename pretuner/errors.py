@@ -84,6 +84,12 @@ class ServerFailedError(PretunerError):
         self.log_path = log_path
 
 
+class RequestRefusedError(PretunerError):
+    """The server refused a request pretuner built (HTTP 4xx): pretuner's error, not its."""
+
+    exit_code = ExitCode.INTERNAL
+
+
 class NotValidatedError(PretunerError):
     """No configuration could be proven under load within the launch budget."""
 

@@ -1,6 +1,6 @@
 """KV-cache bytes per token per card and the token count a KV byte budget buys, as vLLM does it.
 
-Pure functions: no I/O. See REFERENCE-derived notes in README ("The method").
+Pure functions: no I/O. See docs/method.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from pretuner.units import GIB, MIB
 # running sequence (max_num_seqs x vocab x fp32, a few copies: ~0.1 GiB for DeepSeek-V3 at
 # 33 sequences), decode-step workspace, and fragmentation from many sequences allocating and
 # freeing blocks at once. 0.5 GiB covers those on a 64 GB card while costing under 1.5% of a
-# typical 36 GiB KV cache. README "Headroom" says more; `--headroom-gb` changes it.
+# typical 36 GiB KV cache. docs/method.md "Headroom" says more; `--headroom-gb` changes it.
 DEFAULT_HEADROOM_GIB = 0.5
 # What each running sequence adds that a one-request pre-run cannot show: the sampler's fp32
 # logits, probabilities and log-probabilities over the vocabulary, plus block tables, decode

@@ -2,7 +2,7 @@
 
 For each model and length, one pre-run on the mindspore-cpu backend (`pretuner run
 --no-validate`, the length pinned) gives MindSpore's `actual peak used`; weights + activations
-measured = peak - the KV cache the server allocated. Prints a Markdown table (the README's).
+measured = peak - the KV cache the server allocated. Prints a Markdown table (docs/benchmarks.md's).
 
     python scripts/mscpu_plan_vs_measured.py [--card 2] [--lengths 512,1024,2048]
 """

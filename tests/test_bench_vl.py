@@ -1,4 +1,4 @@
-"""scripts/bench_vl.py stays runnable: one seed of the 32B setting, scored as the README's."""
+"""scripts/bench_vl.py stays runnable: one seed of the 32B setting, scored as in docs/benchmarks."""
 
 from __future__ import annotations
 

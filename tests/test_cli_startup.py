@@ -1,4 +1,4 @@
-"""`pretuner --help`, a command's help and a usage error answer at once (README: Performance).
+"""`pretuner --help`, a command's help and a usage error answer at once (docs/benchmarks.md).
 
 The rule, not a stopwatch: answering them loads no library behind a command. Each command
 imports its library inside the function that runs it; only typer, the option vocabulary and

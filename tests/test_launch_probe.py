@@ -12,10 +12,13 @@ from typing import Any
 
 import pytest
 
-from pretuner.errors import ServerFailedError
+from pretuner.engines.outcome import tally
+from pretuner.errors import RequestRefusedError, ServerFailedError
 from pretuner.launch import probe
+from pretuner.launch.probe import CompletionOutcome
 
 MAX_MODEL_LEN = 64
+SMALL_VOCAB = 4096  # the model "small-vocab" has this many token ids
 
 
 @dataclass
@@ -75,6 +78,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.reply(500, {"error": {"message": "internal boom", "code": 500}})
         elif model == "die":
             self.close_connection = True  # hang up without an answer, like a crashed server
+        elif model == "small-vocab" and max(prompt) >= SMALL_VOCAB:
+            # vLLM 0.10+'s shape and wording
+            self.reply(400, {"error": {"message": f"Token id {max(prompt)} is out of vocabulary",
+                                       "type": "BadRequestError", "param": None, "code": 400}})
         elif len(prompt) + max_tokens > MAX_MODEL_LEN:
             # vLLM 0.6.6's shape and wording
             self.reply(
@@ -213,6 +220,61 @@ def test_load_is_really_concurrent(server: tuple[str, Recorder]) -> None:
     assert all(len(p) == 20 for p in prompts)
     assert all(r["max_tokens"] == 4 for r in recorder.requests)
     assert probe.probe_prompt(20, 3) not in [list(p) for p in prompts]
+
+
+@pytest.mark.parametrize("vocab", [32, 4096, 32000, 151936])
+def test_probe_prompt_stays_inside_the_vocabulary_away_from_its_ends(vocab: int) -> None:
+    ids = probe.probe_prompt(2000, seed=5, vocab_size=vocab)
+    # special and control ids sit at the low end, padding and more specials at the top
+    assert min(256, vocab // 16) <= min(ids) <= max(ids) < vocab - vocab // 16
+    assert max(ids) <= 30000  # a large vocabulary keeps the range every registry model holds
+
+
+def test_small_vocabulary_prompts_are_accepted(server: tuple[str, Recorder]) -> None:
+    url, recorder = server
+    recorder.gather = 4
+    plen = probe.max_length_prompt_len(MAX_MODEL_LEN, 1)
+    assert probe.complete(url, "small-vocab", probe.probe_prompt(plen, 3, SMALL_VOCAB), 1,
+                          timeout_s=10).ok
+    burst = probe.load(url, "small-vocab", 3, plen, 1, seed=3, timeout_s=10,
+                       vocab_size=SMALL_VOCAB)
+    assert burst.all_ok, burst.outcomes
+    # without the vocabulary, the ids reach 30,000: the server refuses them as vLLM does
+    refused = probe.complete(url, "small-vocab", probe.probe_prompt(plen, 3), 1, timeout_s=10)
+    assert refused.status == 400
+    assert refused.error is not None
+    assert "is out of vocabulary" in refused.error
+
+
+def test_a_refused_request_is_pretuners_error_not_a_server_failure(
+    server: tuple[str, Recorder],
+) -> None:
+    """A 4xx to pretuner's own request ends the run with exit 1 and the server's message; no
+    verdict about the card or the server."""
+    url, _ = server
+    refused = probe.complete(url, "small-vocab", [29999] * 8, 1, timeout_s=10)
+    with pytest.raises(RequestRefusedError) as caught:
+        tally([CompletionOutcome(200, True, 0.1, 8, 1, None), refused], 8)
+    assert int(caught.value.exit_code) == 1
+    assert not isinstance(caught.value, ServerFailedError)
+    assert "HTTP 400: Token id 29999 is out of vocabulary" in str(caught.value)
+    assert "pretuner's error" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("status", "refused"),
+    [(400, True), (404, True), (422, True), (500, False), (503, False), (0, False)],
+)
+def test_only_a_4xx_is_pretuners_error(status: int, refused: bool) -> None:
+    failed = CompletionOutcome(status, False, 0.1, None, None, "what the server said")
+    if refused:
+        with pytest.raises(RequestRefusedError, match=f"HTTP {status}: what the server said"):
+            tally([failed], 8)
+    else:  # the server's failure (or its death): the launch's outcome says so
+        ran = tally([failed, CompletionOutcome(200, True, 0.1, 8, 1, None)], 8)
+        assert (ran.ok, ran.total) == (1, 2)
+        assert ran.error is not None
+        assert "what the server said" in ran.error
 
 
 def test_load_reports_failures(server: tuple[str, Recorder]) -> None:

@@ -22,11 +22,13 @@ from pretuner.report.html.page import render_html
 from pretuner.report.records import (
     Asked,
     FailureReport,
+    Method,
     PinnedDerivation,
     R01Derivation,
     RunReport,
     V1Memory,
     V1Soak,
+    device_words,
     read_report,
 )
 from tests.helpers import R01_QWEN_64, V1_QWEN_80_32K, FinishedRun, invoke
@@ -74,6 +76,29 @@ def v1_report(pinned: dict[str, object] | None = None, **extra: object) -> RunRe
 def pinned(rep: RunReport) -> PinnedDerivation:
     assert isinstance(rep.derivation, PinnedDerivation)
     return rep.derivation
+
+
+def failed(rep: RunReport, method: Method) -> FailureReport:
+    """`rep`'s run as if a server failure had stopped it."""
+    head = rep.model_dump(exclude={"final", "derivation", "asked", "given_up"})
+    return FailureReport(**head, method=method, error="boom", hint=None, exit_code=5,
+                         error_type="ServerFailedError", server_log=None)
+
+
+def test_the_card_is_said_in_its_methods_unit() -> None:
+    # r0.1's --card is the card's GiB (ASCEND_TOTAL_MEMORY_GB), a V1 engine's the device's GB;
+    # a failed run, which has no derivation, says it as a finished one of its method does.
+    r01, v1 = r01_report(), v1_report()
+    assert device_words(r01) == "64 GiB card(s) (emulated npu-smi)"
+    assert device_words(failed(r01, "r0.1")) == "64 GiB card(s) (emulated npu-smi)"
+    assert device_words(v1) == "80 GB device(s)"
+    assert device_words(failed(v1, "v1-pinned-kv")) == "80 GB device(s)"
+    real = v1.model_copy(update={"simulated": False})
+    assert device_words(real) == "81,559 MiB device(s) (measured)"
+    assert device_words(failed(real, "v1-pinned-kv")) == "80 GB device(s)"  # nothing measured
+    cpu = v1.model_copy(update={"device_kind": "cpu"})
+    for rep in (cpu, failed(cpu, "v1-pinned-kv")):
+        assert device_words(rep).startswith("a 80 GiB memory budget (RLIMIT_DATA")
 
 
 def test_r01_breakdown_sums_to_the_card() -> None:
@@ -165,11 +190,15 @@ def test_chart_marks_phases_devices_and_caps() -> None:
     assert chart(LaunchMemory(1, None, None, ()), []) is None
 
 
+DECISION = {"decision": "derive", "reason": "<b>19 GiB</b> & more"}
+
+
 def write_run(folder: Path, rep: RunReport, tsv: str | None = None) -> Path:
     folder.mkdir()
+    rep = rep.model_copy(update={"decisions": [DECISION]})
     (folder / "report.json").write_text(json.dumps(rep.model_dump(mode="json")))
-    (folder / "journal.jsonl").write_text(json.dumps(
-        {"event": "decision", "decision": "derive", "reason": "<b>19 GiB</b> & more"}) + "\n")
+    # A resumed run's journal: the interrupted attempt's decision, then the same one made again.
+    (folder / "journal.jsonl").write_text(2 * (json.dumps({"event": "decision", **DECISION}) + "\n"))
     if tsv is not None:
         (folder / "launch-1").mkdir()
         (folder / "launch-1" / "memory.tsv").write_text(tsv)
@@ -188,7 +217,7 @@ def test_page_escapes_and_shows_what_was_given_up(tmp_path: Path) -> None:
     html = render_html(write_run(tmp_path / "run", rep, tsv))
     assert "<script" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
-    assert "&lt;b&gt;19 GiB&lt;/b&gt; &amp; more" in html
+    assert html.count("&lt;b&gt;19 GiB&lt;/b&gt; &amp; more") == 1  # the record's, not the journal's
     assert "asked: max_model_len 16,384" in html
     assert "max_model_len 11,264 &lt; 16,384 asked" in html
     assert "SIMULATED" in html

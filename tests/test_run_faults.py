@@ -3,8 +3,10 @@ every failure named for what it is, never a memory verdict; each case bounded to
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -49,6 +51,37 @@ def test_http_500_without_oom_is_a_server_failure(tmp_path: Path) -> None:
     assert "HTTP 500" in proc.stderr
     assert "server.log" in proc.stderr
     assert not (tmp_path / "r" / "launch-2").exists()
+
+
+def test_a_request_the_server_refuses_is_pretuners_error(tmp_path: Path) -> None:
+    """HTTP 400 to pretuner's own probe: exit 1 with the server's message, never "server
+    failed" (the server is healthy; the request was ours)."""
+    proc = run_fault(tmp_path, "vocab", env=cli_env(FAKE_SERVER_VOCAB="20000"))
+    assert proc.returncode == 1, proc.stderr
+    assert "HTTP 400: Token id" in proc.stderr
+    assert "is out of vocabulary" in proc.stderr
+    assert "pretuner's error" in proc.stderr
+    assert "server failed" not in proc.stderr.lower()
+    assert not (tmp_path / "r" / "launch-2").exists()
+    assert processes_holding(tmp_path / "r" / "launch-1" / "server.log") == []
+
+
+def test_probe_token_ids_stay_in_a_small_vocabulary(tmp_path: Path) -> None:
+    """A model whose vocabulary has 4,096 ids gets a probe the server accepts."""
+    model = tmp_path / "small-vocab"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "models" / "tiny-qwen3", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
+    cmd = f"{sys.executable} {FAKE} --fault vocab"
+    proc = run_cli("run", "--model", str(model), "--card", "64", "--serve-cmd", cmd,
+                   "--ready-timeout", "5", "--stop-grace", "1", "--out", str(tmp_path / "r"),
+                   env=cli_env(FAKE_SERVER_VOCAB="4096"), timeout=60)  # fmt: skip
+    log = (tmp_path / "r" / "launch-1" / "server.log").read_text()
+    ids = [(int(lo), int(hi)) for lo, hi in re.findall(r"prompt token ids (\d+)-(\d+)", log)]
+    assert ids, log
+    assert all(0 < lo <= hi < 4096 for lo, hi in ids), ids
+    assert "out of vocabulary" not in proc.stderr
+    assert proc.returncode != 1, proc.stderr
 
 
 def test_hanging_server_times_out(tmp_path: Path) -> None:

@@ -187,3 +187,25 @@ def test_presets_add_keeps_a_users_preset_outside_the_package(tmp_path: Path) ->
     assert "exists already" in again.stderr
     # Without the folder set, nothing of it is seen: the package's data was not touched.
     assert "my-run" not in invoke("presets", "list").stdout
+
+
+def test_presets_add_help_names_out_a_folder() -> None:
+    # The preset file is written into --out as NAME.json: the option names a folder, not a file.
+    res = invoke("presets", "add", "--help")
+    assert res.returncode == 0, res.stderr
+    assert "--out DIR" in res.stdout
+
+
+@pytest.mark.parametrize("name", ["My Preset", "../escaped", "a/b"])
+def test_presets_add_refuses_a_name_no_preset_file_can_hold(tmp_path: Path, name: str) -> None:
+    # Such a file broke every later `presets list` (its name is refused on reading), and a
+    # slash wrote it outside the presets folder.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(GOLDEN / "run" / "report.json", run_dir / "report.json")
+    env = cli_env(PRETUNER_PRESETS_DIR=str(tmp_path / "mine" / "presets"))
+    res = invoke("presets", "add", str(run_dir), "--name", name, env=env)
+    assert res.returncode == 2
+    assert f"preset name {name!r} is invalid" in res.stderr
+    assert list(tmp_path.rglob("*.json")) == [run_dir / "report.json"]
+    assert invoke("presets", "list", env=env).returncode == 0

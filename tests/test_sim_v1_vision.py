@@ -120,9 +120,9 @@ def arena(i: int) -> I.MMRequest:
 
 @pytest.mark.slow
 def test_memory_grows_after_1000_image_prompts_as_in_seed_001() -> None:
-    reqs = tuple(inproc.sim_request(arena(i)) for i in range(1000))
+    reqs = tuple(arena(i) for i in range(1000))
     res = inproc.run_waves([*VL8, "--kv-cache-memory-bytes", "30G"], ENV,
-                           [inproc.Wave("load", reqs, concurrency=8, reset=True)])
+                           [I.LoadPhase("load", reqs, concurrency=8, reset=True)])
     assert all(r.status == 200 for r in res.replies)
     growth = res.last_mib["load"] - res.last_mib["start"]
     assert growth == pytest.approx(SEED_001_GROWTH_MIB, rel=0.10)
@@ -130,13 +130,13 @@ def test_memory_grows_after_1000_image_prompts_as_in_seed_001() -> None:
 
 @pytest.mark.slow
 def test_growth_needs_distinct_images_and_never_shrinks() -> None:
-    same = inproc.sim_request(arena(0))
+    same = arena(0)
     argv = [*VL8, "--kv-cache-memory-bytes", "30G"]
-    repeated = inproc.run_waves(argv, ENV, [inproc.Wave("load", (same,) * 200, 8)])
-    distinct = tuple(inproc.sim_request(arena(i)) for i in range(200))
-    fresh = inproc.run_waves(argv, ENV, [inproc.Wave("a", distinct[:100], 8),
-                                         inproc.Wave("b", distinct[100:], 8, reset=True),
-                                         inproc.Wave("idle", ())])
+    repeated = inproc.run_waves(argv, ENV, [I.LoadPhase("load", (same,) * 200, 8)])
+    distinct = tuple(arena(i) for i in range(200))
+    fresh = inproc.run_waves(argv, ENV, [I.LoadPhase("a", distinct[:100], 8),
+                                         I.LoadPhase("b", distinct[100:], 8, reset=True),
+                                         I.LoadPhase("idle", ())])
     grown = fresh.last_mib["b"] - fresh.last_mib["start"]
     assert repeated.last_mib["load"] - repeated.last_mib["start"] < grown / 2
     assert fresh.last_mib["a"] <= fresh.last_mib["b"] == fresh.last_mib["idle"]
@@ -157,8 +157,8 @@ def test_a_configuration_proven_at_start_up_fails_under_a_soak() -> None:
             "--max-num-batched-tokens", "32768", "-tp", "2",
             "--kv-cache-memory-bytes", str(fresh)]
     env = {**ENV, "PRETUNER_SIM_STARTUP_S": "0"}
-    assert survives(spec, argv, env, 8, 32768, Images(soak=0))
-    assert not survives(spec, argv, env, 8, 32768, Images(soak=200))
+    assert survives(spec, argv, env, Images(soak=0))
+    assert not survives(spec, argv, env, Images(soak=200))
 
 
 # -- the chat request, pure --------------------------------------------------------------------

@@ -1,16 +1,15 @@
 """`analyze`: logs a user already has -> what the run shows and the configuration to try.
 
-`front.analyze_logs` is the one entry: it reads the logs once and gives them to the method they
-belong to, `r01` (MindSpore pool dumps: the documented pre-run method) or `v1` (a V1 engine's
-KV lines: the `--kv-cache-memory-bytes` to try). Here: what both take and give. (The front is
-its own module so that the methods can import these without a cycle.)
+What both methods take and give: `r01` (MindSpore pool dumps: the documented pre-run method)
+and `v1` (a V1 engine's KV lines: the `--kv-cache-memory-bytes` to try); `front.analyze_logs`
+picks one (its own module, so that the methods import these without a cycle).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models.spec import ModelSpec
@@ -33,18 +32,8 @@ class AnalyzeConfig:
     model_use_gib: int | None = None
     max_model_len: int | None = None
     headroom_gib: float = DEFAULT_HEADROOM_GIB
-    max_num_batched_tokens: int | None = None
     memory_series: Path | None = None  # V1: an NVML series or nvidia-smi CSV of the run
     card_total_mib: int | None = None  # V1: the device total (default: the nvidia-smi CSV's)
-
-
-class Analysis(Protocol):
-    """What either method gives: the CLI prints, writes and serialises it the same way."""
-
-    def to_json(self) -> dict[str, Any]: ...
-    def text(self) -> str: ...  # what `pretuner analyze` prints
-    def out_text(self, command: str) -> str: ...  # --out: the env file (r0.1), the flag (V1)
-    def json_warnings(self) -> list[str]: ...  # said on stderr beside the --json object
 
 
 def pick(obj: object, *names: str) -> dict[str, Any]:

@@ -16,32 +16,8 @@ from pretuner.logscan.result import truncated_json
 from pretuner.method import Derivation, PrerunInputs, derive, per_sequence_bytes
 from pretuner.units import GIB, MIB
 
-NO_PEAK_HINT = (
-    "likely causes: the server ran without GLOG_v=1 (MindSpore prints the pool dump at INFO "
-    "level only), it was killed with SIGKILL or crashed before exit (the dump is printed at "
-    "teardown), or this is not the MindSpore log (with GLOG_logtostderr=0 look in "
-    "GLOG_log_dir/rank_*/logs/)"
-)
-
 # The seed's pre-run settings, taken where the user gave none and said as assumed.
 ASSUMED_UTIL, ASSUMED_MODEL_USE_GIB, ASSUMED_MAX_MODEL_LEN = 0.9, 50, 16384
-
-
-def assumed_settings(cfg: AnalyzeConfig) -> dict[str, float]:
-    """The pre-run settings not given, as `flag -> the method's default` it takes for them."""
-    return {flag: value for flag, given, value in (
-        ("--util", cfg.util, ASSUMED_UTIL),
-        ("--model-use-gb", cfg.model_use_gib, ASSUMED_MODEL_USE_GIB),
-        ("--max-model-len", cfg.max_model_len, ASSUMED_MAX_MODEL_LEN),
-    ) if given is None}
-
-
-def assumed_line(assumed: dict[str, float]) -> str | None:
-    if not assumed:
-        return None
-    given = ", ".join(f"{flag} {value:g}" for flag, value in assumed.items())
-    return (f"assumed, not given: {given} (the method's pre-run; the log does not say them): "
-            "if the pre-run used others, pass them, the derivation depends on them")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +34,14 @@ class R01Analysis:
     kv_bytes_per_token: int
     derivation: Derivation
     assumed: dict[str, float] = field(default_factory=dict)  # flag -> value not given
+
+    @property
+    def assumed_line(self) -> str | None:
+        if not self.assumed:
+            return None
+        given = ", ".join(f"{flag} {value:g}" for flag, value in self.assumed.items())
+        return (f"assumed, not given: {given} (the method's pre-run; the log does not say them): "
+                "if the pre-run used others, pass them, the derivation depends on them")
 
     def to_json(self) -> dict[str, Any]:
         d = self.derivation
@@ -114,9 +98,8 @@ class R01Analysis:
                 "too low; for a sure figure, pre-run again and stop the server gracefully"
             )
         lines += ["", *derivation_lines(self.derivation, card_source=self.card_source)]
-        said = assumed_line(self.assumed)
-        if said is not None:
-            lines += ["", f"warning: {said}"]
+        if self.assumed_line is not None:
+            lines += ["", f"warning: {self.assumed_line}"]
         return "\n".join(lines)
 
     def out_text(self, command: str) -> str:
@@ -128,7 +111,7 @@ class R01Analysis:
         ])
 
     def json_warnings(self) -> list[str]:
-        said = assumed_line(self.assumed)
+        said = self.assumed_line
         return [cut.describe() for cut in self.scan.truncated] + ([] if said is None else [said])
 
 
@@ -165,7 +148,10 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
     if worst is None or worst.actual_peak_mib is None:
         raise NothingFoundError(
             f"no `actual peak used` line in {', '.join(str(p) for p in cfg.paths)}",
-            hint=NO_PEAK_HINT,
+            hint="likely causes: the server ran without GLOG_v=1 (MindSpore prints the pool dump "
+            "at INFO level only), it was killed with SIGKILL or crashed before exit (the dump is "
+            "printed at teardown), or this is not the MindSpore log (with GLOG_logtostderr=0 look "
+            "in GLOG_log_dir/rank_*/logs/)",
         )
     above = [t for t in scan.truncated if (t.peak_used_mib or 0) > worst.actual_peak_mib]
     if above:
@@ -188,6 +174,11 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
     else:
         tp, tp_source = max(1, len(dumped_ranks(scan))), "derived"
     bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp or 1, kv_dtype=cfg.kv_cache_dtype)
+    assumed = {flag: value for flag, given, value in (
+        ("--util", cfg.util, ASSUMED_UTIL),
+        ("--model-use-gb", cfg.model_use_gib, ASSUMED_MODEL_USE_GIB),
+        ("--max-model-len", cfg.max_model_len, ASSUMED_MAX_MODEL_LEN),
+    ) if given is None}
     derivation = derive(
         PrerunInputs(
             card_gib=card,
@@ -200,7 +191,6 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
             max_model_len=(cfg.max_model_len if cfg.max_model_len is not None
                            else ASSUMED_MAX_MODEL_LEN),
             headroom_gib=cfg.headroom_gib,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
             per_seq_bytes=per_sequence_bytes(cfg.model.vocab_size),
         )
     )
@@ -214,5 +204,5 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
         tp_source=tp_source,
         kv_bytes_per_token=bpt,
         derivation=derivation,
-        assumed=assumed_settings(cfg),
+        assumed=assumed,
     )

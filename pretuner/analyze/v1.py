@@ -4,7 +4,8 @@
 With a device memory series of the run and the device total, the measured non-KV peak says
 what the card could hold (`pretuner.pinned.derive_pinned`). Without one, only what the log
 proves: a run that was ready holds its KV cache (pinning it keeps it), and a run that ran out
-of memory needs less KV by the allocation that failed plus the margin (`back_off_bytes`).
+of memory needs less KV by the allocation that failed, the CUDA graph memory still to come when
+it died capturing graphs, and the margin (`back_off_bytes`).
 Either way the figure is a candidate until a run under the worst-case request proves it.
 """
 
@@ -37,7 +38,7 @@ MISMATCH_SHARE = 0.02
 HELD_FROM_TOKENS = "derived: KV tokens x bytes/token"
 _LOG_FIGURES = ("weights_gib", "kv_gib", "kv_tokens", "max_concurrency", "graphs_gib",
                 "oom_alloc_bytes", "max_model_len", "max_num_batched_tokens")
-SERIES_HINT = "pass the NVML series (TSV) or nvidia-smi CSV sampled during the run"
+_NOT_THIS_RUN = "pass the series sampled during the run that wrote this log"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +88,32 @@ def read_series_file(path: Path) -> DevicePeak:
     except OSError as err:
         raise BadInputError(
             f"--memory-series {str(path)!r} cannot be read: {err.strerror or err}",
-            hint=SERIES_HINT,
+            hint="pass the NVML series (TSV) or nvidia-smi CSV sampled during the run",
         ) from None
     return read_memory_series(text, str(path))
+
+
+def graphs_to_come(log: V1Log) -> tuple[int | None, str | None]:
+    """The CUDA graph memory a run that ran out of memory while capturing graphs had still to
+    allocate, and how it was found: (None, None) when no capture was under way, (None, why)
+    when the log does not say how much was captured."""
+    done = sum(graphs for _, graphs, _ in log.graph_capture)
+    total = sum(graphs for _, _, graphs in log.graph_capture)
+    pools = log.graph_pool_bytes
+    if log.graphs_gib is not None or done >= total:
+        return None, None
+    if log.graphs_estimated_gib is not None:
+        return (max(0, int(log.graphs_estimated_gib * GIB) - (pools or 0)),
+                f"the engine's estimate {log.graphs_estimated_gib:.2f} GiB less the "
+                f"{(pools or 0) / MIB:,.1f} MiB in graph pools, derived")
+    if pools is None:
+        return None, ("the run ran out of memory while capturing CUDA graphs and the log does "
+                      "not say how much graph memory was still to come: the back-off covers "
+                      "the failed allocation only, so it may not be enough")
+    # vLLM captures the largest batch sizes first: the graphs left cost at most this rate
+    return (pools * (total - done) // max(done, 1),
+            f"{pools / MIB:,.1f} MiB in graph pools for {done} of {total} graphs, the "
+            f"{total - done} left at that rate, derived")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,82 +125,32 @@ class BackOff:
     margin_mib: int
     margin_basis: str
     kv_bytes: int
+    graphs_to_come_bytes: int | None = None  # the OOM struck while graphs were captured
+    graphs_basis: str | None = None
 
-    def lines(self) -> list[str]:
+    def line(self) -> str:
         alloc = "no size in the OOM" if self.alloc_bytes is None else "failed allocation"
-        alloc_mib = (self.alloc_bytes or 0) / MIB
-        return [
-            f"back-off = KV in the log {self.from_kv_bytes / MIB:,.1f} MiB (measured) - {alloc} "
-            f"{alloc_mib:,.1f} MiB (measured) - margin {self.margin_mib:,} MiB "
-            f"({self.margin_basis}) = {self.kv_bytes // MIB:,} MiB "
-            f"({self.kv_bytes / GIB:.2f} GiB, derived), rounded down to a MiB",
-        ]
+        graphs = "" if self.graphs_to_come_bytes is None else (
+            f" - graph capture still to come {self.graphs_to_come_bytes / MIB:,.1f} MiB "
+            f"({self.graphs_basis})")
+        return (f"back-off = KV in the log {self.from_kv_bytes / MIB:,.1f} MiB (measured) - "
+                f"{alloc} {(self.alloc_bytes or 0) / MIB:,.1f} MiB (measured){graphs} - margin "
+                f"{self.margin_mib:,} MiB ({self.margin_basis}) = {self.kv_bytes // MIB:,} MiB "
+                f"({self.kv_bytes / GIB:.2f} GiB, derived), rounded down to a MiB")
 
 
 @dataclass(frozen=True, slots=True)
 class Suggestion:
-    """The `--kv-cache-memory-bytes` to try, and what it holds next to the log's run."""
+    """The `--kv-cache-memory-bytes` to try, and what it was derived from."""
 
     kv_bytes: int
-    basis: str  # "measured peak", "log: ready run", "back-off"
-    kv_tokens: int | None  # at the bytes/token below; None when it is not known
-    kv_tokens_exact: bool  # False when the bytes/token was derived from a rounded GiB figure
-    held_kv_bytes: int | None  # the log's KV, for the gain
-    held_kv_tokens: int | None
-    max_model_len: int | None
+    basis: str  # "measured peak", "log: ready run, ...", "back-off"
+    derived_from: str  # the files and figures it comes from, in words
+    kv_tokens: int | None  # at the analysis' bytes/token; None when that is not known
 
     @property
     def flag(self) -> str:
         return f"--kv-cache-memory-bytes {self.kv_bytes}"
-
-    @property
-    def gain_bytes(self) -> int | None:
-        return None if self.held_kv_bytes is None else self.kv_bytes - self.held_kv_bytes
-
-    @property
-    def gain_tokens(self) -> int | None:
-        if self.kv_tokens is None or self.held_kv_tokens is None:
-            return None
-        return self.kv_tokens - self.held_kv_tokens
-
-    @property
-    def max_concurrency(self) -> float | None:
-        if self.kv_tokens is None or not self.max_model_len:
-            return None
-        return self.kv_tokens / self.max_model_len
-
-    def lines(self) -> list[str]:
-        about = "" if self.kv_tokens_exact else "about "
-        out = []
-        if self.kv_tokens is not None:
-            conc = self.max_concurrency
-            at = f"; {conc:.2f}x at max_model_len {self.max_model_len:,}" if conc else ""
-            out.append(f"KV tokens at {self.kv_bytes // MIB:,} MiB: {about}{self.kv_tokens:,} "
-                       f"(derived){at}")
-        gain = self.gain_bytes
-        if self.basis.startswith("log:"):  # the KV the log's run held: no peak to go further
-            out.append("the KV cache of the log's run, pinned: no gain until the device peak "
-                       "is measured")
-        elif gain is not None and self.held_kv_bytes is not None:
-            line = (f"gain vs the log: {self.kv_bytes / MIB:,.1f} MiB - "
-                    f"{self.held_kv_bytes / MIB:,.1f} MiB = {gain / MIB:+,.1f} MiB "
-                    f"({gain / GIB:+.2f} GiB)")
-            if self.gain_tokens is not None and self.held_kv_tokens is not None:
-                line += (f", {self.kv_tokens:,} - {self.held_kv_tokens:,} tokens = "
-                         f"{about}{self.gain_tokens:+,} tokens")
-            out.append(line)
-        return out
-
-    def to_json(self) -> dict[str, Any]:
-        conc = self.max_concurrency
-        return {
-            "kv_bytes": self.kv_bytes,
-            "kv_mib": self.kv_bytes // MIB,
-            "kv_gib": round(self.kv_bytes / GIB, 2),
-            **pick(self, "flag", "basis", "kv_tokens", "kv_tokens_exact"),
-            "max_concurrency": None if conc is None else round(conc, 2),
-            **pick(self, "held_kv_bytes", "held_kv_tokens", "gain_bytes", "gain_tokens"),
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +166,7 @@ class V1Analysis:
     tp: int
     pp: int
     bytes_per_token: int | None
+    kv_tokens_exact: bool  # False when the bytes/token was derived from a rounded GiB figure
     held_kv_bytes: int | None  # the KV cache the run held
     series: DevicePeak | None
     total_mib: int | None
@@ -203,97 +178,120 @@ class V1Analysis:
     next_step: str
     provenance: dict[str, str]
 
+    def _rows(self) -> list[tuple[str, str]]:
+        """What the log shows: (label, value) for each figure it says."""
+        log, mode, alloc = self.log, self.kv_mode, self.log.oom_alloc_bytes
+        how = {"pinned": f" (--kv-cache-memory-bytes {self.kv_in_log_bytes})",
+               "profiled": " (what profiling left under --gpu-memory-utilization)"}
+        at = f" at max_model_len {log.max_model_len:,}" if log.max_model_len else ""
+        size = "size not printed" if alloc is None else f"{alloc / MIB:,.1f} MiB"
+        oom = self.oom_phase and f"{size} at {self.oom_phase}: {log.oom_text}"
+        rows = (  # label, figure (None: not in the log), its format
+            ("weights", log.weights_gib, "{:.2f} GiB"),
+            ("KV cache", mode and log.kv_gib, f"{{:.2f}} GiB, {mode}{how.get(mode or '')}"),
+            ("KV tokens", log.kv_tokens, "{:,}"),
+            ("concurrency", log.max_concurrency, "{:.2f}x" + at),
+            ("graph capture", log.graphs_gib, "{:.2f} GiB (after the KV allocation)"),
+            ("non-KV (profiled)", log.non_kv_gib, "{:.2f} GiB"),
+            ("max_num_batched_tokens", log.max_num_batched_tokens, "{:,}"),
+            ("out of memory", oom, "{}"),
+            ("longest sequence", log.estimated_max_len, "{:,} tokens (estimated)"),
+        )
+        return [(label, fmt.format(figure)) for label, figure, fmt in rows if figure is not None]
+
+    def _gains(self, s: Suggestion) -> tuple[int | None, int | None, float | None]:
+        """The suggestion's gain over the log's run in bytes and tokens, and its concurrency."""
+        held, tokens, length = self.held_kv_bytes, self.log.kv_tokens, self.log.max_model_len
+        return (None if held is None else s.kv_bytes - held,
+                None if s.kv_tokens is None or tokens is None else s.kv_tokens - tokens,
+                s.kv_tokens / length if s.kv_tokens is not None and length else None)
+
+    def _suggestion_lines(self, s: Suggestion) -> list[str]:
+        about = "" if self.kv_tokens_exact else "about "
+        gain, gain_tokens, conc = self._gains(s)
+        out = []
+        if s.kv_tokens is not None:
+            at = f"; {conc:.2f}x at max_model_len {self.log.max_model_len:,}" if conc else ""
+            out.append(f"KV tokens at {s.kv_bytes // MIB:,} MiB: {about}{s.kv_tokens:,} "
+                       f"(derived){at}")
+        if s.basis.startswith("log:"):  # the KV the log's run held: no peak to go further
+            out.append("the KV cache of the log's run, pinned: no gain until the device peak "
+                       "is measured")
+        elif gain is not None and self.held_kv_bytes is not None:
+            line = (f"gain vs the log: {s.kv_bytes / MIB:,.1f} MiB - "
+                    f"{self.held_kv_bytes / MIB:,.1f} MiB = {gain / MIB:+,.1f} MiB "
+                    f"({gain / GIB:+.2f} GiB)")
+            if gain_tokens is not None:
+                line += (f", {s.kv_tokens:,} - {self.log.kv_tokens:,} tokens = "
+                         f"{about}{gain_tokens:+,} tokens")
+            out.append(line)
+        return out
+
+    def _suggestion_json(self, s: Suggestion) -> dict[str, Any]:
+        gain, gain_tokens, conc = self._gains(s)
+        return {
+            "kv_bytes": s.kv_bytes,
+            "kv_mib": s.kv_bytes // MIB,
+            "kv_gib": round(s.kv_bytes / GIB, 2),
+            **pick(s, "flag", "basis", "derived_from", "kv_tokens"),
+            "kv_tokens_exact": self.kv_tokens_exact,
+            "max_concurrency": None if conc is None else round(conc, 2),
+            "held_kv_bytes": self.held_kv_bytes,
+            "held_kv_tokens": self.log.kv_tokens,
+            "gain_bytes": gain,
+            "gain_tokens": gain_tokens,
+        }
+
     def text(self) -> str:
         """The log's figures with their provenance, then the arithmetic."""
-        log = self.log
-        rows: list[tuple[str, str]] = []
-        if log.weights_gib is not None:
-            rows.append(("weights", f"{log.weights_gib:.2f} GiB"))
-        if log.kv_gib is not None and self.kv_mode is not None:
-            kv = f"{log.kv_gib:.2f} GiB, {self.kv_mode}"
-            if self.kv_mode == "pinned" and self.kv_in_log_bytes is not None:
-                kv += f" (--kv-cache-memory-bytes {self.kv_in_log_bytes})"
-            elif self.kv_mode == "profiled":
-                kv += " (what profiling left under --gpu-memory-utilization)"
-            rows.append(("KV cache", kv))
-        if log.kv_tokens is not None:
-            rows.append(("KV tokens", f"{log.kv_tokens:,}"))
-        if log.max_concurrency is not None:
-            at = f" at max_model_len {log.max_model_len:,}" if log.max_model_len else ""
-            rows.append(("concurrency", f"{log.max_concurrency:.2f}x{at}"))
-        if log.graphs_gib is not None:
-            rows.append(("graph capture", f"{log.graphs_gib:.2f} GiB (after the KV allocation)"))
-        if log.non_kv_gib is not None:
-            rows.append(("non-KV (profiled)", f"{log.non_kv_gib:.2f} GiB"))
-        if log.max_num_batched_tokens is not None:
-            rows.append(("max_num_batched_tokens", f"{log.max_num_batched_tokens:,}"))
-        if self.oom_phase is not None:
-            alloc = log.oom_alloc_bytes
-            size = "size not printed" if alloc is None else f"{alloc / MIB:,.1f} MiB"
-            rows.append(("out of memory", f"{size} at {self.oom_phase}: {log.oom_text}"))
-        if log.estimated_max_len is not None:
-            rows.append(("longest sequence", f"{log.estimated_max_len:,} tokens (estimated)"))
-        lines = [
-            f"V1 engine log: {', '.join(self.files)}",
-            f"outcome: {self.outcome}",
-            "",
-            "what the log shows (measured from the log):",
-        ]
+        log, prov, series, s = self.log, self.provenance, self.series, self.suggestion
+        rows = self._rows()
         width = max((len(k) for k, _ in rows), default=0)
-        lines += [f"  {k.ljust(width)}  {val}" for k, val in rows]
+        lines = [f"V1 engine log: {', '.join(self.files)}", f"outcome: {self.outcome}", "",
+                 "what the log shows (measured from the log):",
+                 *(f"  {k.ljust(width)}  {val}" for k, val in rows)]
         if self.bytes_per_token is not None:
             lines.append(f"KV bytes/token: {self.bytes_per_token:,} B, "
-                         f"{self.provenance['kv_bytes_per_token']}")
+                         f"{prov['kv_bytes_per_token']}")
         if self.held_kv_bytes is not None:
             held = f"{self.held_kv_bytes / MIB:,.1f} MiB ({self.held_kv_bytes / GIB:.2f} GiB)"
-            held_source = self.provenance["held_kv_bytes"]
-            if (held_source == HELD_FROM_TOKENS and log.kv_tokens is not None
-                    and self.bytes_per_token):
+            if prov["held_kv_bytes"] == HELD_FROM_TOKENS:
                 lines.append(f"KV held = {log.kv_tokens:,} tokens x {self.bytes_per_token:,} B = "
                              f"{self.held_kv_bytes:,} B = {held}, derived")
             else:
-                lines.append(f"KV held: {held}, {held_source}")
-        if self.series is not None:
-            phases = ", ".join(f"{k} {val:,}" for k, val in self.series.phase_peaks_mib.items())
-            lines.append(
-                f"device peak: {self.series.peak_mib:,} MiB over {self.series.samples:,} samples "
-                f"(measured, {self.series.source} series {self.series.file})"
-                + (f"; per phase, MiB: {phases}" if phases else "")
-            )
+                lines.append(f"KV held: {held}, {prov['held_kv_bytes']}")
+        if series is not None:
+            phases = ", ".join(f"{k} {val:,}" for k, val in series.phase_peaks_mib.items())
+            lines.append(f"device peak: {series.peak_mib:,} MiB over {series.samples:,} samples "
+                         f"(measured, {series.source} series {series.file})"
+                         + (f"; per phase, MiB: {phases}" if phases else ""))
         if self.total_mib is not None:
-            lines.append(f"device total: {self.total_mib:,} MiB, {self.provenance['total_mib']}")
-        lines.append("")
-        if self.warnings:
-            lines += [f"WARNING: {w}" for w in self.warnings] + [""]
+            lines.append(f"device total: {self.total_mib:,} MiB, {prov['total_mib']}")
+        lines += ["", *(f"WARNING: {w}" for w in self.warnings), *([""] if self.warnings else [])]
         if self.budget is not None:
             lines.append("what the card could hold (from the measured device peak):")
             lines += [f"  {x}" for x in self.budget.lines()]
         elif self.back_off is not None:
             lines.append("what the next run can hold (back-off from the out-of-memory error):")
-            lines += [f"  {x}" for x in self.back_off.lines()]
-        elif self.suggestion is not None:
+            lines.append(f"  {self.back_off.line()}")
+        elif s is not None:
             lines.append("what the log proves (no device peak):")
-        if self.suggestion is not None:
-            lines += [f"  {x}" for x in self.suggestion.lines()]
+        lines += [f"  {x}" for x in (self._suggestion_lines(s) if s is not None else [])]
         lines += [f"note: {n}" for n in self.notes]
-        if self.suggestion is not None:
-            s = self.suggestion
-            lines += ["", f"try:  {s.flag}  ({s.kv_bytes / GIB:.2f} GiB, {s.basis})"]
-        lines.append(f"next: {self.next_step}")
-        return "\n".join(lines)
+        if s is not None:
+            lines += ["", f"try:  {s.flag}  ({s.kv_bytes / GIB:.2f} GiB, {s.basis}: "
+                      f"{s.derived_from})"]
+        return "\n".join([*lines, f"next: {self.next_step}"])
 
     def out_text(self, command: str) -> str:
         """The flag to try, with where it comes from."""
         lines = [f"# {command} (V1 engine log)", f"# {self.outcome}"]
-        if self.suggestion is None:
+        s = self.suggestion
+        if s is None:
             lines.append("# no --kv-cache-memory-bytes to suggest: see the warnings")
         else:
-            s = self.suggestion
-            lines += [
-                f"# {s.basis}: {s.kv_bytes / GIB:.2f} GiB; a candidate until validated",
-                f"# {self.next_step}",
-                s.flag,
-            ]
+            lines += [f"# {s.basis}: {s.kv_bytes / GIB:.2f} GiB, {s.derived_from}; a candidate "
+                      "until validated", f"# {self.next_step}", s.flag]
         lines += [f"# warning: {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
 
@@ -301,8 +299,7 @@ class V1Analysis:
         return []  # the object holds them
 
     def to_json(self) -> dict[str, Any]:
-        log = self.log
-        budget = self.budget
+        log, budget, s = self.log, self.budget, self.suggestion
         return {
             "engine": "v1",
             "files": list(self.files),
@@ -333,17 +330,14 @@ class V1Analysis:
                 **pick(budget, "total_mib", "margin_mib", "kv_mib", "kv_bytes", "source"),
             },
             "back_off": None if self.back_off is None else asdict(self.back_off),
-            "suggestion": None if self.suggestion is None else self.suggestion.to_json(),
-            "warnings": list(self.warnings),
-            "notes": list(self.notes),
-            "next_step": self.next_step,
-            "provenance": self.provenance,
+            "suggestion": None if s is None else self._suggestion_json(s),
+            **pick(self, "warnings", "notes", "next_step", "provenance"),
         }
 
 
-def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Analysis:
+def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...],
+               series: DevicePeak | None) -> V1Analysis:
     """What the log shows, and the pinned KV that the measurements support."""
-    series = read_series_file(cfg.memory_series) if cfg.memory_series is not None else None
     if log.kv_gib is None and log.kv_tokens is None and not log.failed_oom \
             and not log.no_kv_memory and log.refused_free_gib is None:
         raise NothingFoundError(
@@ -356,31 +350,23 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
     prov = {key: "measured (log)" for key in _LOG_FIGURES if getattr(log, key) is not None}
     tp = cfg.tp if cfg.tp is not None else log.tp or 1
     pp = cfg.pp if cfg.pp is not None else log.pp or 1
-    kv_mode, kv_in_log = _kv_in_log(log)
+    # the KV cache the run asked for: pinned (exact when echoed), else what profiling gave
+    pinned = log.pinned_kv_bytes is not None or log.pinned_kv_gib is not None
+    kv_mode = "pinned" if pinned else None if log.available_kv_gib is None else "profiled"
+    kv_in_log = log.pinned_kv_bytes if log.pinned_kv_bytes is not None else (
+        None if log.kv_gib is None else int(log.kv_gib * GIB))
     if kv_in_log is not None:
         prov["kv_in_log_bytes"] = ("measured (log: the echoed --kv-cache-memory-bytes)"
                                    if log.pinned_kv_bytes is not None else "measured (log, GiB)")
     bpt, bpt_exact, bpt_source = _bytes_per_token(cfg, log, kv_in_log, tp, pp, warnings)
     if bpt_source is not None:
         prov["kv_bytes_per_token"] = bpt_source
-    held, held_source = _held_kv(log, kv_in_log, bpt, bpt_exact)
-    if held_source is not None:
-        prov["held_kv_bytes"] = held_source
-    total_mib, total_source = _total(cfg, series, warnings)
-    if total_mib is not None and series is not None and series.peak_mib > total_mib:
-        raise BadInputError(
-            f"the memory series peak {series.peak_mib:,} MiB is above the device total "
-            f"{total_mib:,} MiB",
-            hint="pass the device's own total as --card-total-mib (NVML memory.total)",
-        )
-    if series is not None and total_mib is None:
-        raise BadInputError(
-            f"--memory-series {series.file!r} gives the peak but not the device total",
-            hint="pass --card-total-mib (NVML's memory.total, e.g. `nvidia-smi "
-            "--query-gpu=memory.total --format=csv,noheader,nounits`: 81559 on an H100 80GB)",
-        )
-    if total_source is not None:
-        prov["total_mib"] = total_source
+    held: int | None = kv_in_log
+    if bpt_exact and bpt is not None and log.kv_tokens is not None:
+        held, prov["held_kv_bytes"] = kv_held_bytes(log.kv_tokens, bpt, None), HELD_FROM_TOKENS
+    elif kv_in_log is not None:
+        prov["held_kv_bytes"] = "measured (log: the KV size it printed)"
+    total_mib = _total(cfg, series, warnings, prov)
     if series is not None:
         prov["device_peak_mib"] = f"measured ({series.source} series {series.file})"
         if len(series.runs) > 1:
@@ -388,27 +374,26 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
                             f"({', '.join(series.runs)}): its peak is the highest of them; "
                             "pass the series of the run that wrote this log")
     oom_phase = _oom_phase(log)
-    outcome = _outcome(log, oom_phase)
-
+    names = ", ".join(Path(f).name for f in files)
     budget: PinnedBudget | None = None
     back_off: BackOff | None = None
-    suggestion: Suggestion | None = None
     kv_bytes: int | None = None
-    basis: str | None = None
-    device_oom = _device_oom(log)
-    if device_oom and kv_in_log is not None:
+    basis = derived_from = ""
+    if oom_phase is not None and kv_in_log is not None:
         if series is not None:
             warnings.append(
                 f"the memory series was not used: the run ran out of memory, so its peak "
                 f"({series.peak_mib:,} MiB) is less than what the run needed"
             )
-        margin_total, margin_basis = _margin_total(total_mib, log)
-        back = back_off_bytes(kv_in_log, log.oom_alloc_bytes, margin_total)  # None: the margin
-        back_off = BackOff(kv_in_log, log.oom_alloc_bytes, margin_mib(margin_total),
-                           margin_basis, back)
+        back_off = _back_off(log, kv_in_log, total_mib, warnings)
         prov["back_off"] = "derived"
-        if back > 0:
-            kv_bytes, basis = back, "back-off"
+        if back_off.kv_bytes > 0:
+            kv_bytes, basis = back_off.kv_bytes, "back-off"
+            derived_from = (f"derived from {names}: its KV {kv_in_log / GIB:.2f} GiB less the "
+                            "failed allocation"
+                            + (", the graph capture still to come"
+                               if back_off.graphs_to_come_bytes is not None else "")
+                            + " and the margin")
         else:
             warnings.append(
                 f"the failed allocation ({(log.oom_alloc_bytes or 0) / GIB:.2f} GiB) and the "
@@ -421,7 +406,7 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
                 f"({log.max_num_batched_tokens:,} in this log): a prefill step's activations "
                 "grow with it"
             )
-    elif device_oom:
+    elif oom_phase is not None:
         warnings.append(f"the run ran out of memory ({log.oom_text}) before it printed its KV "
                         "cache size: nothing to back off from; pin a --kv-cache-memory-bytes "
                         "well below the free memory and measure again")
@@ -430,6 +415,8 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
             budget = derive_pinned(total_mib, series.peak_mib, held, series.source)
             _check_budget(budget, log, warnings)
             kv_bytes, basis = budget.kv_bytes, "measured peak"
+            derived_from = (f"derived from the device peak in {Path(series.file).name} and the "
+                            f"KV cache {names} held")
             prov["budget"] = "derived"
         else:
             warnings.append(
@@ -437,13 +424,13 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
                 "unknown; pass --memory-series (an NVML series or repeated nvidia-smi CSV of "
                 "this run) and --card-total-mib to derive it"
             )
+            derived_from = f"the KV cache of the ready run in {names}"
             if kv_mode == "pinned" and kv_in_log is not None:
                 kv_bytes, basis = kv_in_log, "log: ready run, pinned"
             else:
                 # tokens x bytes/token is whole blocks: pinning it keeps every token; a GiB
                 # figure from the log is rounded, so round it down
-                exact = held_source == HELD_FROM_TOKENS
-                kv_bytes = held if exact else held // MIB * MIB
+                kv_bytes = held if prov["held_kv_bytes"] == HELD_FROM_TOKENS else held // MIB * MIB
                 basis = "log: ready run, profiled KV pinned"
                 notes.append("pinning the KV that profiling gave keeps this run's cache, and "
                              "a later start with less free memory cannot shrink it")
@@ -463,13 +450,11 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
             f"the engine refused to start: only {log.refused_free_gib:.2f} GiB was free and "
             "--gpu-memory-utilization asked more; lower it, or pin --kv-cache-memory-bytes"
         )
-    if kv_bytes is not None and basis is not None:
-        suggestion = Suggestion(kv_bytes, basis, kv_tokens(kv_bytes, bpt, cfg.block_size)
-                                if bpt else None, bpt_exact, held, log.kv_tokens,
-                                log.max_model_len)
+    tokens = kv_tokens(kv_bytes, bpt, cfg.block_size) if kv_bytes is not None and bpt else None
+    suggestion = None if kv_bytes is None else Suggestion(kv_bytes, basis, derived_from, tokens)
     return V1Analysis(
         files=files,
-        outcome=outcome,
+        outcome=_outcome(log, oom_phase),
         oom_phase=oom_phase,
         log=log,
         kv_mode=kv_mode,
@@ -477,6 +462,7 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
         tp=tp,
         pp=pp,
         bytes_per_token=bpt,
+        kv_tokens_exact=bpt_exact,
         held_kv_bytes=held,
         series=series,
         total_mib=total_mib,
@@ -488,17 +474,6 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...]) -> V1Anal
         next_step=_next_step(cfg, log, suggestion, tp),
         provenance=prov,
     )
-
-
-def _kv_in_log(log: V1Log) -> tuple[str | None, int | None]:
-    """The KV cache the run asked for: pinned (exact when echoed), else what profiling gave."""
-    if log.pinned_kv_bytes is not None:
-        return "pinned", log.pinned_kv_bytes
-    if log.pinned_kv_gib is not None:
-        return "pinned", int(log.pinned_kv_gib * GIB)
-    if log.available_kv_gib is not None:
-        return "profiled", int(log.available_kv_gib * GIB)
-    return None, None
 
 
 def _bytes_per_token(cfg: AnalyzeConfig, log: V1Log, kv_in_log: int | None, tp: int, pp: int,
@@ -524,50 +499,63 @@ def _bytes_per_token(cfg: AnalyzeConfig, log: V1Log, kv_in_log: int | None, tp: 
     return None, False, None
 
 
-def _held_kv(
-    log: V1Log, kv_in_log: int | None, bpt: int | None, exact: bool
-) -> tuple[int | None, str | None]:
-    """The KV cache the run held, and where the figure comes from."""
-    if exact and bpt is not None and log.kv_tokens is not None:
-        return kv_held_bytes(log.kv_tokens, bpt, None), HELD_FROM_TOKENS
-    if kv_in_log is not None:
-        return kv_in_log, "measured (log: the KV size it printed)"
-    return None, None
-
-
-def _total(cfg: AnalyzeConfig, series: DevicePeak | None,
-           warnings: list[str]) -> tuple[int | None, str | None]:
+def _total(cfg: AnalyzeConfig, series: DevicePeak | None, warnings: list[str],
+           prov: dict[str, str]) -> int | None:
+    """The device total: given, else the series'; checked against the series' peak."""
     measured = series.total_mib if series is not None else None
+    total = cfg.card_total_mib if cfg.card_total_mib is not None else measured
     if cfg.card_total_mib is not None:
         if measured is not None and measured != cfg.card_total_mib:
             warnings.append(f"the memory series says the device total is {measured:,} MiB; "
                             f"using the given --card-total-mib {cfg.card_total_mib:,}")
-        return cfg.card_total_mib, "given (--card-total-mib)"
-    if series is not None and measured is not None:
-        return measured, f"measured ({series.source} series' device total)"
-    return None, None
+        prov["total_mib"] = "given (--card-total-mib)"
+    elif series is not None and measured is not None:
+        prov["total_mib"] = f"measured ({series.source} series' device total)"
+    if total is not None and series is not None and series.peak_mib > total:
+        raise BadInputError(
+            f"the memory series peak {series.peak_mib:,} MiB is above the device total "
+            f"{total:,} MiB",
+            hint="pass the device's own total as --card-total-mib (NVML memory.total)",
+        )
+    if series is not None and total is None:
+        raise BadInputError(
+            f"--memory-series {series.file!r} gives the peak but not the device total",
+            hint="pass --card-total-mib (NVML's memory.total, e.g. `nvidia-smi "
+            "--query-gpu=memory.total --format=csv,noheader,nounits`: 81559 on an H100 80GB)",
+        )
+    return total
 
 
-def _margin_total(total_mib: int | None, log: V1Log) -> tuple[int, str]:
-    """The device size the margin is a share of, and how it was chosen."""
+def _back_off(log: V1Log, kv_in_log: int, total_mib: int | None,
+              warnings: list[str]) -> BackOff:
+    """Back off from the KV the run asked for by what it still needed when it died."""
     if total_mib is not None:
-        return total_mib, "0.5 % of the device total"
-    if log.initial_free_gib is not None:
-        return (int(log.initial_free_gib * 1024),
-                f"0.5 % of the initial free memory {log.initial_free_gib:.2f} GiB in the log; "
-                "pass --card-total-mib for the device's")
-    return 0, f"the floor {MARGIN_FLOOR_MIB} MiB; pass --card-total-mib for 0.5 % of the device"
-
-
-def _device_oom(log: V1Log) -> bool:
-    """An allocation the device refused (not the engine's own "does not fit" checks)."""
-    if log.oom_alloc_bytes is not None:
-        return True
-    return log.oom_text is not None and not log.no_kv_memory and log.estimated_max_len is None
+        margin_total, margin_basis = total_mib, "0.5 % of the device total"
+    elif log.capacity_gib is not None:
+        margin_total = int(log.capacity_gib * 1024)
+        margin_basis = (f"0.5 % of the device total {log.capacity_gib:.2f} GiB in the OOM "
+                        "message; pass --card-total-mib for the device's own")
+    elif log.initial_free_gib is not None:
+        margin_total = int(log.initial_free_gib * 1024)
+        margin_basis = (f"0.5 % of the initial free memory {log.initial_free_gib:.2f} GiB in "
+                        "the log; pass --card-total-mib for the device's")
+    else:
+        margin_total = 0
+        margin_basis = (f"the floor {MARGIN_FLOOR_MIB} MiB; pass --card-total-mib for 0.5 % of "
+                        "the device")
+    to_come, graphs_basis = graphs_to_come(log)
+    if to_come is None and graphs_basis is not None:
+        warnings.append(graphs_basis)
+    kv = back_off_bytes(kv_in_log, (log.oom_alloc_bytes or 0) + (to_come or 0), margin_total)
+    return BackOff(kv_in_log, log.oom_alloc_bytes, margin_mib(margin_total), margin_basis, kv,
+                   to_come, graphs_basis if to_come is not None else None)
 
 
 def _oom_phase(log: V1Log) -> str | None:
-    if not _device_oom(log):
+    """When an allocation the device refused struck (not the engine's own "does not fit")."""
+    device_oom = log.oom_alloc_bytes is not None or (
+        log.oom_text is not None and not log.no_kv_memory and log.estimated_max_len is None)
+    if not device_oom:
         return None
     if log.ready:
         return "prefill" if log.prefill_died else "serving"
@@ -605,16 +593,12 @@ def _check_budget(budget: PinnedBudget, log: V1Log, warnings: list[str]) -> None
     if budget.non_kv_mib <= 0:
         raise BadInputError(
             f"the memory series peak {budget.peak_mib:,} MiB is below the KV cache the log held "
-            f"({budget.held_kv_mib:,.1f} MiB): the series is not of this run",
-            hint="pass the series sampled during the run that wrote this log",
-        )
+            f"({budget.held_kv_mib:,.1f} MiB): the series is not of this run", hint=_NOT_THIS_RUN)
     if log.weights_gib is not None and budget.non_kv_mib < log.weights_gib * 1024:
         raise BadInputError(
             f"the non-KV peak from the memory series ({budget.non_kv_mib:,.1f} MiB) is below "
             f"the weights the log loaded ({log.weights_gib:.2f} GiB): the series is not of "
-            "this run",
-            hint="pass the series sampled during the run that wrote this log",
-        )
+            "this run", hint=_NOT_THIS_RUN)
     if budget.kv_mib == 0:
         warnings.append("the measured non-KV peak leaves no room for a KV cache on this device")
 
@@ -622,12 +606,10 @@ def _check_budget(budget: PinnedBudget, log: V1Log, warnings: list[str]) -> None
 def _next_step(cfg: AnalyzeConfig, log: V1Log, suggestion: Suggestion | None, tp: int) -> str:
     argv = ["pretuner", "run", "--engine", "vllm", "--model",
             cfg.model.name if cfg.model is not None else "MODEL"]
-    if log.max_model_len is not None:
-        argv += ["--max-model-len", str(log.max_model_len)]
-    if log.max_num_batched_tokens is not None:
-        argv += ["--max-num-batched-tokens", str(log.max_num_batched_tokens)]
-    if tp > 1:
-        argv += ["--tp", str(tp)]
+    for flag, value in (("--max-model-len", log.max_model_len),
+                        ("--max-num-batched-tokens", log.max_num_batched_tokens),
+                        ("--tp", tp if tp > 1 else None)):
+        argv += [] if value is None else [flag, str(value)]
     if suggestion is None:
         return "fix what failed above, then measure on the card: " + shlex.join(argv)
     return (f"{suggestion.flag} is a candidate until a run under the worst-case request "

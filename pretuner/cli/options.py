@@ -9,79 +9,110 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from typer import _click
+from typer.core import TyperCommand
 
 from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int
 from pretuner.models.quant import METHODS
 
-MODEL = typer.Option("--model", "-m", metavar="MODEL",
+# The panels `run --help` and `plan --help` group their options into, in this order.
+MODEL_CARD, LENGTHS, ENGINE, PROOF, OUTPUTS, ADVANCED = PANELS = (
+    "Model and card", "Lengths and batching", "Engine and where it lives", "Proof", "Outputs",
+    "Advanced",
+)
+
+
+class PanelCommand(TyperCommand):
+    """A command whose --help lists its options under their `rich_help_panel` titles."""
+
+    # Typer draws panels only with rich, which --help must not load (tests/test_cli_startup.py).
+    def format_options(self, ctx: _click.Context, formatter: _click.HelpFormatter) -> None:
+        panels: dict[str, list[tuple[str, str]]] = {title: [] for title in PANELS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                title = getattr(param, "rich_help_panel", None) or "Options"
+                panels.setdefault(title, []).append(record)
+        for title, records in panels.items():
+            if records:
+                with formatter.section(title):
+                    formatter.write_dl(records)
+
+
+MODEL = typer.Option("--model", "-m", metavar="MODEL", rich_help_panel=MODEL_CARD,
                      help="Registry name, alias, or model path the server loads.")
 Model = Annotated[str | None, MODEL]
 RequiredModel = Annotated[str, MODEL]
 Card = Annotated[int | None, typer.Option(
-    "--card", metavar="GIB",
+    "--card", metavar="GIB", rich_help_panel=MODEL_CARD,
     help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
     "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
 )]
 Engine = Annotated[str, typer.Option(
-    "--engine", metavar="NAME",
+    "--engine", metavar="NAME", rich_help_panel=ENGINE,
     help="auto | vllm-mindspore-r01 | sim (its emulated card) | mindspore-cpu (real "
     "MindSpore on CPU) | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. A V1 engine "
     "(vllm*) gets its KV cache pinned with --kv-cache-memory-bytes; an engine without its "
     "stack or devices runs emulated (simulated figures).",
 )]
 MaxModelLen = Annotated[int | None, typer.Option(
-    "--max-model-len", metavar="TOKENS", parser=human_int,
+    "--max-model-len", metavar="TOKENS", parser=human_int, rich_help_panel=LENGTHS,
     help="Longest request to support (32K, 32k...; default the engine's: 16384, 4096 on "
     "vllm-cpu, 1024 on mindspore-cpu).",
 )]
 Util = Annotated[float, typer.Option(
-    *UTIL_FLAGS, metavar="FRACTION", help="Pre-run --gpu-memory-utilization (the method's 0.9)."
+    *UTIL_FLAGS, metavar="FRACTION", rich_help_panel=ADVANCED,
+    help="Pre-run --gpu-memory-utilization (the method's 0.9).",
 )]
 Tp = Annotated[int | None, typer.Option(
-    *TP_FLAGS, metavar="N", help="Tensor parallel size (default: chosen by plan)."
+    *TP_FLAGS, metavar="N", rich_help_panel=MODEL_CARD,
+    help="Tensor parallel size (default: chosen by plan).",
 )]
-Pp = Annotated[int, typer.Option(*PP_FLAGS, metavar="N", help="Pipeline parallel size.")]
+Pp = Annotated[int, typer.Option(
+    *PP_FLAGS, metavar="N", rich_help_panel=MODEL_CARD, help="Pipeline parallel size."
+)]
 Nodes = Annotated[int | None, typer.Option(
-    "--nodes", metavar="N", help="Nodes (default: from the layout)."
+    "--nodes", metavar="N", rich_help_panel=MODEL_CARD, help="Nodes (default: from the layout)."
 )]
 BlockSize = Annotated[int | None, typer.Option(
-    "--block-size", metavar="TOKENS",
+    "--block-size", metavar="TOKENS", rich_help_panel=LENGTHS,
     help="KV block size in tokens (default the engine's: 16 on r0.1 and vLLM, 128 on "
     "vllm-ascend and vLLM on CPU).",
 )]
 KvCacheDtype = Annotated[KvDtype, typer.Option(
-    "--kv-cache-dtype", help="KV cache dtype (vLLM's names too)."
+    "--kv-cache-dtype", rich_help_panel=MODEL_CARD, help="KV cache dtype (vLLM's names too)."
 )]
 WeightsFormat = Annotated[str | None, typer.Option(
-    "--weights-format", metavar="FORMAT", help="Checkpoint format (bf16, w8a8...)."
+    "--weights-format", metavar="FORMAT", rich_help_panel=MODEL_CARD,
+    help="Checkpoint format (bf16, w8a8...).",
 )]
 MaxNumBatchedTokens = Annotated[int | None, typer.Option(
-    "--max-num-batched-tokens", metavar="TOKENS", parser=human_int,
+    "--max-num-batched-tokens", metavar="TOKENS", parser=human_int, rich_help_panel=LENGTHS,
     help="V1 engines: production's prefill step budget (default: the engine's, 8192 on vLLM); "
     "for VL models it sizes the encoder cache.",
 )]
 LimitMmPerPrompt = Annotated[str | None, typer.Option(
-    "--limit-mm-per-prompt", metavar="LIMITS",
+    "--limit-mm-per-prompt", metavar="LIMITS", rich_help_panel=LENGTHS,
     help="VL models (V1 engines): vLLM's images per prompt, image=2 or '{\"image\": 2}' "
     "(default vLLM's 999, capped by what fits); the worst case carries that many.",
 )]
 MmProcessorCacheGb = Annotated[float | None, typer.Option(
-    "--mm-processor-cache-gb", metavar="GIB",
+    "--mm-processor-cache-gb", metavar="GIB", rich_help_panel=ADVANCED,
     help="VL models (V1 engines): vLLM's processor cache, host memory per API server "
     "(default 4); launched and kept.",
 )]
 Quantization = Annotated[str | None, typer.Option(
-    "--quantization", metavar="METHOD",
+    "--quantization", metavar="METHOD", rich_help_panel=MODEL_CARD,
     help=f"V1 engines: vLLM's --quantization, {' | '.join(METHODS)} (bitsandbytes quantizes "
     "a 16-bit checkpoint to 4 bit as it loads).",
 )]
 CpuOffloadGb = Annotated[float, typer.Option(
-    "--cpu-offload-gb", metavar="GIB",
+    "--cpu-offload-gb", metavar="GIB", rich_help_panel=MODEL_CARD,
     help="V1 engines: weights per card kept in host memory and streamed to the card on "
     "every forward pass (fits a bigger model, decodes slower).",
 )]
 SwapSpace = Annotated[float | None, typer.Option(
-    "--swap-space", metavar="GIB",
+    "--swap-space", metavar="GIB", rich_help_panel=ENGINE,
     help="V1 engines: host memory per card for preempted sequences' KV (default the "
     "engine's, 4); checked against the host.",
 )]

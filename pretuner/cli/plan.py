@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 
 @app.command(
-    "plan",
+    "plan", cls=o.PanelCommand,
     short_help="Predict the layout run would launch: weights, KV cache, max-num-seqs (no launch).",
     epilog="""\b
 Examples:
@@ -44,13 +44,16 @@ def plan_cmd(
     tp: o.Tp = None,
     pp: o.Pp = 1,
     nodes: o.Nodes = None,
-    cards_per_node: int = typer.Option(8, "--cards-per-node", metavar="N", help="Cards per node."),
+    cards_per_node: int = typer.Option(8, "--cards-per-node", metavar="N",
+                                       rich_help_panel=o.MODEL_CARD, help="Cards per node."),
     kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
     block_size: o.BlockSize = None,
     weights_format: o.WeightsFormat = None,
     headroom_gb: float | None = typer.Option(None, "--headroom-gb", metavar="GIB",
+                                             rich_help_panel=o.ADVANCED,
                                              help="GiB added to weights+activations (0.5)."),
     kv_gib: float | None = typer.Option(None, "--kv-gib", metavar="GIB",
+                                        rich_help_panel=o.OUTPUTS,
                                         help="Also say how many tokens fit in this many GiB."),
     limit_mm_per_prompt: o.LimitMmPerPrompt = None,
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
@@ -59,7 +62,8 @@ def plan_cmd(
     quantization: o.Quantization = None,
     cpu_offload_gb: o.CpuOffloadGb = 0.0,
     swap_space: o.SwapSpace = None,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=o.OUTPUTS,
+                                 help="Print one JSON object."),
 ) -> None:
     """Predict the layout `pretuner run` would launch, and its weights, activations, KV cache
     and max-num-seqs per card (no launch)."""

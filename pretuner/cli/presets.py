@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 from pathlib import Path
@@ -11,7 +10,7 @@ import typer
 
 from pretuner.cli.app import Group, app
 from pretuner.cli.render import emit, table
-from pretuner.cli.script import preset_from_run_dir
+from pretuner.cli.script import finished_run
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
 
@@ -75,7 +74,7 @@ def add_cmd(
         None, "--name", metavar="NAME", help="Preset name (default: derived)."
     ),
     out: Path | None = typer.Option(
-        None, "--out", metavar="FILE",
+        None, "--out", metavar="DIR",
         help="Folder of preset files to add it to (default: your presets folder, "
         "$PRETUNER_PRESETS_DIR or ~/.local/share/pretuner/presets; a checkout's "
         "pretuner/presets/data to ship it).",
@@ -83,22 +82,24 @@ def add_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the preset's name and file."),
 ) -> None:
     """Turn a run record into a preset file; `presets list/show` and `script --preset` find it."""
-    from pretuner.presets.model import all_presets, check_preset, preset_to_json, user_presets_dir
+    from pretuner.presets import model
 
-    p = preset_from_run_dir(run_dir)
-    p = dataclasses.replace(p, name=name or p.name, date=datetime.date.today().isoformat())
-    problems = check_preset(p)
+    if name is not None:  # a name that no file or `presets list` could read back is refused
+        model.check_name(name, "--name")
+    p = model.preset_from_report(finished_run(run_dir), name=name,
+                                 date=datetime.date.today().isoformat())
+    problems = model.check_preset(p)
     if problems:
         raise BadInputError(f"run record disagrees with the KV math: {problems[0]}")
     if out is None:
-        if p.name in {q.name for q in all_presets()}:
+        if p.name in {q.name for q in model.all_presets()}:
             raise BadInputError(
                 f"a preset named {p.name!r} exists already", hint="pass --name NEW-NAME"
             )
-        out = user_presets_dir()
+        out = model.user_presets_dir()
         out.mkdir(parents=True, exist_ok=True)
     path = write_atomic(
-        Path(out) / f"{p.name}.json", json.dumps(preset_to_json(p), indent=2) + "\n"
+        Path(out) / f"{p.name}.json", json.dumps(model.preset_to_json(p), indent=2) + "\n"
     )
     emit(as_json, {"preset": p.name, "file": str(path)},
          f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")

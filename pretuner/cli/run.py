@@ -10,7 +10,7 @@ import typer
 import pretuner.cli.options as o
 from pretuner.cli.app import app
 from pretuner.cli.render import emit
-from pretuner.cli.vocab import CONFIG_EXTRA, KvDtype, config_callback, kv_dtype, tokens_option
+from pretuner.cli.vocab import CONFIG_EXTRA, KvDtype, config_callback, human_int, kv_dtype
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
 # The tuner is imported inside `run_cmd`: `pretuner --help` and a usage error answer without
@@ -18,7 +18,8 @@ from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
 
 @app.command(
-    "run", short_help="Pre-run, derive, validate under full load, write the start files.",
+    "run", cls=o.PanelCommand,
+    short_help="Pre-run, derive, validate under full load, write the start files.",
     epilog="""\b
 Examples:
   pretuner run --model qwen3-8b --card 64                  r0.1 (emulated card if no NPU)
@@ -42,42 +43,43 @@ def run_cmd(
     ),
     engine: o.Engine = "auto",
     max_num_seqs: int | None = typer.Option(
-        None, "--max-num-seqs", metavar="N",
+        None, "--max-num-seqs", metavar="N", rich_help_panel=o.LENGTHS,
         help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
     ),
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     server_arg: list[str] = typer.Option(
-        [], "--server-arg", metavar="FLAGS",
+        [], "--server-arg", metavar="FLAGS", rich_help_panel=o.ENGINE,
         help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
         "value is shell-split), e.g. --server-arg '--load-format dummy'.",
     ),
     limit_mm_per_prompt: o.LimitMmPerPrompt = None,
     mm_processor_cache_gb: o.MmProcessorCacheGb = None,
     soak: int | None = typer.Option(
-        None, "--soak", metavar="N",
+        None, "--soak", metavar="N", rich_help_panel=o.PROOF,
         help="VL models: N mixed image requests after the worst case (default 200; 0: none); "
         "the memory they leave is held back from the KV cache.",
     ),
     soak_minutes: float | None = typer.Option(
-        None, "--soak-minutes", metavar="M",
+        None, "--soak-minutes", metavar="M", rich_help_panel=o.PROOF,
         help="VL models: soak for M minutes (with --soak: whichever ends first).",
     ),
     quantization: o.Quantization = None,
     cpu_offload_gb: o.CpuOffloadGb = 0.0,
     swap_space: o.SwapSpace = None,
     enforce_eager: bool = typer.Option(
-        False, "--enforce-eager/--no-enforce-eager",
+        False, "--enforce-eager/--no-enforce-eager", rich_help_panel=o.ENGINE,
         help="V1 engines: no CUDA graphs (no graph pool on the card; slower decode).",
     ),
     min_tokens_per_s: float | None = typer.Option(
-        None, "--min-tokens-per-s", metavar="RATE",
+        None, "--min-tokens-per-s", metavar="RATE", rich_help_panel=o.PROOF,
         help="V1 engines: the validation's decode speed (one sequence alone) must reach this "
         "many tokens/s, else exit 9 with the files written.",
     ),
     max_model_len: o.MaxModelLen = None,
-    min_model_len: int | None = tokens_option(
-        "--min-model-len", "Shortest length the fallback may go to (default 4096; 256 on "
-        "mindspore-cpu)."),
+    min_model_len: int | None = typer.Option(
+        None, "--min-model-len", metavar="TOKENS", parser=human_int, rich_help_panel=o.LENGTHS,
+        help="Shortest length the fallback may go to (default 4096; 256 on mindspore-cpu).",
+    ),
     util: o.Util = 0.9,
     tp: o.Tp = None,
     pp: o.Pp = 1,
@@ -86,62 +88,72 @@ def run_cmd(
     kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
     weights_format: o.WeightsFormat = None,
     headroom_gb: float | None = typer.Option(
-        None, "--headroom-gb", metavar="GIB",
+        None, "--headroom-gb", metavar="GIB", rich_help_panel=o.ADVANCED,
         help="Base GiB added to measured weights+activations (default: 64 MiB + 2% of the "
         "measured activations + the spread between ranks; per-sequence headroom on top).",
     ),
     reserve_gb: float | None = typer.Option(
-        None, "--reserve-gb", metavar="GIB",
+        None, "--reserve-gb", metavar="GIB", rich_help_panel=o.ADVANCED,
         help="GiB kept free below the card's free memory (default: what npu-smi saw outside "
         "MindSpore's pool + 1/8192 of the card; 0.25 GiB per 64 GB without a device reading).",
     ),
     model_use_gb: int | None = typer.Option(
-        None, "--model-use-gb", metavar="GIB",
+        None, "--model-use-gb", metavar="GIB", rich_help_panel=o.ADVANCED,
         help="Pin the pre-run's vLLM_MODEL_MEMORY_USE_GB (default: the most the length allows).",
     ),
     max_launches: int = typer.Option(
-        8, "--max-launches", metavar="N", help="Most server launches to spend."
+        8, "--max-launches", metavar="N", rich_help_panel=o.PROOF,
+        help="Most server launches to spend.",
     ),
     validate: bool = typer.Option(
-        True, "--validate/--no-validate", help="Prove the result under full load."
+        True, "--validate/--no-validate", rich_help_panel=o.PROOF,
+        help="Prove the result under full load.",
     ),
     serve_cmd: str | None = typer.Option(
-        None, "--serve-cmd", metavar="COMMAND",
+        None, "--serve-cmd", metavar="COMMAND", rich_help_panel=o.ENGINE,
         help="Your command that starts the engine (another venv, a container, a wrapper), launched "
         "and written to serve.sh in place of the engine's own; pretuner's flags follow it.",
     ),
     out: str | None = typer.Option(  # a str: typer reads '' as Path('.'), the current folder
-        None, "--out", metavar="DIR", help="Run folder (default: a new one under runs/)."
+        None, "--out", metavar="DIR", rich_help_panel=o.OUTPUTS,
+        help="Run folder (default: a new one under runs/).",
     ),
     resume: Path | None = typer.Option(
-        None, "--resume", metavar="RUN", help="Continue an interrupted run folder."
+        None, "--resume", metavar="RUN", rich_help_panel=o.OUTPUTS,
+        help="Continue an interrupted run folder.",
     ),
     seed: int = typer.Option(
-        0, "--seed", metavar="N", help="Probe prompt seed (and the emulated card's seed)."
+        0, "--seed", metavar="N", rich_help_panel=o.ADVANCED,
+        help="Probe prompt seed (and the emulated card's seed).",
     ),
     ready_timeout: float = typer.Option(
-        1800.0, "--ready-timeout", metavar="SECONDS", help="Seconds to wait for /health."
+        1800.0, "--ready-timeout", metavar="SECONDS", rich_help_panel=o.ADVANCED,
+        help="Seconds to wait for /health.",
     ),
     stop_grace: float = typer.Option(
-        120.0, "--stop-grace", metavar="SECONDS", help="Seconds between SIGTERM and SIGKILL."
+        120.0, "--stop-grace", metavar="SECONDS", rich_help_panel=o.ADVANCED,
+        help="Seconds between SIGTERM and SIGKILL.",
     ),
     request_timeout: float = typer.Option(
-        900.0, "--request-timeout", metavar="SECONDS",
+        900.0, "--request-timeout", metavar="SECONDS", rich_help_panel=o.PROOF,
         help="Seconds one probe or load request may take.",
     ),
     ray_address: str | None = typer.Option(
-        None, "--ray-address", metavar="HOST:PORT",
+        None, "--ray-address", metavar="HOST:PORT", rich_help_panel=o.ENGINE,
         help="Multi-node: the Ray cluster (HOST:PORT or auto) to place the ranks on and "
         "gather every node's logs from (needs the `ray` extra).",
     ),
     config: Path | None = typer.Option(
         None, "--config", metavar="FILE", is_eager=True, callback=config_callback,
+        rich_help_panel=o.ENGINE,
         help="A `vllm serve --config` YAML: its max-model-len, gpu-memory-utilization, "
         "tensor-parallel-size... become this run's values (a flag given here wins); other keys "
         "go to a V1 engine's server.",
     ),
-    dry: bool = typer.Option(False, "--dry-run", help="Print the first launch and exit."),
-    as_json: bool = typer.Option(False, "--json", help="Print report.json to stdout."),
+    dry: bool = typer.Option(False, "--dry-run", rich_help_panel=o.OUTPUTS,
+                             help="Print the first launch and exit."),
+    as_json: bool = typer.Option(False, "--json", rich_help_panel=o.OUTPUTS,
+                                 help="Print report.json to stdout."),
 ) -> None:
     """Pre-run, derive, fall back, validate under load, and write tuned.env / serve.sh.
 

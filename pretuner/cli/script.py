@@ -14,7 +14,6 @@ from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 
 if TYPE_CHECKING:
-    from pretuner.presets.model import Preset
     from pretuner.report.records import RunReport
 
 # The presets and the templates are imported where they are used: `pretuner --help` and a
@@ -32,12 +31,6 @@ def finished_run(run_dir: Path) -> RunReport:
             hint="a failed run has no configuration; see its report.md",
         )
     return rep
-
-
-def preset_from_run_dir(run_dir: Path) -> Preset:
-    from pretuner.presets.model import preset_from_report
-
-    return preset_from_report(finished_run(run_dir), date="-")
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:

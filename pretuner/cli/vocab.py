@@ -76,23 +76,14 @@ def kv_dtype(value: KvDtype | str) -> str:
     return KV_DTYPE_ALIASES.get(text, text)
 
 
-# `vllm serve --config` keys -> `pretuner run` parameters.
+# `vllm serve --config` keys -> `pretuner run` parameters: vLLM's name with underscores, but for
+# the three pretuner spells shorter.
 CONFIG_KEYS = {
-    "model": "model",
-    "gpu-memory-utilization": "util",
-    "tensor-parallel-size": "tp",
-    "pipeline-parallel-size": "pp",
-    "max-model-len": "max_model_len",
-    "max-num-seqs": "max_num_seqs",
-    "max-num-batched-tokens": "max_num_batched_tokens",
-    "block-size": "block_size",
-    "kv-cache-dtype": "kv_cache_dtype",
-    "limit-mm-per-prompt": "limit_mm_per_prompt",
-    "mm-processor-cache-gb": "mm_processor_cache_gb",
-    "quantization": "quantization",
-    "cpu-offload-gb": "cpu_offload_gb",
-    "swap-space": "swap_space",
-    "enforce-eager": "enforce_eager",
+    "gpu-memory-utilization": "util", "tensor-parallel-size": "tp", "pipeline-parallel-size": "pp",
+    **{key: key.replace("-", "_") for key in (
+        "model", "max-model-len", "max-num-seqs", "max-num-batched-tokens", "block-size",
+        "kv-cache-dtype", "limit-mm-per-prompt", "mm-processor-cache-gb", "quantization",
+        "cpu-offload-gb", "swap-space", "enforce-eager")},
 }
 # Keys pretuner decides or owns for every launch: a config that sets them would be overruled.
 OWNED_KEYS = {

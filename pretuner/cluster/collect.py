@@ -15,7 +15,7 @@ from pretuner.cluster.nodefs import node_local
 from pretuner.launch.collect import CollectedScan, rank_name
 from pretuner.logscan import scan_paths
 from pretuner.logscan.files import Unreadable
-from pretuner.logscan.result import ScanResult
+from pretuner.logscan.result import ENGINE_FIGURES, ScanResult
 from pretuner.logscan.summary import summarize_items
 
 T = TypeVar("T")
@@ -58,27 +58,18 @@ def merge_node_scans(nodes: Sequence[NodeScan]) -> CollectedScan:
     truncated = _first((t for n in nodes for t in n.scan.truncated),
                        lambda t: (t.file, t.line, t.pid))
     scans = [n.scan for n in nodes]
+    picked = {name: _pick(how, [getattr(s, name) for s in scans]) for name, how in ENGINE_FIGURES}
     scan = ScanResult(
         files=tuple(f"{n.label}:{f}" for n in nodes for f in n.scan.files),
         ranks=tuple(ranks),
         oom=tuple(oom),
-        card_mib=_pick(max, [s.card_mib for s in scans]),
-        kv_cache_tokens=_pick(min, [s.kv_cache_tokens for s in scans]),
-        available_kv_gib=_pick(min, [s.available_kv_gib for s in scans]),
-        max_concurrency=_pick(min, [s.max_concurrency for s in scans]),
-        weights_gib=_pick(max, [s.weights_gib for s in scans]),
-        kv_blocks=_pick(min, [s.kv_blocks for s in scans]),
         unreadable=tuple(
             Unreadable(f"{n.label}:{u.file}", u.reason) for n in nodes for u in n.scan.unreadable
         ),
-        lines_scanned=sum(s.lines_scanned for s in scans),
-        bytes_scanned=sum(s.bytes_scanned for s in scans),
-        events=sum(s.events for s in scans),
         truncated=tuple(truncated),
         prompts_ignored=tuple(dict.fromkeys(p for s in scans for p in s.prompts_ignored)),
-        oom_omitted=sum(s.oom_omitted for s in scans),
-        truncated_omitted=sum(s.truncated_omitted for s in scans),
-        prompts_ignored_omitted=sum(s.prompts_ignored_omitted for s in scans),
+        **picked,
+        **{name: sum(getattr(s, name) for s in scans) for name in _SUMS},
     )
     worst_node = owner[ranks.index(scan.worst)] if scan.worst is not None else None
     doc = scan.to_json()
@@ -107,6 +98,10 @@ def _first(items: Iterable[T], key: Callable[[T], object]) -> list[T]:
     for item in items:
         seen.setdefault(key(item), item)
     return list(seen.values())
+
+
+_SUMS = ("lines_scanned", "bytes_scanned", "events", "oom_omitted", "truncated_omitted",
+         "prompts_ignored_omitted")
 
 
 def _pick(how: Any, values: Sequence[Any]) -> Any:

@@ -164,20 +164,17 @@ def proposed_envs(probes: Sequence[NodeProbe], placement: Placement) -> dict[str
     out: dict[str, dict[str, str]] = {}
     for p in probes:
         env: dict[str, str] = {}
+        others = [i for i in p.interfaces if i != "lo"]
+        guide = node_exports(p.address_nic or (others[0] if others else "lo"),
+                             max(p.node.npus, ranks.get(p.node.node_id, 0)))
         for var in NODE_VARS:
             own = p.env.get(var.name)
             if var.same_on_every_node and var.name in agreed:
                 env[var.name] = agreed[var.name]
             elif own is not None and (p.node.node_id, var.name) not in bad:
                 env[var.name] = own
-            elif var.interface:
-                others = [i for i in p.interfaces if i != "lo"]
-                env[var.name] = p.address_nic or (others[0] if others else "lo")
-            elif var.devices:
-                cards = max(p.node.npus, ranks.get(p.node.node_id, 0))
-                env[var.name] = ",".join(str(i) for i in range(cards))
-            elif var.required and var.value is not None:
-                env[var.name] = var.value
+            elif var.name in guide:
+                env[var.name] = guide[var.name]
         root = p.env.get(NODE_ROOT_ENV)
         if root:
             env[NODE_ROOT_ENV] = root

@@ -18,8 +18,6 @@ from pretuner.cluster.env import PROBED_VARS, NodeProbe
 from pretuner.cluster.nodes import NodeFacts
 from pretuner.errors import BadInputError, ClusterError
 
-log = logging.getLogger(__name__)
-
 TASK_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 5.0
 HEAD_RESOURCE = "node:__internal_head__"

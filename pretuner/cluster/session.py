@@ -4,7 +4,6 @@ that node's folder, and the head merges the per-rank figures)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ from pretuner.cluster.env import (
     proposed_envs,
     restart_commands,
 )
-from pretuner.cluster.nodes import NodeFacts, Placement, check_versions, place, survey
+from pretuner.cluster.nodes import Placement, check_versions, place, survey
 from pretuner.cluster.ray_api import TASK_TIMEOUT_S, RayCluster
 from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
@@ -29,8 +28,6 @@ from pretuner.launch.collect import CollectedScan, LocalCollector
 from pretuner.launch.command import LaunchCommand
 from pretuner.logscan import scan_paths
 from pretuner.logscan.events import Located
-
-log = logging.getLogger(__name__)
 
 LOG_SUBDIR = "glog"  # GLOG_log_dir under the launch folder, on every node's own disk
 POLL_EVERY_S = 5.0  # how often the nodes are asked for OOM lines while the server runs
@@ -44,14 +41,11 @@ class RayCollector(LocalCollector):
         super().__init__(folder, log_path)
         self.cluster = cluster
         self.placement = placement
+        self.nodes = placement.nodes
         self.log_dir = folder.resolve() / LOG_SUBDIR
         self._pending: list[Any] = []
         self._last_poll = 0.0
         self._oom_seen: set[tuple[str, int]] = set()
-
-    @property
-    def nodes(self) -> tuple[NodeFacts, ...]:
-        return self.placement.nodes
 
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         """Ranks log to files on their own node, and every rank gets the launch's variables."""

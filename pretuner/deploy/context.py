@@ -68,15 +68,6 @@ def _check_line(var: str, what: str) -> str:
     return f': "${{{var}:?export {var} ({what}); pretuner never writes a secret}}"'
 
 
-def check_env_names(env: dict[str, str], extra_env: dict[str, str]) -> dict[str, str]:
-    """`env` with the user's --env on top; every name a valid shell variable name."""
-    out = {**env, **extra_env}
-    bad = [k for k in (*extra_env, *out) if not _ENV_NAME.match(k)]
-    if bad:
-        raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class _Server:
     """What one engine family puts in the scripts; `build_context` adds what every one shares."""
@@ -268,7 +259,10 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     # scripts read it from an environment variable (pretuner.redact.secret_var).
     argv = classify_argv(s.argv)
     secret_args = list({a.var: a for a in argv if isinstance(a, SecretArg)}.values())
-    env = check_env_names(s.env, opts.extra_env)
+    env = {**s.env, **opts.extra_env}  # every name a valid shell variable name
+    bad = [k for k in (*opts.extra_env, *env) if not _ENV_NAME.match(k)]
+    if bad:
+        raise BadInputError(f"environment name {bad[0]!r} is invalid", hint="use e.g. FOO_BAR=1")
     secret_env = [k for k in env if is_secret_name(k)]
     where = "before starting (systemd: Environment= in a drop-in only root reads)"
     secret_notes = [f"secret {a.flag} is not written here: export {a.var} {where}"

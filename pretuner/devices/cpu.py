@@ -32,11 +32,6 @@ def host_available_bytes(meminfo: Path = MEMINFO) -> int | None:
     return _meminfo_bytes("MemAvailable", meminfo)
 
 
-def host_total_bytes(meminfo: Path = MEMINFO) -> int | None:
-    """The host's MemTotal (measured): what vLLM checks --swap-space against."""
-    return _meminfo_bytes("MemTotal", meminfo)
-
-
 @dataclass(frozen=True, slots=True)
 class HostMemory:
     available_bytes: int
@@ -56,7 +51,8 @@ def host_memory(device_kind: str, env: Mapping[str, str]) -> HostMemory | None:
         from pretuner.emulation import emulator
 
         return emulator().host_memory(env)
-    available, total = host_available_bytes(), host_total_bytes()
+    # MemTotal: what vLLM checks --swap-space against
+    available, total = host_available_bytes(), _meminfo_bytes("MemTotal", MEMINFO)
     if available is None or total is None:
         return None
     return HostMemory(available, total, "measured", "/proc/meminfo")

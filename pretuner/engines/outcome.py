@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
+from pretuner.errors import RequestRefusedError
 from pretuner.launch import probe
 from pretuner.speed import Speed
 
@@ -144,6 +145,8 @@ class RequestContext(Protocol):
     def request_timeout_s(self) -> float: ...
     @property
     def decode_tokens(self) -> int: ...
+    @property
+    def vocab_size(self) -> int | None: ...
 
 
 def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
@@ -163,8 +166,8 @@ def probe_one(s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase) -
     """The pre-run's one max-length request."""
     plen = probe.max_length_prompt_len(s.max_model_len, 1)
     phase("probe", f"one request of {plen + 1:,} tokens")
-    return tally([probe.complete(base, ctx.served_name, probe.probe_prompt(plen, ctx.seed), 1,
-                                 ctx.request_timeout_s)], plen)
+    prompt = probe.probe_prompt(plen, ctx.seed, ctx.vocab_size)
+    return tally([probe.complete(base, ctx.served_name, prompt, 1, ctx.request_timeout_s)], plen)
 
 
 def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int | None) -> Exercised:
@@ -175,8 +178,18 @@ def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int | None) -> Ex
     short = [o for o in outs if o.ok and o.completion_tokens != 0 and o.prompt_tokens is not None
              and prompt_len is not None and o.prompt_tokens != prompt_len]
     failed = [o for o in outs if not o.ok]
-    error = describe_failure(*failed[:1])
-    if short and error is None:
+    refused = next((o for o in failed if 400 <= o.status < 500), None)
+    if refused is not None:  # not the card, not the server: no verdict either way
+        raise RequestRefusedError(
+            f"the server refused a request pretuner sent (HTTP {refused.status}: "
+            f"{refused.error}): pretuner built a request this server or model does not accept",
+            hint="this is pretuner's error, not a memory or server failure; please report it "
+            "with the run folder")
+    error = None
+    if failed:
+        o = failed[0]
+        error = f"HTTP {o.status}: {o.error}" if o.status else str(o.error)
+    elif short:
         error = (f"the server counted {short[0].prompt_tokens:,} prompt tokens, not the "
                  f"{prompt_len:,} sent")
     ok = len(outs) - len(failed) - len(dropped) - len(short)
@@ -192,10 +205,3 @@ class Exercised:
     soak_requests: int = 0  # of `total`, the soak's
     reset_status: int | None = None  # POST /reset_mm_cache's HTTP status, when asked
     speed: Speed | None = None  # what the requests' timing showed (V1 validations)
-
-
-def describe_failure(*outcomes: probe.CompletionOutcome) -> str | None:
-    for o in outcomes:
-        if not o.ok:
-            return f"HTTP {o.status}: {o.error}" if o.status else str(o.error)
-    return None

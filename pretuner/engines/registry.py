@@ -60,22 +60,6 @@ def installed_version(*names: str) -> str | None:
     return None
 
 
-def _python_version(row: V1Row, python: str) -> str | None:
-    """The engine's version as `python` sees it (its own venv), None when it has none."""
-    if python == sys.executable:
-        return installed_version(*row.distributions)
-    dist = row.distributions[0]
-    code = ("import importlib.metadata as m, importlib.util as u; "
-            f"print(m.version({dist!r}) if u.find_spec('vllm') else '')")
-    try:
-        done = subprocess.run([python, "-c", code], capture_output=True, timeout=60,
-                              check=False, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    out = done.stdout.decode(errors="replace").strip()
-    return out if done.returncode == 0 and out else None
-
-
 def _own_python(row: V1Row, auto: bool) -> tuple[str, str] | None:
     """(interpreter, version) of an engine in its own venv; for `auto`, only one pretuner's
     Python imports or the row's variable names."""
@@ -85,10 +69,21 @@ def _own_python(row: V1Row, auto: bool) -> tuple[str, str] | None:
         if importlib.util.find_spec("vllm") is None:
             return None
     python = engine_python(row, os.environ)
-    if python is None:
-        return None
-    version = _python_version(row, python)
-    return (python, version) if version is not None else None
+    version = None
+    if python == sys.executable:
+        version = installed_version(*row.distributions)
+    elif python is not None:  # the version as that interpreter (its own venv) sees it
+        dist = row.distributions[0]
+        code = ("import importlib.metadata as m, importlib.util as u; "
+                f"print(m.version({dist!r}) if u.find_spec('vllm') else '')")
+        try:
+            done = subprocess.run([python, "-c", code], capture_output=True, timeout=60,
+                                  check=False, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        out = done.stdout.decode(errors="replace").strip()
+        version = out if done.returncode == 0 and out else None
+    return (python, version) if python is not None and version is not None else None
 
 
 def _has_devices(kind: str) -> bool:

@@ -99,7 +99,8 @@ def exercise_images(shape: ImageShape, soak: Soak, s: LaunchSettings, ctx: Reque
         # --soak-minutes: each half of the soak stops starting requests after half of them
         half = time.monotonic() + half_s if p.name in SOAK_PHASES and half_s else None
         phase(p.name, phase_words(p, soak))
-        got = chat.run_phase(base, name, p, cal, s.max_model_len, timeout, deadline=half,
+        got = chat.run_phase(base, name, p, cal, s.max_model_len, timeout,
+                             vocab_size=ctx.vocab_size, deadline=half,
                              on_done=requests_status(phase))
         outs += got
         if p.name in SOAK_PHASES:

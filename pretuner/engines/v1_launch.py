@@ -12,7 +12,7 @@ after the weights were in) or while serving (the engine is dead from then on, HT
 
 from __future__ import annotations
 
-import logging
+import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -38,8 +38,6 @@ from pretuner.logscan import scan_paths
 from pretuner.logscan.v1 import V1Log
 from pretuner.speed import Speed
 from pretuner.units import GIB, MIB
-
-log = logging.getLogger(__name__)
 
 
 def read_log(path: Path) -> V1Log:
@@ -85,14 +83,14 @@ class V1Hooks:
         phase("load", f"worst case first: one request of {plen + decode:,} tokens alone, "
               "streamed (time to first token, decode tokens/s)")
         first, arrivals = stream_complete(base, ctx.served_name,
-                                          probe.probe_prompt(plen, ctx.seed + 7919), decode,
-                                          ctx.request_timeout_s)
+                                          probe.probe_prompt(plen, ctx.seed + 7919, ctx.vocab_size),
+                                          decode, ctx.request_timeout_s)
         if not first.ok:
             return tally([first], plen)
         count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
         phase("load", f"{count} concurrent requests of {plen + decode:,} tokens")
         burst = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
-                           ctx.request_timeout_s, on_done=requests_status(phase))
+                           ctx.request_timeout_s, ctx.vocab_size, on_done=requests_status(phase))
         ran = tally([first, *burst.outcomes], plen)
         return replace(ran, speed=streamed_speed(first, arrivals, burst, plen))
 
@@ -101,7 +99,7 @@ class V1Hooks:
                 times: tuple[float, float, float, float]) -> LaunchOutcome:
         v1 = read_log(log_path)
         kind = classify(v1, ran, failure)
-        if kind is None and v1.killed_by_signal == SIGKILL:  # not the card: the host
+        if kind is None and v1.killed_by_signal == signal.SIGKILL:  # not the card: the host
             raise host_killed(log_path)
         if kind is None:  # only for an unexplained failure
             raise failure or unexplained_exit(log_path, exited or 0)
@@ -131,9 +129,6 @@ def streamed_speed(first: CompletionOutcome, arrivals: Arrivals | None, burst: L
                  load_requests=len(burst.outcomes),
                  load_tokens=sum(o.completion_tokens or 0 for o in burst.outcomes if o.ok),
                  load_s=round(burst.wall_seconds, 4), how="streamed")
-
-
-SIGKILL = 9
 
 
 def host_killed(log_path: Path) -> ServerFailedError:

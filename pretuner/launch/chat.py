@@ -103,19 +103,21 @@ def send_fitted(base_url: str, model: str, req: MMRequest, cal: Calibration, sal
 
 
 def send(base_url: str, model: str, req: Request, cal: Calibration, salt: str,
-         max_model_len: int, timeout_s: float) -> CompletionOutcome:
+         max_model_len: int, timeout_s: float, vocab_size: int | None) -> CompletionOutcome:
     if isinstance(req, TextRequest):
-        return complete(base_url, model, probe_prompt(req.prompt_len, zlib.crc32(salt.encode())),
-                        req.max_tokens, timeout_s)
+        prompt = probe_prompt(req.prompt_len, zlib.crc32(salt.encode()), vocab_size)
+        return complete(base_url, model, prompt, req.max_tokens, timeout_s)
     return send_fitted(base_url, model, req, cal, salt, max_model_len, timeout_s)
 
 
 def run_phase(base_url: str, model: str, phase: LoadPhase, cal: Calibration,
-              max_model_len: int, timeout_s: float, *, deadline: float | None = None,
+              max_model_len: int, timeout_s: float, *, vocab_size: int | None = None,
+              deadline: float | None = None,
               on_done: Callable[[int, int], None] | None = None) -> list[CompletionOutcome]:
     """The phase's requests (`probe.send_all`); the outcomes of those sent, in order."""
     calls = [functools.partial(send, base_url, model, req, cal, f"{phase.name}/{i}",
-                               max_model_len, timeout_s) for i, req in enumerate(phase.requests)]
+                               max_model_len, timeout_s, vocab_size)
+             for i, req in enumerate(phase.requests)]
     return [r for r in send_all(calls, timeout_s, name=phase.name, workers=phase.concurrency,
                                 deadline=deadline, on_done=on_done) if r is not None]
 

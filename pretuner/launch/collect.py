@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pretuner.launch.command import LaunchCommand
 from pretuner.logscan import LogFollower, RankSummary, ScanResult, scan_paths
@@ -29,23 +29,6 @@ class CollectedScan:
     doc: dict[str, Any] = field(default_factory=dict)  # scan.json
 
 
-class Collector(Protocol):
-    def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
-        """The launch's command with whatever this collector needs the ranks to do."""
-
-    def poll(self, *, final: bool = False) -> list[Located]:
-        """Events written since the last poll (never blocks for long)."""
-
-    def collect(self) -> CollectedScan:
-        """Every rank's figures, after the server stopped."""
-
-    def where(self) -> str:
-        """Where the logs are read, for the progress line."""
-
-
-CollectorFactory = Callable[[Path, Path], Collector]  # (launch folder, server.log) -> collector
-
-
 def rank_name(r: RankSummary) -> str:
     return f"rank{r.rank}" if r.rank is not None else f"pid{r.pid}"
 
@@ -55,7 +38,8 @@ def rank_peaks(scan: ScanResult) -> dict[str, int]:
 
 
 class LocalCollector:
-    """The launch folder on this machine: server.log live, every file after the stop."""
+    """The launch folder on this machine: server.log live, every file after the stop (the Ray
+    collector, a subclass, reads every node)."""
 
     def __init__(self, folder: Path, log_path: Path) -> None:
         self.folder = folder
@@ -63,14 +47,21 @@ class LocalCollector:
         self.follower = LogFollower(log_path, keep=(OomEvent, DeviceMemoryInit))
 
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
+        """The launch's command with whatever this collector needs the ranks to do."""
         return cmd
 
     def poll(self, *, final: bool = False) -> list[Located]:
+        """Events written since the last poll (never blocks for long)."""
         return self.follower.poll(final=final)
 
     def collect(self) -> CollectedScan:
+        """Every rank's figures, after the server stopped."""
         scan = scan_paths([self.folder])
         return CollectedScan(scan, rank_peaks(scan), doc=scan.to_json())
 
     def where(self) -> str:
+        """Where the logs are read, for the progress line."""
         return str(self.folder)
+
+
+CollectorFactory = Callable[[Path, Path], LocalCollector]  # (launch folder, server.log)

@@ -22,8 +22,9 @@ from pretuner.errors import ServerFailedError
 
 log = logging.getLogger(__name__)
 
-# Token ids of probe prompts. Low ids are special/control tokens in most vocabularies and every
-# registry model has more than 30,000 entries, so this range is plain text for all of them.
+# Token ids of probe prompts: plain text in every registry model's vocabulary. Vocabularies keep
+# their special and control tokens at the low ids, and padding (or more specials) at the top, so a
+# smaller vocabulary gets its middle: an id beyond it is vLLM's "Token id N is out of vocabulary".
 TOKEN_ID_LOW = 1000
 TOKEN_ID_HIGH = 30000
 
@@ -113,18 +114,28 @@ def served_models(base_url: str, timeout_s: float = 10.0) -> list[str]:
         ) from exc
 
 
-def _token_ids(length: int, seed: int | str) -> list[int]:
+def token_range(vocab_size: int | None) -> tuple[int, int]:
+    """The lowest and highest token id of probe prompts for a vocabulary of `vocab_size` ids
+    (None: not known, the range every registry model holds)."""
+    if vocab_size is None:
+        return TOKEN_ID_LOW, TOKEN_ID_HIGH
+    margin = vocab_size // 8
+    return min(TOKEN_ID_LOW, margin), min(TOKEN_ID_HIGH, vocab_size - 1 - margin)
+
+
+def _token_ids(length: int, seed: int | str, vocab_size: int | None) -> list[int]:
     if length < 1:
         raise ValueError(f"prompt length must be at least 1 token, got {length}")
     rng = random.Random(seed)  # noqa: S311 - test data, not cryptography
-    return [rng.randint(TOKEN_ID_LOW, TOKEN_ID_HIGH) for _ in range(length)]
+    low, high = token_range(vocab_size)
+    return [rng.randint(low, high) for _ in range(length)]
 
 
-def probe_prompt(length: int, seed: int) -> list[int]:
-    """`length` random token ids, the same for the same seed."""
+def probe_prompt(length: int, seed: int, vocab_size: int | None = None) -> list[int]:
+    """`length` random token ids of the vocabulary, the same for the same seed."""
     # Give every launch its own seed: a prompt the server has seen could be served from the
     # prefix cache and hide the memory the probe is meant to measure.
-    return _token_ids(length, f"pretuner-probe/{seed}")
+    return _token_ids(length, f"pretuner-probe/{seed}", vocab_size)
 
 
 def max_length_prompt_len(max_model_len: int, max_tokens: int) -> int:
@@ -205,13 +216,14 @@ def complete(base_url: str, model: str, prompt_ids: list[int], max_tokens: int,
 
 
 def load(base_url: str, model: str, num_requests: int, prompt_len: int, max_tokens: int,
-         seed: int, timeout_s: float,
+         seed: int, timeout_s: float, vocab_size: int | None = None,
          on_done: Callable[[int, int], None] | None = None) -> LoadOutcome:
     """`num_requests` completions at once, each with its own prompt, waited for about
     `timeout_s`; `on_done(done, total)` hears of each answer."""
     if num_requests < 1:
         raise ValueError(f"num_requests must be at least 1, got {num_requests}")
-    prompts = [_token_ids(prompt_len, f"pretuner-load/{seed}/{i}") for i in range(num_requests)]
+    prompts = [_token_ids(prompt_len, f"pretuner-load/{seed}/{i}", vocab_size)
+               for i in range(num_requests)]
     calls = [functools.partial(complete, base_url, model, p, max_tokens, timeout_s)
              for p in prompts]
     started = time.monotonic()

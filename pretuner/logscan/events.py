@@ -60,6 +60,8 @@ class OomEvent:
     free_device_gib: float | None = None
     max_device_memory_limit_mib: float | None = None
     max_device_memory_requested_mib: float | None = None
+    graph_pool_bytes: int | None = None  # torch's "allocated in private pools (e.g., CUDA Graphs)"
+    capacity_gib: float | None = None  # torch's "total capacity" of the device
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +161,22 @@ class GraphsCaptured:
 
 
 @dataclass(frozen=True, slots=True)
+class GraphCapture:
+    """`Capturing CUDA graphs (FULL): ... 1/51`: how far one capture pass got (its last bar)."""
+
+    mode: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class GraphsEstimated:
+    """`Estimated CUDA graph memory: 0.61 GiB total` (vLLM >= 0.21 profiles graph capture)."""
+
+    gib: float
+
+
+@dataclass(frozen=True, slots=True)
 class ChunkedPrefill:
     """`Chunked prefill is enabled with max_num_batched_tokens=8192.`"""
 
@@ -228,7 +246,8 @@ LogEvent = (
     PoolDump | PartialPoolDump | PoolDumpHeader | DeviceMemoryInit | MemoryStat | OomEvent
     | LoadingStarted | ModelLoaded | AvailableKvMemory | AvailableMemory | KvCacheSize
     | MaxConcurrency | KvReserved | BlockCounts | PromptIgnored | KvPinned | CpuKvSet
-    | GraphsCaptured | ChunkedPrefill | EncoderBudget | DeviceRefused | EngineArgs
+    | GraphsCaptured | GraphCapture | GraphsEstimated | ChunkedPrefill | EncoderBudget
+    | DeviceRefused | EngineArgs
     | V1EngineConfig | ServerReady | EngineStartFailed | EngineDied | SchedulerDump
 )
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pretuner.logscan.events import Located, LogEvent
 from pretuner.logscan.files import rank_from_path
-from pretuner.logscan.lines import ANCHORS, locate_line
-from pretuner.logscan.search import MAX_HIT_LINE_BYTES
+from pretuner.logscan.lines import locate_line
+from pretuner.logscan.search import MAX_HIT_LINE_BYTES, find_anchor_lines, hit_bytes
 
 READ_BYTES = 4 * 2**20  # at most this much is read per poll: memory stays bounded
 MAX_PENDING_BYTES = 2**20  # a partial line longer than this is dropped (kept: its head)
@@ -57,7 +57,7 @@ class LogFollower:
         except OSError:
             return events
         if final and self._pending:
-            events.extend(self._lines([self._pending]))
+            events.extend(self._lines(self._pending))
             self._pending = b""
         return events
 
@@ -67,22 +67,15 @@ class LogFollower:
         self._pending = chunk[cut:]
         if len(self._pending) > MAX_PENDING_BYTES:
             self._pending = self._pending[:MAX_HIT_LINE_BYTES]
-        if not cut:
-            return []
-        complete = chunk[:cut]
-        if not any(anchor in complete for anchor in ANCHORS):
-            self.line += complete.count(b"\n")
-            return []
-        return self._lines(complete.split(b"\n")[:-1])
+        return self._lines(chunk[:cut])
 
-    def _lines(self, lines: list[bytes]) -> list[Located]:
+    def _lines(self, text: bytes) -> list[Located]:
+        """The events of `text`'s lines, found as the scanner finds them (`search`)."""
+        hits, newlines = find_anchor_lines(text, 0, len(text))
         events: list[Located] = []
-        for raw in lines:
-            self.line += 1
-            if not any(anchor in raw for anchor in ANCHORS):
-                continue
-            found = locate_line(raw, self.path, self.line, self.rank)
-            if self.keep is not None:
-                found = [ev for ev in found if isinstance(ev.event, self.keep)]
-            events += found
+        for start, end, at, before in hits:
+            raw = hit_bytes(text, start, end, at)
+            found = locate_line(raw, self.path, self.line + before + 1, self.rank)
+            events += [ev for ev in found if self.keep is None or isinstance(ev.event, self.keep)]
+        self.line += newlines
         return events

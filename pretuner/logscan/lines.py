@@ -25,7 +25,9 @@ from pretuner.logscan.events import (
     EngineArgs,
     EngineDied,
     EngineStartFailed,
+    GraphCapture,
     GraphsCaptured,
+    GraphsEstimated,
     KvCacheSize,
     KvPinned,
     KvReserved,
@@ -87,6 +89,8 @@ ANCHORS: tuple[bytes, ...] = (
     b"memory for KV Cache",
     b"GiB for KV cache",
     b"Graph capturing finished",
+    b"Capturing CUDA graphs",
+    b"Estimated CUDA graph memory",
     b"Chunked prefill is enabled",
     b"Encoder cache will be initialized",
     b"on startup is less than desired",
@@ -139,6 +143,10 @@ _KILLED = re.compile(r"Failed core proc\(s\): \{[^}]*: -(\d+)\}")  # -9: the OOM
 _NEW_REQUESTS = "scheduled_new_reqs=[NewRequestData("  # the dumped step was a prefill
 
 _UNIT_BYTES = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_SIZE = r"(" + _NUM + r") ?(GiB|MiB|KiB|B)"
+_GRAPH_POOLS = re.compile(_SIZE + r" allocated in private pools")
+_CAPACITY = re.compile(r"total capacity of (" + _NUM + r") ?GiB")
+_CAPTURE_BAR = re.compile(r"Capturing CUDA graphs \(([^)]{1,40})\):[^|]*\|[^|]*\|\s*(\d+)/(\d+)")
 T = TypeVar("T")
 
 
@@ -287,6 +295,20 @@ def _concurrency(text: str) -> MaxConcurrency | None:
     return MaxConcurrency(_int(found.group(1)), _float(found.group(2))) if found else None
 
 
+def _bytes(figure: str, unit: str) -> int:
+    return int(_float(figure) * _UNIT_BYTES[unit])
+
+
+def _opt_size(found: re.Match[str] | None) -> int | None:
+    return _bytes(found[1], found[2]) if found else None
+
+
+def _capture_bar(text: str) -> GraphCapture:
+    """The last state of a capture pass's progress bar (tqdm rewrites it on one line)."""
+    *_, last = _CAPTURE_BAR.finditer(text)
+    return GraphCapture(last[1], _int(last[2]), _int(last[3]))
+
+
 def _opt(found: re.Match[str] | None, read: Callable[[str], T]) -> T | None:
     return read(found.group(1)) if found else None
 
@@ -303,8 +325,10 @@ _TABLE: tuple[tuple[str, Callable[[re.Match[str]], LogEvent | None]], ...] = (
     (r"Memory not enough: (?:current free memory size|alloc size)\[(\d+)\]"
      r" is smaller than required size\[(\d+)\]",
      lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=_int(m[2]))),
-    (r"(?:NPU|CUDA|XPU|HPU) out of memory\. Tried to allocate (" + _NUM + r") ?(GiB|MiB|KiB|B)",
-     lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=int(_float(m[1]) * _UNIT_BYTES[m[2]]))),
+    (r"(?:NPU|CUDA|XPU|HPU) out of memory\. Tried to allocate " + _SIZE,
+     lambda m: OomEvent(_DEVICE_OOM, m[0], alloc_bytes=_bytes(m[1], m[2]),
+                        graph_pool_bytes=_opt_size(_GRAPH_POOLS.search(m.string)),
+                        capacity_gib=_opt(_CAPACITY.search(m.string), _float))),
     (r"you tried to allocate (\d+) bytes",  # vLLM on CPU: DefaultCPUAllocator
      lambda m: OomEvent(_DEVICE_OOM, _from(m.string, "DefaultCPUAllocator", m[0]),
                         alloc_bytes=_int(m[1]))),
@@ -350,6 +374,8 @@ _TABLE: tuple[tuple[str, Callable[[re.Match[str]], LogEvent | None]], ...] = (
                         _opt(_CPU_NON_KV.search(m.string), _float))),
     (r"Graph capturing finished in \d+ secs?, took (" + _NUM + r") ?GiB",
      lambda m: GraphsCaptured(_float(m[1]))),
+    (_CAPTURE_BAR.pattern, lambda m: _capture_bar(m.string)),
+    (r"Estimated CUDA graph memory: (" + _NUM + r") ?GiB", lambda m: GraphsEstimated(_float(m[1]))),
     (r"Chunked prefill is enabled.*?max_num_batched_tokens=(\d+)",
      lambda m: ChunkedPrefill(_int(m[1]))),
     (r"Encoder cache will be initialized with a budget of (\d+) tokens, and "

@@ -11,6 +11,10 @@ from pretuner.logscan.files import Unreadable
 from pretuner.logscan.v1 import V1Log
 
 MAX_EXAMPLES = 100  # OOM, truncated-dump and ignored-prompt records kept; the rest are counted
+# A scan's figures of the card and the engine, and which of several reports decides: the
+# largest card and weights, the least KV (the rank or node that runs out first).
+ENGINE_FIGURES = (("card_mib", max), ("kv_cache_tokens", min), ("available_kv_gib", min),
+                  ("max_concurrency", min), ("weights_gib", max), ("kv_blocks", min))
 
 
 class OomPhase(str, Enum):
@@ -170,12 +174,7 @@ class ScanResult:
             "bytes_scanned": self.bytes_scanned,
         }
         optional = {
-            "card_mib": self.card_mib,
-            "kv_cache_tokens": self.kv_cache_tokens,
-            "available_kv_gib": self.available_kv_gib,
-            "max_concurrency": self.max_concurrency,
-            "weights_gib": self.weights_gib,
-            "kv_blocks": self.kv_blocks,
+            **{name: getattr(self, name) for name, _ in ENGINE_FIGURES},
             "prompts_ignored": (
                 [{"prompt_tokens": p.prompt_tokens, "limit": p.limit} for p in self.prompts_ignored]
                 or None

@@ -13,7 +13,6 @@ and at most two segments per worker are in flight.
 from __future__ import annotations
 
 import gzip
-import logging
 import mmap
 import os
 import struct
@@ -31,8 +30,6 @@ from pretuner.logscan.search import find_anchor_lines, hit_bytes
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
-
-log = logging.getLogger(__name__)
 
 WINDOW_BYTES = 16 * 2**20  # bytes mapped at a time: bounds the resident set
 BATCH_BYTES = 2 * 2**20  # of a window searched at a time: bounds the hit lines held
@@ -133,11 +130,17 @@ def _window_batches(
         b = last
         if last - a > BATCH_BYTES:
             b = window.find(b"\n", a + BATCH_BYTES, last) + 1 or last
-        hits, count = find_anchor_lines(window, a, b)
-        base = progress.newlines
-        progress.newlines += count
-        yield [(base + before, hit_bytes(window, x, y, hit)) for x, y, hit, before in hits]
+        yield _hits(window, a, b, progress)
         a = b
+
+
+def _hits(buf: bytes | bytearray | mmap.mmap, start: int, end: int,
+          progress: _Progress) -> list[tuple[int, bytes]]:
+    """The hit lines of buf[start:end], numbered on from the lines `progress` counted."""
+    hits, count = find_anchor_lines(buf, start, end)
+    base = progress.newlines
+    progress.newlines += count
+    return [(base + before, hit_bytes(buf, a, b, hit)) for a, b, hit, before in hits]
 
 
 def _gzip_batches(path: str, progress: _Progress) -> Iterator[list[tuple[int, bytes]]]:
@@ -155,19 +158,12 @@ def _gzip_batches(path: str, progress: _Progress) -> Iterator[list[tuple[int, by
                     # A line longer than four batches is cut rather than held.
                     cut = last if last else len(buf) if len(buf) >= 4 * batch else 0
                     if cut:
-                        yield _flush(buf, cut, progress)
+                        yield _hits(buf, 0, cut, progress)
+                        del buf[:cut]
     except (OSError, EOFError, zlib.error) as err:
         progress.error = f"decompression stopped after {progress.bytes_read:,} bytes: {err}"
     if buf:
-        yield _flush(buf, len(buf), progress)
-
-
-def _flush(buf: bytearray, last: int, progress: _Progress) -> list[tuple[int, bytes]]:
-    hits, count = find_anchor_lines(buf, 0, last)
-    found = [(progress.newlines + before, hit_bytes(buf, a, b, hit)) for a, b, hit, before in hits]
-    progress.newlines += count
-    del buf[:last]
-    return found
+        yield _hits(buf, 0, len(buf), progress)
 
 
 def _scan_job(job: _Job, spool_dir: str) -> _SegmentHits:

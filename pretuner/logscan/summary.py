@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any
 
 from pretuner.logscan.events import (
     AvailableKvMemory,
@@ -36,6 +36,7 @@ from pretuner.logscan.files import Unreadable
 from pretuner.logscan.pooldump import PartialPoolDump, PoolDump, PoolDumpHeader, PoolFormat
 from pretuner.logscan.ranks import RankAcc
 from pretuner.logscan.result import (
+    ENGINE_FIGURES,
     MAX_EXAMPLES,
     OomPhase,
     OomRecord,
@@ -46,12 +47,15 @@ from pretuner.logscan.result import (
 from pretuner.logscan.scanner import FileDone, FileStart, ScanItem
 from pretuner.logscan.v1 import V1Log
 
-N = TypeVar("N", int, float)
-
-
-def _least(value: N, least: N | None) -> N:
-    return value if least is None else min(value, least)
-
+# The events that carry one of the scan's engine figures (`result.ENGINE_FIGURES`), and its value.
+_FIGURES: dict[type, Callable[[Any], tuple[str, Any]]] = {
+    ModelLoaded: lambda e: ("weights_gib", e.weights_gib),
+    AvailableKvMemory: lambda e: ("available_kv_gib", e.gib),
+    KvReserved: lambda e: ("available_kv_gib", e.gib),
+    MaxConcurrency: lambda e: ("max_concurrency", e.concurrency),
+    BlockCounts: lambda e: ("kv_blocks", e.device_blocks),
+}
+_DECIDES = dict(ENGINE_FIGURES)
 
 MAX_OOM_KEYS = 4096  # OOM reports remembered per file to drop their echoes (most recent kept)
 
@@ -92,11 +96,7 @@ class Summariser:
         self.ignored_omitted = 0
         self.truncated: list[TruncatedRecord] = []
         self.truncated_omitted = 0
-        # The vLLM figures: the smallest of each (the rank that decides), the largest weights.
-        self.kv_gib: float | None = None
-        self.concurrency: float | None = None
-        self.kv_blocks: int | None = None
-        self.weights_gib: float | None = None
+        self.figures: dict[str, Any] = {}  # of _FIGURES, the one that decides (ENGINE_FIGURES)
         self.init_free: list[int] = []
         self.v1 = V1Log()
         self._file: _FileState | None = None
@@ -125,18 +125,14 @@ class Summariser:
             self.pid_rank.setdefault(ev.pid, ev.rank)
         event = ev.event
         self.v1 = self.v1.add(event)
+        if (figure := _FIGURES.get(type(event))) is not None:
+            name, value = figure(event)
+            held = self.figures.get(name)
+            self.figures[name] = value if held is None else _DECIDES[name](held, value)
         if isinstance(event, LoadingStarted):
             state.loading = True
         elif isinstance(event, ModelLoaded):
             state.loaded = True
-            if self.weights_gib is None or event.weights_gib > self.weights_gib:
-                self.weights_gib = event.weights_gib
-        elif isinstance(event, AvailableKvMemory | KvReserved):
-            self.kv_gib = _least(event.gib, self.kv_gib)
-        elif isinstance(event, MaxConcurrency):
-            self.concurrency = _least(event.concurrency, self.concurrency)
-        elif isinstance(event, BlockCounts):
-            self.kv_blocks = _least(event.device_blocks, self.kv_blocks)
         elif isinstance(event, PromptIgnored):
             if len(self.ignored) < MAX_EXAMPLES:
                 self.ignored.append(event)
@@ -264,17 +260,14 @@ class Summariser:
                 accs[final] = dataclasses.replace(acc, rank=rank, pids=set(acc.pids))
         ranks = tuple(sorted((a.freeze() for a in accs.values()),
                              key=lambda r: (r.rank is None, r.rank or 0, r.pid or 0, r.file)))
-        cards = [r.card_mib for r in ranks if r.card_mib]
+        figures = {name: self.figures.get(name) for name in _DECIDES}
+        figures["card_mib"] = max((r.card_mib for r in ranks if r.card_mib), default=None)
+        figures["kv_cache_tokens"] = self.v1.kv_tokens  # the smallest, as the V1 fold keeps it
         return ScanResult(
             files=tuple(self.files),
             ranks=ranks,
             oom=tuple(dataclasses.replace(o, rank=self._rank(o.rank, o.pid)) for o in self.oom),
-            card_mib=max(cards) if cards else None,
-            kv_cache_tokens=self.v1.kv_tokens,  # the smallest, as the V1 fold keeps it
-            available_kv_gib=self.kv_gib,
-            max_concurrency=self.concurrency,
-            weights_gib=self.weights_gib,
-            kv_blocks=self.kv_blocks,
+            **figures,
             unreadable=tuple(unreadable) + tuple(self.errors),
             lines_scanned=self.lines,
             bytes_scanned=self.bytes_read,

@@ -19,7 +19,9 @@ from pretuner.logscan.events import (
     EngineArgs,
     EngineDied,
     EngineStartFailed,
+    GraphCapture,
     GraphsCaptured,
+    GraphsEstimated,
     KvCacheSize,
     KvPinned,
     LogEvent,
@@ -52,6 +54,10 @@ class V1Log:
     kv_tokens: int | None = None
     max_concurrency: float | None = None
     graphs_gib: float | None = None  # CUDA graph capture, after the KV cache was allocated
+    graphs_estimated_gib: float | None = None  # the engine's estimate of that capture
+    graph_capture: tuple[tuple[str, int, int], ...] = ()  # (mode, done, of) per capture pass
+    graph_pool_bytes: int | None = None  # in CUDA graph pools when the first OOM struck
+    capacity_gib: float | None = None  # the device's total, as the first OOM said it
     max_num_batched_tokens: int | None = None
     encoder_budget_tokens: int | None = None  # a vision-language model's encoder cache
     encoder_profiled_items: int | None = None  # dummy items of the largest size it profiled
@@ -123,6 +129,11 @@ class V1Log:
                                max_model_len=_or(self.max_model_len, e.tokens_per_request))
             case GraphsCaptured():
                 return replace(self, graphs_gib=_or(self.graphs_gib, e.gib))
+            case GraphsEstimated():
+                return replace(self, graphs_estimated_gib=_or(self.graphs_estimated_gib, e.gib))
+            case GraphCapture():
+                passes = tuple(p for p in self.graph_capture if p[0] != e.mode)
+                return replace(self, graph_capture=(*passes, (e.mode, e.done, e.total)))
             case ChunkedPrefill():
                 return replace(self, max_num_batched_tokens=_or(self.max_num_batched_tokens,
                                                                 e.max_num_batched_tokens))
@@ -160,5 +171,7 @@ class V1Log:
         if e.kind is OomKind.MAX_MODEL_LEN_TOO_LARGE:
             return replace(self, oom_text=text, estimated_max_len=_or(
                 self.estimated_max_len, e.estimated_max_model_len))
-        return replace(self, oom_text=text, oom_alloc_bytes=_or(self.oom_alloc_bytes,
-                                                                 e.alloc_bytes))
+        return replace(self, oom_text=text,
+                       oom_alloc_bytes=_or(self.oom_alloc_bytes, e.alloc_bytes),
+                       graph_pool_bytes=_or(self.graph_pool_bytes, e.graph_pool_bytes),
+                       capacity_gib=_or(self.capacity_gib, e.capacity_gib))

@@ -1,8 +1,8 @@
 """Zero-launch prediction: weights, activations and KV per card, and the parallel layout.
 
 Everything here is *predicted* from the model spec; a pre-run replaces the activation guess
-with a measurement. The activation heuristic is deliberately simple and documented in README
-("plan's activation estimate").
+with a measurement. The activation heuristic is deliberately simple and documented in
+docs/benchmarks.md ("`plan` against MindSpore's measurements").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import difflib
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from functools import cache
@@ -124,11 +124,7 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
         preset = Preset(**(data | kinds))
     except (KeyError, TypeError, ValueError) as err:
         raise BadInputError(f"{origin}: invalid preset: {err}") from None
-    if not _NAME.match(preset.name):
-        raise BadInputError(
-            f"{origin}: preset name {preset.name!r} is invalid",
-            hint="use lower-case letters, digits, dots and dashes",
-        )
+    check_name(preset.name, origin)
     pinned = preset.kv_basis is KvBasis.PINNED
     for key in _PINNED_FLAGS if pinned else _R01_FLAGS:
         if key not in preset.flags:
@@ -142,6 +138,14 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
             hint=f"kv_basis is {preset.kv_basis.value!r}",
         )
     return preset
+
+
+def check_name(name: str, origin: str) -> str:
+    """`name` when it can name a preset: a file name in the presets folder and a shell word."""
+    if not _NAME.match(name):
+        raise BadInputError(f"{origin}: preset name {name!r} is invalid",
+                            hint="use lower-case letters, digits, dots and dashes")
+    return name
 
 
 def _check_pinned_fields(p: Preset, origin: str) -> None:
@@ -195,13 +199,12 @@ def builtin_presets() -> tuple[Preset, ...]:
     return tuple(sorted(found, key=lambda p: p.name))
 
 
-def user_presets_dir(env: Mapping[str, str] | None = None) -> Path:
+def user_presets_dir() -> Path:
     """Where `presets add` keeps a user's presets: $PRETUNER_PRESETS_DIR, else
     $XDG_DATA_HOME/pretuner/presets (~/.local/share/pretuner/presets); never the package."""
-    env = os.environ if env is None else env
-    if env.get("PRETUNER_PRESETS_DIR"):
-        return Path(env["PRETUNER_PRESETS_DIR"])
-    base = env.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    if os.environ.get("PRETUNER_PRESETS_DIR"):
+        return Path(os.environ["PRETUNER_PRESETS_DIR"])
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "pretuner" / "presets"
 
 
@@ -231,19 +234,13 @@ def resolve_preset(name_or_path: str) -> Preset:
     return get_preset(name_or_path)
 
 
-def find_preset(
-    model: str, card_gib: int, tp: int, presets: tuple[Preset, ...] | None = None
-) -> Preset | None:
+def find_preset(model: str, card_gib: int, tp: int) -> Preset | None:
     """The preset for this model, card size and TP (in PresetKind's order: measured first)."""
     try:
         name = resolve(model).name
     except BadInputError:
         name = model
-    hits = [
-        p
-        for p in (all_presets() if presets is None else presets)
-        if p.model == name and p.card_gib == card_gib and p.tp == tp
-    ]
+    hits = [p for p in all_presets() if p.model == name and p.card_gib == card_gib and p.tp == tp]
     return min(hits, key=lambda p: (list(PresetKind).index(p.kind), p.name)) if hits else None
 
 
@@ -326,12 +323,16 @@ def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) ->
     own = _r01_fields(rep, d) if isinstance(d, R01Derivation) else _pinned_fields(rep, d)
     engine = "" if r01 else f"-{rep.engine}"
     default = f"{rep.model}-tp{rep.tp}-{rep.card_gib}g{engine}-{kind.value}-{rep.run_id}"
+    notes = ["validated under full load" if rep.validated else "NOT validated"]
+    if rep.simulated and not r01:
+        notes.append("figures simulated on the emulated card; the server command is the "
+                     f"real {rep.engine}'s with the run's flags")
     return Preset(
         name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
         kind=kind, model=rep.model, card_gib=rep.card_gib, tp=rep.tp, pp=rep.pp,
         nodes=rep.nodes, weights_format=rep.weights_format, kv_cache_dtype=rep.kv_cache_dtype,
         env=dict(rep.final.env), kv_bytes_per_token=rep.kv_bytes_per_token,
-        kv_tokens=rep.final.kv_tokens or 0, date=date,
+        kv_tokens=rep.final.kv_tokens or 0, date=date, notes="; ".join(notes),
         source=f"pretuner {rep.pretuner_version} run {rep.run_id} "
         f"({'emulated card' if rep.simulated else rep.engine})",
         run_id=rep.run_id, kv_basis=KvBasis.MODEL_USE if r01 else KvBasis.PINNED, **own,
@@ -356,7 +357,6 @@ def _r01_fields(rep: RunReport, d: R01Derivation) -> dict[str, Any]:
         "engine": "emulated vllm-mindspore" if rep.simulated else "vllm-mindspore",
         "engine_version": "0.1", "flags": numeric_flags(rep.final.flags),
         "kv_gib": round(model_use_budget_bytes(rep.card_gib, d.util, model_use) / GIB, 2),
-        "notes": "validated under full load" if rep.validated else "NOT validated",
         "figures": {"actual_peak_mib": d.actual_peak_mib, "kv_prerun_gib": d.kv_prerun_gib,
                     "weights_act_gib": d.weights_act_gib, "headroom_gib": d.headroom_gib},
     }
@@ -428,17 +428,11 @@ def _pinned_fields(rep: RunReport, d: PinnedDerivation) -> dict[str, Any]:
     }
     if "gpu-memory-utilization" in given:
         flags["gpu_memory_utilization"] = float(given["gpu-memory-utilization"])
-    notes = ["validated under full load" if rep.validated else "NOT validated"]
-    if rep.simulated:
-        notes.append(
-            "figures simulated on the emulated card; the server command is the "
-            f"real {engine}'s with the run's flags"
-        )
     return {
         "model_path": model_path, "cards_per_node": rep.tp * rep.pp // rep.nodes,
         "engine": engine, "engine_version": rep.engine_version, "flags": flags,
         "kv_gib": round(d.kv_cache_memory_bytes / GIB, 2),
-        "notes": "; ".join(notes), "figures": _figures(d),
+        "figures": _figures(d),
         "kv_cache_memory_bytes": d.kv_cache_memory_bytes, "server_command": server_command,
         "server_flags": list(f.flags),
     }

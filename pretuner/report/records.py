@@ -368,26 +368,28 @@ def report_of(data: Any) -> AnyReport:
         raise ValueError("report.json is not a JSON object")
     if data.get("schema_version", 1) < 2:
         data = upgrade(data)
-    if "error" in data:
-        return FailureReport.model_validate(data)
-    return RunReport.model_validate(data)
+    return (FailureReport if "error" in data else RunReport).model_validate(data)
 
 
 # -- the words every reader of a record says the same way ----------------------------------------
 
 
+# What a run's --card counts, by method: r0.1's is the card's GiB (ASCEND_TOTAL_MEMORY_GB, with
+# where it came from), a V1 engine's the device's GB.
+CARD_WORDS: dict[Method, str] = {"r0.1": "GiB card(s) ({source})", "v1-pinned-kv": "GB device(s)"}
+
+
 def device_words(rep: AnyReport) -> str:
-    """The devices as the run knew them: a real device's total as its reader measured it; a V1
-    engine's --card is the device's GB, r0.1's the card's GiB (ASCEND_TOTAL_MEMORY_GB)."""
+    """The devices as the run knew them: a real device's total as its reader measured it, else
+    --card in its method's unit (`CARD_WORDS`)."""
+    method = rep.method if isinstance(rep, FailureReport) else rep.derivation.method
     d = rep.derivation if isinstance(rep, RunReport) else None
-    if isinstance(d, R01Derivation) or (isinstance(rep, FailureReport) and rep.method == "r0.1"):
-        return f"{rep.card_gib} GiB card(s) ({rep.card_source})"
-    if rep.device_kind == "cpu":
+    if method == "v1-pinned-kv" and rep.device_kind == "cpu":
         return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
                 "vLLM on CPU has no device)")
     if not rep.simulated and isinstance(d, PinnedDerivation) and d.budget is not None:
         return f"{d.budget.device_total_mib:,} MiB device(s) (measured)"
-    return f"{rep.card_gib} GB device(s)"
+    return f"{rep.card_gib} {CARD_WORDS[method].format(source=rep.card_source)}"
 
 
 def kv_words(rep: RunReport) -> str:

@@ -55,6 +55,7 @@ class LaunchContext:
     stop_grace_s: float = 120.0
     decode_tokens: int = 16
     seed: int = 0
+    vocab_size: int | None = None  # the model's: probe prompts' token ids stay within it
     collector: CollectorFactory | None = None  # where logs are read; default: this machine
     device_reader: DeviceReader | None = None  # samples the card during launches; None: logs only
     # V1 engines exercise and judge their launches their own way (no pool dump: the device
@@ -196,7 +197,8 @@ def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) ->
     count, plen, gen = workload(s, ctx.decode_tokens)
     phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
     return tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
-                            ctx.request_timeout_s, on_done=requests_status(phase)).outcomes, plen)
+                            ctx.request_timeout_s, ctx.vocab_size,
+                            on_done=requests_status(phase)).outcomes, plen)
 
 
 def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:

@@ -19,6 +19,7 @@ from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.errors import NotValidatedError
 from pretuner.launch.images import ImageShape
+from pretuner.models.spec import ModelSpec
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import LaunchContext, Phase
@@ -113,15 +114,16 @@ class Setup(Generic[C]):
     vision: Vision = Vision(None, Soak(), (), False)  # a V1 vision-language model's images
 
 
-def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: str, served: str,
-                   reader: DeviceReader | None, *, decode_tokens: int = 16,
+def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: str,
+                   spec: ModelSpec, reader: DeviceReader | None, *, decode_tokens: int = 16,
                    hooks: V1Hooks | None = None) -> LaunchContext:
-    """What every launch of a run shares, from its options and its engine."""
+    """What every launch of a run shares, from its options, its model and its engine."""
 
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return engine.command(settings, Target(model_arg, served, opts.host, port))
+        return engine.command(settings, Target(model_arg, spec.name, opts.host, port))
 
     return LaunchContext(
-        build=build, served_name=served, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
+        build=build, served_name=spec.name, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
         request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
-        decode_tokens=decode_tokens, device_reader=reader, hooks=hooks)
+        decode_tokens=decode_tokens, device_reader=reader, hooks=hooks,
+        vocab_size=spec.vocab_size)

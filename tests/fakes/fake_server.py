@@ -11,6 +11,9 @@ answers `/health`, `/v1/models` and `/v1/completions` (with `usage`) and prints 
 line at SIGTERM; `pretuner run --serve-cmd` drives it (unknown flags are ignored):
   die-on-probe  exit 7 on the first completion request, no answer, no OOM line
   http-500      answer every completion with HTTP 500 and no OOM line
+  vocab         a vocabulary of FAKE_SERVER_VOCAB (default 4096) ids: a prompt with an id beyond
+                it gets vLLM's HTTP 400 "Token id N is out of vocabulary"; the log names the
+                lowest and highest id of every prompt
   hang          accept connections and never answer (not even /health)
   ignore-term   serve normally, ignore SIGTERM (must be killed after the grace period)
   garbage       serve normally, with non-UTF-8 bytes in its log (stdout)
@@ -37,7 +40,7 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
-FAULTS = ("die-on-probe", "http-500", "hang", "ignore-term", "garbage", "busy")
+FAULTS = ("die-on-probe", "http-500", "hang", "ignore-term", "garbage", "busy", "vocab")
 GARBAGE = b"\xff\xfe garbage \xc3\x28 \x80\x81 not utf-8 \xed\xa0\x80\n"
 
 
@@ -80,6 +83,14 @@ class Health(http.server.BaseHTTPRequestHandler):
             sys.stdout.flush()
         prompt = body.get("prompt")
         tokens = len(prompt) if isinstance(prompt, list) else 1
+        if self.fault == "vocab" and isinstance(prompt, list) and prompt:
+            vocab = int(os.environ.get("FAKE_SERVER_VOCAB", "4096"))
+            say(f"prompt token ids {min(prompt)}-{max(prompt)}")
+            if max(prompt) >= vocab:  # vLLM 0.10+'s shape and wording
+                self._send(400, {"error": {
+                    "message": f"Token id {max(prompt)} is out of vocabulary",
+                    "type": "BadRequestError", "param": None, "code": 400}})
+                return
         gen = int(body.get("max_tokens") or 1)
         self._send(200, {
             "object": "text_completion",

@@ -1,16 +1,13 @@
 """report.html: one self-contained page (inline CSS and SVG, no script, no URL) built from a run
-folder's files only: its record (report.json), the journal's decisions and each launch's
-`memory.tsv`. `read_run` is the only file access."""
+folder's files only: its record (report.json) and each launch's `memory.tsv`."""
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
@@ -36,67 +33,24 @@ _LAUNCH_DIR = re.compile(r"^launch-(\d+)$")  # not `launch-3.interrupted-1`: a d
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
-    name: str
-    text: str
+class LaunchView:
+    n: int
+    title: str
+    chart: Chart | None
 
 
-@dataclass(frozen=True, slots=True)
-class RunFiles:
-    """What the page shows: report.json, the journal's decisions, each launch's memory.tsv."""
-
-    folder: Path
-    report: AnyReport
-    decisions: tuple[Decision, ...]
-    memory: tuple[LaunchMemory, ...]
-
-
-def decisions_of(journal_lines: list[str], report: AnyReport) -> tuple[Decision, ...]:
-    """The journal's decisions in order; the report's own list when the journal has none."""
-    found: list[dict[str, Any]] = []
-    for line in journal_lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(event, dict) and event.get("event") == "decision":
-            found.append(event)
-    return tuple(Decision(str(d.get("decision", "?")), decision_text(d))
-                 for d in found or report.decisions)
-
-
-def read_run(folder: Path) -> RunFiles:
-    """Read a run folder (raises BadInputError when it has no readable report.json)."""
-    folder = Path(folder)
-    report = read_report(folder)
-    try:
-        journal = (folder / "journal.jsonl").read_text("utf-8").splitlines()
-    except OSError:
-        journal = []
+def launch_memory(folder: Path) -> tuple[LaunchMemory, ...]:
+    """Each launch's memory.tsv, in launch order."""
     launches = sorted(
         (int(m.group(1)), d)
         for d in folder.iterdir()
         if d.is_dir() and (m := _LAUNCH_DIR.match(d.name)) is not None
     )
-    memory = tuple(
+    return tuple(
         parse_memory_tsv(n, (d / "memory.tsv").read_text("utf-8"))
         for n, d in launches
         if (d / "memory.tsv").is_file()
     )
-    return RunFiles(folder, report, decisions_of(journal, report), memory)
-
-
-@dataclass(frozen=True, slots=True)
-class Fact:
-    label: str
-    value: str
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchView:
-    n: int
-    title: str
-    chart: Chart | None
 
 
 def _step(rep: AnyReport, n: int) -> Step | None:
@@ -133,7 +87,7 @@ class Page:
     validated: bool
     error: str | None
     hint: str | None
-    facts: tuple[Fact, ...]
+    facts: tuple[tuple[str, str], ...]  # (label, value)
     asked: str | None
     given_up: tuple[str, ...]
     bar: Bar | None
@@ -141,36 +95,39 @@ class Page:
     total_label: str
     overrun: str | None
     launches: tuple[LaunchView, ...]
-    decisions: tuple[Decision, ...]
+    # (decision, text): the record's, as report.md lists them; not the journal's, where a resumed
+    # run has its interrupted attempt's decisions twice
+    decisions: tuple[tuple[str, str], ...]
 
 
-def page_of(files: RunFiles) -> Page:
-    """Everything the template shows, computed from the run's files."""
-    rep = files.report
+def page_of(folder: Path) -> Page:
+    """Everything the template shows, from the run folder's files only (raises BadInputError
+    when it has no readable report.json)."""
+    rep = read_report(folder)
     done = rep if isinstance(rep, RunReport) else None  # a failed run has no configuration
     failed = rep if isinstance(rep, FailureReport) else None
     version = f" {rep.engine_version}" if rep.engine_version else ""
-    facts = [Fact("engine", f"{rep.engine}{version} ({rep.engine_reason})"),
-             Fact("card", device_words(rep))]
+    facts = [("engine", f"{rep.engine}{version} ({rep.engine_reason})"),
+             ("card", device_words(rep))]
     if done is not None:
-        facts.append(Fact("KV cache per card", kv_words(done)))
-    facts.append(Fact("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
+        facts.append(("KV cache per card", kv_words(done)))
+    facts.append(("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
     asked = None
     if done is not None:
-        facts.append(Fact("shape", f"max_model_len {done.final.max_model_len:,}, "
-                          f"max-num-seqs {done.final.max_num_seqs}"))
+        facts.append(("shape", f"max_model_len {done.final.max_model_len:,}, "
+                      f"max-num-seqs {done.final.max_num_seqs}"))
         seqs = done.asked.max_num_seqs
         asked = (f"asked: max_model_len {done.asked.max_model_len:,}, max-num-seqs "
                  + ("as many as fit" if seqs is None else f"{seqs:,}"))
     b = breakdown(rep)
     launches = []
-    for m in files.memory:
+    for m in launch_memory(folder):
         step = _step(rep, m.n)
         title = f"launch {m.n}" + ("" if step is None else
                                    f": {step.purpose}, outcome {step.outcome}")
         launches.append(LaunchView(m.n, title, chart(m, launch_caps(rep, m))))
     return Page(
-        run=rep.run_id or files.folder.name,
+        run=rep.run_id or folder.name,
         title=f"{rep.model}, {rep.launches:,} launch(es)",
         simulated=rep.simulated,
         validated=rep.validated,
@@ -186,7 +143,7 @@ def page_of(files: RunFiles) -> Page:
         overrun=(f"the parts exceed the card by {b.overrun_mib:,.0f} MiB"
                  if b is not None and b.overrun_mib > 0 else None),
         launches=tuple(launches),
-        decisions=files.decisions,
+        decisions=tuple((str(d.get("decision", "?")), decision_text(d)) for d in rep.decisions),
     )
 
 
@@ -202,7 +159,7 @@ def _env() -> jinja2.Environment:
 
 def render_html(run_dir: Path) -> str:
     """The page for the run in `run_dir`, from its files only."""
-    return _env().get_template("report.html.j2").render(page=page_of(read_run(Path(run_dir))))
+    return _env().get_template("report.html.j2").render(page=page_of(Path(run_dir)))
 
 
 def refresh_run_page(run_dir: Path) -> Path | None:

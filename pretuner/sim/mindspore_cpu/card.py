@@ -13,8 +13,8 @@ import resource
 import threading
 from pathlib import Path
 
-GIB = 1 << 30
-MIB = 1 << 20
+from pretuner.units import MIB
+
 HOST_ALLOWANCE_BYTES = 512 * MIB  # below the pool's 1 GiB growth unit, on purpose
 _M_ARENA_MAX = -8  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3

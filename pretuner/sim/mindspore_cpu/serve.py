@@ -16,10 +16,12 @@ from pretuner.sim import memory as mem
 from pretuner.sim.argv import Refused, serve_main
 from pretuner.sim.engine import Engine
 from pretuner.sim.mindspore_cpu import card
+from pretuner.sim.mindspore_cpu.dims import Dims
 from pretuner.sim.r01_checks import int_env, verify_vllm_config
 from pretuner.sim.r01_config import VLLM_VERSION, build_parser, parse
 from pretuner.sim.scheduler import SchedulerLimits
 from pretuner.sim.serve import Server as R01Server
+from pretuner.units import GIB
 
 POOL_GROWTH = "1GB"
 _WHERE = ('  File "pretuner/sim/mindspore_cpu/serve.py", in start\n')
@@ -61,7 +63,6 @@ class Server(R01Server):
         import mindspore as ms  # late: `--help` and usage errors do not pay for the import
         from mindspore import ops
 
-        from pretuner.sim.mindspore_cpu.dims import Dims
         from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
 
         ms.set_device("CPU")
@@ -71,15 +72,15 @@ class Server(R01Server):
         # cap gives the common pool (where tensors live) one block of TOTAL x util, as
         # max_device_memory would on a card. The persistent half stays unused and is not
         # counted in the card.
-        ms.runtime.set_memory(init_size=f"{2 * cap_bytes / card.GIB:.3f}GB",
+        ms.runtime.set_memory(init_size=f"{2 * cap_bytes / GIB:.3f}GB",
                               increase_size=POOL_GROWTH)
         ops.add(ops.ones((8, 8), ms.float32), 1.0).asnumpy()  # pool and thread pools now exist
         dims = Dims.of(spec)
         net = TinyLM(dims, seed=cfg.seed)
-        weights_gb = spec.weights_format(None).total_bytes / card.GIB
+        weights_gb = spec.weights_format(None).total_bytes / GIB
         log.info("model_runner.py:1099", f"Loading model weights took {weights_gb:.4f} GB")
 
-        block_bytes = cfg.block_size * dims.layers * dims.slot_elems * 4
+        block_bytes = cfg.block_size * dims.kv_bytes_per_token()
         blocks = mem.r01_kv_blocks(total_gb, cfg.util, model_use, block_bytes)
         self.kv_blocks(blocks, 0, mml, _WHERE)
         net.allocate_cache(blocks, cfg.block_size)

@@ -73,6 +73,7 @@ class Booted:
 
     card: V1Card
     max_model_len: int
+    max_num_seqs: int
     kv_bytes: int
     num_blocks: int
     fixed_bytes: int  # context + weights + persistent + KV + graph pool
@@ -98,30 +99,15 @@ def resolve_model(name: str) -> ModelSpec:
         raise
 
 
-def architecture(spec: ModelSpec) -> str:
-    family = spec.name.split("-")[0].replace(".", "")
-    return spec.extra.get("architecture") or f"{family[:1].upper()}{family[1:]}ForCausalLM"
-
-
 def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def _print_start_failure(log: L.V1Log, err: Refused) -> None:
-    if err.where == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
-        log.raw(L.API, L.api_failure_lines(err.message))
-        return
-    body, raw = L.start_failure_lines(err.where, err.exc_type, err.message)
-    log.block(L.CORE, "ERROR", L.WHERE_START, body)
-    log.raw(L.CORE, raw)
-    log.raw(L.API, L.api_failure_lines())
-
-
 def oom(card_total: int, capacity: int, in_use: int, alloc: Alloc, *, non_torch: int,
-        private: int, unallocated: int, stage: str, gpu: int = 0) -> Refused:
-    free = capacity - in_use
-    text = L.oom_text(gpu=gpu, alloc=alloc.size, total=card_total, free=free, in_use=in_use,
-                      non_torch=non_torch, private=private, unallocated=unallocated)
+        stage: str, private: int = 0, unallocated: int = 0) -> Refused:
+    text = L.oom_text(gpu=0, alloc=alloc.size, total=card_total, free=capacity - in_use,
+                      in_use=in_use, non_torch=non_torch, private=private,
+                      unallocated=unallocated)
     return Refused("torch.OutOfMemoryError", text, stage)
 
 
@@ -160,7 +146,9 @@ def _api_preamble(log: L.V1Log, cfg: V1Config, spec: ModelSpec) -> None:
         log.api("api_utils.py:339", line)
     args = ", ".join(f"{k!r}: {v!r}" for k, v in cfg.non_default)
     log.api("api_utils.py:273", "non-default args: {" + args + "}")
-    log.api("model.py:598", f"Resolved architecture: {architecture(spec)}")
+    family = spec.name.split("-")[0].replace(".", "")
+    arch = spec.extra.get("architecture") or f"{family[:1].upper()}{family[1:]}ForCausalLM"
+    log.api("model.py:598", f"Resolved architecture: {arch}")
 
 
 def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
@@ -183,10 +171,14 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     _api_preamble(log, cfg, spec)
     try:  # the API server's own checks
         mml = check_args(cfg, spec)
-        loaded = _load_plan(cfg, spec, log)
+        loaded = offload.load(spec, cfg.profile, cfg.tp, cfg.quantization, cfg.cpu_offload_gib)
+        warned = offload.swap_warning(cfg.swap_space_gib, cfg.tp,
+                                      offload.host_total_bytes(cfg.profile, cfg.host_mib))
     except Refused as err:
         log.raw(L.API, ["Traceback (most recent call last):", f"{err.exc_type}: {err.message}"])
         return None
+    if warned:
+        log.api("config.py:388", warned, level="WARNING")
     log.api("model.py:1725", f"Using max model len {mml}")
     log.api("scheduler.py:252", "Chunked prefill is enabled with max_num_batched_tokens="
             f"{cfg.max_num_batched_tokens}.")
@@ -194,28 +186,23 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     try:
         return _engine_start(cfg, sink, spec, mml, others_bytes, loaded)
     except Refused as err:
-        _print_start_failure(log, err)
+        if err.where == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
+            log.raw(L.API, L.api_failure_lines(err.message))
+            return None
+        body, raw = L.start_failure_lines(err.where, err.exc_type, err.message)
+        log.block(L.CORE, "ERROR", L.WHERE_START, body)
+        log.raw(L.CORE, raw)
+        log.raw(L.API, L.api_failure_lines())
         return None
-
-
-def _load_plan(cfg: V1Config, spec: ModelSpec, log: L.V1Log) -> offload.Loaded:
-    """The weights as loaded, and vLLM's --swap-space check against the host (API side)."""
-    loaded = offload.load(spec, cfg.profile, cfg.tp, cfg.quantization, cfg.cpu_offload_gib)
-    refused, warned = offload.swap_check(cfg.swap_space_gib, cfg.tp,
-                                         offload.host_total_bytes(cfg.profile, cfg.host_mib))
-    if refused:
-        raise Refused("ValueError", refused)
-    if warned:
-        log.api("config.py:388", warned, level="WARNING")
-    return loaded
 
 
 def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
                   others_bytes: int, loaded: offload.Loaded) -> Booted:
     log, step_s = sink.log, cfg.startup_s / 8
     profile = CUDA_PROFILES[cfg.profile]
-    card = V1Card(spec, offload.card_weights_total(loaded, cfg.tp), perturbed(cfg.sim_seed),
-                  cfg.tp, cfg.kv_cache_dtype, cfg.block_size, cfg.max_num_batched_tokens)
+    on_cards = loaded.total_bytes - loaded.offloaded_bytes * cfg.tp  # all ranks, less offload
+    card = V1Card(spec, on_cards, perturbed(cfg.sim_seed), cfg.tp, cfg.kv_cache_dtype,
+                  cfg.block_size, cfg.max_num_batched_tokens)
     context = profile.context_mib * MIB
     total = profile.torch_total_bytes
     capacity = total - cfg.occupied_mib * MIB - others_bytes
@@ -245,12 +232,12 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         log.core("bitsandbytes_loader.py:725", "Loading weights with BitsAndBytes "
                  "quantization. May take a while ...")
     host_free = offload.host_available_bytes(cfg.profile, cfg.host_mib)
-    if offload.host_needed_bytes(loaded) > host_free:
+    if offload.PROCESS_HOST_MIB * MIB + loaded.offloaded_bytes > host_free:  # the host's OOM
         raise Refused("", "{'EngineCore_DP0': -9}", "killed")
     if context + card.weights_bytes > capacity:
         layer = Alloc("weights", 0, card.weights_bytes // max(1, spec.num_layers))
         raise oom(total, capacity, capacity - layer.size // 2, layer, non_torch=context,
-                  private=0, unallocated=0, stage="load")
+                  stage="load")
     sink.pause(step_s)
     sink.level(context + card.weights_bytes)
     log.core("model_runner.py:302", f"Model loading took {_gib(card.weights_bytes)} GiB and "
@@ -262,7 +249,10 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     # The dummy step of max_num_batched_tokens tokens (the profile run; in util mode its peak
     # is the non-KV figure), after the encoder's dummy images for a vision-language model.
     base = card.base_bytes(context)
-    vision = _vision(cfg, spec, mml)
+    vision = None if spec.vision is None else vision_card(
+        spec.vision, tp=cfg.tp, dtype_bytes=spec.dtype_bytes, seed=cfg.sim_seed,
+        image_limit=cfg.image_limit, max_model_len=mml, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens)
     profile_bytes = card.profile_activation_bytes(cfg.max_num_batched_tokens)
     if vision is not None:
         if vision.budget_tokens:
@@ -272,16 +262,15 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         profile_bytes = vision.profile_bytes(profile_bytes)
     dummy = Alloc("profile", base, profile_bytes)
     if base + dummy.size > capacity:
-        raise oom(total, capacity, base, dummy, non_torch=non_torch, private=0,
-                  unallocated=0, stage="warmup")
+        raise oom(total, capacity, base, dummy, non_torch=non_torch, stage="warmup")
     sink.pause(step_s)
     sink.level(base + dummy.size)
     sink.level(base)
     log.core("monitor.py:81", "Initial profiling/warmup run took "
              f"{0.1 + cfg.max_num_batched_tokens / 16000:.2f} s")
     kv = _kv_budget(cfg, card, log, requested, free, profile_bytes)
-    blocks = check_kv(kv, card, mml)
-    tokens = blocks * cfg.block_size
+    tokens = check_kv(kv, card, mml)
+    blocks = tokens // cfg.block_size
     log.core("kv_cache_utils.py:2146", f"GPU KV cache size: {tokens:,} tokens")
     log.core("kv_cache_utils.py:2147", f"Maximum concurrency for {mml:,} tokens per request: "
              f"{tokens / mml:.2f}x")
@@ -290,7 +279,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         layer = Alloc("kv", base, kv_bytes // spec.num_layers)
         done = (capacity - base) // layer.size
         raise oom(total, capacity, base + done * layer.size, layer, non_torch=non_torch,
-                  private=0, unallocated=0, stage="kv")
+                  stage="kv")
     sink.pause(step_s)
     sink.level(base + kv_bytes)
 
@@ -312,19 +301,10 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     compile_note = "" if cfg.enforce_eager else " (compilation: 6.25 s)"
     log.core("core.py:337", "init engine (profile, create kv cache, warmup model) took "
              f"{cfg.startup_s:.2f} s{compile_note}")
-    return Booted(card, mml, kv_bytes, blocks, fixed, reserved, room, total, capacity,
-                  non_torch, private,
+    return Booted(card, mml, cfg.max_num_seqs, kv_bytes, blocks, fixed, reserved, room, total,
+                  capacity, non_torch, private,
                   offload.clock(spec, cfg.profile, loaded, cfg.tp, cfg.enforce_eager), vision,
                   int(cfg.mm_processor_cache_gib * GIB))
-
-
-def _vision(cfg: V1Config, spec: ModelSpec, mml: int) -> VisionCard | None:
-    if spec.vision is None:
-        return None
-    return vision_card(spec.vision, tp=cfg.tp, dtype_bytes=spec.dtype_bytes, seed=cfg.sim_seed,
-                       image_limit=cfg.image_limit, max_model_len=mml,
-                       max_num_seqs=cfg.max_num_seqs,
-                       max_num_batched_tokens=cfg.max_num_batched_tokens)
 
 
 def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: int,
@@ -346,12 +326,11 @@ def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: 
 
 
 def check_kv(kv: int, card: V1Card, mml: int) -> int:
-    """vLLM's checks on the KV budget; returns its whole blocks."""
-    blocks = max(0, kv) // card.block_bytes
-    if blocks <= 0:
+    """vLLM's checks on the KV budget; returns its tokens (whole blocks)."""
+    tokens = card.kv_tokens(kv)
+    if tokens <= 0:
         raise Refused("ValueError", "No available memory for the cache blocks. Try "
                       "increasing `gpu_memory_utilization` when initializing the engine.", "config")
-    tokens = blocks * card.block_size
     if mml > tokens:
         need = mml * card.kv_bytes_per_token
         raise Refused("ValueError", f"To serve at least one request with the models's "
@@ -360,7 +339,7 @@ def check_kv(kv: int, card: V1Card, mml: int) -> int:
                       f"available memory, the estimated maximum model length is {tokens}. Try "
                       "increasing `gpu_memory_utilization` or decreasing `max_model_len` when "
                       "initializing the engine.", "config")
-    return blocks
+    return tokens
 
 
 def _capture(cfg: V1Config, sink: Sink, card: V1Card, fixed: int, capacity: int, total: int,
@@ -374,8 +353,7 @@ def _capture(cfg: V1Config, sink: Sink, card: V1Card, fixed: int, capacity: int,
     sink.pause(cfg.startup_s / 8)
     if fixed + g.live_before > capacity:  # the pool and scratch themselves do not fit
         held = Alloc("graph", 0, g.live_before)
-        raise oom(total, capacity, fixed, held, non_torch=non_torch, private=0,
-                  unallocated=0, stage="graph")
+        raise oom(total, capacity, fixed, held, non_torch=non_torch, stage="graph")
     if fixed + g.live_before + g.size > capacity:
         sink.level(fixed + g.live_before)
         log.raw(L.CORE, ["Capturing CUDA graphs (FULL):   2%|▏         | 1/51 "

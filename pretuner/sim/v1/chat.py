@@ -26,12 +26,7 @@ DATA_URL_PREFIX = "data:image/"
 
 
 class ChatError(Exception):
-    """A request vLLM refuses with HTTP 400 (`param` names the field at fault, or None)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+    """A request vLLM refuses with HTTP 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +48,15 @@ def _image(part: dict[str, Any], vision: VisionCard) -> tuple[str, int]:
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str) or not url.startswith(DATA_URL_PREFIX) or ";base64," not in url:
         raise ChatError("Invalid image: the emulated server reads data:image/...;base64 URLs "
-                        "only (it has no network)", "image_url")
+                        "only (it has no network)")
     try:
         data = base64.b64decode(url.partition(";base64,")[2], validate=True)
     except (binascii.Error, ValueError):
-        raise ChatError("Invalid image: the base64 data does not decode", "image_url") from None
+        raise ChatError("Invalid image: the base64 data does not decode") from None
     size = png_size(data)
     if size is None:
         raise ChatError("Failed to load image: cannot identify image file (the emulated "
-                        "server reads PNG headers)", "image_url")
+                        "server reads PNG headers)")
     width, height = size
     return hashlib.sha256(data).hexdigest(), image_tokens(vision.vision, height, width)
 
@@ -70,17 +65,17 @@ def parse_chat(body: dict[str, Any], vision: VisionCard | None) -> ChatPrompt:
     """The prompt a chat request makes; ChatError for what vLLM answers 400."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ChatError("messages must be a non-empty list", "messages")
+        raise ChatError("messages must be a non-empty list")
     pos = 0
     images: list[MMItem] = []
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ChatError("each message must be an object with a role", "messages")
+            raise ChatError("each message must be an object with a role")
         pos += MESSAGE_TOKENS
         content = message.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(parts, list):
-            raise ChatError("content must be a string or a list of parts", "messages")
+            raise ChatError("content must be a string or a list of parts")
         for part in parts:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
@@ -88,15 +83,15 @@ def parse_chat(body: dict[str, Any], vision: VisionCard | None) -> ChatPrompt:
             elif kind == "image_url":
                 if vision is None or vision.image_limit == 0:
                     limit = 0 if vision is None else vision.image_limit
-                    raise ChatError(too_many_images(limit, vision is not None), "image")
+                    raise ChatError(too_many_images(limit, vision is not None))
                 key, tokens = _image(part, vision)
                 images.append(MMItem(pos + 1, tokens, key))
                 pos += tokens + IMAGE_WRAP_TOKENS
             else:
                 raise ChatError(f"unsupported content part type {kind!r} (the emulated server "
-                                "reads text and image_url)", "messages")
+                                "reads text and image_url)")
     if vision is not None and len(images) > vision.image_limit:
-        raise ChatError(too_many_images(vision.image_limit, True), "image")
+        raise ChatError(too_many_images(vision.image_limit, True))
     return ChatPrompt(pos + ASSISTANT_TOKENS, tuple(images))
 
 

@@ -5,26 +5,32 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pretuner.sim.argv import ServerArgs, env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
 from pretuner.sim.memory import DEFAULT_SEED
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE
+from pretuner.sim.v1.offload import HOST_ENV
 
-DEFAULT_STARTUP_S = 1.0
 DEFAULT_BATCHED_TOKENS = 8192
 KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
-ENV = {
-    "profile": "PRETUNER_SIM_PROFILE",
-    "seed": "PRETUNER_SIM_SEED",
-    "startup_s": "PRETUNER_SIM_STARTUP_S",
-    "occupied_mib": "PRETUNER_SIM_OCCUPIED_MIB",
-    "state_dir": "PRETUNER_SIM_STATE_DIR",
-    "host_mib": "PRETUNER_SIM_HOST_MIB",
-    "time_scale": "PRETUNER_SIM_TIME_SCALE",
+KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variable, default)
+    "seed": ("PRETUNER_SIM_SEED", DEFAULT_SEED),
+    "startup_s": ("PRETUNER_SIM_STARTUP_S", 1.0),
+    "occupied_mib": ("PRETUNER_SIM_OCCUPIED_MIB", 0),
+    "host_mib": (HOST_ENV, None),
+    "time_scale": ("PRETUNER_SIM_TIME_SCALE", 1.0),
 }
+ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
+NON_DEFAULT_ORDER = (
+    "host", "port", "model", "max_model_len", "served_model_name", "load_format", "seed",
+    "enforce_eager", "tensor_parallel_size", "quantization", "block_size",
+    "gpu_memory_utilization", "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb",
+    "kv_cache_dtype", "max_num_batched_tokens", "max_num_seqs", "limit_mm_per_prompt",
+    "mm_processor_cache_gb")  # how vLLM orders its `non-default args`
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
@@ -66,17 +72,13 @@ def _mm_limits(args: list[str]) -> tuple[list[str], dict[str, str]]:
     argv: (the rest, modality -> count text)."""
     rest: list[str] = []
     dotted: dict[str, str] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
+    it = iter(args)
+    for arg in it:
         if arg.startswith("--limit-mm-per-prompt."):
             key, eq, value = arg.removeprefix("--limit-mm-per-prompt.").partition("=")
-            if not eq and i + 1 < len(args):
-                value, i = args[i + 1], i + 1
-            dotted[key] = value
+            dotted[key] = value if eq else next(it, "")
         else:
             rest.append(arg)
-        i += 1
     return rest, dotted
 
 
@@ -125,37 +127,20 @@ def _visible(raw: str | None) -> tuple[int, ...] | None:
         raise UsageError(f"CUDA_VISIBLE_DEVICES={raw!r} is not a list of GPU indices") from None
 
 
-def _given(argv: Sequence[str]) -> set[str]:
+def _given(argv: Sequence[str], dests: Iterable[str]) -> set[str]:
     """The options a command line sets explicitly, as argparse dest names."""
-    names = set()
-    for arg in argv:
-        if arg.startswith("--"):
-            names.add(arg[2:].partition("=")[0].replace("-", "_"))
-        elif arg == "-tp":
-            names.add("tensor_parallel_size")
-        elif arg == "-q":
-            names.add("quantization")
-    return names
+    parser, unset = build_parser(), object()
+    parser.set_defaults(**dict.fromkeys(dests, unset))
+    return {k for k, v in vars(parser.parse_known_args(list(argv))[0]).items() if v is not unset}
 
 
 def _non_default(ns: argparse.Namespace, model: str,
                  given: set[str]) -> tuple[tuple[str, object], ...]:
     """vLLM's `non-default args: {...}`: what the command line set, in vLLM's order."""
-    out: list[tuple[str, object]] = []
-    if ns.model_tag:
-        out.append(("model_tag", ns.model_tag))
-    for name in ("host", "port"):
-        if name in given:
-            out.append((name, getattr(ns, name)))
-    out.append(("model", model))
-    for name in ("max_model_len", "served_model_name", "load_format", "seed", "enforce_eager",
-                 "tensor_parallel_size", "quantization", "block_size", "gpu_memory_utilization",
-                 "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb", "kv_cache_dtype",
-                 "max_num_batched_tokens", "max_num_seqs", "limit_mm_per_prompt",
-                 "mm_processor_cache_gb"):
-        if name in given:
-            out.append((name, getattr(ns, name)))
-    return tuple(out)
+    values = {**vars(ns), "model": model}
+    out = [("model_tag", ns.model_tag)] if ns.model_tag else []
+    return tuple(out + [(name, values[name]) for name in NON_DEFAULT_ORDER
+                        if name in given or name == "model"])
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
@@ -168,18 +153,14 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
     if profile not in CUDA_PROFILES:
         raise UsageError(f"{ENV['profile']}={profile!r} is not a CUDA profile; choose one of: "
                          f"{', '.join(CUDA_PROFILES)}")
-    knobs = env_values(env, {"seed": (ENV["seed"], DEFAULT_SEED),
-                             "startup_s": (ENV["startup_s"], DEFAULT_STARTUP_S),
-                             "occupied_mib": (ENV["occupied_mib"], 0),
-                             "host_mib": (ENV["host_mib"], None),
-                             "time_scale": (ENV["time_scale"], 1.0)})
+    knobs = env_values(env, KNOBS)
     host_mib = knobs["host_mib"]
     return V1Config(
         **args, max_num_batched_tokens=ns.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
         kv_cache_dtype=KV_DTYPES[ns.kv_cache_dtype], enforce_eager=ns.enforce_eager,
         load_format=ns.load_format, seed=ns.seed if ns.seed is not None else 0,
-        non_default=_non_default(ns, args["model"], _given(rest)), profile=profile,
+        non_default=_non_default(ns, args["model"], _given(rest, vars(ns))), profile=profile,
         sim_seed=knobs["seed"], startup_s=max(0.0, knobs["startup_s"]),
         occupied_mib=max(0, knobs["occupied_mib"]),
         visible=_visible(env.get("CUDA_VISIBLE_DEVICES")),

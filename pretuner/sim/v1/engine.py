@@ -22,22 +22,19 @@ class StepResult:
     finished: list[Req]
     peak_bytes: int  # process memory at the step's peak
     tokens: int
-    oom: str | None = None  # torch's message when the step died
-    gate_up_width: int = 0
     prefill_tokens: int = 0
-    rows: int = 0  # requests that sampled a token
-    images: int = 0  # images the encoder ran this step
-    sampled: tuple[Req, ...] = ()  # those requests
+    sampled: tuple[Req, ...] = ()  # the requests that sampled a token
 
 
 METRICS_S = 10.0  # vLLM logs its throughput line every 10 s
 
 
 class EngineCore:
-    def __init__(self, booted: Booted, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, booted: Booted, log: L.V1Log) -> None:
         self.b = booted
+        self.log = log
         self.mm = MMState(booted.vision, booted.processor_cache_bytes) if booted.vision else None
-        self.sched = Scheduler(Limits(max_num_seqs, max_num_batched_tokens,
+        self.sched = Scheduler(Limits(booted.max_num_seqs, booted.card.batched_tokens,
                                       booted.card.block_size, booted.num_blocks), self.mm)
         self.reserved = booted.reserved_bytes
         self.dead: str | None = None
@@ -52,14 +49,15 @@ class EngineCore:
     @property
     def held_bytes(self) -> int:
         """What images left on the card: the encoder cache's high-water mark, stranded blocks."""
-        return self.mm.held_bytes if self.mm is not None else 0
+        return self.mm.held_bytes() if self.mm is not None else 0
 
     @property
     def level_bytes(self) -> int:
         return self.b.fixed_bytes + self.held_bytes + self.reserved
 
     def step(self) -> StepResult | None:
-        """One step; None when there is nothing to run."""
+        """One step (a fatal one sets `dead` and prints its lines); None when there is
+        nothing to run."""
         if self.sched.idle or self.dead is not None:
             return None
         plan: Plan = self.sched.plan()
@@ -71,11 +69,10 @@ class EngineCore:
         if self.mm is not None and plan.encode:
             # The encoder runs first, its transient freed before the language model's step;
             # its outputs stay in the encoder cache through that step.
-            held = self.mm.held_after(plan.encode_tokens)
+            held = self.mm.held_bytes(plan.encode_tokens)
             allocs = [Alloc("encoder", 0, self.mm.card.activation_bytes(plan.encode_tokens)),
                       *allocs]
         bad = first_failure(allocs, self.reserved, b.room_bytes - held)
-        width = 2 * b.card.spec.intermediate_size // b.card.tp
         if bad is not None:
             in_use = b.fixed_bytes + held + max(self.reserved, bad.live_before)
             self.dead = L.oom_text(
@@ -83,29 +80,28 @@ class EngineCore:
                 in_use=in_use, non_torch=b.non_torch_bytes, private=b.private_bytes,
                 unallocated=max(0, self.reserved - bad.live_before) + int(0.2 * bad.size)
                 + (self.mm.frag_bytes if self.mm is not None else 0))
-            return StepResult([], in_use, plan.tokens, self.dead, width)
+            self._print_fatal(plan.tokens, 2 * b.card.spec.intermediate_size // b.card.tp)
+            return StepResult([], in_use, plan.tokens)
         peak = max(self.reserved, peak_of(allocs))
         self.reserved = peak
-        prefill, rows, images = plan.prefill_tokens, plan.rows, len(plan.encode)
+        prefill = plan.prefill_tokens
         sampled = tuple(r for r, n in plan.scheduled if r.computed + n >= r.num_tokens)
         finished = self.sched.commit(plan)
-        return StepResult(finished, b.fixed_bytes + held + peak, plan.tokens,
-                          prefill_tokens=prefill, rows=rows, images=images, sampled=sampled)
+        return StepResult(finished, b.fixed_bytes + held + peak, plan.tokens, prefill, sampled)
 
-
-def print_fatal(log: L.V1Log, core: EngineCore, result: StepResult) -> None:
-    """What the real server prints when a step dies: input dump, traceback, dead handler."""
-    sched = core.sched
-    log.core("dump_input.py:72", f"Dumping input data for V1 LLM engine (v{L.VERSION})",
-             level="ERROR")
-    log.core("dump_input.py:79", "Dumping scheduler output for model execution: "
-             f"SchedulerOutput(total_num_scheduled_tokens={result.tokens})", level="ERROR")
-    log.core("dump_input.py:81", f"Dumping scheduler stats: SchedulerStats(num_running_reqs="
-             f"{len(sched.running)}, num_waiting_reqs={len(sched.waiting)}, kv_cache_usage="
-             f"{sched.used_blocks / max(1, sched.limits.num_blocks)})", level="ERROR")
-    log.block(L.CORE, "ERROR", L.WHERE_FATAL,
-              L.fatal_step_lines(result.oom or "", result.gate_up_width))
-    log.block(L.API, "ERROR", "async_llm.py:704", L.dead_handler_lines())
+    def _print_fatal(self, tokens: int, gate_up_width: int) -> None:
+        """What the real server prints when a step dies: input dump, traceback, dead handler."""
+        log, sched = self.log, self.sched
+        log.core("dump_input.py:72", f"Dumping input data for V1 LLM engine (v{L.VERSION})",
+                 level="ERROR")
+        log.core("dump_input.py:79", "Dumping scheduler output for model execution: "
+                 f"SchedulerOutput(total_num_scheduled_tokens={tokens})", level="ERROR")
+        log.core("dump_input.py:81", f"Dumping scheduler stats: SchedulerStats(num_running_reqs="
+                 f"{len(sched.running)}, num_waiting_reqs={len(sched.waiting)}, kv_cache_usage="
+                 f"{sched.used_blocks / max(1, sched.limits.num_blocks)})", level="ERROR")
+        log.block(L.CORE, "ERROR", L.WHERE_FATAL,
+                  L.fatal_step_lines(self.dead or "", gate_up_width))
+        log.block(L.API, "ERROR", "async_llm.py:704", L.dead_handler_lines())
 
 
 @dataclass
@@ -119,13 +115,12 @@ class Pending:
 class Engine(EngineThread):
     """The core in a thread: the HTTP handlers submit and wait."""
 
-    def __init__(self, core: EngineCore, log: L.V1Log, level: Callable[[int], None],
-                 step_s: Callable[[int], float]) -> None:
+    def __init__(self, core: EngineCore, level: Callable[[int], None],
+                 time_scale: float) -> None:
         super().__init__("engine-core")
         self.core = core
-        self.log = log
         self._level = level
-        self._step_s = step_s
+        self._time_scale = time_scale  # PRETUNER_SIM_TIME_SCALE
         self._pending: dict[str, Pending] = {}
         self.tally = Throughput(METRICS_S)
 
@@ -160,15 +155,14 @@ class Engine(EngineThread):
                 result = self.core.step()
             if result is None:
                 continue
-            if result.oom is not None:
+            if self.dead:
                 self._level(result.peak_bytes)
-                print_fatal(self.log, self.core, result)
                 self._fail_all()
                 continue
             if result.peak_bytes != last:
                 self._level(result.peak_bytes)
                 last = result.peak_bytes
-            time.sleep(self._step_s(result.tokens))
+            time.sleep(self.core.b.clock.step_seconds(result.tokens) * self._time_scale)
             self._metrics(result)
             for req in result.sampled:  # a streaming reply sends each token as it comes
                 with self._cond:
@@ -184,16 +178,17 @@ class Engine(EngineThread):
     def _metrics(self, result: StepResult) -> None:
         """vLLM's periodic `Engine 000: ...` line, every METRICS_S while there is work."""
         self.tally.prompt_tokens += result.prefill_tokens
-        self.tally.generated += result.rows
+        self.tally.generated += len(result.sampled)
         rates = self.tally.due()
         if rates is None:
             return
         sched = self.core.sched
         usage = 100 * sched.used_blocks / max(1, sched.limits.num_blocks)
-        self.log.api("loggers.py:273", f"Engine 000: Avg prompt throughput: {rates[0]:.1f} "
-                     f"tokens/s, Avg generation throughput: {rates[1]:.1f} tokens/s, Running: "
-                     f"{len(sched.running)} reqs, Waiting: {len(sched.waiting)} reqs, GPU KV "
-                     f"cache usage: {usage:.1f}%, Prefix cache hit rate: 0.0%")
+        self.core.log.api("loggers.py:273", f"Engine 000: Avg prompt throughput: "
+                          f"{rates[0]:.1f} tokens/s, Avg generation throughput: {rates[1]:.1f} "
+                          f"tokens/s, Running: {len(sched.running)} reqs, Waiting: "
+                          f"{len(sched.waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
+                          "Prefix cache hit rate: 0.0%")
 
     def _fail_all(self) -> None:
         with self._cond:

@@ -75,15 +75,15 @@ class _Handler(front.Handler):
         super().do_POST()
 
     def post(self, body: dict[str, Any]) -> None:
-        if self.path == "/v1/chat/completions":
-            self._chat(body)
-        else:
-            self._complete(body)
-
-    def _complete(self, body: dict[str, Any]) -> None:
         model = self._model(body)
         if model is None:
             return
+        if self.path == "/v1/chat/completions":
+            self._chat(body, model)
+        else:
+            self._complete(body, model)
+
+    def _complete(self, body: dict[str, Any], model: str) -> None:
         prompt_len = prompt_length(body.get("prompt", ""))
         raw_max = body.get("max_tokens")
         max_tokens = 16 if raw_max is None else raw_max
@@ -105,15 +105,12 @@ class _Handler(front.Handler):
             self._json(200, front.completion(rid, model, detokenize(list(range(generated))),
                                              prompt_len, generated))
 
-    def _chat(self, body: dict[str, Any]) -> None:
+    def _chat(self, body: dict[str, Any], model: str) -> None:
         api = self.server.api
-        model = self._model(body)
-        if model is None:
-            return
         try:
             prompt = parse_chat(body, api.vision)
         except ChatError as err:
-            self._error(400, err.message)
+            self._error(400, str(err))
             return
         max_tokens = chat_max_tokens(body, api.max_model_len, prompt.prompt_len)
         if max_tokens is None:

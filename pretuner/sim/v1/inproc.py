@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pretuner.launch.images import LoadPhase, MMRequest, Request
+from pretuner.launch.images import LoadPhase, MMRequest, Request, TextRequest
 from pretuner.sim.argv import UsageError
 from pretuner.sim.http import ANY_HOST, Reply, access_line
 from pretuner.sim.inproc import InprocRun
@@ -19,7 +19,7 @@ from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Sink, boot
 from pretuner.sim.v1.chat import prompt_of, too_many_images
 from pretuner.sim.v1.config import V1Config, parse
-from pretuner.sim.v1.engine import EngineCore, print_fatal
+from pretuner.sim.v1.engine import EngineCore
 from pretuner.sim.v1.http import length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.mm import MMItem
@@ -35,44 +35,20 @@ from pretuner.sim.v1.server import (
 MAX_STEPS = 10_000_000
 
 
-@dataclass(frozen=True, slots=True)
-class SimRequest:
-    """One request as the engine sees it: its prompt's length, what it generates, its images."""
-
-    prompt_len: int
-    max_tokens: int
-    images: tuple[MMItem, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Wave:
-    """Requests sent in one phase: all at once, or `concurrency` in flight at a time (a
-    closed loop: the next one goes when one is answered); `reset` POSTs /reset_mm_cache
-    after them."""
-
-    phase: str
-    requests: tuple[SimRequest, ...]
-    concurrency: int | None = None
-    reset: bool = False
-
-
-def sim_request(r: Request) -> SimRequest:
-    """A `pretuner.launch.images` request as this server would receive it."""
+def _prompt(r: Request) -> tuple[int, tuple[MMItem, ...]]:
+    """A `pretuner.launch.images` request's prompt length and images, as this server sees it."""
     if isinstance(r, MMRequest):
         p = prompt_of(r)
-        return SimRequest(p.prompt_len, r.max_tokens, p.images)
-    return SimRequest(r.prompt_len, r.max_tokens)
+        return p.prompt_len, p.images
+    return r.prompt_len, ()
 
 
-def waves_of(phases: Sequence[LoadPhase]) -> list[Wave]:
-    """The phases as waves; after one that resets, an empty "reset" wave: its own phase, as
-    the tuner samples the device after the reset."""
-    waves: list[Wave] = []
+def waves_of(phases: Sequence[LoadPhase]) -> list[LoadPhase]:
+    """The phases, each that resets followed by an empty "reset" one: its own phase, as the
+    tuner samples the device after the reset."""
+    waves: list[LoadPhase] = []
     for p in phases:
-        waves.append(Wave(p.name, tuple(sim_request(r) for r in p.requests), p.concurrency,
-                          p.reset))
-        if p.reset:
-            waves.append(Wave("reset", ()))
+        waves += [p, LoadPhase("reset", ())] if p.reset else [p]
     return waves
 
 
@@ -101,12 +77,12 @@ class Times:
     last: dict[int, float] = field(default_factory=dict)
 
 
-def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply | None:
+def _refused(core: EngineCore, client: Client, req: Req) -> Reply | None:
     """The answer a request gets without running: too long, images over the limit, dead."""
-    path = "/v1/chat/completions" if r.images else "/v1/completions"
+    path = "/v1/chat/completions" if req.mm else "/v1/completions"
     mm = core.mm
-    why = length_error(mml, r.prompt_len, r.max_tokens)
-    if why is None and r.images and (mm is None or len(r.images) > mm.card.image_limit):
+    why = length_error(core.b.max_model_len, req.prompt_len, req.max_tokens)
+    if why is None and req.mm and (mm is None or len(req.mm) > mm.card.image_limit):
         why = too_many_images(0 if mm is None else mm.card.image_limit, mm is not None)
     if why is not None:
         return client.reply(400, error=why, path=path)
@@ -115,8 +91,8 @@ def _refused(core: EngineCore, client: Client, r: SimRequest, mml: int) -> Reply
     return None
 
 
-def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
-           times: Times) -> tuple[list[Reply], int | None]:
+def drive(core: EngineCore, rec: Sink, client: Client, wave: LoadPhase,
+          times: Times) -> tuple[list[Reply], int | None]:
     """Send the wave's requests (all at once, or a closed loop) and step until answered,
     keeping the emulated clock in `times`."""
     replies: dict[int, Reply] = {}
@@ -127,11 +103,12 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
     def feed() -> None:
         while todo and len(reqs) < limit:
             i, r = todo.pop(0)
-            refused = _refused(core, client, r, mml)
+            prompt_len, images = _prompt(r)
+            req = Req(f"cmpl-{rec.phase}-{i}", prompt_len, r.max_tokens, mm=images)
+            refused = _refused(core, client, req)
             if refused is not None:
                 replies[i] = refused
                 continue
-            req = Req(f"cmpl-{rec.phase}-{i}", r.prompt_len, r.max_tokens, mm=r.images)
             reqs[req.request_id] = i
             core.add(req)
 
@@ -141,8 +118,7 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
         if result is None:
             break
         rec.level(result.peak_bytes)
-        if result.oom is not None:
-            print_fatal(rec.log, core, result)
+        if core.dead is not None:
             break
         times.now += times.step_s(result.tokens)
         for req in result.sampled:
@@ -151,7 +127,7 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
             times.last[i] = times.now
         for req in result.finished:
             i = reqs.pop(req.request_id)
-            path = "/v1/chat/completions" if wave.requests[i].images else "/v1/completions"
+            path = "/v1/chat/completions" if req.mm else "/v1/completions"
             replies[i] = client.reply(200, req.prompt_len, req.generated, path=path)
         feed()
         rec.level(core.level_bytes)
@@ -170,12 +146,13 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: Wave, mml: int,
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_tokens: int,
         *, first: int | None = None) -> InprocRun:
     """Boot, send `first` alone (when given) then `prompts` at once, stop with SIGTERM."""
-    waves = [Wave("probe", (SimRequest(first, max_tokens),))] if first is not None else []
-    waves.append(Wave("load", tuple(SimRequest(n, max_tokens) for n in prompts)))
+    waves = [LoadPhase("probe", (TextRequest(first, max_tokens),))] if first is not None else []
+    waves.append(LoadPhase("load", tuple(TextRequest(n, max_tokens) for n in prompts)))
     return run_waves(argv, env, waves)
 
 
-def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -> InprocRun:
+def run_waves(argv: Sequence[str], env: dict[str, str],
+              waves: Sequence[LoadPhase]) -> InprocRun:
     """Boot, send each wave in its own phase, stop with SIGTERM."""
     stream = io.StringIO()
     try:
@@ -190,7 +167,7 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     if booted is None:
         rec.peaks["stop"] = rec.floor_mib
         return InprocRun(stream.getvalue(), (), False, 1, dict(rec.peaks), total)
-    core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    core = EngineCore(booted, log)
     print_ready(log, cfg.host or ANY_HOST, cfg.port)
     client = Client(log, cfg.env.get(DEV_MODE_ENV) == "1")
     replies: list[Reply] = []
@@ -198,11 +175,11 @@ def run_waves(argv: Sequence[str], env: dict[str, str], waves: Sequence[Wave]) -
     timing: dict[str, tuple[Times, list[Reply]]] = {}
     reset: int | None = None
     for wave in waves:
-        rec.phase = wave.phase
+        rec.phase = wave.name
         rec.level(core.level_bytes)
         times = Times(step_s)
-        got, status = drive(core, rec, client, wave, booted.max_model_len, times)
-        timing[wave.phase] = (times, got)
+        got, status = drive(core, rec, client, wave, times)
+        timing[wave.name] = (times, got)
         replies += got
         reset = status if status is not None else reset
         rec.level(core.level_bytes)

@@ -68,6 +68,8 @@ _CORE_HEAD = (
     ("site-packages/vllm/v1/engine/core.py", 133, "__init__",
      "kv_cache_config = self._initialize_kv_caches(vllm_config)"),
 )
+_WARMUP = ("site-packages/vllm/v1/worker/gpu_worker.py", 735, "compile_or_warm_up_model",
+           "warmup_kernels(self.model_runner, self.execute_model, self.sample_tokens)")
 START_FRAMES: dict[str, tuple[tuple[str, int, str, str], ...]] = {
     "config": (("site-packages/vllm/v1/engine/core.py", 311, "_initialize_kv_caches",
                 "kv_cache_configs = get_kv_cache_configs(vllm_config, kv_cache_specs,"),
@@ -90,14 +92,10 @@ START_FRAMES: dict[str, tuple[tuple[str, int, str, str], ...]] = {
               ("site-packages/vllm/vllm_flash_attn/flash_attn_interface.py", 347,
                "flash_attn_varlen_func",
                "out, softmax_lse, _, _ = torch.ops._vllm_fa3_C.fwd(")),
-    "warmup": (("site-packages/vllm/v1/worker/gpu_worker.py", 735, "compile_or_warm_up_model",
-                "warmup_kernels(self.model_runner, self.execute_model, self.sample_tokens)"),
-               ("site-packages/vllm/v1/worker/gpu/warmup.py", 231, "warmup_kernels",
-                "worker_execute_model(scheduler_output)")),
-    "sampler": (("site-packages/vllm/v1/worker/gpu_worker.py", 735, "compile_or_warm_up_model",
-                 "warmup_kernels(self.model_runner, self.execute_model, self.sample_tokens)"),
-                ("site-packages/vllm/v1/worker/gpu/warmup.py", 249, "warmup_kernels",
-                 "worker_sample_tokens(grammar_output)"),
+    "warmup": (_WARMUP, ("site-packages/vllm/v1/worker/gpu/warmup.py", 231, "warmup_kernels",
+                         "worker_execute_model(scheduler_output)")),
+    "sampler": (_WARMUP, ("site-packages/vllm/v1/worker/gpu/warmup.py", 249, "warmup_kernels",
+                          "worker_sample_tokens(grammar_output)"),
                 ("site-packages/vllm/v1/worker/gpu/sample/sampler.py", 157,
                  "apply_sampling_params",
                  "logits = torch.empty_like(logits, dtype=torch.float32).copy_(logits)")),
@@ -168,19 +166,15 @@ class V1Log(LineLog):
     def _pid(self, who: str) -> int:
         return self.api_pid if who == API else self.core_pid
 
-    def log(self, who: str, level: str, src: str, msg: str) -> None:
-        self._write(prefix(who, self._pid(who), level, src, dt.datetime.now()) + msg)
-
     def api(self, src: str, msg: str, level: str = "INFO") -> None:
-        self.log(API, level, src, msg)
+        self.block(API, level, src, [msg])
 
     def core(self, src: str, msg: str, level: str = "INFO") -> None:
-        self.log(CORE, level, src, msg)
+        self.block(CORE, level, src, [msg])
 
     def block(self, who: str, level: str, src: str, lines: list[str]) -> None:
         """A multi-line message: every line carries the prefix, as vLLM's logger prints it."""
-        when = dt.datetime.now()
-        head = prefix(who, self._pid(who), level, src, when)
+        head = prefix(who, self._pid(who), level, src, dt.datetime.now())
         self._write("\n".join(head + line for line in lines))
 
     def raw(self, who: str, lines: list[str]) -> None:

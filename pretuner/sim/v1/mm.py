@@ -35,12 +35,6 @@ class VisionCoefficients:
     frag_rate: float = 0.12  # share of what is left below the ceiling a new shape adds
 
 
-def perturbed_vision(seed: int) -> VisionCoefficients:
-    """Seed 0: exactly the calibration; else each coefficient scaled within +-PERTURBATION."""
-    return perturb(VisionCoefficients(), f"pretuner-sim-v1-vision-{seed}",
-                   exact=seed == DEFAULT_SEED)
-
-
 @dataclass(frozen=True, slots=True)
 class VisionCard:
     """The vision tower's memory on one rank, and vLLM's multimodal budget for a config."""
@@ -59,10 +53,6 @@ class VisionCard:
         return max_image_tokens(self.vision)
 
     @property
-    def per_prompt(self) -> int:
-        return images_per_prompt(self.image_limit, self.max_model_len, self.max_item_tokens)
-
-    @property
     def budget_tokens(self) -> int:
         """The encoder cache size and compute budget (0: images refused)."""
         if self.image_limit == 0:
@@ -71,7 +61,9 @@ class VisionCard:
 
     @property
     def profiled(self) -> int:
-        return profiled_images(self.budget_tokens, self.max_item_tokens, self.per_prompt,
+        per_prompt = images_per_prompt(self.image_limit, self.max_model_len,
+                                       self.max_item_tokens)
+        return profiled_images(self.budget_tokens, self.max_item_tokens, per_prompt,
                                self.max_num_seqs)
 
     def activation_bytes(self, tokens: int) -> int:
@@ -92,16 +84,15 @@ class VisionCard:
             return dummy_step_bytes
         return max(self.activation_bytes(tokens), self.output_bytes(tokens) + dummy_step_bytes)
 
-    @property
-    def frag_cap_bytes(self) -> int:
-        return int(self.coeffs.frag_cap_images * self.activation_bytes(self.max_item_tokens))
-
 
 def vision_card(v: VisionSpec, *, tp: int, dtype_bytes: int, seed: int, image_limit: int | None,
                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> VisionCard:
     limit = VLLM_DEFAULT_MM_LIMIT if image_limit is None else image_limit
-    return VisionCard(v, tp, dtype_bytes, perturbed_vision(seed), limit, max_model_len,
-                      max_num_seqs, max_num_batched_tokens)
+    # Seed 0: exactly the calibration; else each coefficient perturbed (`pretuner.sim.memory`).
+    coeffs = perturb(VisionCoefficients(), f"pretuner-sim-v1-vision-{seed}",
+                     exact=seed == DEFAULT_SEED)
+    return VisionCard(v, tp, dtype_bytes, coeffs, limit, max_model_len, max_num_seqs,
+                      max_num_batched_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +122,6 @@ class EncoderCache:
     @property
     def used_tokens(self) -> int:
         return sum(self.entries.values())
-
-    def has(self, key: str) -> bool:
-        return key in self.entries
 
     def room_for(self, tokens: int, pending: int) -> bool:
         """Whether `tokens` more fit beside `pending` tokens already promised this step."""
@@ -174,14 +162,9 @@ class MMState:
         self.processor_capacity = processor_cache_bytes
         self.processor: OrderedDict[str, int] = OrderedDict()  # key -> host bytes
 
-    @property
-    def held_bytes(self) -> int:
-        """What the card keeps for images whatever runs: the encoder cache's high-water mark
-        and the stranded blocks."""
-        return self.card.output_bytes(self.encoder.high_water_tokens) + self.frag_bytes
-
-    def held_after(self, new_tokens: int) -> int:
-        """`held_bytes` once `new_tokens` more outputs are in the cache (capped at its size)."""
+    def held_bytes(self, new_tokens: int = 0) -> int:
+        """What the card keeps for images whatever runs, once `new_tokens` more outputs are in
+        the encoder cache (capped at its size): its high-water mark and the stranded blocks."""
         tokens = min(self.encoder.capacity, self.encoder.used_tokens + new_tokens)
         return (self.card.output_bytes(max(self.encoder.high_water_tokens, tokens))
                 + self.frag_bytes)
@@ -193,8 +176,9 @@ class MMState:
             if shape in self.shapes:
                 continue
             self.shapes.add(shape)
-            cap = self.card.frag_cap_bytes
-            self.frag_bytes += int(self.card.coeffs.frag_rate * max(0, cap - self.frag_bytes))
+            card = self.card
+            cap = int(card.coeffs.frag_cap_images * card.activation_bytes(card.max_item_tokens))
+            self.frag_bytes += int(card.coeffs.frag_rate * max(0, cap - self.frag_bytes))
 
     def processed(self, key: str, host_bytes: int) -> None:
         """The API server kept an image's processed inputs (host memory, LRU)."""
@@ -205,12 +189,10 @@ class MMState:
         while sum(self.processor.values()) > self.processor_capacity:
             self.processor.popitem(last=False)
 
-    def reset(self) -> int:
-        """`/reset_mm_cache`: the processor cache (host) is emptied; returns the host bytes
-        it held. The card's encoder cache and torch's blocks are untouched."""
-        freed = sum(self.processor.values())
+    def reset(self) -> None:
+        """`/reset_mm_cache`: the processor cache (host) is emptied; the card's encoder cache
+        and torch's blocks are untouched."""
         self.processor.clear()
-        return freed
 
 
 def pixel_bytes(v: VisionSpec, tokens: int) -> int:

@@ -55,7 +55,6 @@ class Loaded:
     total_bytes: int  # the whole model as loaded (all ranks)
     rank_bytes: int  # one rank's share before offload
     offloaded_bytes: int  # of that share, kept in pinned host memory
-    layers: int
 
     @property
     def on_card_bytes(self) -> int:
@@ -96,12 +95,7 @@ def load(spec: ModelSpec, profile: str, tp: int, quantization: str | None,
     embeddings = 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes
     layers_share = max(0, total - embeddings) // tp
     offloaded = min(layers_share, int(offload_gib * GIB))
-    return Loaded(quant, total, rank, offloaded, spec.num_layers)
-
-
-def card_weights_total(loaded: Loaded, tp: int) -> int:
-    """What the card side of the model weighs, all ranks: the loaded total less the offload."""
-    return loaded.total_bytes - loaded.offloaded_bytes * tp
+    return Loaded(quant, total, rank, offloaded)
 
 
 def host_total_bytes(profile: str, host_mib: int | None) -> int:
@@ -114,21 +108,14 @@ def host_available_bytes(profile: str, host_mib: int | None) -> int:
     return int(total * (1 - HOST_SYSTEM_SHARE))
 
 
-def swap_check(swap_gib: float, tp: int, host_total: int) -> tuple[str | None, str | None]:
-    """(refusal, warning) of vLLM's start-up check of --swap-space against the host."""
+def swap_warning(swap_gib: float, tp: int, host_total: int) -> str | None:
+    """vLLM's start-up check of --swap-space against the host: its warning, or Refused."""
     used = swap_gib * GIB * tp
     msg = (f"{used / GIB:.2f} GiB out of the {host_total / GIB:.2f} GiB total CPU memory is "
            "allocated for the swap space.")
     if used > SWAP_REFUSE_SHARE * host_total:
-        return "Too large swap space. " + msg, None
-    if used > SWAP_WARN_SHARE * host_total:
-        return None, "Possibly too large swap space. " + msg
-    return None, None
-
-
-def host_needed_bytes(loaded: Loaded) -> int:
-    """What one server process holds of the host: itself and its pinned offloaded weights."""
-    return PROCESS_HOST_MIB * MIB + loaded.offloaded_bytes
+        raise Refused("ValueError", "Too large swap space. " + msg)
+    return "Possibly too large swap space. " + msg if used > SWAP_WARN_SHARE * host_total else None
 
 
 @dataclass(frozen=True, slots=True)

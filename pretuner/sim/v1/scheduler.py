@@ -95,10 +95,7 @@ class Scheduler(SchedulerBase[Req]):
             if need > self.free_blocks:
                 self._preempt(req, plan)
                 continue
-            self.free_blocks -= need
-            req.blocks += need
-            plan.scheduled.append((req, n))
-            budget -= n
+            budget -= self._schedule(req, n, need, plan)
         while (not plan.preempted and self.waiting and budget > 0
                and len(self.running) < lim.max_num_seqs):
             req = self.waiting[0]
@@ -108,13 +105,16 @@ class Scheduler(SchedulerBase[Req]):
             need = blocks_for(req.computed + n, lim.block_size) - req.blocks
             if need > self.free_blocks:
                 break
-            self.waiting.popleft()
-            self.free_blocks -= need
-            req.blocks += need
-            self.running.append(req)
-            plan.scheduled.append((req, n))
-            budget -= n
+            self.running.append(self.waiting.popleft())
+            budget -= self._schedule(req, n, need, plan)
         return plan
+
+    def _schedule(self, req: Req, n: int, need: int, plan: Plan) -> int:
+        """`n` tokens of `req` in this step, with the `need` blocks they take; returns `n`."""
+        self.free_blocks -= need
+        req.blocks += need
+        plan.scheduled.append((req, n))
+        return n
 
     def _fit_images(self, req: Req, n: int, plan: Plan) -> int:
         """`n`, or less: the chunk stops before the first image its step cannot encode."""
@@ -126,7 +126,7 @@ class Scheduler(SchedulerBase[Req]):
                 break
             if item.end <= req.computed or item.key in req.encoded:
                 continue
-            if cache.has(item.key):
+            if item.key in cache.entries:
                 cache.hold(item.key, req.request_id)
                 plan.hits.append((req, item))
                 continue

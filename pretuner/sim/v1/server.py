@@ -29,51 +29,45 @@ ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "G
 DEV_ROUTES = (("/reset_mm_cache", "POST"), ("/reset_prefix_cache", "POST"))
 
 
-class Server:
-    def __init__(self, cfg: V1Config) -> None:
-        self.cfg = cfg
-        self.stop = StopFlag()
-        self.log = L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET)
-        self.state = state_dir(cfg.env)
-
-    def run(self) -> int:
-        self.stop.install()
-        devices = devices_for(self.cfg) or []  # too few: boot refuses
-        sink = Sink(self.log, 0, stop=self.stop, state=self.state, devices=tuple(devices))
-        try:
-            booted = boot(self.cfg, sink, others_bytes=others_bytes(
-                self.state, "cuda", [(0, d) for d in devices]))
-            return 1 if booted is None else self._serve(booted, sink)
-        except Stopped:
-            return 0
-        finally:
-            sink.files.remove()
-
-    def _serve(self, booted: Booted, sink: Sink) -> int:
-        cfg, log = self.cfg, self.log
-        core = EngineCore(booted, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        scale = cfg.time_scale  # PRETUNER_SIM_TIME_SCALE
-        engine = Engine(core, log, sink.level,
-                        lambda tokens: booted.clock.step_seconds(tokens) * scale)
-        host = cfg.host or ANY_HOST
-        api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
-                        dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
-        try:
-            http = V1HTTPServer((host, cfg.port), engine, api, log)
-        except OSError as err:
-            log.api("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
-                    f"address: {err.strerror}", level="ERROR")
-            return 1
-        print_ready(log, host, http.server_address[1], dev=api.dev_mode)
-        engine.start()
-        serve_in_thread(http, 0.05)
-        self.stop.wait()
-        print_shutdown(log, self.stop.signal_name or "SIGTERM")
-        engine.stop()
-        http.shutdown()
-        http.server_close()
-        print_stopped(log)
+def serve(cfg: V1Config) -> int:
+    """Boot, then serve until SIGTERM/SIGINT; the exit code."""
+    stop, state = StopFlag(), state_dir(cfg.env)
+    stop.install()
+    devices = devices_for(cfg) or []  # too few: boot refuses
+    sink = Sink(L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET), 0, stop=stop, state=state,
+                devices=tuple(devices))
+    try:
+        booted = boot(cfg, sink, others_bytes=others_bytes(state, "cuda",
+                                                            [(0, d) for d in devices]))
+        return 1 if booted is None else _serve(cfg, booted, sink, stop)
+    except Stopped:
         return 0
+    finally:
+        sink.files.remove()
+
+
+def _serve(cfg: V1Config, booted: Booted, sink: Sink, stop: StopFlag) -> int:
+    log = sink.log
+    engine = Engine(EngineCore(booted, log), sink.level, cfg.time_scale)
+    host = cfg.host or ANY_HOST
+    api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
+                    dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
+    try:
+        http = V1HTTPServer((host, cfg.port), engine, api, log)
+    except OSError as err:
+        log.api("launcher.py:60", f"[Errno {err.errno}] error while attempting to bind on "
+                f"address: {err.strerror}", level="ERROR")
+        return 1
+    print_ready(log, host, http.server_address[1], dev=api.dev_mode)
+    engine.start()
+    serve_in_thread(http, 0.05)
+    stop.wait()
+    print_shutdown(log, stop.signal_name or "SIGTERM")
+    engine.stop()
+    http.shutdown()
+    http.server_close()
+    print_stopped(log)
+    return 0
 
 
 def print_ready(log: L.V1Log, host: str, port: int, dev: bool = False) -> None:
@@ -109,5 +103,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] != "serve":
         sys.stderr.write(USAGE)
         return 2
-    return serve_main(args[1:], "vllm serve", build_parser, parse,
-                      lambda cfg: Server(cfg).run())
+    return serve_main(args[1:], "vllm serve", build_parser, parse, serve)

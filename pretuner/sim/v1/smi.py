@@ -9,20 +9,14 @@ import datetime as dt
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
-from types import FrameType
+from collections.abc import Callable, Sequence
 
 from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
+from pretuner.stopflag import StopFlag
 
 DRIVER = "580.95.05"
 CUDA = "13.0"
-
-
-def profile_from(env: Mapping[str, str]) -> CudaProfile:
-    return CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_CUDA_PROFILE,
-                             CUDA_PROFILES[DEFAULT_CUDA_PROFILE])
 
 
 def query_csv(gpus: Sequence[DeviceUse], profile: CudaProfile, fields: Sequence[str],
@@ -84,47 +78,31 @@ def table(gpus: Sequence[DeviceUse], profile: CudaProfile) -> str:
     return "\n".join(lines) + "\n"
 
 
-class _Stopped(Exception):
-    """SIGTERM or SIGINT while looping: the end of a `-lms` run, not an error."""
-
-
-def _stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stopped
-
-
-def _loop_ms(arg: str, value: str | None) -> int | None:
-    """`-lms N`/`--loop-ms=N` (ms) or `-l N`/`--loop=N` (s) as ms; None when not a count."""
-    if value is None or not value.strip().isdigit() or int(value) < 1:
-        return None
-    return int(value) * (1 if arg.startswith(("-lms", "--loop-ms")) else 1000)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """`nvidia-smi [--query-gpu=F,... --format=csv[,noheader][,nounits]] [-i N] [-lms N]`;
     with `-lms N` (or `-l N` seconds) the output is printed again every N ms until SIGTERM or
     SIGINT, which end it quietly with 0."""
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
-    profile = profile_from(env)
+    profile = CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_CUDA_PROFILE,
+                                CUDA_PROFILES[DEFAULT_CUDA_PROFILE])
     tenant = env_int(env, "PRETUNER_SIM_OCCUPIED_MIB")
     query, fmt, only, loop_ms = None, "", None, None
     it = iter(args)
     for arg in it:
-        if arg.startswith("--query-gpu="):
-            query = arg.split("=", 1)[1]
-        elif arg.startswith("--format="):
-            fmt = arg.split("=", 1)[1]
-        elif arg in ("-i", "--id"):
-            only = next(it, None)
-        elif arg.startswith("--id="):
-            only = arg.split("=", 1)[1]
-        elif arg in ("-lms", "--loop-ms", "-l", "--loop") or arg.startswith(("--loop-ms=",
-                                                                            "--loop=")):
-            name, eq, value = arg.partition("=")
-            loop_ms = _loop_ms(name, value if eq else next(it, None))
-            if loop_ms is None:
+        name, eq, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if eq and name == "--query-gpu":
+            query = value
+        elif eq and name == "--format":
+            fmt = value
+        elif name in ("-i", "--id"):
+            only = value if eq else next(it, None)
+        elif name in ("-lms", "--loop-ms", "-l", "--loop"):  # milliseconds, or seconds
+            count = value if eq else next(it, None)
+            if count is None or not count.strip().isdigit() or int(count) < 1:
                 sys.stderr.write(f"{name} needs a positive whole number.\n")
                 return 2
+            loop_ms = int(count) * (1 if name in ("-lms", "--loop-ms") else 1000)
         elif arg in ("-h", "--help"):
             sys.stdout.write("usage: nvidia-smi [--query-gpu=index,memory.used,memory.total "
                              "--format=csv,noheader,nounits] [-lms MS]  "
@@ -157,13 +135,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _loop(output: Callable[[], str], loop_ms: int) -> int:
     """Print `output()` every `loop_ms` until SIGTERM/SIGINT (0) or a reader that went away."""
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    stop = StopFlag()
+    stop.install()
     try:
-        while True:
+        while not stop.is_set():
             sys.stdout.write(output())
             sys.stdout.flush()
-            time.sleep(loop_ms / 1000)
-    except _Stopped:
+            stop.wait(loop_ms / 1000)
         return 0
     except BrokenPipeError:
         # Nobody reads any more: stop, and keep the interpreter's final flush from failing.

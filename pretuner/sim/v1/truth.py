@@ -6,11 +6,12 @@ vision-language model, `pretuner.launch.images.validation_phases`. A tuner never
 
 from __future__ import annotations
 
+import bisect
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pretuner.launch.images import image_shape, validation_phases
+from pretuner.launch.images import LoadPhase, TextRequest, image_shape, validation_phases
 from pretuner.models.spec import ModelSpec
 from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.sim.kvcache import cache_layout
@@ -20,7 +21,7 @@ from pretuner.sim.v1.boot import Booted, Sink, boot
 from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.sim.v1.config import ENV, KV_DTYPES, parse
 from pretuner.sim.v1.engine import EngineCore
-from pretuner.sim.v1.inproc import Client, SimRequest, Times, Wave, drive, waves_of
+from pretuner.sim.v1.inproc import Client, Times, drive, waves_of
 from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.units import MIB
 
@@ -53,20 +54,9 @@ def _env(profile_name: str, seed: int, occupied_mib: int) -> dict[str, str]:
             ENV["occupied_mib"]: str(occupied_mib)}
 
 
-def _survives(booted: Booted, max_num_seqs: int, batched: int, waves: list[Wave]) -> bool:
-    """Each wave through the in-process server's engine; False once a step ran out of memory."""
-    core = EngineCore(booted, max_num_seqs, batched)
-    rec = _quiet()
-    client = Client(rec.log, dev_mode=True)
-    for wave in waves:
-        rec.phase = wave.phase
-        drive(core, rec, client, wave, booted.max_model_len, Times(lambda tokens: 0.0))
-    return core.dead is None
-
-
-def _quiet() -> Sink:
-    """A boot sink that prints nowhere."""
-    return Sink(L.V1Log(0, 0, io.StringIO()), 0)
+def _boot(spec: ModelSpec, argv: list[str], env: dict[str, str]) -> Booted | None:
+    """The server this command starts, booted with a log that prints nowhere."""
+    return boot(parse(argv, env), Sink(L.V1Log(0, 0, io.StringIO()), 0), spec=spec)
 
 
 def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len: int,
@@ -83,7 +73,7 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
         argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                      kv_cache_dtype, enforce_eager, ["--kv-cache-memory-bytes",
                                                      str(kv_mib * MIB), *extra_args])
-        return survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
+        return survives(spec, argv, env, images)
 
     # The smallest cache that holds one max-length sequence, and one that cannot fit.
     cache_dtype = KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)  # the server's reading of it
@@ -92,35 +82,37 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
     hi = CUDA_PROFILES[profile_name].nvml_total_mib
     if not works(lo):
         return 0
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if works(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo * MIB
+    failing = bisect.bisect_left(range(lo + 1, hi), True, key=lambda mib: not works(mib))
+    return (lo + failing) * MIB
 
 
-def survives(spec: ModelSpec, argv: list[str], env: dict[str, str], max_num_seqs: int,
-             max_num_batched_tokens: int, images: Images | None) -> bool:
+def survives(spec: ModelSpec, argv: list[str], env: dict[str, str],
+             images: Images | None) -> bool:
     """Whether this server command starts and survives the worst-case load."""
-    if images is not None:
-        argv = [*argv, *images.argv()]
-    booted = boot(parse(argv, env), _quiet(), spec=spec)
-    if booted is None:
-        return False
+    booted = _boot(spec, [*argv, *images.argv()] if images is not None else argv, env)
+    return booted is not None and _load_survives(spec, booted, images)
+
+
+def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None) -> bool:
+    """The worst-case load through the in-process server's engine; False once a step ran
+    out of memory."""
     mml = booted.max_model_len
-    count = max(1, min(max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
+    count = max(1, min(booted.max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
     if images is None or spec.vision is None:  # one max-length prompt, then `count` at once
-        one = SimRequest(mml - 1, 1)
-        return _survives(booted, max_num_seqs, max_num_batched_tokens,
-                         [Wave("probe", (one,)), Wave("load", (one,) * count)])
-    shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
-                        else images.limit)
-    decode = min(VALIDATION_DECODE, max(1, mml // 2))
-    phases = validation_phases(shape, mml, decode, count, images.soak, images.seed,
-                               TEMPLATE_TOKENS)
-    return _survives(booted, max_num_seqs, max_num_batched_tokens, waves_of(phases))
+        one = TextRequest(mml - 1, 1)
+        waves = [LoadPhase("probe", (one,)), LoadPhase("load", (one,) * count)]
+    else:
+        shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
+                            else images.limit)
+        decode = min(VALIDATION_DECODE, max(1, mml // 2))
+        waves = waves_of(validation_phases(shape, mml, decode, count, images.soak,
+                                           images.seed, TEMPLATE_TOKENS))
+    rec = Sink(L.V1Log(0, 0, io.StringIO()), 0)
+    core, client = EngineCore(booted, rec.log), Client(rec.log, dev_mode=True)
+    for wave in waves:
+        rec.phase = wave.name
+        drive(core, rec, client, wave, Times(lambda tokens: 0.0))
+    return core.dead is None
 
 
 def util_outcome(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
@@ -130,13 +122,11 @@ def util_outcome(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
     """A hand-chosen `--gpu-memory-utilization`: (the KV bytes its profiling gives, 0 when it
     does not start; whether it survives the worst-case load)."""
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
-                 kv_cache_dtype, False, ["--gpu-memory-utilization", str(util)])
-    env = _env(profile_name, seed, 0)
-    kv = util_kv_bytes(spec, profile_name, util=util, seed=seed, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       block_size=block_size, tp=tp, kv_cache_dtype=kv_cache_dtype,
-                       extra_args=images.argv() if images else ())
-    return kv, kv > 0 and survives(spec, argv, env, max_num_seqs, max_num_batched_tokens, images)
+                 kv_cache_dtype, False, ["--gpu-memory-utilization", str(util),
+                                         *(images.argv() if images else ())])
+    booted = _boot(spec, argv, _env(profile_name, seed, 0))
+    return (0, False) if booted is None else (booted.kv_bytes,
+                                              _load_survives(spec, booted, images))
 
 
 def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
@@ -149,7 +139,7 @@ def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                  kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util),
                                                  *extra_args])
-    booted = boot(parse(argv, _env(profile_name, seed, occupied_mib)), _quiet(), spec=spec)
+    booted = _boot(spec, argv, _env(profile_name, seed, occupied_mib))
     return 0 if booted is None else booted.kv_bytes
 
 

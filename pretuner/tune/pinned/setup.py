@@ -258,7 +258,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     budget = engine.budget_bytes(card)
     reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
                            budget_mib=budget // MIB if budget is not None else None)
-    ctx = launch_context(opts, engine, model_arg, spec.name, reader,
+    ctx = launch_context(opts, engine, model_arg, spec, reader,
                          hooks=V1Hooks(bpt, vision.images, vision.soak))
     card_info = CardInfo(card, None,
                          "--card" if opts.card_gib is not None else "the device's size")

@@ -102,7 +102,7 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
         check_server_installed(engine.base_command()[0])
     model_arg = engine.model_arg(opts.model, spec)
     reader = select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp)
-    ctx = launch_context(opts, engine, model_arg, spec.name, reader,
+    ctx = launch_context(opts, engine, model_arg, spec, reader,
                          decode_tokens=engine.lengths.decode_tokens)
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:

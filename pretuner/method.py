@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pretuner import validate as v
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_tokens, num_kv_blocks
 from pretuner.units import GIB, MIB
@@ -132,14 +133,7 @@ MAX_NUM_SEQS = 1024
 
 def check_launch_settings(card_gib: int, util: float, model_use_gib: int) -> None:
     """The rules r0.1 enforces at start, as one-line errors naming the value and the fix."""
-    if card_gib < 1:
-        raise BadInputError(
-            f"card size {card_gib} GiB is invalid", hint="pass the card's memory, e.g. --card 64"
-        )
-    if not 0 < util <= 1:
-        raise BadInputError(
-            f"--util {util} is outside (0, 1]", hint="use the fraction of the card, e.g. 0.9"
-        )
+    v.layout(card_gib, util, None, None, None, None)  # the card and util as a user gives them
     if model_use_gib < 1:
         raise BadInputError(f"model-use budget {model_use_gib} GiB is invalid", hint="use e.g. 50")
     if model_use_gib >= card_gib * util:
@@ -190,10 +184,6 @@ def derive(inp: PrerunInputs) -> Derivation:
     max_tokens = kv_tokens(max_kv, bpt, block)
     seqs_method = max_tokens // inp.max_model_len
 
-    def seqs_in(budget: int) -> int:
-        return max_num_seqs(num_kv_blocks(budget, bpt, block), block, inp.max_model_len,
-                            inp.watermark)
-
     # Final: the model-use budget must be an integer (r0.1 parses it with int()), and it holds
     # the per-sequence headroom of every sequence served. The smallest integer that holds
     # weights+activations and the base headroom leaves the most KV; when its room cannot hold
@@ -203,7 +193,8 @@ def derive(inp: PrerunInputs) -> Derivation:
     base_use = math.ceil(weights_act / GIB + inp.headroom_gib - 1e-9)
     best: tuple[int, int, int] | None = None  # (seqs, -model_use, model_use)
     for use in range(base_use, max(base_use, cap // GIB) + 1):
-        kv_seqs = seqs_in(cap - use * GIB)
+        kv_blocks = num_kv_blocks(cap - use * GIB, bpt, block)
+        kv_seqs = max_num_seqs(kv_blocks, block, inp.max_model_len, inp.watermark)
         if best is not None and kv_seqs <= best[0]:
             break
         if inp.per_seq_bytes:  # the pre-run ran one sequence: the others add headroom
@@ -220,7 +211,6 @@ def derive(inp: PrerunInputs) -> Derivation:
     final_tokens = kv_tokens(final_kv_budget, bpt, block)
     final_kv = num_kv_blocks(final_kv_budget, bpt, block) * block * bpt
     if model_use >= inp.card_gib * final_util or final_seqs < 1:
-        fit = _largest_len(final_tokens, block)
         raise InfeasibleError(
             f"at --max-model-len {inp.max_model_len:,} the KV cache left after weights+activations "
             f"({weights_act / GIB:.2f} GiB + {headroom:.2f} GiB headroom) holds "
@@ -228,8 +218,8 @@ def derive(inp: PrerunInputs) -> Derivation:
             + (f" beside the engine's {inp.watermark:.0%} block watermark" if inp.watermark
                else ""),
             hint=(
-                f"a max-model-len of at most {fit:,} would fit one sequence; or add cards"
-                if fit
+                f"a max-model-len of at most {final_tokens:,} would fit one sequence; or add cards"
+                if final_tokens
                 else "add cards (--tp) or use a quantized checkpoint"
             ),
         )
@@ -257,7 +247,3 @@ def max_num_seqs(blocks: int, block_size: int, max_model_len: int, watermark: fl
     """Max-length sequences `blocks` KV blocks serve at once beside the engine's watermark."""
     usable = blocks - int(watermark * blocks)
     return min(MAX_NUM_SEQS, max(0, usable // -(-max_model_len // block_size)))
-
-
-def _largest_len(tokens: int, block_size: int) -> int:
-    return (tokens // block_size) * block_size

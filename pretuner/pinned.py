@@ -90,15 +90,3 @@ def back_off_bytes(kv_bytes: int, alloc_bytes: int | None, total_mib: int) -> in
     margin (at least the margin when the OOM did not say), whole MiB."""
     step = (alloc_bytes or 0) + margin_mib(total_mib) * MIB
     return max(0, (kv_bytes - step) // MIB * MIB)
-
-
-def one_sequence_bytes(max_model_len: int, bytes_per_token: int, block_size: int) -> int:
-    """The least KV that admits one max_model_len sequence: whole blocks, one spare."""
-    blocks = math.ceil(max_model_len / block_size) + 1
-    return blocks * block_size * bytes_per_token
-
-
-def kv_tokens_for(kv_bytes: int, bytes_per_token: int, block_size: int) -> int:
-    """The KV tokens a pinned budget holds (vLLM floors to whole blocks)."""
-    page = block_size * bytes_per_token
-    return kv_bytes // page * block_size if page > 0 else 0

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import math
 import shlex
-import types
-import typing
 from typing import Any
 
 from pretuner.errors import BadInputError
@@ -21,36 +19,37 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 MAX_CARD_GIB = 1024
 
 
-def finite(flag: str, value: float, *, example: str) -> float:
-    """`value`, refused when it is nan or infinite."""
+def finite(flag: str, value: float, *, example: str) -> None:
+    """Refuse a nan or infinite `value`."""
     if not math.isfinite(value):
         raise BadInputError(f"{flag} {value} is not a finite number", hint=f"e.g. {flag} {example}")
-    return value
 
 
-def non_negative(flag: str, value: float, *, example: str) -> float:
+# The checks below pass a value that was not given (None).
+def non_negative(flag: str, value: float | None, *, example: str) -> None:
     """A finite `value` >= 0."""
+    if value is None:
+        return
     finite(flag, value, example=example)
     if value < 0:
         raise BadInputError(f"{flag} {value} is negative",
                             hint=f"use 0 or more, e.g. {flag} {example}")
-    return value
 
 
-def positive(flag: str, value: float, *, example: str) -> float:
+def positive(flag: str, value: float | None, *, example: str) -> None:
     """A finite `value` > 0."""
+    if value is None:
+        return
     finite(flag, value, example=example)
     if value <= 0:
         raise BadInputError(f"{flag} {value} must be above 0", hint=f"e.g. {flag} {example}")
-    return value
 
 
-def int_range(flag: str, value: int, low: int, high: int | None = None) -> int:
+def int_range(flag: str, value: int | None, low: int, high: int | None = None) -> None:
     """An integer in [low, high] (no upper bound when high is None)."""
-    if value < low or (high is not None and value > high):
+    if value is not None and (value < low or (high is not None and value > high)):
         span = f"at least {low}" if high is None else f"between {low} and {high}"
         raise BadInputError(f"{flag} {value} is invalid", hint=f"use a value {span}")
-    return value
 
 
 def choice(flag: str, value: Any, choices: tuple[Any, ...]) -> Any:
@@ -67,20 +66,17 @@ def layout(card_gib: int | None, util: float | None, tp: int | None, pp: int | N
     if card_gib is not None and card_gib < 1:
         raise BadInputError(f"card size {card_gib} GiB is invalid",
                             hint="pass the card's GiB, e.g. --card 64")
-    if card_gib is not None:
-        int_range("--card", card_gib, 1, MAX_CARD_GIB)
+    int_range("--card", card_gib, 1, MAX_CARD_GIB)
     if util is not None:
         finite("--util", util, example="0.9")
         if not 0 < util <= 1:
             raise BadInputError(f"--util {util} is outside (0, 1]",
                                 hint="use the fraction of the card, e.g. 0.9")
-    for flag, value in (("--tp", tp), ("--pp", pp)):
-        if value is not None:
-            int_range(flag, value, 1)
+    int_range("--tp", tp, 1)
+    int_range("--pp", pp, 1)
     if block_size is not None:
         choice("--block-size", block_size, BLOCK_SIZES)
-    if headroom_gib is not None:
-        non_negative("--headroom-gb", headroom_gib, example="1")
+    non_negative("--headroom-gb", headroom_gib, example="1")
 
 
 def path_text(flag: str, value: str) -> str:
@@ -103,27 +99,3 @@ def command_line(flag: str, value: str) -> list[str]:
     if not argv:
         raise BadInputError(f"{flag} is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
     return argv
-
-
-def fits_type(value: Any, hint: Any) -> bool:
-    """Whether a JSON value has the type a dataclass field declares (int, str | None, ...)."""
-    if hint is Any:
-        return True
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(fits_type(value, arg) for arg in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if origin is dict:
-        key_t, val_t = typing.get_args(hint) or (Any, Any)
-        return isinstance(value, dict) and all(
-            fits_type(k, key_t) and fits_type(v, val_t) for k, v in value.items()
-        )
-    if origin is list:
-        (item_t,) = typing.get_args(hint) or (Any,)
-        return isinstance(value, list) and all(fits_type(v, item_t) for v in value)
-    if isinstance(value, bool) and hint in (int, float):  # a bool is an int to isinstance
-        return False
-    if hint is float:  # JSON writes 2.0 as 2.0, but a hand-edited 2 is a float too
-        return isinstance(value, int | float)
-    return isinstance(hint, type) and isinstance(value, hint)

@@ -19,8 +19,7 @@ from pretuner import procgroups as groups
 from pretuner.errors import ExitCode
 from pretuner.launch.process import ServerProcess
 from pretuner.procgroups import PID_FILE, read_pid_file, report_stops_to, write_pid_file
-from pretuner.tune.ownership import DiskFullError, FolderInUseError, lock_folder
-from pretuner.tune.record import RunRecord
+from pretuner.tune.record import DiskFullError, FolderInUseError, RunRecord, lock_folder
 from tests.helpers import cli_env, invoke, processes_holding, run_cli, wait_for
 
 FAKE = Path(__file__).parent / "fakes" / "fake_server.py"
@@ -46,7 +45,7 @@ def _gone(pid: int, timeout: float = 15) -> bool:
 def _holder(folder: Path) -> subprocess.Popen[bytes]:
     """Another process holding the folder's lock, as a running pretuner would."""
     code = (
-        "import sys, time; from pathlib import Path; from pretuner.tune.ownership import "
+        "import sys, time; from pathlib import Path; from pretuner.tune.record import "
         "lock_folder; lock = lock_folder(Path(sys.argv[1])); print('locked', flush=True); "
         "time.sleep(120)"
     )
@@ -219,7 +218,7 @@ def test_launch_refused_when_the_disk_is_nearly_full(
     class Usage:
         free = 10 << 20
 
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage())  # what ownership calls
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage())  # what the run record calls
     record = RunRecord(path=tmp_path)
     with pytest.raises(DiskFullError, match="only 10 MiB free") as err:
         record.launch_dir(1)

@@ -35,8 +35,8 @@ from pretuner.tune.r01.config import (
     kv_prerun_bytes,
     pool_on_demand,
 )
-from pretuner.tune.r01.loop import Tuner
 from pretuner.tune.r01.search import Measured, WaModel
+from pretuner.tune.r01.setup import Tuner
 from pretuner.units import GIB, MIB
 
 # -- canned outcomes ------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_a_second_half_that_still_grows_lowers_the_kv_and_proves_it_again() -> N
     s = tuner.settings(Purpose.VALIDATE, 0.9, (TOTAL - NON_KV - 1_500 - 100) * MIB)
     o = card(s)
     tuner.outcomes.append(o)
-    proven = tuner.result(s, True, None, "scripted", None, o.kv_tokens)
+    proven = tuner.result(s, True, o.kv_tokens)
     r = tuner.tighten(s, o, proven)
     decision = next(d for d in r.decisions if d["decision"] == "hold back growth")
     f = soak_figures(o)
@@ -144,7 +144,7 @@ def test_a_shortfall_within_half_the_margin_does_not_creep() -> None:
     s = tuner.settings(Purpose.VALIDATE, 0.9, (TOTAL - NON_KV - 1_500 - room) * MIB)
     o = card(s)
     tuner.outcomes.append(o)
-    r = tuner.tighten(s, o, tuner.result(s, True, None, "scripted", None, o.kv_tokens))
+    r = tuner.tighten(s, o, tuner.result(s, True, o.kv_tokens))
     assert r.final == s
     assert len(calls) == 1
 
@@ -156,7 +156,7 @@ def test_no_launch_left_keeps_the_proven_and_says_so() -> None:
     s = tuner.settings(Purpose.VALIDATE, 0.9, (TOTAL - NON_KV - 1_500 - 100) * MIB)
     o = card(s)
     tuner.outcomes.append(o)
-    proven = tuner.result(s, True, None, "scripted", None, o.kv_tokens)
+    proven = tuner.result(s, True, o.kv_tokens)
     assert tuner.tighten(s, o, proven).final == s
     assert [d["decision"] for d in tuner.decisions] == ["not held back"]
 
@@ -168,7 +168,7 @@ def test_a_settled_soak_holds_nothing_back_and_may_widen() -> None:
     s = tuner.settings(Purpose.VALIDATE, 0.9, 40 * GIB)
     o = card(s)
     tuner.outcomes.append(o)
-    r = tuner.tighten(s, o, tuner.result(s, True, None, "scripted", None, o.kv_tokens))
+    r = tuner.tighten(s, o, tuner.result(s, True, o.kv_tokens))
     assert "hold back growth" not in [d["decision"] for d in r.decisions]
     f = soak_figures(r.outcomes[-1])
     assert f is not None

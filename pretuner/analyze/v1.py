@@ -20,7 +20,7 @@ from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
 from pretuner.devices.series import parse_memory_tsv
 from pretuner.errors import BadInputError, NothingFoundError
-from pretuner.kvmath import kv_bytes_per_token
+from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.logscan.v1 import V1Log
 from pretuner.pinned import (
     MARGIN_FLOOR_MIB,
@@ -28,7 +28,6 @@ from pretuner.pinned import (
     back_off_bytes,
     derive_pinned,
     kv_held_bytes,
-    kv_tokens_for,
     margin_mib,
 )
 from pretuner.units import GIB, MIB
@@ -451,7 +450,7 @@ def analyze_v1(cfg: AnalyzeConfig, log: V1Log, files: tuple[str, ...],
             f"the engine refused to start: only {log.refused_free_gib:.2f} GiB was free and "
             "--gpu-memory-utilization asked more; lower it, or pin --kv-cache-memory-bytes"
         )
-    tokens = kv_tokens_for(kv_bytes, bpt, cfg.block_size) if kv_bytes is not None and bpt else None
+    tokens = kv_tokens(kv_bytes, bpt, cfg.block_size) if kv_bytes is not None and bpt else None
     suggestion = None if kv_bytes is None else Suggestion(kv_bytes, basis, derived_from, tokens)
     return V1Analysis(
         files=files,

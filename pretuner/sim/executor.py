@@ -35,8 +35,7 @@ from pretuner.tune.execute import Phase
 from pretuner.tune.pinned.loop import V1Result, V1Tuner
 from pretuner.tune.pinned.setup import pinned_setup
 from pretuner.tune.r01.config import CardInfo, TuneResult
-from pretuner.tune.r01.loop import Tuner
-from pretuner.tune.r01.setup import r01_setup
+from pretuner.tune.r01.setup import Tuner, r01_setup
 
 DECODE_TOKENS = 16
 

@@ -52,6 +52,11 @@ def describe_holders(held: Sequence[Holder], device_word: str = "NPU") -> str:
     return "; ".join(parts)
 
 
+# What a device kind is called, how a user picks another, and the tool that lists its holders.
+DEVICE_WORDS = {"cuda": ("GPU", "CUDA_VISIBLE_DEVICES", "nvidia-smi"),
+                "ascend": ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "npu-smi info")}
+
+
 def card_busy_error(
     *,
     card_gib: int,
@@ -61,12 +66,11 @@ def card_busy_error(
     holders: Sequence[Holder] = (),
     log_path: str | None = None,
     why: str | None = None,
-    device_word: str = "NPU",
-    pick_hint: str = "ASCEND_RT_VISIBLE_DEVICES",
-    tool: str = "npu-smi info",
+    kind: str = "ascend",
     total_mib: int | None = None,
 ) -> CardBusyError:
     """The error for a card too busy to measure anything on."""
+    device_word, pick_hint, tool = DEVICE_WORDS[kind]
     held = describe_holders(holders, device_word)
     who = f"; held by {held}" if held else ""
     where = f"; log {log_path}" if log_path else ""
@@ -87,11 +91,6 @@ def card_busy_error(
     )
 
 
-# What a device kind is called, how a user picks another, and the tool that lists its holders.
-DEVICE_WORDS = {"cuda": ("GPU", "CUDA_VISIBLE_DEVICES", "nvidia-smi"),
-                "ascend": ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "npu-smi info")}
-
-
 def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float) -> None:
     """Before the first launch of an engine that checks its share of the device at start-up
     (vLLM's V1 worker refuses to start when less than `util` x total is free): a device that
@@ -102,7 +101,7 @@ def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float
     sample = reader.sample() if reader is not None else None
     if sample is None or kind not in DEVICE_WORDS:
         return  # a budgeted CPU "card" holds nothing before its server starts
-    device_word, pick_hint, tool = DEVICE_WORDS[kind]
+    device_word = DEVICE_WORDS[kind][0]
     short = [d for d in sample.devices if d.total_mib - d.used_mib < int(util * d.total_mib)]
     held = holders(reader) if short and reader is not None else ()  # one read, when it matters
     for d in short:
@@ -112,8 +111,7 @@ def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float
         if looks_busy(card_gib, free_mib, held):
             raise card_busy_error(
                 card_gib=card_gib, free_mib=free_mib, source=source, need_mib=need_mib,
-                holders=held, device_word=device_word, pick_hint=pick_hint, tool=tool,
-                total_mib=d.total_mib,
+                holders=held, kind=kind, total_mib=d.total_mib,
                 why=f"{d.used_mib:,} MiB are in use on {device_word} {d.device}; the engine "
                 f"starts only with {need_mib:,} MiB free (--gpu-memory-utilization {util:g} of "
                 f"{d.total_mib:,} MiB)")

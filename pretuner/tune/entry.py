@@ -24,7 +24,12 @@ from pretuner.plan.layout import PlanConfig
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import Phase, recorded_executor
 from pretuner.tune.options import RunOptions as RunOptions
-from pretuner.tune.ownership import (
+from pretuner.tune.pinned.loop import V1Config, V1Result
+from pretuner.tune.pinned.setup import pinned_layout_options, pinned_setup
+from pretuner.tune.r01.config import CardInfo, TuneConfig, TuneResult, plan_for
+from pretuner.tune.r01.setup import r01_layout_options, r01_setup
+from pretuner.tune.record import (
+    RunRecord,
     check_no_orphans,
     claim_new_folder,
     disk_full_error,
@@ -32,11 +37,6 @@ from pretuner.tune.ownership import (
     lock_folder,
     stop_own_orphans,
 )
-from pretuner.tune.pinned.loop import V1Config, V1Result
-from pretuner.tune.pinned.setup import pinned_layout_options, pinned_setup
-from pretuner.tune.r01.config import CardInfo, TuneConfig, TuneResult, plan_for
-from pretuner.tune.r01.setup import r01_layout_options, r01_setup
-from pretuner.tune.record import RunRecord, check_folder_name
 from pretuner.tune.report import RunMeta, record_failure, write_report
 from pretuner.tune.setup import Setup, Vision
 
@@ -117,7 +117,6 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
             )
         return record, RunOptions.from_json(started.get("options"), started.get("version"))
     if opts.out is not None:
-        check_folder_name(opts.out, "--out")
         out = Path(opts.out)
         check_no_orphans(out.parent, own=out)  # a server a killed run left on the card
         record = RunRecord(path=out, lock=claim_new_folder(out))  # new or empty, and locked

@@ -34,7 +34,6 @@ from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
-from pretuner.speed import Speed
 from pretuner.tune.busy import device_busy
 from pretuner.tune.record import RunRecord
 
@@ -109,10 +108,7 @@ def run_launch(
 
     base = f"http://{ctx.host}:{port}"
     ready_s = request_s = 0.0
-    ok = total = dropped = 0
-    first_error: str | None = None
-    extra: tuple[int, int | None] = (0, None)  # the soak's requests, the cache reset's status
-    speed: Speed | None = None
+    ran = Exercised(0, 0, 0, None)
     failure: ServerFailedError | None = None
     exited: int | None = None
     sampler = MemorySampler(ctx.device_reader, status=phase)
@@ -131,9 +127,6 @@ def run_launch(
             r0 = time.monotonic()
             ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
                    else _exercise(settings, ctx, base, phase))
-            ok, total, dropped, first_error = ran.ok, ran.total, ran.dropped, ran.error
-            extra = (ran.soak_requests, ran.reset_status)
-            speed = ran.speed
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()
@@ -144,7 +137,7 @@ def run_launch(
         # A server that dropped a request, or whose log just said out of memory, is often
         # still dying: a moment lets a crash be named one (its own exit code) instead of a
         # server pretuner stopped.
-        exited = proc.poll_settled(CRASH_SETTLE_S if ok < total or seen else 0.0)
+        exited = proc.poll_settled(CRASH_SETTLE_S if ran.ok < ran.total or seen else 0.0)
         phase("stop", "SIGTERM to the process group, waiting for it to exit"
               + ("" if ctx.hooks else " (and write its memory-pool dump)"))
         s0 = time.monotonic()
@@ -165,15 +158,14 @@ def run_launch(
         raise refusal
     if ctx.hooks is not None:
         times = (ready_s, request_s, stop_s, time.monotonic() - t0)
-        ran = Exercised(ok, total, dropped, first_error, *extra, speed)
         outcome = ctx.hooks.outcome(n, settings, log_path, ran, failure, exited, times)
         return with_samples(outcome, sampled)
     phase("scan", collector.where())
     collected = collector.collect()
     (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
     outcome = outcome_of(
-        n, settings, collected.scan, Exercised(ok, total, dropped, first_error), failure=failure,
-        graceful=stop.graceful, init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,
+        n, settings, collected.scan, ran, failure=failure, graceful=stop.graceful,
+        init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,
         problem=collected.problem, worst_node=collected.worst_node,
         rank_peaks_mib=collected.rank_peaks_mib,
         times=(ready_s, request_s, stop_s, time.monotonic() - t0), exited=exited,
@@ -190,15 +182,12 @@ def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
 
 def _describe(s: LaunchSettings) -> str:
     if s.kv_cache_bytes is not None:  # a V1 engine, KV pinned
-        return (f"--kv-cache-memory-bytes {s.kv_cache_bytes} ({s.kv_cache_bytes / 2**30:.2f} "
-                f"GiB), max_model_len {s.max_model_len:,}, max-num-seqs {s.max_num_seqs}")
-    if s.model_use_gib == 0:  # a V1 engine profiling at util
-        return (f"util {s.util:g} (the engine profiles), max_model_len {s.max_model_len:,}, "
-                f"max-num-seqs {s.max_num_seqs}")
-    return (
-        f"util {s.util:g}, model-use {s.model_use_gib} GiB, max_model_len {s.max_model_len:,}, "
-        f"max-num-seqs {s.max_num_seqs}"
-    )
+        kv = f"--kv-cache-memory-bytes {s.kv_cache_bytes} ({s.kv_cache_bytes / 2**30:.2f} GiB)"
+    elif s.model_use_gib == 0:  # a V1 engine profiling at util
+        kv = f"util {s.util:g} (the engine profiles)"
+    else:
+        kv = f"util {s.util:g}, model-use {s.model_use_gib} GiB"
+    return f"{kv}, max_model_len {s.max_model_len:,}, max-num-seqs {s.max_num_seqs}"
 
 
 def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:

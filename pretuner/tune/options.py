@@ -3,18 +3,19 @@ every way into `pretuner run` meets (flags, a library call, a journal read back 
 
 from __future__ import annotations
 
-import dataclasses
-import shlex
+import json
 import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import pydantic
 
 from pretuner import validate as v
 from pretuner.errors import BadInputError
 from pretuner.kvmath import KV_DTYPES
 from pretuner.models import local_model_path
 from pretuner.models.quant import METHODS
-from pretuner.redact import redact_argv
+from pretuner.redact import redact_command_text
 
 # RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
 RETUNE_FLAGS = (
@@ -38,15 +39,7 @@ RETUNE_FLAGS = (
 )  # fmt: skip
 
 
-def _redacted(words: str) -> str:
-    """A shell-split option value (a server command, server flags) with its secrets redacted:
-    the re-tune command is written into report.md and report.json."""
-    try:
-        return shlex.join(redact_argv(shlex.split(words)))
-    except ValueError:  # unbalanced quotes: refused by the checks; keep it out of the record
-        return "<redacted>"
-
-
+@pydantic.with_config(pydantic.ConfigDict(extra="forbid", strict=True))
 @dataclass(frozen=True, slots=True)
 class RunOptions:
     """Everything `pretuner run` was asked; journaled so that --resume rebuilds the same run."""
@@ -112,9 +105,9 @@ class RunOptions:
             if isinstance(value, bool):
                 argv.append(flag if value else f"--no-{flag[2:]}")
             elif isinstance(value, list):
-                argv += [part for item in value for part in (flag, _redacted(item))]
+                argv += [part for item in value for part in (flag, redact_command_text(item))]
             elif name == "serve_cmd":
-                argv += [flag, _redacted(str(value))]
+                argv += [flag, redact_command_text(str(value))]
             else:
                 argv += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
         return argv
@@ -135,35 +128,31 @@ class RunOptions:
                 f"the journal's run options are a {type(data).__name__}, not an object",
                 hint="the journal is damaged: start a new run",
             )
-        hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
+        try:  # through JSON: pydantic's strict mode takes an object for a dataclass there only
+            return _JOURNALED.validate_json(json.dumps(data))
+        except pydantic.ValidationError as err:
+            problems = err.errors()
+        # Named as a person fixes them: a key unknown here, then a key missing, then a value.
+        first = min(problems, key=lambda p: (p["type"] != "unexpected_keyword_argument",
+                                             p["type"] != "missing", p["loc"]))
+        key = str(first["loc"][0])
+        if first["type"] == "unexpected_keyword_argument":
             raise BadInputError(
-                f"the journal records run option {unknown[0]!r}, unknown to this pretuner; "
+                f"the journal records run option {key!r}, unknown to this pretuner; "
                 f"the run was made by {who}",
                 hint="resume it with that version, or start a new run",
             )
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-            and f.name not in data
-        )
-        if missing:
+        if first["type"] == "missing":
             raise BadInputError(
-                f"the journal's run options lack {missing[0]!r}; the run was made by {who}",
+                f"the journal's run options lack {key!r}; the run was made by {who}",
                 hint="resume it with that version, or start a new run",
             )
-        for key, value in data.items():
-            if not v.fits_type(value, hints[key]):
-                want = getattr(hints[key], "__name__", str(hints[key]))
-                raise BadInputError(
-                    f"the journal records run option {key} = {value!r}, not {want}",
-                    hint=f"the run was made by {who} or edited: start a new run",
-                )
-        return cls(**data)
+        want = typing.get_type_hints(cls)[key]
+        raise BadInputError(
+            f"the journal records run option {key} = {data[key]!r}, not "
+            f"{getattr(want, '__name__', str(want))}",
+            hint=f"the run was made by {who} or edited: start a new run",
+        )
 
     def check(self) -> None:
         """Refuse a bad value with a one-line error naming it (exit 2), before a launch or a run
@@ -172,17 +161,12 @@ class RunOptions:
         if not o.model.strip():
             raise BadInputError("--model is empty", hint="pass a registry name or a model folder")
         v.layout(o.card_gib, o.util, o.tp, o.pp, o.block_size, o.headroom_gib)
-        for flag, value in (("--max-model-len", o.max_model_len),
-                            ("--min-model-len", o.min_model_len)):
-            if value is not None:
-                v.int_range(flag, value, 1)
-        if o.nodes is not None:
-            v.int_range("--nodes", o.nodes, 1)
+        v.int_range("--max-model-len", o.max_model_len, 1)
+        v.int_range("--min-model-len", o.min_model_len, 1)
+        v.int_range("--nodes", o.nodes, 1)
         v.choice("--kv-cache-dtype", o.kv_cache_dtype, KV_DTYPES)
-        if o.reserve_gib is not None:
-            v.non_negative("--reserve-gb", o.reserve_gib, example="1")
-        if o.model_use_gib is not None:
-            v.int_range("--model-use-gb", o.model_use_gib, 1)
+        v.non_negative("--reserve-gb", o.reserve_gib, example="1")
+        v.int_range("--model-use-gb", o.model_use_gib, 1)
         v.int_range("--max-launches", o.max_launches, 1)
         if o.max_launches < 2 and o.validate:
             raise BadInputError(
@@ -191,8 +175,10 @@ class RunOptions:
             )
         if o.serve_cmd is not None:
             v.command_line("--serve-cmd", o.serve_cmd)
-        if o.out is not None:
-            v.path_text("--out", o.out)
+        if o.out is not None and not v.path_text("--out", o.out).isprintable():
+            # Its name is the run id that report.md and serve.sh print.
+            raise BadInputError(f"--out {o.out!r} contains a newline or another control character",
+                                hint="choose a folder name of printable characters")
         v.path_text("runs folder", o.runs_dir)
         v.positive("--ready-timeout", o.ready_timeout_s, example="1800")
         v.positive("--request-timeout", o.request_timeout_s, example="900")
@@ -203,16 +189,14 @@ class RunOptions:
             from pretuner.models.vision import parse_limit_mm_per_prompt
 
             parse_limit_mm_per_prompt(o.limit_mm_per_prompt)
-        if o.mm_processor_cache_gb is not None:
-            v.non_negative("--mm-processor-cache-gb", o.mm_processor_cache_gb, example="4")
-        if o.soak is not None:
-            v.int_range("--soak", o.soak, 0)
-        if o.soak_minutes is not None:
-            v.positive("--soak-minutes", o.soak_minutes, example="10")
+        v.non_negative("--mm-processor-cache-gb", o.mm_processor_cache_gb, example="4")
+        v.int_range("--soak", o.soak, 0)
+        v.positive("--soak-minutes", o.soak_minutes, example="10")
         if o.quantization is not None:
             v.choice("--quantization", o.quantization, METHODS)
         v.non_negative("--cpu-offload-gb", o.cpu_offload_gib, example="14")
-        if o.swap_space_gib is not None:
-            v.non_negative("--swap-space", o.swap_space_gib, example="4")
-        if o.min_tokens_per_s is not None:
-            v.positive("--min-tokens-per-s", o.min_tokens_per_s, example="5")
+        v.non_negative("--swap-space", o.swap_space_gib, example="4")
+        v.positive("--min-tokens-per-s", o.min_tokens_per_s, example="5")
+
+
+_JOURNALED = pydantic.TypeAdapter(RunOptions)

@@ -1,4 +1,5 @@
-"""The run record: one folder per run, a journal that `--resume` replays, and the result files.
+"""The run record: one folder per run, owned by the run, a journal that `--resume` replays, and
+the result files.
 
 Layout of a run folder:
   journal.jsonl            one JSON object per event (run start, launch, decision, result)
@@ -10,43 +11,214 @@ Layout of a run folder:
   report.md, report.json   the result, or why the run failed (a PretunerError)
   tuned.env, serve.sh      the tuned configuration (finished runs only)
   .lock                    flock'ed by the pretuner process running the run (its pid inside)
+
+- `.lock` is held (`flock`, exclusive) for the whole run, taken before the folder is checked
+  empty, so two runs with one `--out` or two `--resume` of one run cannot both pass; the
+  holder's pid is written into it for the message of the one refused.
+- `launch-<n>/server.pid` (written by `ServerProcess`) names a server that outlived a killed
+  pretuner. `--resume` stops its own orphans (it holds the lock: nobody else owns them); a new
+  run refuses while a run folder beside it holds a live one whose run is not running.
+- Free space of the run folder is checked before each launch, and a full disk during the run
+  is one error line, not a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
 import re
+import shlex
+import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pretuner.errors import BadInputError
+from pretuner.errors import BadInputError, CardBusyError
 from pretuner.files import write_atomic
-from pretuner.redact import redact_options, restore_command_text
-from pretuner.tune.ownership import (
-    RunLock,
-    check_free_space,
-    disk_full_error,
-    is_disk_full,
-    lock_folder,
+from pretuner.procgroups import (
+    ServerPid,
+    live_servers,
+    remove_pid_file,
+    still_running,
+    stop_group,
 )
+from pretuner.redact import redact_options, restore_command_text
+
+log = logging.getLogger(__name__)
 
 JOURNAL = "journal.jsonl"
+LOCK_FILE = ".lock"
+MIN_FREE_MIB = 64  # a server log and the result files; below this a launch is refused
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def check_folder_name(path: str, option: str) -> None:
-    """Refuse a run folder whose path holds a newline or another control character: its name is
-    the run id that report.md and serve.sh print, and pretuner never needs one."""
-    if not path.isprintable():
+class FolderInUseError(BadInputError):
+    """Another pretuner process holds the run folder's lock."""
+
+
+class DiskFullError(BadInputError):
+    """The run folder's filesystem is full (or too full to start a launch)."""
+
+
+@dataclass
+class RunLock:
+    """An exclusive `flock` on `<run>/.lock`, released when this process ends or on `release`."""
+
+    path: Path
+    fd: int | None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _holder(lock_path: Path) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(lock_path.read_text("ascii").strip())
+        return f"pretuner pid {pid}"
+    return "another pretuner process"
+
+
+def lock_folder(folder: Path) -> RunLock:
+    """Take the folder's lock without waiting; FolderInUseError names the holder."""
+    path = Path(folder) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
         raise BadInputError(
-            f"{option} {path!r} contains a newline or another control character",
-            hint="choose a folder name of printable characters",
+            f"cannot lock the run folder {str(folder)!r}: {err.strerror}",
+            hint="choose a writable folder",
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FolderInUseError(
+            f"run folder {str(folder)!r} is in use by {_holder(path)}",
+            hint="wait for that run to end or stop it (Ctrl-C); one folder holds one run",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+    return RunLock(path, fd)
+
+
+def claim_new_folder(out: Path) -> RunLock:
+    """Create `out` (or take an empty one) and lock it, atomically against a second run."""
+    if out.exists() and not out.is_dir():
+        raise BadInputError(
+            f"--out {str(out)!r} exists and is not a folder", hint="choose a new folder"
         )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise BadInputError(
+            f"cannot create --out {str(out)!r}: {err.strerror}", hint="choose a writable folder"
+        ) from None
+    if not os.access(out, os.W_OK):
+        raise BadInputError(f"--out {str(out)!r} is not writable", hint="choose another folder")
+    if _holds_files(out):  # checked before the lock too: no stray .lock in a user's folder
+        _refuse_used(out)
+    lock = lock_folder(out)
+    if _holds_files(out):  # a second run got here first and wrote its journal
+        lock.release()
+        _refuse_used(out)
+    return lock
+
+
+def _holds_files(folder: Path) -> bool:
+    return any(p.name != LOCK_FILE for p in folder.iterdir())
+
+
+def _refuse_used(out: Path) -> None:
+    if (out / LOCK_FILE).exists():
+        lock_folder(out).release()  # FolderInUseError names a live holder
+        servers = live_servers(out)
+        if servers:
+            raise orphan_error(servers[0], out)
+    raise BadInputError(
+        f"--out {str(out)!r} exists and is not empty; pretuner never overwrites a run",
+        hint="choose a new folder",
+    )
+
+
+def orphan_error(server: ServerPid, run_folder: Path) -> CardBusyError:
+    resume = shlex.join(["pretuner", "run", "--resume", str(run_folder)])
+    return CardBusyError(
+        f"{server.describe()} of run {str(run_folder)!r} is still running (its pretuner was "
+        "killed); it holds the card and its port",
+        hint=f"`{resume}` stops it and continues, or stop it: kill -TERM -- -{server.pgid}",
+    )
+
+
+def check_no_orphans(runs_parent: Path, own: Path | None = None) -> None:
+    """Refuse to start while a run folder in `runs_parent` holds a live server whose run is
+    not running (nobody holds its lock): an orphan on the card. Folders not readable, or
+    whose run is live (another pretuner, possibly on another card), are left alone."""
+    try:
+        folders = [p for p in Path(runs_parent).iterdir() if p.is_dir() and p != own]
+    except OSError:
+        return
+    for folder in folders:
+        if not (folder / LOCK_FILE).exists():
+            continue
+        servers = live_servers(folder)
+        if not servers:
+            continue
+        try:
+            lock = lock_folder(folder)
+        except BadInputError:
+            continue  # a live run owns it
+        lock.release()
+        raise orphan_error(servers[0], folder)
+
+
+def stop_own_orphans(run_folder: Path, grace_s: float, say: Callable[[str], None]) -> None:
+    """Stop servers left running by an earlier, killed session of this run (on --resume,
+    with the folder's lock held: nobody else can own them)."""
+    for server in live_servers(run_folder):
+        say(f"{server.describe()} was left running by the interrupted session; stopping it")
+        graceful = stop_group(server.pgid, grace_s)
+        if still_running(server):
+            raise CardBusyError(
+                f"{server.describe()} survives SIGKILL",
+                hint=f"stop it by hand: kill -KILL -- -{server.pgid}",
+            )
+        say(f"stopped the old server group {server.pgid} ({'SIGTERM' if graceful else 'SIGKILL'})")
+        remove_pid_file(Path(server.path))
+
+
+def check_free_space(folder: Path, min_mib: int = MIN_FREE_MIB) -> None:
+    """Refuse a launch when the run folder's filesystem has less than `min_mib` free."""
+    try:
+        free_mib = shutil.disk_usage(folder).free // (1 << 20)
+    except OSError:
+        return  # cannot tell; a write failure is still caught
+    if free_mib < min_mib:
+        raise DiskFullError(
+            f"only {free_mib} MiB free on the filesystem of the run folder {str(folder)!r} "
+            f"(a launch needs {min_mib} MiB for its server log and results)",
+            hint="free disk space, then `pretuner run --resume` this run",
+        )
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in _FULL
+
+
+def disk_full_error(err: OSError, folder: Path) -> DiskFullError:
+    where = f" ({err.filename})" if err.filename else ""
+    return DiskFullError(
+        f"cannot write to the run folder {str(folder)!r}: {os.strerror(err.errno or 0)}{where}",
+        hint="free disk space, then `pretuner run --resume` this run",
+    )
 
 
 def _slug(text: str) -> str:
@@ -169,7 +341,7 @@ def read_journal(journal: Path) -> list[dict[str, Any]]:
         except (ValueError, RecursionError):
             # A line cut by a crash (SIGKILL mid-write); the lines after it were appended by
             # a resume and stand.
-            logging.getLogger(__name__).warning("%s:%d is not JSON: skipped", journal, n)
+            log.warning("%s:%d is not JSON: skipped", journal, n)
             continue
         if not isinstance(entry, dict) or not isinstance(entry.get("event"), str):
             raise BadInputError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import shlex
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from pretuner import __version__
@@ -81,20 +81,17 @@ class RunMeta:
     device_kind: str = "ascend"
 
 
+# The figures a step keeps under the outcome's own names.
+_SAME = [name for name in Step.model_fields
+         if name in {f.name for f in fields(LaunchOutcome)} - {"settings", "speed"}]
+
+
 def step_json(o: LaunchOutcome) -> Step:
     """One launch as report.json's `steps[]` shows it."""
     return Step(
-        n=o.n, purpose=o.settings.purpose.value, settings=StepSettings(**o.settings.to_json()),
-        outcome=o.kind.value, worst_peak_mib=o.worst_peak_mib, worst_node=o.worst_node,
-        rank_peaks_mib=o.rank_peaks_mib, device_reader=o.device_reader,
-        device_peaks_mib=o.device_peaks_mib, requests_ok=o.requests_ok,
-        requests_total=o.requests_total, oom_text=o.oom_text, seconds=o.total_s,
-        overhead_s=o.overhead_s, log=o.log_path, kv_tokens=o.kv_tokens, kv_gib=o.kv_gib,
-        device_total_mib=o.device_total_mib, oom_alloc_bytes=o.oom_alloc_bytes,
-        device_last_mib=o.device_last_mib, soak_requests=o.soak_requests,
-        reset_status=o.reset_status,
-        speed=V1Speed(**o.speed.to_json()) if o.speed is not None else None,
-        weights_gib=o.weights_gib,
+        **{name: getattr(o, name) for name in _SAME}, purpose=o.settings.purpose.value,
+        settings=StepSettings(**o.settings.to_json()), outcome=o.kind.value, seconds=o.total_s,
+        log=o.log_path, speed=V1Speed(**o.speed.to_json()) if o.speed is not None else None,
     )
 
 
@@ -128,16 +125,10 @@ def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision]
              validated: bool, **layout: Any) -> dict[str, Any]:
     """The fields a success and a failure report share, on any engine; `layout` names the
     model, card_gib, tp, pp, nodes, weights_format and kv_bytes_per_token."""
-    return {
-        "pretuner_version": __version__, "run_id": meta.run_id, "engine": meta.engine,
-        "engine_version": meta.engine_version, "engine_reason": meta.engine_reason,
-        "simulated": meta.simulated, "provenance": provenance(meta.simulated),
-        "model_arg": meta.model_arg, "card_source": meta.card_source,
-        "device_kind": meta.device_kind, "kv_cache_dtype": meta.kv_cache_dtype,
-        "validated": validated, "launches": len(steps), "steps": list(steps),
-        "decisions": list(decisions), "retune_command": list(meta.retune_command),
-        "cluster": meta.cluster, **layout,
-    }
+    said = {k: v for k, v in asdict(meta).items() if k != "asked_max_model_len"}
+    return {**said, "pretuner_version": __version__, "provenance": provenance(meta.simulated),
+            "validated": validated, "launches": len(steps), "steps": list(steps),
+            "decisions": list(decisions), "retune_command": list(meta.retune_command), **layout}
 
 
 def real_model(meta: RunMeta, model: str) -> str:

@@ -104,7 +104,6 @@ class Vision:
 class Setup(Generic[C]):
     choice: EngineChoice
     engine: R01Engine | V1Engine
-    spec: ModelSpec
     model_arg: str  # what the server loads
     ctx: LaunchContext
     card: CardInfo

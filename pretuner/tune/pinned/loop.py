@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pretuner import kvmath
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.engines.outcome import Executor, LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
@@ -25,9 +26,7 @@ from pretuner.pinned import (
     back_off_bytes,
     derive_pinned,
     kv_held_bytes,
-    kv_tokens_for,
     margin_mib,
-    one_sequence_bytes,
 )
 from pretuner.tune.pinned.soak import soak_figures
 from pretuner.tune.setup import Method, OnDecision
@@ -99,7 +98,13 @@ class V1Tuner(Method):
         self.cfg = cfg
         self.start_util = cfg.util  # lowered only when the device refused util x total
         self.widened = False  # the proven KV is widened once at most
-        self.one_seq = one_sequence_bytes(cfg.max_model_len, cfg.bytes_per_token, cfg.block_size)
+        # The least KV that admits one max-length sequence: whole blocks, one spare.
+        self.one_seq = kvmath.kv_bytes_for_tokens(cfg.max_model_len + cfg.block_size,
+                                                  cfg.bytes_per_token, cfg.block_size)
+        # What the pre-run gave: the derived budget, what measured it, the engine's own profile.
+        self.budget: PinnedBudget | None = None
+        self.measured_by = "log"
+        self.profiled: int | None = None
         self.profiled_util: float | None = None
 
     def settings(self, purpose: Purpose, util: float, kv_bytes: int | None) -> LaunchSettings:
@@ -117,25 +122,26 @@ class V1Tuner(Method):
     def run(self) -> V1Result:
         c = self.cfg
         pre = self.prerun()
-        budget, measured_by, kv_bytes = self.derive(pre)
-        profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
-        self.profiled_util = pre.settings.util if profiled is not None else None
+        self.budget, self.measured_by, kv_bytes = self.derive(pre)
+        self.profiled = pre.kv_tokens if pre.settings.kv_cache_bytes is None else None
+        self.profiled_util = pre.settings.util if self.profiled is not None else None
         # vLLM checks util x total against the free memory at start-up even when the KV cache
         # is pinned: a busy card's lower util stays.
         final = self.settings(Purpose.VALIDATE, self.start_util, kv_bytes)
         if not c.validate:
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
-            return self.result(final, False, budget, measured_by, profiled, None)
-        return self.validate(final, budget, measured_by, profiled)
+            return self.result(final, False, None)
+        return self.validate(final)
 
-    def prerun_kv(self) -> int | None:
-        """The first pre-run's pinned KV: None lets the engine profile at util."""
-        return None if self.cfg.profile_prerun else self.one_seq
+    def first_launch(self) -> LaunchSettings:
+        """The first pre-run: the engine profiles at util, or one sequence's KV is pinned."""
+        kv = None if self.cfg.profile_prerun else self.one_seq
+        return self.settings(Purpose.PRERUN, self.cfg.util, kv)
 
     def prerun(self) -> LaunchOutcome:
         """The first launch that measured the production shape."""
         c = self.cfg
-        s = self.settings(Purpose.PRERUN, c.util, self.prerun_kv())
+        s = self.first_launch()
         if s.kv_cache_bytes is not None:
             self.decide("pin one sequence",
                         f"{c.model.name} on this engine: the pre-run pins "
@@ -160,8 +166,8 @@ class V1Tuner(Method):
                 f"(the OOM came before the weights finished loading: {o.oom_text})",
                 hint="use a larger --tp, a quantized checkpoint, or larger cards",
             )
-        if s.kv_cache_bytes is None and (o.kind.is_oom or o.kind in (
-                OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED)):
+        short = o.kind.is_oom or o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED)
+        if s.kv_cache_bytes is None and short:
             # The non-KV peak does not depend on the KV size: measure it with the least KV
             # that still runs a max-length request, whatever the engine's profiling missed.
             why = (f"ran out of memory ({o.oom_text})" if o.kind.is_oom else
@@ -178,7 +184,7 @@ class V1Tuner(Method):
                         f"the device has {o.device_free_mib:,} MiB free ({_how(o)}, the engine "
                         f"says); util {s.util:g} asked more", util=util)
             return replace(s, util=util)
-        if o.kind.is_oom or o.kind in (OutcomeKind.LEN_TOO_LARGE, OutcomeKind.KV_EXHAUSTED):
+        if short:
             estimate = next((x.estimated_max_len for x in self.outcomes if x.estimated_max_len),
                             None)
             shorter = (f"--max-model-len {estimate:,} or less (the engine's own estimate)"
@@ -221,7 +227,7 @@ class V1Tuner(Method):
         c = self.cfg
         if kv_bytes >= self.one_seq:
             return
-        tokens = kv_tokens_for(kv_bytes, c.bytes_per_token, c.block_size)
+        tokens = kvmath.kv_tokens(kv_bytes, c.bytes_per_token, c.block_size)
         raise InfeasibleError(
             f"max_model_len {c.max_model_len:,} does not fit: {why} {kv_bytes / GIB:.2f} GiB of "
             f"KV ({tokens:,} tokens), less than one sequence needs ({self.one_seq / GIB:.2f} GiB)",
@@ -229,13 +235,12 @@ class V1Tuner(Method):
             "--tp, or larger cards",
         )
 
-    def validate(self, s: LaunchSettings, budget: PinnedBudget | None, measured_by: str,
-                 profiled: int | None) -> V1Result:
+    def validate(self, s: LaunchSettings) -> V1Result:
         while True:
             o = self.launch(s)
             if o.kind is OutcomeKind.OK:
                 self.decide("validated", self.proven(s, o))
-                proven = self.result(s, True, budget, measured_by, profiled, o.kv_tokens)
+                proven = self.result(s, True, o.kv_tokens)
                 return self.tighten(s, o, proven)
             if not o.kind.is_oom:
                 raise _ended(o, "validation")
@@ -281,10 +286,10 @@ class V1Tuner(Method):
         peak = max(o.device_peaks_mib.values())
         soak = soak_figures(o)
         hold = soak.held_back_mib if soak is not None else 0
-        spare_mib = o.device_total_mib - peak - hold - tighten_margin_mib(o.device_total_mib)
+        margin = tighten_margin_mib(o.device_total_mib)
+        spare_mib = o.device_total_mib - peak - hold - margin
         # Without a soak, a proven peak near the top stands; a shortfall under half the thin
         # margin is within what one sampled run can tell apart (it would only creep).
-        margin = tighten_margin_mib(o.device_total_mib)
         if hold > 0 and -spare_mib > margin // 2:
             return self.hold_back(s, o, proven, min(-spare_mib, hold), hold)
         if spare_mib < 0 or spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
@@ -295,7 +300,7 @@ class V1Tuner(Method):
         self.decide("tighten",
                     f"the validation's peak left {o.device_total_mib - peak:,} MiB of "
                     f"{o.device_total_mib:,} MiB unused; try {spare_mib:,} MiB more KV (keeping "
-                    f"{tighten_margin_mib(o.device_total_mib)} MiB"
+                    f"{margin} MiB"
                     + (f" and {hold:,} MiB for more growth, twice the soak's second half"
                        if hold else "")
                     + "), proven in turn", kv_cache_bytes=wider.kv_cache_bytes)
@@ -307,11 +312,8 @@ class V1Tuner(Method):
             return replace(proven, outcomes=tuple(self.outcomes),
                            decisions=tuple(self.decisions))
         self.decide("validated", self.proven(wider, t))
-        widened = replace(proven, final=wider, kv_tokens=t.kv_tokens if t.kv_tokens is not None
-                          else kv_tokens_for(wider.kv_cache_bytes or 0, self.cfg.bytes_per_token,
-                                             self.cfg.block_size),
-                          outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
-        return self.tighten(wider, t, widened)  # its own soak may still ask for headroom
+        # Its own soak may still ask for headroom.
+        return self.tighten(wider, t, self.result(wider, True, t.kv_tokens))
 
     def hold_back(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result, short_mib: int,
                   hold_mib: int) -> V1Result:
@@ -336,12 +338,11 @@ class V1Tuner(Method):
                     f"{(lower.kv_cache_bytes or 0) / GIB:.2f} GiB, proven in turn",
                     kv_cache_bytes=lower.kv_cache_bytes, held_back_mib=hold_mib)
         self.check_one_sequence(lower.kv_cache_bytes or 0, "holding the growth back leaves")
-        return self.validate(lower, proven.budget, proven.measured_by, proven.profiled_kv_tokens)
+        return self.validate(lower)
 
-    def result(self, s: LaunchSettings, validated: bool, budget: PinnedBudget | None,
-               measured_by: str, profiled: int | None, kv_tokens: int | None) -> V1Result:
+    def result(self, s: LaunchSettings, validated: bool, kv_tokens: int | None) -> V1Result:
         c = self.cfg
-        tokens = kv_tokens if kv_tokens is not None else kv_tokens_for(
+        tokens = kv_tokens if kv_tokens is not None else kvmath.kv_tokens(
             s.kv_cache_bytes or 0, c.bytes_per_token, c.block_size)
-        return V1Result(s, validated, budget, measured_by, profiled, self.profiled_util, tokens,
-                        tuple(self.outcomes), tuple(self.decisions))
+        return V1Result(s, validated, self.budget, self.measured_by, self.profiled,
+                        self.profiled_util, tokens, tuple(self.outcomes), tuple(self.decisions))

@@ -1,14 +1,22 @@
 """A V1 run's record (`tune.records.RunReport` with a `PinnedDerivation`): the KV pinned with
-`--kv-cache-memory-bytes`, never r0.1's variables. report.md and the startup files are written
-from the record by `tune.report`, like any run's."""
+`--kv-cache-memory-bytes`, never r0.1's variables, and where the device's memory went (the
+final configuration at its worst moment, the soak's growth, a vision-language model's images).
+Every printed sum is built here from the figures report.json keeps, so that it adds up
+(`tests/test_report_arithmetic.py` recomputes it); `report_sections` prints them, and
+report.md and the startup files are written from the record by `tune.report`, like any run's.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.base import LaunchSettings, Purpose
+from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
+from pretuner.engines.v1_images import Soak
 from pretuner.engines.vllm_v1 import V1Engine
+from pretuner.launch.images import ImageShape, worst_case_images
+from pretuner.pinned import kv_held_bytes
 from pretuner.report.records import (
     Asked,
     Final,
@@ -16,16 +24,14 @@ from pretuner.report.records import (
     RunReport,
     V1Baseline,
     V1Budget,
+    V1Images,
+    V1Memory,
+    V1Soak,
     V1Weights,
 )
 from pretuner.speed import too_slow
-from pretuner.tune.pinned.loop import V1Result
-from pretuner.tune.pinned.report_memory import (
-    final_launch,
-    images_record,
-    memory_record,
-    soak_record,
-)
+from pretuner.tune.pinned.loop import V1Config, V1Result
+from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures
 from pretuner.tune.report import (
     RunMeta,
     given_up,
@@ -35,29 +41,26 @@ from pretuner.tune.report import (
     step_json,
 )
 from pretuner.tune.setup import Vision
-from pretuner.units import GIB
+from pretuner.units import GIB, MIB
 
 
 @dataclass(frozen=True, slots=True)
 class PinnedFacts:
-    """What a V1 run's report says besides the common `RunMeta`."""
+    """What a V1 run's report says besides the common `RunMeta` and its `V1Config`."""
 
     engine: V1Engine
-    model: str
-    card_gib: int
-    bytes_per_token: int
-    asked_max_num_seqs: int
+    cfg: V1Config
     weights_format: str = "bf16"
     vision: Vision | None = None  # a vision-language model's images and soak
     weights: V1Weights | None = None  # the weights knobs and their plan (predicted)
     min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
 
-
-def pinned_layout(x: PinnedFacts, tp: int, pp: int) -> dict[str, Any]:
-    # A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq).
-    loaded = x.weights.loaded_as if x.weights and x.weights.quantization else x.weights_format
-    return {"model": x.model, "card_gib": x.card_gib, "tp": tp, "pp": pp, "nodes": 1,
-            "weights_format": loaded, "kv_bytes_per_token": x.bytes_per_token}
+    def layout(self) -> dict[str, Any]:
+        w, c = self.weights, self.cfg
+        # A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq).
+        loaded = w.loaded_as if w and w.quantization else self.weights_format
+        return {"model": c.model.name, "card_gib": c.card_gib, "tp": c.tp, "pp": c.pp, "nodes": 1,
+                "weights_format": loaded, "kv_bytes_per_token": c.bytes_per_token}
 
 
 def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
@@ -75,15 +78,15 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
     deployment = x.engine.deploy(f)
     argv = deployment.argv()
     asked_len = m.asked_max_model_len or f.max_model_len
-    asked_seqs = x.asked_max_num_seqs or f.max_num_seqs
+    asked_seqs = x.cfg.max_num_seqs
     # An emulated card's run (no --serve-cmd): what the real engine would run.
-    real = [*x.engine.row.command, real_model(m, x.model), *argv]
+    real = [*x.engine.row.command, real_model(m, x.cfg.model.name), *argv]
     return RunReport(
         **run_head(m, [step_json(o) for o in r.outcomes], r.decisions, r.validated,
-                   **pinned_layout(x, f.tp, f.pp)),
+                   **x.layout()),
         final=Final(
             env=deployment.env, flags=argv,
-            serve_command=[*x.engine.serve_command(x.card_gib), m.model_arg, *argv],
+            serve_command=[*x.engine.serve_command(x.cfg.card_gib), m.model_arg, *argv],
             engine_serve_command=real if m.simulated and not x.engine.serve_cmd else None,
             notes=list(deployment.notes), max_model_len=f.max_model_len,
             max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
@@ -98,7 +101,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
                 held_kv_mib=round(budget.held_kv_mib, 1),
                 non_kv_peak_mib=round(budget.non_kv_mib, 1), margin_mib=budget.margin_mib,
                 pinned_kv_mib=budget.kv_mib, lines=budget.lines()),
-            memory=memory_record(proof, x.bytes_per_token, provenance(m.simulated))
+            memory=memory_record(proof, x.cfg.bytes_per_token, provenance(m.simulated))
             if proof else None,
             images=images_record(x.vision, x.vision.images, proof or _any_launch(r),
                                  f.max_model_len)
@@ -116,3 +119,72 @@ def _any_launch(r: V1Result) -> LaunchOutcome | None:
     """A launch whose log said what the engine's encoder budget is (any will do)."""
     return next((o for o in r.outcomes if o.encoder_budget_tokens is not None), None)
 
+
+def final_launch(outcomes: tuple[LaunchOutcome, ...], final: LaunchSettings
+                 ) -> LaunchOutcome | None:
+    """The validation that proved the final configuration (the last one, when several did)."""
+    return next((o for o in reversed(outcomes) if o.kind is OutcomeKind.OK
+                 and o.settings.purpose is Purpose.VALIDATE and o.settings == final), None)
+
+
+def images_record(v: Vision, shape: ImageShape, o: LaunchOutcome | None, max_model_len: int
+                  ) -> V1Images:
+    count, side = worst_case_images(shape, max_model_len, 1)
+    return V1Images(
+        image_limit=shape.image_limit,
+        image_limit_source="--limit-mm-per-prompt" if v.limit_given else "vLLM's default",
+        max_image_px=[shape.max_side_px, shape.max_side_px],
+        tokens_per_image=shape.tokens_per_image,
+        worst_case_images=count, worst_case_image_px=[side, side],
+        encoder_budget_tokens=o.encoder_budget_tokens if o else None,
+        encoder_profiled_images=o.encoder_profiled_items if o else None,
+        mm_processor_cache_gb=v.mm_processor_cache_gb,
+        flags=[part for name, value in v.flags
+               for part in (name, *([] if value is None else [value]))])
+
+
+def soak_record(o: LaunchOutcome, asked: Soak) -> V1Soak | None:
+    f = soak_figures(o)
+    if f is None:
+        return None
+    figures = {name: getattr(f, name) for name in V1Soak.model_fields if hasattr(f, name)}
+    return V1Soak(launch=o.n, requests_asked=asked.requests, minutes_asked=asked.minutes,
+                  **figures)
+
+
+def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory | None:
+    """The final configuration's device, from its own validation's samples; `tag` is what the
+    samples are: "measured" on a real device, "simulated" on an emulated one."""
+    total, kv = o.device_total_mib, o.settings.kv_cache_bytes
+    held = kv_held_bytes(o.kv_tokens, bytes_per_token, o.kv_gib)
+    if total is None or kv is None or held is None or not o.device_peaks_mib:
+        return None
+    f = soak_figures(o)
+    peak = f.peak_before_mib if f is not None else max(o.device_peaks_mib.values())
+    growth = f.peak_growth_mib if f is not None else 0
+    hold = f.held_back_mib if f is not None else 0
+    non_kv = peak - held / MIB
+    pinned = kv / MIB
+    free = total - non_kv - growth - hold - pinned
+    lines = [
+        f"non-KV peak: the worst moment before any soak (weights, activations, graphs"
+        f"{', the encoder' if f is not None else ''}) = device peak {peak:,} MiB - KV held "
+        f"{held / MIB:,.1f} MiB | {non_kv:,.1f} | {tag}",
+    ]
+    if f is not None:
+        lines += [
+            f"growth under the soak: the peak from the soak on ({f.peak_after_mib:,} MiB) above "
+            f"the peak before it | {growth:,} | {tag}",
+            f"held back for more growth: {HOLD_DOUBLINGS} x what the soak's second half still "
+            f"added ({f.after_mib:,} - {f.half_mib:,} MiB) | {hold:,} | derived, kept free",
+        ]
+    lines += [
+        f"pinned KV cache (--kv-cache-memory-bytes {kv}) | {pinned:,.1f} | derived",
+        f"free at the worst moment (the rest; the pinned KV's unallocated tail, "
+        f"{pinned - held / MIB:,.1f} MiB, is in it) | {free:,.1f} | computed",
+        f"device total | {total:,} | {tag}",
+    ]
+    return V1Memory(launch=o.n, device_total_mib=total, kv_held_mib=round(held / MIB, 1),
+                    non_kv_peak_mib=round(non_kv, 1), soak_growth_mib=growth,
+                    held_back_mib=hold, pinned_kv_mib=round(pinned, 1),
+                    free_mib=round(free, 1), lines=lines)

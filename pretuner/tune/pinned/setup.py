@@ -17,7 +17,6 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
@@ -38,7 +37,7 @@ from pretuner.report.records import RunReport, V1Weights
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
-from pretuner.tune.pinned.report import PinnedFacts, pinned_layout, report_json
+from pretuner.tune.pinned.report import PinnedFacts, report_json
 from pretuner.tune.report import RunMeta
 from pretuner.tune.setup import OnDecision, Setup, Vision, launch_context
 from pretuner.units import GIB, MIB
@@ -82,8 +81,7 @@ def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knob
     if knobs.quantization is not None:
         v.choice("--quantization", knobs.quantization, METHODS)
     v.non_negative("--cpu-offload-gb", knobs.cpu_offload_gib, example="14")
-    if knobs.swap_space_gib is not None:
-        v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
+    v.non_negative("--swap-space", knobs.swap_space_gib, example="4")
     return knobs, tuple(rest)
 
 
@@ -118,9 +116,8 @@ def check_host(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> str | No
             f"on the card (predicted); host {host.words()}")
 
 
-def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None,
-                   log_gib: float | None) -> V1Weights | None:
-    """The run record's `weights` block."""
+def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None) -> V1Weights | None:
+    """The run record's `weights` block, as planned (the proof adds what the engine loaded)."""
     wp = p.weights_plan
     if wp is None:
         return None
@@ -131,8 +128,7 @@ def weights_record(p: PlanResult, knobs: Knobs, host: HostMemory | None,
         enforce_eager=knobs.enforce_eager,
         loaded_gib_per_card=round(wp.loaded_bytes_per_card / GIB, 3),
         offloaded_gib_per_card=round(wp.offload_bytes_per_card / GIB, 3),
-        card_weights_gib=round(wp.card_weights_bytes / GIB, 3),
-        card_weights_log_gib=log_gib,
+        card_weights_gib=round(wp.card_weights_bytes / GIB, 3), card_weights_log_gib=None,
         host_offload_gib=round(wp.offload_bytes_per_card * cards / GIB, 3),
         host_swap_gib=round(knobs.swap_gib * p.tp, 3),
         host_available_gib=round(host.available_bytes / GIB, 3) if host else None,
@@ -207,8 +203,7 @@ def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
     seqs = opts.max_num_seqs if opts.max_num_seqs is not None else (
         row.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS)
     v.int_range("--max-num-seqs", seqs, 1, MAX_NUM_SEQS)
-    if opts.max_num_batched_tokens is not None:
-        v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
+    v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
     if opts.model_use_gib is not None:
         raise BadInputError("--model-use-gb is vLLM-MindSpore r0.1's variable; a V1 engine "
                             "takes --kv-cache-memory-bytes, which pretuner derives",
@@ -267,17 +262,14 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                          hooks=V1Hooks(bpt, vision.images, vision.soak))
     card_info = CardInfo(card, None,
                          "--card" if opts.card_gib is not None else "the device's size")
-    facts = PinnedFacts(
-        engine=engine, model=spec.name, card_gib=card, bytes_per_token=bpt,
-        asked_max_num_seqs=seqs, weights_format=p.weights_format,
-        vision=None if vision.images is None else vision,
-        weights=weights_record(p, knobs, host, None), min_tokens_per_s=opts.min_tokens_per_s)
+    facts = PinnedFacts(engine, cfg, p.weights_format, None if vision.images is None else vision,
+                        weights_record(p, knobs, host), opts.min_tokens_per_s)
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:
         return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,
                             host_line=host_line)
 
-    setup = Setup(choice, engine, spec, model_arg, ctx, card_info, p.layout_reason, cfg, start,
+    setup = Setup(choice, engine, model_arg, ctx, card_info, p.layout_reason, cfg, start,
                   vision)
     return setup
 
@@ -315,11 +307,8 @@ class PinnedMethod(V1Tuner):
             widen_hint(err, self.facts.engine.knobs)
             raise
 
-    def first_launch(self) -> LaunchSettings:
-        return self.settings(Purpose.PRERUN, self.cfg.util, self.prerun_kv())
-
     def report_json(self, result: V1Result, meta: RunMeta) -> RunReport:
         return report_json(result, meta, self.facts)
 
     def layout(self) -> dict[str, Any]:
-        return pinned_layout(self.facts, self.cfg.tp, self.cfg.pp)
+        return self.facts.layout()

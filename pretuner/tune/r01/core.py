@@ -173,18 +173,20 @@ class TunerCore(Method):
         assert o.worst_peak_mib is not None  # noqa: S101 - OK outcomes always carry a peak
         return o.worst_peak_mib * MIB - kv_prerun_bytes(o.settings, self.bpt)
 
+    def full_load_non_kv(self, o: LaunchOutcome) -> int:
+        """What a launch's worst rank held besides the KV cache (its pool dump), plus the
+        allocation that failed when it ran out."""
+        kv = kv_prerun_bytes(o.settings, self.bpt)
+        return (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
+
     def oom_bound(self, o: LaunchOutcome) -> int:
         """What an out-of-memory pre-run proves: weights + activations exceed the pool it had
         besides the KV cache, and at least the dump's peak plus the allocation that failed."""
         kv = kv_prerun_bytes(o.settings, self.bpt)
         room = int(o.settings.card_gib * GIB * o.settings.util) - kv
-        seen = (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
-        return max(room + 1, seen)
+        return max(room + 1, self.full_load_non_kv(o))
 
     # -- the loop ---------------------------------------------------------------------------
-
-    def any_fit(self) -> bool:
-        return bool(self.fits[False] or self.fits[True])
 
     def free_desc(self) -> str:
         if self.free is None:

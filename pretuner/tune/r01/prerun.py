@@ -63,7 +63,7 @@ class PrerunSearch(TunerCore):
         util_steps = iter(UTIL_LADDER)
         reserve_for_validation = 1 if cfg.validate else 0
         while True:
-            if self.launches_left() <= reserve_for_validation and self.any_fit():
+            if self.launches_left() <= reserve_for_validation and any(self.fits.values()):
                 self.decide("stop narrowing", "the launch budget is kept for the validation")
                 break
             most = self.prerun_most(util, length) - kv_extra

@@ -131,23 +131,19 @@ class Budget:
     headroom_one_seq_bytes: int  # headroom of a configuration that serves one sequence,
     headroom_share: float = 0.0  # plus this share of the activations (WA - weights)
     weights_bytes: int = 0
-    integer_model_use: bool = True  # r0.1: vLLM_MODEL_MEMORY_USE_GB is an integer of GiB
 
     def headroom(self, wa_bytes: int) -> int:
         act = max(0, wa_bytes - self.weights_bytes)
         return self.headroom_one_seq_bytes + int(self.headroom_share * act)
 
-    def kv_one_bytes(self, length: int) -> int:
-        blocks = kv_blocks_for_one(length, self.block_size, self.watermark)
-        return blocks * self.block_size * self.kv_bytes_per_token
-
     def model_use_bytes(self, wa_bytes: int) -> int:
         need = wa_bytes + self.headroom(wa_bytes)
-        return math.ceil(need / GIB - 1e-9) * GIB if self.integer_model_use else need
+        return math.ceil(need / GIB - 1e-9) * GIB  # r0.1 takes whole GiB
 
     def fits(self, length: int, wa_bytes: int) -> bool:
         """One sequence of `length` fits beside this WA (headroom and rounding included)."""
-        kv = self.kv_one_bytes(length)
+        blocks = kv_blocks_for_one(length, self.block_size, self.watermark)
+        kv = blocks * self.block_size * self.kv_bytes_per_token
         used = wa_bytes + self.headroom(wa_bytes) + kv
         # The pool also keeps the block a pre-run keeps spare (`Tuner.prerun_most`), so a
         # length that fits here can be pre-run with the model-use it needs.

@@ -1,5 +1,5 @@
 """The r0.1 method's `Setup` (the card as npu-smi sizes it, the layout, the emulated card's
-environment, the launch context) and `R01Method`, `Tuner` as the pipeline in
+environment, the launch context), its `Tuner`, and `R01Method`, the `Tuner` as the pipeline in
 `pretuner.tune.entry` runs it."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from pretuner.tune.r01.config import (
     pool_on_demand,
     prerun_util,
 )
-from pretuner.tune.r01.loop import Tuner
+from pretuner.tune.r01.prerun import PrerunSearch
+from pretuner.tune.r01.validation import Validation
 from pretuner.tune.report import RunMeta, plan_layout, report_json
 from pretuner.tune.setup import OnDecision, Setup, launch_context
 
@@ -107,7 +108,7 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
         return R01Method(cfg, execute, phase, on_decision, setup=setup, engine=engine)
 
-    setup = Setup(choice, engine, spec, model_arg, ctx, cfg.card, p.layout_reason, cfg, start)
+    setup = Setup(choice, engine, model_arg, ctx, cfg.card, p.layout_reason, cfg, start)
     return setup
 
 
@@ -144,6 +145,37 @@ def check_r01_flags(opts: RunOptions) -> None:
         raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
                             "flag; the r0.1 method builds its own command",
                             hint="name a V1 engine (--engine vllm|...)")
+
+
+class Tuner(PrerunSearch, Validation):
+    """The r0.1 pre-run method: plan the layout, pre-run (max-num-seqs 1, one max-length
+    request that must really run) until the longest length that fits at the memory the final
+    configuration will have is known (`prerun`), derive at the final util (`core`), and prove it
+    under full load (`validation`). Never report an unproven configuration."""
+
+    def run(self) -> TuneResult:
+        cfg = self.cfg
+        self.decide(
+            "layout", self.plan.layout_reason, tp=self.plan.tp, pp=self.plan.pp,
+            nodes=self.plan.nodes,
+        )
+        for note in self.plan.notes:
+            self.decide("layout note", note)
+        self.check_start()  # a busy card ends the run here, before any util is derived
+        util = prerun_util(cfg)
+        if util < cfg.util:
+            self.decide(
+                "lower pre-run util",
+                f"the card has {cfg.card.free_mib:,} MiB free ({cfg.card.source}); "
+                f"util {cfg.util} would ask more",
+                util=util,
+            )
+        best = self.search(util)
+        derivation, source = self.derive(best)
+        if not cfg.validate:
+            self.decide("skip validation", "--no-validate: the configuration is NOT proven")
+            return self.result(derivation, False, source, best, None)
+        return self.validate(best, derivation, source)
 
 
 class R01Method(Tuner):

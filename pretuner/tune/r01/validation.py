@@ -19,11 +19,9 @@ from pretuner.tune.r01.config import (
     EDGE_MARGIN_FLOOR_BYTES,
     LEARN_MARGIN,
     TIGHTEN_MARGIN_FLOOR_BYTES,
-    TIGHTEN_MARGIN_SHARE,
     TIGHTEN_MIN_GAIN,
     UTIL_LADDER,
     TuneResult,
-    kv_prerun_bytes,
 )
 from pretuner.tune.r01.core import TunerCore
 from pretuner.units import GIB, MIB
@@ -92,12 +90,6 @@ class Validation(TunerCore):
         d, source, outcome = proven
         return self.result(d, True, source, prerun, outcome)
 
-    def full_load_non_kv(self, o: LaunchOutcome) -> int:
-        """What a validation's worst rank held besides the KV cache (its pool dump), plus the
-        allocation that failed when it ran out."""
-        kv = kv_prerun_bytes(o.settings, self.bpt)
-        return (o.worst_peak_mib or 0) * MIB - kv + (o.oom_alloc_bytes or 0)
-
     def tighten(
         self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome
     ) -> tuple[Derivation, str] | None:
@@ -112,9 +104,7 @@ class Validation(TunerCore):
         # pre-run (one) and the validation, or the model's per-sequence figure.
         slope = max(0, (full - wa) // (seqs - 1)) if seqs > 1 else self.per_seq
         slope = int(slope * 1.02)
-        margin = TIGHTEN_MARGIN_FLOOR_BYTES + int(
-            TIGHTEN_MARGIN_SHARE * max(0, full - self.weights_bytes)
-        )
+        margin = self.one_sequence_margin(full)
         # derive() adds base + slope x (sequences - 1): at `seqs` that is full - wa + margin.
         base = max(0, full - wa + margin - slope * (seqs - 1))
         try:

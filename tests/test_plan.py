@@ -12,7 +12,7 @@ from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models import ModelSpec, builtin_specs, lookup
 from pretuner.plan.layout import PlanConfig, plan
 from pretuner.units import GIB
-from tests.helpers import invoke
+from tests.helpers import invoke, shared
 
 
 def test_deepseek_v3_w8a8_on_64g_needs_tp16_on_two_nodes() -> None:
@@ -23,6 +23,35 @@ def test_deepseek_v3_w8a8_on_64g_needs_tp16_on_two_nodes() -> None:
     assert [tp for tp, _ in r.rejected] == [1, 2, 4, 8]
     assert r.kv_bytes_per_token == 70_272
     assert r.requested.fits
+
+
+@pytest.mark.parametrize(("name", "model"), [("A2-util090", "qwen3-8b"),
+                                           ("G1-moe-util090", "qwen3-30b-a3b")])
+def test_vllm_plan_predicts_the_real_h100_kv_tokens(name: str, model: str) -> None:
+    """Issue 27 item 8: `plan --engine vllm --card 80` at the real run's util and length, TP1,
+    within 5 % of its KV tokens, dense and MoE alike (one step of chunked prefill; an MoE's
+    expert buffers and the sampler vLLM profiles it with)."""
+    data = json.loads(shared("real-logs", "vllm-0.24-h100", f"{name}.json").read_text("utf-8"))
+    cmd = data["cmd"]
+    util = float(cmd[cmd.index("--gpu-memory-utilization") + 1])
+    mml = int(cmd[cmd.index("--max-model-len") + 1])
+    r = plan(PlanConfig(model=lookup(model), card_gib=80, util=util, max_model_len=mml, tp=1,
+                        engine="vllm"))
+    assert abs(r.requested.kv_tokens / data["kv_tokens"] - 1) <= 0.05
+
+
+def test_vllm_activation_is_one_chunked_prefill_step_and_moe_adds_the_sampler() -> None:
+    """A V1 engine prefills max_num_batched_tokens a step, whatever the length; vLLM profiles
+    an MoE with max_num_seqs sampled rows, more of them on an 80 GiB card than a 64 GiB one."""
+    def act(model: str, card: int, length: int) -> int:
+        cfg = PlanConfig(model=lookup(model), card_gib=card, max_model_len=length, tp=1,
+                         engine="vllm")
+        return plan(cfg).requested.activation_bytes
+
+    dense = [act("qwen3-8b", 80, n) for n in (32768, 16384, 8192, 4096)]
+    assert dense[0] == dense[1] == dense[2] > dense[3]
+    # 1024 rows on an 80 GiB card, 256 on a 64 GiB one; 151,936 logits of 18 B each
+    assert act("qwen3-30b-a3b", 80, 8192) - act("qwen3-30b-a3b", 64, 8192) > 1.5 * GIB
 
 
 def test_requested_tp_is_checked() -> None:

@@ -202,6 +202,8 @@ def spec_from_folder(path: Path) -> ModelSpec:
         intermediate_size=r.req_int(
             "intermediate_size", "ffn_hidden_size", "n_inner", "moe_intermediate_size"),
         num_experts=r.opt_int("num_experts", "n_routed_experts", "num_local_experts") or 0,
+        num_experts_per_tok=r.opt_int("num_experts_per_tok", "experts_per_token") or 0,
+        moe_intermediate_size=r.opt_int("moe_intermediate_size"),
         max_position_embeddings=r.req_int(
             "max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"),
         kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope, sliding_window=window,

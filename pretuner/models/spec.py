@@ -60,6 +60,8 @@ class ModelSpec:
     sliding_window: int | None = None
     sliding_window_layers: int = 0
     num_experts: int = 0
+    num_experts_per_tok: int = 0  # the experts a token is routed to (MoE)
+    moe_intermediate_size: int | None = None  # one expert's width; None: intermediate_size
     active_params: int | None = None
     default_weights: str | None = None  # the format users deploy on Ascend when not told
     # Models of the CPU reference server (pretuner.sim.mindspore_cpu): attention keeps a

@@ -17,7 +17,7 @@ from pretuner.devices import select_reader
 from pretuner.engines.mindspore_r01 import R01Engine
 from pretuner.engines.registry import engine_class
 from pretuner.engines.v1_knobs import Knobs
-from pretuner.engines.vllm_v1 import V1Engine, V1Row
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB
@@ -46,6 +46,12 @@ MIN_KV_SHARE = 0.10
 # 16k sequence at TP1, about nine at TP2); step by step, so the proposal stops where the next
 # doubling of cards no longer doubles what each card serves.
 BETTER_PER_CARD = 2.0
+# vLLM's OpenAI server samples up to 1024 sequences a step on a GPU of at least 70 GiB (H100,
+# H200), 256 on smaller ones, unless told (or its row says otherwise).
+BIG_GPU_GIB, BIG_GPU_SEQS, GPU_SEQS = 70, 1024, 256
+# The bytes per row and vocabulary entry of a top-k/top-p sampler: bf16 logits, their fp32
+# copy, and the sort's fp32 values and int64 indices.
+SORT_BYTES = 18
 
 
 def layout_options(
@@ -107,6 +113,27 @@ def activation_bytes(spec: ModelSpec, tokens: int, tp: int) -> int:
         act += 3 * max(1, spec.num_heads // tp) * tokens * tokens * spec.dtype_bytes
     workspace = WORKSPACE_BYTES if spec.workspace_bytes is None else spec.workspace_bytes
     return act + workspace
+
+
+def v1_activation_bytes(cfg: PlanConfig, row: V1Row, tp: int, length: int) -> int:
+    """A V1 engine's profile peak: one step of chunked prefill (max_num_batched_tokens at
+    most); for an MoE with the fused-MoE kernel's buffers, and on CUDA the sampler's."""
+    spec, dt = cfg.model, cfg.model.dtype_bytes
+    tokens = min(length, cfg.max_num_batched_tokens or row.default_batched_tokens)
+    act = activation_bytes(spec, tokens, tp)
+    if not spec.num_experts_per_tok:
+        return act
+    # The routed experts stand for the dense MLP: gate/up, the activation and the output of
+    # each of a token's top-k experts.
+    inter = (spec.moe_intermediate_size or spec.intermediate_size) // tp
+    experts = spec.num_experts_per_tok * (3 * inter + spec.hidden_size)
+    act += tokens * dt * (experts - 3 * spec.intermediate_size // tp)
+    if row.device != "cuda":
+        return act
+    # vLLM runs MoE models on its V1 GPU runner, whose profile run also samples max_num_seqs
+    # dummy rows with top-k/top-p; the larger of the two is the peak.
+    seqs = row.default_max_num_seqs or (BIG_GPU_SEQS if cfg.card_gib >= BIG_GPU_GIB else GPU_SEQS)
+    return max(act, activation_bytes(spec, 0, tp) + seqs * spec.vocab_size * SORT_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +249,9 @@ def _layout_error(cfg: PlanConfig, tp: int) -> str | None:
 def _length_plan(cfg: PlanConfig, tp: int, length: int) -> LengthPlan:
     weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
     bpt = _bpt(cfg, tp)
-    act = activation_bytes(cfg.model, length, tp)
+    row = ROWS.get(cfg.engine or "")
+    act = (activation_bytes(cfg.model, length, tp) if row is None
+           else v1_activation_bytes(cfg, row, tp, length))
     whole_gib = cfg.engine_class.budget_in_whole_gib
     model_use = math.ceil((weights + act) / GIB + cfg.headroom_gib) if whole_gib else None
     used = weights + act + int(cfg.headroom_gib * GIB) if model_use is None else model_use * GIB

@@ -224,8 +224,9 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
                       f"{_gib(total)} GiB) on startup is less than desired GPU memory utilization "
                       f"({cfg.util}, {_gib(requested)} GiB). Decrease GPU memory utilization or "
                       "reduce GPU memory used by other processes.", "free")
-    log.core("gpu_worker.py:331", "Using V2 Model Runner")
-    log.core("model_runner.py:281", "Loading model from scratch...")
+    if not card.moe:  # an MoE model gets the V1 runner (`memory`'s docstring)
+        log.core("gpu_worker.py:331", "Using V2 Model Runner")
+        log.core("model_runner.py:281", "Loading model from scratch...")
     log.core("cuda.py:480", "Using FLASH_ATTN attention backend out of potential backends: "
              "['FLASH_ATTN', 'TRITON_ATTN', 'FLEX_ATTENTION'].")
     if loaded.quant is not None and loaded.quant.method == "bitsandbytes":
@@ -240,7 +241,8 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
                   stage="load")
     sink.pause(step_s)
     sink.level(context + card.weights_bytes)
-    log.core("model_runner.py:302", f"Model loading took {_gib(card.weights_bytes)} GiB and "
+    runner = ("gpu_model_runner.py:5255", " memory") if card.moe else ("model_runner.py:302", "")
+    log.core(runner[0], f"Model loading took {_gib(card.weights_bytes)} GiB{runner[1]} and "
              f"{1.2 + card.weights_bytes / GIB / 7.5:.6f} seconds")
     if not cfg.enforce_eager:
         log.core("backends.py:1148", "Dynamo bytecode transform time: 3.59 s")
@@ -253,7 +255,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         spec.vision, tp=cfg.tp, dtype_bytes=spec.dtype_bytes, seed=cfg.sim_seed,
         image_limit=cfg.image_limit, max_model_len=mml, max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens)
-    profile_bytes = card.profile_activation_bytes(cfg.max_num_batched_tokens)
+    profile_bytes = card.profile_activation_bytes(cfg.max_num_batched_tokens, cfg.max_num_seqs)
     if vision is not None:
         if vision.budget_tokens:
             log.core("model_runner.py:4415", f"Encoder cache will be initialized with a budget "
@@ -311,7 +313,11 @@ def _kv_budget(cfg: V1Config, card: V1Card, log: L.V1Log, requested: int, free: 
                profile_bytes: int) -> int:
     """The KV bytes: util minus profiling's non-KV figure, or the pinned bytes as given."""
     if cfg.kv_cache_memory_bytes is None:
-        kv = requested - (card.weights_bytes + card.persistent_bytes + profile_bytes)
+        graphs = 0 if cfg.enforce_eager else card.graph_estimate_bytes
+        if graphs:
+            log.core("gpu_model_runner.py:6588", f"Estimated CUDA graph memory: {_gib(graphs)} "
+                     "GiB total")
+        kv = requested - (card.weights_bytes + card.persistent_bytes + profile_bytes + graphs)
         log.core("gpu_worker.py:508", f"Available KV cache memory: {_gib(kv)} GiB")
         return kv
     kv = cfg.kv_cache_memory_bytes

@@ -1,12 +1,18 @@
 """The emulated CUDA card's memory under vLLM 0.24 (V1 engine): every coefficient lives here.
 
 Pure. Bytes per rank unless the name says MiB; the numbers are *simulated*, calibrated so that
-seed 0 on `h100-80` replays the real Qwen3-8B runs under ../shared/real-logs/vllm-0.24-h100/
-(outcome, KV figures and NVML peaks). NVML counts the driver's idle reservation, other tenants,
+seed 0 on `h100-80` replays the real Qwen3-8B and -30B-A3B runs under
+../shared/real-logs/vllm-0.24-h100/ at the max-num-seqs they ran with, vLLM's 1024 (outcome, KV
+figures and NVML peaks). NVML counts the driver's idle reservation, other tenants,
 then this process: CUDA context, weights, persistent buffers, KV cache, CUDA-graph pool and
 torch's cached transients (kept reserved, so NVML only grows). Profiling (util mode) sees only
 a dummy step of max_num_batched_tokens: not graph capture, warm-up, the sampler's logits nor a
-real step's workspace. That gap is why util 0.98 passes profiling and dies in graph capture."""
+real step's workspace. That gap is why util 0.98 passes profiling and dies in graph capture.
+
+An MoE model (the real Qwen3-30B-A3B run G1) starts on vLLM's V1 GPU model runner instead (the
+V2 runner the dense runs report has no fused MoE): its profile run also samples max_num_seqs
+dummy rows with top-k/top-p (a sort of the whole vocabulary), and the CUDA-graph estimate it
+logs is taken from the KV budget. Its warm-up after the KV cache samples the same way."""
 
 from __future__ import annotations
 
@@ -74,14 +80,20 @@ class Coefficients:
     graph_scratch_mib: float = 922.0  # capture scratch held beside it (freed afterwards)
     graph_alloc_mib: float = 248.0  # the largest FULL graph's attention workspace
     warmup_mib: float = 640.0  # kernel warm-up's dummy batch, kept in torch's cache
-    sampler_copies: float = 4.0  # fp32 logits rows per max_num_seqs in the sampler warm-up
+    sampler_copies: float = 1.0  # fp32 logits rows per sequence (1024 x vocab x 4 B on H100)
     sampler_extra: float = 0.52  # softmax/sort temporaries, as a share of those logits
     step_fixed_mib: float = 1030.0  # per-step workspace a real step holds, profiling does not
     step_hidden: float = 2.0  # bf16 hidden-sized buffers per scheduled token
     step_sampler_copies: float = 2.0  # fp32 logits copies per sampled row in a real step
+    # Bytes per row and vocabulary entry of the V1 runner's profiled sampler: the bf16 logits,
+    # their fp32 copy, the sort's fp32 values and int64 indices (top-k/top-p sorts them all).
+    sort_bytes: float = 18.0
+    graph_estimate_share: float = 0.8  # the V1 runner's estimate / the pool (G1: 0.64 / 0.80)
+    moe_graph_factor: float = 1.18  # an MoE layer's graphs hold more than a dense one's (G1)
 
 
-_FIXED = frozenset({"sampler_copies", "step_hidden", "profile_hidden"})  # shapes, not sizes
+_FIXED = frozenset({"sampler_copies", "step_hidden", "profile_hidden", "sort_bytes",
+                    "graph_estimate_share"})  # shapes, not sizes
 
 
 def perturbed(seed: int) -> Coefficients:
@@ -156,10 +168,37 @@ class V1Card:
         """`GPU KV cache size: N tokens`: whole blocks only."""
         return max(0, kv_bytes // self.block_bytes) * self.block_size
 
-    def profile_activation_bytes(self, batched_tokens: int) -> int:
-        s = self.spec
-        per_token = 3 * s.intermediate_size / self.tp + self.coeffs.profile_hidden * s.hidden_size
-        return int(batched_tokens * s.dtype_bytes * per_token)
+    @property
+    def moe(self) -> bool:
+        """Routed experts: the V1 runner and the fused-MoE kernel (module docstring)."""
+        return self.spec.num_experts_per_tok > 0
+
+    def mlp_bytes(self, tokens: int) -> tuple[int, int]:
+        """The MLP's two transients for `tokens` tokens: gate/up and the activation; for an
+        MoE, the fused-MoE kernel's workspaces: (tokens, top_k, max(2 I, H)) holds gate/up and
+        then the experts' outputs, (tokens, top_k, I) the activation."""
+        s, dt = self.spec, self.spec.dtype_bytes
+        if not self.moe:
+            inter = s.intermediate_size // self.tp
+            return 2 * inter * tokens * dt, inter * tokens * dt
+        inter = (s.moe_intermediate_size or s.intermediate_size) // self.tp
+        rows = tokens * s.num_experts_per_tok
+        return rows * max(2 * inter, s.hidden_size) * dt, rows * inter * dt
+
+    def profile_activation_bytes(self, batched_tokens: int, max_num_seqs: int) -> int:
+        """The profile run's peak above the weights: the dummy step's, or the V1 runner's
+        sampler over max_num_seqs rows where that is larger."""
+        s, c = self.spec, self.coeffs
+        if not self.moe:
+            per_token = 3 * s.intermediate_size / self.tp + c.profile_hidden * s.hidden_size
+            return int(batched_tokens * s.dtype_bytes * per_token)
+        forward = int(batched_tokens * s.dtype_bytes * c.profile_hidden * s.hidden_size)
+        forward += sum(self.mlp_bytes(batched_tokens))
+        return max(forward, self.sort_bytes(max_num_seqs))
+
+    def sort_bytes(self, rows: int) -> int:
+        """The V1 runner's top-k/top-p sampler over `rows` rows of logits."""
+        return round_alloc(rows * self.spec.vocab_size * self.coeffs.sort_bytes)
 
     def base_bytes(self, context_bytes: int) -> int:
         """Process memory after profiling, before the KV cache."""
@@ -168,7 +207,13 @@ class V1Card:
     # -- what happens after the KV cache is allocated -----------------------------------------
     @property
     def graph_pool_bytes(self) -> int:
-        return self._mib(self.coeffs.graph_pool_mib)
+        c = self.coeffs
+        return self._mib(c.graph_pool_mib * (c.moe_graph_factor if self.moe else 1.0))
+
+    @property
+    def graph_estimate_bytes(self) -> int:
+        """What the V1 runner's `Estimated CUDA graph memory` takes from the KV budget."""
+        return int(self.graph_pool_bytes * self.coeffs.graph_estimate_share) if self.moe else 0
 
     def graph_capture(self) -> Alloc:
         """The allocation that decides whether capture fits (pool + scratch held)."""
@@ -186,6 +231,8 @@ class V1Card:
     def warmup(self, max_num_seqs: int) -> list[Alloc]:
         """Kernel warm-up then the sampler's warm-up, each kept in torch's cache."""
         w = round_alloc(self._mib(self.coeffs.warmup_mib * self.step_scale))
+        if self.moe:
+            return [Alloc("warmup", 0, w), Alloc("sampler", w, self.sort_bytes(max_num_seqs))]
         logits = self.sampler_logits_bytes(max_num_seqs)
         extra = round_alloc(logits * self.coeffs.sampler_extra)
         return [Alloc("warmup", 0, w), Alloc("sampler", w, logits),
@@ -198,9 +245,7 @@ class V1Card:
         held = (self._mib(c.step_fixed_mib * self.step_scale)
                 + int(c.step_hidden * s.hidden_size * tokens * dt)
                 + int(c.step_sampler_copies * rows * s.vocab_size * 4))
-        inter = s.intermediate_size // self.tp
-        gate_up = round_alloc(2 * inter * tokens * dt)
-        act = round_alloc(inter * tokens * dt)
+        gate_up, act = (round_alloc(n) for n in self.mlp_bytes(tokens))
         return [Alloc("step", 0, held), Alloc("gate_up", held, gate_up),
                 Alloc("act", held + gate_up, act)]
 

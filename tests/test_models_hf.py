@@ -141,6 +141,7 @@ def test_sparse_700_gb_checkpoint_is_sized_from_headers(tmp_path: Path) -> None:
     assert spec.attention is AttentionKind.MLA
     assert (spec.kv_lora_rank, spec.qk_rope_head_dim, spec.head_dim) == (512, 64, 192)
     assert spec.num_experts == 256
+    assert (spec.num_experts_per_tok, spec.moe_intermediate_size) == (8, 2048)
     assert kv_bytes_per_token(spec, tp=16) == 70_272
 
 

@@ -72,6 +72,18 @@ def test_dims_match_the_hf_config(name: str) -> None:
     assert spec.dtype == "bfloat16"
 
 
+@pytest.mark.parametrize("name", sorted(s.name for s in builtin_specs() if s.num_experts))
+def test_moe_top_k_and_width_account_for_the_idle_experts(name: str) -> None:
+    """The experts' top-k and width (what the emulator and plan size the fused-MoE buffers
+    with) agree with the total and active parameters: the gap is the idle experts' weights."""
+    spec = lookup(name)
+    dense_layers = {"deepseek-v3": 3, "deepseek-r1": 3, "glm-4.5": 3}.get(name, 0)
+    idle = (spec.num_layers - dense_layers) * (spec.num_experts - spec.num_experts_per_tok)
+    assert spec.moe_intermediate_size is not None
+    idle_params = idle * 3 * spec.hidden_size * spec.moe_intermediate_size
+    assert spec.total_params - idle_params == pytest.approx(spec.active_params, rel=0.03)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIG_DIMS))
 def test_spec_is_self_consistent(name: str) -> None:
     spec = lookup(name)

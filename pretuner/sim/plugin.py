@@ -71,7 +71,7 @@ class SimEmulator:
 
     def card_name(self, env: Mapping[str, str]) -> str | None:
         card = CUDA_PROFILES.get(env.get(f"{PREFIX}PROFILE", ""))
-        return None if card is None else f"emulated {card.label}"
+        return None if card is None else f"emulated {card.model} {card.card_gb} GB"
 
     def smi_command(self) -> list[str]:
         return [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]

@@ -48,10 +48,6 @@ class CudaProfile:
         """torch's "total capacity": what NVML reports minus the idle reservation."""
         return (self.nvml_total_mib - self.idle_mib) * MIB
 
-    @property
-    def label(self) -> str:
-        return f"{self.model} {self.card_gb} GB"
-
 
 TIB_MIB = 1024 * 1024
 # Totals are NVML's (nvidia-smi's "MiB / TOTALMiB" on the real card, source beside each row);
@@ -70,7 +66,8 @@ CUDA_PROFILES: dict[str, CudaProfile] = {
         # github.com/allenai/PeerRead/issues/40: "0MiB / 81920MiB".
         CudaProfile("a100-80", "NVIDIA A100-SXM4-80GB", "A100", 80, 81920, 420, 500,
                     1700.0, 24.0, 250.0, 80, TIB_MIB, 61, 400),
-        # The 40960 MiB nvidia-smi shows on an A100-SXM4-40GB (widely published).
+        # 40960 MiB, as nvidia-smi shows an A100-SXM4-40GB in published output (not verified
+        # against a log: CUDA's 40,339 MiB in github.com/bottlerocket-os/bottlerocket/pull/3873).
         CudaProfile("a100-40", "NVIDIA A100-SXM4-40GB", "A100", 40, 40960, 420, 500,
                     1300.0, 24.0, 250.0, 80, 512 * 1024, 55, 400),
         # github.com/akash-network/provider-configs/pull/99: "NVIDIA L40S, ..., 46068 MiB".

@@ -34,6 +34,11 @@ class Emulator(Protocol):
         unknown card size is refused (exit 2)."""
         ...
 
+    def card_name(self, env: Mapping[str, str]) -> str | None:
+        """The emulated CUDA card a V1 launch under `env` runs on, as the output names it
+        ("emulated H200 141 GB"); None for another emulated card."""
+        ...
+
     def smi_command(self) -> list[str]:
         """The emulated `npu-smi info`, run under `launch_env`."""
         ...

@@ -12,7 +12,7 @@ import pytest
 from pretuner.analyze.v1 import read_memory_series
 from pretuner.engines.v1_launch import read_log
 from pretuner.units import MIB
-from tests.helpers import invoke
+from tests.helpers import invoke, run_cli
 
 H200 = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200"
 QWEN3_8B_BPT = 147_456  # 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 B
@@ -79,3 +79,22 @@ def test_a_real_device_is_named_by_its_measured_total() -> None:
 
     rep = read_report(H200 / "run32k")  # a report.json of schema 1: it still reads
     assert device_words(rep) == "143,771 MiB device(s) (measured)"
+
+
+@pytest.mark.slow
+def test_the_readme_example_reproduces_on_the_emulated_h200(tmp_path: Path) -> None:
+    # The README's real-GPU example run on the emulated H200 (`--card 141`; max-num-seqs 256 as
+    # the real run was told): the card is named, its NVML total is the real one, and the
+    # engine's profile and the proven pinned KV land within 1 % and 2 % of the real card's.
+    done = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "141",
+                   "--max-model-len", "32768", "--max-num-seqs", "256", "--json",
+                   "--out", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    emulated, real = json.loads(done.stdout), report("run32k")
+    assert emulated["card_source"] == "emulated H200 141 GB"
+    assert "emulated H200 141 GB device(s)" in (tmp_path / "run" / "report.md").read_text()
+    assert emulated["derivation"]["budget"]["device_total_mib"] == 143_771
+    assert real["derivation"]["device_total_mib"] == 143_771
+    assert emulated["derivation"]["baseline"]["kv_tokens"] == pytest.approx(
+        real["baseline"]["kv_tokens"], rel=0.01)
+    assert emulated["final"]["kv_tokens"] == pytest.approx(real["final"]["kv_tokens"], rel=0.02)

@@ -95,6 +95,10 @@ def test_the_card_is_said_in_its_methods_unit() -> None:
     assert device_words(failed(v1, "v1-pinned-kv")) == "80 GB device(s)"
     real = v1.model_copy(update={"simulated": False})
     assert device_words(real) == "81,559 MiB device(s) (measured)"
+    # An emulated CUDA card is said by its name and size (`card_source`), finished or failed.
+    named = v1.model_copy(update={"card_source": "emulated H200 141 GB", "card_gib": 141})
+    assert device_words(named) == "emulated H200 141 GB device(s)"
+    assert device_words(failed(named, "v1-pinned-kv")) == "emulated H200 141 GB device(s)"
     assert device_words(failed(real, "v1-pinned-kv")) == "80 GB device(s)"  # nothing measured
     cpu = v1.model_copy(update={"device_kind": "cpu"})
     for rep in (cpu, failed(cpu, "v1-pinned-kv")):

@@ -247,7 +247,7 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        pytest.param(["--engine", "vllm", "--card", "48"], "no 48 GB profile", id="card"),
+        pytest.param(["--engine", "vllm", "--card", "50"], "no 50 GB profile", id="card"),
         pytest.param(["--engine", "bogus"], "choose one of: auto", id="engine"),
         pytest.param(["--engine", "vllm", "--backend", "sim"], "keep --engine", id="both"),
         pytest.param(["--engine", "vllm", "--model-use-gb", "50"], "--kv-cache-memory-bytes",

@@ -19,6 +19,7 @@ from pretuner.models import lookup
 from pretuner.models.quant import from_flag, quantized_bytes
 from pretuner.sim.inproc import InprocRun
 from pretuner.sim.v1 import inproc, offload
+from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.sim.v1.truth import decode_tokens_per_s, max_kv_bytes
 from pretuner.units import GIB
 
@@ -82,7 +83,7 @@ def test_offload_slows_decode_by_the_bytes_over_pcie() -> None:
     assert rates[10] > rates[20] > rates[30]
     # each extra GiB costs the same time per token: 1 / PCIe bandwidth
     step = [1 / rates[g] for g in (10, 20, 30)]
-    pcie = offload.SPEEDS["cuda-32"].pcie_gib_s
+    pcie = CUDA_PROFILES["cuda-32"].pcie_gib_s
     assert step[1] - step[0] == pytest.approx(10 / pcie, rel=0.05)
     assert step[2] - step[1] == pytest.approx(10 / pcie, rel=0.05)
 

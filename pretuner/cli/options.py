@@ -45,8 +45,9 @@ Model = Annotated[str | None, MODEL]
 RequiredModel = Annotated[str, MODEL]
 Card = Annotated[int | None, typer.Option(
     "--card", metavar="GIB", rich_help_panel=MODEL_CARD,
-    help="Card GiB (default: what the device tool reports; the emulated card: 64, 80 for "
-    "V1 engines). vllm-cpu: the memory budget every server process runs under (default 6).",
+    help="Card GiB, a V1 engine's device GB (default: what the device tool reports; emulated: "
+    "64; V1 80, an H100; 40, 48, 94, 96, 141, 180: A100, L40S, H100 NVL, H20, H200, B200). "
+    "vllm-cpu: the memory budget every server process runs under (default 6).",
 )]
 Engine = Annotated[str, typer.Option(
     "--engine", metavar="NAME", rich_help_panel=ENGINE,

@@ -380,8 +380,8 @@ CARD_WORDS: dict[Method, str] = {"r0.1": "GiB card(s) ({source})", "v1-pinned-kv
 
 
 def device_words(rep: AnyReport) -> str:
-    """The devices as the run knew them: a real device's total as its reader measured it, else
-    --card in its method's unit (`CARD_WORDS`)."""
+    """The devices as the run knew them: a real device's total as its reader measured it, the
+    emulated CUDA card by name, else --card in its method's unit (`CARD_WORDS`)."""
     method = rep.method if isinstance(rep, FailureReport) else rep.derivation.method
     d = rep.derivation if isinstance(rep, RunReport) else None
     if method == "v1-pinned-kv" and rep.device_kind == "cpu":
@@ -389,6 +389,8 @@ def device_words(rep: AnyReport) -> str:
                 "vLLM on CPU has no device)")
     if not rep.simulated and isinstance(d, PinnedDerivation) and d.budget is not None:
         return f"{d.budget.device_total_mib:,} MiB device(s) (measured)"
+    if method == "v1-pinned-kv" and rep.card_source.startswith("emulated "):
+        return f"{rep.card_source} device(s)"  # the emulated card's name and size
     return f"{rep.card_gib} {CARD_WORDS[method].format(source=rep.card_source)}"
 
 

@@ -10,11 +10,12 @@ from pretuner.devices.base import DeviceReader
 from pretuner.devices.cpu import HostMemory
 from pretuner.emulation import Personality
 from pretuner.errors import BadInputError
+from pretuner.sim.v1.memory import CUDA_PROFILES
 
 # The emulated cards by --card size: Ascend for r0.1 (64 GB when none is given), CUDA for V1
-# (80 GB, an H100, when none is given).
+# (80 GB, an H100, when none is given; the first row of a size in CUDA_PROFILES is its default).
 R01_CARDS = {64: "910b-64", 32: "910b-32", 24: "310p-24"}
-V1_CARDS = {80: "h100-80", 64: "cuda-64", 32: "cuda-32", 24: "cuda-24", 20: "cuda-20"}
+V1_CARDS = {p.card_gb: p.name for p in reversed(CUDA_PROFILES.values())}
 PREFIX = "PRETUNER_SIM_"
 COMMANDS: dict[Personality, tuple[str, ...]] = {
     # Behind the same kind of wrapper as r0.1 (a child via subprocess.run), so the process
@@ -31,7 +32,7 @@ def _profile(cards: dict[int, str], card_gib: int | None, default: int, what: st
     if card_gib is None:
         return cards[default]
     if card_gib not in cards:
-        sizes = ", ".join(str(k) for k in cards)
+        sizes = ", ".join(str(k) for k in sorted(cards, reverse=True))
         raise BadInputError(f"{what.format(card_gib)} profile", hint=f"use --card {sizes}")
     return cards[card_gib]
 
@@ -48,7 +49,11 @@ class SimEmulator:
         knobs = {k: v for k, v in exported.items() if k.startswith(PREFIX)}
         if personality == "v1":
             profile = _profile(V1_CARDS, card_gib, 80, "the emulated CUDA card has no {} GB")
-            knobs.pop(f"{PREFIX}PROFILE", None)  # an r0.1 profile means nothing here
+            # An exported CUDA profile picks among the cards of that size (a100-80 for 80);
+            # another (an r0.1 profile) means nothing here.
+            chosen = CUDA_PROFILES.get(knobs.pop(f"{PREFIX}PROFILE", ""))
+            if chosen is not None and chosen.card_gb == CUDA_PROFILES[profile].card_gb:
+                profile = chosen.name
             return {f"{PREFIX}PROFILE": profile, f"{PREFIX}SEED": str(seed), **knobs}
         profile = _profile(R01_CARDS, card_gib, 64, "the emulated card has no {} GiB")
         env = {f"{PREFIX}PROFILE": profile, f"{PREFIX}SEED": str(seed)}
@@ -64,6 +69,10 @@ class SimEmulator:
         prefix = self.server_command(personality)
         return argv[len(prefix):] if argv[: len(prefix)] == prefix else argv
 
+    def card_name(self, env: Mapping[str, str]) -> str | None:
+        card = CUDA_PROFILES.get(env.get(f"{PREFIX}PROFILE", ""))
+        return None if card is None else f"emulated {card.model} {card.card_gb} GB"
+
     def smi_command(self) -> list[str]:
         return [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
 
@@ -76,7 +85,7 @@ class SimEmulator:
         from pretuner.sim.v1 import offload
 
         profile = env.get(f"{PREFIX}PROFILE") or V1_CARDS[80]
-        if profile not in offload.SPEEDS:
+        if profile not in CUDA_PROFILES:
             return None
         raw = env.get(offload.HOST_ENV)
         host_mib = int(raw) if raw and raw.isdigit() else None

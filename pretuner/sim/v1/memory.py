@@ -31,16 +31,23 @@ _REF_BATCHED_TOKENS = 8192  # the step budget of every calibration run but F
 
 @dataclass(frozen=True, slots=True)
 class CudaProfile:
-    """One kind of GPU as NVML and torch see it."""
+    """One kind of GPU as NVML and torch see it, and how fast it runs: one row per card."""
 
-    name: str
-    gpu_name: str
-    nvml_total_mib: int
+    name: str  # PRETUNER_SIM_PROFILE
+    gpu_name: str  # what NVML and nvidia-smi call it
+    model: str  # what the output calls it: "emulated H200 141 GB"
+    card_gb: int  # the --card that picks it (the first row of a size is that size's default)
+    nvml_total_mib: int  # NVML's memory.total, as nvidia-smi prints it on the real card
     idle_mib: int  # NVML used on an idle GPU (driver reservation)
     context_mib: int  # a CUDA context of a vLLM worker
+    hbm_gib_s: float  # weights read per step from the card's memory
+    pcie_gib_s: float  # pinned host memory to the card
+    tflops: float  # dense 16-bit FLOPs achieved by a prefill
+    capability: int  # CUDA compute capability x 10
+    host_mib: int  # the emulated host's memory (default of PRETUNER_SIM_HOST_MIB)
+    power_w: int
+    power_cap_w: int
     gpus_per_node: int = 8
-    power_w: int = 69
-    power_cap_w: int = 700
 
     @property
     def torch_total_bytes(self) -> int:
@@ -48,21 +55,49 @@ class CudaProfile:
         return (self.nvml_total_mib - self.idle_mib) * MIB
 
 
+TIB_MIB = 1024 * 1024
+# Totals are NVML's (nvidia-smi's "MiB / TOTALMiB" on the real card, source beside each row);
+# idle, context, power and speeds are simulated, except where a row says measured.
 CUDA_PROFILES: dict[str, CudaProfile] = {
     p.name: p
     for p in (
         # Calibrated on the real H100 80GB HBM3 logs: 81559 MiB total, 480 MiB idle,
         # "Initial free memory 78.66 GiB" (the context takes ~532 MiB).
-        CudaProfile("h100-80", "NVIDIA H100 80GB HBM3", 81559, 480, 532),
+        CudaProfile("h100-80", "NVIDIA H100 80GB HBM3", "H100", 80, 81559, 480, 532,
+                    3000.0, 50.0, 600.0, 90, TIB_MIB, 69, 700),
+        # tests/fixtures/real/vllm-0.24-h200: 143771 MiB, 615 MiB idle, the first context
+        # step to 1211 MiB (measured).
+        CudaProfile("h200-141", "NVIDIA H200", "H200", 141, 143771, 615, 596,
+                    4000.0, 50.0, 650.0, 90, 2 * TIB_MIB, 76, 700),
+        # github.com/allenai/PeerRead/issues/40: "0MiB / 81920MiB".
+        CudaProfile("a100-80", "NVIDIA A100-SXM4-80GB", "A100", 80, 81920, 420, 500,
+                    1700.0, 24.0, 250.0, 80, TIB_MIB, 61, 400),
+        # 40960 MiB, as nvidia-smi shows an A100-SXM4-40GB in published output (not verified
+        # against a log: CUDA's 40,339 MiB in github.com/bottlerocket-os/bottlerocket/pull/3873).
+        CudaProfile("a100-40", "NVIDIA A100-SXM4-40GB", "A100", 40, 40960, 420, 500,
+                    1300.0, 24.0, 250.0, 80, 512 * 1024, 55, 400),
+        # github.com/akash-network/provider-configs/pull/99: "NVIDIA L40S, ..., 46068 MiB".
+        CudaProfile("l40s-48", "NVIDIA L40S", "L40S", 48, 46068, 380, 450,
+                    750.0, 24.0, 300.0, 89, 512 * 1024, 36, 350),
+        # github.com/NVIDIA/gpu-admin-tools/issues/4: "0MiB / 95830MiB".
+        CudaProfile("h100-nvl-94", "NVIDIA H100 NVL", "H100 NVL", 94, 95830, 520, 532,
+                    3300.0, 50.0, 700.0, 90, TIB_MIB, 69, 400),
+        # github.com/NVIDIA/nvtrust/issues/128: "0MiB /  97871MiB".
+        CudaProfile("h20-96", "NVIDIA H20", "H20", 96, 97871, 530, 532,
+                    3400.0, 50.0, 140.0, 90, TIB_MIB, 74, 500),
+        # github.com/NVIDIA/TensorRT-LLM/issues/10278: "166593MiB / 183359MiB".
+        CudaProfile("b200-180", "NVIDIA B200", "B200", 180, 183359, 720, 600,
+                    6500.0, 55.0, 1800.0, 100, 2 * TIB_MIB, 140, 1000),
         # Plausible smaller cards with the same structure (simulated, never measured).
-        CudaProfile("cuda-24", "NVIDIA L4", 23034, 290, 420, power_w=16, power_cap_w=72),
-        CudaProfile("cuda-32", "Tesla V100-SXM2-32GB", 32768, 310, 450, power_w=42,
-                    power_cap_w=300),
-        CudaProfile("cuda-64", "NVIDIA A100-SXM4-64GB", 65536, 420, 500, power_w=58,
-                    power_cap_w=400),
+        CudaProfile("cuda-24", "NVIDIA L4", "L4", 24, 23034, 290, 420,
+                    280.0, 24.0, 110.0, 89, 64 * 1024, 16, 72),
+        CudaProfile("cuda-32", "Tesla V100-SXM2-32GB", "V100", 32, 32768, 310, 450,
+                    840.0, 12.0, 100.0, 70, 128 * 1024, 42, 300),
+        CudaProfile("cuda-64", "NVIDIA A100-SXM4-64GB", "A100", 64, 65536, 420, 500,
+                    1500.0, 24.0, 250.0, 80, 256 * 1024, 58, 400),
         # The field note's 20 GB card (its nvidia-smi: 20480MiB, 26W / 320W idle).
-        CudaProfile("cuda-20", "NVIDIA GeForce RTX 3080", 20480, 260, 400, power_w=26,
-                    power_cap_w=320),
+        CudaProfile("cuda-20", "NVIDIA GeForce RTX 3080", "RTX 3080", 20, 20480, 260, 400,
+                    700.0, 24.0, 100.0, 86, 64 * 1024, 26, 320),
     )
 }
 DEFAULT_CUDA_PROFILE = "h100-80"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pretuner.models.quant import Quantization, from_flag, quantized_bytes
 from pretuner.models.spec import ModelSpec
 from pretuner.sim.argv import Refused
+from pretuner.sim.v1.memory import CUDA_PROFILES, CudaProfile
 from pretuner.units import GIB, MIB
 
 HOST_ENV = "PRETUNER_SIM_HOST_MIB"
@@ -23,28 +24,8 @@ SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of th
 SWAP_WARN_SHARE = 0.4
 IN_FLIGHT = ("bitsandbytes", "fp8")  # what vLLM quantizes while loading a 16-bit checkpoint
 BNB_DEQUANT = 3.0  # bitsandbytes 4-bit kernels: dequantizing costs 3x reading the bytes
-
-
-@dataclass(frozen=True, slots=True)
-class CardSpeed:
-    """How fast one emulated GPU and its link to the host are (simulated)."""
-
-    hbm_gib_s: float  # weights read per step from the card's memory
-    pcie_gib_s: float  # pinned host memory to the card
-    tflops: float  # dense 16-bit FLOPs achieved by a prefill
-    capability: int  # CUDA compute capability x 10
-    host_mib: int  # the emulated host's memory (default of PRETUNER_SIM_HOST_MIB)
-    step_overhead_s: float = 0.004  # scheduler, sampler, launches with CUDA graphs
-    eager_layer_s: float = 0.00008  # kernel launches per decoder layer without CUDA graphs
-
-
-SPEEDS: dict[str, CardSpeed] = {
-    "h100-80": CardSpeed(3000.0, 50.0, 600.0, 90, 1024 * 1024),
-    "cuda-64": CardSpeed(1500.0, 24.0, 250.0, 80, 256 * 1024),
-    "cuda-32": CardSpeed(840.0, 12.0, 100.0, 70, 128 * 1024),
-    "cuda-24": CardSpeed(280.0, 24.0, 110.0, 89, 64 * 1024),
-    "cuda-20": CardSpeed(700.0, 24.0, 100.0, 86, 64 * 1024),
-}
+STEP_OVERHEAD_S = 0.004  # scheduler, sampler, launches with CUDA graphs
+EAGER_LAYER_S = 0.00008  # kernel launches per decoder layer without CUDA graphs
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +67,7 @@ def _quantization(spec: ModelSpec, method: str | None, capability: int) -> Quant
 def load(spec: ModelSpec, profile: str, tp: int, quantization: str | None,
          offload_gib: float) -> Loaded:
     """The weights as this server loads them; Refused for a quantization vLLM refuses."""
-    speed = SPEEDS[profile]
-    quant = _quantization(spec, quantization, speed.capability)
+    quant = _quantization(spec, quantization, CUDA_PROFILES[profile].capability)
     native = spec.weights_format().total_bytes
     total = native if quant is None or spec.quantization is not None else quantized_bytes(
         spec, quant)
@@ -99,7 +79,7 @@ def load(spec: ModelSpec, profile: str, tp: int, quantization: str | None,
 
 
 def host_total_bytes(profile: str, host_mib: int | None) -> int:
-    return (host_mib if host_mib is not None else SPEEDS[profile].host_mib) * MIB
+    return (host_mib if host_mib is not None else CUDA_PROFILES[profile].host_mib) * MIB
 
 
 def host_available_bytes(profile: str, host_mib: int | None) -> int:
@@ -122,7 +102,7 @@ def swap_warning(swap_gib: float, tp: int, host_total: int) -> str | None:
 class Clock:
     """Seconds one engine step takes on the emulated card (simulated)."""
 
-    speed: CardSpeed
+    card: CudaProfile
     on_card_bytes: int
     offloaded_bytes: int
     flops_per_token: float
@@ -131,12 +111,12 @@ class Clock:
     dequant_bytes: int  # 4-bit bitsandbytes weights a step dequantizes (0: none)
 
     def step_seconds(self, tokens: int) -> float:
-        s = self.speed
+        s = self.card
         read = (self.on_card_bytes + BNB_DEQUANT * self.dequant_bytes) / (s.hbm_gib_s * GIB)
         stream = self.offloaded_bytes / (s.pcie_gib_s * GIB)
         compute = self.flops_per_token * tokens / (s.tflops * 1e12)
-        eager = self.layers * s.eager_layer_s if self.eager else 0.0
-        return s.step_overhead_s + read + stream + compute + eager
+        eager = self.layers * EAGER_LAYER_S if self.eager else 0.0
+        return STEP_OVERHEAD_S + read + stream + compute + eager
 
 
 def clock(spec: ModelSpec, profile: str, loaded: Loaded, tp: int, eager: bool) -> Clock:
@@ -144,6 +124,6 @@ def clock(spec: ModelSpec, profile: str, loaded: Loaded, tp: int, eager: bool) -
     q = loaded.quant
     bnb = q is not None and q.method == "bitsandbytes" and q.bits == 4
     embeddings = 2 * spec.vocab_size * spec.hidden_size * spec.dtype_bytes // tp
-    return Clock(SPEEDS[profile], loaded.on_card_bytes, loaded.offloaded_bytes,
+    return Clock(CUDA_PROFILES[profile], loaded.on_card_bytes, loaded.offloaded_bytes,
                  2.0 * active / tp, spec.num_layers, eager,
                  max(0, loaded.rank_bytes - embeddings) if bnb else 0)

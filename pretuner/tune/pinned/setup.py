@@ -260,8 +260,9 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                            budget_mib=budget // MIB if budget is not None else None)
     ctx = launch_context(opts, engine, model_arg, spec, reader,
                          hooks=V1Hooks(bpt, vision.images, vision.soak))
-    card_info = CardInfo(card, None,
-                         "--card" if opts.card_gib is not None else "the device's size")
+    named = emulator().card_name(sim_env) if choice.simulated else None  # "emulated H200 141 GB"
+    card_info = CardInfo(card, None, named or (
+        "--card" if opts.card_gib is not None else "the device's size"))
     facts = PinnedFacts(engine, cfg, p.weights_format, None if vision.images is None else vision,
                         weights_record(p, knobs, host), opts.min_tokens_per_s)
 

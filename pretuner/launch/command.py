@@ -19,11 +19,6 @@ ALL_HOSTS = "0.0.0.0"  # noqa: S104
 CONTAINER_RUNNERS = ("docker", "podman", "nerdctl")
 
 
-def maps_port(serve_cmd: tuple[str, ...]) -> bool:
-    """Whether a --serve-cmd wrapper publishes the server's port (names `{port}`)."""
-    return any(PORT_SLOT in word for word in serve_cmd)
-
-
 def wrapped(argv: list[str], port: int, env: Iterable[str]) -> list[str]:
     """A server command with each `{port}` of a --serve-cmd wrapper replaced by `port`; a
     `docker|podman run` wrapper is given `-e NAME` for each variable pretuner sets, as a
@@ -35,10 +30,9 @@ def wrapped(argv: list[str], port: int, env: Iterable[str]) -> list[str]:
 
 
 def deployed_port(flags: list[str]) -> int:
-    """The port the startup files' server listens on: a `--port` among its flags, else the
-    engine's default."""
-    ports = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--port"]
-    return int(ports[-1]) if ports and ports[-1].isdigit() else SERVE_PORT
+    """The port of the startup files' server: its `--port` flag, else the engine's default."""
+    given = zip(flags, flags[1:], strict=False)
+    return next((int(v) for f, v in given if f == "--port" and v.isdigit()), SERVE_PORT)
 
 
 @dataclass(frozen=True, slots=True)

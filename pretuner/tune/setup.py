@@ -18,7 +18,7 @@ from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.errors import NotValidatedError
-from pretuner.launch.command import ALL_HOSTS, maps_port, wrapped
+from pretuner.launch.command import ALL_HOSTS, PORT_SLOT, wrapped
 from pretuner.launch.images import ImageShape
 from pretuner.models.spec import ModelSpec
 from pretuner.report.records import Method as MethodName
@@ -122,7 +122,7 @@ def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: st
 
     # A wrapper that publishes the port (`docker run -p {port}:{port}`) reaches a server
     # listening on all of its container's interfaces; pretuner still connects to opts.host.
-    host = ALL_HOSTS if maps_port(engine.serve_cmd) else opts.host
+    host = ALL_HOSTS if any(PORT_SLOT in word for word in engine.serve_cmd) else opts.host
 
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:
         cmd = engine.command(settings, Target(model_arg, spec.name, host, port))

@@ -27,6 +27,9 @@ _SECRET_WORDS = (
 _SECRET_SUFFIXES = ("key", "token", "secret", "password", "passwd")
 _ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FLAG = re.compile(r"^--?([A-Za-z0-9][A-Za-z0-9_.-]*)(=(.*))?$", re.S)
+# A wrapper's variable given in a flag's value: docker's `--env=HF_TOKEN=K`, srun's
+# `--export=ALL,HF_TOKEN=K`.
+_INNER = re.compile(r"(?:^|,)([A-Za-z_][A-Za-z0-9_]*)=")
 
 
 def is_secret_name(name: str) -> bool:
@@ -63,6 +66,8 @@ def classify_argv(argv: list[str]) -> list[str | SecretArg]:
         pending = None
         flag = _FLAG.match(word)
         assign = _ASSIGNMENT.match(word) if flag is None else None
+        value = flag.group(3) or "" if flag else ""
+        inner = [m for m in _INNER.finditer(value) if is_secret_name(m.group(1))]
         if flag and is_secret_name(flag.group(1)):
             if flag.group(2) is None:
                 pending = flag.group(1)  # a boolean flag when a `--flag` follows
@@ -70,6 +75,9 @@ def classify_argv(argv: list[str]) -> list[str | SecretArg]:
             else:
                 prefix = word[: len(word) - len(flag.group(3))]
                 out.append(SecretArg(prefix, secret_var(flag.group(1)), prefix.rstrip("=")))
+        elif inner:  # the rest of the word is the secret: kept from its variable as a whole
+            prefix = word[: len(word) - len(value) + inner[0].end()]
+            out.append(SecretArg(prefix, secret_var(inner[0].group(1)), inner[0].group(1)))
         elif assign and is_secret_name(name := assign.group(1)):
             out.append(SecretArg(name + "=", secret_var(name), name))
         else:

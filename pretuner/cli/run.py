@@ -112,7 +112,8 @@ def run_cmd(
     serve_cmd: str | None = typer.Option(
         None, "--serve-cmd", metavar="COMMAND", rich_help_panel=o.ENGINE,
         help="Your command that starts the engine (another venv, a container, a wrapper), launched "
-        "and written to serve.sh in place of the engine's own; pretuner's flags follow it.",
+        "and written to serve.sh in place of the engine's own; pretuner's flags follow it. "
+        "{port} in it is the port of each launch (docker run -p 127.0.0.1:{port}:{port} ...).",
     ),
     out: str | None = typer.Option(  # a str: typer reads '' as Path('.'), the current folder
         None, "--out", metavar="DIR", rich_help_panel=o.OUTPUTS,

@@ -22,6 +22,7 @@ from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
+from pretuner.launch.command import deployed_port, wrapped
 from pretuner.models import local_model_path, resolve
 from pretuner.plan.layout import PlanResult
 from pretuner.redact import one_line, redact_argv
@@ -151,10 +152,11 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
     # The method's promise: the sequences its first validation was derived to serve.
     asked_seqs = next((o.settings.max_num_seqs for o in result.outcomes
                        if o.settings.purpose is Purpose.VALIDATE), None)
-    flags = engine.deploy(LaunchSettings(
+    deployment = engine.deploy(LaunchSettings(
         Purpose.VALIDATE, f.ascend_total_memory_gb, f.gpu_memory_utilization,
         f.vllm_model_memory_use_gb, f.max_model_len, f.max_num_seqs, f.max_num_batched_tokens,
-        f.block_size, p.tp, p.pp, meta.kv_cache_dtype, f.chunked_prefill)).argv()
+        f.block_size, p.tp, p.pp, meta.kv_cache_dtype, f.chunked_prefill))
+    flags = deployment.argv()
     base, model_as_flag = engine.base_command()
     serve = [*base, *(["--model", meta.model_arg] if model_as_flag else [meta.model_arg])]
     # An emulated card's run: what the real engine would run (`script` writes it).
@@ -165,7 +167,9 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
                    result.validated, **plan_layout(p)),
         final=Final(
             env=f.env, flags=flags,
-            serve_command=redact_argv([*serve, *flags]),  # serve.sh reads a secret
+            # serve.sh reads a secret; a wrapper publishes the port the server listens on
+            serve_command=redact_argv(wrapped([*serve, *flags], deployed_port(flags),
+                                              deployment.env)),
             engine_serve_command=real if meta.simulated and not engine.serve_cmd else None,
             notes=[], max_model_len=f.max_model_len,
             max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,

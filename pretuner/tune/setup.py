@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pretuner.devices import DeviceReader
@@ -18,6 +18,7 @@ from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.errors import NotValidatedError
+from pretuner.launch.command import ALL_HOSTS, PORT_SLOT, wrapped
 from pretuner.launch.images import ImageShape
 from pretuner.models.spec import ModelSpec
 from pretuner.report.records import Method as MethodName
@@ -119,8 +120,13 @@ def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: st
                    hooks: V1Hooks | None = None) -> LaunchContext:
     """What every launch of a run shares, from its options, its model and its engine."""
 
+    # A wrapper that publishes the port (`docker run -p {port}:{port}`) reaches a server
+    # listening on all of its container's interfaces; pretuner still connects to opts.host.
+    host = ALL_HOSTS if any(PORT_SLOT in word for word in engine.serve_cmd) else opts.host
+
     def build(settings: LaunchSettings, port: int) -> LaunchCommand:
-        return engine.command(settings, Target(model_arg, spec.name, opts.host, port))
+        cmd = engine.command(settings, Target(model_arg, spec.name, host, port))
+        return replace(cmd, argv=wrapped(cmd.argv, port, cmd.env))
 
     return LaunchContext(
         build=build, served_name=spec.name, host=opts.host, ready_timeout_s=opts.ready_timeout_s,

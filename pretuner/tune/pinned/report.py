@@ -15,8 +15,10 @@ from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.vllm_v1 import V1Engine
+from pretuner.launch.command import deployed_port, wrapped
 from pretuner.launch.images import ImageShape, worst_case_images
 from pretuner.pinned import kv_held_bytes
+from pretuner.redact import redact_argv
 from pretuner.report.records import (
     Asked,
     Final,
@@ -86,7 +88,9 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
                    **x.layout()),
         final=Final(
             env=deployment.env, flags=argv,
-            serve_command=[*x.engine.serve_command(x.cfg.card_gib), m.model_arg, *argv],
+            serve_command=redact_argv(wrapped([*x.engine.serve_command(x.cfg.card_gib),
+                                                m.model_arg, *argv], deployed_port(argv),
+                                               deployment.env)),
             engine_serve_command=real if m.simulated and not x.engine.serve_cmd else None,
             notes=list(deployment.notes), max_model_len=f.max_model_len,
             max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,

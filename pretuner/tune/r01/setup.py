@@ -94,8 +94,6 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     p = plan_for(cfg)
     extra_env = card_env(opts, engine, p.weights_format, p.nodes)
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
-    if opts.serve_cmd is not None and not shlex.split(opts.serve_cmd):
-        raise BadInputError("--serve-cmd is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
     engine = replace(engine, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")), nodes=p.nodes,
                      launch_env=extra_env)
     if not engine.serve_cmd:

@@ -97,11 +97,14 @@ def redact_command_text(text: str) -> str:
 
 
 def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """`pretuner run`'s options as journaled: the server command and any secret-named entry."""
+    """`pretuner run`'s options as journaled: the server command, its flags (`server_args`)
+    and any secret-named entry."""
     out: dict[str, Any] = {}
     for key, value in options.items():
         if key == "serve_cmd" and isinstance(value, str):
             value = redact_command_text(value)
+        elif isinstance(value, list):
+            value = [redact_command_text(v) if isinstance(v, str) else v for v in value]
         elif isinstance(value, dict):
             value = redact_env(value)
         elif isinstance(value, str) and is_secret_name(key):

@@ -12,6 +12,7 @@ from pretuner.redact import redact_argv, redact_env
 class LaunchCommand:
     argv: list[str]
     env: dict[str, str]  # only what pretuner sets on top of the inherited environment
+    bearer: str | None = None  # the server's API key, which pretuner's own requests send
 
     def redacted(self) -> LaunchCommand:
         """The command as it may be stored or printed: secret values are `<redacted>`."""

@@ -125,8 +125,9 @@ def run_launch(
             ready_s = time.monotonic() - w0
             phase("ready", f"after {ready_s:.1f} s")
             r0 = time.monotonic()
-            ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
-                   else _exercise(settings, ctx, base, phase))
+            with probe.bearer(base, cmd.bearer):
+                ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
+                       else _exercise(settings, ctx, base, phase))
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()

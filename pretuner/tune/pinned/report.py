@@ -17,6 +17,7 @@ from pretuner.engines.v1_images import Soak
 from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.launch.images import ImageShape, worst_case_images
 from pretuner.pinned import kv_held_bytes
+from pretuner.redact import redact_argv
 from pretuner.report.records import (
     Asked,
     Final,
@@ -76,7 +77,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
             if r.kv_tokens and r.profiled_kv_tokens else None)
     budget = r.budget
     deployment = x.engine.deploy(f)
-    argv = deployment.argv()
+    argv = redact_argv(deployment.argv())  # serve.sh reads a secret from its variable
     asked_len = m.asked_max_model_len or f.max_model_len
     asked_seqs = x.cfg.max_num_seqs
     # An emulated card's run (no --serve-cmd): what the real engine would run.

@@ -27,6 +27,9 @@ _SECRET_WORDS = (
 _SECRET_SUFFIXES = ("key", "token", "secret", "password", "passwd")
 _ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.S)
 _FLAG = re.compile(r"^--?([A-Za-z0-9][A-Za-z0-9_.-]*)(=(.*))?$", re.S)
+# A quoted value (or list) in a Python repr a server logs: vLLM's `non-default args: {'api_key':
+# ['K']}` and `args: Namespace(api_key='K')`.
+_REPR_ITEM = re.compile(r"""(['"]?)(\w+)\1(\s*[:=]\s*)(\[[^]]*]|'[^']*'|"[^"]*")""")
 
 
 def is_secret_name(name: str) -> bool:
@@ -80,6 +83,12 @@ def classify_argv(argv: list[str]) -> list[str | SecretArg]:
 def redact_argv(argv: list[str]) -> list[str]:
     """argv as it may be stored or printed: every secret value is `<redacted>`."""
     return [w.prefix + REDACTED if isinstance(w, SecretArg) else w for w in classify_argv(argv)]
+
+
+def redact_log_text(text: str) -> str:
+    """Log lines as they may be quoted: the value of a secret-named argument is `<redacted>`."""
+    return _REPR_ITEM.sub(lambda m: f"{m[1]}{m[2]}{m[1]}{m[3]}'{REDACTED}'"
+                          if is_secret_name(m[2]) else m[0], text)
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -20,6 +20,7 @@ from pretuner.engines.base import LaunchSettings, Purpose, Target
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, parse_server_args
 from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
+from pretuner.launch.process import read_tail
 from pretuner.tune.record import RunRecord
 from tests.helpers import cli_env, invoke, run_cli
 
@@ -157,3 +158,20 @@ def test_the_journal_keeps_a_server_flags_key_only_as_its_variable(
     monkeypatch.setenv("PRETUNER_SERVE_API_KEY", CANARY)  # --resume reads it back from there
     started = next(RunRecord.open(tmp_path).of_kind("run_started"))
     assert started["options"]["server_args"] == args
+
+
+def test_a_quoted_server_log_tail_holds_no_key(tmp_path: Path) -> None:
+    """A failed launch's log tail goes into the report, the journal and `--json`: vLLM logs its
+    arguments, the key among them, at start-up."""
+    log = tmp_path / "server.log"
+    log.write_text(
+        "(APIServer pid=7) INFO 11-27 10:00:01 [api_utils.py:273] non-default args: {'model_tag':"
+        f" 'Qwen/Qwen3-8B', 'api_key': ['{CANARY}'], 'tokenizer': 'Qwen/Qwen3-8B', "
+        "'max_num_seqs': 8}\n"
+        f"INFO 11-27 10:00:01 api_server.py:713] args: Namespace(host=None, api_key='{CANARY}', "
+        "hf_token=\"hf_x\", max_model_len=4096)\n")
+    tail = read_tail(log)
+    assert CANARY not in tail
+    assert "hf_x" not in tail
+    assert "'api_key': '<redacted>', 'tokenizer': 'Qwen/Qwen3-8B', 'max_num_seqs': 8}" in tail
+    assert "(host=None, api_key='<redacted>', hf_token='<redacted>', max_model_len=4096)" in tail

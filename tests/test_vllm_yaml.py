@@ -150,6 +150,17 @@ def test_a_run_from_a_users_yaml_proves_it_and_writes_the_key_nowhere(tmp_path: 
     assert CANARY not in "".join(p.read_text() for p in presets.iterdir())
 
 
+@pytest.mark.slow
+def test_a_run_sends_the_key_the_engine_reads_from_its_environment(tmp_path: Path) -> None:
+    """vLLM takes VLLM_API_KEY when no --api-key is given: a user who exported it gets a
+    server that wants it from pretuner's requests too."""
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+                   "--max-model-len", "4096", "--max-num-seqs", "8", "--out",
+                   str(tmp_path / "run"), env=cli_env(VLLM_API_KEY=CANARY))
+    assert proc.returncode == 0, proc.stderr
+    assert "401" not in (tmp_path / "run" / "launch-1" / "server.log").read_text()
+
+
 def test_the_journal_keeps_a_server_flags_key_only_as_its_variable(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     args = [f"--api-key {CANARY}", "--port 8000"]

@@ -64,8 +64,9 @@ class Family(str, Enum):
 
 
 # vLLM's API server (both families): started with a key, its /v1 routes want
-# `Authorization: Bearer KEY`; `--api_key` is the same flag.
+# `Authorization: Bearer KEY`; `--api_key` is the same flag, the variable its fallback.
 API_KEY_FLAGS = ("--api-key", "--api_key")
+API_KEY_VAR = "VLLM_API_KEY"
 
 
 def api_key(argv: Sequence[str]) -> str | None:

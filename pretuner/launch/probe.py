@@ -85,9 +85,9 @@ def session_for(url: str) -> requests.Session:
 
 @contextlib.contextmanager
 def bearer(base_url: str, key: str | None) -> Iterator[None]:
-    """Every request to the server at `base_url` sends `key` as its bearer token (None: none)."""
+    """Every request to the server at `base_url` sends `key` as its bearer token (if any)."""
     address = urlsplit(base_url).netloc
-    if key is not None:
+    if key:
         _BEARERS[address] = key
     try:
         yield

@@ -30,6 +30,9 @@ _FLAG = re.compile(r"^--?([A-Za-z0-9][A-Za-z0-9_.-]*)(=(.*))?$", re.S)
 # A wrapper's variable given in a flag's value: docker's `--env=HF_TOKEN=K`, srun's
 # `--export=ALL,HF_TOKEN=K`.
 _INNER = re.compile(r"(?:^|,)([A-Za-z_][A-Za-z0-9_]*)=")
+# A quoted value (or list) in a Python repr a server logs: vLLM's `non-default args: {'api_key':
+# ['K']}` and `args: Namespace(api_key='K')`.
+_REPR_ITEM = re.compile(r"""(['"]?)(\w+)\1(\s*[:=]\s*)(\[[^]]*]|'[^']*'|"[^"]*")""")
 
 
 def is_secret_name(name: str) -> bool:
@@ -90,6 +93,12 @@ def redact_argv(argv: list[str]) -> list[str]:
     return [w.prefix + REDACTED if isinstance(w, SecretArg) else w for w in classify_argv(argv)]
 
 
+def redact_log_text(text: str) -> str:
+    """Log lines as they may be quoted: the value of a secret-named argument is `<redacted>`."""
+    return _REPR_ITEM.sub(lambda m: f"{m[1]}{m[2]}{m[1]}{m[3]}'{REDACTED}'"
+                          if is_secret_name(m[2]) else m[0], text)
+
+
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     """The environment as recorded: values of secret-looking names replaced."""
     return {k: (REDACTED if is_secret_name(k) else v) for k, v in env.items()}
@@ -105,11 +114,14 @@ def redact_command_text(text: str) -> str:
 
 
 def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """`pretuner run`'s options as journaled: the server command and any secret-named entry."""
+    """`pretuner run`'s options as journaled: the server command, its flags (`server_args`)
+    and any secret-named entry."""
     out: dict[str, Any] = {}
     for key, value in options.items():
         if key == "serve_cmd" and isinstance(value, str):
             value = redact_command_text(value)
+        elif isinstance(value, list):
+            value = [redact_command_text(v) if isinstance(v, str) else v for v in value]
         elif isinstance(value, dict):
             value = redact_env(value)
         elif isinstance(value, str) and is_secret_name(key):

@@ -84,7 +84,6 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize(("text", "says"), [
-    ("port: 8000\n", "port"),
     ("kv-cache-memory-bytes: 1000\n", "pretuner measures"),
     ("- 1\n- 2\n", "not the mapping"),
     ("max-model-len: [\n", "not YAML"),

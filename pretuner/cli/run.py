@@ -149,7 +149,8 @@ def run_cmd(
         rich_help_panel=o.ENGINE,
         help="A `vllm serve --config` YAML: its max-model-len, gpu-memory-utilization, "
         "tensor-parallel-size... become this run's values (a flag given here wins); other keys "
-        "go to a V1 engine's server.",
+        "go to a V1 engine's server (host, port, served-model-name: to serve.sh only; "
+        "api-key: read there from the environment).",
     ),
     dry: bool = typer.Option(False, "--dry-run", rich_help_panel=o.OUTPUTS,
                              help="Print the first launch and exit."),

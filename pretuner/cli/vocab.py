@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -85,17 +86,14 @@ CONFIG_KEYS = {
         "kv-cache-dtype", "limit-mm-per-prompt", "mm-processor-cache-gb", "quantization",
         "cpu-offload-gb", "swap-space", "enforce-eager")},
 }
-# Keys pretuner decides or owns for every launch: a config that sets them would be overruled.
-OWNED_KEYS = {
-    "kv-cache-memory-bytes": "it is what pretuner measures; drop it from the config",
-    "host": "pretuner serves each launch on 127.0.0.1; set the host in serve.sh afterwards",
-    "port": "pretuner picks a free port per launch; set the port in serve.sh afterwards",
-}
+# Keys pretuner decides for every launch: a config that sets them would be overruled.
+OWNED_KEYS = {"kv-cache-memory-bytes": "it is what pretuner measures; drop it from the config"}
 CONFIG_EXTRA = "pretuner_config_extra"
 
 
 def read_vllm_config(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """The `pretuner run` defaults a vLLM config file gives, and its other keys as server flags.
+    """The `pretuner run` defaults a vLLM config file gives, and its other keys as server flags
+    (one `--server-arg` each, quoted: a value is never split at its spaces).
 
     Keys may be spelled with `-` or `_`, as vLLM allows; a value that is a list becomes one
     flag per item, `true` a bare flag and `false` its `--no-` form.
@@ -123,8 +121,8 @@ def read_vllm_config(path: Path) -> tuple[dict[str, Any], list[str]]:
             raise typer.BadParameter(f"{str(path)!r} sets {key}: {OWNED_KEYS[key]}")
         if key in CONFIG_KEYS:  # a mapping (limit-mm-per-prompt: {image: 2}) as vLLM's JSON
             defaults[CONFIG_KEYS[key]] = json.dumps(value) if isinstance(value, dict) else value
-        else:
-            extra += _flags(key, value)
+        elif flags := _flags(key, value):
+            extra.append(shlex.join(flags))
     return defaults, extra
 
 

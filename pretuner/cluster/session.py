@@ -54,7 +54,7 @@ class RayCollector(LocalCollector):
         argv = list(cmd.argv)
         if "--distributed-executor-backend" not in argv:
             argv += ["--distributed-executor-backend", "ray"]
-        return LaunchCommand(argv=argv, env=env)
+        return replace(cmd, argv=argv, env=env)  # the bearer stays
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """server.log on this node, plus OOM lines found on any node (asked every few s)."""

@@ -9,7 +9,7 @@ variables; the V1 family (`vllm_v1`) profiles memory itself and takes a pinned b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Protocol
@@ -61,6 +61,22 @@ Phase = Callable[[str, str], None]
 class Family(str, Enum):
     R01 = "r01"  # vLLM-MindSpore r0.1: ASCEND_TOTAL_MEMORY_GB / vLLM_MODEL_MEMORY_USE_GB
     V1 = "v1"  # vLLM's V1 engine: own profiling, --kv-cache-memory-bytes
+
+
+# vLLM's API server (both families): started with a key, its /v1 routes want
+# `Authorization: Bearer KEY`; `--api_key` is the same flag, the variable its fallback.
+API_KEY_FLAGS = ("--api-key", "--api_key")
+API_KEY_VAR = "VLLM_API_KEY"
+
+
+def api_key(argv: Sequence[str]) -> str | None:
+    """The key a server started with `argv` wants from its clients (the last one given)."""
+    key = None
+    for word, after in zip(argv, [*argv[1:], None], strict=True):
+        name, eq, value = word.partition("=")
+        if name in API_KEY_FLAGS:
+            key = value if eq else after
+    return key
 
 
 @dataclass(frozen=True, slots=True)

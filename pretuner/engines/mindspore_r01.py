@@ -19,6 +19,7 @@ from pretuner.engines.base import (
     LaunchSettings,
     Purpose,
     Target,
+    api_key,
 )
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, kind_of
 from pretuner.errors import BadInputError, ServerFailedError
@@ -137,8 +138,9 @@ class R01Engine:
         argv += ["--host", target.host, "--port", str(target.port),
                  "--served-model-name", target.served_name]
         deployment = self.deploy(settings)
-        return LaunchCommand(argv=argv + deployment.argv(),
-                             env={**deployment.env, **self.launch_env, **target.extra_env})
+        argv += deployment.argv()
+        return LaunchCommand(argv=argv, env={**deployment.env, **self.launch_env,
+                                             **target.extra_env}, bearer=api_key(argv))
 
     def deploy(self, s: LaunchSettings) -> Deployment:
         """The flags and environment that start the server with these settings: the KV cache is

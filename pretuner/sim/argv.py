@@ -48,6 +48,7 @@ def server_parser(prog: str, description: str, epilog: str, *,
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--api-key", nargs="+", default=None)
     p.add_argument("--max-model-len", type=length, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=length, default=None)
@@ -75,6 +76,7 @@ class ServerArgs:
     occupied_mib: int = 0  # another tenant's share of every card
     env: dict[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # --api-key, else VLLM_API_KEY: /v1 routes want one
 
 
 def parse_known(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mapping[str, str],
@@ -89,7 +91,8 @@ def parse_known(parser: argparse.ArgumentParser, argv: Sequence[str], env: Mappi
                 "served_names": tuple(ns.served_model_name or (model,)),
                 "max_model_len": ns.max_model_len, "max_num_seqs": ns.max_num_seqs,
                 "util": ns.gpu_memory_utilization, "block_size": ns.block_size,
-                "tp": ns.tensor_parallel_size, "env": dict(env), "ignored": tuple(unknown)}
+                "tp": ns.tensor_parallel_size, "env": dict(env), "ignored": tuple(unknown),
+                "api_keys": tuple(ns.api_key or [k for k in [env.get("VLLM_API_KEY")] if k])}
 
 
 def env_values(env: Mapping[str, str], wanted: Mapping[str, tuple[str, Any]],

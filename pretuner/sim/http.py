@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
 _WORDS = ("the", "card", "memory", "pool", "token", "block", "cache", "model", "ascend", "peak")
-PHRASES = {200: "OK", 400: "Bad Request", 404: "Not Found", 500: "Internal Server Error",
-           503: "Service Unavailable"}
+PHRASES = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+           500: "Internal Server Error", 503: "Service Unavailable"}
 ANY_HOST = "0.0.0.0"  # noqa: S104 - vLLM's default binds every interface
 
 
@@ -91,6 +91,7 @@ class ApiConfig:
     served_names: tuple[str, ...]
     model_root: str
     max_model_len: int
+    api_keys: tuple[str, ...] = ()
 
 
 class AccessLog(Protocol):
@@ -175,7 +176,18 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         self._access(200)
 
+    def _refused(self) -> bool:
+        """vLLM's API-key check: a /v1 route without `Authorization: Bearer KEY` gets 401."""
+        keys = self.server.api.api_keys
+        if not keys or not self.path.startswith("/v1") or self.headers.get(
+                "authorization") in {f"Bearer {k}" for k in keys}:
+            return False
+        self._json(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        if self._refused():
+            return
         if self.path == "/health":
             self.health()
         elif self.path == "/v1/models":
@@ -189,6 +201,8 @@ class Handler(BaseHTTPRequestHandler):
             self._json(404, {"detail": "Not Found"})
 
     def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        if self._refused():
+            return
         if self.path not in self.posts:
             self._json(404, {"detail": "Not Found"})
             return

@@ -330,7 +330,7 @@ class Server:
         cfg, log, mml = self.cfg, self.vlog, limits.max_model_len
         self.engine = self._engine(limits)
         self.engine.start()
-        api = ApiConfig(cfg.served_names, cfg.model, mml)
+        api = ApiConfig(cfg.served_names, cfg.model, mml, cfg.api_keys)
         host = cfg.host or ANY_HOST
         try:
             server = SimHTTPServer((host, cfg.port), self.engine, api, log, self._health)

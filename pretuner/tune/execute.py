@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Purpose
+from pretuner.engines.base import API_KEY_VAR, LaunchCommand, LaunchSettings, Purpose
 from pretuner.engines.base import Phase as Phase
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
@@ -114,7 +114,8 @@ def run_launch(
     sampler = MemorySampler(ctx.device_reader, status=phase)
     phase = sampler.wrap(phase)
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
-    proc = ServerProcess.start(cmd.argv, {**os.environ, **cmd.env}, log_path)
+    launch_env = {**os.environ, **cmd.env}
+    proc = ServerProcess.start(cmd.argv, launch_env, log_path)
     attach(ctx.device_reader, proc.pid)  # a reader of the server's own processes follows it
     sampler.start()
     try:
@@ -125,8 +126,9 @@ def run_launch(
             ready_s = time.monotonic() - w0
             phase("ready", f"after {ready_s:.1f} s")
             r0 = time.monotonic()
-            ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
-                   else _exercise(settings, ctx, base, phase))
+            with probe.bearer(base, cmd.bearer or launch_env.get(API_KEY_VAR)):
+                ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
+                       else _exercise(settings, ctx, base, phase))
             request_s = time.monotonic() - r0
             with contextlib.suppress(_OomSeen):
                 check()

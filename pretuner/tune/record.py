@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -276,11 +277,15 @@ class RunRecord:
         events = read_journal(journal)
         for started in (e for e in events if e.get("event") == "run_started"):
             options = started.get("options")
-            if isinstance(options, dict) and isinstance(options.get("serve_cmd"), str):
+            if isinstance(options, dict):
                 # The journal keeps no secret: each comes back from its variable (as serve.sh's).
-                options["serve_cmd"] = restore_command_text(
-                    options["serve_cmd"], os.environ, Path(path).name
-                )
+                restore = functools.partial(restore_command_text, environ=os.environ,
+                                            run=Path(path).name)
+                if isinstance(options.get("serve_cmd"), str):
+                    options["serve_cmd"] = restore(options["serve_cmd"])
+                if isinstance(args := options.get("server_args"), list):
+                    options["server_args"] = [restore(a) if isinstance(a, str) else a
+                                              for a in args]
         return cls(path=Path(path), events=events)
 
     def append(self, event: str, **data: Any) -> dict[str, Any]:

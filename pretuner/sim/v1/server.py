@@ -50,8 +50,8 @@ def _serve(cfg: V1Config, booted: Booted, sink: Sink, stop: StopFlag) -> int:
     log = sink.log
     engine = Engine(EngineCore(booted, log), sink.level, cfg.time_scale)
     host = cfg.host or ANY_HOST
-    api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, booted.vision,
-                    dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
+    api = ApiConfig(cfg.served_names, cfg.model, booted.max_model_len, cfg.api_keys,
+                    booted.vision, dev_mode=cfg.env.get(DEV_MODE_ENV) == "1")
     try:
         http = V1HTTPServer((host, cfg.port), engine, api, log)
     except OSError as err:

@@ -78,7 +78,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
             if r.kv_tokens and r.profiled_kv_tokens else None)
     budget = r.budget
     deployment = x.engine.deploy(f)
-    argv = deployment.argv()
+    argv = redact_argv(deployment.argv())  # serve.sh reads a secret from its variable
     asked_len = m.asked_max_model_len or f.max_model_len
     asked_seqs = x.cfg.max_num_seqs
     # An emulated card's run (no --serve-cmd): what the real engine would run.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pretuner import __version__
@@ -97,12 +97,8 @@ def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     if not r01:
         notes = [f"vLLM-MindSpore {engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
                  "vLLM_MODEL_MEMORY_USE_GB; they are not set"]
-    batched = int(p.flags.get("max_num_batched_tokens", p.max_model_len))
     engine = R01Engine(R01, False, engine_version, "script", nodes=p.nodes)
-    deployment = engine.deploy(
-        LaunchSettings(Purpose.VALIDATE, p.card_gib, p.util, use, p.max_model_len,
-                       int(p.flags["max_num_seqs"]), batched, p.block_size, p.tp, p.pp,
-                       p.kv_cache_dtype, chunked_prefill=batched < p.max_model_len))
+    deployment = engine.deploy(preset_settings(p, model_use_gib=use))
     # MindSpore at WARNING (the pool dump is the tuner's, not production's); 0.3+ would set 3.
     env = {**deployment.env, "GLOG_v": "2"} if r01 else {"GLOG_v": "2"}
     backend = next((p.env[k] for k in _BACKEND_VARS if k in p.env), None)
@@ -152,25 +148,21 @@ def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     )
 
 
+def preset_settings(p: Preset, **values: Any) -> LaunchSettings:
+    """The preset's values as the settings an engine deploys (`values` overrides)."""
+    batched = int(p.flags.get("max_num_batched_tokens", p.max_model_len))
+    return replace(LaunchSettings(
+        Purpose.VALIDATE, p.card_gib, float(p.flags.get("gpu_memory_utilization", DEFAULT_UTIL)),
+        0, p.max_model_len, int(p.flags["max_num_seqs"]), batched, p.block_size, p.tp, p.pp,
+        p.kv_cache_dtype, chunked_prefill=batched < p.max_model_len), **values)
+
+
 def preset_flags(p: Preset, row: V1Row) -> list[str]:
     """The flags after the model: the run's own, or (a preset without them) what the engine
     deploys for the preset's values."""
     if p.server_flags is not None:
         return list(p.server_flags)
-    settings = LaunchSettings(
-        purpose=Purpose.VALIDATE,
-        card_gib=p.card_gib,
-        util=float(p.flags.get("gpu_memory_utilization", DEFAULT_UTIL)),
-        model_use_gib=0,
-        max_model_len=p.max_model_len,
-        max_num_seqs=int(p.flags["max_num_seqs"]),
-        max_num_batched_tokens=int(p.flags["max_num_batched_tokens"]),
-        block_size=p.block_size,
-        tp=p.tp,
-        pp=p.pp,
-        kv_cache_dtype=p.kv_cache_dtype,
-        kv_cache_bytes=p.kv_cache_memory_bytes,
-    )
+    settings = preset_settings(p, kv_cache_bytes=p.kv_cache_memory_bytes)
     return V1Engine(row, simulated=False).deploy(settings).argv()
 
 

@@ -7,8 +7,12 @@ those runs produced (trimmed with scripts/make_log_fixtures.py --from-run) and n
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -16,7 +20,10 @@ from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import scan_paths
 from pretuner.logscan.events import OomKind
 from pretuner.models import resolve
+from pretuner.sim.engine import Request
+from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu.dims import Dims
+from pretuner.sim.scheduler import SchedulerLimits
 from tests.helpers import cli_env, require, run_cli
 
 FIXTURES = Path(__file__).parent / "fixtures" / "logs"
@@ -46,6 +53,46 @@ def test_fixture_oom_at_warmup_is_an_oom() -> None:
     scan = scan_paths([FIXTURES / "mscpu-fallback-launch-1.log"])
     assert [o.event.kind for o in scan.oom][:1] == [OomKind.DEVICE_OOM]
     assert "Memory not enough" in scan.oom[0].text
+
+
+class _Net:
+    """The network as the engine steps it: one new token per sequence of a forward."""
+
+    def __init__(self) -> None:
+        self.d = SimpleNamespace(vocab=1000)
+        self.produced: list[int] = []
+        self._next = itertools.count(1)
+
+    def forward(self, seqs: list[Any]) -> list[int]:
+        out = [next(self._next) for _ in seqs]
+        self.produced += out
+        return out
+
+
+@pytest.mark.mindspore
+def test_chunked_prefill_steps_give_each_request_its_tokens() -> None:
+    # With chunked prefill a step mixes decodes with prompt chunks, and only a prompt's last
+    # chunk samples: every request gets exactly max_tokens tokens, each one the network made.
+    require("mindspore", "PRETUNER_MINDSPORE_REQUIRED")
+    from pretuner.sim.mindspore_cpu.engine import MsEngine
+
+    net = _Net()
+    limits = SchedulerLimits(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
+                             block_size=4, num_blocks=64, chunked_prefill=True)
+    engine = MsEngine(net, limits, VllmLog(io.StringIO()), pytest.fail)  # type: ignore[arg-type]
+    reqs = [Request(f"cmpl-{i}", 20, 5) for i in range(3)]
+    engine.start()
+    try:
+        for req in reqs:
+            engine.submit(req)
+        assert all(req.finished.wait(30) for req in reqs)
+    finally:
+        engine.stop()
+    assert [len(req.output) for req in reqs] == [5, 5, 5]
+    assert all(req.error is None for req in reqs)
+    tokens = [t for req in reqs for t in req.output]
+    assert len(set(tokens)) == len(tokens)
+    assert set(tokens) <= set(net.produced)
 
 
 @pytest.fixture(scope="module")

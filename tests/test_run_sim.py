@@ -289,7 +289,10 @@ def test_whole_prompt_step_too_big_keeps_the_length_with_chunked_prefill(
     assert "--enable-chunked-prefill" in final["flags"]
     argv = json.loads((out / f"launch-{len(steps)}" / "command.json").read_text())["argv"]
     assert "--enable-chunked-prefill" in argv
-    assert "--enable-chunked-prefill" in (out / "serve.sh").read_text()
+    # serve.sh starts production with exactly the flags the validated launch ran with
+    launched = argv[argv.index("--served-model-name") + 2:]
+    assert final["flags"] == launched
+    assert f'{" ".join(launched)} "$@"' in (out / "serve.sh").read_text()
 
 
 @pytest.mark.slow

@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
-from pretuner.engines.base import LaunchSettings, Purpose
-from pretuner.engines.mindspore_r01 import (
-    R01_COMMAND,
-    V03_COMMAND,
-    chunked_prefill_flag,
-    server_kv_cache_dtype,
-    version_tuple,
-)
+from pretuner.engines.base import Deployment, LaunchSettings, Purpose
+from pretuner.engines.mindspore_r01 import R01, R01Engine, version_tuple
 from pretuner.engines.vllm_v1 import DEFAULT_UTIL, NIC_VARS, RAY_RESOURCE, ROWS, V1Engine, V1Row
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
@@ -85,77 +79,63 @@ class _Server:
 
 
 def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
-    """vLLM-MindSpore r0.1 and its later versions: the memory variables while they are read."""
+    """vLLM-MindSpore r0.1 and its later versions: the flags `R01Engine.deploy` gives the run's
+    launches, and the memory variables while they are read."""
     engine_version = opts.engine_version or "0.1"
     ver = version_tuple(engine_version)[:2]
     if len(ver) < 2:
         raise BadInputError(f"vLLM-MindSpore version {engine_version!r} is not understood",
                             hint="use e.g. 0.1, 0.3, 0.4 or 0.5")
+    r01 = ver < (0, 2)
     notes: list[str] = []
-    env: dict[str, str] = {"GLOG_v": "2"}  # MindSpore WARNING; 0.3+ would set 3 otherwise
-    if ver < (0, 2):
-        env["ASCEND_TOTAL_MEMORY_GB"] = str(p.card_gib)
-        if "vLLM_MODEL_MEMORY_USE_GB" in p.env:
-            env["vLLM_MODEL_MEMORY_USE_GB"] = str(int(p.env["vLLM_MODEL_MEMORY_USE_GB"]))
-        else:  # rounded up, so the KV cache is at most what the source measured
-            use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
-            env["vLLM_MODEL_MEMORY_USE_GB"] = str(use)
-            notes.append(
-                f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
-                f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB"
-            )
-    else:
-        notes.append(
-            f"vLLM-MindSpore {engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
-            "vLLM_MODEL_MEMORY_USE_GB; they are not set"
-        )
+    if "vLLM_MODEL_MEMORY_USE_GB" in p.env:
+        use = int(p.env["vLLM_MODEL_MEMORY_USE_GB"])
+    else:  # rounded up, so the KV cache is at most what the source measured
+        use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
+        notes.append(f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
+                     f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB")
+    if not r01:
+        notes = [f"vLLM-MindSpore {engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
+                 "vLLM_MODEL_MEMORY_USE_GB; they are not set"]
+    engine = R01Engine(R01, False, engine_version, "script", nodes=p.nodes)
+    deployment = engine.deploy(preset_settings(p, model_use_gib=use))
+    # MindSpore at WARNING (the pool dump is the tuner's, not production's); 0.3+ would set 3.
+    env = {**deployment.env, "GLOG_v": "2"} if r01 else {"GLOG_v": "2"}
     backend = next((p.env[k] for k in _BACKEND_VARS if k in p.env), None)
     if backend is not None:
         env["VLLM_MS_MODEL_BACKEND" if ver >= (0, 4) else "vLLM_MODEL_BACKEND"] = backend
     env |= {k: v for k, v in p.env.items() if k not in _BACKEND_VARS + R01_MEMORY_VARS}
     if p.nodes > 1:
         env.update(node_exports(opts.nic, p.cards_per_node))
-
-    flags: dict[str, int | float | str] = {**p.flags, "tensor_parallel_size": p.tp}
-    # vLLM V0 (vLLM-MindSpore r0.1) refuses a batched budget below max_model_len unless
-    # chunked prefill is on; V1 engines always chunk.
-    chunk_flag = chunked_prefill_flag(
-        int(p.flags["max_model_len"]),
-        p.flags.get("max_num_batched_tokens", p.flags["max_model_len"]) < p.flags["max_model_len"],
-    )
-    if chunk_flag is not None and ver < (0, 2):
-        flags["enable_chunked_prefill"] = str(chunk_flag)
-    server_dtype = server_kv_cache_dtype(p.kv_cache_dtype)
-    if server_dtype is not None:
-        flags["kv_cache_dtype"] = server_dtype
-    if p.pp > 1:
-        flags["pipeline_parallel_size"] = p.pp
-    if p.nodes > 1:
-        flags["distributed_executor_backend"] = "ray"
+    # V1 engines (0.2+) always chunk: the flag is vLLM V0's.
+    flags = [f for f in deployment.flags if r01 or f[0] != "--enable-chunked-prefill"]
     if ver >= (0, 5):
-        flags["kv_cache_memory_bytes"] = p.kv_bytes
+        flags.append((KV_FLAG, str(p.kv_bytes)))
         notes.append(
             f"KV cache pinned with {KV_FLAG} {p.kv_bytes} "
             f"({p.kv_bytes / GIB:.2f} GiB = {p.kv_tokens:,} tokens per card)"
         )
-    elif ver >= (0, 2):
+    elif not r01:
         notes.append(
             f"vLLM-MindSpore {engine_version} sizes the KV cache by profiling and has no "
             f"{KV_FLAG}: the tuned KV figure is not enforced; "
             "--gpu-memory-utilization is the only lever"
         )
+    args = Deployment(tuple(flags), {}).argv()
+    # a preset's flags the engine does not set itself (a user's file may name more)
+    args += server_args({k: v for k, v in p.flags.items()
+                         if k.replace("_", "-") not in config_entries(args)})
     if opts.command is not None:
         base = list(opts.command)
-    elif ver < (0, 3):
-        base = [*R01_COMMAND, "--model", model_path]
     else:
-        base = [*V03_COMMAND, model_path]
+        base, model_as_flag = engine.base_command()
+        base += ["--model", model_path] if model_as_flag else [model_path]
     basis = "card x util - model-use" if p.kv_basis is KvBasis.MODEL_USE else (
         "the engine's own KV log line")
     return _Server(
         env=env,
-        argv=base + server_args(flags),
-        config={k.replace("_", "-"): v for k, v in flags.items()},
+        argv=base + args,
+        config=config_entries(args),
         notes=notes,
         # the checks on hand-given values, e.g. an oversubscribed KV cache
         late_notes=[p.notes] if p.kind is PresetKind.GIVEN and p.notes else [],
@@ -168,25 +148,21 @@ def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     )
 
 
+def preset_settings(p: Preset, **values: Any) -> LaunchSettings:
+    """The preset's values as the settings an engine deploys (`values` overrides)."""
+    batched = int(p.flags.get("max_num_batched_tokens", p.max_model_len))
+    return replace(LaunchSettings(
+        Purpose.VALIDATE, p.card_gib, float(p.flags.get("gpu_memory_utilization", DEFAULT_UTIL)),
+        0, p.max_model_len, int(p.flags["max_num_seqs"]), batched, p.block_size, p.tp, p.pp,
+        p.kv_cache_dtype, chunked_prefill=batched < p.max_model_len), **values)
+
+
 def preset_flags(p: Preset, row: V1Row) -> list[str]:
     """The flags after the model: the run's own, or (a preset without them) what the engine
     deploys for the preset's values."""
     if p.server_flags is not None:
         return list(p.server_flags)
-    settings = LaunchSettings(
-        purpose=Purpose.VALIDATE,
-        card_gib=p.card_gib,
-        util=float(p.flags.get("gpu_memory_utilization", DEFAULT_UTIL)),
-        model_use_gib=0,
-        max_model_len=p.max_model_len,
-        max_num_seqs=int(p.flags["max_num_seqs"]),
-        max_num_batched_tokens=int(p.flags["max_num_batched_tokens"]),
-        block_size=p.block_size,
-        tp=p.tp,
-        pp=p.pp,
-        kv_cache_dtype=p.kv_cache_dtype,
-        kv_cache_bytes=p.kv_cache_memory_bytes,
-    )
+    settings = preset_settings(p, kv_cache_bytes=p.kv_cache_memory_bytes)
     return V1Engine(row, simulated=False).deploy(settings).argv()
 
 

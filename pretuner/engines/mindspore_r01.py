@@ -155,9 +155,10 @@ class R01Engine:
         ]
         if s.pp > 1:
             flags.append(("--pipeline-parallel-size", str(s.pp)))
-        chunked = chunked_prefill_flag(s.max_model_len, s.chunked_prefill)
-        if chunked is not None:
-            flags.append(("--enable-chunked-prefill", None if chunked else "False"))
+        if s.chunked_prefill:
+            flags.append(("--enable-chunked-prefill", None))
+        elif s.max_model_len > CHUNKED_BY_DEFAULT_ABOVE:  # vLLM 0.6 would turn it on
+            flags.append(("--enable-chunked-prefill", "False"))
         dtype = server_kv_cache_dtype(s.kv_cache_dtype)
         if dtype is not None:
             flags.append(("--kv-cache-dtype", dtype))
@@ -204,16 +205,6 @@ _SERVER_KV_DTYPE: dict[str, str | None] = {
 def server_kv_cache_dtype(kv_cache_dtype: str) -> str | None:
     """The `--kv-cache-dtype` value the server takes, or None to leave the flag out."""
     return _SERVER_KV_DTYPE.get(kv_cache_dtype, kv_cache_dtype)
-
-
-def chunked_prefill_flag(max_model_len: int, chunked: bool) -> bool | None:
-    """`--enable-chunked-prefill`'s value whenever the engine's default differs from the
-    policy, else None (leave the flag out)."""
-    if chunked:
-        return True
-    if max_model_len > CHUNKED_BY_DEFAULT_ABOVE:
-        return False
-    return None
 
 
 _START_KINDS = {

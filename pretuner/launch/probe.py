@@ -58,10 +58,6 @@ class LoadOutcome:
     def all_ok(self) -> bool:
         return bool(self.outcomes) and all(o.ok for o in self.outcomes)
 
-    @property
-    def max_seconds(self) -> float:
-        return max((o.seconds for o in self.outcomes), default=0.0)
-
 
 def _is_loopback(url: str) -> bool:
     host = urlsplit(url).hostname or ""
@@ -103,11 +99,6 @@ def get_ok(url: str, timeout_s: float) -> bool:
         except requests.RequestException:
             return False
         return response.status_code == 200
-
-
-def health(base_url: str, timeout_s: float) -> bool:
-    """True when the server's `/health` answers 200."""
-    return get_ok(f"{base_url.rstrip('/')}/health", timeout_s)
 
 
 def served_models(base_url: str, timeout_s: float = 10.0) -> list[str]:

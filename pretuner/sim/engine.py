@@ -168,33 +168,45 @@ class Engine(EngineThread):
             if plan.empty:
                 time.sleep(DECODE_STEP_S)  # waiting for KV blocks: nothing can run
                 continue
-            if not self.check(plan):
+            if not self._step(plan):
                 return
-            tokens = plan.prefill_tokens
-            if plan.chunks:
-                for pool in self.pools:
-                    pool.log.noise("step", 2)
-            time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * tokens if plan.chunks
-                       else DECODE_STEP_S)
             with self._cond:
                 self.advance(plan)
-                self.tally.prompt_tokens += tokens
+                self.tally.prompt_tokens += plan.prefill_tokens
                 self._maybe_metrics()
 
-    def advance(self, plan: StepPlan) -> None:
-        """Apply a step that ran: each request gets the tokens it sampled."""
+    def _step(self, plan: StepPlan) -> bool:
+        """Run a step: account it in every rank's pool, take its time; False when it killed
+        the engine."""
+        if not self.check(plan):
+            return False
+        if plan.chunks:
+            for pool in self.pools:
+                pool.log.noise("step", 2)
+        time.sleep(PREFILL_BASE_S + PREFILL_PER_TOKEN_S * plan.prefill_tokens if plan.chunks
+                   else DECODE_STEP_S)
+        return True
+
+    def token(self, seq: Seq) -> int:
+        """The token a step that ran sampled for `seq`: any, on the emulated card."""
+        return self._rng.randrange(100, 30000)
+
+    def advance(self, plan: StepPlan) -> list[Seq]:
+        """Apply a step that ran: each request gets the tokens it sampled; returns those the
+        step finished."""
         before = {s.request_id: s.generated for s in self.sched.running + plan.admitted}
         done = self.sched.commit(plan)
         for seq in self.sched.running + done:
             req = self._requests[seq.request_id]
             for _ in range(seq.generated - before.get(seq.request_id, 0)):
-                tok = self._rng.randrange(100, 30000)
+                tok = self.token(seq)
                 req.output.append(tok)
                 self.tally.generated += 1
                 if req.on_token is not None:
                     req.on_token(tok)
         for seq in done:
             self._requests.pop(seq.request_id).finished.set()
+        return done
 
     def _maybe_metrics(self) -> None:
         rates = self.tally.due()

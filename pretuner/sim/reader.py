@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from pretuner.devices.base import FASTEST_INTERVAL_S, DeviceMemory, Holder, Sample, keep
 from pretuner.sim import npusmi
 from pretuner.sim.memory import DEFAULT_PROFILE
-from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
+from pretuner.sim.state import DeviceUse
+from pretuner.sim.v1 import smi
 from pretuner.sim.v1.memory import CUDA_PROFILES
 
 
@@ -18,16 +19,14 @@ class EmulatedReader:
 
     def __init__(self, env: Mapping[str, str], devices: frozenset[int] | None = None) -> None:
         self.env = dict(env)
-        self.cuda = CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE)
+        self.cuda = (env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE) in CUDA_PROFILES
         self.devices = devices
 
     def _read(self) -> tuple[int, list[DeviceUse]]:
         """(total MiB, every device's use) as the emulated tool shows them now."""
-        if self.cuda is not None:
-            c = self.cuda
-            return c.nvml_total_mib, read_devices(
-                state_dir(self.env), "cuda", 0, c.gpus_per_node, c.idle_mib,
-                env_int(self.env, "PRETUNER_SIM_OCCUPIED_MIB"), c.nvml_total_mib)
+        if self.cuda:
+            cuda, gpus = smi.gpus(self.env)
+            return cuda.nvml_total_mib, gpus
         profile, cards = npusmi.cards(self.env)
         return profile.total_mib, cards
 

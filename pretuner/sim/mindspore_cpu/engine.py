@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections.abc import Callable
 
 from pretuner.sim.engine import Engine, OutOfMemory
 from pretuner.sim.logs import VllmLog
 from pretuner.sim.mindspore_cpu.network import Seq, TinyLM
-from pretuner.sim.scheduler import SchedulerLimits
+from pretuner.sim.scheduler import SchedulerLimits, StepPlan
 from pretuner.sim.scheduler import Seq as SchedSeq
 
 log = logging.getLogger(__name__)
@@ -34,6 +33,7 @@ class MsEngine(Engine):
         self._tables: dict[str, list[int]] = {}
         self._filled: dict[str, int] = {}
         self._tokens = random.Random(seed)  # noqa: S311 - prompt ids are given; this fills gaps
+        self._sampled: dict[str, int] = {}  # the last token each request sampled
 
     def _table(self, seq: SchedSeq) -> list[int]:
         """The sequence's block ids, grown to the blocks the scheduler gave it."""
@@ -42,55 +42,41 @@ class MsEngine(Engine):
             table.append(self._free_list.pop())
         return table
 
-    def _prefill(self, seq: SchedSeq) -> int:
+    def _prefill(self, seq: SchedSeq) -> None:
         tokens = [self._tokens.randrange(self.net.d.vocab) for _ in range(seq.prompt_len)]
-        (tok,) = self.net.forward([Seq(tokens, self._table(seq), 0)])
+        (self._sampled[seq.request_id],) = self.net.forward([Seq(tokens, self._table(seq), 0)])
         self._filled[seq.request_id] = len(tokens)
-        return tok
 
-    def _decode(self, seqs: list[SchedSeq]) -> list[int]:
-        produced: list[int] = []
+    def _decode(self, seqs: list[SchedSeq]) -> None:
         for k in range(0, len(seqs), DECODE_BATCH):
             part = seqs[k: k + DECODE_BATCH]
             batch = [Seq([self._requests[s.request_id].output[-1] % self.net.d.vocab],
                          self._table(s), self._filled[s.request_id]) for s in part]
-            produced.extend(self.net.forward(batch))
-            for s in part:
+            for s, tok in zip(part, self.net.forward(batch), strict=True):
+                self._sampled[s.request_id] = tok
                 self._filled[s.request_id] += 1
-        return produced
 
-    def _release(self, request_id: str) -> None:
-        self._free_list.extend(self._tables.pop(request_id, []))
-        self._filled.pop(request_id, None)
+    def _step(self, plan: StepPlan) -> bool:
+        """Run the step on the network; False (the engine now dead) when MindSpore fails."""
+        try:
+            for chunk in plan.chunks:
+                self._prefill(chunk.seq)
+            self._decode(plan.decodes)
+        except RuntimeError as err:  # MindSpore's allocation failure surfaces here
+            self._fail(err)
+            return False
+        return True
 
-    def _loop(self) -> None:
-        while (plan := self._next_plan()) is not None:
-            if plan.empty:
-                time.sleep(0.01)
-                continue
-            try:
-                if plan.chunks:
-                    produced = [self._prefill(c.seq) for c in plan.chunks]
-                    stepping = [c.seq for c in plan.chunks]
-                else:
-                    produced = self._decode(plan.decodes)
-                    stepping = plan.decodes
-            except RuntimeError as err:  # MindSpore's allocation failure surfaces here
-                self._fail(err)
-                return
-            with self._cond:
-                self.tally.prompt_tokens += plan.prefill_tokens
-                done = self.sched.commit(plan)
-                for seq, tok in zip(stepping, produced, strict=True):
-                    req = self._requests[seq.request_id]
-                    req.output.append(tok)
-                    self.tally.generated += 1
-                    if req.on_token is not None:
-                        req.on_token(tok)
-                for seq in done:
-                    self._release(seq.request_id)
-                    self._requests.pop(seq.request_id).finished.set()
-                self._maybe_metrics()
+    def token(self, seq: SchedSeq) -> int:
+        return self._sampled[seq.request_id]
+
+    def advance(self, plan: StepPlan) -> list[SchedSeq]:
+        done = super().advance(plan)
+        for seq in done:  # their KV blocks go back to the free list
+            self._free_list.extend(self._tables.pop(seq.request_id, []))
+            self._filled.pop(seq.request_id, None)
+            self._sampled.pop(seq.request_id, None)
+        return done
 
     def _fail(self, err: BaseException) -> None:
         # The HTTP layer only asks whether the engine is dead; the real text is in the log.

@@ -9,7 +9,7 @@ import datetime as dt
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pretuner.sim.state import DeviceUse, env_int, read_devices, state_dir
 from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
@@ -17,6 +17,14 @@ from pretuner.stopflag import StopFlag
 
 DRIVER = "580.95.05"
 CUDA = "13.0"
+
+
+def gpus(env: Mapping[str, str]) -> tuple[CudaProfile, list[DeviceUse]]:
+    """The CUDA profile (`PRETUNER_SIM_PROFILE`) and its GPUs now, like `npusmi.cards`."""
+    p = CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_CUDA_PROFILE,
+                          CUDA_PROFILES[DEFAULT_CUDA_PROFILE])
+    return p, read_devices(state_dir(env), "cuda", 0, p.gpus_per_node, p.idle_mib,
+                           env_int(env, "PRETUNER_SIM_OCCUPIED_MIB"), p.nvml_total_mib)
 
 
 def query_csv(gpus: Sequence[DeviceUse], profile: CudaProfile, fields: Sequence[str],
@@ -84,9 +92,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     SIGINT, which end it quietly with 0."""
     args = list(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
-    profile = CUDA_PROFILES.get(env.get("PRETUNER_SIM_PROFILE") or DEFAULT_CUDA_PROFILE,
-                                CUDA_PROFILES[DEFAULT_CUDA_PROFILE])
-    tenant = env_int(env, "PRETUNER_SIM_OCCUPIED_MIB")
     query, fmt, only, loop_ms = None, "", None, None
     it = iter(args)
     for arg in it:
@@ -119,13 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = {o.strip() for o in fmt.split(",")}
 
     def output() -> str:
-        gpus = read_devices(state_dir(env), "cuda", 0, profile.gpus_per_node, profile.idle_mib,
-                            tenant, profile.nvml_total_mib)
-        if wanted is not None:
-            gpus = [g for g in gpus if g.index in wanted]
+        profile, shown = gpus(env)
+        shown = [g for g in shown if wanted is None or g.index in wanted]
         if query is None:
-            return table(gpus, profile)
-        return query_csv(gpus, profile, fields, "nounits" not in opts, "noheader" not in opts)
+            return table(shown, profile)
+        return query_csv(shown, profile, fields, "nounits" not in opts, "noheader" not in opts)
 
     if loop_ms is None:
         sys.stdout.write(output())

@@ -38,4 +38,4 @@ until [ "$(count_npus)" = "$expected_npus" ]; do
   waited=$((waited + 5))
 done
 echo "ray status: $expected_npus NPU; starting the server on the head node"
-exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model deepseek-ai/DeepSeek-R1 --max-model-len 32768 --max-num-seqs 192 --max-num-batched-tokens 16384 --gpu-memory-utilization 0.93 --block-size 32 --tensor-parallel-size 16 --enable-chunked-prefill True --distributed-executor-backend ray "$@"
+exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model deepseek-ai/DeepSeek-R1 --max-model-len 32768 --max-num-seqs 192 --max-num-batched-tokens 16384 --gpu-memory-utilization 0.93 --block-size 32 --tensor-parallel-size 16 --enable-chunked-prefill --distributed-executor-backend ray "$@"

@@ -19,4 +19,4 @@ export MS_ENABLE_LCCL=off
 export HCCL_OP_EXPANSION_MODE=AIV
 export MS_ALLOC_CONF=enable_vmm:true
 export ASCEND_RT_VISIBLE_DEVICES=0,1,2,3,4,5,6,7
-exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model deepseek-ai/DeepSeek-R1 --max-model-len 32768 --max-num-seqs 192 --max-num-batched-tokens 16384 --gpu-memory-utilization 0.93 --block-size 32 --tensor-parallel-size 16 --enable-chunked-prefill True --distributed-executor-backend ray "$@"
+exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model deepseek-ai/DeepSeek-R1 --max-model-len 32768 --max-num-seqs 192 --max-num-batched-tokens 16384 --gpu-memory-utilization 0.93 --block-size 32 --tensor-parallel-size 16 --enable-chunked-prefill --distributed-executor-backend ray "$@"

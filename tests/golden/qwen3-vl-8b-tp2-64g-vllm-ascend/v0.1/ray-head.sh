@@ -31,4 +31,4 @@ until [ "$(count_npus)" = "$expected_npus" ]; do
   waited=$((waited + 5))
 done
 echo "ray status: $expected_npus NPU; starting the server on the head node"
-exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model Qwen/Qwen3-VL-8B-Instruct --max-model-len 65536 --max-num-seqs 8 --max-num-batched-tokens 32768 --gpu-memory-utilization 0.95 --block-size 128 --tensor-parallel-size 2 --enable-chunked-prefill True --distributed-executor-backend ray "$@"
+exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model Qwen/Qwen3-VL-8B-Instruct --max-model-len 65536 --max-num-seqs 8 --max-num-batched-tokens 32768 --gpu-memory-utilization 0.95 --block-size 128 --tensor-parallel-size 2 --enable-chunked-prefill --distributed-executor-backend ray "$@"

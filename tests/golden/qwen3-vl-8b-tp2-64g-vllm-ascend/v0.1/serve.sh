@@ -12,4 +12,4 @@ set -euo pipefail
 export GLOG_v=2
 export ASCEND_TOTAL_MEMORY_GB=64
 export vLLM_MODEL_MEMORY_USE_GB=17
-exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model Qwen/Qwen3-VL-8B-Instruct --max-model-len 65536 --max-num-seqs 8 --max-num-batched-tokens 32768 --gpu-memory-utilization 0.95 --block-size 128 --tensor-parallel-size 2 --enable-chunked-prefill True "$@"
+exec python3 -m vllm_mindspore.entrypoints vllm.entrypoints.openai.api_server --model Qwen/Qwen3-VL-8B-Instruct --max-model-len 65536 --max-num-seqs 8 --max-num-batched-tokens 32768 --gpu-memory-utilization 0.95 --block-size 128 --tensor-parallel-size 2 --enable-chunked-prefill "$@"

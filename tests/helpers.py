@@ -35,10 +35,10 @@ R01_QWEN_32_CHUNKED = ("--model", "qwen3-8b", "--card", "32", "--tp", "1",
 # 24 GiB, and the minimum length is that one (exit 4, a failure report).
 R01_INFEASIBLE = ("--model", "qwen3-8b", "--card", "24", "--tp", "1", "--max-model-len", "40960",
                   "--min-model-len", "40960")  # fmt: skip
-V1_QWEN_80_32K = ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+V1_QWEN_80_32K = ("--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                   "--max-model-len", "32768", "--json")  # fmt: skip
 # Without --json: a test reads the text summary it prints.
-V1_QWEN_80_8K = ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+V1_QWEN_80_8K = ("--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                  "--max-model-len", "8192")  # fmt: skip
 
 

@@ -28,7 +28,7 @@ def test_a_failure_under_json_is_a_json_object_too(args: tuple[str, ...], error_
 
 @pytest.mark.parametrize(("engine", "method"), [("auto", "r0.1"), ("vllm", "v1-pinned-kv")])
 def test_a_dry_run_under_json_is_the_first_launch_as_data(engine: str, method: str) -> None:
-    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json")
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert next(iter(data)) == "schema_version"

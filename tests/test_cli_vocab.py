@@ -12,7 +12,7 @@ from pretuner.cli.vocab import KvDtype, human_int, kv_dtype, read_vllm_config
 from pretuner.kvmath import KV_DTYPES
 from tests.helpers import first_launch_line, invoke
 
-V1_DRY = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--dry-run")
+V1_DRY = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--dry-run")
 
 
 @pytest.mark.parametrize(("text", "value"), [
@@ -72,7 +72,7 @@ def test_config_file_gives_defaults_and_the_command_line_wins(tmp_path: Path) ->
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: qwen3-8b\nmax-model-len: 32K\ngpu_memory_utilization: 0.85\n"
                    "max-num-seqs: 64\nenforce-eager: true\nenable-prefix-caching: false\n")
-    proc = invoke("run", "--engine", "vllm", "--config", str(cfg), "--max-num-seqs", "32",
+    proc = invoke("run", "--engine", "vllm", "--emulate", "--config", str(cfg), "--max-num-seqs", "32",
                   "--dry-run")
     assert proc.returncode == 0, proc.stderr
     line = first_launch_line(proc.stdout)

@@ -31,10 +31,10 @@ def test_every_run_option_has_its_retune_flag() -> None:
 
 
 def test_the_retune_command_names_what_differs_from_the_defaults() -> None:
-    opts = RunOptions(model="qwen3-8b", engine="vllm", card_gib=80, max_model_len=32768,
+    opts = RunOptions(model="qwen3-8b", engine="vllm", emulate=True, card_gib=80, max_model_len=32768,
                       util=0.85, validate=False, server_args=["--load-format dummy"])
     assert opts.command_line() == [
-        "pretuner", "run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+        "pretuner", "run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
         "--max-model-len", "32768", "--util", "0.85", "--no-validate",
         "--server-arg", "--load-format dummy",
     ]  # fmt: skip

@@ -84,7 +84,7 @@ BAD_PLAN_AND_RUN = [
 @pytest.mark.parametrize(("flags", "says"), BAD_PLAN_AND_RUN)
 @pytest.mark.parametrize("engine", ["vllm", "auto"])
 def test_plan_refuses_bad_input_as_run_does(flags: list[str], says: str, engine: str) -> None:
-    argv = ["--model", "qwen3-8b", "--card", "80", "--engine", engine, *flags]
+    argv = ["--model", "qwen3-8b", "--card", "80", "--engine", engine, "--emulate", *flags]
     if "--engine" in flags:
         argv = ["--model", "qwen3-8b", "--card", "80", *flags]
     ran = invoke("run", *argv, "--dry-run")

@@ -42,7 +42,7 @@ def wrapper(tmp_path: Path, engine: str) -> tuple[str, Path]:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_dry_run_shows_the_serve_cmd_as_the_first_launch(tmp_path: Path, engine: str) -> None:
     cmd, _ = wrapper(tmp_path, engine)
-    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json",
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--dry-run", "--json",
                   "--serve-cmd", cmd)
     assert proc.returncode == 0, proc.stderr
     shown = json.loads(proc.stdout)
@@ -57,7 +57,7 @@ def test_a_busy_card_is_refused_with_its_holder(tmp_path: Path, engine: str) -> 
     card, _ = ENGINES[engine]
     # What another tenant holds: more than an idle card's driver takes, less than the card.
     env = cli_env(PRETUNER_SIM_OCCUPIED_MIB=str(card * 1024 * 5 // 8))
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--card", str(card),
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--card", str(card),
                    "--out", str(tmp_path / "r"), env=env, timeout=120)
     assert proc.returncode == 8, proc.stderr  # busy, not "does not fit" (4)
     assert "busy" in proc.stderr
@@ -71,7 +71,7 @@ def test_the_serve_cmd_is_launched_and_deployed(tmp_path: Path, engine: str) -> 
     card, _ = ENGINES[engine]
     cmd, seen = wrapper(tmp_path, engine)
     run = tmp_path / "r"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--card", str(card),
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--card", str(card),
                    "--serve-cmd", cmd, "--max-model-len", "4096", "--min-model-len", "4096",
                    "--out", str(run), env=cli_env(), timeout=240)
     assert proc.returncode == 0, proc.stderr
@@ -91,7 +91,7 @@ def test_the_serve_cmd_is_launched_and_deployed(tmp_path: Path, engine: str) -> 
 def test_a_block_size_given_is_kept_and_one_not_given_is_the_engines(
         engine: str, given: str | None, launched: int) -> None:
     flags = ["--block-size", given] if given else []
-    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run", "--json", *flags)
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--dry-run", "--json", *flags)
     assert proc.returncode == 0, proc.stderr
     first = json.loads(proc.stdout)["first_launch"]
     assert first["settings"]["block_size"] == launched
@@ -106,7 +106,7 @@ def test_ctrl_c_while_the_server_loads_then_resume(tmp_path: Path, engine: str) 
     card, _ = ENGINES[engine]
     out = tmp_path / "r"
     env = cli_env(PRETUNER_SIM_STARTUP_S="1.5")  # a server that takes a moment to load
-    argv = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--engine", engine,
+    argv = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--engine", engine, "--emulate",
             "--card", str(card), "--max-model-len", "4096", "--min-model-len", "4096",
             "--out", str(out)]
     stderr_path = tmp_path / "stderr.txt"
@@ -134,7 +134,7 @@ def test_ctrl_c_while_the_server_loads_then_resume(tmp_path: Path, engine: str) 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 def test_a_dry_run_never_shows_a_secret(engine: str, as_json: bool) -> None:
-    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--dry-run",
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--dry-run",
                   *(["--json"] if as_json else []),
                   "--serve-cmd", "my-serve --api-key s3cret-value")
     assert proc.returncode == 0, proc.stderr

@@ -18,23 +18,23 @@ LLAMA70 = "deepseek-r1-distill-llama-70b"
 
 # Model, then the flags both commands take; each row once on plan, once on run.
 SAME_LAYOUT = [
-    pytest.param([LLAMA70, "--engine", "vllm", "--card", "80"], id="70b-80g-vllm-tp4-bf16"),
-    pytest.param(["qwen3-32b", "--engine", "vllm", "--card", "80"], id="32b-80g-vllm-no-fp8"),
-    pytest.param(["qwen3-8b", "--engine", "vllm"], id="vllm-default-card"),
-    pytest.param(["qwen3-8b", "--engine", "vllm", "--card", "24", "--max-model-len", "32K"],
+    pytest.param([LLAMA70, "--engine", "vllm", "--emulate", "--card", "80"], id="70b-80g-vllm-tp4-bf16"),
+    pytest.param(["qwen3-32b", "--engine", "vllm", "--emulate", "--card", "80"], id="32b-80g-vllm-no-fp8"),
+    pytest.param(["qwen3-8b", "--engine", "vllm", "--emulate"], id="vllm-default-card"),
+    pytest.param(["qwen3-8b", "--engine", "vllm", "--emulate", "--card", "24", "--max-model-len", "32K"],
                  id="8b-24g-32k"),
-    pytest.param(["qwen3-8b", "--engine", "vllm-ascend", "--card", "64"], id="ascend-block-128"),
-    pytest.param(["qwen3-8b", "--engine", "vllm-ascend", "--card", "64", "--block-size", "16"],
+    pytest.param(["qwen3-8b", "--engine", "vllm-ascend", "--emulate", "--card", "64"], id="ascend-block-128"),
+    pytest.param(["qwen3-8b", "--engine", "vllm-ascend", "--emulate", "--card", "64", "--block-size", "16"],
                  id="ascend-explicit-block-16"),
-    pytest.param(["qwen3-8b", "--engine", "vllm-mindspore", "--card", "64", "--tp", "2",
+    pytest.param(["qwen3-8b", "--engine", "vllm-mindspore", "--emulate", "--card", "64", "--tp", "2",
                   "--kv-cache-dtype", "fp8"], id="vllm-mindspore-tp2-fp8-kv"),
-    pytest.param(["qwen3-32b", "--engine", "vllm", "--card", "24", "--tp", "1",
+    pytest.param(["qwen3-32b", "--engine", "vllm", "--emulate", "--card", "24", "--tp", "1",
                   "--quantization", "bitsandbytes", "--max-model-len", "8192"],
                  id="32b-24g-bitsandbytes"),
-    pytest.param(["qwen3-vl-8b", "--engine", "vllm", "--card", "32"], id="vl-model"),
+    pytest.param(["qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "32"], id="vl-model"),
     pytest.param(["deepseek-v3", "--card", "64"], id="r01-tp16-two-nodes"),
     pytest.param(["qwen3-8b", "--card", "32", "--max-model-len", "32K"], id="r01-32k"),
-    pytest.param(["qwen3-32b", "--engine", "vllm-mindspore-r01", "--card", "64", "--pp", "2",
+    pytest.param(["qwen3-32b", "--engine", "vllm-mindspore-r01", "--emulate", "--card", "64", "--pp", "2",
                   "--weights-format", "w8a8"], id="r01-pp2-w8a8"),
     pytest.param(["qwen3-8b"], id="r01-default-card"),
 ]  # fmt: skip
@@ -83,14 +83,14 @@ def test_the_issue_cases_decide_as_run() -> None:
     """Issue 26: plan used to headline 4-bit on one card for 70B on 80 GB, and fp8 for Qwen3-32B
     on one H100, where run launches 16-bit weights on more cards."""
     for model, tp in ((LLAMA70, 4), ("qwen3-32b", 2)):
-        plan = json.loads(invoke("plan", "--model", model, "--engine", "vllm", "--card", "80",
+        plan = json.loads(invoke("plan", "--model", model, "--engine", "vllm", "--emulate", "--card", "80",
                                  "--json").stdout)  # fmt: skip
         assert (plan["tp"], plan["weights_plan"]["quantization"]) == (tp, None)
         assert "as requested" not in plan["layout_reason"]
 
 
 def test_plan_refuses_weights_that_fit_no_layout_as_run_does() -> None:
-    argv = ["--model", "qwen3-32b", "--engine", "vllm", "--card", "24", "--tp", "1",
+    argv = ["--model", "qwen3-32b", "--engine", "vllm", "--emulate", "--card", "24", "--tp", "1",
             "--max-model-len", "32768"]  # fmt: skip
     ran = invoke("run", *argv, "--dry-run")
     planned = invoke("plan", *argv)
@@ -100,11 +100,11 @@ def test_plan_refuses_weights_that_fit_no_layout_as_run_does() -> None:
 
 
 def test_a_v1_table_has_no_r01_model_use_column() -> None:
-    v1 = invoke("plan", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80")
+    v1 = invoke("plan", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80")
     assert v1.returncode == 0, v1.stderr
     assert "model-use GiB" not in v1.stdout
     assert "KV GiB" in v1.stdout
-    assert json.loads(invoke("plan", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+    assert json.loads(invoke("plan", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                              "--json").stdout)["model_use_gib"] is None  # fmt: skip
     r01 = invoke("plan", "--model", "qwen3-8b", "--card", "64")
     assert "model-use GiB" in r01.stdout

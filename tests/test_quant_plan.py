@@ -147,7 +147,7 @@ def test_proposal_for_a_card_that_serves_as_is() -> None:
 def test_cli_70b_on_one_32g_card_proposes_then_plans_the_proposal() -> None:
     """Run refuses 70B bf16 on one 32 GB card (exit 4), and so does plan, saying what would
     serve it there; the proposed flags then plan (and run) as a layout of their own."""
-    args = ("plan", "--card", "32", "--model", LLAMA70, "--engine", "vllm", "--tp", "1",
+    args = ("plan", "--card", "32", "--model", LLAMA70, "--engine", "vllm", "--emulate", "--tp", "1",
             "--max-model-len", "8192")  # fmt: skip
     proc = invoke(*args)
     assert proc.returncode == 4, proc.stderr
@@ -174,7 +174,7 @@ def test_cli_70b_on_one_32g_card_proposes_then_plans_the_proposal() -> None:
 
 
 def test_cli_nothing_fits_says_what_would() -> None:
-    proc = invoke("plan", "--card", "8", "--model", LLAMA70, "--engine", "vllm",
+    proc = invoke("plan", "--card", "8", "--model", LLAMA70, "--engine", "vllm", "--emulate",
                   "--max-model-len", "128K")  # fmt: skip
     assert proc.returncode == 4
     assert "nothing tried serves" in proc.stdout

@@ -229,11 +229,11 @@ def test_final_configuration_lines_add_up(runs: Callable[[str], Run], name: str)
 V1_SCENARIOS = {
     # A vision-language model with a soak: the growth and what is held back are parts.
     "qwen3-vl-8b-64-soak": (
-        "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
+        "--model", "qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "64", "--tp", "2",
         "--max-model-len", "16384", "--max-num-seqs", "4", "--soak", "24",
     ),
     # A text model: the non-KV peak, the pinned KV and what is left.
-    "qwen3-8b-80-text": ("--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+    "qwen3-8b-80-text": ("--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                          "--max-model-len", "8192", "--max-num-seqs", "64"),
 }  # fmt: skip
 SHOWN_MIB = 0.05 + 1e-6  # half the last digit of a MiB figure printed with one decimal

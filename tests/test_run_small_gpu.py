@@ -21,7 +21,7 @@ from pretuner.tune.options import RunOptions
 from tests.helpers import FAST_SIM, FinishedRun, cli_env, invoke, run_cli
 
 LLAMA70 = "deepseek-r1-distill-llama-70b"
-SMALL = ("--model", LLAMA70, "--engine", "vllm", "--card", "32", "--tp", "1",
+SMALL = ("--model", LLAMA70, "--engine", "vllm", "--emulate", "--card", "32", "--tp", "1",
          "--max-model-len", "8192", "--max-num-seqs", "8")
 KNOBS = ("--quantization", "bitsandbytes", "--cpu-offload-gb", "14", "--swap-space", "2",
          "--enforce-eager")
@@ -47,7 +47,7 @@ def test_the_knobs_are_deployed_in_vllms_spelling(knobs: Knobs, flags: list[str]
 
 
 def test_the_retune_command_keeps_the_knobs() -> None:
-    opts = RunOptions(model=LLAMA70, engine="vllm", quantization="bitsandbytes",
+    opts = RunOptions(model=LLAMA70, engine="vllm", emulate=True, quantization="bitsandbytes",
                       cpu_offload_gib=14.0, swap_space_gib=2.0, enforce_eager=True,
                       min_tokens_per_s=0.5)
     line = " ".join(opts.command_line())
@@ -136,7 +136,7 @@ def test_explain_shows_the_runs_figure(small_run: Path) -> None:
 @pytest.mark.slow
 def test_a_configuration_slower_than_asked_exits_9_with_its_files(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "24",
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "24",
                    "--max-model-len", "4096", "--max-num-seqs", "4", "--min-tokens-per-s",
                    "1e9", "--out", str(out), "--json", env=cli_env(**FAST_SIM))
     assert proc.returncode == 9, proc.stderr
@@ -168,15 +168,15 @@ def test_a_model_too_big_for_the_card_is_told_what_fits(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--engine", "vllm", "--quantization", "awq"], "no quantization_config"),
-    (["--engine", "vllm", "--quantization", "int3"], "choose one of: bitsandbytes"),
-    (["--engine", "vllm", "--cpu-offload-gb", "-1"], "--cpu-offload-gb -1.0 is negative"),
-    (["--engine", "vllm", "--min-tokens-per-s", "0"], "--min-tokens-per-s 0.0 must be above 0"),
-    (["--engine", "vllm", "--cpu-offload-gb", "2", "--server-arg", "--cpu-offload-gb 3"],
+    (["--engine", "vllm", "--emulate", "--quantization", "awq"], "no quantization_config"),
+    (["--engine", "vllm", "--emulate", "--quantization", "int3"], "choose one of: bitsandbytes"),
+    (["--engine", "vllm", "--emulate", "--cpu-offload-gb", "-1"], "--cpu-offload-gb -1.0 is negative"),
+    (["--engine", "vllm", "--emulate", "--min-tokens-per-s", "0"], "--min-tokens-per-s 0.0 must be above 0"),
+    (["--engine", "vllm", "--emulate", "--cpu-offload-gb", "2", "--server-arg", "--cpu-offload-gb 3"],
      "--cpu-offload-gb is given twice"),
-    (["--engine", "vllm", "--server-arg", "--swap-space lots"], "--server-arg: could not "
+    (["--engine", "vllm", "--emulate", "--server-arg", "--swap-space lots"], "--server-arg: could not "
      "convert string to float: 'lots'"),
-    (["--engine", "vllm-mindspore-r01", "--cpu-offload-gb", "3"], "a V1 engine's flag"),
+    (["--engine", "vllm-mindspore-r01", "--emulate", "--cpu-offload-gb", "3"], "a V1 engine's flag"),
 ])
 def test_bad_knobs_are_one_line_and_exit_2(args: list[str], says: str) -> None:
     proc = invoke("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
@@ -201,7 +201,7 @@ def test_a_shared_card_leaving_7_gib_serves_the_70b_at_512_tokens(tmp_path: Path
     """The field note's 7 GB budget: another tenant holds the rest of the 32 GB card, so util
     0.9 (and the note's 0.25) is refused; the pre-run's util comes down to what is free."""
     tenant = 32768 - 310 - 7 * 1024  # cuda-32: NVML total - idle - 7 GiB
-    opts = RunOptions(model=LLAMA70, engine="vllm", card_gib=32, tp=1, max_model_len=512,
+    opts = RunOptions(model=LLAMA70, engine="vllm", emulate=True, card_gib=32, tp=1, max_model_len=512,
                       max_num_seqs=8, max_num_batched_tokens=512, quantization="bitsandbytes",
                       cpu_offload_gib=60.0, enforce_eager=True,
                       sim_env={"PRETUNER_SIM_OCCUPIED_MIB": str(tenant)})
@@ -218,7 +218,7 @@ def test_an_engine_the_host_cannot_hold_is_a_server_failure_naming_the_host(
         tmp_path: Path) -> None:
     """The host passes the offload check (14 GiB of 15.5 available) but not the server's own
     processes beside it: the kernel kills the engine while it loads (signal 9)."""
-    opts = RunOptions(model=LLAMA70, engine="vllm", card_gib=32, tp=1, max_model_len=8192,
+    opts = RunOptions(model=LLAMA70, engine="vllm", emulate=True, card_gib=32, tp=1, max_model_len=8192,
                       max_num_seqs=8, quantization="bitsandbytes", cpu_offload_gib=14.0,
                       enforce_eager=True, sim_env={"PRETUNER_SIM_HOST_MIB": "16384"})
     with pytest.raises(ServerFailedError, match="killed by signal 9 while it started: the host"):

@@ -163,7 +163,7 @@ def test_the_written_serve_script_starts_a_server_that_serves(
 
 def test_weights_that_cannot_fit_are_refused_before_any_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = invoke("run", "--model", "qwen3-32b", "--engine", "vllm", "--card", "24", "--tp",
+    proc = invoke("run", "--model", "qwen3-32b", "--engine", "vllm", "--emulate", "--card", "24", "--tp",
                   "1", "--max-model-len", "32768", "--out", str(out), "--json",
                   env=cli_env(**FAST_SIM))
     assert proc.returncode == 4, proc.stderr
@@ -176,7 +176,7 @@ def test_weights_that_cannot_fit_are_refused_before_any_launch(tmp_path: Path) -
 @pytest.mark.slow
 def test_a_length_the_card_cannot_hold_ends_infeasible_from_a_launch(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "24", "--tp", "1",
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "24", "--tp", "1",
                    "--max-model-len", "40960", "--out", str(out), "--json",
                    env=cli_env(**FAST_SIM))
     assert proc.returncode == 4, proc.stderr
@@ -191,7 +191,7 @@ def test_a_length_the_card_cannot_hold_ends_infeasible_from_a_launch(tmp_path: P
 @pytest.mark.slow
 def test_in_process_and_subprocess_runs_decide_the_same(
         tmp_path: Path, finished_run: Callable[..., FinishedRun]) -> None:
-    opts = RunOptions(model="qwen3-8b", engine="vllm", card_gib=80, max_model_len=32768)
+    opts = RunOptions(model="qwen3-8b", engine="vllm", emulate=True, card_gib=80, max_model_len=32768)
     r = tune_v1_in_process(opts, tmp_path / "inproc")
     proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
@@ -227,7 +227,7 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     """A journal that stopped after its launches (as a Ctrl-C leaves it) resumes: the finished
     launches are replayed, not run again, and the result is the same."""
     out = tmp_path / "run"
-    first = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+    first = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                     "--max-model-len", "8192", "--out", str(out), "--json",
                     env=cli_env(**FAST_SIM))
     assert first.returncode == 0, first.stderr
@@ -247,12 +247,13 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        pytest.param(["--engine", "vllm", "--card", "50"], "no 50 GB profile", id="card"),
+        pytest.param(["--engine", "vllm", "--emulate", "--card", "50"], "no 50 GB profile",
+                     id="card"),
         pytest.param(["--engine", "bogus"], "choose one of: auto", id="engine"),
-        pytest.param(["--engine", "vllm", "--backend", "sim"], "keep --engine", id="both"),
-        pytest.param(["--engine", "vllm", "--model-use-gb", "50"], "--kv-cache-memory-bytes",
+        pytest.param(["--engine", "vllm", "--emulate", "--backend", "sim"], "keep --engine", id="both"),
+        pytest.param(["--engine", "vllm", "--emulate", "--model-use-gb", "50"], "--kv-cache-memory-bytes",
                      id="r01-variable"),
-        pytest.param(["--engine", "vllm", "--max-num-seqs", "0"], "--max-num-seqs 0",
+        pytest.param(["--engine", "vllm", "--emulate", "--max-num-seqs", "0"], "--max-num-seqs 0",
                      id="seqs"),
     ],
 )
@@ -271,7 +272,7 @@ def test_a_model_folder_given_relative_is_deployed_by_its_absolute_path(tmp_path
     model.mkdir(parents=True)
     (model / "config.json").write_text((CONFIGS / "Qwen--Qwen3-8B.json").read_text())
     out = tmp_path / "run"
-    proc = run_cli("run", "--model", "models/qwen3-8b", "--engine", "vllm", "--card", "80",
+    proc = run_cli("run", "--model", "models/qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                    "--max-model-len", "8192", "--out", str(out), "--json",
                    env=cli_env(**FAST_SIM), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

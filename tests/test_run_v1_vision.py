@@ -23,7 +23,7 @@ from pretuner.tune.entry import RunOptions
 from pretuner.tune.pinned.setup import DEFAULT_SOAK
 from tests.helpers import FinishedRun, first_launch_line, invoke
 
-ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
+ARGS = ("--model", "qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "64", "--tp", "2",
         "--max-model-len", "16384", "--max-num-seqs", "4", "--soak", "24",
         "--limit-mm-per-prompt", "image=1", "--mm-processor-cache-gb", "2")
 
@@ -88,7 +88,7 @@ def test_the_proven_kv_survives_the_same_load_in_the_emulators_truth(
 @pytest.mark.parametrize("seed", [0, 1])
 def test_with_the_default_soak_no_oom_over_a_soak_three_times_longer(
         tmp_path: Path, seed: int) -> None:
-    opts = RunOptions(model="qwen3-vl-8b", engine="vllm", card_gib=64, tp=2, seed=seed,
+    opts = RunOptions(model="qwen3-vl-8b", engine="vllm", emulate=True, card_gib=64, tp=2, seed=seed,
                       max_model_len=16384, max_num_seqs=4, limit_mm_per_prompt="image=1")
     r = tune_v1_in_process(opts, tmp_path)
     assert r.validated
@@ -140,21 +140,21 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
                  "pretuner sets --limit-mm-per-prompt itself", id="dotted-server-arg"),
 ])
 def test_bad_vision_input_is_one_line_and_exit_2(args: tuple[str, ...], says: str) -> None:
-    proc = invoke("run", *args, "--engine", "vllm", "--card", "64", "--dry-run")
+    proc = invoke("run", *args, "--engine", "vllm", "--emulate", "--card", "64", "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_the_r01_method_refuses_image_flags() -> None:
-    proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm-mindspore-r01",
+    proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm-mindspore-r01", "--emulate",
                   "--soak", "50", "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert "--soak: the r0.1 method sends no images" in proc.stderr
 
 
 def test_dry_run_says_what_the_images_will_be() -> None:
-    proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64",
+    proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "64",
                   "--tp", "2", "--max-model-len", "65536", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "3 image(s) of 4096x4096 px (16,384 tokens each)" in proc.stdout
@@ -165,7 +165,7 @@ def test_a_vllm_config_file_gives_the_image_flags(tmp_path: Path) -> None:
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: qwen3-vl-8b\nlimit-mm-per-prompt:\n  image: 2\n  video: 0\n"
                    "mm_processor_cache_gb: 0\n")
-    proc = invoke("run", "--engine", "vllm", "--card", "64", "--config", str(cfg), "--dry-run",
+    proc = invoke("run", "--engine", "vllm", "--emulate", "--card", "64", "--config", str(cfg), "--dry-run",
                   "--max-model-len", "65536")
     assert proc.returncode == 0, proc.stderr
     line = first_launch_line(proc.stdout)

@@ -215,7 +215,7 @@ def test_image_limit_zero_disables_the_encoder_cache() -> None:
 
 def test_text_model_refuses_an_image_limit() -> None:
     """Refused as `run` refuses it (tests/test_input_validation.py holds the two to one line)."""
-    proc = invoke("plan", "--model", "qwen3-8b", "--engine", "vllm", "--card", "64",
+    proc = invoke("plan", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "64",
                   "--limit-mm-per-prompt", "image=2")  # fmt: skip
     assert proc.returncode == 2
     assert "qwen3-8b is a text model" in proc.stderr
@@ -223,7 +223,7 @@ def test_text_model_refuses_an_image_limit() -> None:
 
 def test_cli_plan_vl_text_shows_images_block() -> None:
     proc = invoke(
-        "plan", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
+        "plan", "--model", "qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "64", "--tp", "2",
         "--limit-mm-per-prompt", "image=2",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -239,7 +239,7 @@ def test_cli_plan_vl_text_shows_images_block() -> None:
 
 def test_cli_plan_vl_json_has_vision_key() -> None:
     proc = invoke(
-        "plan", "--model", "qwen3-vl-8b", "--engine", "vllm", "--card", "64", "--tp", "2",
+        "plan", "--model", "qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "64", "--tp", "2",
         "--limit-mm-per-prompt", '{"image": 2}', "--max-num-batched-tokens", "32K",
         "--max-model-len", "65536", "--json",
     )  # fmt: skip

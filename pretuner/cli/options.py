@@ -53,8 +53,13 @@ Engine = Annotated[str, typer.Option(
     "--engine", metavar="NAME", rich_help_panel=ENGINE,
     help="auto | vllm-mindspore-r01 | sim (its emulated card) | mindspore-cpu (real "
     "MindSpore on CPU) | vllm | vllm-ascend | vllm-mindspore (0.3+) | vllm-cpu. A V1 engine "
-    "(vllm*) gets its KV cache pinned with --kv-cache-memory-bytes; an engine without its "
-    "stack or devices runs emulated (simulated figures).",
+    "(vllm*) gets its KV cache pinned with --kv-cache-memory-bytes. A named engine not found "
+    "is exit 2; only auto falls back to the emulated card, and says so.",
+)]
+Emulate = Annotated[bool, typer.Option(
+    "--emulate", rich_help_panel=ENGINE,
+    help="The emulated engine of that name (simulated figures): --engine vllm --emulate is "
+    "the emulated vLLM server on an emulated CUDA card.",
 )]
 MaxModelLen = Annotated[int | None, typer.Option(
     "--max-model-len", metavar="TOKENS", parser=human_int, rich_help_panel=LENGTHS,

@@ -59,6 +59,7 @@ def plan_cmd(
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     mm_processor_cache_gb: o.MmProcessorCacheGb = None,
     engine: o.Engine = "auto",
+    emulate: o.Emulate = False,
     quantization: o.Quantization = None,
     cpu_offload_gb: o.CpuOffloadGb = 0.0,
     swap_space: o.SwapSpace = None,
@@ -80,7 +81,7 @@ def plan_cmd(
         tp=tp, pp=pp, nodes=nodes, block_size=block_size, kv_cache_dtype=kv_dtype(kv_cache_dtype),
         weights_format=weights_format, headroom_gib=headroom_gb,
         max_num_batched_tokens=max_num_batched_tokens, limit_mm_per_prompt=limit_mm_per_prompt,
-        mm_processor_cache_gb=mm_processor_cache_gb,
+        mm_processor_cache_gb=mm_processor_cache_gb, emulate=emulate,
         quantization=quantization.strip().lower() if quantization else None,
         cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space,
     )  # fmt: skip

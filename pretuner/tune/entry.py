@@ -10,6 +10,7 @@ the busy-device refusal, `--serve-cmd`, provenance, redaction, exit codes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,6 +43,8 @@ from pretuner.tune.setup import Setup, Vision
 
 if TYPE_CHECKING:
     from pretuner.cluster.session import RayCollectors
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,12 @@ METHODS: dict[Family, tuple[Callable[[RunOptions, EngineChoice], AnySetup],
     Family.R01: (r01_setup, r01_layout_options), Family.V1: (pinned_setup, pinned_layout_options)}
 
 
+def choose(opts: RunOptions, launch: bool = True) -> EngineChoice:
+    """The engine `opts` names (`pretuner.engines.registry`); `plan` launches nothing."""
+    return choose_engine(opts.engine, emulate=opts.emulate, python=opts.engine_python,
+                         wrapped=opts.serve_cmd is not None, launch=launch)
+
+
 def setup(opts: RunOptions, choice: EngineChoice) -> AnySetup:
     """The run's setup; bad input is refused here (exit 2), before a run folder exists."""
     return METHODS[choice.family][0](opts, choice)
@@ -84,13 +93,13 @@ def setup(opts: RunOptions, choice: EngineChoice) -> AnySetup:
 def run_layout_options(opts: RunOptions) -> PlanConfig:
     """The layout options a run of `opts` decides on (`pretuner plan`), bad input refused as
     `run` refuses it."""
-    choice = choose_engine(opts.engine)
+    choice = choose(opts, launch=False)
     return METHODS[choice.family][1](opts, choice)
 
 
 def dry_run(opts: RunOptions) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
-    choice = choose_engine(opts.engine)
+    choice = choose(opts)
     s = setup(opts, choice)
     method = s.start(_no_launch, lambda phase, detail: None, None)
     settings = method.first_launch()
@@ -130,18 +139,20 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
 def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> RunOutcome:
     """Tune, journal every launch and decision, and write the result files."""
     asked = opts if resume is None else _recorded_options(resume)
-    choice = choose_engine(asked.engine) if asked is not None else None
+    choice = choose(asked) if asked is not None else None
     if resume is None and choice is not None:
         setup(opts, choice)  # refuse bad input before a run folder exists
+        if choice.simulated and opts.engine == "auto" and not opts.emulate:
+            log.warning("%s", choice.reason)  # the fallback: said before anything else
     if asked is None or choice is None or not asked.ray_address:
-        return _tune(opts, phase, resume, None)
+        return _tune(opts, phase, resume, None, choice)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
 
     p = plan_for(r01_setup(asked, choice).cfg)
     plan = ClusterPlan(p.tp * p.pp, p.nodes, emulated=choice.simulated)
     with ray_cluster(asked.ray_address, plan, phase) as collectors:
-        return _tune(opts, phase, resume, collectors)
+        return _tune(opts, phase, resume, collectors, choice)
 
 
 def _recorded_options(resume: Path) -> RunOptions | None:
@@ -154,14 +165,13 @@ def _recorded_options(resume: Path) -> RunOptions | None:
     return RunOptions.from_json(started.get("options"), started.get("version"))
 
 
-def _tune(
-    opts: RunOptions, phase: Phase, resume: Path | None, collectors: RayCollectors | None
-) -> RunOutcome:
+def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
+          collectors: RayCollectors | None, choice: EngineChoice | None) -> RunOutcome:
     record, opts = _open_record(opts, resume)
     try:
         if resume is not None:  # we hold the lock: a live server of this run is our orphan
             stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
-        return _tune_recorded(record, opts, phase, choose_engine(opts.engine), collectors)
+        return _tune_recorded(record, opts, phase, choice or choose(opts), collectors)
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it
         raise

@@ -19,7 +19,8 @@ from pretuner.redact import redact_command_text
 
 # RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
 RETUNE_FLAGS = (
-    ("engine", "--engine"), ("card_gib", "--card"),
+    ("engine", "--engine"), ("emulate", "--emulate"), ("engine_python", "--engine-python"),
+    ("card_gib", "--card"),
     ("max_model_len", "--max-model-len"), ("min_model_len", "--min-model-len"),
     ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
     ("util", "--util"), ("tp", "--tp"), ("pp", "--pp"), ("nodes", "--nodes"),
@@ -46,6 +47,8 @@ class RunOptions:
 
     model: str
     engine: str = "auto"  # auto | a name of pretuner.engines.registry.ENGINES
+    emulate: bool = False  # the emulated engine of that name, asked for
+    engine_python: str | None = None  # the interpreter of the engine's own venv
     card_gib: int | None = None
     util: float = 0.9
     max_model_len: int | None = None  # default: the engine's

@@ -86,7 +86,7 @@ def test_the_readme_example_reproduces_on_the_emulated_h200(tmp_path: Path) -> N
     # The README's real-GPU example run on the emulated H200 (`--card 141`; max-num-seqs 256 as
     # the real run was told): the card is named, its NVML total is the real one, and the
     # engine's profile and the proven pinned KV land within 1 % and 2 % of the real card's.
-    done = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "141",
+    done = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "141",
                    "--max-model-len", "32768", "--max-num-seqs", "256", "--json",
                    "--out", str(tmp_path / "run"))
     assert done.returncode == 0, done.stderr

@@ -102,7 +102,7 @@ def test_a_run_through_a_container(tmp_path: Path, image_python: Path, engine: s
     wrapper = (f"{fake_runner(tmp_path, runner, image_python)} run --rm --gpus all --ipc=host "
                f"--env=HF_TOKEN={SECRET} -p 127.0.0.1:{{port}}:{{port}} {image}")
     run = tmp_path / "r"
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--card", card,
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--card", card,
                    "--serve-cmd", wrapper, "--max-model-len", "4096", "--min-model-len", "4096",
                    "--out", str(run), env=cli_env(), timeout=240)
     assert proc.returncode == 0, proc.stderr

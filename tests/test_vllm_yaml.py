@@ -77,7 +77,7 @@ def test_production_address_and_name_go_to_serve_sh_and_each_launch_serves_on_it
 def test_a_flag_pretuner_owns_is_refused_in_its_underscore_spelling(arg: str) -> None:
     """vLLM reads `--kv_cache_memory_bytes` as `--kv-cache-memory-bytes`: smuggled past the
     check, production would get 2 GB of KV while the run proved another size."""
-    proc = invoke("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                   "--server-arg", arg, "--dry-run")
     assert proc.returncode == 2, proc.stderr
     assert "pretuner sets --" in proc.stderr
@@ -119,7 +119,7 @@ def test_a_run_from_a_users_yaml_proves_it_and_writes_the_key_nowhere(tmp_path: 
     cfg = tmp_path / "serve.yaml"
     cfg.write_text(SERVE_YAML)
     out = tmp_path / "run"
-    proc = run_cli("run", "--config", str(cfg), "--engine", "vllm", "--card", "80", "--out",
+    proc = run_cli("run", "--config", str(cfg), "--engine", "vllm", "--emulate", "--card", "80", "--out",
                    str(out), "--json")
     assert proc.returncode == 0, proc.stderr  # the emulated server wanted the key: probes sent it
     assert CANARY not in proc.stdout + proc.stderr
@@ -154,7 +154,7 @@ def test_a_run_from_a_users_yaml_proves_it_and_writes_the_key_nowhere(tmp_path: 
 def test_a_run_sends_the_key_the_engine_reads_from_its_environment(tmp_path: Path) -> None:
     """vLLM takes VLLM_API_KEY when no --api-key is given: a user who exported it gets a
     server that wants it from pretuner's requests too."""
-    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--card", "80",
+    proc = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
                    "--max-model-len", "4096", "--max-num-seqs", "8", "--out",
                    str(tmp_path / "run"), env=cli_env(VLLM_API_KEY=CANARY))
     assert proc.returncode == 0, proc.stderr

@@ -64,6 +64,12 @@ class SimEmulator:
         prefix = self.server_command(personality)
         return argv[len(prefix):] if argv[: len(prefix)] == prefix else argv
 
+    def batch_defaults(self, env: Mapping[str, str]) -> tuple[int, int]:
+        from pretuner.sim.v1 import config, memory
+
+        return config.batch_defaults(memory.CUDA_PROFILES[env.get(f"{PREFIX}PROFILE")
+                                                          or V1_CARDS[80]])
+
     def smi_command(self) -> list[str]:
         return [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
 

@@ -74,7 +74,7 @@ class Coefficients:
     graph_scratch_mib: float = 922.0  # capture scratch held beside it (freed afterwards)
     graph_alloc_mib: float = 248.0  # the largest FULL graph's attention workspace
     warmup_mib: float = 640.0  # kernel warm-up's dummy batch, kept in torch's cache
-    sampler_copies: float = 4.0  # fp32 logits rows per max_num_seqs in the sampler warm-up
+    sampler_copies: float = 1.0  # fp32 logits rows per dummy request (max_num_seqs) warming up
     sampler_extra: float = 0.52  # softmax/sort temporaries, as a share of those logits
     step_fixed_mib: float = 1030.0  # per-step workspace a real step holds, profiling does not
     step_hidden: float = 2.0  # bf16 hidden-sized buffers per scheduled token

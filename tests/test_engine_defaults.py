@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from pretuner.engines.vllm_v1 import ROWS, RULE, V1Engine, ask_defaults, device_rule
-from pretuner.tune.pinned.setup import batch_defaults
 from pretuner.units import MIB
 
 
@@ -68,12 +67,12 @@ def test_without_an_answer_vllms_rule_reads_the_gpu(tmp_path: Path, monkeypatch:
     _script(bin_dir / "nvidia-smi", f'echo "{smi}"\n')
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     no_vllm = _script(tmp_path / "python", "exit 1\n")
-    got = batch_defaults(V1Engine(ROWS["vllm"], False), no_vllm, 1, os.environ)
+    got = V1Engine(ROWS["vllm"], False, python=no_vllm).batch_defaults(1, os.environ)
     assert (got.max_num_seqs, got.max_num_batched_tokens) == batch
     assert got.source.startswith(RULE)
     assert smi.split(",")[0] in got.source
 
 
 def test_vllm_cpu_keeps_pretuners_own_small_batch() -> None:
-    got = batch_defaults(V1Engine(ROWS["vllm-cpu"], False), "/nonexistent/python", 1, {})
+    got = V1Engine(ROWS["vllm-cpu"], False, python="/nonexistent").batch_defaults(1, {})
     assert (got.max_num_seqs, got.max_num_batched_tokens) == (8, 4096)

@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from pretuner.devices.nvidia import gpu_identity
+from pretuner.devices.selection import visible_devices
+from pretuner.emulation import emulator
 from pretuner.engines.base import Deployment, Family, LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.models import ModelSpec, local_model_path
-from pretuner.units import GIB
+from pretuner.units import GIB, MIB
 
 DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
@@ -243,12 +246,26 @@ class V1Engine:
         if self.serve_cmd:
             return list(self.serve_cmd)
         if self.simulated:
-            from pretuner.emulation import emulator
-
             return emulator().server_command("v1")
         if self.python is not None:
             return [self.python, *self.row.command[1:]]
         return list(self.row.command)
+
+    def batch_defaults(self, world_size: int, env: Mapping[str, str]) -> BatchDefaults:
+        """What the server runs with unless told: the row's own, the emulated engine's, the
+        installed engine's answer, else vLLM's rule for the first GPU nvidia-smi shows."""
+        if self.row.batch is not None:
+            return BatchDefaults(*self.row.batch, f"pretuner's default for {self.name}")
+        if self.simulated:
+            return BatchDefaults(*emulator().batch_defaults(env),
+                                 f"{ASKED} of the emulated engine")
+        asked = ask_defaults(self.python or sys.executable, world_size, env)
+        if asked is not None:
+            return asked
+        gpu = (gpu_identity(min(visible_devices(env, self.row.visible_devices_var, 1)))
+               if self.device == "cuda" else None)
+        name, total_mib = gpu or ("", 0)  # no device seen: the smaller batch, as vLLM does
+        return BatchDefaults(*device_rule(total_mib * MIB, name), f"{RULE}, {name or 'unknown'}")
 
     def model_arg(self, model: str, spec: ModelSpec) -> str:
         """What the server loads: a folder by its absolute path, else the Hugging Face id (the

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,24 +17,13 @@ from pretuner import validate as v
 from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
-from pretuner.devices.nvidia import gpu_identity
-from pretuner.devices.selection import visible_devices
 from pretuner.emulation import emulator
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.engines.vllm_v1 import (
-    ASKED,
-    ROWS,
-    RULE,
-    BatchDefaults,
-    V1Engine,
-    ask_defaults,
-    device_rule,
-    parse_server_args,
-)
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape
@@ -211,24 +199,6 @@ def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | No
                             "--server-arg '--load-format dummy', or add the checkpoint")
 
 
-def batch_defaults(engine: V1Engine, python: str | None, world_size: int,
-                   env: Mapping[str, str]) -> BatchDefaults:
-    """What the server runs with unless told: the row's own, the emulated engine's, the
-    installed engine's answer, else vLLM's rule for the first GPU nvidia-smi shows."""
-    row = engine.row
-    if row.batch is not None:
-        return BatchDefaults(*row.batch, f"pretuner's default for {row.name}")
-    if engine.simulated:
-        return BatchDefaults(*emulator().batch_defaults(env), f"{ASKED} of the emulated engine")
-    asked = ask_defaults(python or sys.executable, world_size, env)
-    if asked is not None:
-        return asked
-    gpu = (gpu_identity(min(visible_devices(env, row.visible_devices_var, 1)))
-           if row.device == "cuda" else None)
-    name, total_mib = gpu or ("", 0)  # no device seen: vLLM's smaller batch, as vLLM does
-    return BatchDefaults(*device_rule(total_mib * MIB, name), f"{RULE}, {name or 'unknown'}")
-
-
 def _check(opts: RunOptions) -> None:
     v.int_range("--max-num-seqs", opts.max_num_seqs, 1, MAX_NUM_SEQS)
     if opts.model_use_gib is not None:
@@ -237,14 +207,14 @@ def _check(opts: RunOptions) -> None:
                             hint="drop --model-use-gb")
 
 
-def _batch(opts: RunOptions, engine: V1Engine, python: str | None, world_size: int,
+def _batch(opts: RunOptions, engine: V1Engine, world_size: int,
            env: Mapping[str, str]) -> tuple[int, int, str | None]:
     """The run's max-num-seqs and max-num-batched-tokens: the user's, else the engine's
     defaults (proven and deployed explicitly), with the decision line saying whose."""
     seqs, batched = opts.max_num_seqs, opts.max_num_batched_tokens
     line = None
     if seqs is None or not batched:
-        d = batch_defaults(engine, python, world_size, env)
+        d = engine.batch_defaults(world_size, env)
         seqs, batched = seqs or d.max_num_seqs, batched or d.max_num_batched_tokens
         line = (f"the engine's defaults where not given: {d.words()}; proven and written into "
                 "the startup files")
@@ -288,8 +258,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                             "(--engine vllm-mindspore-r01 --ray-address ...)")
     host = host_memory(engine.device_kind, {**os.environ, **sim_env}) if knobs.active else None
     host_line = check_host(p, knobs, host)
-    seqs, batched, batch_line = _batch(opts, engine, choice.python, p.tp * p.pp,
-                                       {**os.environ, **sim_env})
+    seqs, batched, batch_line = _batch(opts, engine, p.tp * p.pp, {**os.environ, **sim_env})
     bpt = kv_bytes_per_token(spec, tp=p.tp, pp=p.pp, kv_dtype=opts.kv_cache_dtype)
     cfg = V1Config(model=spec, card_gib=card, bytes_per_token=bpt, util=opts.util,
                    max_model_len=max_len, max_num_seqs=seqs,

@@ -143,10 +143,6 @@ class BatchDefaults:
     max_num_batched_tokens: int
     source: str  # ASKED, RULE, or pretuner's own for the row
 
-    def words(self) -> str:
-        return (f"max-num-seqs {self.max_num_seqs}, max-num-batched-tokens "
-                f"{self.max_num_batched_tokens} ({self.source})")
-
 
 def device_rule(total_bytes: int, device_name: str) -> tuple[int, int]:
     """vLLM's (max-num-seqs, max-num-batched-tokens) for its OpenAI server on this device."""

@@ -216,8 +216,9 @@ def _batch(opts: RunOptions, engine: V1Engine, world_size: int,
     if seqs is None or not batched:
         d = engine.batch_defaults(world_size, env)
         seqs, batched = seqs or d.max_num_seqs, batched or d.max_num_batched_tokens
-        line = (f"the engine's defaults where not given: {d.words()}; proven and written into "
-                "the startup files")
+        line = (f"the engine's defaults where not given: max-num-seqs {seqs}, "
+                f"max-num-batched-tokens {batched} ({d.source}); proven and written into the "
+                "startup files")
     v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
     return seqs, batched, line
 

@@ -39,6 +39,11 @@ class Emulator(Protocol):
         ("emulated H200 141 GB"); None for another emulated card."""
         ...
 
+    def batch_defaults(self, env: Mapping[str, str]) -> tuple[int, int]:
+        """The emulated V1 server's (max-num-seqs, max-num-batched-tokens) on the card of
+        `env` (a `launch_env`) when its flags give none."""
+        ...
+
     def smi_command(self) -> list[str]:
         """The emulated `npu-smi info`, run under `launch_env`."""
         ...

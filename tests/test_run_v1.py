@@ -81,6 +81,11 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
     assert "vLLM_MODEL_MEMORY_USE_GB" not in unit
     config = (out / "vllm-config.yaml").read_text()
     assert f"kv-cache-memory-bytes: {kv}" in config  # vLLM's --config takes the CLI spelling
+    # No --max-num-seqs given: proven at vLLM's own default on an H100 (1024, not 256) and
+    # written out, so production runs what was proven.
+    assert rep["final"]["max_num_seqs"] == 1024
+    assert "--max-num-seqs 1024 --max-num-batched-tokens 8192" in serve
+    assert "max-num-seqs: 1024" in config
     md = (out / "report.md").read_text()
     assert "SIMULATED" in md
     assert "--kv-cache-memory-bytes" in md
@@ -255,6 +260,9 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
                      id="r01-variable"),
         pytest.param(["--engine", "vllm", "--emulate", "--max-num-seqs", "0"], "--max-num-seqs 0",
                      id="seqs"),
+        # Below the H100's default max-num-seqs (1024): vLLM would refuse it at start-up.
+        pytest.param(["--engine", "vllm", "--max-num-batched-tokens", "512"],
+                     "--max-num-batched-tokens 512", id="batched-below-default-seqs"),
     ],
 )
 def test_bad_v1_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:

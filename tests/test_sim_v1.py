@@ -33,9 +33,9 @@ from pretuner.models import resolve
 from pretuner.sim.kvcache import cache_layout
 from pretuner.sim.reader import EmulatedReader
 from pretuner.sim.v1 import inproc
-from pretuner.sim.v1.config import UsageError, human_bytes, parse
+from pretuner.sim.v1.config import UsageError, batch_defaults, human_bytes, parse
 from pretuner.sim.v1.http import DEAD_BODY, length_error
-from pretuner.sim.v1.memory import CUDA_PROFILES, perturbed
+from pretuner.sim.v1.memory import CUDA_PROFILES, CudaProfile, perturbed
 from pretuner.sim.v1.scheduler import Limits, Req, Scheduler
 from pretuner.sim.v1.truth import max_kv_bytes, util_kv_bytes
 from pretuner.units import GIB
@@ -386,10 +386,30 @@ def test_command_line_takes_vllm_flags_and_ignores_unknown_ones() -> None:
     cfg = parse(["--model", "qwen3-8b", "--max_model_len", "4096", "--trust-remote-code",
                  "--swap-space", "4", "-tp", "2"], {})
     assert (cfg.model, cfg.max_model_len, cfg.tp) == ("qwen3-8b", 4096, 2)
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.util) == (256, 8192, 0.9)
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.util) == (1024, 8192, 0.9)
     assert "--trust-remote-code" in cfg.ignored
     with pytest.raises(UsageError):
         parse(["qwen3-8b"], {"PRETUNER_SIM_PROFILE": "910b-64"})
+
+
+@pytest.mark.parametrize(("profile", "seqs", "batched"), [
+    (CUDA_PROFILES["h100-80"], 1024, 8192),
+    (CUDA_PROFILES["cuda-64"], 256, 2048),
+    (CUDA_PROFILES["cuda-24"], 256, 2048),
+    # At least 70 GiB but an A100: vLLM keeps the smaller batch (larger ones slow it down).
+    (CUDA_PROFILES["a100-80"], 256, 2048),
+])
+def test_server_defaults_follow_vllms_rule_for_the_card(profile: CudaProfile, seqs: int,
+                                                        batched: int) -> None:
+    """Without --max-num-seqs / --max-num-batched-tokens the emulated server runs vLLM's
+    OpenAI-server defaults for its card: 1024 / 8192 on a GPU of 70 GiB or more that is not
+    an A100, 256 / 2048 otherwise; given flags win."""
+    assert batch_defaults(profile) == (seqs, batched)
+    if profile.name in CUDA_PROFILES:
+        cfg = parse(["qwen3-8b"], {"PRETUNER_SIM_PROFILE": profile.name})
+        assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (seqs, batched)
+    cfg = parse(["qwen3-8b", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096"], {})
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (64, 4096)
 
 
 def test_scheduler_chunks_queues_and_preempts_without_dropping() -> None:
@@ -448,7 +468,8 @@ def test_truth_agrees_with_the_server(profile: str, mml: int, seed: int) -> None
     env = {**ENV, "PRETUNER_SIM_PROFILE": profile, "PRETUNER_SIM_SEED": str(seed)}
     outcomes = []
     for kv in (best, best + 64 * 2**20):
-        argv = ["qwen3-8b", "--max-model-len", str(mml), "--kv-cache-memory-bytes", str(kv)]
+        argv = ["qwen3-8b", "--max-model-len", str(mml), "--kv-cache-memory-bytes", str(kv),
+                "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]
         tokens = int(re.findall(r"GPU KV cache size: ([\d,]+)", inproc.run(argv, env, [], 1).log)
                      [0].replace(",", ""))
         count = max(1, min(256, tokens // mml))

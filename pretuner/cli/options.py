@@ -94,7 +94,8 @@ WeightsFormat = Annotated[str | None, typer.Option(
 )]
 MaxNumBatchedTokens = Annotated[int | None, typer.Option(
     "--max-num-batched-tokens", metavar="TOKENS", parser=human_int, rich_help_panel=LENGTHS,
-    help="V1 engines: production's prefill step budget (default: the engine's, 8192 on vLLM); "
+    help="V1 engines: production's prefill step budget (default: the engine's, 8192 on "
+    "H100/H200-class GPUs, else 2048); "
     "for VL models it sizes the encoder cache.",
 )]
 LimitMmPerPrompt = Annotated[str | None, typer.Option(

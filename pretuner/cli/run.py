@@ -52,7 +52,8 @@ def run_cmd(
     ),
     max_num_seqs: int | None = typer.Option(
         None, "--max-num-seqs", metavar="N", rich_help_panel=o.LENGTHS,
-        help="V1 engines: production's max-num-seqs (default vLLM's 256; vllm-cpu 8).",
+        help="V1 engines: production's max-num-seqs (default: the engine's, asked of it or by "
+        "vLLM's rule: 1024 on H100/H200-class GPUs, else 256; vllm-cpu 8).",
     ),
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
     server_arg: list[str] = typer.Option(

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import threading
@@ -31,6 +32,7 @@ from pretuner.devices.base import (
     Holder,
     Sample,
     keep,
+    run_tool,
 )
 from pretuner.procgroups import describe_exit, group_alive, kill_group, wait_group_gone
 from pretuner.units import MIB
@@ -83,6 +85,20 @@ def series_peaks(points: tuple[SeriesPoint, ...]) -> dict[str, int]:
     for p in points:
         peaks[p.phase] = max(peaks.get(p.phase, 0), p.used_mib)
     return peaks
+
+
+def gpu_identity(index: int) -> tuple[str, int] | None:
+    """GPU `index`: (name, total MiB) as nvidia-smi prints them; None when it does not answer."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        text = run_tool([exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
+                         "-i", str(index)], 30.0)
+    except DeviceReadError:
+        return None
+    name, _, total = text.strip().partition("\n")[0].rpartition(",")
+    return (name.strip(), int(total)) if total.strip().isdigit() else None
 
 
 class NvidiaSmiReader(CommandReader):

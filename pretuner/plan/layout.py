@@ -17,7 +17,7 @@ from pretuner.devices import select_reader
 from pretuner.engines.mindspore_r01 import R01Engine
 from pretuner.engines.registry import engine_class
 from pretuner.engines.v1_knobs import Knobs
-from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, device_rule
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB
@@ -46,9 +46,6 @@ MIN_KV_SHARE = 0.10
 # 16k sequence at TP1, about nine at TP2); step by step, so the proposal stops where the next
 # doubling of cards no longer doubles what each card serves.
 BETTER_PER_CARD = 2.0
-# vLLM's OpenAI server samples up to 1024 sequences a step on a GPU of at least 70 GiB (H100,
-# H200), 256 on smaller ones, unless told (or its row says otherwise).
-BIG_GPU_GIB, BIG_GPU_SEQS, GPU_SEQS = 70, 1024, 256
 # The bytes per row and vocabulary entry of a top-k/top-p sampler: bf16 logits, their fp32
 # copy, and the sort's fp32 values and int64 indices.
 SORT_BYTES = 18
@@ -119,7 +116,9 @@ def v1_activation_bytes(cfg: PlanConfig, row: V1Row, tp: int, length: int) -> in
     """A V1 engine's profile peak: one step of chunked prefill (max_num_batched_tokens at
     most); for an MoE with the fused-MoE kernel's buffers, and on CUDA the sampler's."""
     spec, dt = cfg.model, cfg.model.dtype_bytes
-    tokens = min(length, cfg.max_num_batched_tokens or row.default_batched_tokens)
+    # The engine's defaults by vLLM's rule for a card of this size (plan sees no device name).
+    seqs, batched = row.batch or device_rule(cfg.card_gib * GIB, "")
+    tokens = min(length, cfg.max_num_batched_tokens or batched)
     act = activation_bytes(spec, tokens, tp)
     if not spec.num_experts_per_tok:
         return act
@@ -132,7 +131,6 @@ def v1_activation_bytes(cfg: PlanConfig, row: V1Row, tp: int, length: int) -> in
         return act
     # vLLM runs MoE models on its V1 GPU runner, whose profile run also samples max_num_seqs
     # dummy rows with top-k/top-p; the larger of the two is the peak.
-    seqs = row.default_max_num_seqs or (BIG_GPU_SEQS if cfg.card_gib >= BIG_GPU_GIB else GPU_SEQS)
     return max(act, activation_bytes(spec, 0, tp) + seqs * spec.vocab_size * SORT_BYTES)
 
 

@@ -73,6 +73,11 @@ class SimEmulator:
         card = CUDA_PROFILES.get(env.get(f"{PREFIX}PROFILE", ""))
         return None if card is None else f"emulated {card.model} {card.card_gb} GB"
 
+    def batch_defaults(self, env: Mapping[str, str]) -> tuple[int, int]:
+        from pretuner.sim.v1 import config
+
+        return config.batch_defaults(CUDA_PROFILES[env.get(f"{PREFIX}PROFILE") or V1_CARDS[80]])
+
     def smi_command(self) -> list[str]:
         return [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]
 

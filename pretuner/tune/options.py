@@ -74,8 +74,9 @@ class RunOptions:
     stop_grace_s: float = 120.0
     sim_env: dict[str, str] = field(default_factory=dict)
     ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
-    max_num_seqs: int | None = None  # V1 engines: the production's (default vLLM's 256)
-    max_num_batched_tokens: int | None = None  # V1 engines: default the engine's
+    # V1 engines: the production's; None: the engine's own (pinned.setup.batch_defaults)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # V1 engines: more server flags, launched and written to serve.sh as given
     # (["--load-format dummy"]: each value is shell-split).
     server_args: list[str] = field(default_factory=list)

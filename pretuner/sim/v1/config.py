@@ -12,10 +12,9 @@ from typing import Any
 from pretuner.sim.argv import ServerArgs, env_values, normalize_argv, parse_known, server_parser
 from pretuner.sim.argv import UsageError as UsageError  # re-exported: the parse error
 from pretuner.sim.memory import DEFAULT_SEED
-from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE
+from pretuner.sim.v1.memory import CUDA_PROFILES, DEFAULT_CUDA_PROFILE, CudaProfile
 from pretuner.sim.v1.offload import HOST_ENV
 
-DEFAULT_BATCHED_TOKENS = 8192
 KV_DTYPES = {"auto": "auto", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variable, default)
     "seed": ("PRETUNER_SIM_SEED", DEFAULT_SEED),
@@ -64,7 +63,15 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--limit-mm-per-prompt", default=None)
     p.add_argument("--mm-processor-cache-gb", type=float, default=None)
+    p.set_defaults(max_num_seqs=None)  # the card's (`batch_defaults`)
     return p
+
+
+def batch_defaults(card: CudaProfile) -> tuple[int, int]:
+    """vLLM 0.24's OpenAI server on this card: (max_num_seqs, max_num_batched_tokens) of 1024
+    and 8192 on a GPU of at least 70 GiB (torch's total) that is not an A100, else 256, 2048."""
+    large = card.torch_total_bytes >= 70 * 1024**3 and "a100" not in card.gpu_name.lower()
+    return (1024, 8192) if large else (256, 2048)
 
 
 def _mm_limits(args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -155,8 +162,11 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
                          f"{', '.join(CUDA_PROFILES)}")
     knobs = env_values(env, KNOBS)
     host_mib = knobs["host_mib"]
+    seqs, batched = batch_defaults(CUDA_PROFILES[profile])
+    if ns.max_num_seqs is None:
+        args["max_num_seqs"] = seqs
     return V1Config(
-        **args, max_num_batched_tokens=ns.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS,
+        **args, max_num_batched_tokens=ns.max_num_batched_tokens or batched,
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
         kv_cache_dtype=KV_DTYPES[ns.kv_cache_dtype], enforce_eager=ns.enforce_eager,
         load_format=ns.load_format, seed=ns.seed if ns.seed is not None else 0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, parse_server_args
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape
@@ -148,7 +149,6 @@ def widen_hint(err: InfeasibleError, knobs: Knobs) -> None:
     err.hint = f"{err.hint or ''}; or make room on the card: {', '.join(more)}".lstrip("; ")
 
 
-DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 MAX_NUM_SEQS = 4096
 # A vision-language model's validation runs this soak unless --soak/--soak-minutes say
 # otherwise: memory that grows with distinct images shows within a few hundred requests.
@@ -199,16 +199,28 @@ def _check_weights(model: str, simulated: bool, flags: tuple[tuple[str, str | No
                             "--server-arg '--load-format dummy', or add the checkpoint")
 
 
-def _check(opts: RunOptions, row: V1Row) -> tuple[int, int]:
-    seqs = opts.max_num_seqs if opts.max_num_seqs is not None else (
-        row.default_max_num_seqs or DEFAULT_MAX_NUM_SEQS)
-    v.int_range("--max-num-seqs", seqs, 1, MAX_NUM_SEQS)
-    v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
+def _check(opts: RunOptions) -> None:
+    v.int_range("--max-num-seqs", opts.max_num_seqs, 1, MAX_NUM_SEQS)
     if opts.model_use_gib is not None:
         raise BadInputError("--model-use-gb is vLLM-MindSpore r0.1's variable; a V1 engine "
                             "takes --kv-cache-memory-bytes, which pretuner derives",
                             hint="drop --model-use-gb")
-    return seqs, opts.max_num_batched_tokens or 0
+
+
+def _batch(opts: RunOptions, engine: V1Engine, world_size: int,
+           env: Mapping[str, str]) -> tuple[int, int, str | None]:
+    """The run's max-num-seqs and max-num-batched-tokens: the user's, else the engine's
+    defaults (proven and deployed explicitly), with the decision line saying whose."""
+    seqs, batched = opts.max_num_seqs, opts.max_num_batched_tokens
+    line = None
+    if seqs is None or not batched:
+        d = engine.batch_defaults(world_size, env)
+        seqs, batched = seqs or d.max_num_seqs, batched or d.max_num_batched_tokens
+        line = (f"the engine's defaults where not given: max-num-seqs {seqs}, "
+                f"max-num-batched-tokens {batched} ({d.source}); proven and written into the "
+                "startup files")
+    v.int_range("--max-num-batched-tokens", opts.max_num_batched_tokens, seqs)
+    return seqs, batched, line
 
 
 def pinned_layout_options(opts: RunOptions, choice: EngineChoice) -> PlanConfig:
@@ -223,7 +235,7 @@ def pinned_layout_options(opts: RunOptions, choice: EngineChoice) -> PlanConfig:
 def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     opts.check()
     row = ROWS[choice.name]
-    seqs, batched = _check(opts, row)
+    _check(opts)
     knobs, server_args = knobs_of(opts, parse_server_args(opts.server_args))
     _check_weights(opts.model, choice.simulated, server_args)
     spec = resolve(opts.model)
@@ -247,10 +259,11 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                             "(--engine vllm-mindspore-r01 --ray-address ...)")
     host = host_memory(engine.device_kind, {**os.environ, **sim_env}) if knobs.active else None
     host_line = check_host(p, knobs, host)
+    seqs, batched, batch_line = _batch(opts, engine, p.tp * p.pp, {**os.environ, **sim_env})
     bpt = kv_bytes_per_token(spec, tp=p.tp, pp=p.pp, kv_dtype=opts.kv_cache_dtype)
     cfg = V1Config(model=spec, card_gib=card, bytes_per_token=bpt, util=opts.util,
                    max_model_len=max_len, max_num_seqs=seqs,
-                   max_num_batched_tokens=batched or row.default_batched_tokens,
+                   max_num_batched_tokens=batched,
                    block_size=block, tp=p.tp, pp=p.pp,
                    kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
                    validate=opts.validate, profile_prerun=row.profile_prerun or choice.simulated)
@@ -268,7 +281,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:
         return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,
-                            host_line=host_line)
+                            host_line=host_line, batch_line=batch_line)
 
     setup = Setup(choice, engine, model_arg, ctx, card_info, p.layout_reason, cfg, start,
                   vision)
@@ -284,9 +297,11 @@ class PinnedMethod(V1Tuner):
             "max-length requests (launch 2).")
 
     def __init__(self, cfg: V1Config, execute: Executor, phase: Phase, on_decision: OnDecision,
-                 *, setup: Setup[V1Config], facts: PinnedFacts, host_line: str | None) -> None:
+                 *, setup: Setup[V1Config], facts: PinnedFacts, host_line: str | None,
+                 batch_line: str | None = None) -> None:
         super().__init__(cfg, execute, phase, on_decision)
         self.setup, self.facts, self.host_line = setup, facts, host_line
+        self.batch_line = batch_line
 
     def begin(self) -> None:
         engine = self.facts.engine
@@ -296,6 +311,9 @@ class PinnedMethod(V1Tuner):
                        "will be pinned, nothing measured beyond it")
         refuse_busy_devices(engine, self.setup.ctx.device_reader, self.cfg.util)
         self.decide("layout", self.setup.layout_reason, tp=self.cfg.tp, pp=self.cfg.pp)
+        if self.batch_line:
+            self.decide("batch", self.batch_line, max_num_seqs=self.cfg.max_num_seqs,
+                        max_num_batched_tokens=self.cfg.max_num_batched_tokens)
         if engine.knobs.active:
             self.decide("weights", f"{engine.knobs.words()}: the same in every launch"
                         + (f"; {self.host_line}" if self.host_line else ""),

@@ -261,7 +261,7 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
         pytest.param(["--engine", "vllm", "--emulate", "--max-num-seqs", "0"], "--max-num-seqs 0",
                      id="seqs"),
         # Below the H100's default max-num-seqs (1024): vLLM would refuse it at start-up.
-        pytest.param(["--engine", "vllm", "--max-num-batched-tokens", "512"],
+        pytest.param(["--engine", "vllm", "--emulate", "--max-num-batched-tokens", "512"],
                      "--max-num-batched-tokens 512", id="batched-below-default-seqs"),
     ],
 )

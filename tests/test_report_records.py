@@ -78,7 +78,8 @@ def test_the_outcome_record_is_what_report_json_holds(
         monkeypatch.setenv(key, value)
     engine = "vllm" if name == "v1" else "sim"
     opts = RunOptions(model="qwen3-8b", card_gib=80 if name == "v1" else 64, engine=engine,
-                      max_model_len=32768 if name == "v1" else None, out=str(tmp_path / "run"))
+                      max_model_len=32768 if name == "v1" else None, out=str(tmp_path / "run"),
+                      emulate=name == "v1")
     outcome = run_tuning(opts, lambda phase, detail: None)
     assert isinstance(outcome.report.derivation, METHODS[name][1])
     text = (outcome.record / "report.json").read_text()

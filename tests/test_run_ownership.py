@@ -23,7 +23,8 @@ from pretuner.tune.record import DiskFullError, FolderInUseError, RunRecord, loc
 from tests.helpers import cli_env, invoke, processes_holding, run_cli, wait_for
 
 FAKE = Path(__file__).parent / "fakes" / "fake_server.py"
-RUN = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--card", "64"]
+RUN = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--engine", "sim", "--card",
+       "64"]
 needs_linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
 
@@ -151,7 +152,7 @@ def test_an_orphan_is_named_by_a_new_run_and_stopped_by_resume(tmp_path: Path) -
                               stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         write_pid_file(out / "launch-1" / PID_FILE, orphan.pid, orphan.pid, argv, time.time())
-        other = invoke("run", "--model", "qwen3-8b", "--card", "64", "--out",
+        other = invoke("run", "--model", "qwen3-8b", "--engine", "sim", "--card", "64", "--out",
                        str(tmp_path / "other"), env=env)  # fmt: skip
         assert other.returncode == ExitCode.CARD_BUSY, other.stderr
         assert f"server pid {orphan.pid}" in other.stderr

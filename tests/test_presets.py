@@ -16,6 +16,7 @@ from pretuner.presets.model import (
     get_preset,
     load_preset_file,
     preset_from_report,
+    preset_line,
     preset_to_json,
 )
 from pretuner.report.records import RunReport, read_report
@@ -80,3 +81,15 @@ def test_from_report_is_consistent() -> None:
     p = preset_from_report(rep, date="2026-01-01")
     assert p.kind.value == "simulated"
     assert check_preset(p) == []
+
+
+@pytest.mark.parametrize(("engine", "words"), [
+    ("vllm", "80 GB cards"), ("vllm-ascend", "80 GB cards"), ("vllm-cpu", "80 GiB cards"),
+    ("vllm-mindspore-r01", "80 GiB cards"), (None, "80 GiB cards"),
+])
+def test_the_preset_line_counts_the_card_in_its_engines_unit(engine: str | None,
+                                                             words: str) -> None:
+    """A V1 accelerator's --card counts GB (as the vendor sells it), r0.1's cards and the CPU
+    engine's budget GiB: the line that finds no preset says the size the user typed."""
+    line = preset_line("qwen3-8b", 80, 1, 1000, "measured", engine)
+    assert line == f"preset: none for qwen3-8b on {words} at TP1"

@@ -139,13 +139,14 @@ def render_images(vp: VisionPlan) -> list[str]:
 
 def render_plan(r: PlanResult) -> str:
     from pretuner.engines.mindspore_r01 import R01
+    from pretuner.engines.vllm_v1 import card_unit
     from pretuner.plan.weights import render_weights_plan
     from pretuner.presets.model import preset_line
 
     engine = (r.weights_plan.engine if r.weights_plan else None) or R01
     lines = [
-        f"{r.model} on {r.card_gib} GiB cards, util {r.util}, {engine} (all figures predicted, "
-        "no launch)",
+        f"{r.model} on {r.card_gib} {card_unit(engine)} cards, util {r.util}, {engine} (all "
+        "figures predicted, no launch)",
         f"layout: TP{r.tp} x PP{r.pp} on {r.nodes} node(s) - {r.layout_reason}",
     ]
     lines += [f"  TP{tp} rejected: {why}" for tp, why in r.rejected]
@@ -173,6 +174,7 @@ def render_plan(r: PlanResult) -> str:
         lines.append(f"\n{r.kv_query[0]} GiB of KV cache holds {r.kv_query[1]:,} tokens (derived).")
     if r.vision:
         lines += ["", *render_images(r.vision)]
-    lines.append(preset_line(r.model, r.card_gib, r.tp, r.requested.kv_tokens, "predicted"))
+    lines.append(preset_line(r.model, r.card_gib, r.tp, r.requested.kv_tokens, "predicted",
+                             engine))
     lines.append("\nPredictions only: `pretuner run` measures them with a pre-run.")
     return "\n".join(lines)

@@ -89,6 +89,15 @@ ROWS = {
                       default_card_gib=6, batch=(8, 4096), default_max_model_len=4096,
                       python_var="PRETUNER_VLLM_PYTHON"),
 }
+
+
+def card_unit(engine: str | None) -> str:
+    """What `--card` counts on this engine: GB of a V1 accelerator, else GiB (r0.1's cards, the
+    CPU engine's memory budget)."""
+    row = ROWS.get(engine or "")
+    return "GB" if row is not None and row.device != "cpu" else "GiB"
+
+
 # Multi-node, by V1Row.device: the variables naming the NIC the nodes talk over (exported on
 # every node before `ray start`), and the resource `ray status` counts the cards as.
 NIC_VARS = {"cuda": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"),

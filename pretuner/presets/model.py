@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pretuner.engines.vllm_v1 import ROWS
+from pretuner.engines.vllm_v1 import ROWS, card_unit
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import resolve
@@ -244,11 +244,12 @@ def find_preset(model: str, card_gib: int, tp: int) -> Preset | None:
     return min(hits, key=lambda p: (list(PresetKind).index(p.kind), p.name)) if hits else None
 
 
-def preset_line(model: str, card_gib: int, tp: int, kv_tokens: int, what: str) -> str:
+def preset_line(model: str, card_gib: int, tp: int, kv_tokens: int, what: str,
+                engine: str | None) -> str:
     """One line for `run` and `plan`: the preset for this model, card and layout, if any."""
     p = find_preset(model, card_gib, tp)
     if p is None:
-        return f"preset: none for {model} on {card_gib} GiB cards at TP{tp}"
+        return f"preset: none for {model} on {card_gib} {card_unit(engine)} cards at TP{tp}"
     diff = kv_tokens - p.kv_tokens
     pct = f" ({diff / p.kv_tokens:+.1%})" if p.kv_tokens else ""
     return (

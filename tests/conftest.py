@@ -70,7 +70,7 @@ def _cost(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest tests first, so that the two xdist workers end together: under
+    """The longest tests first, so that the xdist workers end together: under
     `--dist loadgroup --no-loadscope-reorder` the workers take tests in this order (a file's
     tests that share an expensive module fixture stay together by their `xdist_group`)."""
     items.sort(key=_cost)  # stable: file order within a tier

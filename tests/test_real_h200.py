@@ -98,3 +98,36 @@ def test_the_readme_example_reproduces_on_the_emulated_h200(tmp_path: Path) -> N
     assert emulated["derivation"]["baseline"]["kv_tokens"] == pytest.approx(
         real["baseline"]["kv_tokens"], rel=0.01)
     assert emulated["final"]["kv_tokens"] == pytest.approx(real["final"]["kv_tokens"], rel=0.02)
+
+
+BURST = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200-burst"
+
+
+def burst_boots(case: str) -> list[dict[str, Any]]:
+    lines = (BURST / case / "burst_spread.jsonl").read_text("utf-8").splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_the_sampler_warm_up_oom_is_read_as_a_start_up_oom() -> None:
+    # The KV proven at 256 sequences, started at 1,024: the engine dies in its sampler warm-up
+    # (1,024 x 151,936 x 4 B of fp32 logits), after the KV cache and the CUDA graphs.
+    log = read_log(BURST / "oom-at-start" / "boot-1.log")
+    assert log.failed_oom
+    assert log.kv_tokens == 882_992
+    assert log.oom_alloc_bytes == 594 * MIB
+    assert log.graphs_gib == pytest.approx(1.00)
+    assert not log.ready
+    assert all(b.get("died_at_start") == 1 for b in burst_boots("oom-at-start"))
+
+
+def test_analyze_backs_off_a_real_start_up_oom_to_a_kv_that_started_and_held(
+        tmp_path: Path) -> None:
+    # The back-off analyze advises from the failed boot must not exceed 123,000 MiB, the KV
+    # measured on the same card to start, hold the proof and hold two 1,024-wide bursts.
+    done = invoke("analyze", str(BURST / "oom-at-start" / "boot-1.log"), "-m", "qwen3-8b",
+                  "--json")
+    assert done.returncode == 0, done.stderr
+    advised = json.loads(done.stdout)["back_off"]["kv_bytes"]
+    held = burst_boots("kv-123000")
+    assert all(b[p]["failed"] == 0 for b in held for p in ("proof", "burst1", "burst2"))
+    assert advised <= int(held[0]["argv"][held[0]["argv"].index("--kv-cache-memory-bytes") + 1])

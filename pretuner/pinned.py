@@ -23,16 +23,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pretuner import noise
 from pretuner.units import GIB, MIB
 
 MARGIN_FLOOR_MIB = 256
 MARGIN_SHARE = 0.005  # of the device total
+TIGHTEN_MARGIN_FLOOR_MIB = 32
+TIGHTEN_MARGIN_SHARE = 0.001  # of the device total, kept free below the validation's peak
 
 
 def margin_mib(total_mib: int) -> int:
-    """What the pinned KV leaves free below the measured peak's headroom: 0.5 % of the device,
-    at least 256 MiB (a sampled peak can miss a short transient)."""
+    """What a back-off takes beyond the allocation an OOM named: 0.5 % of the device, at least
+    256 MiB (a sampled peak can miss a short transient)."""
     return max(MARGIN_FLOOR_MIB, math.ceil(total_mib * MARGIN_SHARE))
+
+
+def tighten_margin_mib(total_mib: int) -> int:
+    """What one proof's peak may lie above another's of the same KV (the pre-run's, a
+    validation's): 0.1 % of the device, at least 32 MiB."""
+    return max(TIGHTEN_MARGIN_FLOOR_MIB, math.ceil(total_mib * TIGHTEN_MARGIN_SHARE))
+
+
+def derive_margin_mib(total_mib: int) -> int:
+    """What the pinned KV leaves free below the pre-run's peak: the back-off margin, at least the
+    boot-noise floor (`pretuner.noise`) plus what the proof may add, so that the proof keeps
+    that floor without another launch."""
+    return max(margin_mib(total_mib),
+               noise.floor_mib(total_mib) + tighten_margin_mib(total_mib))
 
 
 def kv_held_bytes(kv_tokens: int | None, bytes_per_token: int, kv_gib: float | None) -> int | None:
@@ -82,7 +99,8 @@ class PinnedBudget:
 
 def derive_pinned(total_mib: int, peak_mib: int, held_kv_bytes: int, source: str) -> PinnedBudget:
     """The pinned KV budget a measured launch supports."""
-    return PinnedBudget(total_mib, peak_mib, held_kv_bytes / MIB, margin_mib(total_mib), source)
+    return PinnedBudget(total_mib, peak_mib, held_kv_bytes / MIB, derive_margin_mib(total_mib),
+                        source)
 
 
 def back_off_bytes(kv_bytes: int, alloc_bytes: int | None, total_mib: int) -> int:

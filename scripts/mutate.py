@@ -74,9 +74,9 @@ MUTANTS = (
            "return layers * 2 * local_heads * spec.head_dim * elem",
            "return layers * local_heads * spec.head_dim * elem",
            "K and V both count in the KV bytes per token (hard figures, the emulator's own truth)"),
-    Mutant("tighten-floor", "pretuner/tune/r01/config.py",
-           "TIGHTEN_MARGIN_FLOOR_BYTES = 8 * MIB", "TIGHTEN_MARGIN_FLOOR_BYTES = 0",
-           "a tightening keeps a margin above the full-load peak"),
+    Mutant("noise-floor", "pretuner/noise.py",
+           "SPREAD_SEEN_MIB = 500", "SPREAD_SEEN_MIB = 0",
+           "a proven configuration keeps the boot-noise floor above its peak"),
 )
 
 

@@ -22,6 +22,7 @@ SPEC = resolve("qwen3-vl-8b")
 BPT = 73_728  # Qwen3-VL-8B TP2
 TOTAL = 65_536
 TIGHTEN_MIB = 66  # the tightening margin: 0.1 % of 65,536 MiB, rounded up
+FLOOR_MIB = 500  # the boot-noise floor kept on 65,536 MiB (pretuner.noise; 1 % is 656)
 NON_KV = 16_000  # MiB before the soak
 
 
@@ -112,7 +113,7 @@ def test_growth_that_kills_the_soak_backs_off_then_holds_the_second_half_back() 
     assert f is not None
     # What the final configuration leaves free at its worst moment covers what the soak's
     # second half still added, and the margin.
-    assert TOTAL - f.peak_after_mib >= f.second_half_mib + TIGHTEN_MIB
+    assert TOTAL - f.peak_after_mib >= f.second_half_mib + FLOOR_MIB
 
 
 def test_a_second_half_that_still_grows_lowers_the_kv_and_proves_it_again() -> None:
@@ -124,11 +125,11 @@ def test_a_second_half_that_still_grows_lowers_the_kv_and_proves_it_again() -> N
     tuner.outcomes.append(o)
     proven = tuner.result(s, True, o.kv_tokens)
     r = tuner.tighten(s, o, proven)
-    decision = next(d for d in r.decisions if d["decision"] == "hold back growth")
+    decision = next(d for d in r.decisions if d["decision"] == "hold back")
     f = soak_figures(o)
     assert f is not None
     left = TOTAL - max(o.device_peaks_mib.values())  # about the 100 MiB the KV was given
-    short = f.held_back_mib + TIGHTEN_MIB - left
+    short = f.held_back_mib + FLOOR_MIB - left
     assert f.held_back_mib == 2 * 700
     cut = short + TIGHTEN_MIB  # and the margin again: no creeping
     assert decision["kv_cache_bytes"] == (s.kv_cache_bytes or 0) - cut * MIB
@@ -136,11 +137,12 @@ def test_a_second_half_that_still_grows_lowers_the_kv_and_proves_it_again() -> N
     assert r.final.kv_cache_bytes == decision["kv_cache_bytes"]
 
 
-def test_a_shortfall_within_half_the_margin_does_not_creep() -> None:
+def test_a_proof_that_keeps_the_hold_and_the_floor_is_not_lowered() -> None:
+    # No creeping: a peak that leaves exactly the growth held back and the floor stands.
     calls: list[LaunchSettings] = []
     card = soaking_card(1_500, 200, calls)
     tuner = V1Tuner(_cfg(), card, _quiet)
-    room = 2 * 200 + TIGHTEN_MIB - 20  # 20 MiB short of hold + margin
+    room = 2 * 200 + FLOOR_MIB + 10  # 10 MiB more than hold + floor
     s = tuner.settings(Purpose.VALIDATE, 0.9, (TOTAL - NON_KV - 1_500 - room) * MIB)
     o = card(s)
     tuner.outcomes.append(o)
@@ -158,7 +160,7 @@ def test_no_launch_left_keeps_the_proven_and_says_so() -> None:
     tuner.outcomes.append(o)
     proven = tuner.result(s, True, o.kv_tokens)
     assert tuner.tighten(s, o, proven).final == s
-    assert [d["decision"] for d in tuner.decisions] == ["not held back"]
+    assert [d["decision"] for d in tuner.decisions] == ["headroom short"]
 
 
 def test_a_settled_soak_holds_nothing_back_and_may_widen() -> None:
@@ -169,12 +171,12 @@ def test_a_settled_soak_holds_nothing_back_and_may_widen() -> None:
     o = card(s)
     tuner.outcomes.append(o)
     r = tuner.tighten(s, o, tuner.result(s, True, o.kv_tokens))
-    assert "hold back growth" not in [d["decision"] for d in r.decisions]
+    assert "hold back" not in [d["decision"] for d in r.decisions]
     f = soak_figures(r.outcomes[-1])
     assert f is not None
     assert len(r.outcomes) == 2  # widened once, proven in its own launch
     tail = (r.final.kv_cache_bytes or 0) / MIB - (r.kv_tokens or 0) * BPT / MIB  # unallocated
-    assert TOTAL - f.peak_after_mib == pytest.approx(TIGHTEN_MIB + tail, abs=1)
+    assert TOTAL - f.peak_after_mib == pytest.approx(FLOOR_MIB + TIGHTEN_MIB + tail, abs=1)
 
 
 # -- the requests -------------------------------------------------------------------------------

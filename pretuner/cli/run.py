@@ -118,6 +118,11 @@ def run_cmd(
         True, "--validate/--no-validate", rich_help_panel=o.PROOF,
         help="Prove the result under full load.",
     ),
+    repeat_proof: int = typer.Option(
+        1, "--repeat-proof", metavar="N", rich_help_panel=o.PROOF,
+        help="Prove the final configuration on N boots (N-1 more launches) and keep at least "
+        "their peaks' spread as headroom (default 1: a documented floor, `pretuner explain`).",
+    ),
     serve_cmd: str | None = typer.Option(
         None, "--serve-cmd", metavar="COMMAND", rich_help_panel=o.ENGINE,
         help="Your command that starts the engine (another venv, a container, a wrapper), launched "
@@ -196,7 +201,8 @@ def run_cmd(
         min_model_len=min_model_len, tp=tp, pp=pp, nodes=nodes, block_size=block_size,
         kv_cache_dtype=kv_dtype(kv_cache_dtype), weights_format=weights_format,
         headroom_gib=headroom_gb, reserve_gib=reserve_gb, max_launches=max_launches,
-        validate=validate, model_use_gib=model_use_gb, serve_cmd=serve_cmd, out=out, seed=seed,
+        validate=validate, repeat_proof=repeat_proof, model_use_gib=model_use_gb,
+        serve_cmd=serve_cmd, out=out, seed=seed,
         ready_timeout_s=ready_timeout, stop_grace_s=stop_grace, request_timeout_s=request_timeout,
         ray_address=ray_address,
         quantization=quantization.strip().lower() if quantization else None,

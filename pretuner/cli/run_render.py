@@ -11,7 +11,13 @@ from pretuner.cli.render import table
 from pretuner.engines.base import LaunchSettings
 from pretuner.launch.images import worst_case_images
 from pretuner.presets.model import preset_line
-from pretuner.report.records import PinnedDerivation, RunReport, device_words, kv_words
+from pretuner.report.records import (
+    PinnedDerivation,
+    RunReport,
+    boots_words,
+    device_words,
+    kv_words,
+)
 from pretuner.tune.entry import DryRun
 from pretuner.tune.pinned.report_sections import summary_lines
 from pretuner.tune.report import SIM_NOTE, step_cells
@@ -103,6 +109,8 @@ def render_summary(rep: RunReport, record: Path) -> str:
     if isinstance(d, PinnedDerivation):
         lines += summary_lines(rep, d)
     lines.append(f"KV cache per card: {kv_words(rep)}")
+    if (boots := boots_words(rep)) is not None:
+        lines.append(boots)
     lines += [f"export {k}={v}" for k, v in f.env.items()]
     lines.append(shlex.join(f.serve_command))
     if f.engine_serve_command:

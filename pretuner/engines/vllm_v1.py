@@ -119,6 +119,32 @@ OWNED_FLAGS = {
     "--limit-mm-per-prompt": "--limit-mm-per-prompt",
     "--mm-processor-cache-gb": "--mm-processor-cache-gb",
 }
+# vLLM's torch.compile cache: under $VLLM_CACHE_ROOT (default $XDG_CACHE_HOME/vllm, else
+# ~/.cache/vllm), and inductor's own where TORCHINDUCTOR_CACHE_DIR moves it. A cold cache
+# recompiles at start-up, and can shrink the KV pool vLLM profiles (vLLM issues 54383, 54122).
+CACHE_ROOT_VAR = "VLLM_CACHE_ROOT"
+INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def compile_cache_env(env: Mapping[str, str]) -> dict[str, str]:
+    """VLLM_CACHE_ROOT where the user did not set it: the pre-run, the proof and production
+    then share one compile cache, wherever the environment points later."""
+    if env.get(CACHE_ROOT_VAR):
+        return {}
+    xdg = env.get("XDG_CACHE_HOME")
+    return {CACHE_ROOT_VAR: str((Path(xdg) if xdg else Path.home() / ".cache") / "vllm")}
+
+
+def compile_cache_state(env: Mapping[str, str]) -> str:
+    """"warm" when vLLM's compile cache (and inductor's, where set apart) holds anything,
+    else "cold"."""
+    root = env.get(CACHE_ROOT_VAR) or compile_cache_env(env)[CACHE_ROOT_VAR]
+    dirs = [Path(root) / "torch_compile_cache"]
+    if env.get(INDUCTOR_CACHE_VAR):
+        dirs.append(Path(env[INDUCTOR_CACHE_VAR]))
+    return "warm" if all(d.is_dir() and any(d.iterdir()) for d in dirs) else "cold"
+
+
 # Production's own address and name: kept for serve.sh, while each launch serves on the free
 # port and the name pretuner's requests ask for.
 PRODUCTION_FLAGS = ("--host", "--port", "--served-model-name")
@@ -259,6 +285,13 @@ class V1Engine:
     @property
     def device_kind(self) -> str:
         return "emulated" if self.simulated else self.row.device
+
+    def cache_state(self, env: Mapping[str, str]) -> str:
+        """The compile cache a launch starts with: "n/a" on the emulated engine and behind
+        --serve-cmd (a container's cache is not this host's folder)."""
+        if self.simulated or self.serve_cmd:
+            return "n/a"
+        return compile_cache_state({**env, **self.server_env})
 
     def base_command(self) -> list[str]:
         if self.serve_cmd:

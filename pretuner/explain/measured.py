@@ -8,9 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pretuner import noise
 from pretuner.explain.flags import FLAGS
 from pretuner.presets.model import config_entries
-from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport, V1Weights
+from pretuner.report.records import (
+    PinnedDerivation,
+    R01Derivation,
+    RunReport,
+    V1Weights,
+    boots_words,
+)
 
 DEFAULT_SWAP_GIB = 4.0
 
@@ -144,12 +151,22 @@ def _r01(var: str) -> Measure:
     return lines
 
 
+def _boots(rep: RunReport) -> list[str]:
+    words = boots_words(rep)
+    if words is not None:
+        return [words]
+    d = _pinned(rep)
+    total = d.budget.device_total_mib if d is not None and d.budget is not None else None
+    return ["proven on one boot: the headroom floor applies"
+            + (f", {noise.floor_words(total)}" if total is not None else "")]
+
+
 Measure = Callable[[RunReport], list[str]]
 MEASURED: dict[str, Measure] = {
     "--cpu-offload-gb": _offload, "--swap-space": _swap, "--kv-cache-memory-bytes": _kv,
     "--gpu-memory-utilization": _util, "--max-num-batched-tokens": _batched,
     "--enforce-eager": _eager, "--quantization": _quant, "--max-model-len": _len,
-    "--max-num-seqs": _seqs, "--kv-cache-dtype": _dtype,
+    "--max-num-seqs": _seqs, "--kv-cache-dtype": _dtype, "--repeat-proof": _boots,
     "ASCEND_TOTAL_MEMORY_GB": _r01("ASCEND_TOTAL_MEMORY_GB"),
     "vLLM_MODEL_MEMORY_USE_GB": _r01("vLLM_MODEL_MEMORY_USE_GB"),
 }

@@ -106,6 +106,7 @@ class Step(Record):
     reset_status: int | None = None
     speed: V1Speed | None = None
     weights_gib: float | None = None  # the engine's "Model loading took": weights on the card
+    compile_cache: Literal["cold", "warm", "n/a"] | None = None  # at launch (V1 engines)
 
 
 # Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
@@ -313,11 +314,23 @@ class _RunHead(Record):
 
     @model_serializer(mode="wrap")
     def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A single-node run's report.json has no `cluster` key at all (not a null)."""
+        """A single-node run's report.json has no `cluster` key at all (not a null), one proven
+        on one boot no `boots`."""
         data: dict[str, Any] = handler(self)
-        if getattr(self, "cluster", None) is None:
-            data.pop("cluster", None)
+        for key in ("cluster", "boots"):
+            if getattr(self, key, None) is None:
+                data.pop(key, None)
         return data
+
+
+class Boots(Record):
+    """The final configuration proven on several boots (--repeat-proof): each boot's proof peak
+    (MiB, the worst device or rank) and their spread (max - min), which the headroom keeps."""
+
+    peaks_mib: list[int]
+    spread_mib: int
+    headroom_mib: int  # what the highest peak left: device total (r0.1: the pool) - peak
+    floor_mib: int  # the least headroom the run keeps (pretuner.noise)
 
 
 class RunReport(_RunHead):
@@ -327,6 +340,7 @@ class RunReport(_RunHead):
     derivation: Derivation
     asked: Asked
     given_up: list[str]  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
+    boots: Boots | None = None  # --repeat-proof N > 1
     cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
 
 
@@ -400,3 +414,15 @@ def kv_words(rep: RunReport) -> str:
     how = ("derived" if isinstance(d, R01Derivation) else
            f"--kv-cache-memory-bytes {d.kv_cache_memory_bytes}, derived; tokens {rep.provenance}")
     return f"{f.kv_gib:.2f} GiB = {f.kv_tokens or 0:,} tokens ({how})"
+
+
+def boots_words(rep: RunReport) -> str | None:
+    """Each boot's proof peak and their spread (--repeat-proof), with what the headroom kept."""
+    b = rep.boots
+    if b is None:
+        return None
+    return (f"proven on {len(b.peaks_mib)} boots: peaks "
+            + ", ".join(f"{p:,}" for p in b.peaks_mib)
+            + f" MiB ({rep.provenance}), spread {b.spread_mib:,} MiB; headroom kept "
+            f"{b.headroom_mib:,} MiB, at least {b.floor_mib:,} MiB "
+            "(pretuner explain --repeat-proof)")

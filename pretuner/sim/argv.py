@@ -74,6 +74,7 @@ class ServerArgs:
     profile: str
     startup_s: float
     occupied_mib: int = 0  # another tenant's share of every card
+    boot_noise_mib: int = 0  # PRETUNER_SIM_BOOT_NOISE_MIB: every other boot holds this much more
     env: dict[str, str] = field(default_factory=dict)
     ignored: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # --api-key, else VLLM_API_KEY: /v1 routes want one

@@ -131,6 +131,7 @@ class CardModel:
     layout: Layout
     coeffs: Coefficients
     rank_factor: float = 1.0
+    noise_bytes: int = 0  # this boot's extra workspace (PRETUNER_SIM_BOOT_NOISE_MIB)
 
     @property
     def weights_bytes(self) -> int:
@@ -141,7 +142,7 @@ class CardModel:
 
     @property
     def workspace_bytes(self) -> int:
-        return int(self.coeffs.workspace_mib * MIB)
+        return int(self.coeffs.workspace_mib * MIB) + self.noise_bytes
 
     @property
     def kv_cache(self) -> CacheLayout:

@@ -39,6 +39,9 @@ SIM: dict[str, tuple[str, Any, str]] = {
                   "activations (the worst or an OOMing rank where a test wants it)"),
     "occupied_mib": ("PRETUNER_SIM_OCCUPIED_MIB", 0,
                      "another tenant's process holds this much of every card (MiB)"),
+    "boot_noise_mib": ("PRETUNER_SIM_BOOT_NOISE_MIB", 0,
+                       "every other boot (sharing PRETUNER_SIM_STATE_DIR) holds this much more "
+                       "on every rank (MiB)"),
     "ray_address": ("PRETUNER_SIM_RAY_ADDRESS", "", "place the ranks on this Ray cluster "
                     "(default: RAY_ADDRESS with --distributed-executor-backend ray, as vLLM does)"),
 }
@@ -122,6 +125,7 @@ def parse(argv: Sequence[str], env: dict[str, str]) -> ServeConfig:
         weights_format=knobs["weights_format"] or None, nodes=max(1, knobs["nodes"]),
         rank_skew=_rank_skew(knobs["rank_skew"]), ray_address=ray_address,
         chunked_prefill=ns.enable_chunked_prefill, occupied_mib=max(0, knobs["occupied_mib"]),
+        boot_noise_mib=max(0, knobs["boot_noise_mib"]),
     )
 
 

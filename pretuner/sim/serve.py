@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -55,7 +56,7 @@ from pretuner.sim.r01_config import (
 )
 from pretuner.sim.r01_http import SimHTTPServer
 from pretuner.sim.scheduler import SchedulerLimits
-from pretuner.sim.state import Published, others_bytes, state_dir
+from pretuner.sim.state import Published, boot_noise_mib, others_bytes, state_dir
 from pretuner.sim.truth import truth
 from pretuner.stopflag import StopFlag
 from pretuner.units import GIB, MIB
@@ -222,6 +223,8 @@ class Server:
         try:
             models = mem.card_models(spec, weights_fmt.total_bytes, layout, cfg.seed,
                                      cfg.rank_skew)
+            noise = boot_noise_mib(state_dir(cfg.env), cfg.boot_noise_mib) * MIB
+            models = [replace(m, noise_bytes=noise) for m in models]
             block_bytes = models[0].block_bytes
         except Refused as err:
             raise Refused(err.exc_type, err.message, WHERE_CONFIG) from None

@@ -120,3 +120,18 @@ class Published:
             self._gone = True
             for path in self.paths:
                 path.unlink(missing_ok=True)
+
+
+def boot_noise_mib(state: Path, most_mib: int) -> int:
+    """This boot's extra memory (PRETUNER_SIM_BOOT_NOISE_MIB): `most_mib` on every other boot
+    that shares the state folder, 0 on the rest, so that two boots in a row differ by it."""
+    if most_mib <= 0:
+        return 0
+    state.mkdir(parents=True, exist_ok=True)
+    counter = state / "boots"
+    try:
+        boots = int(counter.read_text() or 0)
+    except (OSError, ValueError):
+        boots = 0
+    write_atomic(counter, str(boots + 1), overwrite=True)
+    return most_mib if boots % 2 else 0

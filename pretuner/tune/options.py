@@ -28,6 +28,7 @@ RETUNE_FLAGS = (
     ("weights_format", "--weights-format"), ("headroom_gib", "--headroom-gb"),
     ("reserve_gib", "--reserve-gb"), ("model_use_gib", "--model-use-gb"),
     ("max_launches", "--max-launches"), ("validate", "--validate"),
+    ("repeat_proof", "--repeat-proof"),
     ("serve_cmd", "--serve-cmd"), ("server_args", "--server-arg"), ("seed", "--seed"),
     ("ready_timeout_s", "--ready-timeout"), ("request_timeout_s", "--request-timeout"),
     ("stop_grace_s", "--stop-grace"), ("ray_address", "--ray-address"),
@@ -63,6 +64,7 @@ class RunOptions:
     reserve_gib: float | None = None
     max_launches: int = 8
     validate: bool = True
+    repeat_proof: int = 1  # boots the final configuration is proven on
     model_use_gib: int | None = None
     serve_cmd: str | None = None
     runs_dir: str = "runs"
@@ -172,6 +174,7 @@ class RunOptions:
         v.non_negative("--reserve-gb", o.reserve_gib, example="1")
         v.int_range("--model-use-gb", o.model_use_gib, 1)
         v.int_range("--max-launches", o.max_launches, 1)
+        v.int_range("--repeat-proof", o.repeat_proof, 1)
         if o.max_launches < 2 and o.validate:
             raise BadInputError(
                 f"--max-launches {o.max_launches} leaves no launch for validation",

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from pretuner import __version__
+from pretuner import __version__, noise
 from pretuner.deploy.context import ScriptOptions
 from pretuner.deploy.render import run_scripts
 from pretuner.deploy.targets import Target
@@ -30,6 +30,7 @@ from pretuner.report.html.page import refresh_run_page
 from pretuner.report.records import (
     AnyReport,
     Asked,
+    Boots,
     Decision,
     FailureReport,
     Final,
@@ -39,6 +40,7 @@ from pretuner.report.records import (
     Step,
     StepSettings,
     V1Speed,
+    boots_words,
     decision_text,
     device_words,
     kv_words,
@@ -195,7 +197,17 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
+        boots=_boots(result.boot_peaks_mib, round(cap_gib * 1024), p.card_gib * 1024),
     )
+
+
+def _boots(peaks: tuple[int, ...], cap_mib: int, card_mib: int) -> Boots | None:
+    """r0.1's boots (--repeat-proof): the worst rank's peak each, against the pool cap."""
+    if len(peaks) < 2:
+        return None
+    spread = noise.spread_mib(peaks)
+    return Boots(peaks_mib=list(peaks), spread_mib=spread, headroom_mib=cap_mib - max(peaks),
+                 floor_mib=noise.floor_mib(card_mib, spread))
 
 
 def _proof_rows(
@@ -277,7 +289,10 @@ def report_md(rep: RunReport) -> str:
              f"- result: {status_words(rep)} after {rep.launches} launch(es)",
              f"- KV cache per card: {kv_words(rep)}",
              f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
-             f"max-num-batched-tokens {f.max_num_batched_tokens:,}", ""]
+             f"max-num-batched-tokens {f.max_num_batched_tokens:,}"]
+    if (boots := boots_words(rep)) is not None:
+        lines.append(f"- {boots}")
+    lines.append("")
     if isinstance(d, R01Derivation):
         lines += ["## Derivation", "", "```", *d.lines, "```", "",
                   "## Memory per card (worst rank)", "", "| part | GiB | how |", "|---|---|---|",
@@ -361,6 +376,9 @@ def launch_lines(rep: AnyReport) -> list[str]:
     else:
         lines.append("No launch was made.")
     lines += [f"| {' | '.join(step_cells(s, node=True))} |" for s in rep.steps]
+    if any(s.compile_cache in ("cold", "warm") for s in rep.steps):
+        lines += ["", "Compile cache at launch: " + ", ".join(
+            f"#{s.n} {s.compile_cache or 'not recorded'}" for s in rep.steps)]
     lines += ["", "## Decisions", ""]
     lines += [f"- **{x['decision']}**: {decision_text(x)}" for x in rep.decisions]
     return lines

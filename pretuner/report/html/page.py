@@ -21,6 +21,7 @@ from pretuner.report.records import (
     PinnedDerivation,
     RunReport,
     Step,
+    boots_words,
     decision_text,
     device_words,
     kv_words,
@@ -111,6 +112,8 @@ def page_of(folder: Path) -> Page:
              ("card", device_words(rep))]
     if done is not None:
         facts.append(("KV cache per card", kv_words(done)))
+        if (boots := boots_words(done)) is not None:
+            facts.append(("boot spread", boots))
     facts.append(("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
     asked = None
     if done is not None:

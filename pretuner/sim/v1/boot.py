@@ -203,7 +203,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
     on_cards = loaded.total_bytes - loaded.offloaded_bytes * cfg.tp  # all ranks, less offload
     card = V1Card(spec, on_cards, perturbed(cfg.sim_seed), cfg.tp, cfg.kv_cache_dtype,
                   cfg.block_size, cfg.max_num_batched_tokens)
-    context = profile.context_mib * MIB
+    context = (profile.context_mib + cfg.boot_noise_mib) * MIB  # this boot's noise, if any
     total = profile.torch_total_bytes
     capacity = total - cfg.occupied_mib * MIB - others_bytes
     non_torch = context + int(0.43 * card.persistent_bytes)

@@ -22,6 +22,7 @@ KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variab
     "occupied_mib": ("PRETUNER_SIM_OCCUPIED_MIB", 0),
     "host_mib": (HOST_ENV, None),
     "time_scale": ("PRETUNER_SIM_TIME_SCALE", 1.0),
+    "boot_noise_mib": ("PRETUNER_SIM_BOOT_NOISE_MIB", 0),
 }
 ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
 NON_DEFAULT_ORDER = (
@@ -51,7 +52,8 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
         "Emulator settings (env only): PRETUNER_SIM_PROFILE (" + ", ".join(CUDA_PROFILES)
         + "), PRETUNER_SIM_SEED, PRETUNER_SIM_STATE_DIR, PRETUNER_SIM_OCCUPIED_MIB, "
         "PRETUNER_SIM_STARTUP_S, PRETUNER_SIM_HOST_MIB (the emulated host's memory), "
-        "PRETUNER_SIM_TIME_SCALE (1: the emulated card's own speed); CUDA_VISIBLE_DEVICES as "
+        "PRETUNER_SIM_TIME_SCALE (1: the emulated card's own speed), PRETUNER_SIM_BOOT_NOISE_MIB "
+        "(every other boot holds this much more); CUDA_VISIBLE_DEVICES as "
         "CUDA reads it.", length=human_bytes)
     p.add_argument("--kv-cache-memory-bytes", type=human_bytes, default=None)
     p.add_argument("--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto")
@@ -180,4 +182,5 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
         quantization=ns.quantization,
         cpu_offload_gib=max(0.0, ns.cpu_offload_gb), swap_space_gib=max(0.0, ns.swap_space),
         host_mib=host_mib if host_mib is None else max(1, host_mib),
-        time_scale=max(0.0, knobs["time_scale"]))
+        time_scale=max(0.0, knobs["time_scale"]),
+        boot_noise_mib=max(0, knobs["boot_noise_mib"]))

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from pretuner.sim.argv import serve_main
 from pretuner.sim.http import ANY_HOST, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.state import others_bytes, state_dir
+from pretuner.sim.state import boot_noise_mib, others_bytes, state_dir
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, Sink, Stopped, boot, devices_for
 from pretuner.sim.v1.config import V1Config, build_parser, parse
@@ -32,6 +33,7 @@ DEV_ROUTES = (("/reset_mm_cache", "POST"), ("/reset_prefix_cache", "POST"))
 def serve(cfg: V1Config) -> int:
     """Boot, then serve until SIGTERM/SIGINT; the exit code."""
     stop, state = StopFlag(), state_dir(cfg.env)
+    cfg = replace(cfg, boot_noise_mib=boot_noise_mib(state, cfg.boot_noise_mib))
     stop.install()
     devices = devices_for(cfg) or []  # too few: boot refuses
     sink = Sink(L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET), 0, stop=stop, state=state,

@@ -12,11 +12,10 @@ vLLM-MindSpore >= 0.3), which pin their KV cache with `--kv-cache-memory-bytes`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pretuner import kvmath
+from pretuner import kvmath, noise
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.engines.outcome import Executor, LaunchOutcome, OutcomeKind
 from pretuner.errors import InfeasibleError, NotValidatedError, ServerFailedError
@@ -27,6 +26,7 @@ from pretuner.pinned import (
     derive_pinned,
     kv_held_bytes,
     margin_mib,
+    tighten_margin_mib,
 )
 from pretuner.tune.pinned.soak import soak_figures
 from pretuner.tune.setup import Method, OnDecision
@@ -35,14 +35,6 @@ from pretuner.units import GIB, MIB
 # A shared card may leave little: the field note served a 70B model from 7 GB of a 32 GB card.
 MIN_PRERUN_UTIL = 0.05
 TIGHTEN_MIN_GAIN = 0.02  # tighten a validated KV when the unused peak room is 2 % of it
-TIGHTEN_MARGIN_FLOOR_MIB = 32
-TIGHTEN_MARGIN_SHARE = 0.001  # of the device total, kept free below the validation's peak
-
-
-def tighten_margin_mib(total_mib: int) -> int:
-    """What a tightened KV keeps free below the worst-case validation's measured peak: that
-    peak was measured under the very load production will see, so less than the pre-run's."""
-    return max(TIGHTEN_MARGIN_FLOOR_MIB, math.ceil(total_mib * TIGHTEN_MARGIN_SHARE))
 MAX_PRERUNS = 3
 
 
@@ -62,6 +54,7 @@ class V1Config:
     max_launches: int = 8
     validate: bool = True
     profile_prerun: bool = True  # False: the pre-run pins one sequence's KV instead
+    repeat_proof: int = 1  # boots the final configuration is proven on (--repeat-proof)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +68,7 @@ class V1Result:
     kv_tokens: int | None  # the final configuration's KV tokens (its log, else derived)
     outcomes: tuple[LaunchOutcome, ...]
     decisions: tuple[dict[str, Any], ...] = field(default=())
+    boot_peaks_mib: tuple[int, ...] = ()  # the final configuration's proof peak on each boot
 
 
 def _how(o: LaunchOutcome) -> str:
@@ -98,6 +92,7 @@ class V1Tuner(Method):
         self.cfg = cfg
         self.start_util = cfg.util  # lowered only when the device refused util x total
         self.widened = False  # the proven KV is widened once at most
+        self.spread = 0  # MiB: the boot-to-boot spread of the proof peaks measured so far
         # The least KV that admits one max-length sequence: whole blocks, one spare.
         self.one_seq = kvmath.kv_bytes_for_tokens(cfg.max_model_len + cfg.block_size,
                                                   cfg.bytes_per_token, cfg.block_size)
@@ -131,7 +126,8 @@ class V1Tuner(Method):
         if not c.validate:
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
             return self.result(final, False, None)
-        return self.validate(final)
+        r = self.repeat(self.validate(final))
+        return replace(r, outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
 
     def first_launch(self) -> LaunchSettings:
         """The first pre-run: the engine profiles at util, or one sequence's KV is pinned."""
@@ -210,6 +206,12 @@ class V1Tuner(Method):
                 hint=f"check the engine's log {pre.log_path} (a `KV cache size` line)",
                 log_path=pre.log_path,
             )
+        if pre.compile_cache == "cold" and pre.settings.kv_cache_bytes is None:
+            self.decide("cold compile cache",
+                        "the pre-run profiled with a cold compile cache: vLLM compiled at "
+                        "start-up, which can shrink the KV pool it profiles (vLLM issues 54383, "
+                        "54122): a KV pinned from that profile alone may be low, and the "
+                        "engine's profile figure in the report with it")
         if peak is None or pre.device_total_mib is None:
             kv = held // MIB * MIB
             self.decide("log only",
@@ -279,28 +281,30 @@ class V1Tuner(Method):
         return f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {what}, no OOM{peak}"
 
     def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:
-        """Widen the KV once by what the validation's peak left unused (less a thin margin and
-        the soak's growth), or hold that growth back; proven in turn, else the proven stands."""
+        """Widen the KV once by what the validation's peak left unused beyond the headroom it
+        keeps (the boot-noise floor, the soak's growth, a thin margin), or lower it where the
+        peak left less than that headroom; proven in turn, else the proven stands."""
         if not o.device_peaks_mib or o.device_total_mib is None or s.kv_cache_bytes is None:
             return proven
+        total = o.device_total_mib
         peak = max(o.device_peaks_mib.values())
         soak = soak_figures(o)
         hold = soak.held_back_mib if soak is not None else 0
-        margin = tighten_margin_mib(o.device_total_mib)
-        spare_mib = o.device_total_mib - peak - hold - margin
-        # Without a soak, a proven peak near the top stands; a shortfall under half the thin
-        # margin is within what one sampled run can tell apart (it would only creep).
-        if hold > 0 and -spare_mib > margin // 2:
-            return self.hold_back(s, o, proven, min(-spare_mib, hold), hold)
-        if spare_mib < 0 or spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
+        keep = noise.floor_mib(total, self.spread)
+        margin = tighten_margin_mib(total)
+        short = keep + hold - (total - peak)
+        if short > 0:
+            return self.hold_back(s, o, proven, short, hold)
+        spare_mib = -short - margin
+        if spare_mib * MIB < TIGHTEN_MIN_GAIN * s.kv_cache_bytes or self.widened \
                 or self.launches_left() <= 0:
             return proven
         self.widened = True
         wider = replace(s, kv_cache_bytes=s.kv_cache_bytes + spare_mib * MIB)
         self.decide("tighten",
-                    f"the validation's peak left {o.device_total_mib - peak:,} MiB of "
-                    f"{o.device_total_mib:,} MiB unused; try {spare_mib:,} MiB more KV (keeping "
-                    f"{margin} MiB"
+                    f"the validation's peak left {total - peak:,} MiB of {total:,} MiB unused; "
+                    f"try {spare_mib:,} MiB more KV (keeping "
+                    f"{noise.floor_words(total, self.spread)} and {margin} MiB"
                     + (f" and {hold:,} MiB for more growth, twice the soak's second half"
                        if hold else "")
                     + "), proven in turn", kv_cache_bytes=wider.kv_cache_bytes)
@@ -317,28 +321,79 @@ class V1Tuner(Method):
 
     def hold_back(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result, short_mib: int,
                   hold_mib: int) -> V1Result:
-        """The peak left `short_mib` too little beside the soak's growth: lower the KV by that
-        and prove it again (while launches remain)."""
+        """The peak left `short_mib` less than the headroom kept (the boot-noise floor and the
+        soak's growth): lower the KV by that and prove it again (while launches remain)."""
         total = o.device_total_mib or 0
-        why = (f"the soak was still growing ({hold_mib:,} MiB held back: twice its second "
-               f"half's growth); the validation's peak "
-               f"{max(o.device_peaks_mib.values()):,} of {total:,} MiB leaves "
-               f"{short_mib:,} MiB too little beside it (keeping {tighten_margin_mib(total)} MiB)")
+        peak = max(o.device_peaks_mib.values())
+        growth = (f" and {hold_mib:,} MiB held back for growth (the soak was still growing: "
+                  "twice its second half's growth)" if hold_mib else "")
+        why = (f"the proof's peak {peak:,} of {total:,} MiB ({_how(o)}) leaves "
+               f"{total - peak:,} MiB, {short_mib:,} MiB less than "
+               f"{noise.floor_words(total, self.spread)}{growth}")
         if self.launches_left() <= 0:
-            self.decide("not held back", f"{why}; no launch left (--max-launches "
-                        f"{self.cfg.max_launches}): the configuration proven under the soak "
-                        "stands without room for more growth")
+            self.decide("headroom short", f"{why}; no launch left (--max-launches "
+                        f"{self.cfg.max_launches}): the configuration proven stands with "
+                        f"{short_mib:,} MiB less headroom than it should keep")
             return proven
-        # Lowered by the shortfall and the thin margin once more: the next launch's soak
-        # measures its growth anew, and a proof that falls a few MiB short again would creep.
+        # Lowered by the shortfall and the thin margin once more: the next proof measures its
+        # peak (and any soak's growth) anew, and a proof a few MiB short again would creep.
         cut_mib = short_mib + tighten_margin_mib(total)
         lower = replace(s, kv_cache_bytes=(s.kv_cache_bytes or 0) - cut_mib * MIB)
-        self.decide("hold back growth", f"{why}: KV lowered by that and the margin, "
-                    f"{cut_mib:,} MiB, to "
-                    f"{(lower.kv_cache_bytes or 0) / GIB:.2f} GiB, proven in turn",
+        self.decide("hold back", f"{why}: KV lowered by that and the margin, {cut_mib:,} MiB, "
+                    f"to {(lower.kv_cache_bytes or 0) / GIB:.2f} GiB, proven in turn",
                     kv_cache_bytes=lower.kv_cache_bytes, held_back_mib=hold_mib)
-        self.check_one_sequence(lower.kv_cache_bytes or 0, "holding the growth back leaves")
+        self.check_one_sequence(lower.kv_cache_bytes or 0, "holding the headroom back leaves")
         return self.validate(lower)
+
+    def repeat(self, r: V1Result) -> V1Result:
+        """Prove the final configuration on --repeat-proof boots in all; its headroom keeps at
+        least their spread (else lowered by the difference and proven again)."""
+        while r.validated and self.cfg.repeat_proof > 1:
+            first = next(o for o in reversed(self.outcomes)
+                         if o.settings == r.final and o.kind is OutcomeKind.OK)
+            if not first.device_peaks_mib or first.device_total_mib is None:
+                self.decide("repeat proof", "no device memory was sampled: no boot spread")
+                return r
+            total = first.device_total_mib
+            boots = [first]
+            while len(boots) < self.cfg.repeat_proof and self.launches_left() > 0:
+                o = self.launch(r.final)
+                if not o.kind.is_oom and o.kind is not OutcomeKind.OK:
+                    raise _ended(o, f"repeated proof (boot {len(boots) + 1})")
+                boots.append(o)
+                if o.kind.is_oom:
+                    break
+            if boots[-1].kind.is_oom:  # one boot of N did not hold it: as a validation OOM
+                failed = boots[-1]
+                kv, how = self.back_off(r.final, failed)
+                self.decide("back off", f"boot {len(boots)} of the proven configuration ended "
+                            f"{failed.kind.value} ({failed.oom_text or 'no allocation named'}); "
+                            f"{how}: {kv / GIB:.2f} GiB", kv_cache_bytes=kv)
+                self.check_one_sequence(kv, "backing off leaves")
+                r = self.validate(replace(r.final, kv_cache_bytes=kv))
+                continue
+            peaks = tuple(max(o.device_peaks_mib.values(), default=0) for o in boots)
+            self.spread = max(self.spread, noise.spread_mib(peaks))
+            r = replace(r, boot_peaks_mib=peaks)
+            short = noise.short_mib(total, max(peaks), self.spread)
+            self.decide("boot spread",
+                        f"{len(peaks)} boots of the proven configuration peaked at "
+                        + ", ".join(f"{p:,}" for p in peaks) + f" MiB ({_how(first)}): spread "
+                        f"{noise.spread_mib(peaks):,} MiB; the headroom kept, "
+                        f"{total - max(peaks):,} MiB, must be at least "
+                        f"{noise.floor_words(total, self.spread)}"
+                        + (f" ({len(peaks)} of {self.cfg.repeat_proof} boots: --max-launches "
+                           f"{self.cfg.max_launches} used up)"
+                           if len(peaks) < self.cfg.repeat_proof else ""),
+                        boot_peaks_mib=list(peaks), spread_mib=noise.spread_mib(peaks))
+            if short == 0:
+                return r
+            worst = boots[max(range(len(peaks)), key=peaks.__getitem__)]
+            lowered = self.hold_back(r.final, worst, r, short, 0)
+            if lowered is r:
+                return r
+            r = lowered
+        return r
 
     def result(self, s: LaunchSettings, validated: bool, kv_tokens: int | None) -> V1Result:
         c = self.cfg

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pretuner import noise
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
@@ -21,6 +22,7 @@ from pretuner.pinned import kv_held_bytes
 from pretuner.redact import redact_argv
 from pretuner.report.records import (
     Asked,
+    Boots,
     Final,
     PinnedDerivation,
     RunReport,
@@ -116,6 +118,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs)
         + ([slow] if slow else []),
+        boots=boots_record(r.boot_peaks_mib, proof),
     )
 
 
@@ -192,3 +195,12 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory 
                     non_kv_peak_mib=round(non_kv, 1), soak_growth_mib=growth,
                     held_back_mib=hold, pinned_kv_mib=round(pinned, 1),
                     free_mib=round(free, 1), lines=lines)
+
+
+def boots_record(peaks: tuple[int, ...], proof: LaunchOutcome | None) -> Boots | None:
+    """The final configuration's boots (--repeat-proof), against the device's total."""
+    if len(peaks) < 2 or proof is None or proof.device_total_mib is None:
+        return None
+    total, spread = proof.device_total_mib, noise.spread_mib(peaks)
+    return Boots(peaks_mib=list(peaks), spread_mib=spread, headroom_mib=total - max(peaks),
+                 floor_mib=noise.floor_mib(total, spread))

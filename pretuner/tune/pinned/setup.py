@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,12 +19,13 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.outcome import Executor
+from pretuner.engines.base import LaunchSettings
+from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.engines.vllm_v1 import ROWS, V1Engine, parse_server_args
+from pretuner.engines.vllm_v1 import ROWS, V1Engine, compile_cache_env, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.launch.images import image_shape
@@ -246,8 +248,11 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                if choice.simulated else dict(opts.sim_env))
     # A local model folder needs no hub: the server is told so (no network call, no wait).
     local = not choice.simulated and Path(opts.model).is_dir()
+    server_env = {**({"HF_HUB_OFFLINE": "1"} if local else {}),
+                  **(compile_cache_env(os.environ)
+                     if not choice.simulated and not opts.serve_cmd else {})}
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
-                      server_args=server_args, server_env={"HF_HUB_OFFLINE": "1"} if local else {},
+                      server_args=server_args, server_env=server_env,
                       mm_flags=vision.flags,
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
                       knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))
@@ -266,7 +271,8 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                    max_num_batched_tokens=batched,
                    block_size=block, tp=p.tp, pp=p.pp,
                    kv_cache_dtype=opts.kv_cache_dtype, max_launches=opts.max_launches,
-                   validate=opts.validate, profile_prerun=row.profile_prerun or choice.simulated)
+                   validate=opts.validate, repeat_proof=opts.repeat_proof,
+                   profile_prerun=row.profile_prerun or choice.simulated)
     model_arg = engine.model_arg(opts.model, spec)
     budget = engine.budget_bytes(card)
     reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
@@ -318,6 +324,13 @@ class PinnedMethod(V1Tuner):
             self.decide("weights", f"{engine.knobs.words()}: the same in every launch"
                         + (f"; {self.host_line}" if self.host_line else ""),
                         **engine.knobs.to_json())
+
+    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        """A launch, with the compile cache it started with (pretuner.engines.vllm_v1)."""
+        cache = self.facts.engine.cache_state(os.environ)
+        o = replace(super().launch(settings), compile_cache=cache)
+        self.outcomes[-1] = o
+        return o
 
     def run(self) -> V1Result:
         try:

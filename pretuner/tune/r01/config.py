@@ -23,15 +23,9 @@ VLLM_V0_WATERMARK = 0.01  # vLLM 0.6's block manager keeps 1 % of the KV blocks 
 DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's budget when chunked prefill is on
 CHUNK_GRID = 1024  # a larger chunk budget is a multiple of this
 TIGHTEN_MIN_GAIN = 0.02  # a validated config is tightened when that buys 2 % more KV
-# A tightened configuration keeps this much above what the validation measured under full
-# load (a floor plus a share of the activations): small, because it is validated in turn and
-# the configuration proven before stands if it fails.
-TIGHTEN_MARGIN_FLOOR_BYTES = 8 * MIB
+# A tightened configuration keeps the boot-noise floor (`pretuner.noise`) above what the
+# validation measured under full load, plus this share of the activations.
 TIGHTEN_MARGIN_SHARE = 0.001
-# The least margin a tightened configuration keeps when the usual one would round r0.1's
-# integer model-use up by a whole GiB: the pool dump's figures are whole MiB, so below two
-# the margin would sit inside their rounding.
-EDGE_MARGIN_FLOOR_BYTES = 2 * MIB
 LEARN_MARGIN = 0.10  # a validation OOM's per-sequence cost is inflated by this
 CHUNKED_GROWING_SHARE = 0.1  # see WaModel.growing_share
 
@@ -56,6 +50,7 @@ class TuneConfig:
     pool_on_demand: bool = False
     max_launches: int = 8
     validate: bool = True
+    repeat_proof: int = 1  # boots the final configuration is proven on (--repeat-proof)
     model_use_gib: int | None = None  # pin the pre-run's model-use (the seed's 50); default: max
     watermark: float = VLLM_V0_WATERMARK
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -76,6 +71,7 @@ class TuneResult:
     validation: LaunchOutcome | None = None  # the launch that proved it
     reserve_gib: float = 0.0  # what the derivation kept below the card's free memory (GiB)
     pool_on_demand: bool = False  # TuneConfig.pool_on_demand
+    boot_peaks_mib: tuple[int, ...] = ()  # the final configuration's worst-rank peak per boot
 
 
 def layout_of(cfg: TuneConfig) -> PlanConfig:

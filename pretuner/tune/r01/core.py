@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from pretuner import noise
 from pretuner.engines.base import LaunchSettings
 from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.errors import CardBusyError, InfeasibleError
@@ -19,7 +20,6 @@ from pretuner.tune.execute import Phase
 from pretuner.tune.r01 import budget as bud
 from pretuner.tune.r01.config import (
     CHUNKED_GROWING_SHARE,
-    TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MARGIN_SHARE,
     TuneConfig,
     TuneResult,
@@ -77,6 +77,7 @@ class TunerCore(Method):
         # any launch showed (None: no device reader sampled a launch whose pool was up).
         self.outside_mib: int | None = None
         self.free_readings: list[int] = []  # MiB free, as MindSpore's init lines read it
+        self.spread = 0  # MiB: the boot-to-boot spread of the proof peaks measured so far
         self.reserves: dict[int, float] = {}  # id(derivation) -> the reserve it kept, GiB
 
     def launch(self, settings: LaunchSettings) -> LaunchOutcome:
@@ -158,15 +159,21 @@ class TunerCore(Method):
         return Budget(
             pool_bytes=pool, used_bytes=used, kv_bytes_per_token=self.bpt,
             block_size=self.cfg.block_size, watermark=self.cfg.watermark,
-            headroom_one_seq_bytes=TIGHTEN_MARGIN_FLOOR_BYTES, headroom_share=TIGHTEN_MARGIN_SHARE,
+            headroom_one_seq_bytes=self.floor_bytes(), headroom_share=TIGHTEN_MARGIN_SHARE,
             weights_bytes=self.weights_bytes,
         )
 
+    def floor_bytes(self) -> int:
+        """The least headroom a proven configuration keeps in its pool (`pretuner.noise`): the
+        boot-noise floor, or the spread this run's boots measured."""
+        return noise.floor_mib(self.cfg.card.card_gib * 1024, self.spread) * MIB
+
     def one_sequence_margin(self, wa_bytes: int | None = None) -> int:
         """Headroom of a configuration that serves one sequence: the pre-run measured exactly
-        that load, so only the tightening margin is added."""
+        that load, so only the tightening margin is added (the floor and a share of the
+        activations)."""
         act = max(0, (wa_bytes or 0) - self.weights_bytes)
-        return TIGHTEN_MARGIN_FLOOR_BYTES + int(TIGHTEN_MARGIN_SHARE * act)
+        return self.floor_bytes() + int(TIGHTEN_MARGIN_SHARE * act)
 
     def wa_bytes(self, o: LaunchOutcome) -> int:
         """Weights + activations a pre-run measured: worst rank's peak - the KV it allocated."""

@@ -72,6 +72,7 @@ def r01_config(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = N
         kv_cache_dtype=opts.kv_cache_dtype, weights_format=opts.weights_format,
         headroom_gib=opts.headroom_gib, reserve_gib=opts.reserve_gib,
         max_launches=opts.max_launches, validate=opts.validate, model_use_gib=opts.model_use_gib,
+        repeat_proof=opts.repeat_proof,
         provenance="simulated" if engine.simulated else "measured",
     )
     if opts.model_use_gib is not None:
@@ -173,7 +174,8 @@ class Tuner(PrerunSearch, Validation):
         if not cfg.validate:
             self.decide("skip validation", "--no-validate: the configuration is NOT proven")
             return self.result(derivation, False, source, best, None)
-        return self.validate(best, derivation, source)
+        r = self.repeat(self.validate(best, derivation, source))
+        return replace(r, outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
 
 
 class R01Method(Tuner):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pretuner import noise
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.errors import (
@@ -16,9 +17,7 @@ from pretuner.method import Derivation
 from pretuner.tune.busy import crash_error
 from pretuner.tune.r01 import budget as bud
 from pretuner.tune.r01.config import (
-    EDGE_MARGIN_FLOOR_BYTES,
     LEARN_MARGIN,
-    TIGHTEN_MARGIN_FLOOR_BYTES,
     TIGHTEN_MIN_GAIN,
     UTIL_LADDER,
     TuneResult,
@@ -90,6 +89,60 @@ class Validation(TunerCore):
         d, source, outcome = proven
         return self.result(d, True, source, prerun, outcome)
 
+    def repeat(self, r: TuneResult) -> TuneResult:
+        """Prove the final configuration on --repeat-proof boots in all; the pool keeps at least
+        their spread above the highest worst-rank peak (else derived again with that much more
+        headroom and proven again, within --max-launches)."""
+        while self.cfg.repeat_proof > 1 and r.validated:
+            first, prerun = r.validation, r.prerun
+            if first is None or prerun is None:
+                return r
+            s = first.settings
+            boots = [first]
+            while len(boots) < self.cfg.repeat_proof and self.launches_left() > 0:
+                o = self.launch(s)
+                if o.kind is not OutcomeKind.OK or o.requests_ok != o.requests_total:
+                    raise crash_error(o, f"repeated proof (boot {len(boots) + 1})")
+                boots.append(o)
+            peaks = tuple(o.worst_peak_mib or 0 for o in boots)
+            self.spread = max(self.spread, noise.spread_mib(peaks))
+            cap = round(s.card_gib * s.util * 1024)
+            floor = self.floor_bytes() // MIB
+            short = max(0, floor - (cap - max(peaks)))
+            self.decide(
+                "boot spread",
+                f"{len(peaks)} boots of the proven configuration: worst-rank peaks "
+                + ", ".join(f"{p:,}" for p in peaks) + f" MiB ({self.seen}), spread "
+                f"{noise.spread_mib(peaks):,} MiB; the pool (card*util = {cap:,} MiB) keeps "
+                f"{cap - max(peaks):,} MiB above the highest, at least "
+                f"{noise.floor_words(self.cfg.card.card_gib * 1024, self.spread)} asked",
+                boot_peaks_mib=list(peaks), spread_mib=noise.spread_mib(peaks))
+            r = replace(r, boot_peaks_mib=peaks)
+            if short == 0:
+                return r
+            if self.launches_left() <= 0:
+                self.decide("headroom short", f"{short:,} MiB less headroom than the spread "
+                            f"asks and no launch left (--max-launches {self.cfg.max_launches}): "
+                            "the configuration proven stands")
+                return r
+            # The shortfall comes out of the KV cache: past what the integer model-use's rounding
+            # already holds, so that the budget rounds up.
+            d = r.derivation
+            base = (int(d.inputs.headroom_gib * GIB) + d.rounding_cost_bytes + short * MIB
+                    + bud.BASE_HEADROOM_FLOOR_BYTES)
+            self.decide("hold back", f"the highest peak leaves {short:,} MiB less than that: "
+                        f"derived again with {(base - int(d.inputs.headroom_gib * GIB)) / MIB:,.0f}"
+                        " MiB more headroom (the shortfall, the integer model-use's rounding and "
+                        f"{bud.BASE_HEADROOM_FLOOR_BYTES // MIB} MiB), proven in turn")
+            try:
+                lower, source = self.derive(prerun, per_seq=d.inputs.per_seq_bytes, base=base)
+            except InfeasibleError:
+                self.decide("headroom short", f"{short:,} MiB more headroom leaves no "
+                            "configuration: the one proven stands")
+                return r
+            r = self.validate(prerun, lower, source)
+        return r
+
     def tighten(
         self, prerun: LaunchOutcome, d: Derivation, val: LaunchOutcome
     ) -> tuple[Derivation, str] | None:
@@ -141,9 +194,9 @@ class Validation(TunerCore):
         self, prerun: LaunchOutcome, cand: Derivation, base: int, margin: int, slope: int
     ) -> tuple[Derivation, str, int] | None:
         """(derivation, source, margin kept) one integer GiB of model-use lower, when only the
-        margin's floor pushes the budget over that integer (a whole GiB of KV for a few MiB);
-        it keeps the margin's share of the activations, at least EDGE_MARGIN_FLOOR_BYTES."""
-        least = max(EDGE_MARGIN_FLOOR_BYTES, margin - TIGHTEN_MARGIN_FLOOR_BYTES)
+        margin's share of the activations pushes the budget over that integer (a whole GiB of
+        KV for a few MiB); it keeps the boot-noise floor (`pretuner.noise`)."""
+        least = self.floor_bytes()
         try:
             low, source = self.derive(prerun, per_seq=slope, base=base - margin + least,
                                       announce=False)

@@ -91,9 +91,10 @@ class Validation(TunerCore):
 
     def repeat(self, r: TuneResult) -> TuneResult:
         """Prove the final configuration on --repeat-proof boots in all; the pool keeps at least
-        their spread above the highest worst-rank peak (else derived again with that much more
-        headroom and proven again, within --max-launches)."""
-        while self.cfg.repeat_proof > 1 and r.validated:
+        the headroom floor (`pretuner.noise`) and their spread above the highest worst-rank
+        peak (else derived again with that much more headroom and proven again, within
+        --max-launches)."""
+        while r.validated:
             first, prerun = r.validation, r.prerun
             if first is None or prerun is None:
                 return r
@@ -109,28 +110,30 @@ class Validation(TunerCore):
             cap = round(s.card_gib * s.util * 1024)
             floor = self.floor_bytes() // MIB
             short = max(0, floor - (cap - max(peaks)))
-            self.decide(
-                "boot spread",
-                f"{len(peaks)} boots of the proven configuration: worst-rank peaks "
-                + ", ".join(f"{p:,}" for p in peaks) + f" MiB ({self.seen}), spread "
-                f"{noise.spread_mib(peaks):,} MiB; the pool (card*util = {cap:,} MiB) keeps "
-                f"{cap - max(peaks):,} MiB above the highest, at least "
-                f"{noise.floor_words(self.cfg.card.card_gib * 1024, self.spread)} asked",
-                boot_peaks_mib=list(peaks), spread_mib=noise.spread_mib(peaks))
+            kept = (f"the pool (card*util = {cap:,} MiB) keeps {cap - max(peaks):,} MiB above "
+                    f"the highest, at least "
+                    f"{noise.floor_words(self.cfg.card.card_gib * 1024, self.spread)} asked")
+            if len(peaks) > 1:
+                self.decide(
+                    "boot spread",
+                    f"{len(peaks)} boots of the proven configuration: worst-rank peaks "
+                    + ", ".join(f"{p:,}" for p in peaks) + f" MiB ({self.seen}), spread "
+                    f"{noise.spread_mib(peaks):,} MiB; {kept}",
+                    boot_peaks_mib=list(peaks), spread_mib=noise.spread_mib(peaks))
             r = replace(r, boot_peaks_mib=peaks)
             if short == 0:
                 return r
             if self.launches_left() <= 0:
-                self.decide("headroom short", f"{short:,} MiB less headroom than the spread "
-                            f"asks and no launch left (--max-launches {self.cfg.max_launches}): "
-                            "the configuration proven stands")
+                self.decide("headroom short", f"{kept}: {short:,} MiB short and no launch left "
+                            f"(--max-launches {self.cfg.max_launches}): the configuration proven "
+                            "stands")
                 return r
             # The shortfall comes out of the KV cache: past what the integer model-use's rounding
             # already holds, so that the budget rounds up.
             d = r.derivation
             base = (int(d.inputs.headroom_gib * GIB) + d.rounding_cost_bytes + short * MIB
                     + bud.BASE_HEADROOM_FLOOR_BYTES)
-            self.decide("hold back", f"the highest peak leaves {short:,} MiB less than that: "
+            self.decide("hold back", f"{kept}: {short:,} MiB short; "
                         f"derived again with {(base - int(d.inputs.headroom_gib * GIB)) / MIB:,.0f}"
                         " MiB more headroom (the shortfall, the integer model-use's rounding and "
                         f"{bud.BASE_HEADROOM_FLOOR_BYTES // MIB} MiB), proven in turn")

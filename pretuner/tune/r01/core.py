@@ -306,11 +306,13 @@ class TunerCore(Method):
         per_seq = self.per_seq if per_seq is None else per_seq
         if base is None:
             wa = self.wa_bytes(prerun)
+            # At least the boot-noise floor the proof must leave in the pool (`pretuner.noise`).
             base = self.base_headroom = max(
                 self.base_headroom,
                 bud.base_headroom_bytes(
                     wa, self.weights_bytes, prerun.rank_peaks_mib, self.cfg.headroom_gib
                 ),
+                self.floor_bytes(),
             )
         try:
             return self._derive(prerun, per_seq, base, announce)

@@ -142,6 +142,14 @@ def test_less_free_memory_than_the_proof_started_from_refuses(
     assert f"the proof started from {proof.free_mib} MiB free" in done.stderr
 
 
+def test_a_device_the_tool_does_not_show_refuses(cuda: tuple[Path, Proof]) -> None:
+    """The rule: no answer from the device tool is no proof (never a silent start)."""
+    tmp, proof = cuda
+    done = _serve(tmp, proof, _env(tmp, "0.24.0", "h100-80", CUDA_VISIBLE_DEVICES="99"))
+    assert done.returncode == 78
+    assert "nvidia-smi shows no device 99 here" in done.stderr
+
+
 def test_npu_smi_total_is_checked(tmp_path: Path) -> None:
     """The rule: on Ascend the device total comes from npu-smi (the emulated 64 GB card passes,
     the 32 GB one refuses)."""

@@ -72,14 +72,14 @@ class Proof:
 
     def lines(self) -> list[str]:
         """The fingerprint as the scripts' header says it."""
-        total = self.device_total_mib
-        free = self.free_mib
+        def known(value: int | None) -> str:
+            return "not recorded" if value is None else f"{value:,} MiB"
+
         return [
-            f"proof fingerprint (checked before starting; PRETUNER_SKIP_GUARD=1 starts "
-            f"unproven): engine {self.engine} {self.version or '(version not recorded)'}; "
-            f"device {self.device_name or '(name not recorded)'}, total "
-            f"{'not recorded' if total is None else f'{total:,} MiB'}, free when the proof "
-            f"started {'not recorded' if free is None else f'{free:,} MiB'}",
+            "proof fingerprint (the startup scripts check it before starting): engine "
+            f"{self.engine} {self.version or '(version not recorded)'}; device "
+            f"{self.device_name or '(name not recorded)'}, total "
+            f"{known(self.device_total_mib)}, free when the proof started {known(self.free_mib)}",
         ]
 
 

@@ -4,6 +4,7 @@ importlib.metadata reads (a dist-info folder, as pip leaves it). Real bash, real
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -191,3 +192,20 @@ def test_proof_of_reads_the_final_launch() -> None:
     assert (proof.device_tool, proof.device_total_mib, proof.free_mib) == (
         "npu-smi", 65536, 65536 - 3379)
     assert proof.version == "0.1"
+
+
+def test_a_real_runs_fingerprint_and_retune() -> None:
+    """The rule: a real run's guard checks what its record says it ran on (engine version,
+    device total, free memory at the final launch's start) and names the run again, with every
+    option it was given, as the re-tune."""
+    folder = Path(__file__).parent / "fixtures" / "real" / "vllm-0.24-h200" / "run8k"
+    raw = json.loads((folder / "report.json").read_text())
+    rep = read_report(folder)
+    assert isinstance(rep, RunReport)
+    proof = proof_of(rep)
+    last = raw["steps"][-1]
+    assert (proof.version, proof.device_total_mib, proof.free_mib) == (
+        raw["engine_version"], last["device_total_mib"],
+        last["device_total_mib"] - last["device_peaks_mib"]["launch"])
+    serve = run_scripts(rep, ScriptOptions(), [Target.SERVE])["serve.sh"]
+    assert f"retune={shlex.quote(shlex.join(raw['retune_command']))}\n" in serve

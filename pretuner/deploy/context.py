@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -69,6 +70,7 @@ class Proof:
     device_name: str | None  # as the device tool prints it
     device_total_mib: int | None
     free_mib: int | None  # the device's free memory when the proof started
+    retune: str | None = None  # the run again with every option it was given (a real device's)
 
     def lines(self) -> list[str]:
         """The fingerprint as the scripts' header says it."""
@@ -95,6 +97,8 @@ def proof_of(rep: RunReport) -> Proof:
         device_tool=DEVICE_TOOLS.get(row.device), visible_devices_var=row.visible_devices_var,
         device_name=None, device_total_mib=total,
         free_mib=total - used if total is not None and used is not None else None,
+        # an emulated card's run is re-tuned on the real device: the header's command
+        retune=None if rep.simulated else shlex.join(rep.retune_command),
     )
 
 
@@ -336,6 +340,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         "env_path": f"{opts.install_dir.rstrip('/')}/tuned.env",
         "guard_path": f"{opts.install_dir.rstrip('/')}/pretuner-guard.sh",
         "guard": None if opts.proof is None else {
-            "proof": opts.proof, "retune": retune, "memory_flags": sorted(MEMORY_FLAGS)},
+            "proof": opts.proof, "retune": opts.proof.retune or retune,
+            "memory_flags": sorted(MEMORY_FLAGS)},
         "unit_description": one_line(f"{s.unit_engine} serving {p.model} (preset {p.name})"),
     }

@@ -72,3 +72,13 @@ def test_an_unvalidated_run_is_refused() -> None:
     rep = _real_run().model_copy(update={"validated": False})
     with pytest.raises(BadInputError, match="NOT validated"):
         recipe_block(rep, "0" * 64, "h200", "2026-11-28")
+
+
+def test_production_address_and_name_stay_out_of_the_card_override() -> None:
+    """The rule: a card's override carries the flags that shape memory, not the site's
+    --host/--port/--served-model-name (the recipe serves its own model name)."""
+    rep = _real_run()
+    flags = ["--port", "8000", "--served-model-name=qwen", *rep.final.flags, "--host", "10.0.0.5"]
+    rep = rep.model_copy(update={"final": rep.final.model_copy(update={"flags": flags})})
+    block = recipe_block(rep, "0" * 64, "h200", "2026-11-28")
+    assert block["hardware_overrides"]["h200"]["extra_args"] == _real_run().final.flags

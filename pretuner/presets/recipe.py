@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from pretuner.engines.vllm_v1 import ROWS
+from pretuner.engines.vllm_v1 import PRODUCTION_FLAGS, ROWS
 from pretuner.errors import BadInputError
 from pretuner.report.records import PinnedDerivation, RunReport
 
@@ -18,8 +18,6 @@ from pretuner.report.records import PinnedDerivation, RunReport
 RECIPE_HARDWARE = {"H100": "h100", "H200": "h200", "B200": "b200", "B300": "b300",
                    "GB200": "gb200", "GB300": "gb300", "MI300X": "mi300x", "MI325X": "mi325x",
                    "MI355X": "mi355x", "910C": "ascend_910c"}
-# A recipe's engine flags, not a card's: the model is the recipe's, the address the user's.
-_NOT_OVERRIDES = ("--host", "--port", "--served-model-name")
 
 
 def recipe_hardware(rep: RunReport, given: str | None) -> str:
@@ -41,13 +39,14 @@ def recipe_hardware(rep: RunReport, given: str | None) -> str:
 
 
 def _skip_flags(flags: list[str]) -> list[str]:
+    """The flags without production's address and name: a recipe's card override sets neither."""
     out: list[str] = []
     skip = False
     for word in flags:
         if skip:
             skip = False
             continue
-        if word.partition("=")[0] in _NOT_OVERRIDES:
+        if word.partition("=")[0] in PRODUCTION_FLAGS:
             skip = "=" not in word
             continue
         out.append(word)

@@ -154,6 +154,10 @@ def test_the_written_serve_script_starts_a_server_that_serves(
                     f"printf '%s\\n' \"$@\" > {shlex.quote(str(argv_file))}\n"
                     f"exec {shlex.quote(sys.executable)} -m pretuner.sim vllm \"$@\"\n")
     fake.chmod(0o755)
+    # the device the proof ran on, as serve.sh's guard reads it: the emulated H100's nvidia-smi
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m pretuner.sim nvidia-smi \"$@\"\n")
+    smi.chmod(0o755)
     env_fake = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
     port, body = served_by(out / "serve.sh", env_fake, tmp_path / "serve.log")
     assert body["usage"]["completion_tokens"] == 2

@@ -76,6 +76,10 @@ class LaunchOutcome:
     encoder_budget_tokens: int | None = None  # V1, vision-language: the engine's log says
     encoder_profiled_items: int | None = None
     speed: Speed | None = None  # V1 validations: time to first token and decode tokens/s
+    # V1 engines that profiled: the KV bytes their log suggests, to fit the requested util and
+    # to fill the device (shown beside pretuner's, never adopted)
+    advised_kv_bytes: int | None = None
+    advised_full_kv_bytes: int | None = None
 
     @classmethod
     def of(cls, n: int, settings: LaunchSettings, kind: OutcomeKind, log_path: Path,

@@ -114,6 +114,8 @@ class V1Hooks:
             kv_tokens=v1.kv_tokens, kv_gib=v1.kv_gib, soak_requests=ran.soak_requests,
             reset_status=ran.reset_status, encoder_budget_tokens=v1.encoder_budget_tokens,
             encoder_profiled_items=v1.encoder_profiled_items, speed=ran.speed,
+            advised_kv_bytes=v1.advice.requested_bytes if v1.advice else None,
+            advised_full_kv_bytes=v1.advice.full_bytes if v1.advice else None,
         )
 
 

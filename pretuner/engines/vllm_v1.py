@@ -119,6 +119,11 @@ OWNED_FLAGS = {
     "--limit-mm-per-prompt": "--limit-mm-per-prompt",
     "--mm-processor-cache-gb": "--mm-processor-cache-gb",
 }
+# What shapes device memory: a startup script given one of these runs an unproven configuration.
+MEMORY_FLAGS = frozenset([*OWNED_FLAGS.keys() - {"--model"}, "--quantization", "--cpu-offload-gb",
+                          "--swap-space", "--enforce-eager"])
+# By V1Row.device: the tool that names a device and its memory without importing the engine.
+DEVICE_TOOLS = {"cuda": "nvidia-smi", "ascend": "npu-smi"}
 # Production's own address and name: kept for serve.sh, while each launch serves on the free
 # port and the name pretuner's requests ask for.
 PRODUCTION_FLAGS = ("--host", "--port", "--served-model-name")

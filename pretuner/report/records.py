@@ -196,6 +196,10 @@ class V1Baseline(Record):
     util: float | None
     kv_tokens: int | None
     kv_tokens_gain: float | None  # pinned KV tokens / profiled ones
+    # What the engine's log suggested after profiling (vLLM's `--kv-cache-memory=`): bytes to
+    # fit the requested util, and to fill the device; shown beside ours, never adopted.
+    advised_kv_bytes: int | None = None
+    advised_full_kv_bytes: int | None = None
 
 
 class V1Budget(Record):

@@ -76,6 +76,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         weights = weights.model_copy(update={"card_weights_log_gib": proof.weights_gib})
     gain = (r.kv_tokens / r.profiled_kv_tokens
             if r.kv_tokens and r.profiled_kv_tokens else None)
+    advice = next((o for o in r.outcomes if o.advised_kv_bytes is not None), None)
     budget = r.budget
     deployment = x.engine.deploy(f)
     argv = redact_argv(deployment.argv())  # serve.sh reads a secret from its variable
@@ -99,7 +100,10 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         derivation=PinnedDerivation(
             measured_by=r.measured_by, kv_cache_memory_bytes=f.kv_cache_bytes,
             baseline=V1Baseline(util=r.profiled_util, kv_tokens=r.profiled_kv_tokens,
-                                kv_tokens_gain=round(gain, 4) if gain else None),
+                                kv_tokens_gain=round(gain, 4) if gain else None,
+                                advised_kv_bytes=advice.advised_kv_bytes if advice else None,
+                                advised_full_kv_bytes=advice.advised_full_kv_bytes
+                                if advice else None),
             budget=None if budget is None else V1Budget(
                 device_total_mib=budget.total_mib, device_peak_mib=budget.peak_mib,
                 held_kv_mib=round(budget.held_kv_mib, 1),

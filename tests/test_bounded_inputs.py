@@ -7,6 +7,10 @@ import errno
 import json
 import os
 import re
+import resource
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -15,11 +19,12 @@ import pytest
 import typer
 
 from pretuner.cli.vocab import read_vllm_config
+from pretuner.engines.vllm_v1 import parse_server_args
 from pretuner.errors import BadInputError
 from pretuner.files import MAX_INPUT_BYTES
 from pretuner.models.hf import spec_from_folder
 from pretuner.tune.record import DiskFullError, folder_error
-from tests.helpers import invoke
+from tests.helpers import cli_env, invoke
 
 V1_DRY = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--dry-run")
 QWEN3_8B = {
@@ -265,3 +270,61 @@ def test_report_script_and_presets_add_name_a_damaged_report_json(
     (run / "report.json").write_text(damage)
     line = one_line_refusal(invoke(*command, str(run)))
     assert f"{str(run / 'report.json')!r} {says}" in line
+
+
+def test_a_json_value_in_a_config_keeps_its_quotes(tmp_path: Path) -> None:
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("override-generation-config: '{\"temperature\": 0.5}'\n"
+                   "hf-overrides: {rope_scaling: {type: \"a b\"}}\nserved-model-name: my model\n")
+    _, extra = read_vllm_config(cfg)
+    assert dict(parse_server_args(extra)) == {
+        "--override-generation-config": '{"temperature": 0.5}',
+        "--hf-overrides": '{"rope_scaling":{"type":"a b"}}', "--served-model-name": "my model"}
+
+
+# -- the same, met by a real run ---------------------------------------------------------------
+
+V1_RUN = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80")
+
+
+def _pretuner(*args: str, **popen: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "pretuner", *args], env=cli_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_mid_run_is_one_line_like_a_full_disk(tmp_path: Path) -> None:
+    """`ulimit -f` made the journal's write fail with EFBIG: a traceback before."""
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    proc = _pretuner(*V1_RUN, "--out", str(tmp_path / "r"), preexec_fn=small_files)
+    _, err = proc.communicate(timeout=240)  # progress lines, then the error's one line
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    assert (f"pretuner: error: cannot write to the run folder {str(tmp_path / 'r')!r}: File too "
+            "large") in err.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_run_folder_removed_mid_run_is_one_line(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    proc = _pretuner(*V1_RUN, "--out", str(run))
+    deadline = time.monotonic() + 120
+    while '"launch_started"' not in _text(run / "journal.jsonl"):
+        assert proc.poll() is None, "the run ended before its first launch"
+        assert time.monotonic() < deadline, "the run never launched"
+        time.sleep(0.05)
+    shutil.rmtree(run)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err
+    assert f"the run folder {str(run)!r} was removed during the run" in err.strip().splitlines()[-1]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

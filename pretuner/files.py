@@ -78,7 +78,7 @@ def read_bounded(path: Path, limit: int = MAX_INPUT_BYTES) -> bytes:
         raise BadInputError(f"cannot read {str(path)!r}: {err.strerror}") from None
     if len(data) > limit:
         raise BadInputError(f"{str(path)!r} is over {limit >> 10:,} KiB",
-                            hint="pass the small text file itself")
+                            hint="no such file is that large: is it the right one?")
     return data
 
 

@@ -26,6 +26,7 @@ from pretuner.models.hf import spec_from_folder
 from pretuner.tune.record import DiskFullError, folder_error
 from tests.helpers import cli_env, invoke
 
+REPORT_JSON = Path(__file__).parent / "golden" / "run" / "report.json"
 V1_DRY = ("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--dry-run")
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "hidden_size": 4096,
@@ -328,3 +329,14 @@ def _text(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def test_report_of_a_run_whose_memory_tsv_is_damaged_still_renders(tmp_path: Path) -> None:
+    """A byte that is not UTF-8 in a launch's memory.tsv was a traceback of `report`."""
+    run = tmp_path / "run"
+    (run / "launch-1").mkdir(parents=True)
+    shutil.copy(REPORT_JSON, run / "report.json")
+    (run / "launch-1" / "memory.tsv").write_bytes(b"\xff\xfe\x00 not a row\n")
+    done = invoke("report", str(run), "--out", str(tmp_path / "r.html"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "r.html").is_file()

@@ -54,7 +54,6 @@ def write_atomic(path: Path, text: str, *, executable: bool = False,
     return path
 
 
-
 # A `vllm serve --config` YAML or a model's config.json is a few kilobytes; more is a mistake
 # (`--config /dev/zero` once took 22 GB before the kernel ended it).
 MAX_INPUT_BYTES = 1 << 20

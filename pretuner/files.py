@@ -1,12 +1,14 @@
 """Atomic, never-overwriting file writes: a crash never leaves half a file, and nothing a user
-made is replaced."""
+made is replaced; and bounded reads of the files a user hands in."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from pretuner.errors import BadInputError
 
@@ -51,3 +53,48 @@ def write_atomic(path: Path, text: str, *, executable: bool = False,
             os.unlink(tmp)
     return path
 
+
+# A `vllm serve --config` YAML or a model's config.json is a few kilobytes; more is a mistake
+# (`--config /dev/zero` once took 22 GB before the kernel ended it).
+MAX_INPUT_BYTES = 1 << 20
+# Values and nesting after expansion: a YAML alias repeats what it names, so nine nested
+# aliases of nine make 9^9 values out of one kilobyte. No config comes near either bound.
+MAX_INPUT_VALUES = 100_000
+MAX_INPUT_DEPTH = 32
+
+
+def read_bounded(path: Path, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """A user's input file, whole; a FIFO, a device or a file over `limit` bytes is refused
+    before it is read (a FIFO is opened without waiting for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise BadInputError(f"{str(path)!r} is not a regular file",
+                                    hint="pass the file itself, not a device, pipe or folder")
+            data = fh.read(limit + 1)
+    except OSError as err:
+        raise BadInputError(f"cannot read {str(path)!r}: {err.strerror}") from None
+    if len(data) > limit:
+        raise BadInputError(f"{str(path)!r} is over {limit >> 10:,} KiB",
+                            hint="no such file is that large: is it the right one?")
+    return data
+
+
+def check_expanded(data: Any, path: Path) -> None:
+    """Refuse parsed input that expands past `MAX_INPUT_VALUES` values or nests deeper than
+    `MAX_INPUT_DEPTH` (counted as walked, so a shared or self-referencing value costs each
+    time it is reached, and the walk ends at the bound)."""
+    stack, count = [(data, 0)], 0
+    while stack:
+        item, depth = stack.pop()
+        count += 1
+        if count > MAX_INPUT_VALUES or depth > MAX_INPUT_DEPTH:
+            what = (f"more than {MAX_INPUT_VALUES:,} values" if count > MAX_INPUT_VALUES
+                    else f"nesting deeper than {MAX_INPUT_DEPTH}")
+            raise BadInputError(f"{str(path)!r} expands to {what} (aliases or nesting)",
+                                hint="write the values out plainly")
+        if isinstance(item, dict):
+            stack += [(part, depth + 1) for pair in item.items() for part in pair]
+        elif isinstance(item, list):
+            stack += [(part, depth + 1) for part in item]

@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from pretuner.errors import BadInputError
+from pretuner.files import MAX_INPUT_BYTES, read_bounded
 from pretuner.report.schema1 import upgrade
 
 Provenance = Literal["simulated", "measured"]
@@ -354,14 +355,23 @@ def read_report(path: Path) -> AnyReport:
     path = Path(path)
     if path.is_dir():
         path = path / "report.json"
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as err:
-        raise BadInputError(f"cannot read {str(path)!r}: {err}",
-                            hint="pass a run folder that has a report.json") from None
+    try:  # a record of hundreds of launches stays far under this
+        data = json.loads(read_bounded(path, 16 * MAX_INPUT_BYTES))
+    except BadInputError as err:
+        err.hint = "pass a run folder that has a report.json"
+        raise
+    except (ValueError, RecursionError) as err:
+        raise BadInputError(f"{str(path)!r} is not valid JSON: {err}",
+                            hint="the file is damaged: run again, or restore it") from None
     try:
         return report_of(data)
-    except (ValidationError, KeyError, TypeError, ValueError) as err:
+    except ValidationError as err:  # the first problem, on one line
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise BadInputError(f"{str(path)!r} is not a pretuner run record: {where}: "
+                            f"{first['msg']}", hint="pass a run folder written by `pretuner "
+                            "run`") from None
+    except (KeyError, TypeError, ValueError) as err:
         raise BadInputError(f"{str(path)!r} is not a pretuner run record: {err}",
                             hint="pass a run folder written by `pretuner run`") from None
 

@@ -33,8 +33,7 @@ from pretuner.tune.record import (
     RunRecord,
     check_no_orphans,
     claim_new_folder,
-    disk_full_error,
-    is_disk_full,
+    folder_error,
     lock_folder,
     stop_own_orphans,
 )
@@ -178,9 +177,7 @@ def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
     except KeyboardInterrupt:
         raise RunInterrupted(record.path) from None
     except OSError as err:
-        if is_disk_full(err):
-            raise disk_full_error(err, record.path) from None
-        raise
+        raise folder_error(err, record.path) from None
     finally:
         if record.lock is not None:
             record.lock.release()

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 JOURNAL = "journal.jsonl"
 LOCK_FILE = ".lock"
 MIN_FREE_MIB = 64  # a server log and the result files; below this a launch is refused
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: past `ulimit -f`, full to us
 
 
 class FolderInUseError(BadInputError):
@@ -210,16 +210,19 @@ def check_free_space(folder: Path, min_mib: int = MIN_FREE_MIB) -> None:
         )
 
 
-def is_disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in _FULL
-
-
-def disk_full_error(err: OSError, folder: Path) -> DiskFullError:
+def folder_error(err: OSError, folder: Path) -> OSError | DiskFullError:
+    """A write's failure as the user meets it: a full disk (or `ulimit -f`) and a run folder
+    removed under the run are one line each; anything else stays `err`."""
     where = f" ({err.filename})" if err.filename else ""
-    return DiskFullError(
-        f"cannot write to the run folder {str(folder)!r}: {os.strerror(err.errno or 0)}{where}",
-        hint="free disk space, then `pretuner run --resume` this run",
-    )
+    if err.errno in _FULL:
+        return DiskFullError(
+            f"cannot write to the run folder {str(folder)!r}: {os.strerror(err.errno or 0)}"
+            f"{where}", hint="free disk space (or raise `ulimit -f`), then `pretuner run "
+            "--resume` this run")
+    if not folder.is_dir():
+        return DiskFullError(f"the run folder {str(folder)!r} was removed during the run{where}",
+                             hint="start a new run; leave its folder in place until it ends")
+    return err
 
 
 def _slug(text: str) -> str:
@@ -299,9 +302,7 @@ class RunRecord:
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as err:
-            if is_disk_full(err):
-                raise disk_full_error(err, self.path) from None
-            raise
+            raise folder_error(err, self.path) from None
         self.events.append(entry)
         return entry
 

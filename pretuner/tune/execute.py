@@ -32,7 +32,6 @@ from pretuner.errors import CardBusyError, PretunerError, ServerFailedError
 from pretuner.files import write_atomic
 from pretuner.launch import probe
 from pretuner.launch.collect import CollectorFactory, LocalCollector
-from pretuner.launch.command import CONTAINER_RUNNERS
 from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
@@ -64,6 +63,9 @@ class LaunchContext:
     # V1 engines exercise and judge their launches their own way (no pool dump: the device
     # peak is the measurement). None: the r0.1 engine's pool-dump rules below.
     hooks: V1Hooks | None = None
+    # False: a --serve-cmd wrapper (a container, srun) may start the server outside pretuner's
+    # process group, where its processes cannot be told from another tenant's during a launch.
+    server_in_group: bool = True
 
 
 class _OomSeen(Exception):
@@ -135,7 +137,7 @@ def run_launch(
                 ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
                        else _exercise(settings, ctx, base, phase))
             request_s = time.monotonic() - r0
-            if tenants is not None and _sees_own_tree(ctx, cmd):
+            if tenants is not None and _sees_own_tree(ctx):
                 members = set(group_members(proc.pid))
                 tenants.check(f"during launch {n}'s load", ours=lambda pid: pid in members
                               or not Path(f"/proc/{pid}").exists())
@@ -184,14 +186,14 @@ def run_launch(
     return with_samples(outcome, sampled)
 
 
-def _sees_own_tree(ctx: LaunchContext, cmd: LaunchCommand) -> bool:
+def _sees_own_tree(ctx: LaunchContext) -> bool:
     """Whether the device's process list can be told apart from the launch's own server while
     it runs: its processes are its process group (a pid this machine's /proc does not show,
-    as in a container, may be it). A container's engine, a Ray cluster's ranks and the emulated
+    as in a container, may be it). A wrapper's engine, a Ray cluster's ranks and the emulated
     r0.1 server's ranks (pids it makes up) are outside that: there the device is looked at
     between launches only."""
-    return (ctx.hooks is not None and ctx.collector is None and proc_available()
-            and Path(cmd.argv[0]).name not in CONTAINER_RUNNERS)
+    return (ctx.hooks is not None and ctx.server_in_group and ctx.collector is None
+            and proc_available())
 
 
 def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:

@@ -46,9 +46,9 @@ def tighten_margin_mib(total_mib: int) -> int:
 MAX_PRERUNS = 3
 # How far the engine's own KV figure may be from the pinned bytes and still be the same pool:
 # vLLM prints it rounded to 2 decimals of a GiB on a GPU (`reserved 59.0 GiB`) and to 1 on the
-# CPU (`Explicitly set (1.0/11.96) GiB`), and pretuner's figure from its token count is floored
-# to whole blocks (a few MiB); half the coarser printed step is 0.05 GiB, 51.2 MiB.
-PIN_TOLERANCE_GIB = 0.05
+# CPU (`Explicitly set (1.0/11.96) GiB`): half the coarser printed step is 0.05 GiB = 51.2 MiB,
+# rounded up to a whole MiB (a figure from the token count, floored to whole blocks, is closer).
+PIN_TOLERANCE_MIB = 52
 
 
 def pin_disagreement(kv_bytes: int | None, engine_kv_gib: float | None,
@@ -60,9 +60,9 @@ def pin_disagreement(kv_bytes: int | None, engine_kv_gib: float | None,
     if kv_bytes is None:
         return None
     pinned = f"pretuner pinned {kv_bytes / GIB:.2f} GiB (--kv-cache-memory-bytes {kv_bytes})"
-    if engine_kv_gib is not None and abs(engine_kv_gib - kv_bytes / GIB) > PIN_TOLERANCE_GIB:
+    if engine_kv_gib is not None and abs(engine_kv_gib * GIB - kv_bytes) > PIN_TOLERANCE_MIB * MIB:
         return (f"{pinned} but the engine's log reports a KV cache of {engine_kv_gib:.2f} GiB "
-                f"(more than the {PIN_TOLERANCE_GIB} GiB its rounding explains)")
+                f"(more than the {PIN_TOLERANCE_MIB} MiB its rounding explains)")
     if device_peak_mib is not None and device_peak_mib < kv_bytes / MIB:
         return (f"{pinned} = {kv_bytes / MIB:,.0f} MiB but the device's peak was "
                 f"{device_peak_mib:,} MiB ({reader}, all of the launch): it never held that pool")

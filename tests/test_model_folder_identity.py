@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.models import folder_identity
-from pretuner.presets.model import find_preset
+from pretuner.presets.model import find_preset, get_preset, preset_to_json
 from tests.helpers import FAST_SIM, cli_env, invoke, run_cli, shared
 
 HUB_CONFIG = json.loads(shared("model-configs", "Qwen--Qwen3-8B.json").read_text())
@@ -45,6 +45,26 @@ def test_a_folder_matches_presets_only_by_the_hub_model_its_config_names(tmp_pat
     hit = find_preset(str(saved), 20, 2)
     assert hit is not None
     assert hit.model == "qwen3-8b"
+
+
+def test_a_folders_own_preset_is_found_for_that_folder_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `presets add` of a fine-tune in `qwen3-8b/`: its preset's model is the folder's name.
+    folder = _folder(tmp_path, "qwen3-8b")
+    other = _folder(tmp_path / "b", "qwen3-8b")
+    mine = tmp_path / "presets"
+    mine.mkdir()
+    data = {**preset_to_json(get_preset("qwen3-8b-tp2-20g-vllm")), "name": "my-fine-tune",
+            "model_path": str(folder), "kind": "measured"}
+    (mine / "my-fine-tune.json").write_text(json.dumps(data))
+    monkeypatch.setenv("PRETUNER_PRESETS_DIR", str(mine))
+    found = find_preset(str(folder), 20, 2)
+    assert found is not None
+    assert found.name == "my-fine-tune"
+    hub = find_preset("qwen3-8b", 20, 2)  # the hub model: the shipped preset, not the folder's
+    assert hub is not None
+    assert hub.name == "qwen3-8b-tp2-20g-vllm"
+    assert find_preset(str(other), 20, 2) is None
 
 
 @pytest.mark.slow

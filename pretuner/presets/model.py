@@ -3,6 +3,7 @@ a run record as a preset. Pure apart from reading the package's own data files."
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -236,16 +237,20 @@ def resolve_preset(name_or_path: str) -> Preset:
 
 def find_preset(model: str, card_gib: int, tp: int) -> Preset | None:
     """The preset for this model, card size and TP (in PresetKind's order: measured first). A
-    local folder is matched by the hub model its config.json names, never by its base name."""
-    if (folder := folder_identity(model)) is not None:
-        if folder.hub_id is None:
-            return None
-        model = folder.hub_id
-    try:
-        name = resolve(model).name
-    except BadInputError:
-        name = model
-    hits = [p for p in all_presets() if p.model == name and p.card_gib == card_gib and p.tp == tp]
+    local folder is matched by the hub model its config.json names, never by its base name, and
+    a folder's own preset (its absolute model_path) only by that folder."""
+    folder = folder_identity(model)
+    name: str | None = folder.hub_id if folder is not None else model
+    if name is not None:
+        with contextlib.suppress(BadInputError):  # a name no registry knows is matched as given
+            name = resolve(name).name
+
+    def same(p: Preset) -> bool:
+        if Path(p.model_path).is_absolute():
+            return folder is not None and p.model_path == folder.path
+        return p.model == name
+
+    hits = [p for p in all_presets() if same(p) and p.card_gib == card_gib and p.tp == tp]
     return min(hits, key=lambda p: (list(PresetKind).index(p.kind), p.name)) if hits else None
 
 

@@ -108,7 +108,8 @@ def render_summary(rep: RunReport, record: Path) -> str:
     if f.engine_serve_command:
         lines.append("with the real engine (to be measured there): "
                      f"{shlex.join(f.engine_serve_command)}")
-    lines.append(preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens or 0, tag, rep.engine))
+    lines.append(preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens or 0, tag, rep.engine,
+                             rep.model_arg))
     if (c := rep.cluster) is not None:  # where the ranks ran, and each launch's worst rank
         where = ", ".join(f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
                           for n in c["nodes"])

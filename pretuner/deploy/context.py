@@ -6,6 +6,7 @@ asked) and a pinned one (a V1 engine's `--kv-cache-memory-bytes` and the command
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 from dataclasses import dataclass, field, replace
@@ -303,7 +304,9 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     secret_notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
     env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
     figures = ", ".join(f"{k} {v:g}" for k, v in p.figures.items())
-    retune = (f"pretuner run --model {p.model}{s.retune} --card {p.card_gib} --tp {p.tp} "
+    # A folder by its path: from another folder, its name is a registry model or nothing.
+    retune_model = shlex.quote(model_path) if os.path.isabs(model_path) else p.model
+    retune = (f"pretuner run --model {retune_model}{s.retune} --card {p.card_gib} --tp {p.tp} "
               f"--max-model-len {p.max_model_len}")
     header = [
         *([f"run {p.run_id or '-'}: {opts.status}"] if opts.status else []),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,13 @@ class CheckpointSize:
     total_bytes: int
     params: int
     how: str
+
+
+def named_hub_id(config: dict[str, Any]) -> str | None:
+    """The hub model a folder's config.json says it was saved from (`_name_or_path`), if any."""
+    named = config.get("_name_or_path")
+    ok = isinstance(named, str) and named.count("/") == 1 and not os.path.isabs(named)
+    return named if ok else None
 
 
 def load_json(path: Path, limit: int = MAX_INPUT_BYTES) -> dict[str, Any]:

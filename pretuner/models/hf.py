@@ -7,7 +7,6 @@ Only `config.json`, the checkpoint index and the safetensors *headers* are read
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from pretuner.models.checkpoint import (
     checkpoint_size,
     config_int,
     load_json,
+    named_hub_id,
 )
 from pretuner.models.quant import from_config as quantization_from_config
 from pretuner.models.spec import DTYPE_BYTES, SHORT_DTYPE, AttentionKind, ModelSpec, WeightsFormat
@@ -215,13 +215,7 @@ def spec_from_folder(path: Path) -> ModelSpec:
     vision, vision_note = vision_from_config(outer, preproc, str(config_path), str(preproc_path))
     if vision_note:
         notes.append(vision_note)
-    name_or_path = outer.get("_name_or_path")
-    hf_id = (
-        name_or_path
-        if isinstance(name_or_path, str) and name_or_path.count("/") == 1
-        and not os.path.isabs(name_or_path)
-        else folder.resolve().name
-    )
+    hf_id = named_hub_id(outer) or folder.resolve().name
     spec = ModelSpec(  # sized below: from the checkpoint, else estimated from these dims
         name=folder.resolve().name, hf_id=hf_id, attention=attention, total_params=0,
         dtype=dtype, weights=(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,

@@ -288,6 +288,14 @@ Derivation = Annotated[R01Derivation | PinnedDerivation, Field(discriminator="me
 # -- the run ------------------------------------------------------------------------------------
 
 
+class ModelFolder(Record):
+    """A local model folder's identity (`pretuner.models.FolderIdentity`)."""
+
+    path: str  # absolute: what the startup files serve
+    config_sha256: str
+    hub_id: str | None  # the hub model its config.json names, used only for registry names
+
+
 class _RunHead(Record):
     """The fields every report.json starts with, succeeded or failed, in this order."""
 
@@ -301,6 +309,7 @@ class _RunHead(Record):
     provenance: Provenance  # what every figure the engine (or its emulator) produced is
     model: str
     model_arg: str
+    model_folder: ModelFolder | None = None  # a registry model's report.json has no such key
     card_gib: int
     card_source: str
     device_kind: str  # "cpu": --card is a memory budget, not a device
@@ -318,10 +327,12 @@ class _RunHead(Record):
 
     @model_serializer(mode="wrap")
     def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A single-node run's report.json has no `cluster` key at all (not a null)."""
+        """A single-node run's report.json has no `cluster` key at all (not a null), a
+        registry model's no `model_folder`."""
         data: dict[str, Any] = handler(self)
-        if getattr(self, "cluster", None) is None:
-            data.pop("cluster", None)
+        for key in ("cluster", "model_folder"):
+            if getattr(self, key, None) is None:
+                data.pop(key, None)
         return data
 
 

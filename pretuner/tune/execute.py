@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
@@ -27,14 +28,15 @@ from pretuner.engines.outcome import (
     workload,
 )
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.errors import PretunerError, ServerFailedError
+from pretuner.errors import CardBusyError, PretunerError, ServerFailedError
 from pretuner.files import write_atomic
 from pretuner.launch import probe
 from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
-from pretuner.tune.busy import device_busy
+from pretuner.procgroups import group_members, proc_available
+from pretuner.tune.busy import Tenants, device_busy
 from pretuner.tune.record import RunRecord
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,9 @@ class LaunchContext:
     # V1 engines exercise and judge their launches their own way (no pool dump: the device
     # peak is the measurement). None: the r0.1 engine's pool-dump rules below.
     hooks: V1Hooks | None = None
+    # False: a --serve-cmd wrapper (a container, srun) may start the server outside pretuner's
+    # process group, where its processes cannot be told from another tenant's during a launch.
+    server_in_group: bool = True
 
 
 class _OomSeen(Exception):
@@ -75,9 +80,11 @@ def free_port(host: str) -> int:
 
 
 def run_launch(
-    n: int, settings: LaunchSettings, ctx: LaunchContext, record: RunRecord, phase: Phase
+    n: int, settings: LaunchSettings, ctx: LaunchContext, record: RunRecord, phase: Phase,
+    tenants: Tenants | None = None,
 ) -> LaunchOutcome:
-    """Start, exercise, stop and scan one server; fatal surprises raise ServerFailedError."""
+    """Start, exercise, stop and scan one server; fatal surprises raise ServerFailedError, a
+    process that came on the device during the load CardBusyError (`tenants`)."""
     t0 = time.monotonic()
     folder = record.launch_dir(n)
     port = free_port(ctx.host)
@@ -130,6 +137,10 @@ def run_launch(
                 ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
                        else _exercise(settings, ctx, base, phase))
             request_s = time.monotonic() - r0
+            if tenants is not None and _sees_own_tree(ctx):
+                members = set(group_members(proc.pid))
+                tenants.check(f"during launch {n}'s load", ours=lambda pid: pid in members
+                              or not Path(f"/proc/{pid}").exists())
             with contextlib.suppress(_OomSeen):
                 check()
         except _OomSeen:
@@ -175,6 +186,16 @@ def run_launch(
     return with_samples(outcome, sampled)
 
 
+def _sees_own_tree(ctx: LaunchContext) -> bool:
+    """Whether the device's process list can be told apart from the launch's own server while
+    it runs: its processes are its process group (a pid this machine's /proc does not show,
+    as in a container, may be it). A wrapper's engine, a Ray cluster's ranks and the emulated
+    r0.1 server's ranks (pids it makes up) are outside that: there the device is looked at
+    between launches only."""
+    return (ctx.hooks is not None and ctx.server_in_group and ctx.collector is None
+            and proc_available())
+
+
 def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
     """The outcome with what the device sampler saw."""
     return replace(outcome, device_peaks_mib=sampled.peaks_mib, device_reader=sampled.reader,
@@ -207,6 +228,7 @@ def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Ex
     """Run launches for real, journaling each; on --resume, replay the finished ones."""
     done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
     counter = {"n": 0}
+    tenants = Tenants(ctx.device_reader)
 
     def execute(settings: LaunchSettings) -> LaunchOutcome:
         counter["n"] += 1
@@ -214,8 +236,16 @@ def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Ex
         if n <= len(done) and done[n - 1].settings == settings:
             phase("replay", f"launch {n} finished in the earlier session: {done[n - 1].kind.value}")
             return done[n - 1]
+        tenants.check(f"before launch {n}")
         record.append("launch_started", n=n, settings=settings.to_json())
-        outcome = run_launch(n, settings, ctx, record, phase)
+        try:
+            outcome = run_launch(n, settings, ctx, record, phase, tenants)
+        except CardBusyError:
+            raise
+        except PretunerError:
+            tenants.check(f"after launch {n}")  # a failure beside another process: its doing
+            raise
+        tenants.check(f"after launch {n}")
         record.append("launch", n=n, outcome=outcome.to_json())
         return outcome
 

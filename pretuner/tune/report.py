@@ -23,7 +23,7 @@ from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.launch.command import deployed_port, wrapped
-from pretuner.models import local_model_path, resolve
+from pretuner.models import folder_identity, local_model_path, resolve
 from pretuner.plan.layout import PlanResult
 from pretuner.redact import one_line, redact_argv
 from pretuner.report.html.page import refresh_run_page
@@ -127,7 +127,9 @@ def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision]
     """The fields a success and a failure report share, on any engine; `layout` names the
     model, card_gib, tp, pp, nodes, weights_format and kv_bytes_per_token."""
     said = {k: v for k, v in asdict(meta).items() if k != "asked_max_model_len"}
-    return {**said, "pretuner_version": __version__, "provenance": provenance(meta.simulated),
+    folder = folder_identity(meta.model_arg)
+    return {**said, "model_folder": asdict(folder) if folder else None,
+            "pretuner_version": __version__, "provenance": provenance(meta.simulated),
             "validated": validated, "launches": len(steps), "steps": list(steps),
             "decisions": list(decisions), "retune_command": list(meta.retune_command), **layout}
 
@@ -261,6 +263,10 @@ def _run_lines(rep: AnyReport) -> list[str]:
         f"- model: {rep.model} ({rep.weights_format}, `{one_line(rep.model_arg)}`), "
         f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s), {device_words(rep)}",
     ]
+    if (f := rep.model_folder) is not None:
+        named = f"; its config.json names {f.hub_id}" if f.hub_id else ""
+        lines.append(f"- model folder: `{one_line(f.path)}`, config.json sha256 "
+                     f"{f.config_sha256}{named} (served by this path, never by a hub id)")
     if rep.cluster is not None:
         c = rep.cluster
         nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])

@@ -132,4 +132,4 @@ def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: st
         build=build, served_name=spec.name, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
         request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
         decode_tokens=decode_tokens, device_reader=reader, hooks=hooks,
-        vocab_size=spec.vocab_size)
+        vocab_size=spec.vocab_size, server_in_group=not engine.serve_cmd)

@@ -5,9 +5,10 @@ from outliving pretuner.
 The parent-death guard (Linux `PR_SET_PDEATHSIG`) makes the kernel signal the server when
 pretuner dies, even by SIGKILL. It covers the process pretuner starts; a wrapper that starts
 the real server as its own child (r0.1's launcher) must set it again for that child, which
-pretuner's emulated launcher does and the real one does not. The pid file is the net under
-both: written next to the launch's log while the group lives, it lets the next run name a
-survivor and `--resume` stop its own.
+pretuner's emulated launcher does and the real one does not. `launch.watchdog` kills the rest of
+the tree (a group member, a process that left the group) when pretuner dies. The pid file is the
+net under all three: written next to the launch's log while the group lives, it lets the next
+run name a survivor and `--resume` stop its own.
 """
 
 from __future__ import annotations

@@ -5,13 +5,17 @@ folder whatever its name."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,9 +23,12 @@ import pytest
 from pretuner.engines.base import LaunchSettings, Purpose, Target
 from pretuner.engines.mindspore_r01 import R01Engine
 from pretuner.engines.vllm_v1 import ROWS, V1Engine
+from pretuner.launch import probe
 from pretuner.launch.process import ServerProcess
+from pretuner.procgroups import KILL_WAIT_S, PID_FILE, TREE_VAR, live_servers, write_pid_file
 from pretuner.sim.argv import server_parser
-from tests.helpers import cli_env, wait_for
+from pretuner.tune.record import stop_own_orphans
+from tests.helpers import cli_env, default_sigint, wait_for
 
 SETTINGS = LaunchSettings(Purpose.VALIDATE, card_gib=80, util=0.9, model_use_gib=0,
                           max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=8192,
@@ -67,18 +74,23 @@ def marked(mark: str) -> list[int]:
     return [pid for pid in found if alive(pid) and pid != os.getpid()]
 
 
-def survivors(record: Path, mark: str, within_s: float = GONE_WITHIN_S) -> list[int]:
-    """The tree's processes (recorded pids, and the /proc scan) still alive after `within_s`."""
+def survivors(record: Path, mark: str, within_s: float = GONE_WITHIN_S) -> list[str]:
+    """The tree's processes (recorded pids, and the /proc scan) still alive after `within_s`,
+    as "pid: command line"."""
     deadline = time.monotonic() + within_s
     while True:
         recorded = [int(p) for p in record.read_text().split()] if record.exists() else []
         left = sorted({p for p in recorded if alive(p)} | set(marked(mark)))
         if not left or time.monotonic() > deadline:
-            for pid in left:  # a failing test leaves nothing behind either
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            return left
+            break
         time.sleep(0.1)
+    named = []
+    for pid in left:  # named, then killed: a failing test leaves nothing behind either
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            named.append(f"{pid}: {command.decode(errors='replace')[:300]}")
+            os.kill(pid, signal.SIGKILL)
+    return named
 
 
 def tree_env(tmp_path: Path) -> tuple[dict[str, str], Path, str]:
@@ -159,3 +171,96 @@ def test_sigkill_of_a_run_during_the_load_leaves_no_process_of_a_wrapped_server(
                 pt.kill()
     assert survivors(record, mark) == [], stderr.read_text()
     assert all(not alive(p) for p in tree)
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_load_stops_the_server_at_once_not_after_the_stop_grace(
+        tmp_path: Path) -> None:
+    # Seen on real vLLM: on Ctrl-C pretuner's own requests were still open, the server's
+    # graceful stop waited for them ("Waiting for connections to close") and pretuner for the
+    # whole --stop-grace (120 s). The emulated server waits as uvicorn does; pretuner cuts its
+    # requests before the SIGTERM.
+    out = tmp_path / "run"
+    stderr = tmp_path / "stderr.txt"
+    env = cli_env(PRETUNER_SIM_TIME_SCALE="3")  # a load of about 30 s, interrupted early
+    with open(stderr, "w") as err:
+        pt = subprocess.Popen(
+            [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--engine", "vllm",
+             "--emulate", "--card", "80", "--max-model-len", "8192", "--out", str(out)],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+            preexec_fn=default_sigint)
+        try:
+            wait_for(stderr, " concurrent requests of ")
+            time.sleep(2.0)  # the requests sent, the server busy with them
+            interrupted = time.monotonic()
+            pt.send_signal(signal.SIGINT)
+            code = pt.wait(timeout=150)
+            took = time.monotonic() - interrupted
+        finally:
+            if pt.poll() is None:
+                pt.kill()
+    assert code == 130, stderr.read_text()
+    assert took < 20.0, f"Ctrl-C took {took:.1f} s (the stop grace is 120 s)"
+    log = max(out.glob("launch-*/server.log")).read_text()
+    assert "[shutdown]" in log  # a graceful stop, not a kill...
+    assert "Waiting for connections to close" not in log  # ...with none of pretuner's left open
+
+
+class _Hold(BaseHTTPRequestHandler):
+    """Reads a request and never answers: a server still busy with it."""
+
+    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.held.set()  # type: ignore[attr-defined]
+        while self.rfile.read(1):  # until the client closes its end
+            pass
+
+
+def test_the_end_of_a_servers_request_scope_cuts_its_open_requests_in_every_thread() -> None:
+    # The rule under the Ctrl-C fix: leaving `probe.bearer` (as Ctrl-C does) ends the requests
+    # sent from within, also those of load threads, and starts no new one.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hold)
+    server.held = threading.Event()  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    outcomes: list[probe.CompletionOutcome | None] = []
+    try:
+        with probe.bearer(base, None):
+            calls = [functools.partial(probe.complete, base, "m", [1], 1, 60.0)] * 2
+            sender = threading.Thread(target=contextvars.copy_context().run, args=(
+                lambda: outcomes.extend(probe.send_all(calls, 60.0, name="t", workers=1)),))
+            sender.start()
+            assert server.held.wait(10)  # type: ignore[attr-defined]
+            started = time.monotonic()
+        sender.join(10)
+        assert time.monotonic() - started < 5.0
+        assert not sender.is_alive()
+        assert [o.ok if o else None for o in outcomes] == [False, False]  # cut, then refused
+        assert all(o and o.status == 0 for o in outcomes)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_resume_stops_a_process_of_a_recorded_tree_that_left_its_group(tmp_path: Path) -> None:
+    # The net under the watchdog (killed with pretuner, say): server.pid records the launch's
+    # mark, and --resume finds and stops a process of the tree outside the group.
+    token = uuid.uuid4().hex
+    escaped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                               env={**os.environ, TREE_VAR: token}, start_new_session=True)
+    try:
+        gone = subprocess.run(["true"], check=True)  # noqa: S607 - a pid whose group is gone
+        launch = tmp_path / "launch-1"
+        launch.mkdir()
+        write_pid_file(launch / PID_FILE, os.getpid() + 10**6, 10**6 + 1, ["vllm"],
+                       time.time(), token)
+        assert gone.returncode == 0
+        (found,) = live_servers(tmp_path)
+        said: list[str] = []
+        stop_own_orphans(tmp_path, 1.0, said.append)
+        assert escaped.wait(timeout=KILL_WAIT_S) == -signal.SIGKILL
+        assert not (launch / PID_FILE).exists()
+        assert found.tree == token
+    finally:
+        if escaped.poll() is None:
+            escaped.kill()

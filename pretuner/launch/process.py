@@ -9,7 +9,8 @@ gets its own SIGTERM and shuts down cleanly. So `stop` signals the whole group a
 waits for every member, not only the process we started.
 
 The server runs in a new session, so a Ctrl-C in the terminal reaches pretuner only; pretuner
-then stops the group itself (context manager, `atexit`, `install_signal_handlers`).
+then stops the group itself (context manager, `atexit`, `install_signal_handlers`), and a
+`launch.watchdog` ends the whole tree when pretuner cannot (SIGKILL).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ class ServerProcess:
         started = time.monotonic()
         proc = cls(popen, log_path, started, watchdog)
         watchdog.guard(proc.pgid)
-        write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time())
+        write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time(), watchdog.token)
         with _live_lock:
             _live.add(proc)
         log.info("started server pid %d (log %s): %s", popen.pid, log_path,

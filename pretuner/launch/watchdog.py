@@ -1,4 +1,5 @@
-"""`python -m pretuner.launch.watchdog FD TOKEN`: kill a server's whole tree once pretuner dies.
+"""`python -m pretuner.launch.watchdog FD TOKEN PID`: kill a server's whole tree once pretuner
+dies.
 
 Why a process of its own: `PR_SET_PDEATHSIG` reaches only the process pretuner starts, and a
 process group only the processes that stay in it. Real vLLM's EngineCore, Worker and
@@ -19,43 +20,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-from pretuner.procgroups import KILL_WAIT_S, POLL_S, group_members
-
-TREE_VAR = "PRETUNER_TREE"  # pretuner's own mark on a launch's processes, never an engine's
-
-
-def carriers(token: str) -> list[int]:
-    """Pids of the live processes whose environment holds `TREE_VAR=token` (zombies have none)."""
-    mark = f"\0{TREE_VAR}={token}\0".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):  # gone, or another user's
-            if mark in b"\0" + Path(f"/proc/{entry}/environ").read_bytes():
-                found.append(int(entry))
-    return found
-
-
-def sweep(token: str, pgids: set[int]) -> list[int]:
-    """SIGKILL the tree until none of it is left (or KILL_WAIT_S passed); the pids killed."""
-    killed: list[int] = []
-    deadline = time.monotonic() + KILL_WAIT_S
-    while time.monotonic() < deadline:
-        pids = set(carriers(token)).union(*(group_members(g) for g in pgids))
-        if not pids:
-            break
-        for pid in pids - set(killed):
-            killed.append(pid)
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(POLL_S)
-    return killed
+from pretuner.procgroups import KILL_WAIT_S, TREE_VAR, kill_tree
 
 
 class Watchdog:
@@ -73,7 +41,8 @@ class Watchdog:
         try:
             with open(log_path, "ab") as log_file:
                 self._popen: subprocess.Popen[bytes] | None = subprocess.Popen(
-                    [sys.executable, "-m", "pretuner.launch.watchdog", str(read), self.token],
+                    [sys.executable, "-m", "pretuner.launch.watchdog", str(read), self.token,
+                     str(os.getpid())],
                     env=env, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                     pass_fds=(read,), start_new_session=True)
         except OSError:
@@ -96,18 +65,17 @@ class Watchdog:
 
 
 def main(argv: list[str]) -> None:
-    read, token = int(argv[0]), argv[1]
+    read, token, pretuner = int(argv[0]), argv[1], int(argv[2])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # only end of file ends it
-    parent = os.getppid()
     received = b""
     with os.fdopen(read, "rb", buffering=0) as pipe:
         while chunk := pipe.read(4096):
             received += chunk
     pgids = {int(word) for word in received.split()}
-    killed = sweep(token, pgids)
+    killed = kill_tree(token, pgids)
     if killed:
-        alive = os.getppid() == parent
+        alive = os.getppid() == pretuner  # else re-parented: pretuner is gone
         sys.stderr.write(f"pretuner watchdog: {'after the stop' if alive else 'pretuner died'}; "
                          f"killed pids {sorted(killed)} (token {token}, process groups "
                          f"{sorted(pgids)})\n")

@@ -45,6 +45,7 @@ from pretuner.errors import BadInputError, CardBusyError
 from pretuner.files import write_atomic
 from pretuner.procgroups import (
     ServerPid,
+    kill_tree,
     live_servers,
     remove_pid_file,
     still_running,
@@ -187,6 +188,7 @@ def stop_own_orphans(run_folder: Path, grace_s: float, say: Callable[[str], None
     for server in live_servers(run_folder):
         say(f"{server.describe()} was left running by the interrupted session; stopping it")
         graceful = stop_group(server.pgid, grace_s)
+        kill_tree(server.tree, {server.pgid})  # what left the group (a watchdog killed too)
         if still_running(server):
             raise CardBusyError(
                 f"{server.describe()} survives SIGKILL",

@@ -128,6 +128,7 @@ def test_sigkill_of_pretuner_leaves_no_process_of_the_servers_tree(tmp_path: Pat
     finally:
         if pt.poll() is None:
             pt.kill()
+            pt.wait()
     assert survivors(record, mark) == []
     said = (tmp_path / "launch-1" / "watchdog.log").read_text()
     assert "pretuner died" in said
@@ -169,6 +170,7 @@ def test_sigkill_of_a_run_during_the_load_leaves_no_process_of_a_wrapped_server(
         finally:
             if pt.poll() is None:
                 pt.kill()
+                pt.wait()
     assert survivors(record, mark) == [], stderr.read_text()
     assert all(not alive(p) for p in tree)
 
@@ -199,6 +201,7 @@ def test_ctrl_c_during_the_load_stops_the_server_at_once_not_after_the_stop_grac
         finally:
             if pt.poll() is None:
                 pt.kill()
+                pt.wait()
     assert code == 130, stderr.read_text()
     assert took < 20.0, f"Ctrl-C took {took:.1f} s (the stop grace is 120 s)"
     log = max(out.glob("launch-*/server.log")).read_text()

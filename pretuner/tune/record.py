@@ -6,7 +6,9 @@ Layout of a run folder:
   launch-<n>/command.json  the exact argv and environment (secrets redacted)
   launch-<n>/server.log    everything the server printed (one fresh log per attempt: an
                            interrupted attempt's folder is moved to launch-<n>.interrupted-<k>)
-  launch-<n>/server.pid    the server's pid and process group while it runs
+  launch-<n>/server.pid    the server's pid, process group and tree mark while it runs
+  launch-<n>/watchdog.log  the pids the launch's watchdog killed (pretuner died, or they had
+                           left the server's group)
   launch-<n>/scan.json     what the log scanner found
   report.md, report.json   the result, or why the run failed (a PretunerError)
   tuned.env, serve.sh      the tuned configuration (finished runs only)

@@ -196,16 +196,17 @@ def carriers(token: str) -> list[int]:
 
 
 def kill_tree(token: str, pgids: set[int]) -> list[int]:
-    """SIGKILL a launch's processes (`carriers(token)`, members of `pgids`) until none is left
-    or KILL_WAIT_S passed; the pids killed."""
+    """SIGKILL a launch's processes (`carriers(token)`, members of `pgids`) until a scan finds
+    none not killed yet (one forked meanwhile), or KILL_WAIT_S passed; the pids killed."""
     killed: list[int] = []
     deadline = time.monotonic() + KILL_WAIT_S
     while time.monotonic() < deadline:
-        pids = set(carriers(token)).union(*(group_members(g) for g in pgids))
-        if not pids:
+        # One killed may take seconds to exit (gigabytes to free): it needs no second signal.
+        new = set(carriers(token)).union(*(group_members(g) for g in pgids)) - set(killed)
+        if not new:
             break
-        killed += sorted(pids - set(killed))
-        for pid in pids:
+        killed += sorted(new)
+        for pid in new:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(POLL_S)

@@ -250,6 +250,7 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     again = run_cli("run", "--resume", str(out), "--json", env=cli_env(**FAST_SIM))
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in out.glob("launch-*")) == launches  # replayed, none run again
+    assert f"#{len(launches)} replay " in again.stderr  # each shown by its folder's number
     assert json.loads(again.stdout)["final"] == json.loads(first.stdout)["final"]
 
 

@@ -34,6 +34,7 @@ from pretuner.engines.base import (
     LaunchSettings,
     Target,
     api_key,
+    flag_words,
 )
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
@@ -313,7 +314,7 @@ class V1Engine:
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         argv = [*self.base_command(), target.model]
         argv += ["--host", target.host, "--port", str(target.port),
-                 "--served-model-name", target.served_name]
+                 *flag_words("--served-model-name", target.served_name)]
         flags = [f for f in self.deploy(settings).flags if f[0] not in PRODUCTION_FLAGS]
         argv += Deployment(tuple(flags), {}).argv()
         budget = self.budget_bytes(settings.card_gib)

@@ -6,7 +6,9 @@ Layout of a run folder:
   launch-<n>/command.json  the exact argv and environment (secrets redacted)
   launch-<n>/server.log    everything the server printed (one fresh log per attempt: an
                            interrupted attempt's folder is moved to launch-<n>.interrupted-<k>)
-  launch-<n>/server.pid    the server's pid and process group while it runs
+  launch-<n>/server.pid    the server's pid, process group and tree mark while it runs
+  launch-<n>/watchdog.log  the pids the launch's watchdog killed (pretuner died, or they had
+                           left the server's group)
   launch-<n>/scan.json     what the log scanner found
   report.md, report.json   the result, or why the run failed (a PretunerError)
   tuned.env, serve.sh      the tuned configuration (finished runs only)
@@ -45,6 +47,7 @@ from pretuner.errors import BadInputError, CardBusyError
 from pretuner.files import write_atomic
 from pretuner.procgroups import (
     ServerPid,
+    kill_tree,
     live_servers,
     remove_pid_file,
     still_running,
@@ -187,6 +190,7 @@ def stop_own_orphans(run_folder: Path, grace_s: float, say: Callable[[str], None
     for server in live_servers(run_folder):
         say(f"{server.describe()} was left running by the interrupted session; stopping it")
         graceful = stop_group(server.pgid, grace_s)
+        kill_tree(server.tree, {server.pgid})  # what left the group (a watchdog killed too)
         if still_running(server):
             raise CardBusyError(
                 f"{server.describe()} survives SIGKILL",

@@ -58,6 +58,8 @@ def _assert_clean(text: str, where: str = "") -> None:
         ("OPENAI_API_KEY", True), ("apikey", True), ("password", True), ("client_secret", True),
         ("AWS_SECRET_ACCESS_KEY", True), ("max-num-batched-tokens", False),
         ("tokenizer", False), ("ssl-keyfile", False), ("model", False), ("MAX_TOKENS", False),
+        ("prompt_token_ids", False), ("token_budgets", False), ("HF_TOKEN_PATH", False),
+        ("kv_bytes_per_token", False), ("eos_token", False), ("sort_keys", False),
     ],
 )  # fmt: skip
 def test_secret_names(name: str, secret: bool) -> None:

@@ -34,6 +34,7 @@ from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
+from pretuner.redact import redact_text
 from pretuner.tune.busy import device_busy
 from pretuner.tune.record import RunRecord
 
@@ -85,11 +86,9 @@ def run_launch(
     collector = (ctx.collector or LocalCollector)(folder, log_path)
     cmd = collector.prepare(ctx.build(settings, port))
     shown = cmd.redacted()  # the secrets of --serve-cmd and the environment never stored
-    (folder / "command.json").write_text(
+    (folder / "command.json").write_text(redact_text(
         json.dumps({"argv": shown.argv, "env": shown.env, "shell": shown.shell_line()}, indent=2)
-        + "\n",
-        encoding="utf-8",
-    )
+        + "\n"), encoding="utf-8")
     seen: list[OomKind] = []
     free: list[int] = []
 
@@ -164,7 +163,8 @@ def run_launch(
         return with_samples(outcome, sampled)
     phase("scan", collector.where())
     collected = collector.collect()
-    (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
+    (folder / "scan.json").write_text(redact_text(json.dumps(collected.doc, indent=2)) + "\n",
+                                      "utf-8")
     outcome = outcome_of(
         n, settings, collected.scan, ran, failure=failure, graceful=stop.graceful,
         init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,

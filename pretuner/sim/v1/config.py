@@ -25,7 +25,7 @@ KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variab
 }
 ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
 NON_DEFAULT_ORDER = (
-    "host", "port", "model", "max_model_len", "served_model_name", "load_format", "seed",
+    "host", "port", "api_key", "model", "max_model_len", "served_model_name", "load_format", "seed",
     "enforce_eager", "tensor_parallel_size", "quantization", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb",
     "kv_cache_dtype", "max_num_batched_tokens", "max_num_seqs", "limit_mm_per_prompt",

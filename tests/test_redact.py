@@ -179,7 +179,7 @@ def _files_text(folder: Path) -> str:
     return "".join(
         p.read_text(errors="replace")
         for p in folder.rglob("*")
-        if p.is_file() and p.name != "server.log"  # what the server itself printed
+        if p.is_file()  # server.log too: the server logs its own --api-key, scrubbed at the end
     )
 
 

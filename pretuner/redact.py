@@ -41,8 +41,11 @@ _INNER = re.compile(r"(?:^|,)([A-Za-z_][A-Za-z0-9_]*)=")
 # ['K']}` and `args: Namespace(api_key='K')`.
 _REPR_ITEM = re.compile(
     r"""(['"]?)(\w[\w-]*)\1([ \t]*[:=][ \t]*)(\[[^]]*]|'[^'\n]*'|"[^"\n]*")""")
+# A YAML line with a bare value (`api-key: K` of a `vllm serve --config` file, quoted in an error).
+_YAML_ITEM = re.compile(
+    r"""^([ \t]*(?:-[ \t]+)?)([\w-]+)([ \t]*:[ \t]+)([^\s'"\[$#<][^\n]*)$""", re.M)
 # Secrets by their shape, whatever names them: a Hugging Face token and an HTTP bearer credential.
-_SHAPES = re.compile(r"\bhf_[A-Za-z0-9]{8,}|(?<=\b(?i:bearer) )[A-Za-z0-9._~+/=-]+")
+_SHAPES = re.compile(r"\bhf_[A-Za-z0-9]{8,}|(?<=\bBearer )[A-Za-z0-9._~+/=-]{8,}")
 # A value shorter than this is not looked for in free text (`SOME_TOKEN=1` must not hide every
 # "1"); its flag or name still hides it where it is given.
 MIN_KNOWN_CHARS = 6
@@ -123,11 +126,14 @@ def redact_argv(argv: list[str]) -> list[str]:
 def redact_text(text: str) -> str:
     """Free text as it may be written or printed (a quoted log, an error, a file): every value
     this process knows as a secret, the value of a secret-named argument in a Python repr
-    (vLLM's `non-default args: {'api_key': ['K']}`, `args: Namespace(api_key='K')`), a
-    Hugging Face token and a bearer credential become `<redacted>`."""
+    (vLLM's `non-default args: {'api_key': ['K']}`, `args: Namespace(api_key='K')`) or of a
+    YAML line (`api-key: K`), a Hugging Face token and a bearer credential become
+    `<redacted>`."""
     for value in sorted(_known, key=len, reverse=True):  # a secret inside a longer one
         text = text.replace(value, REDACTED)
     text = _REPR_ITEM.sub(_redact_item, text)
+    text = _YAML_ITEM.sub(lambda m: m[1] + m[2] + m[3] + REDACTED if is_secret_name(m[2])
+                          else m[0], text)
     return _SHAPES.sub(REDACTED, text)
 
 

@@ -45,6 +45,11 @@ CANARY = "CANARY-5e3b1f7a"  # every secret below starts with it: one grep finds 
     pytest.param("{'hf_token': \"T0\", 'api-key': 'K0', 'max_num_batched_tokens': '8'}",
                  f"{{'hf_token': \"{REDACTED}\", 'api-key': '{REDACTED}', "
                  "'max_num_batched_tokens': '8'}", id="repr-names"),
+    pytest.param(f"model: m\napi-key: {CANARY}\n  - hf_token: {CANARY} # x\nmax-model-len: 8",
+                 f"model: m\napi-key: {REDACTED}\n  - hf_token: {REDACTED}\nmax-model-len: 8",
+                 id="yaml-lines"),
+    pytest.param("requests send it as a bearer token; Bearer tokens expire",
+                 "requests send it as a bearer token; Bearer tokens expire", id="bearer-prose"),
     # a variable serve.sh reads a secret from is no secret
     pytest.param('--api-key "$PRETUNER_SERVE_API_KEY" -H "Authorization: Bearer $VLLM_API_KEY"',
                  '--api-key "$PRETUNER_SERVE_API_KEY" -H "Authorization: Bearer $VLLM_API_KEY"',

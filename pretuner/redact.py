@@ -40,12 +40,14 @@ _INNER = re.compile(r"(?:^|,)([A-Za-z_][A-Za-z0-9_]*)=")
 # A quoted value (or list) in a Python repr a server logs: vLLM's `non-default args: {'api_key':
 # ['K']}` and `args: Namespace(api_key='K')`.
 _REPR_ITEM = re.compile(
-    r"""(['"]?)(\w[\w-]*)\1([ \t]*[:=][ \t]*)(\[[^]]*]|'[^'\n]*'|"[^"\n]*")""")
+    r"""(['"]?)(?<![\w-])(\w[\w-]*)\1([ \t]*[:=][ \t]*)(\[[^]\n]*]|'[^'\n]*'|"[^"\n]*")""")
 # A YAML line with a bare value (`api-key: K` of a `vllm serve --config` file, quoted in an error).
 _YAML_ITEM = re.compile(
     r"""^([ \t]*(?:-[ \t]+)?)([\w-]+)([ \t]*:[ \t]+)([^\s'"\[$#<][^\n]*)$""", re.M)
 # Secrets by their shape, whatever names them: a Hugging Face token and an HTTP bearer credential.
 _SHAPES = re.compile(r"\bhf_[A-Za-z0-9]{8,}|(?<=\bBearer )[A-Za-z0-9._~+/=-]{8,}")
+_TRIGGERS = tuple(f(w) for w in ("key", "token", "secret", "passw", "credential", "hf_", "bearer")
+                  for f in (str.lower, str.capitalize, str.upper))
 # A value shorter than this is not looked for in free text (`SOME_TOKEN=1` must not hide every
 # "1"); its flag or name still hides it where it is given.
 MIN_KNOWN_CHARS = 6
@@ -131,10 +133,28 @@ def redact_text(text: str) -> str:
     `<redacted>`."""
     for value in sorted(_known, key=len, reverse=True):  # a secret inside a longer one
         text = text.replace(value, REDACTED)
-    text = _REPR_ITEM.sub(_redact_item, text)
-    text = _YAML_ITEM.sub(lambda m: m[1] + m[2] + m[3] + REDACTED if is_secret_name(m[2])
-                          else m[0], text)
-    return _SHAPES.sub(REDACTED, text)
+    # The patterns run only on the lines that hold a word they look for: found with str.find,
+    # a scrub of a GiB log stays near disk speed (the patterns alone take seconds a MiB).
+    lines = set()
+    for word in _TRIGGERS:
+        at = text.find(word)
+        while at >= 0:
+            start, end = text.rfind("\n", 0, at) + 1, text.find("\n", at)
+            lines.add((start, len(text) if end < 0 else end))
+            at = -1 if end < 0 else text.find(word, end)
+    out, done = [], 0
+    for start, end in sorted(lines):
+        out += [text[done:start], _redact_line(text[start:end])]
+        done = end
+    return "".join(out) + text[done:]
+
+
+def _redact_line(line: str) -> str:
+    line = _REPR_ITEM.sub(_redact_item, line)
+    if ": " in line or ":\t" in line:
+        line = _YAML_ITEM.sub(lambda m: m[1] + m[2] + m[3] + REDACTED if is_secret_name(m[2])
+                              else m[0], line)
+    return _SHAPES.sub(REDACTED, line) if "hf_" in line or "Bearer " in line else line
 
 
 def _redact_item(m: re.Match[str]) -> str:

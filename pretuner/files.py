@@ -1,5 +1,6 @@
-"""Atomic, never-overwriting file writes: a crash never leaves half a file, and nothing a user
-made is replaced; and bounded reads of the files a user hands in."""
+"""Atomic, never-overwriting file writes: a crash never leaves half a file, nothing a user
+made is replaced, and no secret is written (pretuner.redact.redact_text); and bounded reads
+of the files a user hands in."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ import contextlib
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from pretuner.errors import BadInputError
+from pretuner.redact import redact_text
 
 
 def write_atomic(path: Path, text: str, *, executable: bool = False,
                  overwrite: bool = False) -> Path:
     """Write `text` to `path` via a temp file in the same folder, fsync, then link or replace;
     without `overwrite`, an existing file is an error."""
-    path = Path(path)
+    path, text = Path(path), redact_text(text)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise BadInputError(f"folder {str(folder)!r} does not exist", hint="create it first")
@@ -98,3 +101,25 @@ def check_expanded(data: Any, path: Path) -> None:
             stack += [(part, depth + 1) for pair in item.items() for part in pair]
         elif isinstance(item, list):
             stack += [(part, depth + 1) for part in item]
+
+def scrub(path: Path) -> bool:
+    """Rewrite a file pretuner's server wrote (its log) with every secret redacted, a MiB of
+    lines at a time and atomically; untouched when it holds none. Whether it was rewritten."""
+    def batches(src: TextIO) -> Iterator[str]:
+        while lines := src.readlines(1 << 20):
+            yield "".join(lines)
+
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as src:
+        if all(redact_text(text) == text for text in batches(src)):
+            return False
+        src.seek(0)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as out:
+                out.writelines(redact_text(text) for text in batches(src))
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return True

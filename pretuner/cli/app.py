@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ from typer.core import TyperGroup
 from pretuner import __version__
 from pretuner.cli.render import echo_json
 from pretuner.errors import ExitCode, PretunerError, RunInterrupted
+from pretuner.redact import redact_text, remember_secrets
 
 
 class Group(TyperGroup):
@@ -135,10 +138,39 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
     return moved + head + rest
 
 
+class Redacting:
+    """stdout or stderr with every write through pretuner.redact (results, errors, logging)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact_text(text))
+        return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code
-    (`argv`, sys.argv[1:] when not given, lets the tests run this very boundary in-process)."""
+    (`argv`, sys.argv[1:] when not given, lets the tests run this very boundary in-process);
+    no secret of its command line or environment is printed."""
     args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
+    remember_secrets(args, os.environ)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Redacting(out), Redacting(err)
+    try:
+        _main(args)
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(args: list[str]) -> None:
     try:
         code = app(args=args, prog_name="pretuner", standalone_mode=False)
     except RunInterrupted as err:

@@ -41,7 +41,7 @@ from pretuner.procgroups import (
     stop_group,
     write_pid_file,
 )
-from pretuner.redact import redact_argv, redact_log_text
+from pretuner.redact import redact_argv, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
     lines = data.decode("utf-8", errors="replace").replace("\r", "").splitlines()
     if start > 0 and lines:
         lines = lines[1:]  # the first line is cut
-    return redact_log_text("\n".join(lines[-n_lines:]))  # quoted in reports: no secret
+    return redact_text("\n".join(lines[-n_lines:]))  # quoted in reports: no secret
 
 
 def stop_all(grace_s: float = _ATEXIT_GRACE_S) -> None:

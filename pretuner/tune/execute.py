@@ -36,6 +36,7 @@ from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
 from pretuner.procgroups import group_members, proc_available
+from pretuner.redact import redact_text
 from pretuner.tune.busy import Tenants, device_busy
 from pretuner.tune.record import RunRecord
 
@@ -92,11 +93,9 @@ def run_launch(
     collector = (ctx.collector or LocalCollector)(folder, log_path)
     cmd = collector.prepare(ctx.build(settings, port))
     shown = cmd.redacted()  # the secrets of --serve-cmd and the environment never stored
-    (folder / "command.json").write_text(
+    (folder / "command.json").write_text(redact_text(
         json.dumps({"argv": shown.argv, "env": shown.env, "shell": shown.shell_line()}, indent=2)
-        + "\n",
-        encoding="utf-8",
-    )
+        + "\n"), encoding="utf-8")
     seen: list[OomKind] = []
     free: list[int] = []
 
@@ -175,7 +174,8 @@ def run_launch(
         return with_samples(outcome, sampled)
     phase("scan", collector.where())
     collected = collector.collect()
-    (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
+    (folder / "scan.json").write_text(redact_text(json.dumps(collected.doc, indent=2)) + "\n",
+                                      "utf-8")
     outcome = outcome_of(
         n, settings, collected.scan, ran, failure=failure, graceful=stop.graceful,
         init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,

@@ -53,7 +53,7 @@ from pretuner.procgroups import (
     still_running,
     stop_group,
 )
-from pretuner.redact import redact_options, restore_command_text
+from pretuner.redact import redact_options, redact_text, restore_command_text
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class RunRecord:
         entry = {"event": event, "time": time.time(), **data}
         try:
             with open(self.path / JOURNAL, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(entry, sort_keys=True) + "\n")
+                fh.write(redact_text(json.dumps(entry, sort_keys=True)) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as err:

@@ -59,8 +59,10 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
     assert rep["engine"] == "vllm"
     assert rep["launches"] <= 3
     kv = rep["derivation"]["kv_cache_memory_bytes"]
-    assert 59 * GIB <= kv < 61 * GIB  # the real card: 60 GiB fits, 61 GiB dies at start-up
-    assert rep["final"]["kv_tokens"] >= 1.08 * UTIL_090_TOKENS
+    # The real card: 60 GiB served the max-length load, 61 GiB dies at start-up; the proof's
+    # 1024-wide short burst needs about 1.1 GiB more beside the KV (emulated: test_burst.py).
+    assert 58 * GIB <= kv < 60 * GIB
+    assert rep["final"]["kv_tokens"] >= 1.06 * UTIL_090_TOKENS
     assert rep["derivation"]["baseline"]["kv_tokens"] is not None
     for step in rep["steps"]:  # every launch carries its sampled peaks
         assert step["device_reader"] == "emulated", step

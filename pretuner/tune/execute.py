@@ -23,6 +23,7 @@ from pretuner.engines.outcome import (
     Exercised,
     LaunchOutcome,
     probe_one,
+    short_burst,
     tally,
     workload,
 )
@@ -193,14 +194,16 @@ def _describe(s: LaunchSettings) -> str:
 
 
 def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:
-    """The pre-run's one max-length request, or the validation's full concurrent load."""
+    """The pre-run's one max-length request, or the validation: max-num-seqs concurrent
+    max-length requests (the KV cache is sized to hold them), then the wide short burst."""
     if s.purpose is Purpose.PRERUN:
         return probe_one(s, ctx, base, phase)
     count, plen, gen = workload(s, ctx.decode_tokens)
     phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
-    return tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
-                            ctx.request_timeout_s, ctx.vocab_size,
-                            on_done=requests_status(phase)).outcomes, plen)
+    ran = tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
+                           ctx.request_timeout_s, ctx.vocab_size,
+                           on_done=requests_status(phase)).outcomes, plen)
+    return ran if ran.ok < ran.total else short_burst(s, ctx, base, phase, None, ran)
 
 
 def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:

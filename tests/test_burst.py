@@ -40,11 +40,13 @@ def shape(seqs: int = 1024, batched: int = 8192, mml: int = 32768, block: int = 
     return LaunchSettings(Purpose.VALIDATE, 80, 0.9, 0, mml, seqs, batched, block, 1)
 
 
-@pytest.mark.parametrize(("s", "kv_tokens", "decode", "expected", "rule"), [
+@pytest.mark.parametrize(("s", "kv_tokens", "out", "expected", "rule"), [
+    (shape(), 434_592, 128, Burst(1024, 128, 128),
+     "the H100 default: 1024 wide, 128 + 128 tokens; the prefill of all takes 16 steps"),
     (shape(), 434_592, 16, Burst(1024, 128, 32),
-     "the H100 default: 1024 wide; 16 prefill steps of 8192 tokens, so 32 tokens out"),
+     "16 prefill steps of 8192 tokens: at least 32 tokens out, so that all decode together"),
     (shape(seqs=256), 434_592, 16, Burst(256, 128, 16),
-     "prefill in 4 steps: the validation's 16 decode tokens already overlap it twice"),
+     "prefill in 4 steps: 16 tokens out already overlap it twice"),
     (shape(seqs=1024, batched=1024), None, 16, Burst(1024, 128, 256),
      "a small step budget: 128 prefill steps, 256 tokens out so that all decode together"),
     (shape(seqs=512, batched=256), None, 16, Burst(256, 128, 256),
@@ -58,21 +60,21 @@ def shape(seqs: int = 1024, batched: int = 8192, mml: int = 32768, block: int = 
     (shape(seqs=8, mml=64), None, 16, Burst(8, 32, 16),
      "max_model_len 64: each request fits in it"),
 ])
-def test_burst_sizing_rule(s: LaunchSettings, kv_tokens: int | None, decode: int,
+def test_burst_sizing_rule(s: LaunchSettings, kv_tokens: int | None, out: int,
                            expected: Burst, rule: str) -> None:
-    assert burst_shape(s, kv_tokens, decode) == expected, rule
+    assert burst_shape(s, kv_tokens, out) == expected, rule
 
 
 @given(seqs=st.integers(1, 4096), batched=st.integers(1, 65536),
        mml=st.integers(16, 262144), block=st.sampled_from([8, 16, 32, 64, 128]),
-       kv_tokens=st.none() | st.integers(0, 2_000_000), decode=st.integers(1, 64))
+       kv_tokens=st.none() | st.integers(0, 2_000_000), out=st.integers(1, 256))
 def test_a_burst_always_runs_at_once(seqs: int, batched: int, mml: int, block: int,
-                                     kv_tokens: int | None, decode: int) -> None:
+                                     kv_tokens: int | None, out: int) -> None:
     """Whatever the shape: every request fits max_model_len and its share of the KV cache in
     whole blocks (none is preempted), the batch is as wide as max-num-seqs unless the step
     budget or the blocks forbid it, and the output outlasts the prefill where room allows."""
     s = shape(seqs, batched, mml, block)
-    b = burst_shape(s, kv_tokens, decode)
+    b = burst_shape(s, kv_tokens, out)
     assert min(b.requests, b.prompt_len, b.max_tokens) >= 1
     assert b.prompt_len + b.max_tokens <= mml
     assert b.prompt_len <= BURST_PROMPT_TOKENS
@@ -86,7 +88,7 @@ def test_a_burst_always_runs_at_once(seqs: int, batched: int, mml: int, block: i
     assert b.requests * each <= blocks
     steps = -(-b.requests * b.prompt_len // batched)
     room = min(mml, blocks // b.requests * block)
-    assert b.max_tokens >= min(room - b.prompt_len, max(decode, 2 * steps))
+    assert b.max_tokens >= min(room - b.prompt_len, max(out, 2 * steps))
 
 
 def test_peak_phase_is_the_first_phase_to_reach_the_peak() -> None:
@@ -102,7 +104,7 @@ def _burst_run(seqs: int) -> InprocRun:
     argv = ["qwen3-8b", "--max-model-len", "32768", "--max-num-seqs", str(seqs),
             "--max-num-batched-tokens", "8192", "--kv-cache-memory-bytes", str(UNBURST_KV)]
     return inproc.run(argv, H100_ENV, [32752] * 13, 16, first=32752,
-                      burst=(TextRequest(128, 32),) * seqs)
+                      burst=(TextRequest(128, 128),) * seqs)
 
 
 def test_the_emulated_engine_runs_out_of_memory_in_a_burst_too_wide_for_the_headroom() -> None:

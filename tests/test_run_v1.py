@@ -203,8 +203,13 @@ def test_in_process_and_subprocess_runs_decide_the_same(
     proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
-    assert rep["derivation"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
-                                                                  rel=0.01)
+    # In process the burst's 1024 requests reach the engine at once; over HTTP they arrive
+    # over a second of wall time while this emulated card's steps are scaled by 0.01
+    # (FAST_SIM), so its batch is narrower and may leave up to the width's sampler rows (two
+    # fp32 logits copies x 1024 rows x vocabulary) more KV; never less.
+    subprocess_kv, in_process_kv = rep["derivation"]["kv_cache_memory_bytes"], r.final.kv_cache_bytes
+    assert in_process_kv is not None
+    assert in_process_kv * 0.99 <= subprocess_kv <= in_process_kv + 2 * 1024 * 151_936 * 4
 
 
 @pytest.mark.slow

@@ -168,6 +168,8 @@ class RequestContext(Protocol):
     def decode_tokens(self) -> int: ...
     @property
     def vocab_size(self) -> int | None: ...
+    @property
+    def burst_tokens(self) -> int: ...
 
 
 def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
@@ -180,6 +182,9 @@ def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
 
 # A burst request's prompt: short, as production's chat turns are; what matters is the width.
 BURST_PROMPT_TOKENS = 128
+# What each generates on an accelerator: long enough that the requests, which reach the server
+# over a second or so, decode together (CPU engines: their validation's few decode tokens).
+BURST_OUTPUT_TOKENS = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +196,7 @@ class Burst:
     max_tokens: int
 
 
-def burst_shape(s: LaunchSettings, kv_tokens: int | None, decode_tokens: int) -> Burst:
+def burst_shape(s: LaunchSettings, kv_tokens: int | None, out_tokens: int) -> Burst:
     """max-num-seqs short requests sized so that all of them run in one batch: the widest
     batch production reaches, where the logits and the sampler's buffers (rows x vocabulary)
     peak. `kv_tokens` None: the KV cache holds max-num-seqs max-length sequences (r0.1).
@@ -200,8 +205,8 @@ def burst_shape(s: LaunchSettings, kv_tokens: int | None, decode_tokens: int) ->
     - each gets an equal share of the KV cache in whole blocks (and of max_model_len), so
       the engine never preempts one: fewer requests only when the cache has fewer blocks;
     - the prompts are prefilled over ceil(requests x prompt / max-num-batched-tokens) steps;
-      each request generates twice that (at least the validation's decode tokens), so all of
-      them decode together for at least as many steps as the prefill took."""
+      each request generates twice that (at least `out_tokens`), so all of them decode
+      together for at least as many steps as the prefill took."""
     count = max(1, min(s.max_num_seqs, s.max_num_batched_tokens))
     room = s.max_model_len
     if kv_tokens is not None:
@@ -210,7 +215,7 @@ def burst_shape(s: LaunchSettings, kv_tokens: int | None, decode_tokens: int) ->
         room = min(room, blocks // count * s.block_size)
     prompt = max(1, min(BURST_PROMPT_TOKENS, room // 2))
     steps = -(-count * prompt // s.max_num_batched_tokens)
-    out = max(1, min(room - prompt, max(decode_tokens, 2 * steps)))
+    out = max(1, min(room - prompt, max(out_tokens, 2 * steps)))
     return Burst(count, prompt, out)
 
 
@@ -234,7 +239,7 @@ BURST_SEED_OFFSET = 104729
 def short_burst(s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase,
                 kv_tokens: int | None, before: Exercised) -> Exercised:
     """The proof's wide short burst (`burst_shape`), counted with what ran `before` it."""
-    b = burst_shape(s, kv_tokens, ctx.decode_tokens)
+    b = burst_shape(s, kv_tokens, ctx.burst_tokens)
     phase("burst", f"{b.requests:,} concurrent short requests of {b.prompt_len} + "
           f"{b.max_tokens} tokens: the widest batch max-num-seqs {s.max_num_seqs} allows")
     got = tally(probe.load(base, ctx.served_name, b.requests, b.prompt_len, b.max_tokens,

@@ -17,6 +17,7 @@ from pathlib import Path
 from pretuner.engines.base import Family, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import SIM, outcome_of
 from pretuner.engines.outcome import (
+    BURST_OUTPUT_TOKENS,
     Executor,
     Exercised,
     LaunchOutcome,
@@ -156,7 +157,8 @@ def v1_in_process(opts: RunOptions, workdir: Path) -> tuple[V1Config, Executor]:
             argv = argv[1:]
         count = concurrency(s, None, bytes_per_token)
         _, plen, decode = workload(s, DECODE_TOKENS)  # a pre-run's: one token
-        b = burst_shape(s, (s.kv_cache_bytes or 0) // bytes_per_token or None, DECODE_TOKENS)
+        b = burst_shape(s, (s.kv_cache_bytes or 0) // bytes_per_token or None,
+                        BURST_OUTPUT_TOKENS)
         burst = (TextRequest(b.prompt_len, b.max_tokens),) * b.requests
         phases: list[LoadPhase] = []
         if shape is not None and s.purpose is Purpose.PRERUN:

@@ -19,6 +19,7 @@ from pretuner.engines.base import API_KEY_VAR, LaunchCommand, LaunchSettings, Pu
 from pretuner.engines.base import Phase as Phase
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
+    BURST_OUTPUT_TOKENS,
     Executor,
     Exercised,
     LaunchOutcome,
@@ -55,6 +56,7 @@ class LaunchContext:
     request_timeout_s: float = 900.0
     stop_grace_s: float = 120.0
     decode_tokens: int = 16
+    burst_tokens: int = BURST_OUTPUT_TOKENS  # what each request of the short burst generates
     seed: int = 0
     vocab_size: int | None = None  # the model's: probe prompts' token ids stay within it
     collector: CollectorFactory | None = None  # where logs are read; default: this machine

@@ -59,8 +59,10 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
     assert rep["engine"] == "vllm"
     assert rep["launches"] <= 3
     kv = rep["derivation"]["kv_cache_memory_bytes"]
-    assert 59 * GIB <= kv < 61 * GIB  # the real card: 60 GiB fits, 61 GiB dies at start-up
-    assert rep["final"]["kv_tokens"] >= 1.08 * UTIL_090_TOKENS
+    # The real card: 60 GiB served the max-length load, 61 GiB dies at start-up; the proof's
+    # 1024-wide short burst needs about 1.1 GiB more beside the KV (emulated: test_burst.py).
+    assert 58 * GIB <= kv < 60 * GIB
+    assert rep["final"]["kv_tokens"] >= 1.06 * UTIL_090_TOKENS
     assert rep["derivation"]["baseline"]["kv_tokens"] is not None
     for step in rep["steps"]:  # every launch carries its sampled peaks
         assert step["device_reader"] == "emulated", step
@@ -205,8 +207,13 @@ def test_in_process_and_subprocess_runs_decide_the_same(
     proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
-    assert rep["derivation"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
-                                                                  rel=0.01)
+    # In process the burst's 1024 requests reach the engine at once; over HTTP they arrive
+    # over a second of wall time while this emulated card's steps are scaled by 0.01
+    # (FAST_SIM), so its batch is narrower and may leave up to the width's sampler rows (two
+    # fp32 logits copies x 1024 rows x vocabulary) more KV; never less.
+    subprocess_kv, in_process_kv = rep["derivation"]["kv_cache_memory_bytes"], r.final.kv_cache_bytes
+    assert in_process_kv is not None
+    assert in_process_kv * 0.99 <= subprocess_kv <= in_process_kv + 2 * 1024 * 151_936 * 4
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pretuner.presets.model import preset_line
 from pretuner.report.records import PinnedDerivation, RunReport, device_words, kv_words
 from pretuner.tune.entry import DryRun
 from pretuner.tune.pinned.report_sections import summary_lines
-from pretuner.tune.report import SIM_NOTE, step_cells
+from pretuner.tune.report import SIM_NOTE, peak_words, step_cells
 
 SIM_BANNER = f"*** {SIM_NOTE} ***"
 
@@ -94,7 +94,7 @@ def render_summary(rep: RunReport, record: Path) -> str:
     rows = [step_cells(s) for s in rep.steps]
     lines += [
         f"{rep.model} on {rep.engine}, {device_words(rep)}, TP{rep.tp} x PP{rep.pp}, "
-        f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",
+        f"{rep.nodes} node(s): {status} after {rep.launches} launch(es){peak_words(rep)}",
         "",
         table(("#", "purpose", "KV", "max_model_len", "seqs", "outcome",
                f"worst peak MiB ({tag})", f"KV tokens ({tag})", "s"), rows),

@@ -336,6 +336,17 @@ class _RunHead(Record):
         return data
 
 
+class ProofPeak(Record):
+    """The phase of the final configuration's proof that set its device peak (the verdict
+    names it; every phase's own peak is in its step's `device_peaks_mib`)."""
+
+    launch: int
+    phase: str  # the sampled phase ("burst")
+    what: str  # that phase in words
+    peak_mib: int  # the worst device's peak
+    device_reader: str | None
+
+
 class RunReport(_RunHead):
     """report.json of a run that finished (validated or not)."""
 
@@ -343,6 +354,7 @@ class RunReport(_RunHead):
     derivation: Derivation
     asked: Asked
     given_up: list[str]  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
+    peak: ProofPeak | None = None  # None: not validated, or no device was sampled
     cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
 
 

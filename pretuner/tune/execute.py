@@ -20,10 +20,12 @@ from pretuner.engines.base import API_KEY_VAR, LaunchCommand, LaunchSettings, Pu
 from pretuner.engines.base import Phase as Phase
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
+    BURST_OUTPUT_TOKENS,
     Executor,
     Exercised,
     LaunchOutcome,
     probe_one,
+    short_burst,
     tally,
     workload,
 )
@@ -57,6 +59,7 @@ class LaunchContext:
     request_timeout_s: float = 900.0
     stop_grace_s: float = 120.0
     decode_tokens: int = 16
+    burst_tokens: int = BURST_OUTPUT_TOKENS  # what each request of the short burst generates
     seed: int = 0
     vocab_size: int | None = None  # the model's: probe prompts' token ids stay within it
     collector: CollectorFactory | None = None  # where logs are read; default: this machine
@@ -214,14 +217,16 @@ def _describe(s: LaunchSettings) -> str:
 
 
 def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:
-    """The pre-run's one max-length request, or the validation's full concurrent load."""
+    """The pre-run's one max-length request, or the validation: max-num-seqs concurrent
+    max-length requests (the KV cache is sized to hold them), then the wide short burst."""
     if s.purpose is Purpose.PRERUN:
         return probe_one(s, ctx, base, phase)
     count, plen, gen = workload(s, ctx.decode_tokens)
     phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
-    return tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
-                            ctx.request_timeout_s, ctx.vocab_size,
-                            on_done=requests_status(phase)).outcomes, plen)
+    ran = tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
+                           ctx.request_timeout_s, ctx.vocab_size,
+                           on_done=requests_status(phase)).outcomes, plen)
+    return ran if ran.ok < ran.total else short_burst(s, ctx, base, phase, None, ran)
 
 
 def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:

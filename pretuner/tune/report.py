@@ -20,7 +20,7 @@ from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.outcome import PHASE_WORDS, LaunchOutcome, peak_phase
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.launch.command import deployed_port, wrapped
 from pretuner.models import folder_identity, local_model_path, resolve
@@ -33,6 +33,7 @@ from pretuner.report.records import (
     Decision,
     FailureReport,
     Final,
+    ProofPeak,
     Provenance,
     R01Derivation,
     RunReport,
@@ -197,6 +198,7 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
+        peak=proof_peak(result.validation) if result.validated else None,
     )
 
 
@@ -245,6 +247,38 @@ def failure_json(err: PretunerError, meta: RunMeta, steps: Sequence[Step],
 # -- report.md ------------------------------------------------------------------------------------
 
 
+def proof_peak(o: LaunchOutcome | None) -> ProofPeak | None:
+    """Which phase of the proving launch `o` set its device peak (None: nothing sampled)."""
+    phase = peak_phase(o.device_peaks_mib) if o is not None else None
+    if o is None or phase is None:
+        return None
+    return ProofPeak(launch=o.n, phase=phase, what=PHASE_WORDS.get(phase, phase),
+                     peak_mib=o.device_peaks_mib[phase], device_reader=o.device_reader)
+
+
+def peak_words(rep: RunReport) -> str:
+    """`; device peak 81,136 MiB (simulated), set by the short burst (...) in launch 4`."""
+    p = rep.peak
+    if p is None:
+        return ""
+    return (f"; device peak {p.peak_mib:,} MiB ({rep.provenance}), set by {p.what} in "
+            f"launch {p.launch}")
+
+
+def proof_lines(rep: RunReport) -> list[str]:
+    """report.md's proof: the proving launch's device peak in each phase, in order."""
+    p = rep.peak
+    step = next((s for s in rep.steps if p is not None and s.n == p.launch), None)
+    if p is None or step is None:
+        return []
+    lines = [f"## Proof: device peak by phase (launch {p.launch}, MiB, {rep.provenance}, "
+             f"read by {p.device_reader})", ""]
+    for phase, mib in step.device_peaks_mib.items():
+        mark = " **(the peak)**" if phase == p.phase else ""
+        lines.append(f"- {phase}: {mib:,}, {PHASE_WORDS.get(phase, phase)}{mark}")
+    return [*lines, ""]
+
+
 def status_words(rep: RunReport) -> str:
     """`validated under full load`, with what was given up against the ask (exit 9)."""
     if not rep.validated:
@@ -280,10 +314,11 @@ def report_md(rep: RunReport) -> str:
     f, d = rep.final, rep.derivation
     lines = [f"# pretuner run {one_line(rep.run_id)}: "
              f"{'VALIDATED' if rep.validated else 'NOT VALIDATED'}", "", *_run_lines(rep),
-             f"- result: {status_words(rep)} after {rep.launches} launch(es)",
+             f"- result: {status_words(rep)} after {rep.launches} launch(es){peak_words(rep)}",
              f"- KV cache per card: {kv_words(rep)}",
              f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
              f"max-num-batched-tokens {f.max_num_batched_tokens:,}", ""]
+    lines += proof_lines(rep)
     if isinstance(d, R01Derivation):
         lines += ["## Derivation", "", "```", *d.lines, "```", "",
                   "## Memory per card (worst rank)", "", "| part | GiB | how |", "|---|---|---|",

@@ -113,6 +113,9 @@ def page_of(folder: Path) -> Page:
              ("card", device_words(rep))]
     if done is not None:
         facts.append(("KV cache per card", kv_words(done)))
+    if done is not None and (p := done.peak) is not None:
+        facts.append(("peak set by", f"{p.what}: {p.peak_mib:,} MiB ({rep.provenance}), "
+                      f"launch {p.launch}"))
     facts.append(("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
     asked = None
     if done is not None:

@@ -312,7 +312,8 @@ class V1Tuner(Method):
                 if o.device_peaks_mib and o.device_total_mib else "")
         what = (f"{o.requests_ok} requests served (the worst case, {o.soak_requests} soak "
                 "requests, the worst case again)" if o.soak_requests else
-                f"{o.requests_ok} max-length requests ({s.max_model_len:,} tokens) served")
+                f"{o.requests_ok} requests served (max-length ones of {s.max_model_len:,} "
+                "tokens, then a burst of short ones as wide as max-num-seqs)")
         return f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {what}, no OOM{peak}"
 
     def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:

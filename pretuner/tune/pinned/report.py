@@ -37,6 +37,7 @@ from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures
 from pretuner.tune.report import (
     RunMeta,
     given_up,
+    proof_peak,
     provenance,
     real_model,
     run_head,
@@ -120,6 +121,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs)
         + ([slow] if slow else []),
+        peak=proof_peak(proof),
     )
 
 

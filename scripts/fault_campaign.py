@@ -59,6 +59,9 @@ class Case:
 def base_env(work: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
     env.update(FAST_SIM)
+    # This checkout's pretuner, whatever the Python's installed copy (an editable install of
+    # another worktree) and whatever the current folder of a case.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PRETUNER_SIM_STATE_DIR"] = tempfile.mkdtemp(prefix="card-", dir=work)
     env.update(extra)
     return env

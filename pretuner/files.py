@@ -26,6 +26,8 @@ def write_atomic(path: Path, text: str, *, executable: bool = False,
         raise BadInputError(f"folder {str(folder)!r} does not exist", hint="create it first")
     if not os.access(folder, os.W_OK):
         raise BadInputError(f"folder {str(folder)!r} is not writable", hint="choose another --out")
+    if path.is_dir():
+        raise BadInputError(f"{str(path)!r} is a folder", hint="name the file to write")
     if path.exists() and not overwrite:
         raise BadInputError(f"{str(path)!r} already exists and pretuner never overwrites a file",
                             hint="choose another path or move the old file away")

@@ -15,7 +15,7 @@ from typer.core import TyperGroup
 
 from pretuner import __version__
 from pretuner.cli.render import echo_json
-from pretuner.errors import ExitCode, PretunerError, RunInterrupted
+from pretuner.errors import BadInputError, ExitCode, PretunerError, RunInterrupted
 from pretuner.redact import redact_text, remember_secrets
 
 
@@ -177,12 +177,16 @@ def _main(args: list[str]) -> None:
         typer.echo(f"pretuner: {err}", err=True)  # "interrupted; resume with: ..."
         raise SystemExit(int(err.exit_code)) from None
     except PretunerError as err:
-        if wants_json(args):  # a script reads the failure as it reads a result
-            echo_json(error_json(err))
-        if state.debug:  # the traceback, and still the documented exit code
-            traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-        typer.echo(f"pretuner: error: {err}", err=True)
-        raise SystemExit(int(err.exit_code)) from None
+        fail(err, args)
+    except OSError as err:
+        if err.filename is None:  # not a path the user named: a bug, with its traceback
+            raise
+        # A path the system refused (too long, a folder, a file where a folder goes, busy):
+        # whichever command met it, the user gave it and can give another.
+        refused = BadInputError(f"cannot use {str(err.filename)!r}: {err.strerror or err}",
+                                hint="pass another path")
+        refused.__traceback__ = err.__traceback__
+        fail(refused, args)
     except (KeyboardInterrupt, typer.Abort):  # click turns a Ctrl-C into Abort
         typer.echo("pretuner: interrupted", err=True)
         raise SystemExit(int(ExitCode.INTERRUPTED)) from None
@@ -190,6 +194,16 @@ def _main(args: list[str]) -> None:
         usage_error(err, args)
     if isinstance(code, int) and code:
         raise SystemExit(code)
+
+
+def fail(err: PretunerError, args: list[str]) -> None:
+    """The one line (or `--json` object) of an error, and its documented exit code."""
+    if wants_json(args):  # a script reads the failure as it reads a result
+        echo_json(error_json(err))
+    if state.debug:  # the traceback, and still the documented exit code
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    typer.echo(f"pretuner: error: {err}", err=True)
+    raise SystemExit(int(err.exit_code)) from None
 
 
 def usage_error(err: Exception, args: list[str]) -> None:

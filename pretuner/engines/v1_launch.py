@@ -142,7 +142,8 @@ def streamed_speed(first: CompletionOutcome, arrivals: Arrivals | None, burst: L
                  decode_s=round(arrivals.last_s - arrivals.first_s, 4),
                  load_requests=len(burst.outcomes),
                  load_tokens=sum(o.completion_tokens or 0 for o in burst.outcomes if o.ok),
-                 load_s=round(burst.wall_seconds, 4), how="streamed")
+                 load_s=round(burst.wall_seconds, 4), how="streamed",
+                 decode_chunks=arrivals.chunks - 1)
 
 
 def host_killed(log_path: Path) -> ServerFailedError:

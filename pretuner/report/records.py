@@ -76,6 +76,7 @@ class V1Speed(Record):
     how: str
     decode_tokens_per_s: float | None
     load_tokens_per_s: float | None
+    decode_chunks: int | None = None  # streamed: chunks after the first (None: emulated clock)
 
 
 class Step(Record):

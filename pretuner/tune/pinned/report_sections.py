@@ -44,7 +44,7 @@ def speed_line(rep: RunReport, d: PinnedDerivation) -> str | None:
     if s is None:
         return None
     line = Speed(s.prompt_tokens, s.ttft_s, s.decode_tokens, s.decode_s, s.load_requests,
-                 s.load_tokens, s.load_s, s.how).words(rep.provenance)
+                 s.load_tokens, s.load_s, s.how, s.decode_chunks).words(rep.provenance)
     if d.min_tokens_per_s is not None:
         line += f"; asked at least {d.min_tokens_per_s:g} tokens/s (--min-tokens-per-s)"
     return line

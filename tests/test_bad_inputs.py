@@ -206,7 +206,6 @@ def config_yaml(draw: st.DrawFn) -> str:
     return draw(st.sampled_from(["", "- a\n- b\n", "just text\n", "{\n", "a: [\n", "\t:\n"]))
 
 
-@pytest.mark.xfail(strict=True, reason="engineer C owns --config parsing (issue 28 #6, #7, #10)")
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           phases=[Phase.generate])
 @given(text=config_yaml())
@@ -226,7 +225,6 @@ def model_config(draw: st.DrawFn) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.xfail(strict=True, reason="engineer C owns config.json bounds (issue 28 #7, #10, #11)")
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           phases=[Phase.generate])
 @given(data=model_config(), engine=st.sampled_from([["--engine", "vllm", "--emulate"], []]))

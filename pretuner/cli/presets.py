@@ -117,7 +117,8 @@ def export_cmd(
         ..., metavar="RUN_DIR", help="A finished, validated run folder (report.json)."
     ),
     fmt: ExportFormat = typer.Option(
-        ..., "--format", help="vllm-recipe: a vLLM recipes hardware_overrides block."
+        ExportFormat.VLLM_RECIPE, "--format",
+        help="vllm-recipe (the only one so far): a vLLM recipes hardware_overrides block.",
     ),
     hardware: str | None = typer.Option(
         None, "--hardware", metavar="ID",

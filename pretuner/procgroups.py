@@ -5,9 +5,10 @@ from outliving pretuner.
 The parent-death guard (Linux `PR_SET_PDEATHSIG`) makes the kernel signal the server when
 pretuner dies, even by SIGKILL. It covers the process pretuner starts; a wrapper that starts
 the real server as its own child (r0.1's launcher) must set it again for that child, which
-pretuner's emulated launcher does and the real one does not. The pid file is the net under
-both: written next to the launch's log while the group lives, it lets the next run name a
-survivor and `--resume` stop its own.
+pretuner's emulated launcher does and the real one does not. `launch.watchdog` kills the rest of
+the tree (a group member, a process that left the group) when pretuner dies. The pid file is the
+net under all three: written next to the launch's log while the group lives, it lets the next
+run name a survivor and `--resume` stop its own.
 """
 
 from __future__ import annotations
@@ -175,6 +176,43 @@ def kill_group(pgid: int, reap: Callable[[], object] | None = None) -> None:
                   group_members(pgid) if proc_available() else "unknown")
 
 
+TREE_VAR = "PRETUNER_TREE"  # pretuner's own mark on a launch's processes, never an engine's
+
+
+def carriers(token: str) -> list[int]:
+    """Pids of the live processes whose environment holds `TREE_VAR=token` (a zombie has none):
+    a launch's processes, also those that left its group or re-parented to init."""
+    if not token or not proc_available():
+        return []
+    mark = f"\0{TREE_VAR}={token}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):  # gone, or another user's
+            if mark in b"\0" + Path(f"/proc/{entry}/environ").read_bytes():
+                found.append(int(entry))
+    return found
+
+
+def kill_tree(token: str, pgids: set[int]) -> list[int]:
+    """SIGKILL a launch's processes (`carriers(token)`, members of `pgids`) until a scan finds
+    none not killed yet (one forked meanwhile), or KILL_WAIT_S passed; the pids killed."""
+    killed: list[int] = []
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline:
+        # One killed may take seconds to exit (gigabytes to free): it needs no second signal.
+        new = set(carriers(token)).union(*(group_members(g) for g in pgids)) - set(killed)
+        if not new:
+            break
+        killed += sorted(new)
+        for pid in new:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(POLL_S)
+    return killed
+
+
 def parent_death_guard(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
     """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies; None
     where the OS offers no such guard, or off the main thread (the kernel fires it when the
@@ -210,6 +248,7 @@ class ServerPid:
     launch: str  # the launch folder's name
     argv0: str
     path: str = ""  # where the pid file lies (not stored in it)
+    tree: str = ""  # the launch's TREE_VAR mark ("": a file written before it existed)
 
     def describe(self) -> str:
         port = f", port {self.port}" if self.port is not None else ""
@@ -238,10 +277,11 @@ def _port_of(argv: Sequence[str]) -> int | None:
     return None
 
 
-def write_pid_file(path: Path, pid: int, pgid: int, argv: Sequence[str], started_at: float) -> None:
+def write_pid_file(path: Path, pid: int, pgid: int, argv: Sequence[str], started_at: float,
+                   tree: str = "") -> None:
     """Record a started group; a failure to write is logged, never fatal to the launch."""
     info = ServerPid(pid, pgid, start_ticks(pid), _boot_id(), started_at, _port_of(argv),
-                     path.parent.name, argv[0] if argv else "")
+                     path.parent.name, argv[0] if argv else "", tree=tree)
     doc = {k: v for k, v in asdict(info).items() if k != "path"}
     try:
         path.write_text(json.dumps(doc, sort_keys=True) + "\n", encoding="utf-8")
@@ -269,6 +309,8 @@ def still_running(info: ServerPid) -> bool:
     # the machine rebooted (boot id) or it started before our server did (a reused group id).
     if info.boot_id is not None and _boot_id() not in (None, info.boot_id):
         return False
+    if carriers(info.tree):  # marked with this launch's own random token: ours
+        return True
     if info.start_ticks is None or not proc_available():
         return group_alive(info.pgid)
     return any((start_ticks(p) or 0) >= info.start_ticks for p in group_members(info.pgid))

@@ -7,7 +7,9 @@ Pure: the CLI and `RunOptions.check()` call the same rules, so a library caller 
 from __future__ import annotations
 
 import math
+import os
 import shlex
+from pathlib import PurePath
 from typing import Any
 
 from pretuner.errors import BadInputError
@@ -17,6 +19,9 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 # Far above any accelerator on the market (the largest hold under 300 GiB): a larger --card
 # is a typo, and would derive millions of sequences against a server that trusts it.
 MAX_CARD_GIB = 1024
+# A week: past it a timeout is a typo (`1e10` overflows the socket's and the clock's range).
+MAX_WAIT_S = 7 * 24 * 3600
+NAME_MAX = 255  # bytes in one file name on Linux's filesystems
 
 
 def finite(flag: str, value: float, *, example: str) -> None:
@@ -43,6 +48,13 @@ def positive(flag: str, value: float | None, *, example: str) -> None:
     finite(flag, value, example=example)
     if value <= 0:
         raise BadInputError(f"{flag} {value} must be above 0", hint=f"e.g. {flag} {example}")
+
+
+def at_most(flag: str, value: float | None, most: float, *, unit: str) -> None:
+    """A `value` not above `most`."""
+    if value is not None and value > most:
+        raise BadInputError(f"{flag} {value:g} {unit} is above the limit of {most:g} {unit}",
+                            hint=f"use {most:g} or less")
 
 
 def int_range(flag: str, value: int | None, low: int, high: int | None = None) -> None:
@@ -84,6 +96,9 @@ def path_text(flag: str, value: str) -> str:
     if not value.strip():
         raise BadInputError(f"{flag} {value!r} is empty",
                             hint=f"name a folder, e.g. {flag} runs/r1")
+    if any(len(os.fsencode(part)) > NAME_MAX for part in PurePath(value).parts):
+        raise BadInputError(f"{flag} {value!r} has a name over {NAME_MAX} bytes",
+                            hint="the filesystem refuses it: use shorter names")
     return value
 
 
@@ -94,8 +109,8 @@ def command_line(flag: str, value: str) -> list[str]:
     except ValueError as err:
         raise BadInputError(
             f"{flag} {value!r} cannot be split into arguments: {err}",
-            hint="balance the quotes, e.g. --serve-cmd \"my-wrapper serve --opt 'a b'\"",
+            hint=f"balance the quotes, e.g. {flag} \"--opt 'a b'\"",
         ) from None
     if not argv:
-        raise BadInputError(f"{flag} is empty", hint="e.g. --serve-cmd 'my-wrapper serve'")
+        raise BadInputError(f"{flag} is empty", hint=f"e.g. {flag} 'my-wrapper serve'")
     return argv

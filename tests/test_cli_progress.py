@@ -53,6 +53,22 @@ def test_a_new_launch_forgets_the_last_launchs_status() -> None:
         progress.close()
 
 
+def test_launch_numbers_continue_after_the_launches_a_resume_replays() -> None:
+    # Seen: after --resume replayed launches 1 and 2, the next launch was shown as #1 while its
+    # folder was launch-3; the number shown is the launch folder's.
+    out = io.StringIO()
+    progress = Progress(out, 8, live=False, heartbeat_s=60)
+    try:
+        progress("replay", "launch 1 finished in the earlier session: fits")
+        progress("replay", "launch 2 finished in the earlier session: fits")
+        progress("launch", "validate")
+        assert "launch 3 of at most 8" in progress.status_line()
+    finally:
+        progress.close()
+    assert [line.split("]", 1)[1].split()[0] for line in out.getvalue().splitlines()] == [
+        "#1", "#2", "#3"]
+
+
 def test_on_a_terminal_the_status_is_a_live_line_under_the_phase_lines() -> None:
     out = io.StringIO()
     progress = Progress(out, 8, live=True, heartbeat_s=0.1)

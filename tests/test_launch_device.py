@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pretuner.devices.npu_smi import NpuCard, free_mib, npu_smi_text, parse_npu_smi
+from pretuner.devices.base import DeviceReadError, run_tool
+from pretuner.devices.npu_smi import NpuCard, detect_card, free_mib, parse_npu_smi
+from pretuner.errors import BadInputError
 
 RULE = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 EQ = RULE.replace("-", "=")
@@ -121,7 +123,10 @@ def test_garbage_gives_no_cards(text: str) -> None:
 
 
 def read_npu_smi(executable: str, timeout_s: float = 10) -> tuple[NpuCard, ...]:
-    return parse_npu_smi(npu_smi_text([executable, "info"], timeout_s=timeout_s))
+    try:
+        return parse_npu_smi(run_tool([executable, "info"], timeout_s))
+    except DeviceReadError:
+        return ()
 
 
 def test_missing_executable_gives_no_cards(tmp_path: Path) -> None:
@@ -146,3 +151,21 @@ def test_failing_or_hanging_executable_gives_no_cards(tmp_path: Path) -> None:
         path.chmod(stat.S_IRWXU)
     assert read_npu_smi(str(failing)) == ()
     assert read_npu_smi(str(hanging), timeout_s=0.5) == ()
+
+
+@pytest.mark.parametrize(("script", "says"), [
+    ("exec sleep 30", "timed out after 0.5 s"),
+    ("echo 'dcmi init failed' >&2; exit 3", "exited with code 3"),
+])  # fmt: skip
+def test_a_hung_or_failing_npu_smi_is_named_as_such_not_as_missing(
+    tmp_path: Path, script: str, says: str
+) -> None:
+    """Issue 28 #11: a hung npu-smi (a wedged driver) was reported as "not available"."""
+    fake = tmp_path / "npu-smi"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(stat.S_IRWXU)
+    with pytest.raises(BadInputError, match=f"no card size: .*{says}") as caught:
+        detect_card([str(fake), "info"], "npu-smi", None, {}, timeout_s=0.5)
+    assert "not available" not in str(caught.value)
+    with pytest.raises(BadInputError, match="npu-smi is not available here"):
+        detect_card([str(tmp_path / "absent" / "npu-smi"), "info"], "npu-smi", None, {})

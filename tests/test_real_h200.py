@@ -4,6 +4,8 @@ wrote there, read back. The log reader, `analyze` and the run agree on every fig
 from __future__ import annotations
 
 import json
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,10 @@ import pytest
 
 from pretuner.analyze.v1 import read_memory_series
 from pretuner.engines.v1_launch import read_log
+from pretuner.launch import probe
+from pretuner.launch.images import TextRequest
+from pretuner.sim.inproc import InprocRun
+from pretuner.sim.v1 import inproc
 from pretuner.units import MIB
 from tests.helpers import invoke, run_cli
 
@@ -131,3 +137,52 @@ def test_analyze_backs_off_a_real_start_up_oom_to_a_kv_that_started_and_held(
     held = burst_boots("kv-123000")
     assert all(b[p]["failed"] == 0 for b in held for p in ("proof", "burst1", "burst2"))
     assert advised <= int(held[0]["argv"][held[0]["argv"].index("--kv-cache-memory-bytes") + 1])
+
+
+H200_ENV = {"PRETUNER_SIM_PROFILE": "h200-141", "PRETUNER_SIM_SEED": "0",
+            "PRETUNER_SIM_OCCUPIED_MIB": "0", "PRETUNER_SIM_STARTUP_S": "0.02",
+            "PRETUNER_SIM_TIME_SCALE": "0.01"}
+
+
+def emulated_boot(case: str, proof: bool) -> InprocRun:
+    """The real boot's flags on the emulated H200, in-process; the proof load and the burst
+    when asked."""
+    argv = burst_boots(case)[0]["argv"]
+    args = ["qwen3-8b", *argv[argv.index("--kv-cache-memory-bytes"):]]
+    prompt = probe.max_length_prompt_len(32_768, 32)
+    burst = (TextRequest(128, 128),) * 1024 if proof else ()
+    return inproc.run(args, H200_ENV, [prompt] * 26 if proof else [1], 32, first=prompt,
+                      burst=burst)
+
+
+def test_the_emulated_h200_dies_where_the_real_one_did() -> None:
+    # The real log: 594.00 MiB asked in the sampler warm-up, 447.12 MiB free. The emulator's
+    # own model of the engine must fail the same way, within 20 MiB of the same free memory.
+    res = emulated_boot("oom-at-start", proof=False)
+    assert not res.ready
+    real_log = (BURST / "oom-at-start" / "boot-1.log").read_text("utf-8")
+    free = [float(m) for m in re.findall(r"of which ([\d.]+) MiB is free", real_log + res.log)]
+    assert "Tried to allocate 594.00 MiB" in res.log
+    assert free[0] == 447.12
+    assert abs(free[-1] - free[0]) <= 20
+
+
+def test_the_emulated_h200_starts_and_holds_where_the_real_one_did() -> None:
+    # 123,000 MiB pinned: the real card was ready at 142,997 / 142,973 MiB and peaked at
+    # 143,191 / 143,165 MiB under one 32k request then 26 at once (two boots).
+    res = emulated_boot("kv-123000", proof=True)
+    real = burst_boots("kv-123000")
+    assert res.ready
+    assert {r.status for r in res.replies} == {200}
+    assert res.peaks_mib["start"] == pytest.approx(
+        statistics.mean(b["idle_mib"] for b in real), abs=100)
+    assert res.peaks_mib["load"] == pytest.approx(
+        statistics.mean(b["proof"]["peak_mib"] for b in real), abs=100)
+    assert res.peaks_mib["load"] < real[0]["total_mib"] == res.total_mib
+    # Then 1,024 short requests at once: the real card served them, 476 MiB above the proof's
+    # peak in its worse boot (4 MiB in the other); the emulated one serves them too, within
+    # 50 MiB of the worse boot's rise and below the device total.
+    rise = max(b["burst1"]["peak_mib"] - b["proof"]["peak_mib"] for b in real)
+    assert rise == 476
+    assert res.peaks_mib["burst"] - res.peaks_mib["load"] == pytest.approx(rise, abs=50)
+    assert res.peaks_mib["burst"] < res.total_mib

@@ -80,7 +80,7 @@ def pinned(rep: RunReport) -> PinnedDerivation:
 
 def failed(rep: RunReport, method: Method) -> FailureReport:
     """`rep`'s run as if a server failure had stopped it."""
-    head = rep.model_dump(exclude={"final", "derivation", "asked", "given_up"})
+    head = rep.model_dump(exclude={"final", "derivation", "asked", "given_up", "peak"})
     return FailureReport(**head, method=method, error="boom", hint=None, exit_code=5,
                          error_type="ServerFailedError", server_log=None)
 

@@ -56,10 +56,12 @@ def test_run_validates_in_two_launches(finished_run: Callable[..., FinishedRun])
     steps = rep["steps"]
     assert [s["purpose"] for s in steps] == ["prerun", "validate"]
     assert steps[0]["settings"]["max_num_seqs"] == 1
+    # max-num-seqs concurrent max-length requests, then the short burst as wide
+    assert "#2 burst   " in proc.stderr
     assert (
         steps[1]["requests_ok"]
         == steps[1]["requests_total"]
-        == rep["final"]["max_num_seqs"]
+        == 2 * rep["final"]["max_num_seqs"]
     )
     env = rep["final"]["env"]
     assert env["ASCEND_TOTAL_MEMORY_GB"] == "64"

@@ -59,8 +59,10 @@ def test_run_pins_kv_on_the_emulated_h100_and_proves_it(
     assert rep["engine"] == "vllm"
     assert rep["launches"] <= 3
     kv = rep["derivation"]["kv_cache_memory_bytes"]
-    assert 59 * GIB <= kv < 61 * GIB  # the real card: 60 GiB fits, 61 GiB dies at start-up
-    assert rep["final"]["kv_tokens"] >= 1.08 * UTIL_090_TOKENS
+    # The real card: 60 GiB served the max-length load, 61 GiB dies at start-up; the proof's
+    # 1024-wide short burst needs about 1.1 GiB more beside the KV (emulated: test_burst.py).
+    assert 58 * GIB <= kv < 60 * GIB
+    assert rep["final"]["kv_tokens"] >= 1.06 * UTIL_090_TOKENS
     assert rep["derivation"]["baseline"]["kv_tokens"] is not None
     for step in rep["steps"]:  # every launch carries its sampled peaks
         assert step["device_reader"] == "emulated", step
@@ -154,6 +156,10 @@ def test_the_written_serve_script_starts_a_server_that_serves(
                     f"printf '%s\\n' \"$@\" > {shlex.quote(str(argv_file))}\n"
                     f"exec {shlex.quote(sys.executable)} -m pretuner.sim vllm \"$@\"\n")
     fake.chmod(0o755)
+    # the device the proof ran on, as serve.sh's guard reads it: the emulated H100's nvidia-smi
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -m pretuner.sim nvidia-smi \"$@\"\n")
+    smi.chmod(0o755)
     env_fake = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
     port, body = served_by(out / "serve.sh", env_fake, tmp_path / "serve.log")
     assert body["usage"]["completion_tokens"] == 2
@@ -201,8 +207,13 @@ def test_in_process_and_subprocess_runs_decide_the_same(
     proc = finished_run(*V1_QWEN_80_32K).proc
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
-    assert rep["derivation"]["kv_cache_memory_bytes"] == pytest.approx(r.final.kv_cache_bytes,
-                                                                  rel=0.01)
+    # In process the burst's 1024 requests reach the engine at once; over HTTP they arrive
+    # over a second of wall time while this emulated card's steps are scaled by 0.01
+    # (FAST_SIM), so its batch is narrower and may leave up to the width's sampler rows (two
+    # fp32 logits copies x 1024 rows x vocabulary) more KV; never less.
+    subprocess_kv, in_process_kv = rep["derivation"]["kv_cache_memory_bytes"], r.final.kv_cache_bytes
+    assert in_process_kv is not None
+    assert in_process_kv * 0.99 <= subprocess_kv <= in_process_kv + 2 * 1024 * 151_936 * 4
 
 
 @pytest.mark.slow
@@ -246,6 +257,7 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     again = run_cli("run", "--resume", str(out), "--json", env=cli_env(**FAST_SIM))
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in out.glob("launch-*")) == launches  # replayed, none run again
+    assert f"#{len(launches)} replay " in again.stderr  # each shown by its folder's number
     assert json.loads(again.stdout)["final"] == json.loads(first.stdout)["final"]
 
 

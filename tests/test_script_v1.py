@@ -4,9 +4,11 @@ vllm` on the emulated H100 (real server processes), then its startup files and i
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from pretuner.presets.model import (
     preset_from_report,
 )
 from pretuner.report.records import RunReport, read_report
-from tests.helpers import V1_QWEN_80_8K, FinishedRun, invoke
+from tests.helpers import V1_QWEN_80_8K, FinishedRun, cli_env, invoke
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +63,8 @@ def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path)
     proc = invoke("script", str(v1_run), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     files = {p.name: p.read_text() for p in out.iterdir()}
-    assert set(files) == {"serve.sh", "tuned.env", "vllm-config.yaml", "pretuner-serve.service"}
+    assert set(files) == {"serve.sh", "tuned.env", "vllm-config.yaml", "pretuner-serve.service",
+                          "pretuner-guard.sh"}
     serve = files["serve.sh"]
     # A simulated run: the real engine's command with the run's flags, byte for byte.
     assert rep["simulated"]
@@ -77,6 +80,40 @@ def test_script_renders_the_command_the_run_proved(v1_run: Path, tmp_path: Path)
             assert word not in text, (name, word)
     bash_n(serve)
     bash_n(files["tuned.env"])
+    bash_n(files["pretuner-guard.sh"])
+
+
+def test_the_runs_serve_sh_refuses_another_device(v1_run: Path, tmp_path: Path) -> None:
+    """The rule: the run's own serve.sh starts the engine on the device the proof ran on (the
+    emulated H100's nvidia-smi) and refuses, in one line, on another (the emulated A100 80 GB);
+    PRETUNER_SKIP_GUARD=1 starts it there, unproven."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text('#!/bin/sh\necho "started vllm $*"\n')
+    (bin_dir / "nvidia-smi").write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m pretuner.sim nvidia-smi "$@"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = cli_env(PATH=f"{bin_dir}:{os.environ['PATH']}", PRETUNER_SIM_PROFILE="h100-80",
+                  PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def serve(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(v1_run / "serve.sh")], env=env | extra,
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    same = serve()
+    assert same.returncode == 0, same.stderr
+    assert same.stdout.startswith("started vllm serve ")
+    other = serve(PRETUNER_SIM_PROFILE="a100-80")
+    assert other.returncode == 78
+    assert other.stdout == ""
+    assert len(other.stderr.splitlines()) == 1
+    total = report(v1_run)["steps"][-1]["device_total_mib"]
+    assert f"the proof ran on {total} MiB" in other.stderr
+    assert "pretuner run --model qwen3-8b --engine vllm" in other.stderr
+    forced = serve(PRETUNER_SIM_PROFILE="a100-80", PRETUNER_SKIP_GUARD="1")
+    assert forced.returncode == 0
+    assert "starting UNPROVEN" in forced.stderr
 
 
 def test_the_run_folder_holds_what_script_writes(v1_run: Path, tmp_path: Path) -> None:

@@ -215,9 +215,9 @@ def test_validation_phases_with_and_without_a_soak() -> None:
     assert v is not None
     shape = I.image_shape(v, 2)
     plain = I.validation_phases(shape, 32768, 16, 5, 0, 0)
-    assert [p.name for p in plain] == ["load", "images"]
+    assert [p.name for p in plain] == ["worst", "images"]
     soaked = I.validation_phases(shape, 32768, 16, 5, 41, 0)
-    assert [p.name for p in soaked] == ["load", "images", "soak-1", "soak-2", "after-soak"]
+    assert [p.name for p in soaked] == ["worst", "images", "soak-1", "soak-2", "after-soak"]
     assert [len(p.requests) for p in soaked] == [1, 5, 21, 20, 5]
     assert soaked[3].reset
     first = {a.uid for r in soaked[1].requests for a in getattr(r, "images", ())}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +29,8 @@ from pretuner.tune.pinned.loop import V1Tuner
 from pretuner.tune.pinned.setup import pinned_setup
 from pretuner.tune.record import RunRecord
 from pretuner.units import GIB, MIB
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, run_cli, wait_for
+from tests.test_process_tree import marked, survivors
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "fixtures" / "models" / "tiny-qwen3"
@@ -93,7 +96,9 @@ def test_pretuner_run_tunes_the_real_server_under_the_budget(tmp_path: Path) -> 
             non_kv = max(step["device_peaks_mib"].values()) - step["settings"][
                 "kv_cache_bytes"] / MIB
             assert abs(non_kv - d["non_kv_peak_mib"]) < 64, step
-            assert step["requests_ok"] == step["requests_total"] == 5  # 1 alone + 4 at once
+            # 1 alone, 4 max-length at once, then the short burst of max-num-seqs 4
+            assert step["requests_ok"] == step["requests_total"] == 9
+            assert "burst" in step["device_peaks_mib"], step
     final = rep["derivation"]["kv_cache_memory_bytes"]
     assert d["pinned_kv_mib"] * MIB <= final < (BUDGET_MIB - d["non_kv_peak_mib"]) * MIB
     serve = (out / "serve.sh").read_text(encoding="utf-8")
@@ -148,3 +153,30 @@ def test_a_kv_the_budget_refuses_dies_at_start_up_and_is_backed_off_from(
     back = next(d for d in tuner.decisions if d["decision"] == "back off")
     assert back["kv_cache_bytes"] == (BUDGET_MIB - peak - MARGIN_MIB) * MIB
     assert "the KV cache itself was refused" in back["detail"]
+
+
+def test_sigkill_of_pretuner_during_the_load_leaves_no_vllm_process(tmp_path: Path) -> None:
+    # Issue 28: real vLLM's EngineCore, Worker and resource tracker kept running under init
+    # after a SIGKILL of pretuner, holding the memory; now none is left 10 s later.
+    mark = f"{uuid.uuid4().hex}"
+    stderr = tmp_path / "stderr.txt"
+    env = cli_env(PRETUNER_VLLM_PYTHON=str(PYTHON), TREE_TEST_MARK=mark)
+    with open(stderr, "w") as err:
+        pt = subprocess.Popen(
+            [sys.executable, "-m", "pretuner", "run", "--model", str(TINY), "--engine",
+             "vllm-cpu", "--card", "6", "--server-arg", "--load-format dummy",
+             "--max-num-seqs", "4", "--max-launches", "2", "--enforce-eager",
+             "--out", str(tmp_path / "run")], env=env, cwd=tmp_path,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            wait_for(stderr, " probe ", timeout=600)  # the pre-run's request in flight
+            engine = marked(f"TREE_TEST_MARK={mark}")
+            assert len(engine) >= 3, "the API server, EngineCore and more"  # the tree to end
+            pt.kill()
+            pt.wait(timeout=10)
+        finally:
+            if pt.poll() is None:
+                pt.kill()
+                pt.wait()
+    left = survivors(tmp_path / "none", f"TREE_TEST_MARK={mark}")
+    assert left == [], stderr.read_text()[-1000:]

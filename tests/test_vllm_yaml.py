@@ -185,4 +185,4 @@ def test_a_quoted_server_log_tail_holds_no_key(tmp_path: Path) -> None:
     assert CANARY not in tail
     assert "hf_x" not in tail
     assert "'api_key': '<redacted>', 'tokenizer': 'Qwen/Qwen3-8B', 'max_num_seqs': 8}" in tail
-    assert "(host=None, api_key='<redacted>', hf_token='<redacted>', max_model_len=4096)" in tail
+    assert "(host=None, api_key='<redacted>', hf_token=\"<redacted>\", max_model_len=4096)" in tail

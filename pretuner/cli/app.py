@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,8 @@ from typer.core import TyperGroup
 
 from pretuner import __version__
 from pretuner.cli.render import echo_json
-from pretuner.errors import ExitCode, PretunerError, RunInterrupted
+from pretuner.errors import BadInputError, ExitCode, PretunerError, RunInterrupted
+from pretuner.redact import redact_text, remember_secrets
 
 
 class Group(TyperGroup):
@@ -135,22 +138,55 @@ def hoist_global_flags(argv: list[str]) -> list[str]:
     return moved + head + rest
 
 
+class Redacting:
+    """stdout or stderr with every write through pretuner.redact (results, errors, logging)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(redact_text(text))
+        return len(text)
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app, turn every known error into one line and an exit code
-    (`argv`, sys.argv[1:] when not given, lets the tests run this very boundary in-process)."""
+    (`argv`, sys.argv[1:] when not given, lets the tests run this very boundary in-process);
+    no secret of its command line or environment is printed."""
     args = hoist_global_flags(sys.argv[1:] if argv is None else argv)
+    remember_secrets(args, os.environ)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = Redacting(out), Redacting(err)
+    try:
+        _main(args)
+    finally:
+        sys.stdout, sys.stderr = out, err
+
+
+def _main(args: list[str]) -> None:
     try:
         code = app(args=args, prog_name="pretuner", standalone_mode=False)
     except RunInterrupted as err:
         typer.echo(f"pretuner: {err}", err=True)  # "interrupted; resume with: ..."
         raise SystemExit(int(err.exit_code)) from None
     except PretunerError as err:
-        if wants_json(args):  # a script reads the failure as it reads a result
-            echo_json(error_json(err))
-        if state.debug:  # the traceback, and still the documented exit code
-            traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-        typer.echo(f"pretuner: error: {err}", err=True)
-        raise SystemExit(int(err.exit_code)) from None
+        fail(err, args)
+    except OSError as err:
+        if err.filename is None:  # not a path the user named: a bug, with its traceback
+            raise
+        # A path the system refused (too long, a folder, a file where a folder goes, busy):
+        # whichever command met it, the user gave it and can give another.
+        refused = BadInputError(f"cannot use {str(err.filename)!r}: {err.strerror or err}",
+                                hint="pass another path")
+        refused.__traceback__ = err.__traceback__
+        fail(refused, args)
     except (KeyboardInterrupt, typer.Abort):  # click turns a Ctrl-C into Abort
         typer.echo("pretuner: interrupted", err=True)
         raise SystemExit(int(ExitCode.INTERRUPTED)) from None
@@ -158,6 +194,16 @@ def main(argv: list[str] | None = None) -> None:
         usage_error(err, args)
     if isinstance(code, int) and code:
         raise SystemExit(code)
+
+
+def fail(err: PretunerError, args: list[str]) -> None:
+    """The one line (or `--json` object) of an error, and its documented exit code."""
+    if wants_json(args):  # a script reads the failure as it reads a result
+        echo_json(error_json(err))
+    if state.debug:  # the traceback, and still the documented exit code
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    typer.echo(f"pretuner: error: {err}", err=True)
+    raise SystemExit(int(err.exit_code)) from None
 
 
 def usage_error(err: Exception, args: list[str]) -> None:

@@ -104,7 +104,7 @@ def plan_cmd(
             if not as_json:
                 typer.echo("\n".join(render_proposal(proposal)))
         raise
-    emit(as_json, result.to_json(), render_plan(result))
+    emit(as_json, result.to_json(), render_plan(result, model))
 
 
 def render_images(vp: VisionPlan) -> list[str]:
@@ -137,7 +137,7 @@ def render_images(vp: VisionPlan) -> list[str]:
     ]
 
 
-def render_plan(r: PlanResult) -> str:
+def render_plan(r: PlanResult, given: str | None = None) -> str:
     from pretuner.engines.mindspore_r01 import R01
     from pretuner.engines.vllm_v1 import card_unit
     from pretuner.plan.weights import render_weights_plan
@@ -175,6 +175,6 @@ def render_plan(r: PlanResult) -> str:
     if r.vision:
         lines += ["", *render_images(r.vision)]
     lines.append(preset_line(r.model, r.card_gib, r.tp, r.requested.kv_tokens, "predicted",
-                             engine))
+                             engine, given))
     lines.append("\nPredictions only: `pretuner run` measures them with a pre-run.")
     return "\n".join(lines)

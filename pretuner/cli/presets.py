@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+from enum import Enum
 from pathlib import Path
 
 import typer
@@ -103,6 +105,40 @@ def add_cmd(
     )
     emit(as_json, {"preset": p.name, "file": str(path)},
          f"{path}  (pretuner presets show {p.name}; pretuner script --preset {p.name})")
+
+
+class ExportFormat(str, Enum):
+    VLLM_RECIPE = "vllm-recipe"
+
+
+@presets_app.command("export")
+def export_cmd(
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN_DIR", help="A finished, validated run folder (report.json)."
+    ),
+    fmt: ExportFormat = typer.Option(
+        ExportFormat.VLLM_RECIPE, "--format",
+        help="vllm-recipe (the only one so far): a vLLM recipes hardware_overrides block.",
+    ),
+    hardware: str | None = typer.Option(
+        None, "--hardware", metavar="ID",
+        help="The recipes hardware profile of the run's card (default: from its name).",
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", metavar="FILE", help="Write here (default: print); never overwritten."
+    ),
+) -> None:
+    """A proven run in the ecosystem's format, with the proof's evidence."""
+    from pretuner.presets.recipe import recipe_block, recipe_yaml
+
+    rep = finished_run(run_dir)
+    report = Path(run_dir) / "report.json" if Path(run_dir).is_dir() else Path(run_dir)
+    digest = hashlib.sha256(report.read_bytes()).hexdigest()
+    text = recipe_yaml(recipe_block(rep, digest, hardware, datetime.date.today().isoformat()))
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        write_atomic(out, text)
 
 
 @presets_app.command("docs")

@@ -53,7 +53,7 @@ class Progress:
                 self.status[phase] = detail
                 return
             now = time.monotonic()
-            if phase == "launch":
+            if phase in ("launch", "replay"):  # a replayed launch keeps its number on --resume
                 self.launch += 1
                 self.status.clear()
             self.phase, self.phase_t0 = phase, now

@@ -20,7 +20,7 @@ from pretuner.report.records import (
 )
 from pretuner.tune.entry import DryRun
 from pretuner.tune.pinned.report_sections import summary_lines
-from pretuner.tune.report import SIM_NOTE, step_cells
+from pretuner.tune.report import SIM_NOTE, peak_words, step_cells
 
 SIM_BANNER = f"*** {SIM_NOTE} ***"
 
@@ -100,7 +100,7 @@ def render_summary(rep: RunReport, record: Path) -> str:
     rows = [step_cells(s) for s in rep.steps]
     lines += [
         f"{rep.model} on {rep.engine}, {device_words(rep)}, TP{rep.tp} x PP{rep.pp}, "
-        f"{rep.nodes} node(s): {status} after {rep.launches} launch(es)",
+        f"{rep.nodes} node(s): {status} after {rep.launches} launch(es){peak_words(rep)}",
         "",
         table(("#", "purpose", "KV", "max_model_len", "seqs", "outcome",
                f"worst peak MiB ({tag})", f"KV tokens ({tag})", "s"), rows),
@@ -116,7 +116,8 @@ def render_summary(rep: RunReport, record: Path) -> str:
     if f.engine_serve_command:
         lines.append("with the real engine (to be measured there): "
                      f"{shlex.join(f.engine_serve_command)}")
-    lines.append(preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens or 0, tag, rep.engine))
+    lines.append(preset_line(rep.model, rep.card_gib, rep.tp, f.kv_tokens or 0, tag, rep.engine,
+                             rep.model_arg))
     if (c := rep.cluster) is not None:  # where the ranks ran, and each launch's worst rank
         where = ", ".join(f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
                           for n in c["nodes"])

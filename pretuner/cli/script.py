@@ -136,6 +136,7 @@ def script_cmd(
     from pretuner.deploy.context import ScriptOptions
     from pretuner.deploy.given import GivenValues, preset_from_values
     from pretuner.deploy.render import render_scripts, run_scripts, write_scripts
+    from pretuner.models import local_model_path
     from pretuner.presets.model import resolve_preset
 
     if util is not None:
@@ -186,7 +187,8 @@ def script_cmd(
             p = resolve_preset(preset)
     opts = ScriptOptions(
         engine_version=engine_version,
-        model_path=model_path,
+        # A folder by its absolute path: the scripts run from other folders.
+        model_path=local_model_path(model_path) or model_path if model_path else None,
         nic=nic,
         head_ip=head_ip,
         install_dir=install_dir,

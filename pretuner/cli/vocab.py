@@ -86,26 +86,48 @@ CONFIG_KEYS = {
         "kv-cache-dtype", "limit-mm-per-prompt", "mm-processor-cache-gb", "quantization",
         "cpu-offload-gb", "swap-space", "enforce-eager")},
 }
+# The YAML types each of those takes (vLLM's own argument types); a count is never `true`.
+_COUNT, _NUMBER, _TOKENS, _TEXT = (int,), (int, float), (int, str), (str,)
+CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "util": _NUMBER, "tp": _COUNT, "pp": _COUNT, "model": _TEXT, "max_model_len": _TOKENS,
+    "max_num_seqs": _COUNT, "max_num_batched_tokens": _TOKENS, "block_size": _COUNT,
+    "kv_cache_dtype": _TEXT, "limit_mm_per_prompt": (dict, str), "mm_processor_cache_gb": _NUMBER,
+    "quantization": _TEXT, "cpu_offload_gb": _NUMBER, "swap_space": _NUMBER,
+    "enforce_eager": (bool,),
+}
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               dict: "a mapping"}
 # Keys pretuner decides for every launch: a config that sets them would be overruled.
 OWNED_KEYS = {"kv-cache-memory-bytes": "it is what pretuner measures; drop it from the config"}
 CONFIG_EXTRA = "pretuner_config_extra"
 
 
 def read_vllm_config(path: Path) -> tuple[dict[str, Any], list[str]]:
-    """The `pretuner run` defaults a vLLM config file gives, and its other keys as server flags
-    (one `--server-arg` each, quoted: a value is never split at its spaces).
+    """The `pretuner run` defaults a vLLM config file gives, typed, and its other keys as
+    server flags (one `--server-arg` each, quoted: a value is never split at its spaces).
 
     Keys may be spelled with `-` or `_`, as vLLM allows; a value that is a list becomes one
-    flag per item, `true` a bare flag and `false` its `--no-` form.
+    flag per item, `true` a bare flag and `false` its `--no-` form. The file is read bounded
+    (`read_bounded`, `check_expanded`): a device, a FIFO or an alias bomb is refused.
     """
     import yaml  # here, not at the top: `pretuner --help` never reads a config
 
+    from pretuner.errors import BadInputError
+    from pretuner.files import check_expanded, read_bounded
+
     try:
-        data = yaml.safe_load(path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError) as err:
-        raise typer.BadParameter(f"cannot read {str(path)!r}: {err}") from None
+        # libyaml's loader where PyYAML has it: it refuses deep nesting at once (the pure
+        # Python one takes seconds to hit the recursion limit)
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+        data = yaml.load(read_bounded(path), Loader=loader)  # noqa: S506 (a safe loader)
+        check_expanded(data, path)
+    except BadInputError as err:
+        raise typer.BadParameter(str(err)) from None
+    except RecursionError:
+        raise typer.BadParameter(f"{str(path)!r} nests too deeply to be a vLLM config") from None
     except yaml.YAMLError as err:
-        raise typer.BadParameter(f"{str(path)!r} is not YAML: {err}") from None
+        reason = " ".join(str(err).split())  # one line: PyYAML's is several
+        raise typer.BadParameter(f"{str(path)!r} is not YAML: {reason}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -120,10 +142,21 @@ def read_vllm_config(path: Path) -> tuple[dict[str, Any], list[str]]:
         if key in OWNED_KEYS:
             raise typer.BadParameter(f"{str(path)!r} sets {key}: {OWNED_KEYS[key]}")
         if key in CONFIG_KEYS:  # a mapping (limit-mm-per-prompt: {image: 2}) as vLLM's JSON
+            value = _typed(path, key, value)
             defaults[CONFIG_KEYS[key]] = json.dumps(value) if isinstance(value, dict) else value
         elif flags := _flags(key, value):
             extra.append(shlex.join(flags))
     return defaults, extra
+
+
+def _typed(path: Path, key: str, value: Any) -> Any:
+    """`value` when it has a type `key` takes (`max-model-len: true` does not); null is unset."""
+    types = CONFIG_TYPES[CONFIG_KEYS[key]]
+    if value is None or isinstance(value, types) and (bool in types or not isinstance(value, bool)):
+        return value
+    want = " or ".join(_TYPE_WORDS[t] for t in types)
+    raise typer.BadParameter(f"{str(path)!r}: {key}: {json.dumps(value, default=str)} is not "
+                             f"{want}")
 
 
 def _flags(key: str, value: Any) -> list[str]:

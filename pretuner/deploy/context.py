@@ -6,7 +6,9 @@ asked) and a pinned one (a V1 engine's `--kv-cache-memory-bytes` and the command
 from __future__ import annotations
 
 import math
+import os
 import re
+import shlex
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,7 +16,16 @@ from pretuner import __version__
 from pretuner.cluster.env import node_exports
 from pretuner.engines.base import Deployment, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import R01, R01Engine, version_tuple
-from pretuner.engines.vllm_v1 import DEFAULT_UTIL, NIC_VARS, RAY_RESOURCE, ROWS, V1Engine, V1Row
+from pretuner.engines.vllm_v1 import (
+    DEFAULT_UTIL,
+    DEVICE_TOOLS,
+    MEMORY_FLAGS,
+    NIC_VARS,
+    RAY_RESOURCE,
+    ROWS,
+    V1Engine,
+    V1Row,
+)
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
 from pretuner.presets.model import (
@@ -26,6 +37,7 @@ from pretuner.presets.model import (
     engine_words,
 )
 from pretuner.redact import SecretArg, classify_argv, is_secret_name, one_line
+from pretuner.report.records import RunReport
 from pretuner.units import GIB
 
 
@@ -43,6 +55,52 @@ class ScriptOptions:
     # r0.1 only: the server command, model included, to use instead of the version's
     command: tuple[str, ...] | None = None
     status: str | None = None  # a run's own files: "validated under full load" or not
+    proof: Proof | None = None  # a run's own files: what the scripts check before starting
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    """The fingerprint of the run that proved a configuration: the scripts check it before
+    starting (a None is what the run did not record, and is not checked)."""
+
+    engine: str
+    distribution: str | None  # the engine as importlib.metadata knows it
+    version: str | None
+    device_tool: str | None  # nvidia-smi or npu-smi; None: no device to read (CPU)
+    visible_devices_var: str
+    device_name: str | None  # as the device tool prints it
+    device_total_mib: int | None
+    free_mib: int | None  # the device's free memory when the proof started
+    retune: str | None = None  # the run again with every option it was given (a real device's)
+
+    def lines(self) -> list[str]:
+        """The fingerprint as the scripts' header says it."""
+        def known(value: int | None) -> str:
+            return "not recorded" if value is None else f"{value:,} MiB"
+
+        return [
+            "proof fingerprint (the startup scripts check it before starting): engine "
+            f"{self.engine} {self.version or '(version not recorded)'}; device "
+            f"{self.device_name or '(name not recorded)'}, total "
+            f"{known(self.device_total_mib)}, free when the proof started {known(self.free_mib)}",
+        ]
+
+
+def proof_of(rep: RunReport) -> Proof:
+    """What a finished run proved its configuration on: the engine and its version, the device
+    its final launch saw (total, and free = total - used when that launch began)."""
+    row = ROWS.get(rep.engine) or ROWS["vllm-mindspore"]  # r0.1: vLLM-MindSpore's facts
+    last = next((s for s in reversed(rep.steps) if s.device_total_mib), None)
+    total = last.device_total_mib if last is not None else None
+    used = last.device_peaks_mib.get("launch") if last is not None else None
+    return Proof(
+        engine=rep.engine, distribution=row.distributions[0], version=rep.engine_version,
+        device_tool=DEVICE_TOOLS.get(row.device), visible_devices_var=row.visible_devices_var,
+        device_name=None, device_total_mib=total,
+        free_mib=total - used if total is not None and used is not None else None,
+        # an emulated card's run is re-tuned on the real device: the header's command
+        retune=None if rep.simulated else shlex.join(rep.retune_command),
+    )
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -246,6 +304,10 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     secret_notes += [f"secret {k} is not written here: export it {where}" for k in secret_env]
     env_checks = [_check_line(k, "a secret the server needs") for k in secret_env]
     figures = ", ".join(f"{k} {v:g}" for k, v in p.figures.items())
+    # A folder by its path: from another folder, its name is a registry model or nothing.
+    retune_model = shlex.quote(model_path) if os.path.isabs(model_path) else p.model
+    retune = (f"pretuner run --model {retune_model}{s.retune} --card {p.card_gib} --tp {p.tp} "
+              f"--max-model-len {p.max_model_len}")
     header = [
         *([f"run {p.run_id or '-'}: {opts.status}"] if opts.status else []),
         f"model {p.model} ({p.weights_format}) from {model_path}",
@@ -256,8 +318,8 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         f"source: {p.source}",
         f"preset {p.name}; run {p.run_id or '-'}; rendered by pretuner {__version__} "
         f"for {s.engine}",
-        f"re-tune: pretuner run --model {p.model}{s.retune} --card {p.card_gib} --tp {p.tp} "
-        f"--max-model-len {p.max_model_len}, then pretuner script RUN_DIR",
+        f"re-tune: {retune}, then pretuner script RUN_DIR",
+        *(opts.proof.lines() if opts.proof else []),
         *s.notes,
         *secret_notes,
         *s.late_notes,
@@ -279,5 +341,9 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         "ray_port": opts.ray_port,
         "head_ip": opts.head_ip or "",
         "env_path": f"{opts.install_dir.rstrip('/')}/tuned.env",
+        "guard_path": f"{opts.install_dir.rstrip('/')}/pretuner-guard.sh",
+        "guard": None if opts.proof is None else {
+            "proof": opts.proof, "retune": opts.proof.retune or retune,
+            "memory_flags": sorted(MEMORY_FLAGS)},
         "unit_description": one_line(f"{s.unit_engine} serving {p.model} (preset {p.name})"),
     }

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
-from pretuner.models import resolve
+from pretuner.models import local_model_path, resolve
 from pretuner.presets.model import KvBasis, Preset, PresetKind, model_use_budget_bytes
 from pretuner.units import GIB
 
@@ -93,7 +92,7 @@ def preset_from_values(v: GivenValues) -> Preset:
             f"per card): at most {full} full-length sequence(s) fit at once; the rest wait or "
             "are preempted"
         )
-    model_path = v.model if Path(v.model).expanduser().is_dir() else spec.hf_id
+    model_path = local_model_path(v.model) or spec.hf_id  # a folder by its absolute path
     name = f"{spec.name}-tp{v.tp}-{v.card_gib}g-given"
     return Preset(
         name=re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-"), kind=PresetKind.GIVEN,

@@ -6,8 +6,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from pretuner.deploy.context import ScriptOptions, build_context
-from pretuner.deploy.targets import Target, files_for
+from pretuner.deploy.context import ScriptOptions, build_context, proof_of
+from pretuner.deploy.targets import GUARD_FILE, Target, files_for
 from pretuner.errors import BadInputError
 from pretuner.files import write_atomic
 from pretuner.presets.model import Preset, preset_from_report
@@ -24,7 +24,8 @@ def render_scripts(p: Preset, opts: ScriptOptions, targets: list[Target]) -> dic
             hint="e.g. /etc/pretuner",
         )
     ctx = build_context(p, opts)
-    return {name: render_template(tpl, ctx) for name, tpl in files_for(targets, p.nodes)}
+    return {name: render_template(tpl, ctx) for name, tpl in files_for(targets, p.nodes)
+            if name != GUARD_FILE or ctx["guard"] is not None}
 
 
 def run_scripts(rep: RunReport, opts: ScriptOptions, targets: list[Target]) -> dict[str, str]:
@@ -38,7 +39,8 @@ def run_scripts(rep: RunReport, opts: ScriptOptions, targets: list[Target]) -> d
         command = tuple(f.serve_command[: len(f.serve_command) - len(f.flags)])
     status = "validated under full load" if rep.validated else "NOT validated"
     return render_scripts(preset_from_report(rep, date="-"),
-                          replace(opts, command=command, status=status), targets)
+                          replace(opts, command=command, status=status, proof=proof_of(rep)),
+                          targets)
 
 
 def write_scripts(files: dict[str, str], out: Path) -> list[Path]:

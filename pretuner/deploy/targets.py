@@ -15,13 +15,16 @@ class Target(str, Enum):
     SYSTEMD = "systemd"
 
 
+GUARD_FILE = "pretuner-guard.sh"  # the systemd unit's ExecStartPre=
 # Target -> (file name, template); a `.sh` is written executable
 _FILES: dict[Target, tuple[tuple[str, str], ...]] = {
     Target.SERVE: (("serve.sh", "serve.sh.j2"),),
     Target.ENV: (("tuned.env", "tuned.env.j2"),),
     Target.CONFIG: (("vllm-config.yaml", "vllm-config.yaml.j2"),),
     Target.RAY: (("ray-head.sh", "ray-head.sh.j2"), ("ray-worker.sh", "ray-worker.sh.j2")),
-    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2"),),
+    # the guard only where a run proved the configuration (`render.render_scripts`)
+    Target.SYSTEMD: (("pretuner-serve.service", "systemd.service.j2"),
+                     (GUARD_FILE, "guard.sh.j2")),
 }
 
 

@@ -101,8 +101,12 @@ def run_tool(argv: list[str], timeout_s: float, env: Mapping[str, str] | None = 
     try:
         done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
                               timeout=timeout_s, env=env, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise DeviceReadError(f"{shlex.join(argv)}: {err}") from err
+    except FileNotFoundError:
+        raise DeviceReadError(f"{argv[0]} is not available here") from None
+    except subprocess.TimeoutExpired:  # a hung driver, not a missing tool: say which
+        raise DeviceReadError(f"{shlex.join(argv)} timed out after {timeout_s:g} s") from None
+    except OSError as err:
+        raise DeviceReadError(f"{shlex.join(argv)}: {err.strerror or err}") from err
     if done.returncode != 0:
         raise DeviceReadError(f"{shlex.join(argv)} exited with code {done.returncode}")
     return decode_output(done.stdout)

@@ -127,23 +127,19 @@ class CardInfo:
     holders: tuple[Holder, ...] = ()
 
 
-def npu_smi_text(argv: list[str], env: Mapping[str, str] | None = None,
-                 timeout_s: float = 30) -> str:
-    """What an `npu-smi info` command prints; "" when it is missing, fails or hangs."""
-    try:
-        return run_tool(argv, timeout_s, env)
-    except DeviceReadError as err:
-        log.debug("npu-smi not usable: %s", err)
-        return ""
-
-
 def detect_card(smi: list[str] | None, source: str, card_gib: int | None,
-                env: Mapping[str, str]) -> CardInfo:
+                env: Mapping[str, str], timeout_s: float = 30) -> CardInfo:
     """Card size and free memory from `smi` (an `npu-smi info` command; None: none) unless
     given; a --card that differs from the tool's is warned about, the tool's free memory kept."""
     if card_gib is not None and card_gib < 1:
         raise BadInputError(f"card size {card_gib} GiB is invalid", hint="e.g. --card 64")
-    text = npu_smi_text(smi, env) if smi is not None else ""
+    text, why = "", "npu-smi is not available here"
+    if smi is not None:
+        try:
+            text = run_tool(smi, timeout_s, env)
+        except DeviceReadError as err:  # missing, failing or hung: said as it is
+            log.debug("npu-smi not usable: %s", err)
+            why = str(err)
     cards = parse_npu_smi(text)
     if cards:
         total = min(c.hbm_total_mib for c in cards)
@@ -154,7 +150,7 @@ def detect_card(smi: list[str] | None, source: str, card_gib: int | None,
         # Only the processes on the cards this run sizes for: every chip npu-smi listed.
         return CardInfo(card_gib or measured, free, source, parse_npu_processes(text))
     if card_gib is None:
-        raise BadInputError("no card size: npu-smi is not available here",
+        raise BadInputError(f"no card size: {why}",
                             hint="pass --card (e.g. --card 64)")
     return CardInfo(card_gib, None, "given")
 

@@ -99,10 +99,15 @@ class Deployment:
     notes: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
-        out: list[str] = []
-        for flag, value in self.flags:
-            out += [flag] if value is None else [flag, value]
-        return out
+        return [word for flag, value in self.flags for word in flag_words(flag, value)]
+
+
+def flag_words(flag: str, value: str | None) -> list[str]:
+    """A flag and its value as argv words; a value that starts with "-" (a model folder named
+    `-rf`) joined by "=", else the engine's parser would read it as a flag of its own."""
+    if value is None:
+        return [flag]
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
 
 
 class Engine(Protocol):

@@ -20,6 +20,7 @@ from pretuner.engines.base import (
     Purpose,
     Target,
     api_key,
+    flag_words,
 )
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, kind_of
 from pretuner.errors import BadInputError, ServerFailedError
@@ -136,7 +137,7 @@ class R01Engine:
         base, model_as_flag = self.base_command()
         argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
         argv += ["--host", target.host, "--port", str(target.port),
-                 "--served-model-name", target.served_name]
+                 *flag_words("--served-model-name", target.served_name)]
         deployment = self.deploy(settings)
         argv += deployment.argv()
         return LaunchCommand(argv=argv, env={**deployment.env, **self.launch_env,

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
 from pretuner.errors import RequestRefusedError
 from pretuner.launch import probe
+from pretuner.launch.sampler import requests_status
 from pretuner.speed import Speed
 
 
@@ -77,6 +78,10 @@ class LaunchOutcome:
     encoder_budget_tokens: int | None = None  # V1, vision-language: the engine's log says
     encoder_profiled_items: int | None = None
     speed: Speed | None = None  # V1 validations: time to first token and decode tokens/s
+    # V1 engines that profiled: the KV bytes their log suggests, to fit the requested util and
+    # to fill the device (shown beside pretuner's, never adopted)
+    advised_kv_bytes: int | None = None
+    advised_full_kv_bytes: int | None = None
 
     @classmethod
     def of(cls, n: int, settings: LaunchSettings, kind: OutcomeKind, log_path: Path,
@@ -131,6 +136,26 @@ def kind_of(refused: OutcomeKind | None, oom: bool, in_request: bool, weights_lo
     return OutcomeKind.OK
 
 
+# What each sampled phase of a launch is, for the verdict that names the one that set the
+# peak (`launch.sampler` tags every sample with the phase the exercise announced).
+PHASE_WORDS = {
+    "launch": "start-up", "loading": "start-up (weights, profiling, graphs, warm-up)",
+    "ready": "start-up", "probe": "the max-length request",
+    "worst": "the worst single request (a max-length request alone)",
+    "load": "the concurrent max-length requests",
+    "burst": "the short burst (max-num-seqs requests at once)",
+    "images": "the concurrent worst-case image requests", "soak-1": "the soak's first half",
+    "soak-2": "the soak's second half", "reset": "the multimodal cache reset",
+    "after-soak": "the image burst after the soak", "stop": "the stop",
+}
+
+
+def peak_phase(peaks_mib: dict[str, int]) -> str | None:
+    """The phase that set a launch's device peak: the first to reach it (the device's level
+    only grows while torch keeps what it cached); None when nothing was sampled."""
+    return max(peaks_mib, key=peaks_mib.__getitem__, default=None)
+
+
 # One launch: run for real (`tune.execute.recorded_executor`), replayed, or scripted in a test.
 Executor = Callable[[LaunchSettings], LaunchOutcome]
 
@@ -148,6 +173,8 @@ class RequestContext(Protocol):
     def decode_tokens(self) -> int: ...
     @property
     def vocab_size(self) -> int | None: ...
+    @property
+    def burst_tokens(self) -> int: ...
 
 
 def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
@@ -156,6 +183,45 @@ def workload(s: LaunchSettings, decode_tokens: int) -> tuple[int, int, int]:
         return 1, probe.max_length_prompt_len(s.max_model_len, 1), 1
     decode = decode_len(s, decode_tokens)
     return s.max_num_seqs, probe.max_length_prompt_len(s.max_model_len, decode), decode
+
+
+# A burst request's prompt: short, as production's chat turns are; what matters is the width.
+BURST_PROMPT_TOKENS = 128
+# What each generates on an accelerator: long enough that the requests, which reach the server
+# over a second or so, decode together (CPU engines: their validation's few decode tokens).
+BURST_OUTPUT_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class Burst:
+    """The proof's wide short burst: `requests` at once, each `prompt_len` + `max_tokens`."""
+
+    requests: int
+    prompt_len: int
+    max_tokens: int
+
+
+def burst_shape(s: LaunchSettings, kv_tokens: int | None, out_tokens: int) -> Burst:
+    """max-num-seqs short requests sized so that all of them run in one batch: the widest
+    batch production reaches, where the logits and the sampler's buffers (rows x vocabulary)
+    peak. `kv_tokens` None: the KV cache holds max-num-seqs max-length sequences (r0.1).
+
+    - at most max-num-batched-tokens requests: a decode step takes one token of each;
+    - each gets an equal share of the KV cache in whole blocks (and of max_model_len), so
+      the engine never preempts one: fewer requests only when the cache has fewer blocks;
+    - the prompts are prefilled over ceil(requests x prompt / max-num-batched-tokens) steps;
+      each request generates twice that (at least `out_tokens`), so all of them decode
+      together for at least as many steps as the prefill took."""
+    count = max(1, min(s.max_num_seqs, s.max_num_batched_tokens))
+    room = s.max_model_len
+    if kv_tokens is not None:
+        blocks = max(1, kv_tokens // s.block_size)
+        count = min(count, blocks)
+        room = min(room, blocks // count * s.block_size)
+    prompt = max(1, min(BURST_PROMPT_TOKENS, room // 2))
+    steps = -(-count * prompt // s.max_num_batched_tokens)
+    out = max(1, min(room - prompt, max(out_tokens, 2 * steps)))
+    return Burst(count, prompt, out)
 
 
 def decode_len(s: LaunchSettings, decode_tokens: int) -> int:
@@ -169,6 +235,28 @@ def probe_one(s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase) -
     phase("probe", f"one request of {plen + 1:,} tokens")
     prompt = probe.probe_prompt(plen, ctx.seed, ctx.vocab_size)
     return tally([probe.complete(base, ctx.served_name, prompt, 1, ctx.request_timeout_s)], plen)
+
+
+# The burst's prompts differ from the load's (no prefix-cache hit shortens their prefill).
+BURST_SEED_OFFSET = 104729
+
+
+def short_burst(s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase,
+                kv_tokens: int | None, before: Exercised) -> Exercised:
+    """The proof's wide short burst (`burst_shape`), counted with what ran `before` it."""
+    b = burst_shape(s, kv_tokens, ctx.burst_tokens)
+    phase("burst", f"{b.requests:,} concurrent short requests of {b.prompt_len} + "
+          f"{b.max_tokens} tokens: the widest batch max-num-seqs {s.max_num_seqs} allows")
+    got = tally(probe.load(base, ctx.served_name, b.requests, b.prompt_len, b.max_tokens,
+                           ctx.seed + BURST_SEED_OFFSET, ctx.request_timeout_s, ctx.vocab_size,
+                           on_done=requests_status(phase)).outcomes, b.prompt_len)
+    return joined(before, got)
+
+
+def joined(before: Exercised, after: Exercised) -> Exercised:
+    """Two parts of one launch's requests, counted together (the first error named)."""
+    return Exercised(before.ok + after.ok, before.total + after.total,
+                     before.dropped + after.dropped, before.error or after.error)
 
 
 def tally(outs: Sequence[probe.CompletionOutcome], prompt_len: int | None) -> Exercised:

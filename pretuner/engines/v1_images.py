@@ -2,12 +2,13 @@
 chat API with the most images of the largest size a prompt may carry.
 
 Pre-run: two short text requests calibrate the prompt length the server counts, then one
-worst-case image request (text filling the rest of max_model_len). Validation, worst first:
-the longest text prefill alone, then as many worst-case image requests at once as the KV cache
-holds (at most max-num-seqs); with a soak, a bounded mixed load in two halves (sizes and counts
-varied, every image distinct, so the caches that grow with distinct images fill), a cache
-reset where the server allows it, and the image burst again on top of what the soak left.
-Each part is its own sampled phase: the loop reads the soak's growth from their levels.
+worst-case image request (text filling the rest of max_model_len), then the wide short burst.
+Validation, worst first: the longest text prefill alone, then as many worst-case image requests
+at once as the KV cache holds (at most max-num-seqs), then the wide short burst
+(`outcome.burst_shape`); with a soak, a bounded mixed load in two halves (sizes and counts
+varied, every image distinct, so the caches that grow with distinct images fill), a cache reset
+where the server allows it, and the image burst again on top of what the soak left. Each part
+is its own sampled phase: the loop reads the soak's growth from their levels.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pretuner.engines.base import LaunchSettings, Phase, Purpose
-from pretuner.engines.outcome import Exercised, decode_len, tally
+from pretuner.engines.outcome import Exercised, decode_len, joined, short_burst, tally
 from pretuner.launch import chat
 from pretuner.launch.images import (
     IMAGE_WRAP_TOKENS,
@@ -74,7 +75,7 @@ def describe(req: MMRequest) -> str:
 
 
 def exercise_images(shape: ImageShape, soak: Soak, s: LaunchSettings, ctx: RequestContext,
-                    base: str, phase: Phase, count: int) -> Exercised:
+                    base: str, phase: Phase, count: int, kv_tokens: int | None) -> Exercised:
     """The pre-run's worst-case image request, or the validation (module docstring)."""
     name, timeout = ctx.served_name, ctx.request_timeout_s
     phase("probe" if s.purpose is Purpose.PRERUN else "load",
@@ -86,12 +87,14 @@ def exercise_images(shape: ImageShape, soak: Soak, s: LaunchSettings, ctx: Reque
         req = worst_case(shape, s.max_model_len, 1, f"probe/{ctx.seed}", cal.template_tokens)
         phase("probe", f"one chat request: {describe(req)} (template {cal.template_tokens} "
               "tokens, counted by the server)")
-        return tally([chat.send_fitted(base, name, req, cal, "probe", s.max_model_len,
-                                       timeout)], None)
+        ran = tally([chat.send_fitted(base, name, req, cal, "probe", s.max_model_len,
+                                      timeout)], None)
+        return ran if ran.ok < ran.total else short_burst(s, ctx, base, phase, kv_tokens, ran)
     decode = decode_len(s, ctx.decode_tokens)
     phases = validation_phases(shape, s.max_model_len, decode, count, soak.planned, ctx.seed,
                                cal.template_tokens)
     outs: list[CompletionOutcome] = []
+    burst_ran = Exercised(0, 0, 0, None)
     soaked = 0
     reset: int | None = None
     half_s = None if soak.minutes is None else soak.minutes * 30
@@ -107,17 +110,22 @@ def exercise_images(shape: ImageShape, soak: Soak, s: LaunchSettings, ctx: Reque
             soaked += len(got)
         if not all(o.ok for o in got):
             break
+        if p.name == "images":  # the wide short burst, before any soak grows the level
+            burst = short_burst(s, ctx, base, phase, kv_tokens, Exercised(0, 0, 0, None))
+            burst_ran = joined(burst_ran, burst)
+            if burst.ok < burst.total:
+                break
         if p.reset:
             reset = chat.reset_mm_cache(base, timeout)
             phase("reset", f"POST /reset_mm_cache: HTTP {reset or 'no answer'}; the device "
                   "sampled after it")
             time.sleep(RESET_SETTLE_S)
-    ran = tally(outs, None)
+    ran = joined(tally(outs, None), burst_ran)
     return Exercised(ran.ok, ran.total, ran.dropped, ran.error, soaked, reset)
 
 
 def phase_words(p: LoadPhase, soak: Soak) -> str:
-    if p.name == "load":
+    if p.name == "worst":
         return f"worst case first: the longest text prefill alone ({p.requests[0].max_tokens} " \
                "tokens generated)"
     if p.name in SOAK_PHASES:

@@ -1,9 +1,12 @@
 """How a V1 engine's launch is exercised and judged.
 
 Exercise: the pre-run sends one max-length request (its prefill runs in
-`max_num_batched_tokens` steps, the worst step at full context). A validation sends the worst
-case first, that request alone, then as many concurrent max-length requests as the KV cache
-holds (at most max-num-seqs): the shape the real H100 runs were proven with.
+`max_num_batched_tokens` steps, the worst step at full context), then the wide short burst, so
+that the peak it measures has the widest batch in it. A validation sends the worst
+case first, that request alone ("worst"), then as many concurrent max-length requests as the KV
+cache holds, at most max-num-seqs ("load": the shape the real H100 runs were proven with), then
+max-num-seqs short requests at once ("burst", `outcome.burst_shape`): the widest batch, where
+the logits and the sampler peak. Each is its own sampled phase, its peak recorded.
 
 Judge: V1 engines print no pool dump; the memory figure is the sampled device peak. What the
 log says decides the kind: vLLM's refusals, a torch/CPU allocator OOM at start-up (before or
@@ -25,6 +28,7 @@ from pretuner.engines.outcome import (
     decode_len,
     kind_of,
     probe_one,
+    short_burst,
     tally,
 )
 from pretuner.engines.v1_images import Soak, exercise_images
@@ -74,25 +78,33 @@ class V1Hooks:
     def exercise(self, s: LaunchSettings, ctx: RequestContext, base: str, phase: Phase,
                  log_path: Path) -> Exercised:
         if self.images is not None and not self.images.is_text_only:
-            count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
-            return exercise_images(self.images, self.soak, s, ctx, base, phase, count)
-        if s.purpose is Purpose.PRERUN:
-            return probe_one(s, ctx, base, phase)
+            kv_tokens = read_log(log_path).kv_tokens
+            count = concurrency(s, kv_tokens, self.bytes_per_token)
+            return exercise_images(self.images, self.soak, s, ctx, base, phase, count, kv_tokens)
+        if s.purpose is Purpose.PRERUN:  # the production shape: its widest batch included
+            ran = probe_one(s, ctx, base, phase)
+            if ran.ok < ran.total:
+                return ran
+            return short_burst(s, ctx, base, phase, read_log(log_path).kv_tokens, ran)
         decode = decode_len(s, ctx.decode_tokens)
         plen = probe.max_length_prompt_len(s.max_model_len, decode)
-        phase("load", f"worst case first: one request of {plen + decode:,} tokens alone, "
+        phase("worst", f"worst case first: one request of {plen + decode:,} tokens alone, "
               "streamed (time to first token, decode tokens/s)")
         first, arrivals = stream_complete(base, ctx.served_name,
                                           probe.probe_prompt(plen, ctx.seed + 7919, ctx.vocab_size),
                                           decode, ctx.request_timeout_s)
         if not first.ok:
             return tally([first], plen)
-        count = concurrency(s, read_log(log_path).kv_tokens, self.bytes_per_token)
+        kv_tokens = read_log(log_path).kv_tokens
+        count = concurrency(s, kv_tokens, self.bytes_per_token)
         phase("load", f"{count} concurrent requests of {plen + decode:,} tokens")
-        burst = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
-                           ctx.request_timeout_s, ctx.vocab_size, on_done=requests_status(phase))
-        ran = tally([first, *burst.outcomes], plen)
-        return replace(ran, speed=streamed_speed(first, arrivals, burst, plen))
+        full = probe.load(base, ctx.served_name, count, plen, decode, ctx.seed,
+                          ctx.request_timeout_s, ctx.vocab_size, on_done=requests_status(phase))
+        ran = tally([first, *full.outcomes], plen)
+        speed = streamed_speed(first, arrivals, full, plen)
+        if ran.ok < ran.total:
+            return replace(ran, speed=speed)
+        return replace(short_burst(s, ctx, base, phase, kv_tokens, ran), speed=speed)
 
     def outcome(self, n: int, s: LaunchSettings, log_path: Path, ran: Exercised,
                 failure: ServerFailedError | None, exited: int | None,
@@ -114,6 +126,8 @@ class V1Hooks:
             kv_tokens=v1.kv_tokens, kv_gib=v1.kv_gib, soak_requests=ran.soak_requests,
             reset_status=ran.reset_status, encoder_budget_tokens=v1.encoder_budget_tokens,
             encoder_profiled_items=v1.encoder_profiled_items, speed=ran.speed,
+            advised_kv_bytes=v1.advice.requested_bytes if v1.advice else None,
+            advised_full_kv_bytes=v1.advice.full_bytes if v1.advice else None,
         )
 
 
@@ -128,7 +142,8 @@ def streamed_speed(first: CompletionOutcome, arrivals: Arrivals | None, burst: L
                  decode_s=round(arrivals.last_s - arrivals.first_s, 4),
                  load_requests=len(burst.outcomes),
                  load_tokens=sum(o.completion_tokens or 0 for o in burst.outcomes if o.ok),
-                 load_s=round(burst.wall_seconds, 4), how="streamed")
+                 load_s=round(burst.wall_seconds, 4), how="streamed",
+                 decode_chunks=arrivals.chunks - 1)
 
 
 def host_killed(log_path: Path) -> ServerFailedError:

@@ -34,6 +34,7 @@ from pretuner.engines.base import (
     LaunchSettings,
     Target,
     api_key,
+    flag_words,
 )
 from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
@@ -119,6 +120,11 @@ OWNED_FLAGS = {
     "--limit-mm-per-prompt": "--limit-mm-per-prompt",
     "--mm-processor-cache-gb": "--mm-processor-cache-gb",
 }
+# What shapes device memory: a startup script given one of these runs an unproven configuration.
+MEMORY_FLAGS = frozenset([*OWNED_FLAGS.keys() - {"--model"}, "--quantization", "--cpu-offload-gb",
+                          "--swap-space", "--enforce-eager"])
+# By V1Row.device: the tool that names a device and its memory without importing the engine.
+DEVICE_TOOLS = {"cuda": "nvidia-smi", "ascend": "npu-smi"}
 # vLLM's torch.compile cache: under $VLLM_CACHE_ROOT (default $XDG_CACHE_HOME/vllm, else
 # ~/.cache/vllm), and inductor's own where TORCHINDUCTOR_CACHE_DIR moves it. A cold cache
 # recompiles at start-up, and can shrink the KV pool vLLM profiles (vLLM issues 54383, 54122).
@@ -341,7 +347,7 @@ class V1Engine:
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         argv = [*self.base_command(), target.model]
         argv += ["--host", target.host, "--port", str(target.port),
-                 "--served-model-name", target.served_name]
+                 *flag_words("--served-model-name", target.served_name)]
         flags = [f for f in self.deploy(settings).flags if f[0] not in PRODUCTION_FLAGS]
         argv += Deployment(tuple(flags), {}).argv()
         budget = self.budget_bytes(settings.card_gib)

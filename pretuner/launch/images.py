@@ -146,7 +146,7 @@ def validation_phases(shape: ImageShape, max_model_len: int, decode: int, count:
         return tuple(worst_case(shape, max_model_len, decode, f"worst/{seed}/{tag}/{i}",
                                 template_tokens) for i in range(count))
 
-    phases = [LoadPhase("load", (TextRequest(max_model_len - decode, decode),)),
+    phases = [LoadPhase("worst", (TextRequest(max_model_len - decode, decode),)),
               LoadPhase("images", burst("a"))]
     if soak <= 0:
         return phases

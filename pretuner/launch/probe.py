@@ -4,19 +4,24 @@ not), a burst or a closed loop of them."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import ipaddress
 import json
 import logging
 import random
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import requests
+from requests.adapters import HTTPAdapter
+from urllib3.connection import HTTPConnection
+from urllib3.connectionpool import HTTPConnectionPool
 
 from pretuner.errors import ServerFailedError
 
@@ -69,8 +74,53 @@ def _is_loopback(url: str) -> bool:
         return False
 
 
+@dataclass(eq=False, slots=True)
+class _Scope:
+    """The requests sent to one launched server (`bearer`): ended, none stays open."""
+
+    ended: bool = False
+    open: set[HTTPConnection] = field(default_factory=set)
+
+
+_SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("pretuner_requests",
+                                                                      default=None)
+_scope_lock = threading.Lock()
+
+
+class _ScopedConnection(HTTPConnection):
+    """A connection that its scope's end cuts from another thread: on Ctrl-C during a load a
+    server stopped while pretuner's requests are open waits for them ("Waiting for connections
+    to close") through the whole stop grace."""
+
+    _scope: _Scope | None = None
+
+    def connect(self) -> None:
+        scope = self._scope = _SCOPE.get()
+        if scope is not None:
+            with _scope_lock:
+                if scope.ended:
+                    raise ConnectionAbortedError("pretuner stopped its requests to this server")
+                scope.open.add(self)
+        super().connect()
+        if scope is not None and scope.ended:  # cut while it connected
+            self.close()
+            raise ConnectionAbortedError("pretuner stopped its requests to this server")
+
+    def close(self) -> None:
+        if self._scope is not None:
+            with _scope_lock:
+                self._scope.open.discard(self)
+        super().close()
+
+
+class _ScopedPool(HTTPConnectionPool):
+    ConnectionCls = _ScopedConnection
+
+
 def session_for(url: str) -> requests.Session:
     session = requests.Session()
+    manager = cast(HTTPAdapter, session.get_adapter("http://")).poolmanager
+    manager.pool_classes_by_scheme = {**manager.pool_classes_by_scheme, "http": _ScopedPool}
     # Ascend hosts often export http_proxy without a no_proxy for localhost; a health check
     # sent through the proxy would never reach the server we just launched.
     session.trust_env = not _is_loopback(url)
@@ -81,14 +131,25 @@ def session_for(url: str) -> requests.Session:
 
 @contextlib.contextmanager
 def bearer(base_url: str, key: str | None) -> Iterator[None]:
-    """Every request to the server at `base_url` sends `key` as its bearer token (if any)."""
+    """Every request to the server at `base_url` sends `key` as its bearer token (if any); at
+    the end (Ctrl-C included) the requests sent from within, in any thread, that are still open
+    are cut and no new one connects, so that the server can stop at once."""
     address = urlsplit(base_url).netloc
     if key:
         _BEARERS[address] = key
+    scope = _Scope()
+    token = _SCOPE.set(scope)
     try:
         yield
     finally:
+        _SCOPE.reset(token)
         _BEARERS.pop(address, None)
+        with _scope_lock:
+            scope.ended = True
+            cut, scope.open = list(scope.open), set()
+        for connection in cut:
+            with contextlib.suppress(OSError, AttributeError):
+                connection.sock.shutdown(socket.SHUT_RDWR)  # the reader thread wakes at once
 
 
 def get_ok(url: str, timeout_s: float) -> bool:
@@ -280,7 +341,9 @@ def send_all(calls: Sequence[Callable[[], CompletionOutcome]], timeout_s: float,
                 return
 
     join_by = None if wait_s is None else time.monotonic() + wait_s
-    running = [threading.Thread(target=work, name=f"pretuner-{name}-{k}", daemon=True)
+    # Each thread in a copy of the caller's context: its requests belong to the caller's scope.
+    running = [threading.Thread(target=contextvars.copy_context().run, args=(work,),
+                                name=f"pretuner-{name}-{k}", daemon=True)
                for k in range(threads)]
     for thread in running:
         thread.start()

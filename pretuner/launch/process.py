@@ -9,7 +9,8 @@ gets its own SIGTERM and shuts down cleanly. So `stop` signals the whole group a
 waits for every member, not only the process we started.
 
 The server runs in a new session, so a Ctrl-C in the terminal reaches pretuner only; pretuner
-then stops the group itself (context manager, `atexit`, `install_signal_handlers`).
+then stops the group itself (context manager, `atexit`, `install_signal_handlers`), and a
+`launch.watchdog` ends the whole tree when pretuner cannot (SIGKILL).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from types import FrameType, TracebackType
 
 from pretuner.errors import BadInputError, ServerFailedError
 from pretuner.launch.probe import get_ok
+from pretuner.launch.watchdog import Watchdog
 from pretuner.procgroups import (
     PID_FILE,
     describe_exit,
@@ -39,7 +41,7 @@ from pretuner.procgroups import (
     stop_group,
     write_pid_file,
 )
-from pretuner.redact import redact_argv, redact_log_text
+from pretuner.redact import redact_argv, redact_text
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +68,10 @@ _live_lock = threading.Lock()
 class ServerProcess:
     """A server started in its own session, its output in a log file."""
 
-    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, started: float) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], log_path: Path, started: float,
+                 watchdog: Watchdog) -> None:
         self._popen = popen
+        self._watchdog = watchdog
         self.pid = popen.pid
         # start_new_session makes the child a session and group leader before exec.
         self.pgid = popen.pid
@@ -86,21 +90,25 @@ class ServerProcess:
             raise ValueError("empty server command")
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Started first: a pretuner killed right after the server's start still has one.
+        watchdog = Watchdog(log_path.parent / "watchdog.log")
         # Append: an earlier run's log is never overwritten.
         with open(log_path, "ab") as log_file:
             try:
                 popen = subprocess.Popen(
-                    argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=log_file,
-                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                    preexec_fn=parent_death_guard(),  # only a prctl: safe after fork
+                    argv, env={**env, **watchdog.env}, cwd=cwd, stdin=subprocess.DEVNULL,
+                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                    close_fds=True, preexec_fn=parent_death_guard(),  # a prctl: safe after fork
                 )
             except OSError as exc:
+                watchdog.release()
                 raise ServerFailedError(f"cannot start server {argv[0]!r}: {exc}",
                                         hint="check the executable and the working folder",
                                         log_path=str(log_path)) from exc
         started = time.monotonic()
-        proc = cls(popen, log_path, started)
-        write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time())
+        proc = cls(popen, log_path, started, watchdog)
+        watchdog.guard(proc.pgid)
+        write_pid_file(proc._pid_file, popen.pid, proc.pgid, argv, time.time(), watchdog.token)
         with _live_lock:
             _live.add(proc)
         log.info("started server pid %d (log %s): %s", popen.pid, log_path,
@@ -173,6 +181,7 @@ class ServerProcess:
             exit_code = None
         result = StopResult(exit_code, not killed, killed, time.monotonic() - started)
         self._stop_result = result
+        self._watchdog.release()  # whatever of the tree left the group is swept now
         if exit_code is not None and not group_alive(self.pgid):
             remove_pid_file(self._pid_file)
         with _live_lock:
@@ -205,7 +214,7 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
     lines = data.decode("utf-8", errors="replace").replace("\r", "").splitlines()
     if start > 0 and lines:
         lines = lines[1:]  # the first line is cut
-    return redact_log_text("\n".join(lines[-n_lines:]))  # quoted in reports: no secret
+    return redact_text("\n".join(lines[-n_lines:]))  # quoted in reports: no secret
 
 
 def stop_all(grace_s: float = _ATEXIT_GRACE_S) -> None:

@@ -144,6 +144,16 @@ class KvPinned:
 
 
 @dataclass(frozen=True, slots=True)
+class KvAdvice:
+    """The engine's own suggestion after profiling (vLLM's INFO line since PR 47374, DEBUG
+    before): "`--kv-cache-memory=N` ... to fit into requested memory, or
+    `--kv-cache-memory=M` ... to fully utilize gpu memory" (bytes; either may be negative)."""
+
+    requested_bytes: int
+    full_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class CpuKvSet:
     """vLLM on CPU: `Explicitly set (1.0/11.96) GiB for KV cache` (pinned) or `Auto set ...`."""
 
@@ -245,7 +255,7 @@ class SchedulerDump:
 LogEvent = (
     PoolDump | PartialPoolDump | PoolDumpHeader | DeviceMemoryInit | MemoryStat | OomEvent
     | LoadingStarted | ModelLoaded | AvailableKvMemory | AvailableMemory | KvCacheSize
-    | MaxConcurrency | KvReserved | BlockCounts | PromptIgnored | KvPinned | CpuKvSet
+    | MaxConcurrency | KvReserved | BlockCounts | PromptIgnored | KvPinned | KvAdvice | CpuKvSet
     | GraphsCaptured | GraphCapture | GraphsEstimated | ChunkedPrefill | EncoderBudget
     | DeviceRefused | EngineArgs
     | V1EngineConfig | ServerReady | EngineStartFailed | EngineDied | SchedulerDump

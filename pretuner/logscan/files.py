@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretuner.errors import BadInputError
+
 _RANK_DIR = re.compile(r"^rank_(\d+)$")
 _RANK_FILE = re.compile(r"(?:^|[._-])rank[_-]?(\d+)(?:[._-]|$)")
 
@@ -36,6 +38,9 @@ NOT_LOGS = frozenset({
     ".md", ".rst", ".html", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".py", ".sh", ".env",
     ".service", ".csv", ".tsv", ".png", ".jpg", ".svg", ".pdf", ".lock",
 })  # fmt: skip
+# A server's log folder (GLOG_log_dir, a run folder) holds tens of files: a walk past this many
+# was given the wrong folder (`/`, a home), and would read for hours.
+MAX_WALKED = 20_000
 
 
 def list_log_files(paths: Sequence[Path]) -> tuple[list[str], list[Unreadable]]:
@@ -60,6 +65,10 @@ def list_log_files(paths: Sequence[Path]) -> tuple[list[str], list[Unreadable]]:
                     if os.path.splitext(name)[1].lower() in NOT_LOGS:
                         continue
                     full = os.path.join(root, name)
+                    if len(pending) + len(links) >= MAX_WALKED:
+                        raise BadInputError(
+                            f"{text!r} holds over {MAX_WALKED:,} files: not a log folder",
+                            hint="pass the server's log file or its GLOG_log_dir folder")
                     (links if os.path.islink(full) else pending).append(full)
         else:
             pending.append(text)

@@ -28,6 +28,7 @@ from pretuner.logscan.events import (
     GraphCapture,
     GraphsCaptured,
     GraphsEstimated,
+    KvAdvice,
     KvCacheSize,
     KvPinned,
     KvReserved,
@@ -87,6 +88,7 @@ ANCHORS: tuple[bytes, ...] = (
     b"you tried to allocate",  # vLLM on CPU: DefaultCPUAllocator
     # V1 engines: their KV cache, layout and arguments, readiness and death
     b"memory for KV Cache",
+    b"`--kv-cache-memory=",  # the engine's own suggestion after profiling
     b"GiB for KV cache",
     b"Graph capturing finished",
     b"Capturing CUDA graphs",
@@ -369,6 +371,8 @@ _TABLE: tuple[tuple[str, Callable[[re.Match[str]], LogEvent | None]], ...] = (
     # V1 engines beyond their KV cache size: pinned or CPU KV, layout, arguments, readiness, death
     (r"Initial free memory (" + _NUM + r") ?GiB, reserved (" + _NUM + r") ?GiB memory for KV Cache",
      lambda m: KvPinned(_float(m[1]), _float(m[2]))),
+    (r"`--kv-cache-memory=(-?\d+)`.*?to fit into requested memory, or `--kv-cache-memory="
+     r"(-?\d+)`", lambda m: KvAdvice(_int(m[1]), _int(m[2]))),
     (r"(Auto|Explicitly) set \((" + _NUM + r")/(" + _NUM + r")\) GiB for KV cache",
      lambda m: CpuKvSet(m[1] == "Explicitly", _float(m[2]), _float(m[3]),
                         _opt(_CPU_NON_KV.search(m.string), _float))),

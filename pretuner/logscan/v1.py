@@ -22,6 +22,7 @@ from pretuner.logscan.events import (
     GraphCapture,
     GraphsCaptured,
     GraphsEstimated,
+    KvAdvice,
     KvCacheSize,
     KvPinned,
     LogEvent,
@@ -77,6 +78,7 @@ class V1Log:
     v1_engine: bool = False  # "Initializing a V1 LLM engine"
     pool_dump: bool = False  # a MindSpore pool dump: the r0.1 method's log
     prefill_died: bool = False  # the step that killed the engine scheduled new requests
+    advice: KvAdvice | None = None  # the engine's own suggested KV bytes (shown, never adopted)
 
     @property
     def kv_gib(self) -> float | None:
@@ -120,6 +122,8 @@ class V1Log:
                 if e.pinned:
                     return replace(log, pinned_kv_gib=_or(self.pinned_kv_gib, e.kv_gib))
                 return replace(log, available_kv_gib=_or(self.available_kv_gib, e.kv_gib))
+            case KvAdvice():
+                return replace(self, advice=_or(self.advice, e))
             case KvCacheSize():
                 tokens = e.tokens if self.kv_tokens is None else min(self.kv_tokens, e.tokens)
                 log = replace(self, kv_tokens=tokens)

@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError
+from pretuner.files import MAX_INPUT_BYTES, read_bounded
 
 # The safetensors format itself refuses headers above 100 MB; a bigger claim means garbage.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A config's sizes as the engines store them (int32); 10^12 heads is a broken file, and would
+# send the arithmetic through billions of steps.
+MAX_CONFIG_INT = 2**31 - 1
+# No integer in a config comes near this many digits; 400 of them once ended in a traceback.
+MAX_JSON_DIGITS = 30
 
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -59,21 +66,44 @@ class CheckpointSize:
     how: str
 
 
-def load_json(path: Path) -> dict[str, Any]:
+def named_hub_id(config: dict[str, Any]) -> str | None:
+    """The hub model a folder's config.json says it was saved from (`_name_or_path`), if any."""
+    named = config.get("_name_or_path")
+    ok = isinstance(named, str) and named.count("/") == 1 and not os.path.isabs(named)
+    return named if ok else None
+
+
+def load_json(path: Path, limit: int = MAX_INPUT_BYTES) -> dict[str, Any]:
+    """A JSON object from `path`, read bounded, its numbers finite and of a sane length, its
+    nesting within Python's recursion limit."""
     try:
-        text = path.read_text("utf-8")
-    except OSError as err:
-        raise BadInputError(f"cannot read {path}: {err.strerror}") from None
+        data = json.loads(read_bounded(path, limit).decode("utf-8"), parse_int=_json_int,
+                          parse_float=_json_float, parse_constant=_json_float)
     except UnicodeDecodeError:
         raise broken(f"{path} is not UTF-8 text") from None
-    try:
-        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise broken(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: "
                      f"{err.msg})") from None
+    except ValueError as err:  # from _json_int or _json_float
+        raise broken(f"{path}: {err}") from None
+    except RecursionError:
+        raise broken(f"{path} nests too deeply to be a model's JSON") from None
     if not isinstance(data, dict):
         raise BadInputError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def _json_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_DIGITS:
+        raise ValueError(f"a number of {len(text.lstrip('-'))} digits is beyond any config")
+    return int(text)
+
+
+def _json_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:20]} is not finite")
+    return value
 
 
 def reject_unknown(data: dict[str, Any], valid: set[str], what: str) -> None:
@@ -91,6 +121,9 @@ def config_int(cfg: dict[str, Any], origin: object, *keys: str) -> int | None:
             continue
         if not _is_count(value):
             raise BadInputError(f"{origin}: {key} must be a non-negative integer, got {value!r}")
+        if value > MAX_CONFIG_INT:
+            raise BadInputError(f"{origin}: {key} {value:,} is beyond any model "
+                                f"(at most {MAX_CONFIG_INT:,})", hint="fix the file")
         return int(value)
     return None
 
@@ -172,7 +205,7 @@ def checkpoint_size(folder: Path, fmt: str, quant_bits: int = 4) -> CheckpointSi
     shard_names: list[str] = []
     index_path = next((folder / n for n in _INDEX_FILES if (folder / n).is_file()), None)
     if index_path is not None:
-        index = load_json(index_path)
+        index = load_json(index_path, MAX_HEADER_BYTES)  # a large model's map of tensors
         metadata = index.get("metadata")
         total = metadata.get("total_size") if isinstance(metadata, dict) else None
         if not _is_count(total) or total == 0:

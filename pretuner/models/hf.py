@@ -7,7 +7,6 @@ Only `config.json`, the checkpoint index and the safetensors *headers* are read
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,31 @@ from pretuner.models.checkpoint import (
     checkpoint_size,
     config_int,
     load_json,
+    named_hub_id,
 )
 from pretuner.models.quant import from_config as quantization_from_config
 from pretuner.models.spec import DTYPE_BYTES, SHORT_DTYPE, AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_config
 
 log = logging.getLogger(__name__)
+
+# Each size far beyond any published model (under 200 layers, 128 heads, 26k hidden, 262k
+# vocabulary, 512 experts, 2 T parameters): a larger one is a broken config.json, and plan's
+# layout and offload searches step through it (10^12 layers or heads never returned).
+_LAYERS = ("num_hidden_layers", "num_layers", "n_layer")
+_HIDDEN = ("hidden_size", "d_model", "n_embd")
+_HEADS = ("num_attention_heads", "n_head")
+_KV_HEADS = ("num_key_value_heads", "multi_query_group_num")
+_INTERMEDIATE = ("intermediate_size", "ffn_hidden_size", "n_inner", "moe_intermediate_size")
+_VOCAB = ("vocab_size", "padded_vocab_size")
+_EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
+_MOST = {
+    **dict.fromkeys(_LAYERS, 4096), **dict.fromkeys(_HIDDEN, 1 << 18),
+    **dict.fromkeys(_HEADS + _KV_HEADS + ("head_dim",), 1 << 12),
+    **dict.fromkeys(_INTERMEDIATE + ("shared_expert_intermediate_size",), 1 << 20),
+    **dict.fromkeys(_VOCAB, 1 << 24), **dict.fromkeys(_EXPERTS, 1 << 14),
+}
+MAX_PARAMS = 10**13
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language model's config: VL models nest it under `text_config` (or similar)."""
@@ -44,15 +62,24 @@ class _Reader:
     origin: Path
 
     def opt_int(self, *keys: str) -> int | None:
-        return config_int(self.cfg, self.origin, *keys)
+        value = config_int(self.cfg, self.origin, *keys)
+        key = next((k for k in keys if self.cfg.get(k) is not None), "")
+        if value is not None and value > _MOST.get(key, value):
+            raise broken(f"{self.origin}: {key} {value:,} is beyond any model "
+                         f"(at most {_MOST[key]:,})")
+        return value
 
     def req_int(self, *keys: str) -> int:
+        """A size the model cannot be without: given, and above 0."""
         value = self.opt_int(*keys)
         if value is None:
             raise BadInputError(
                 f"{self.origin} lacks {' / '.join(keys)}",
                 hint="is this a decoder LLM's config.json? pass a supported model folder",
             )
+        if value == 0:
+            key = next(k for k in keys if self.cfg.get(k) is not None)
+            raise broken(f"{self.origin}: {key} is 0; a model's sizes are above 0")
         return value
 
 
@@ -147,12 +174,13 @@ def spec_from_folder(path: Path) -> ModelSpec:
     outer = load_json(config_path)
     r = _Reader(_text_config(outer), config_path)
 
-    num_layers = r.req_int("num_hidden_layers", "num_layers", "n_layer")
-    hidden = r.req_int("hidden_size", "d_model", "n_embd")
-    heads = r.req_int("num_attention_heads", "n_head")
-    if heads == 0 or num_layers == 0:
-        raise BadInputError(f"{config_path}: num_attention_heads and num_hidden_layers must be > 0")
-    kv_heads = r.opt_int("num_key_value_heads", "multi_query_group_num") or heads
+    num_layers = r.req_int(*_LAYERS)
+    hidden = r.req_int(*_HIDDEN)
+    heads = r.req_int(*_HEADS)
+    if heads > hidden:
+        raise broken(f"{config_path}: num_attention_heads {heads:,} is above hidden_size "
+                     f"{hidden:,}; a head has at least one dimension")
+    kv_heads = r.opt_int(*_KV_HEADS) or heads
     kv_lora_rank = r.opt_int("kv_lora_rank")
     qk_rope: int | None = None
     if kv_lora_rank:
@@ -187,21 +215,13 @@ def spec_from_folder(path: Path) -> ModelSpec:
     vision, vision_note = vision_from_config(outer, preproc, str(config_path), str(preproc_path))
     if vision_note:
         notes.append(vision_note)
-    name_or_path = outer.get("_name_or_path")
-    hf_id = (
-        name_or_path
-        if isinstance(name_or_path, str) and name_or_path.count("/") == 1
-        and not os.path.isabs(name_or_path)
-        else folder.resolve().name
-    )
+    hf_id = named_hub_id(outer) or folder.resolve().name
     spec = ModelSpec(  # sized below: from the checkpoint, else estimated from these dims
         name=folder.resolve().name, hf_id=hf_id, attention=attention, total_params=0,
         dtype=dtype, weights=(), num_layers=num_layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=kv_heads, head_dim=head_dim,
-        vocab_size=r.req_int("vocab_size", "padded_vocab_size"),
-        intermediate_size=r.req_int(
-            "intermediate_size", "ffn_hidden_size", "n_inner", "moe_intermediate_size"),
-        num_experts=r.opt_int("num_experts", "n_routed_experts", "num_local_experts") or 0,
+        vocab_size=r.req_int(*_VOCAB), intermediate_size=r.req_int(*_INTERMEDIATE),
+        num_experts=r.opt_int(*_EXPERTS) or 0,
         num_experts_per_tok=r.opt_int("num_experts_per_tok", "experts_per_token") or 0,
         moe_intermediate_size=r.opt_int("moe_intermediate_size"),
         max_position_embeddings=r.req_int(
@@ -226,5 +246,8 @@ def spec_from_folder(path: Path) -> ModelSpec:
         )
     if total_params <= 0:
         raise broken(f"{folder}: the checkpoint holds no tensors")
+    if total_params > MAX_PARAMS:
+        raise broken(f"{folder}: {total_params:,} parameters is beyond any model "
+                     f"(at most {MAX_PARAMS:,}); its config.json sizes are wrong")
     log.debug("spec from %s: %s, %s bytes", folder, fmt, weights.total_bytes)
     return replace(spec, total_params=total_params, weights=(weights,), notes=" ".join(notes))

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from pretuner.errors import BadInputError, UnknownModelError
-from pretuner.models.checkpoint import reject_unknown
+from pretuner.models.checkpoint import named_hub_id, reject_unknown
 from pretuner.models.spec import AttentionKind, ModelSpec, WeightsFormat
 from pretuner.models.vision import vision_from_dict
 
@@ -78,6 +79,30 @@ def local_model_path(name_or_path: str) -> str | None:
     and the re-tune command run from other folders than the run did."""
     path = Path(name_or_path).expanduser()
     return str(path.resolve()) if path.is_dir() else None
+
+
+@dataclass(frozen=True, slots=True)
+class FolderIdentity:
+    """Which local model a run served: a folder is known by its absolute path and its
+    config.json, never by its base name (a fine-tune in `qwen3-8b/` is not Qwen/Qwen3-8B)."""
+
+    path: str
+    config_sha256: str  # of config.json's bytes
+    hub_id: str | None  # what config.json's `_name_or_path` names; None: nothing
+
+
+def folder_identity(name_or_path: str) -> FolderIdentity | None:
+    """A local model folder's identity; None for a registry name (or a folder now gone)."""
+    local = local_model_path(name_or_path)
+    if local is None:
+        return None
+    try:
+        raw = (Path(local) / "config.json").read_bytes()
+        config = json.loads(raw)
+    except (OSError, ValueError, RecursionError):
+        return None  # spec_from_folder read it when the run started: it says what is wrong
+    hub = named_hub_id(config) if isinstance(config, dict) else None
+    return FolderIdentity(local, hashlib.sha256(raw).hexdigest(), hub)
 
 
 def resolve(name_or_path: str) -> ModelSpec:

@@ -3,6 +3,7 @@ a run record as a preset. Pure apart from reading the package's own data files."
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -18,7 +19,7 @@ from typing import Any
 from pretuner.engines.vllm_v1 import ROWS, card_unit
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
-from pretuner.models import resolve
+from pretuner.models import folder_identity, resolve
 from pretuner.redact import SecretArg, redact_argv
 from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport
 from pretuner.units import GIB
@@ -235,19 +236,29 @@ def resolve_preset(name_or_path: str) -> Preset:
 
 
 def find_preset(model: str, card_gib: int, tp: int) -> Preset | None:
-    """The preset for this model, card size and TP (in PresetKind's order: measured first)."""
-    try:
-        name = resolve(model).name
-    except BadInputError:
-        name = model
-    hits = [p for p in all_presets() if p.model == name and p.card_gib == card_gib and p.tp == tp]
+    """The preset for this model, card size and TP (in PresetKind's order: measured first). A
+    local folder is matched by the hub model its config.json names, never by its base name, and
+    a folder's own preset (its absolute model_path) only by that folder."""
+    folder = folder_identity(model)
+    name: str | None = folder.hub_id if folder is not None else model
+    if name is not None:
+        with contextlib.suppress(BadInputError):  # a name no registry knows is matched as given
+            name = resolve(name).name
+
+    def same(p: Preset) -> bool:
+        if Path(p.model_path).is_absolute():
+            return folder is not None and p.model_path == folder.path
+        return p.model == name
+
+    hits = [p for p in all_presets() if same(p) and p.card_gib == card_gib and p.tp == tp]
     return min(hits, key=lambda p: (list(PresetKind).index(p.kind), p.name)) if hits else None
 
 
 def preset_line(model: str, card_gib: int, tp: int, kv_tokens: int, what: str,
-                engine: str | None) -> str:
-    """One line for `run` and `plan`: the preset for this model, card and layout, if any."""
-    p = find_preset(model, card_gib, tp)
+                engine: str | None, given: str | None = None) -> str:
+    """One line for `run` and `plan`: the preset for this model, card and layout, if any
+    (`given`: the model as the user named it, a folder's path)."""
+    p = find_preset(given or model, card_gib, tp)
     if p is None:
         return f"preset: none for {model} on {card_gib} {card_unit(engine)} cards at TP{tp}"
     diff = kv_tokens - p.kv_tokens
@@ -266,7 +277,9 @@ def model_use_budget_bytes(card_gib: int, util: float, model_use_gib: int) -> in
 def check_preset(p: Preset) -> list[str]:
     """Where a preset disagrees with pretuner's KV math; empty when it agrees."""
     problems = []
-    bpt = kv_bytes_per_token(resolve(p.model), tp=p.tp, pp=p.pp, kv_dtype=p.kv_cache_dtype)
+    # A local folder's preset is checked against that folder, not a registry model of its name.
+    spec = resolve(p.model_path if Path(p.model_path).is_absolute() else p.model)
+    bpt = kv_bytes_per_token(spec, tp=p.tp, pp=p.pp, kv_dtype=p.kv_cache_dtype)
     if bpt != p.kv_bytes_per_token:
         problems.append(f"kv_bytes_per_token {p.kv_bytes_per_token:,} B but the math gives {bpt:,}")
     block = p.block_size

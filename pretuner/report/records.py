@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from pretuner.errors import BadInputError
+from pretuner.files import MAX_INPUT_BYTES, read_bounded
 from pretuner.report.schema1 import upgrade
 
 Provenance = Literal["simulated", "measured"]
@@ -75,6 +76,7 @@ class V1Speed(Record):
     how: str
     decode_tokens_per_s: float | None
     load_tokens_per_s: float | None
+    decode_chunks: int | None = None  # streamed: chunks after the first (None: emulated clock)
 
 
 class Step(Record):
@@ -197,6 +199,10 @@ class V1Baseline(Record):
     util: float | None
     kv_tokens: int | None
     kv_tokens_gain: float | None  # pinned KV tokens / profiled ones
+    # What the engine's log suggested after profiling (vLLM's `--kv-cache-memory=`): bytes to
+    # fit the requested util, and to fill the device; shown beside ours, never adopted.
+    advised_kv_bytes: int | None = None
+    advised_full_kv_bytes: int | None = None
 
 
 class V1Budget(Record):
@@ -284,6 +290,14 @@ Derivation = Annotated[R01Derivation | PinnedDerivation, Field(discriminator="me
 # -- the run ------------------------------------------------------------------------------------
 
 
+class ModelFolder(Record):
+    """A local model folder's identity (`pretuner.models.FolderIdentity`)."""
+
+    path: str  # absolute: what the startup files serve
+    config_sha256: str
+    hub_id: str | None  # the hub model its config.json names, used only for registry names
+
+
 class _RunHead(Record):
     """The fields every report.json starts with, succeeded or failed, in this order."""
 
@@ -297,6 +311,7 @@ class _RunHead(Record):
     provenance: Provenance  # what every figure the engine (or its emulator) produced is
     model: str
     model_arg: str
+    model_folder: ModelFolder | None = None  # a registry model's report.json has no such key
     card_gib: int
     card_source: str
     device_kind: str  # "cpu": --card is a memory budget, not a device
@@ -314,13 +329,24 @@ class _RunHead(Record):
 
     @model_serializer(mode="wrap")
     def _omit_no_cluster(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A single-node run's report.json has no `cluster` key at all (not a null), one proven
-        on one boot no `boots`."""
+        """A single-node run's report.json has no `cluster` key at all (not a null), a
+        registry model's no `model_folder`, one proven on one boot no `boots`."""
         data: dict[str, Any] = handler(self)
-        for key in ("cluster", "boots"):
+        for key in ("cluster", "model_folder", "boots"):
             if getattr(self, key, None) is None:
                 data.pop(key, None)
         return data
+
+
+class ProofPeak(Record):
+    """The phase of the final configuration's proof that set its device peak (the verdict
+    names it; every phase's own peak is in its step's `device_peaks_mib`)."""
+
+    launch: int
+    phase: str  # the sampled phase ("burst")
+    what: str  # that phase in words
+    peak_mib: int  # the worst device's peak
+    device_reader: str | None
 
 
 class Boots(Record):
@@ -340,6 +366,7 @@ class RunReport(_RunHead):
     derivation: Derivation
     asked: Asked
     given_up: list[str]  # "max_model_len 11,264 < 16,384 asked": exit 9 when not empty
+    peak: ProofPeak | None = None  # None: not validated, or no device was sampled
     boots: Boots | None = None  # --repeat-proof N > 1
     cluster: Cluster | None = None  # multi-node via Ray only; last, as report.json has it
 
@@ -364,14 +391,23 @@ def read_report(path: Path) -> AnyReport:
     path = Path(path)
     if path.is_dir():
         path = path / "report.json"
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as err:
-        raise BadInputError(f"cannot read {str(path)!r}: {err}",
-                            hint="pass a run folder that has a report.json") from None
+    try:  # a record of hundreds of launches stays far under this
+        data = json.loads(read_bounded(path, 16 * MAX_INPUT_BYTES))
+    except BadInputError as err:
+        err.hint = "pass a run folder that has a report.json"
+        raise
+    except (ValueError, RecursionError) as err:
+        raise BadInputError(f"{str(path)!r} is not valid JSON: {err}",
+                            hint="the file is damaged: run again, or restore it") from None
     try:
         return report_of(data)
-    except (ValidationError, KeyError, TypeError, ValueError) as err:
+    except ValidationError as err:  # the first problem, on one line
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise BadInputError(f"{str(path)!r} is not a pretuner run record: {where}: "
+                            f"{first['msg']}", hint="pass a run folder written by `pretuner "
+                            "run`") from None
+    except (KeyError, TypeError, ValueError) as err:
         raise BadInputError(f"{str(path)!r} is not a pretuner run record: {err}",
                             hint="pass a run folder written by `pretuner run`") from None
 

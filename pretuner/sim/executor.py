@@ -16,12 +16,21 @@ from pathlib import Path
 
 from pretuner.engines.base import Family, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import SIM, outcome_of
-from pretuner.engines.outcome import Exercised, LaunchOutcome, tally, workload
+from pretuner.engines.outcome import (
+    BURST_OUTPUT_TOKENS,
+    Executor,
+    Exercised,
+    LaunchOutcome,
+    burst_shape,
+    joined,
+    tally,
+    workload,
+)
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import SOAK_PHASES, Soak
 from pretuner.engines.v1_launch import V1Hooks, concurrency, unexplained_exit
 from pretuner.launch.collect import rank_peaks
-from pretuner.launch.images import LoadPhase, validation_phases, worst_case
+from pretuner.launch.images import LoadPhase, TextRequest, validation_phases, worst_case
 from pretuner.launch.probe import CompletionOutcome
 from pretuner.logscan import scan_paths
 from pretuner.sim import inproc
@@ -32,7 +41,7 @@ from pretuner.sim.v1.chat import TEMPLATE_TOKENS
 from pretuner.speed import Speed
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.execute import Phase
-from pretuner.tune.pinned.loop import V1Result, V1Tuner
+from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
 from pretuner.tune.pinned.setup import pinned_setup
 from pretuner.tune.r01.config import CardInfo, TuneResult
 from pretuner.tune.r01.setup import Tuner, r01_setup
@@ -124,6 +133,12 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
     tests): the same setup, loop and judge as `pretuner run --engine vllm`; a vision-language
     model's launches get `pretuner.engines.v1_images`' requests, with the emulator's own chat
     template (what the HTTP path calibrates)."""
+    cfg, execute = v1_in_process(opts, workdir)
+    return V1Tuner(cfg, execute, phase or (lambda p, d: None)).run()
+
+
+def v1_in_process(opts: RunOptions, workdir: Path) -> tuple[V1Config, Executor]:
+    """The V1 method's configuration for `opts`, and an executor of its launches in-process."""
     choice = EngineChoice(opts.engine, Family.V1, True, None, "in-process emulated V1 server")
     setup = pinned_setup(opts, choice)
     build, bytes_per_token = setup.ctx.build, setup.cfg.bytes_per_token
@@ -142,26 +157,34 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
             argv = argv[1:]
         count = concurrency(s, None, bytes_per_token)
         _, plen, decode = workload(s, DECODE_TOKENS)  # a pre-run's: one token
+        b = burst_shape(s, (s.kv_cache_bytes or 0) // bytes_per_token or None,
+                        BURST_OUTPUT_TOKENS)
+        burst = (TextRequest(b.prompt_len, b.max_tokens),) * b.requests
         phases: list[LoadPhase] = []
         if shape is not None and s.purpose is Purpose.PRERUN:
             req = worst_case(shape, s.max_model_len, 1, f"probe/{seed}", TEMPLATE_TOKENS)
-            phases = [LoadPhase("probe", (req,))]
+            phases = [LoadPhase("probe", (req,)), LoadPhase("burst", burst)]
         elif shape is not None:
             phases = validation_phases(shape, s.max_model_len, decode, count, soak.planned, seed,
                                        TEMPLATE_TOKENS)
+            phases.insert(2, LoadPhase("burst", burst))  # after "images", as the HTTP path
         if phases:
             res = v1_inproc.run_waves(argv, cmd.env, v1_inproc.waves_of(phases))
         elif s.purpose is Purpose.PRERUN:
-            res = v1_inproc.run(argv, cmd.env, [plen], 1)
+            res = v1_inproc.run(argv, cmd.env, [plen], 1, burst=burst)
         else:
-            res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen)
+            res = v1_inproc.run(argv, cmd.env, [plen] * count, decode, first=plen, burst=burst)
         prompt_len = None if phases else plen  # an image request's length is the server's count
         log_path = _launch_log(workdir, n, res.log)
         outs = _outcomes(res.replies)
         failure = None if res.ready or "out of memory" in res.log.lower() \
             or "estimated maximum model length" in res.log \
             or "cache blocks" in res.log else unexplained_exit(log_path, res.exit_code)
-        ran = tally(outs, prompt_len)
+        if not phases:  # the burst's prompts are short
+            sent = 1 if s.purpose is Purpose.PRERUN else count + 1
+            ran = joined(tally(outs[:sent], plen), tally(outs[sent:], b.prompt_len))
+        else:
+            ran = tally(outs, prompt_len)
         if phases:
             ran = Exercised(ran.ok, ran.total, ran.dropped, ran.error,
                             soak_answered(phases, outs), res.reset_status)
@@ -171,4 +194,4 @@ def tune_v1_in_process(opts: RunOptions, workdir: Path, phase: Phase | None = No
                        device_total_mib=res.total_mib, device_last_mib=dict(res.last_mib),
                        speed=emulated_speed(res, s, prompt_len))
 
-    return V1Tuner(setup.cfg, execute, phase or (lambda p, d: None)).run()
+    return setup.cfg, execute

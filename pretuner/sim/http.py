@@ -6,6 +6,8 @@ a route answers is the personality's subclass (`r01_http`: vLLM 0.6.6, `v1.http`
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -110,6 +112,31 @@ class FrontServer(ThreadingHTTPServer):
         super().__init__(addr, handler)
         self.api = api
         self.log = log
+        self.busy: set[socket.socket] = set()  # connections with a request in progress
+        self.busy_lock = threading.Lock()
+
+    def close_gracefully(self, poll_s: float = 0.05) -> None:
+        """Stop accepting, then wait while a request is in progress and its client still
+        connected, as uvicorn does on SIGTERM (vLLM aborts a request whose client left)."""
+        self.shutdown()
+        said = False
+        while True:
+            with self.busy_lock:
+                waiting = [sock for sock in self.busy if _client_open(sock)]
+            if not waiting:
+                return
+            if not said:
+                self.log.uvicorn("Waiting for connections to close. (CTRL+C to force quit)")
+                said = True
+            time.sleep(poll_s)
+
+
+def _client_open(sock: socket.socket) -> bool:
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+    except (OSError, ValueError):
+        return False
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -121,6 +148,20 @@ class Handler(BaseHTTPRequestHandler):
     chunked = False  # streams in chunks (r0.1), else until the connection closes (V1)
     posts: tuple[str, ...] = ("/v1/completions",)
     not_object = "body is not an object"
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()
+        if parsed:  # a request in progress until handle_one_request returns
+            with self.server.busy_lock:
+                self.server.busy.add(self.connection)
+        return parsed
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            with self.server.busy_lock:
+                self.server.busy.discard(self.connection)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         return  # uvicorn-style access lines are written by _access()

@@ -14,7 +14,9 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-@dataclass
+# eq=False: a request is itself, not its fields' values; `in running` and `remove` compare
+# identities at C speed (field-wise equality made a 1024-wide burst's steps quadratic).
+@dataclass(eq=False)
 class SeqBase:
     """One request as a scheduler tracks it."""
 

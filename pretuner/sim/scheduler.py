@@ -19,7 +19,7 @@ def watermark_blocks(num_blocks: int) -> int:
     return int(WATERMARK * num_blocks)
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself, not its fields' values (`SeqBase`)
 class Seq(SeqBase):
     """A V0 sequence: `computed` counts the prompt tokens already prefilled."""
 

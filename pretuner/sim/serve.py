@@ -159,8 +159,9 @@ class Server:
         """Everything before the socket opens; None when a stop signal came during it."""
         cfg, log = self.cfg, self.vlog
         log.info("api_server.py:712", f"vLLM API server version {VLLM_VERSION}")
+        key = cfg.api_keys[0] if cfg.api_keys else None  # vLLM 0.6.6 logs its own --api-key
         log.info("api_server.py:713", f"args: Namespace(model={cfg.model!r}, host={cfg.host!r}, "
-                 f"port={cfg.port}, max_model_len={cfg.max_model_len}, "
+                 f"port={cfg.port}, api_key={key!r}, max_model_len={cfg.max_model_len}, "
                  f"max_num_seqs={cfg.max_num_seqs}, "
                  f"max_num_batched_tokens={cfg.max_num_batched_tokens}, "
                  f"gpu_memory_utilization={cfg.util}, tensor_parallel_size={cfg.tp}, "

@@ -10,18 +10,22 @@ ever drawn from a measured launch on a card with its normal free memory.
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pretuner.devices.base import DeviceReader, Holder, holders
+from pretuner.devices.base import DeviceReader, DeviceReadError, Holder, holders
 from pretuner.engines.base import Engine
 from pretuner.errors import CardBusyError, ServerFailedError
 from pretuner.launch.process import read_tail
 
 if TYPE_CHECKING:
     from pretuner.engines.outcome import LaunchOutcome
+
+log = logging.getLogger(__name__)
 
 # The most an idle card's driver and firmware take, as a share of the card: 5 % on a 910B3
 # 64 GB (3,379 MB), 7 % on a 910B4 32 GB, 10 % on the busiest driver build seen. Below the rest
@@ -115,6 +119,48 @@ def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float
                 why=f"{d.used_mib:,} MiB are in use on {device_word} {d.device}; the engine "
                 f"starts only with {need_mib:,} MiB free (--gpu-memory-utilization {util:g} of "
                 f"{d.total_mib:,} MiB)")
+
+
+def appeared(before: Sequence[Holder], now: Sequence[Holder]) -> tuple[Holder, ...]:
+    """The processes holding device memory now that did not at the run's start: a second run, a
+    server or a user that came during it (one that was there from the start is in the
+    measurement the method derived from; one that came later is not)."""
+    known = {(h.pid, h.device) for h in before}
+    return tuple(h for h in now if (h.pid, h.device) not in known)
+
+
+@dataclass(slots=True)
+class Tenants:
+    """The processes on the run's devices, looked at before and after every launch and at the
+    end of its load, on every engine: one that was not there when this session's first launch
+    started (a second run, a server, a user) voids what the run measured and proved (two
+    emulated runs on one device both 'validated' 54.4 GiB, 60.0 alone): exit 8, its pids and
+    MiB. Readers that cannot list processes (npu-smi, the CPU budget) give no verdict."""
+
+    reader: DeviceReader | None
+    at_start: tuple[Holder, ...] | None = None
+
+    def check(self, when: str, ours: Callable[[int], bool] | None = None) -> None:
+        """`ours`: whether a pid may be the launch's own server, while it runs."""
+        if self.reader is None:
+            return
+        try:
+            now = holders(self.reader)
+        except DeviceReadError as err:  # no verdict on holders; the samples still stand
+            log.warning("cannot list the device's processes %s: %s", when, err)
+            return
+        if self.at_start is None:
+            self.at_start = now
+            return
+        new = [h for h in appeared(self.at_start, now) if ours is None or not ours(h.pid)]
+        if new:
+            raise CardBusyError(
+                f"another process took device memory during the run ({when}): "
+                f"{describe_holders(new, 'device')}; the launches measured a shared device, so "
+                "the proof is void",
+                hint="run on a device nothing else uses (a second pretuner run or server on "
+                "it?), then run again; nothing was concluded about the model",
+            )
 
 
 class DeviceBusyRefusal(CardBusyError):

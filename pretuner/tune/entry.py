@@ -10,6 +10,7 @@ the busy-device refusal, `--serve-cmd`, provenance, redaction, exit codes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from pretuner.engines.base import Family, LaunchCommand, LaunchSettings
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
 from pretuner.errors import BadInputError, PretunerError, RunInterrupted
+from pretuner.files import scrub
 from pretuner.plan.layout import PlanConfig
 from pretuner.report.records import RunReport
 from pretuner.tune.execute import Phase, recorded_executor
@@ -33,8 +35,7 @@ from pretuner.tune.record import (
     RunRecord,
     check_no_orphans,
     claim_new_folder,
-    disk_full_error,
-    is_disk_full,
+    folder_error,
     lock_folder,
     stop_own_orphans,
 )
@@ -178,10 +179,11 @@ def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
     except KeyboardInterrupt:
         raise RunInterrupted(record.path) from None
     except OSError as err:
-        if is_disk_full(err):
-            raise disk_full_error(err, record.path) from None
-        raise
+        raise folder_error(err, record.path) from None
     finally:
+        for server_log in record.path.glob("launch-*/server.log"):
+            with contextlib.suppress(OSError):  # a server logs its own --api-key: not kept
+                scrub(server_log)
         if record.lock is not None:
             record.lock.release()
 

@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pretuner.devices import DeviceReader
 from pretuner.devices.base import attach
@@ -19,22 +20,26 @@ from pretuner.engines.base import API_KEY_VAR, LaunchCommand, LaunchSettings, Pu
 from pretuner.engines.base import Phase as Phase
 from pretuner.engines.mindspore_r01 import outcome_of
 from pretuner.engines.outcome import (
+    BURST_OUTPUT_TOKENS,
     Executor,
     Exercised,
     LaunchOutcome,
     probe_one,
+    short_burst,
     tally,
     workload,
 )
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.errors import PretunerError, ServerFailedError
+from pretuner.errors import CardBusyError, PretunerError, ServerFailedError
 from pretuner.files import write_atomic
 from pretuner.launch import probe
 from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
 from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
-from pretuner.tune.busy import device_busy
+from pretuner.procgroups import group_members, proc_available
+from pretuner.redact import redact_text
+from pretuner.tune.busy import Tenants, device_busy
 from pretuner.tune.record import RunRecord
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,7 @@ class LaunchContext:
     request_timeout_s: float = 900.0
     stop_grace_s: float = 120.0
     decode_tokens: int = 16
+    burst_tokens: int = BURST_OUTPUT_TOKENS  # what each request of the short burst generates
     seed: int = 0
     vocab_size: int | None = None  # the model's: probe prompts' token ids stay within it
     collector: CollectorFactory | None = None  # where logs are read; default: this machine
@@ -61,6 +67,9 @@ class LaunchContext:
     # V1 engines exercise and judge their launches their own way (no pool dump: the device
     # peak is the measurement). None: the r0.1 engine's pool-dump rules below.
     hooks: V1Hooks | None = None
+    # False: a --serve-cmd wrapper (a container, srun) may start the server outside pretuner's
+    # process group, where its processes cannot be told from another tenant's during a launch.
+    server_in_group: bool = True
 
 
 class _OomSeen(Exception):
@@ -75,9 +84,11 @@ def free_port(host: str) -> int:
 
 
 def run_launch(
-    n: int, settings: LaunchSettings, ctx: LaunchContext, record: RunRecord, phase: Phase
+    n: int, settings: LaunchSettings, ctx: LaunchContext, record: RunRecord, phase: Phase,
+    tenants: Tenants | None = None,
 ) -> LaunchOutcome:
-    """Start, exercise, stop and scan one server; fatal surprises raise ServerFailedError."""
+    """Start, exercise, stop and scan one server; fatal surprises raise ServerFailedError, a
+    process that came on the device during the load CardBusyError (`tenants`)."""
     t0 = time.monotonic()
     folder = record.launch_dir(n)
     port = free_port(ctx.host)
@@ -85,11 +96,9 @@ def run_launch(
     collector = (ctx.collector or LocalCollector)(folder, log_path)
     cmd = collector.prepare(ctx.build(settings, port))
     shown = cmd.redacted()  # the secrets of --serve-cmd and the environment never stored
-    (folder / "command.json").write_text(
+    (folder / "command.json").write_text(redact_text(
         json.dumps({"argv": shown.argv, "env": shown.env, "shell": shown.shell_line()}, indent=2)
-        + "\n",
-        encoding="utf-8",
-    )
+        + "\n"), encoding="utf-8")
     seen: list[OomKind] = []
     free: list[int] = []
 
@@ -130,6 +139,10 @@ def run_launch(
                 ran = (ctx.hooks.exercise(settings, ctx, base, phase, log_path) if ctx.hooks
                        else _exercise(settings, ctx, base, phase))
             request_s = time.monotonic() - r0
+            if tenants is not None and _sees_own_tree(ctx):
+                members = set(group_members(proc.pid))
+                tenants.check(f"during launch {n}'s load", ours=lambda pid: pid in members
+                              or not Path(f"/proc/{pid}").exists())
             with contextlib.suppress(_OomSeen):
                 check()
         except _OomSeen:
@@ -164,7 +177,8 @@ def run_launch(
         return with_samples(outcome, sampled)
     phase("scan", collector.where())
     collected = collector.collect()
-    (folder / "scan.json").write_text(json.dumps(collected.doc, indent=2) + "\n", "utf-8")
+    (folder / "scan.json").write_text(redact_text(json.dumps(collected.doc, indent=2)) + "\n",
+                                      "utf-8")
     outcome = outcome_of(
         n, settings, collected.scan, ran, failure=failure, graceful=stop.graceful,
         init_free_mib=[*free, *collected.init_free_mib], log_path=log_path,
@@ -173,6 +187,16 @@ def run_launch(
         times=(ready_s, request_s, stop_s, time.monotonic() - t0), exited=exited,
     )
     return with_samples(outcome, sampled)
+
+
+def _sees_own_tree(ctx: LaunchContext) -> bool:
+    """Whether the device's process list can be told apart from the launch's own server while
+    it runs: its processes are its process group (a pid this machine's /proc does not show,
+    as in a container, may be it). A wrapper's engine, a Ray cluster's ranks and the emulated
+    r0.1 server's ranks (pids it makes up) are outside that: there the device is looked at
+    between launches only."""
+    return (ctx.hooks is not None and ctx.server_in_group and ctx.collector is None
+            and proc_available())
 
 
 def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
@@ -193,20 +217,23 @@ def _describe(s: LaunchSettings) -> str:
 
 
 def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) -> Exercised:
-    """The pre-run's one max-length request, or the validation's full concurrent load."""
+    """The pre-run's one max-length request, or the validation: max-num-seqs concurrent
+    max-length requests (the KV cache is sized to hold them), then the wide short burst."""
     if s.purpose is Purpose.PRERUN:
         return probe_one(s, ctx, base, phase)
     count, plen, gen = workload(s, ctx.decode_tokens)
     phase("load", f"{count} concurrent requests of {plen + gen:,} tokens")
-    return tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
-                            ctx.request_timeout_s, ctx.vocab_size,
-                            on_done=requests_status(phase)).outcomes, plen)
+    ran = tally(probe.load(base, ctx.served_name, count, plen, gen, ctx.seed,
+                           ctx.request_timeout_s, ctx.vocab_size,
+                           on_done=requests_status(phase)).outcomes, plen)
+    return ran if ran.ok < ran.total else short_burst(s, ctx, base, phase, None, ran)
 
 
 def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:
     """Run launches for real, journaling each; on --resume, replay the finished ones."""
     done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
     counter = {"n": 0}
+    tenants = Tenants(ctx.device_reader)
 
     def execute(settings: LaunchSettings) -> LaunchOutcome:
         counter["n"] += 1
@@ -214,8 +241,16 @@ def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Ex
         if n <= len(done) and done[n - 1].settings == settings:
             phase("replay", f"launch {n} finished in the earlier session: {done[n - 1].kind.value}")
             return done[n - 1]
+        tenants.check(f"before launch {n}")
         record.append("launch_started", n=n, settings=settings.to_json())
-        outcome = run_launch(n, settings, ctx, record, phase)
+        try:
+            outcome = run_launch(n, settings, ctx, record, phase, tenants)
+        except CardBusyError:
+            raise
+        except PretunerError:
+            tenants.check(f"after launch {n}")  # a failure beside another process: its doing
+            raise
+        tenants.check(f"after launch {n}")
         record.append("launch", n=n, outcome=outcome.to_json())
         return outcome
 

@@ -182,6 +182,8 @@ class RunOptions:
             )
         if o.serve_cmd is not None:
             v.command_line("--serve-cmd", o.serve_cmd)
+        for arg in o.server_args:
+            v.command_line("--server-arg", arg)
         if o.out is not None and not v.path_text("--out", o.out).isprintable():
             # Its name is the run id that report.md and serve.sh print.
             raise BadInputError(f"--out {o.out!r} contains a newline or another control character",
@@ -190,6 +192,10 @@ class RunOptions:
         v.positive("--ready-timeout", o.ready_timeout_s, example="1800")
         v.positive("--request-timeout", o.request_timeout_s, example="900")
         v.non_negative("--stop-grace", o.stop_grace_s, example="120")
+        for flag, seconds in (("--ready-timeout", o.ready_timeout_s),
+                              ("--request-timeout", o.request_timeout_s),
+                              ("--stop-grace", o.stop_grace_s)):
+            v.at_most(flag, seconds, v.MAX_WAIT_S, unit="s")
         if not o.host.strip():
             raise BadInputError("the server host is empty", hint="use 127.0.0.1")
         if o.limit_mm_per_prompt is not None:

@@ -6,7 +6,9 @@ Layout of a run folder:
   launch-<n>/command.json  the exact argv and environment (secrets redacted)
   launch-<n>/server.log    everything the server printed (one fresh log per attempt: an
                            interrupted attempt's folder is moved to launch-<n>.interrupted-<k>)
-  launch-<n>/server.pid    the server's pid and process group while it runs
+  launch-<n>/server.pid    the server's pid, process group and tree mark while it runs
+  launch-<n>/watchdog.log  the pids the launch's watchdog killed (pretuner died, or they had
+                           left the server's group)
   launch-<n>/scan.json     what the log scanner found
   report.md, report.json   the result, or why the run failed (a PretunerError)
   tuned.env, serve.sh      the tuned configuration (finished runs only)
@@ -45,19 +47,20 @@ from pretuner.errors import BadInputError, CardBusyError
 from pretuner.files import write_atomic
 from pretuner.procgroups import (
     ServerPid,
+    kill_tree,
     live_servers,
     remove_pid_file,
     still_running,
     stop_group,
 )
-from pretuner.redact import redact_options, restore_command_text
+from pretuner.redact import redact_options, redact_text, restore_command_text
 
 log = logging.getLogger(__name__)
 
 JOURNAL = "journal.jsonl"
 LOCK_FILE = ".lock"
 MIN_FREE_MIB = 64  # a server log and the result files; below this a launch is refused
-_FULL = (errno.ENOSPC, errno.EDQUOT)
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: past `ulimit -f`, full to us
 
 
 class FolderInUseError(BadInputError):
@@ -187,6 +190,7 @@ def stop_own_orphans(run_folder: Path, grace_s: float, say: Callable[[str], None
     for server in live_servers(run_folder):
         say(f"{server.describe()} was left running by the interrupted session; stopping it")
         graceful = stop_group(server.pgid, grace_s)
+        kill_tree(server.tree, {server.pgid})  # what left the group (a watchdog killed too)
         if still_running(server):
             raise CardBusyError(
                 f"{server.describe()} survives SIGKILL",
@@ -210,16 +214,19 @@ def check_free_space(folder: Path, min_mib: int = MIN_FREE_MIB) -> None:
         )
 
 
-def is_disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in _FULL
-
-
-def disk_full_error(err: OSError, folder: Path) -> DiskFullError:
+def folder_error(err: OSError, folder: Path) -> OSError | DiskFullError:
+    """A write's failure as the user meets it: a full disk (or `ulimit -f`) and a run folder
+    removed under the run are one line each; anything else stays `err`."""
     where = f" ({err.filename})" if err.filename else ""
-    return DiskFullError(
-        f"cannot write to the run folder {str(folder)!r}: {os.strerror(err.errno or 0)}{where}",
-        hint="free disk space, then `pretuner run --resume` this run",
-    )
+    if err.errno in _FULL:
+        return DiskFullError(
+            f"cannot write to the run folder {str(folder)!r}: {os.strerror(err.errno or 0)}"
+            f"{where}", hint="free disk space (or raise `ulimit -f`), then `pretuner run "
+            "--resume` this run")
+    if not folder.is_dir():
+        return DiskFullError(f"the run folder {str(folder)!r} was removed during the run{where}",
+                             hint="start a new run; leave its folder in place until it ends")
+    return err
 
 
 def _slug(text: str) -> str:
@@ -295,13 +302,11 @@ class RunRecord:
         entry = {"event": event, "time": time.time(), **data}
         try:
             with open(self.path / JOURNAL, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps(entry, sort_keys=True) + "\n")
+                fh.write(redact_text(json.dumps(entry, sort_keys=True)) + "\n")
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as err:
-            if is_disk_full(err):
-                raise disk_full_error(err, self.path) from None
-            raise
+            raise folder_error(err, self.path) from None
         self.events.append(entry)
         return entry
 

@@ -20,10 +20,10 @@ from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
-from pretuner.engines.outcome import LaunchOutcome
+from pretuner.engines.outcome import PHASE_WORDS, LaunchOutcome, peak_phase
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.launch.command import deployed_port, wrapped
-from pretuner.models import local_model_path, resolve
+from pretuner.models import folder_identity, local_model_path, resolve
 from pretuner.plan.layout import PlanResult
 from pretuner.redact import one_line, redact_argv
 from pretuner.report.html.page import refresh_run_page
@@ -34,6 +34,7 @@ from pretuner.report.records import (
     Decision,
     FailureReport,
     Final,
+    ProofPeak,
     Provenance,
     R01Derivation,
     RunReport,
@@ -129,7 +130,9 @@ def run_head(meta: RunMeta, steps: Sequence[Step], decisions: Iterable[Decision]
     """The fields a success and a failure report share, on any engine; `layout` names the
     model, card_gib, tp, pp, nodes, weights_format and kv_bytes_per_token."""
     said = {k: v for k, v in asdict(meta).items() if k != "asked_max_model_len"}
-    return {**said, "pretuner_version": __version__, "provenance": provenance(meta.simulated),
+    folder = folder_identity(meta.model_arg)
+    return {**said, "model_folder": asdict(folder) if folder else None,
+            "pretuner_version": __version__, "provenance": provenance(meta.simulated),
             "validated": validated, "launches": len(steps), "steps": list(steps),
             "decisions": list(decisions), "retune_command": list(meta.retune_command), **layout}
 
@@ -197,6 +200,7 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
+        peak=proof_peak(result.validation) if result.validated else None,
         boots=_boots(result.boot_peaks_mib, round(cap_gib * 1024), p.card_gib * 1024),
     )
 
@@ -255,6 +259,38 @@ def failure_json(err: PretunerError, meta: RunMeta, steps: Sequence[Step],
 # -- report.md ------------------------------------------------------------------------------------
 
 
+def proof_peak(o: LaunchOutcome | None) -> ProofPeak | None:
+    """Which phase of the proving launch `o` set its device peak (None: nothing sampled)."""
+    phase = peak_phase(o.device_peaks_mib) if o is not None else None
+    if o is None or phase is None:
+        return None
+    return ProofPeak(launch=o.n, phase=phase, what=PHASE_WORDS.get(phase, phase),
+                     peak_mib=o.device_peaks_mib[phase], device_reader=o.device_reader)
+
+
+def peak_words(rep: RunReport) -> str:
+    """`; device peak 81,136 MiB (simulated), set by the short burst (...) in launch 4`."""
+    p = rep.peak
+    if p is None:
+        return ""
+    return (f"; device peak {p.peak_mib:,} MiB ({rep.provenance}), set by {p.what} in "
+            f"launch {p.launch}")
+
+
+def proof_lines(rep: RunReport) -> list[str]:
+    """report.md's proof: the proving launch's device peak in each phase, in order."""
+    p = rep.peak
+    step = next((s for s in rep.steps if p is not None and s.n == p.launch), None)
+    if p is None or step is None:
+        return []
+    lines = [f"## Proof: device peak by phase (launch {p.launch}, MiB, {rep.provenance}, "
+             f"read by {p.device_reader})", ""]
+    for phase, mib in step.device_peaks_mib.items():
+        mark = " **(the peak)**" if phase == p.phase else ""
+        lines.append(f"- {phase}: {mib:,}, {PHASE_WORDS.get(phase, phase)}{mark}")
+    return [*lines, ""]
+
+
 def status_words(rep: RunReport) -> str:
     """`validated under full load`, with what was given up against the ask (exit 9)."""
     if not rep.validated:
@@ -273,6 +309,10 @@ def _run_lines(rep: AnyReport) -> list[str]:
         f"- model: {rep.model} ({rep.weights_format}, `{one_line(rep.model_arg)}`), "
         f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s), {device_words(rep)}",
     ]
+    if (f := rep.model_folder) is not None:
+        named = f"; its config.json names {f.hub_id}" if f.hub_id else ""
+        lines.append(f"- model folder: `{one_line(f.path)}`, config.json sha256 "
+                     f"{f.config_sha256}{named} (served by this path, never by a hub id)")
     if rep.cluster is not None:
         c = rep.cluster
         nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])
@@ -286,13 +326,14 @@ def report_md(rep: RunReport) -> str:
     f, d = rep.final, rep.derivation
     lines = [f"# pretuner run {one_line(rep.run_id)}: "
              f"{'VALIDATED' if rep.validated else 'NOT VALIDATED'}", "", *_run_lines(rep),
-             f"- result: {status_words(rep)} after {rep.launches} launch(es)",
+             f"- result: {status_words(rep)} after {rep.launches} launch(es){peak_words(rep)}",
              f"- KV cache per card: {kv_words(rep)}",
              f"- max_model_len {f.max_model_len:,}, max-num-seqs {f.max_num_seqs}, "
              f"max-num-batched-tokens {f.max_num_batched_tokens:,}"]
     if (boots := boots_words(rep)) is not None:
         lines.append(f"- {boots}")
     lines.append("")
+    lines += proof_lines(rep)
     if isinstance(d, R01Derivation):
         lines += ["## Derivation", "", "```", *d.lines, "```", "",
                   "## Memory per card (worst rank)", "", "| part | GiB | how |", "|---|---|---|",

@@ -12,7 +12,7 @@ from pretuner.devices import DeviceReader
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
 from pretuner.engines.mindspore_r01 import R01Engine
-from pretuner.engines.outcome import Executor, LaunchOutcome
+from pretuner.engines.outcome import BURST_OUTPUT_TOKENS, Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
@@ -132,4 +132,6 @@ def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: st
         build=build, served_name=spec.name, host=opts.host, ready_timeout_s=opts.ready_timeout_s,
         request_timeout_s=opts.request_timeout_s, stop_grace_s=opts.stop_grace_s, seed=opts.seed,
         decode_tokens=decode_tokens, device_reader=reader, hooks=hooks,
-        vocab_size=spec.vocab_size)
+        # A CPU engine's burst generates its few validation tokens (its runs stay short).
+        burst_tokens=decode_tokens if engine.device_kind == "cpu" else BURST_OUTPUT_TOKENS,
+        vocab_size=spec.vocab_size, server_in_group=not engine.serve_cmd)

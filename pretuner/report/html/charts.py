@@ -71,6 +71,7 @@ class Band:
     label: str
     shade: bool  # alternate phases are shaded
     soak: bool = False  # a soak phase: tinted
+    peak_mib: int = 0  # the most any device held in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +128,9 @@ def chart(mem: LaunchMemory, caps_mib: list[tuple[float, str, str]], width: floa
             starts.append((r.t_s, r.phase))
     for i, (t, name) in enumerate(starts):
         t_next = starts[i + 1][0] if i + 1 < len(starts) else t_end
+        held = max(r.used_mib for r in mem.rows if r.phase == name and t <= r.t_s <= t_next)
         bands.append(Band(x_of(t), round(x_of(t_next) - x_of(t), 2), name, i % 2 == 0,
-                          name in SOAK_PHASES))
+                          name in SOAK_PHASES, held))
     step_t = nice_step(t_end)
     x_ticks = tuple(Tick(x_of(k * step_t), f"{k * step_t:g}")
                     for k in range(int(t_end / step_t) + 1))
@@ -136,11 +138,12 @@ def chart(mem: LaunchMemory, caps_mib: list[tuple[float, str, str]], width: floa
     step_g = nice_step(y_max_gib, 5)
     y_ticks = tuple(Tick(y_of(k * step_g * GIB_MIB), f"{k * step_g:g}")
                     for k in range(int(y_max_gib / step_g) + 1))
-    peak = max(r.used_mib for r in mem.rows)
+    top_band = max(bands, key=lambda b: b.peak_mib)  # the first to reach the peak
+    peak = top_band.peak_mib
     return Chart(
         mem.n, width, height, left, top, plot_w, plot_h, lines, tuple(bands),
         tuple(Cap(y_of(mib), label, kind) for mib, label, kind in caps_mib),
         x_ticks, y_ticks,
-        f"peak {peak:,} MiB ({peak / GIB_MIB:.2f} GiB) of the series, {len(devices)} device(s), "
-        f"read by {mem.reader or 'an unknown reader'}",
+        f"peak {peak:,} MiB ({peak / GIB_MIB:.2f} GiB) of the series, set in phase "
+        f"{top_band.label}, {len(devices)} device(s), read by {mem.reader or 'an unknown reader'}",
     )

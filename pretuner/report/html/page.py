@@ -12,7 +12,7 @@ from pathlib import Path
 import jinja2
 
 from pretuner.devices.series import LaunchMemory, parse_memory_tsv
-from pretuner.files import write_atomic
+from pretuner.files import MAX_INPUT_BYTES, read_bounded, write_atomic
 from pretuner.report.html.breakdown import breakdown
 from pretuner.report.html.charts import Bar, Chart, bar, chart
 from pretuner.report.records import (
@@ -47,8 +47,10 @@ def launch_memory(folder: Path) -> tuple[LaunchMemory, ...]:
         for d in folder.iterdir()
         if d.is_dir() and (m := _LAUNCH_DIR.match(d.name)) is not None
     )
+    # A day of samples every 20 ms stays under the bound; a damaged byte is only a bad row.
     return tuple(
-        parse_memory_tsv(n, (d / "memory.tsv").read_text("utf-8"))
+        parse_memory_tsv(n, read_bounded(d / "memory.tsv", 256 * MAX_INPUT_BYTES).decode(
+            "utf-8", errors="replace"))
         for n, d in launches
         if (d / "memory.tsv").is_file()
     )
@@ -114,6 +116,9 @@ def page_of(folder: Path) -> Page:
         facts.append(("KV cache per card", kv_words(done)))
         if (boots := boots_words(done)) is not None:
             facts.append(("boot spread", boots))
+    if done is not None and (p := done.peak) is not None:
+        facts.append(("peak set by", f"{p.what}: {p.peak_mib:,} MiB ({rep.provenance}), "
+                      f"launch {p.launch}"))
     facts.append(("layout", f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s)"))
     asked = None
     if done is not None:

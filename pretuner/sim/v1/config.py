@@ -26,11 +26,12 @@ KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variab
 }
 ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
 NON_DEFAULT_ORDER = (
-    "host", "port", "model", "max_model_len", "served_model_name", "load_format", "seed",
+    "host", "port", "api_key", "model", "max_model_len", "served_model_name", "load_format", "seed",
     "enforce_eager", "tensor_parallel_size", "quantization", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb",
     "kv_cache_dtype", "max_num_batched_tokens", "max_num_seqs", "limit_mm_per_prompt",
     "mm_processor_cache_gb")  # how vLLM orders its `non-default args`
+# api_key among them in clear, as vLLM printed it before its PR #52523 (0.32 prints '***').
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)\s*$")
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 

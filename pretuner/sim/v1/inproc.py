@@ -144,10 +144,13 @@ def drive(core: EngineCore, rec: Sink, client: Client, wave: LoadPhase,
 
 
 def run(argv: Sequence[str], env: dict[str, str], prompts: Sequence[int], max_tokens: int,
-        *, first: int | None = None) -> InprocRun:
-    """Boot, send `first` alone (when given) then `prompts` at once, stop with SIGTERM."""
+        *, first: int | None = None, burst: tuple[TextRequest, ...] = ()) -> InprocRun:
+    """Boot, send `first` alone (when given), then `prompts` at once, then `burst` at once,
+    stop with SIGTERM."""
     waves = [LoadPhase("probe", (TextRequest(first, max_tokens),))] if first is not None else []
     waves.append(LoadPhase("load", tuple(TextRequest(n, max_tokens) for n in prompts)))
+    if burst:
+        waves.append(LoadPhase("burst", burst))
     return run_waves(argv, env, waves)
 
 

@@ -119,7 +119,10 @@ class Coefficients:
     sampler_extra: float = 0.52  # softmax/sort temporaries, as a share of those logits
     step_fixed_mib: float = 1030.0  # per-step workspace a real step holds, profiling does not
     step_hidden: float = 2.0  # bf16 hidden-sized buffers per scheduled token
-    step_sampler_copies: float = 2.0  # fp32 logits copies per sampled row in a real step
+    # fp32 logits copies per sampled row in a real step, held after the layers' transients
+    # are freed: the real H200's 1024-wide burst in its worse boot (+476 MiB over the proof
+    # load; tests/fixtures/real/vllm-0.24-h200-burst)
+    step_sampler_copies: float = 1.8
     # Bytes per row and vocabulary entry of the V1 runner's profiled sampler: the bf16 logits,
     # their fp32 copy, the sort's fp32 values and int64 indices (top-k/top-p sorts them all).
     sort_bytes: float = 18.0
@@ -278,11 +281,12 @@ class V1Card:
         s, c = self.spec, self.coeffs
         dt = s.dtype_bytes
         held = (self._mib(c.step_fixed_mib * self.step_scale)
-                + int(c.step_hidden * s.hidden_size * tokens * dt)
-                + int(c.step_sampler_copies * rows * s.vocab_size * 4))
+                + int(c.step_hidden * s.hidden_size * tokens * dt))
         gate_up, act = (round_alloc(n) for n in self.mlp_bytes(tokens))
+        # The sampler runs on the last hidden states, after the layers' transients are freed.
+        sampler = round_alloc(c.step_sampler_copies * rows * s.vocab_size * 4)
         return [Alloc("step", 0, held), Alloc("gate_up", held, gate_up),
-                Alloc("act", held + gate_up, act)]
+                Alloc("act", held + gate_up, act), Alloc("sampler", held, sampler)]
 
 
 def peak_of(allocs: list[Alloc]) -> int:

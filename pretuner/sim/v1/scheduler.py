@@ -14,7 +14,7 @@ from pretuner.sim.loop import SchedulerBase, SeqBase, blocks_for
 from pretuner.sim.v1.mm import MMItem, MMState
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself, not its fields' values (`SeqBase`)
 class Req(SeqBase):
     """A V1 request: it may be preempted, and carry images."""
 

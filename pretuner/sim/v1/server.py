@@ -65,8 +65,8 @@ def _serve(cfg: V1Config, booted: Booted, sink: Sink, stop: StopFlag) -> int:
     serve_in_thread(http, 0.05)
     stop.wait()
     print_shutdown(log, stop.signal_name or "SIGTERM")
+    http.close_gracefully()  # the requests in progress end first, the engine running
     engine.stop()
-    http.shutdown()
     http.server_close()
     print_stopped(log)
     return 0

@@ -1,8 +1,9 @@
 """What only the emulator knows about vLLM 0.24: the largest pinned KV cache that truly works.
 
 Pure: replays the shared boot and engine code with a silent log, so it cannot disagree with the
-server. The load to survive: one max-length prompt, then as many as the KV cache holds; for a
-vision-language model, `pretuner.launch.images.validation_phases`. A tuner never calls these."""
+server. The load to survive: one max-length prompt, then as many as the KV cache holds, then a
+burst of short requests as wide as max-num-seqs; for a vision-language model,
+`pretuner.launch.images.validation_phases` with that burst. A tuner never calls these."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pretuner.sim.v1.memory import CUDA_PROFILES
 from pretuner.units import MIB
 
 VALIDATION_DECODE = 16  # what the tuner's validation generates per request
+BURST_DECODE = 16  # what each request of the truth's burst generates
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +65,18 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
                  max_num_seqs: int, max_num_batched_tokens: int, block_size: int = 16,
                  tp: int = 1, kv_cache_dtype: str = "auto", enforce_eager: bool = False,
                  occupied_mib: int = 0, images: Images | None = None,
-                 extra_args: Sequence[str] = ()) -> int:
+                 extra_args: Sequence[str] = (), burst: bool = True) -> int:
     """The largest pinned `--kv-cache-memory-bytes` (whole MiB) that starts and survives the
     worst-case load (a vision-language model's when `images` is given); 0 when none does.
-    `extra_args`: more server flags (--quantization, --cpu-offload-gb...)."""
+    `extra_args`: more server flags (--quantization, --cpu-offload-gb...); `burst` False: the
+    load without its wide short burst."""
     env = _env(profile_name, seed, occupied_mib)
 
     def works(kv_mib: int) -> bool:
         argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                      kv_cache_dtype, enforce_eager, ["--kv-cache-memory-bytes",
                                                      str(kv_mib * MIB), *extra_args])
-        return survives(spec, argv, env, images)
+        return survives(spec, argv, env, images, burst)
 
     # The smallest cache that holds one max-length sequence, and one that cannot fit.
     cache_dtype = KV_DTYPES.get(kv_cache_dtype, kv_cache_dtype)  # the server's reading of it
@@ -87,26 +90,33 @@ def max_kv_bytes(spec: ModelSpec, profile_name: str, *, seed: int, max_model_len
 
 
 def survives(spec: ModelSpec, argv: list[str], env: dict[str, str],
-             images: Images | None) -> bool:
+             images: Images | None, burst: bool = True) -> bool:
     """Whether this server command starts and survives the worst-case load."""
     booted = _boot(spec, [*argv, *images.argv()] if images is not None else argv, env)
-    return booted is not None and _load_survives(spec, booted, images)
+    return booted is not None and _load_survives(spec, booted, images, burst)
 
 
-def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None) -> bool:
+def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None,
+                   burst: bool = True) -> bool:
     """The worst-case load through the in-process server's engine; False once a step ran
     out of memory."""
     mml = booted.max_model_len
     count = max(1, min(booted.max_num_seqs, booted.num_blocks * booted.card.block_size // mml))
+    # The widest batch: a short request per sequence the engine runs at once (as many as its
+    # step budget and its KV blocks, two each, allow), all decoding together.
+    width = min(booted.max_num_seqs, booted.card.batched_tokens, booted.num_blocks // 2)
+    wide = LoadPhase("burst", (TextRequest(booted.card.block_size, BURST_DECODE),) * width
+                     if burst else ())
     if images is None or spec.vision is None:  # one max-length prompt, then `count` at once
         one = TextRequest(mml - 1, 1)
-        waves = [LoadPhase("probe", (one,)), LoadPhase("load", (one,) * count)]
+        waves = [LoadPhase("probe", (one,)), LoadPhase("load", (one,) * count), wide]
     else:
         shape = image_shape(spec.vision, VLLM_DEFAULT_MM_LIMIT if images.limit is None
                             else images.limit)
         decode = min(VALIDATION_DECODE, max(1, mml // 2))
         waves = waves_of(validation_phases(shape, mml, decode, count, images.soak,
                                            images.seed, TEMPLATE_TOKENS))
+        waves.insert(2, wide)
     rec = Sink(L.V1Log(0, 0, io.StringIO()), 0)
     core, client = EngineCore(booted, rec.log), Client(rec.log, dev_mode=True)
     for wave in waves:

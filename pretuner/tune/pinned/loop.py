@@ -36,6 +36,29 @@ from pretuner.units import GIB, MIB
 MIN_PRERUN_UTIL = 0.05
 TIGHTEN_MIN_GAIN = 0.02  # tighten a validated KV when the unused peak room is 2 % of it
 MAX_PRERUNS = 3
+# How far the engine's own KV figure may be from the pinned bytes and still be the same pool:
+# vLLM prints it rounded to 2 decimals of a GiB on a GPU (`reserved 59.0 GiB`) and to 1 on the
+# CPU (`Explicitly set (1.0/11.96) GiB`): half the coarser printed step is 0.05 GiB = 51.2 MiB,
+# rounded up to a whole MiB (a figure from the token count, floored to whole blocks, is closer).
+PIN_TOLERANCE_MIB = 52
+
+
+def pin_disagreement(kv_bytes: int | None, engine_kv_gib: float | None,
+                     device_peak_mib: int | None, reader: str | None) -> str | None:
+    """Why a launch did not run with the KV pretuner pinned, or None when it did (or nothing was
+    pinned). The engine's own log must report that pool, and the device must have held it: a
+    pool the engine sized some other way (a flag pretuner cannot see, smuggled in by a wrapper
+    or a config) would make the proof one of another configuration."""
+    if kv_bytes is None:
+        return None
+    pinned = f"pretuner pinned {kv_bytes / GIB:.2f} GiB (--kv-cache-memory-bytes {kv_bytes})"
+    if engine_kv_gib is not None and abs(engine_kv_gib * GIB - kv_bytes) > PIN_TOLERANCE_MIB * MIB:
+        return (f"{pinned} but the engine's log reports a KV cache of {engine_kv_gib:.2f} GiB "
+                f"(more than the {PIN_TOLERANCE_MIB} MiB its rounding explains)")
+    if device_peak_mib is not None and device_peak_mib < kv_bytes / MIB:
+        return (f"{pinned} = {kv_bytes / MIB:,.0f} MiB but the device's peak was "
+                f"{device_peak_mib:,} MiB ({reader}, all of the launch): it never held that pool")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +134,20 @@ class V1Tuner(Method):
             pp=c.pp, kv_cache_dtype=c.kv_cache_dtype, chunked_prefill=True,
             kv_cache_bytes=kv_bytes,
         )
+
+    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        """One launch, which must have run with the KV it was given (`pin_disagreement`)."""
+        o = super().launch(settings)
+        sized = o.kv_gib is not None or o.kv_tokens is not None  # its KV was allocated
+        peak = max(o.device_peaks_mib.values(), default=None) if sized else None
+        why = pin_disagreement(settings.kv_cache_bytes, o.kv_gib, peak, o.device_reader)
+        if why is not None:
+            raise ServerFailedError(
+                f"launch {o.n}: the engine did not take the pinned KV cache: {why}",
+                hint="remove the other KV cache setting from the server command, its wrapper "
+                f"(--serve-cmd) or its config, then run again; log {o.log_path}",
+                log_path=o.log_path)
+        return o
 
     # -- the method ---------------------------------------------------------------------
 
@@ -277,7 +314,8 @@ class V1Tuner(Method):
                 if o.device_peaks_mib and o.device_total_mib else "")
         what = (f"{o.requests_ok} requests served (the worst case, {o.soak_requests} soak "
                 "requests, the worst case again)" if o.soak_requests else
-                f"{o.requests_ok} max-length requests ({s.max_model_len:,} tokens) served")
+                f"{o.requests_ok} requests served (max-length ones of {s.max_model_len:,} "
+                "tokens, then a burst of short ones as wide as max-num-seqs)")
         return f"--kv-cache-memory-bytes {kv} ({kv / GIB:.2f} GiB): {what}, no OOM{peak}"
 
     def tighten(self, s: LaunchSettings, o: LaunchOutcome, proven: V1Result) -> V1Result:

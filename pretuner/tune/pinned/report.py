@@ -39,6 +39,7 @@ from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures
 from pretuner.tune.report import (
     RunMeta,
     given_up,
+    proof_peak,
     provenance,
     real_model,
     run_head,
@@ -78,6 +79,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         weights = weights.model_copy(update={"card_weights_log_gib": proof.weights_gib})
     gain = (r.kv_tokens / r.profiled_kv_tokens
             if r.kv_tokens and r.profiled_kv_tokens else None)
+    advice = next((o for o in r.outcomes if o.advised_kv_bytes is not None), None)
     budget = r.budget
     deployment = x.engine.deploy(f)
     argv = redact_argv(deployment.argv())  # serve.sh reads a secret from its variable
@@ -101,7 +103,10 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         derivation=PinnedDerivation(
             measured_by=r.measured_by, kv_cache_memory_bytes=f.kv_cache_bytes,
             baseline=V1Baseline(util=r.profiled_util, kv_tokens=r.profiled_kv_tokens,
-                                kv_tokens_gain=round(gain, 4) if gain else None),
+                                kv_tokens_gain=round(gain, 4) if gain else None,
+                                advised_kv_bytes=advice.advised_kv_bytes if advice else None,
+                                advised_full_kv_bytes=advice.advised_full_kv_bytes
+                                if advice else None),
             budget=None if budget is None else V1Budget(
                 device_total_mib=budget.total_mib, device_peak_mib=budget.peak_mib,
                 held_kv_mib=round(budget.held_kv_mib, 1),
@@ -118,6 +123,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         asked=Asked(max_model_len=asked_len, max_num_seqs=asked_seqs),
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs)
         + ([slow] if slow else []),
+        peak=proof_peak(proof),
         boots=boots_record(r.boot_peaks_mib, proof),
     )
 

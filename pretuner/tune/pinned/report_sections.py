@@ -12,6 +12,7 @@ from pretuner.models.vision import VLLM_DEFAULT_MM_LIMIT
 from pretuner.report.records import PinnedDerivation, RunReport, V1Weights
 from pretuner.speed import Speed
 from pretuner.tune.pinned.soak import HOLD_DOUBLINGS
+from pretuner.units import GIB
 
 
 def weights_lines(w: V1Weights, tag: str) -> list[str]:
@@ -43,7 +44,7 @@ def speed_line(rep: RunReport, d: PinnedDerivation) -> str | None:
     if s is None:
         return None
     line = Speed(s.prompt_tokens, s.ttft_s, s.decode_tokens, s.decode_s, s.load_requests,
-                 s.load_tokens, s.load_s, s.how).words(rep.provenance)
+                 s.load_tokens, s.load_s, s.how, s.decode_chunks).words(rep.provenance)
     if d.min_tokens_per_s is not None:
         line += f"; asked at least {d.min_tokens_per_s:g} tokens/s (--min-tokens-per-s)"
     return line
@@ -73,6 +74,8 @@ def pinned_sections(rep: RunReport, d: PinnedDerivation) -> list[str]:
             else ""
         lines.append(f"- the engine's own profiling at util {base.util}: "
                      f"{base.kv_tokens:,} KV tokens ({tag}){gain}")
+    if (advice := advice_line(d, tag)) is not None:
+        lines.append(f"- {advice}")
     return lines + [""] + memory_md(rep, d)
 
 
@@ -95,6 +98,8 @@ def summary_lines(rep: RunReport, d: PinnedDerivation) -> list[str]:
     if base.kv_tokens and base.kv_tokens_gain:
         lines.append(f"the engine's own profiling at util {base.util}: {base.kv_tokens:,} "
                      f"tokens ({tag}); pinned holds {base.kv_tokens_gain:.3f}x that")
+    if (advice := advice_line(d, tag)) is not None:
+        lines.append(advice)
     w = d.weights
     if w is not None and (w.quantization or w.offloaded_gib_per_card or w.enforce_eager
                           or w.swap_space_gib is not None):
@@ -103,6 +108,23 @@ def summary_lines(rep: RunReport, d: PinnedDerivation) -> list[str]:
     if speed is not None:
         lines.append(f"speed: {speed}")
     return lines
+
+
+def advice_line(d: PinnedDerivation, tag: str) -> str | None:
+    """The engine's own suggested KV beside the one pretuner pinned (which it never adopts: the
+    engine's estimate comes from profiling, not a proof under load, and can be wrong)."""
+    base = d.baseline
+    if base.advised_kv_bytes is None or base.advised_full_kv_bytes is None:
+        return None
+    ours = d.kv_cache_memory_bytes or 0
+
+    def words(n: int) -> str:
+        return f"{n} B ({n / GIB:.2f} GiB{', negative: no usable advice' if n < 0 else ''})"
+
+    return (f"the engine's own advice (its log at util {base.util}, {tag}; shown, not adopted): "
+            f"--kv-cache-memory={words(base.advised_kv_bytes)} to fit that util, or "
+            f"{words(base.advised_full_kv_bytes)} to fill the device; pretuner pinned "
+            f"{words(ours)}, derived from the measured peak and proven under load")
 
 
 def memory_md(rep: RunReport, d: PinnedDerivation) -> list[str]:

@@ -299,8 +299,9 @@ class PinnedMethod(V1Tuner):
 
     name: MethodName = "v1-pinned-kv"
     then = ("read the engine's own profile and the device's peak, pin --kv-cache-memory-bytes "
-            "below them by the measured margin, and validate with max-num-seqs concurrent "
-            "max-length requests (launch 2).")
+            "below them by the measured margin, and validate: the worst request alone, "
+            "concurrent max-length requests, then a burst of max-num-seqs short ones "
+            "(launch 2).")
 
     def __init__(self, cfg: V1Config, execute: Executor, phase: Phase, on_decision: OnDecision,
                  *, setup: Setup[V1Config], facts: PinnedFacts, host_line: str | None,

@@ -1,13 +1,13 @@
 """What a validation's soak says about memory that grows after load (pure).
 
 The validation of a vision-language model samples each part as its own phase (see
-`pretuner.engines.v1_images`): "load" and "images" (the worst case, before the soak),
+`pretuner.engines.v1_images`): "worst", "images" and "burst" (the worst cases, before the soak),
 "soak-1" and "soak-2" (the mixed load in two halves), "reset" (after /reset_mm_cache) and
 "after-soak" (the worst-case burst again, on top of what the soak left). From their last and
 peak samples:
 
-    growth after load   = last sample of soak-2 - last sample of the image burst
-    growth after reset  = last sample after the reset - last sample of the image burst
+    growth after load   = last sample of soak-2 - last sample before the soak
+    growth after reset  = last sample after the reset - last sample before the soak
     second half's growth = last of soak-2 - last of soak-1: memory still growing at the end
 
 The peak from the soak on (the burst after it included) is the worst case measured with the
@@ -34,7 +34,7 @@ AFTER_PHASES = (*SOAK_PHASES, "reset", "after-soak", "stop")
 class SoakFigures:
     """Device MiB (the worst device), as the sampler saw them in one launch."""
 
-    before_mib: int  # last sample of the image burst
+    before_mib: int  # last sample before the soak (the short burst's, else the image burst's)
     half_mib: int  # last sample of the soak's first half
     after_mib: int  # last sample of the soak's second half
     after_reset_mib: int | None  # last sample after /reset_mm_cache (None: no reset done)
@@ -77,7 +77,8 @@ def soak_figures(o: LaunchOutcome) -> SoakFigures | None:
     before = [v for p, v in peaks.items() if p not in AFTER_PHASES]
     after = [v for p, v in peaks.items() if p in AFTER_PHASES]
     return SoakFigures(
-        before_mib=last["images"], half_mib=last["soak-1"], after_mib=last["soak-2"],
+        before_mib=last.get("burst", last["images"]), half_mib=last["soak-1"],
+        after_mib=last["soak-2"],
         after_reset_mib=last.get("reset") if o.reset_status == 200 else None,
         peak_before_mib=max(before),
         peak_after_mib=max(after), requests=o.soak_requests, reset_status=o.reset_status,

@@ -183,7 +183,8 @@ class R01Method(Tuner):
 
     name: MethodName = "r0.1"
     then = ("read every rank's `actual peak used` after a graceful stop, derive, and validate "
-            "with max-num-seqs concurrent max-length requests (launch 2).")
+            "with max-num-seqs concurrent max-length requests, then a burst of as many short "
+            "ones (launch 2).")
 
     def __init__(self, cfg: TuneConfig, execute: Executor, phase: Phase, on_decision: OnDecision,
                  *, setup: Setup[TuneConfig], engine: R01Engine) -> None:

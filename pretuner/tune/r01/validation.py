@@ -54,8 +54,9 @@ class Validation(TunerCore):
             ):
                 self.decide(
                     "validated",
-                    f"{outcome.requests_total} concurrent requests of "
-                    f"{settings.max_model_len:,} tokens, no OOM, worst-rank peak "
+                    f"{outcome.requests_total} requests: {settings.max_num_seqs} concurrent "
+                    f"ones of {settings.max_model_len:,} tokens, then a burst of short ones "
+                    "as wide as max-num-seqs, no OOM, worst-rank peak "
                     f"{peak:,} MiB within card*util = {cap_mib:,.0f} MiB",
                 )
                 proven = (d, source, outcome)

@@ -14,7 +14,7 @@ from tests.helpers import R01_QWEN_64, FinishedRun, cli_env, run_cli
 
 pytestmark = pytest.mark.slow
 
-PHASES = {"launch", "loading", "ready", "probe", "load", "stop"}
+PHASES = {"launch", "loading", "ready", "probe", "load", "burst", "stop"}
 
 
 def test_report_steps_carry_device_peaks(finished_run: Callable[..., FinishedRun]) -> None:

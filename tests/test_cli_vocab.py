@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import typer
 
-from pretuner.cli.vocab import KvDtype, human_int, kv_dtype, read_vllm_config
+from pretuner.cli.vocab import KvDtype, human_int, human_minutes, kv_dtype, read_vllm_config
 from pretuner.kvmath import KV_DTYPES
 from tests.helpers import first_launch_line, invoke
 
@@ -27,6 +27,22 @@ def test_human_int_reads_what_vllm_reads(text: str | int, value: int) -> None:
 def test_human_int_refuses_what_is_not_a_whole_count(text: str) -> None:
     with pytest.raises(typer.BadParameter, match=repr(text.strip())):
         human_int(text)
+
+
+@pytest.mark.parametrize(("text", "minutes"), [
+    ("90", 90.0), ("7.5", 7.5), ("90m", 90.0), ("1.5h", 90.0), ("2h30m", 150.0), ("2H", 120.0),
+    ("0.5h15m", 45.0), (" 10m ", 10.0), (45, 45.0), (1.5, 1.5),
+])  # fmt: skip
+def test_soak_durations_read_as_minutes_bare_or_with_h_and_m(text: str | float,
+                                                            minutes: float) -> None:
+    # A bare number stays minutes, as --soak-minutes always read it; h and m may add up.
+    assert human_minutes(text) == minutes
+
+
+@pytest.mark.parametrize("text", ["", "abc", "1h30", "30m2h", "1.5.h", "-5", "1d", "h", "90 m"])
+def test_a_duration_in_any_other_spelling_is_refused_with_the_forms_it_takes(text: str) -> None:
+    with pytest.raises(typer.BadParameter, match="90 \\(minutes\\), 90m, 1.5h or 2h30m"):
+        human_minutes(text)
 
 
 def test_every_kv_dtype_pretuner_knows_is_offered_and_nothing_else() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pretuner.devices.series import parse_memory_tsv
@@ -68,6 +69,20 @@ def test_the_worst_case_and_the_soak_ran_through_the_chat_api(
                            .read_text())
     phases = {r.phase for r in mem.rows}
     assert {"images", "soak-1", "soak-2", "reset", "after-soak"} <= phases
+    # The soak's rate: the least-squares slope of the worst device over the soak's samples,
+    # fitted here again from memory.tsv; a 24-request soak lasts seconds: an upper bound.
+    worst: dict[float, int] = {}
+    for r in mem.rows:
+        if r.phase in ("soak-1", "soak-2"):
+            worst[r.t_s] = max(worst.get(r.t_s, 0), r.used_mib)
+    t = np.array(sorted(worst))
+    slope_h = np.polyfit(t, [worst[x] for x in t], 1)[0] * 3600
+    assert soak["rate_bound"] == "upper bound"
+    assert soak["rate_samples"] == len(t) >= 3
+    assert soak["rate_mib_per_h"] == pytest.approx(slope_h, abs=0.06)
+    assert soak["rate_mib_per_h"] > 0  # the emulated encoder cache grows with distinct images
+    assert soak["headroom_mib"] == mem.total_mib - soak["after_mib"] > 0
+    assert soak["exhaustion_h"] == pytest.approx(soak["headroom_mib"] / slope_h, abs=0.06)
 
 
 @pytest.mark.slow
@@ -124,6 +139,22 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
     html = (out / "report.html").read_text()
     assert 'class="band soak"' in html
     assert "growth under the soak" in html
+    # The rate and the projection, as report.json has them, in report.md and by the chart
+    soak = rep_soak(out)
+    h = soak["exhaustion_h"]
+    rate = f"growth rate at most {soak['rate_mib_per_h']:,.1f} MiB/h"
+    hours = (f"used up in at least {h * 60:,.1f} min" if h < 1 else
+             f"used up in at least {h:,.1f} h") + " at that rate (derived)"
+    assert rate in md
+    assert hours in md
+    assert f"headroom {soak['headroom_mib']:,} MiB (device total - the soak" in md
+    assert re.search(rf'<p class="soak-rate">soak {re.escape(rate)}.*{re.escape(hours)}</p>',
+                     html)
+
+
+def rep_soak(out: Path) -> dict[str, Any]:
+    soak: dict[str, Any] = json.loads((out / "report.json").read_text())["derivation"]["soak"]
+    return soak
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -136,6 +167,8 @@ def test_the_flags_reach_serve_sh_and_the_preset(run: tuple[Path, dict[str, Any]
     pytest.param(("--model", "qwen3-vl-8b", "--soak", "-1"), "--soak", id="negative-soak"),
     pytest.param(("--model", "qwen3-vl-8b", "--soak-minutes", "0"), "--soak-minutes",
                  id="zero-minutes"),
+    pytest.param(("--model", "qwen3-vl-8b", "--soak-minutes", "1h30"),
+                 "'1h30' is not a duration", id="bad-duration"),
     pytest.param(("--model", "qwen3-vl-8b", "--server-arg", "--limit-mm-per-prompt.image=2"),
                  "pretuner sets --limit-mm-per-prompt itself", id="dotted-server-arg"),
 ])

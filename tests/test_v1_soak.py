@@ -15,7 +15,8 @@ from pretuner.engines.v1_images import Soak
 from pretuner.launch import images as I
 from pretuner.models import resolve
 from pretuner.tune.pinned.loop import V1Config, V1Tuner
-from pretuner.tune.pinned.soak import soak_figures
+from pretuner.tune.pinned.report import soak_record
+from pretuner.tune.pinned.soak import soak_figures, soak_rate
 from pretuner.units import GIB, MIB
 
 SPEC = resolve("qwen3-vl-8b")
@@ -55,6 +56,82 @@ def test_figures_from_the_phases() -> None:
     refused = soak_figures(replace(o, reset_status=404))  # no dev mode: the route is not there
     assert refused is not None
     assert (refused.after_reset_mib, refused.reset_gave_back_mib) == (None, None)
+
+
+# -- the soak's growth rate and the time its headroom lasts -----------------------------------
+
+
+def _series(used: list[int], every_s: float) -> list[tuple[float, int]]:
+    return [(100.0 + i * every_s, mib) for i, mib in enumerate(used)]
+
+
+def test_a_flat_soak_grows_at_zero_and_never_uses_the_headroom_up() -> None:
+    r = soak_rate(_series([30_000] * 40, 20.0), 2_000)
+    assert (r.rate_mib_per_h, r.bound, r.samples, r.span_s) == (0.0, "fit", 40, 780.0)
+    assert r.exhaustion_h is None
+
+
+def test_a_rising_soak_long_enough_projects_the_hours_the_headroom_lasts() -> None:
+    # 2 MiB every 20 s = 0.1 MiB/s = 360 MiB/h; 720 MiB of headroom lasts 720 / 360 = 2 h.
+    r = soak_rate(_series([30_000 + 2 * i for i in range(36)], 20.0), 720)
+    assert r.bound == "fit"
+    assert r.rate_mib_per_h == pytest.approx(360.0)
+    assert r.exhaustion_h == pytest.approx(2.0)
+    assert soak_rate(_series([30_000 + 2 * i for i in range(36)], 20.0), -5).exhaustion_h == 0
+
+
+def test_one_noisy_read_in_the_middle_makes_no_growth() -> None:
+    # The least-squares slope weighs every sample: a spike at the middle moves it by nothing
+    # (max - min over the time would read 500 MiB of growth into it).
+    used = [30_000] * 41
+    used[20] = 30_500
+    assert soak_rate(_series(used, 20.0), 2_000).rate_mib_per_h == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize(("count", "every_s"), [(5, 1.0), (100, 5.0), (20, 60.0)])
+def test_a_soak_too_short_or_too_thin_gives_an_upper_bound(count: int, every_s: float) -> None:
+    # Under 10 minutes or under 30 samples: 1 MiB per sample is an upper bound on the rate,
+    # so the headroom lasts at least headroom / rate.
+    r = soak_rate(_series([30_000 + i for i in range(count)], every_s), 1_000)
+    assert r.bound == "upper bound"
+    assert r.rate_mib_per_h == pytest.approx(3600 / every_s)
+    assert r.exhaustion_h == pytest.approx(1_000 * every_s / 3600)
+
+
+@pytest.mark.parametrize("points", [[], [(1.0, 30_000)], [(1.0, 30_000), (2.0, 30_100)],
+                                    [(5.0, 30_000)] * 4])
+def test_too_few_samples_or_no_time_is_not_measurable(points: list[tuple[float, int]]) -> None:
+    r = soak_rate(points, 1_000)
+    assert (r.rate_mib_per_h, r.bound, r.exhaustion_h) == (None, "not measurable", None)
+
+
+def test_the_record_carries_the_rate_and_says_how_sure_it_is() -> None:
+    s = V1Tuner(_cfg(), _no_launch, _quiet).settings(Purpose.VALIDATE, 0.9, 40 * GIB)
+    last = {"images": 62_100, "soak-1": 63_700, "soak-2": 64_000, "reset": 64_000}
+    o = _outcome(s, OutcomeKind.OK, peaks={"images": 62_500, "soak-1": 63_700,
+                                           "soak-2": 64_000}, last=last)
+    # 4 MiB a second for 10 s: at most 14,400 MiB/h; 65,536 - 64,000 = 1,536 MiB lasts at
+    # least 1,536 / 14,400 = 0.1067 h
+    short = soak_record(replace(o, soak_series=tuple(_series(
+        [63_960 + 4 * i for i in range(11)], 1.0))), Soak(200))
+    assert short is not None
+    assert (short.rate_mib_per_h, short.rate_bound, short.headroom_mib, short.exhaustion_h) == (
+        14_400.0, "upper bound", 1_536, 0.107)
+    assert short.settled  # the second half added 300 of 1,900 MiB: under a quarter
+    line = short.rate_line("simulated")
+    assert "growth rate at most 14,400.0 MiB/h" in line
+    assert "used up in at least 6.4 min at that rate" in line  # under an hour: minutes
+    assert "host RSS of the engine's processes not sampled" in line
+    long = soak_record(replace(o, soak_series=tuple(_series(
+        [63_960 + 2 * i for i in range(36)], 20.0))), Soak(200))
+    assert long is not None  # 360 MiB/h, measured long enough: 1,536 / 360 = 4.27 h
+    assert (long.rate_mib_per_h, long.rate_bound, long.exhaustion_h) == (360.0, "fit", 4.267)
+    assert "growth rate 360.0 MiB/h" in long.rate_line("measured")
+    assert "used up in 4.3 h at that rate (derived)" in long.rate_line("measured")
+    none = soak_record(o, Soak(200))  # no samples kept (a journal from before the rate)
+    assert none is not None
+    assert none.rate_mib_per_h is None
+    assert "growth rate: not measurable (0 device samples" in none.rate_line("measured")
 
 
 # -- the loop against a card whose memory grows under the soak -------------------------------

@@ -10,7 +10,14 @@ import typer
 import pretuner.cli.options as o
 from pretuner.cli.app import app
 from pretuner.cli.render import emit
-from pretuner.cli.vocab import CONFIG_EXTRA, KvDtype, config_callback, human_int, kv_dtype
+from pretuner.cli.vocab import (
+    CONFIG_EXTRA,
+    KvDtype,
+    config_callback,
+    human_int,
+    human_minutes,
+    kv_dtype,
+)
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
 # The tuner is imported inside `run_cmd`: `pretuner --help` and a usage error answer without
@@ -69,8 +76,10 @@ def run_cmd(
         "the memory they leave is held back from the KV cache.",
     ),
     soak_minutes: float | None = typer.Option(
-        None, "--soak-minutes", metavar="M", rich_help_panel=o.PROOF,
-        help="VL models: soak for M minutes (with --soak: whichever ends first).",
+        None, "--soak-minutes", metavar="DURATION", parser=human_minutes,
+        rich_help_panel=o.PROOF,
+        help="VL models: soak this long: 90 (minutes), 90m, 1.5h or 2h30m (with --soak: "
+        "whichever ends first).",
     ),
     quantization: o.Quantization = None,
     cpu_offload_gb: o.CpuOffloadGb = 0.0,

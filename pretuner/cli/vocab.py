@@ -66,6 +66,25 @@ def human_int(value: str | int) -> int:
     return int(scaled)
 
 
+_DECIMAL_NUMBER = r"\d+(?:\.\d+)?"
+_DURATION = re.compile(rf"(?:({_DECIMAL_NUMBER})h)?(?:({_DECIMAL_NUMBER})m)?", re.IGNORECASE)
+
+
+def human_minutes(value: str | float) -> float:
+    """A duration in minutes: `90` (minutes), `90m`, `1.5h`, `2h30m`."""
+    if isinstance(value, int | float):
+        return float(value)
+    text = str(value).strip()
+    if (plain := re.fullmatch(_DECIMAL_NUMBER, text)) is not None:
+        return float(plain.group())
+    match = _DURATION.fullmatch(text)
+    if not text or match is None:
+        raise typer.BadParameter(
+            f"{text!r} is not a duration; write it like 90 (minutes), 90m, 1.5h or 2h30m")
+    hours, minutes = match.groups()
+    return float(hours or 0) * 60 + float(minutes or 0)
+
+
 def tokens_option(flag: str, text: str) -> Any:
     """An optional token count, written as vLLM reads one (`human_int`); `text` is its help."""
     return typer.Option(None, flag, metavar="TOKENS", parser=human_int, help=text)

@@ -82,6 +82,8 @@ class LaunchOutcome:
     # to fill the device (shown beside pretuner's, never adopted)
     advised_kv_bytes: int | None = None
     advised_full_kv_bytes: int | None = None
+    # A soak's samples of the worst device, (seconds since the launch started, MiB): its rate
+    soak_series: tuple[tuple[float, int], ...] = ()
 
     @classmethod
     def of(cls, n: int, settings: LaunchSettings, kind: OutcomeKind, log_path: Path,
@@ -110,6 +112,7 @@ class LaunchOutcome:
         fields_["settings"] = LaunchSettings.from_json(fields_["settings"])
         fields_["kind"] = OutcomeKind(fields_["kind"])
         fields_["notes"] = tuple(fields_.get("notes", ()))
+        fields_["soak_series"] = tuple((t, mib) for t, mib in fields_.get("soak_series", ()))
         if isinstance(fields_.get("speed"), dict):
             fields_["speed"] = Speed.from_json(fields_["speed"])
         known = {f.name for f in fields(cls)}

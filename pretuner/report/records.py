@@ -251,6 +251,33 @@ class V1Soak(Record):
     held_back_mib: int  # kept free for more growth: HOLD_DOUBLINGS x the second half's
     peak_before_mib: int  # the worst case before the soak
     peak_after_mib: int | None  # the worst case again, after the soak
+    settled: bool | None = None  # the second half added at most a quarter of the growth
+    # The growth rate (`tune.pinned.soak.soak_rate`): the least-squares slope of the soak's
+    # device samples, derived; None: not measurable. "upper bound": too short to tell.
+    rate_mib_per_h: float | None = None
+    rate_bound: Literal["fit", "upper bound", "not measurable"] = "not measurable"
+    rate_samples: int = 0
+    rate_span_s: float = 0.0
+    headroom_mib: int | None = None  # device total - after_mib
+    exhaustion_h: float | None = None  # headroom / rate (None: no growth, or no rate)
+
+    def rate_line(self, tag: str) -> str:
+        """The rate and the time to exhaustion in words; `tag`: what the samples are."""
+        seen = (f"{self.rate_samples} device samples over {self.rate_span_s:,.0f} s of soak, "
+                f"{tag}; host RSS of the engine's processes not sampled")
+        if self.rate_mib_per_h is None:
+            return f"growth rate: not measurable ({seen}; at least 3 samples are needed)"
+        short = self.rate_bound == "upper bound"
+        rate = (f"growth rate {'at most ' if short else ''}{self.rate_mib_per_h:,.1f} MiB/h "
+                f"(derived: least-squares slope of {seen}"
+                + ("; too short to tell: under 10 min or 30 samples)" if short else ")"))
+        room = f"headroom {self.headroom_mib:,} MiB (device total - the soak's last level)"
+        h = self.exhaustion_h
+        if h is None:
+            return f"{rate}; {room}: not used up at that rate (no growth)"
+        when = f"{h:,.1f} h" if h >= 1 else f"{h * 60:,.1f} min"
+        return (f"{rate}; {room}: used up in {'at least ' if short else ''}{when} at that "
+                "rate (derived)")
 
 
 class V1Memory(Record):

@@ -29,6 +29,7 @@ from pretuner.engines.outcome import (
     tally,
     workload,
 )
+from pretuner.engines.v1_images import SOAK_PHASES
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.errors import CardBusyError, PretunerError, ServerFailedError
 from pretuner.files import write_atomic
@@ -201,8 +202,11 @@ def _sees_own_tree(ctx: LaunchContext) -> bool:
 
 def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
     """The outcome with what the device sampler saw."""
+    soak = tuple((p.t_s, max(mib for _, mib in p.used_mib)) for p in sampled.series
+                 if p.phase in SOAK_PHASES and p.used_mib)
     return replace(outcome, device_peaks_mib=sampled.peaks_mib, device_reader=sampled.reader,
                    device_total_mib=sampled.total_mib, device_last_mib=sampled.last_mib,
+                   soak_series=soak,
                    notes=outcome.notes + ((sampled.failure,) if sampled.failure else ()))
 
 

@@ -38,6 +38,7 @@ class LaunchView:
     n: int
     title: str
     chart: Chart | None
+    soak: str | None = None  # the soak's growth rate and time to exhaustion (its launch)
 
 
 def launch_memory(folder: Path) -> tuple[LaunchMemory, ...]:
@@ -133,7 +134,10 @@ def page_of(folder: Path) -> Page:
         step = _step(rep, m.n)
         title = f"launch {m.n}" + ("" if step is None else
                                    f": {step.purpose}, outcome {step.outcome}")
-        launches.append(LaunchView(m.n, title, chart(m, launch_caps(rep, m))))
+        d = rep.derivation if isinstance(rep, RunReport) else None
+        soak = d.soak if isinstance(d, PinnedDerivation) else None
+        rate = soak.rate_line(rep.provenance) if soak is not None and soak.launch == m.n else None
+        launches.append(LaunchView(m.n, title, chart(m, launch_caps(rep, m)), rate))
     return Page(
         run=rep.run_id or folder.name,
         title=f"{rep.model}, {rep.launches:,} launch(es)",

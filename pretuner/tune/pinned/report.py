@@ -35,7 +35,7 @@ from pretuner.report.records import (
 )
 from pretuner.speed import too_slow
 from pretuner.tune.pinned.loop import V1Config, V1Result
-from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures
+from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures, soak_rate
 from pretuner.tune.report import (
     RunMeta,
     given_up,
@@ -161,8 +161,18 @@ def soak_record(o: LaunchOutcome, asked: Soak) -> V1Soak | None:
     if f is None:
         return None
     figures = {name: getattr(f, name) for name in V1Soak.model_fields if hasattr(f, name)}
+    if o.device_total_mib is not None:
+        r = soak_rate(o.soak_series, o.device_total_mib - f.after_mib)
+        figures |= {"rate_bound": r.bound, "rate_samples": r.samples,
+                    "rate_span_s": round(r.span_s, 1), "headroom_mib": r.headroom_mib,
+                    "rate_mib_per_h": _round(r.rate_mib_per_h),
+                    "exhaustion_h": _round(r.exhaustion_h, 3)}
     return V1Soak(launch=o.n, requests_asked=asked.requests, minutes_asked=asked.minutes,
                   **figures)
+
+
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory | None:

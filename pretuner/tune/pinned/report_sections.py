@@ -91,6 +91,8 @@ def summary_lines(rep: RunReport, d: PinnedDerivation) -> list[str]:
                      + (f", gave back {k.reset_gave_back_mib:,} MiB"
                         if k.reset_gave_back_mib is not None else "")
                      + f"; {k.held_back_mib:,} MiB held back for more growth")
+        lines.append(f"soak {k.rate_line(tag)}" + ("" if k.settled is not False else
+                                                    "; NOT SETTLED"))
     if (m := d.memory) is not None:
         lines.append(f"device at its worst moment (launch {m.launch}, MiB, {tag}):")
         lines += ["  " + row.replace(" | ", ": ", 1).replace(" | ", ", ") for row in m.lines]
@@ -156,7 +158,8 @@ def memory_md(rep: RunReport, d: PinnedDerivation) -> list[str]:
             "run 4 times as long)",
             f"- peak before the soak {s.peak_before_mib:,}, from the soak on "
             f"{s.peak_after_mib:,} (the worst-case burst again after it included)"]
-        if 4 * s.second_half_mib > max(0, s.growth_mib):  # more than a quarter: not slowed
+        lines.append(f"- {s.rate_line(tag)}")
+        if s.settled is False:
             lines.append(f"- NOT SETTLED: the second half added {s.second_half_mib:,} of the "
                          f"soak's {s.growth_mib:,} MiB; memory was still growing fast: a longer "
                          "--soak measures more of it")

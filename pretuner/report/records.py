@@ -271,7 +271,8 @@ class V1Soak(Record):
         rate = (f"growth rate {'at most ' if short else ''}{self.rate_mib_per_h:,.1f} MiB/h "
                 f"(derived: least-squares slope of {seen}"
                 + ("; too short to tell: under 10 min or 30 samples)" if short else ")"))
-        room = f"headroom {self.headroom_mib:,} MiB (device total - the soak's last level)"
+        room = (f"headroom {self.headroom_mib:,} MiB (device total - the soak's last level, "
+                f"both {tag})")
         h = self.exhaustion_h
         if h is None:
             return f"{rate}; {room}: not used up at that rate (no growth)"

@@ -3,6 +3,7 @@ decides from them (canned outcomes against a scripted card, milliseconds)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -128,6 +129,9 @@ def test_the_record_carries_the_rate_and_says_how_sure_it_is() -> None:
     assert (long.rate_mib_per_h, long.rate_bound, long.exhaustion_h) == (360.0, "fit", 4.267)
     assert "growth rate 360.0 MiB/h" in long.rate_line("measured")
     assert "used up in 4.3 h at that rate (derived)" in long.rate_line("measured")
+    # The journal keeps the samples: a resumed run reports the same rate.
+    kept = replace(o, soak_series=((1.5, 63_960), (2.5, 63_964)))
+    assert LaunchOutcome.from_json(json.loads(json.dumps(kept.to_json()))) == kept
     none = soak_record(o, Soak(200))  # no samples kept (a journal from before the rate)
     assert none is not None
     assert none.rate_mib_per_h is None

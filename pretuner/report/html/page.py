@@ -130,12 +130,12 @@ def page_of(folder: Path) -> Page:
                  + ("as many as fit" if seqs is None else f"{seqs:,}"))
     b = breakdown(rep)
     launches = []
+    d = rep.derivation if isinstance(rep, RunReport) else None
+    soak = d.soak if isinstance(d, PinnedDerivation) else None
     for m in launch_memory(folder):
         step = _step(rep, m.n)
         title = f"launch {m.n}" + ("" if step is None else
                                    f": {step.purpose}, outcome {step.outcome}")
-        d = rep.derivation if isinstance(rep, RunReport) else None
-        soak = d.soak if isinstance(d, PinnedDerivation) else None
         rate = soak.rate_line(rep.provenance) if soak is not None and soak.launch == m.n else None
         launches.append(LaunchView(m.n, title, chart(m, launch_caps(rep, m)), rate))
     return Page(

@@ -189,6 +189,7 @@ def test_a_serve_cmd_with_a_named_engine_is_the_real_engine(tmp_path: Path) -> N
     assert json.loads(invoke(*argv, "--emulate", env=cli_env()).stdout)["simulated"] is True
 
 
+@pytest.mark.slow  # an emulated full run
 def test_auto_says_loudly_that_it_runs_the_emulated_card(
         finished_run: Callable[..., FinishedRun]) -> None:
     run = finished_run(*R01_QWEN_64)

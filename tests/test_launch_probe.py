@@ -230,8 +230,7 @@ def test_probe_prompt_stays_inside_the_vocabulary_away_from_its_ends(vocab: int)
 
 
 def test_small_vocabulary_prompts_are_accepted(server: tuple[str, Recorder]) -> None:
-    url, recorder = server
-    recorder.gather = 4
+    url, _ = server
     plen = probe.max_length_prompt_len(MAX_MODEL_LEN, 1)
     assert probe.complete(url, "small-vocab", probe.probe_prompt(plen, 3, SMALL_VOCAB), 1,
                           timeout_s=10).ok

@@ -98,6 +98,7 @@ def test_the_run_folder_holds_what_script_writes(
     assert " ".join(real) in (run.folder / "report.md").read_text()
 
 
+@pytest.mark.slow  # the README's first command: an emulated full run
 def test_default_command_deepseek_v3(tmp_path: Path) -> None:
     proc = run_cli("run", "--model", "deepseek-v3", "--card", "64", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -41,6 +41,9 @@ MAX_PRERUNS = 3
 # CPU (`Explicitly set (1.0/11.96) GiB`): half the coarser printed step is 0.05 GiB = 51.2 MiB,
 # rounded up to a whole MiB (a figure from the token count, floored to whole blocks, is closer).
 PIN_TOLERANCE_MIB = 52
+_START_FAILURES = frozenset({OutcomeKind.OOM_AT_START, OutcomeKind.KV_EXHAUSTED,
+                             OutcomeKind.DEVICE_REFUSED, OutcomeKind.LEN_TOO_LARGE,
+                             OutcomeKind.OOM_WEIGHTS})
 
 
 def pin_disagreement(kv_bytes: int | None, engine_kv_gib: float | None,
@@ -138,8 +141,10 @@ class V1Tuner(Method):
     def launch(self, settings: LaunchSettings) -> LaunchOutcome:
         """One launch, which must have run with the KV it was given (`pin_disagreement`)."""
         o = super().launch(settings)
-        sized = o.kv_gib is not None or o.kv_tokens is not None  # its KV was allocated
-        peak = max(o.device_peaks_mib.values(), default=None) if sized else None
+        # The device can only be asked to have held a pool the engine served with: one that
+        # died while starting (a budget refusing the allocation) never held it, by design.
+        served = o.kind not in _START_FAILURES and (o.kv_gib is not None or o.kv_tokens is not None)
+        peak = max(o.device_peaks_mib.values(), default=None) if served else None
         why = pin_disagreement(settings.kv_cache_bytes, o.kv_gib, peak, o.device_reader)
         if why is not None:
             raise ServerFailedError(

@@ -160,8 +160,9 @@ os.execvpe(args[0], args, env)
 
 def _way(tmp_path: Path, way: str) -> list[str]:
     """`pretuner run` arguments that give CANARY... the way named."""
+    # 16 sequences: the width does not matter here, and a 1,024-wide burst costs seconds a run.
     v1 = ["--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--card", "80",
-          "--max-model-len", "4096"]
+          "--max-model-len", "4096", "--max-num-seqs", "16"]
     if way.startswith("server-arg"):
         flag = {"server-arg": "--api-key ", "server-arg-underscore": "--api_key ",
                 "server-arg-equals": "--api-key="}[way]
@@ -169,7 +170,8 @@ def _way(tmp_path: Path, way: str) -> list[str]:
     if way.startswith("config"):
         cfg = tmp_path / "serve.yaml"
         key = way.removeprefix("config-")
-        cfg.write_text(f"model: qwen3-8b\nmax-model-len: 4096\n{key}: {CANARY}-{way}\n")
+        cfg.write_text(f"model: qwen3-8b\nmax-model-len: 4096\nmax-num-seqs: 16\n"
+                       f"{key}: {CANARY}-{way}\n")
         return ["--config", str(cfg), "--engine", "vllm", "--emulate", "--card", "80"]
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER)

@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers import cli_env, default_sigint, invoke, processes_holding, run_cli, wait_for
 
+# 64 sequences: these tests are about the pipeline, not the width, and a 1,024-wide burst
+# costs seconds a run.
+NARROW = ("--max-num-seqs", "64")
 # engine -> (its emulated card's --card, the emulated server a wrapper hands over to)
 ENGINES = {
     "vllm-mindspore-r01": (64, ["launch", "vllm.entrypoints.openai.api_server"]),
@@ -73,7 +76,7 @@ def test_the_serve_cmd_is_launched_and_deployed(tmp_path: Path, engine: str) -> 
     run = tmp_path / "r"
     proc = run_cli("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--card", str(card),
                    "--serve-cmd", cmd, "--max-model-len", "4096", "--min-model-len", "4096",
-                   "--out", str(run), env=cli_env(), timeout=240)
+                   *NARROW, "--out", str(run), env=cli_env(), timeout=240)
     assert proc.returncode == 0, proc.stderr
     launches = [json.loads(line) for line in seen.read_text(encoding="utf-8").splitlines()]
     assert len(launches) == len(list(run.glob("launch-*")))  # every launch went through it
@@ -108,7 +111,7 @@ def test_ctrl_c_while_the_server_loads_then_resume(tmp_path: Path, engine: str) 
     env = cli_env(PRETUNER_SIM_STARTUP_S="1.5")  # a server that takes a moment to load
     argv = [sys.executable, "-m", "pretuner", "run", "--model", "qwen3-8b", "--engine", engine, "--emulate",
             "--card", str(card), "--max-model-len", "4096", "--min-model-len", "4096",
-            "--out", str(out)]
+            *NARROW, "--out", str(out)]
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as err:
         run = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,

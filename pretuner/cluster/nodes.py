@@ -16,7 +16,7 @@ class NodeFacts:
     node_id: str
     address: str  # the node's IP as Ray knows it
     alive: bool
-    npus: int  # the `NPU` resource Ray counted (detected, or given to `ray start --resources`)
+    npus: int  # the run's device resource Ray counted (`NPU`, or `GPU`), detected or given
     local: bool = False  # pretuner, hence the server's Ray driver, runs on this node
     head: bool = False  # the node that ran `ray start --head`
 
@@ -60,7 +60,8 @@ def _order(nodes: Sequence[NodeFacts]) -> list[NodeFacts]:
     return sorted(nodes, key=lambda n: (not n.local, n.address, n.node_id))
 
 
-def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) -> Placement:
+def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None,
+          unit: str = "NPU") -> Placement:
     """Fill the alive nodes with `world` ranks, one per NPU, the local node first (vLLM's Ray
     executor needs one on its driver's node); ClusterError when they do not fit."""
     # The emulated server places its ranks with this same function: the check and the
@@ -73,21 +74,22 @@ def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) 
         )
     if local.npus < 1:
         raise ClusterError(
-            f"this node {local.label} has no NPU in Ray; the server's Ray driver runs where "
+            f"this node {local.label} has no {unit} in Ray; the server's Ray driver runs where "
             "pretuner runs and vLLM places rank 0 there",
-            hint="run pretuner on a node whose `ray status` shows NPUs",
+            hint=f"run pretuner on a node whose `ray status` shows {unit}s",
         )
     alive = [n for n in _order(nodes) if n.alive and n.npus > 0]
     total = sum(n.npus for n in alive)
     if total < world:
         raise ClusterError(
-            f"{world} ranks need {world} NPUs and the Ray cluster has {total}: {survey(nodes)}",
-            hint="start Ray on more nodes with NPUs (`ray start --address=HEAD_IP:PORT`), or "
+            f"{world} ranks need {world} {unit}s and the Ray cluster has {total}: "
+            f"{survey(nodes, unit)}",
+            hint=f"start Ray on more nodes with {unit}s (`ray start --address=HEAD_IP:PORT`), or "
             "choose a layout with fewer cards (--tp)",
         )
     if free_npus is not None and free_npus < world:
         raise ClusterError(
-            f"{world} ranks need {world} free NPUs and Ray has {free_npus} free of {total}: "
+            f"{world} ranks need {world} free {unit}s and Ray has {free_npus} free of {total}: "
             "another job holds the rest",
             hint="stop the other job or server (`ray status` lists what holds them)",
         )
@@ -99,10 +101,10 @@ def place(nodes: Sequence[NodeFacts], world: int, free_npus: int | None = None) 
     return Placement(tuple(alive[: len(counts)]), tuple(counts))
 
 
-def survey(nodes: Sequence[NodeFacts]) -> str:
+def survey(nodes: Sequence[NodeFacts], unit: str = "NPU") -> str:
     """Every node in one line: `192.0.2.2 (33c30b62) 8 NPU, 192.0.2.3 (6ae8ef24) dead`."""
     parts = [
-        f"{n.label} {f'{n.npus} NPU' if n.alive else 'dead'}{' (this node)' if n.local else ''}"
+        f"{n.label} {f'{n.npus} {unit}' if n.alive else 'dead'}{' (this node)' if n.local else ''}"
         for n in _order(nodes)
     ]
     return ", ".join(parts) or "no node"

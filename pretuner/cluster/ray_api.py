@@ -37,15 +37,16 @@ def _ray() -> Any:
 class RayCluster:
     """A connection to a running Ray cluster, as one more driver (its own Ray job)."""
 
-    def __init__(self, ray: Any, address: str) -> None:
+    def __init__(self, ray: Any, address: str, resource: str = "NPU") -> None:
         self._ray = ray
         self.address = address
+        self.resource = resource  # what one rank holds: `NPU` (Ascend) or `GPU` (CUDA)
         self.gcs_address: str = ray.get_runtime_context().gcs_address
         self.local_node_id: str = ray.get_runtime_context().get_node_id()
         self._remote: dict[Callable[..., Any], Any] = {}
 
     @classmethod
-    def connect(cls, address: str) -> RayCluster:
+    def connect(cls, address: str, resource: str = "NPU") -> RayCluster:
         check_address(address)
         ray = _ray()
         if ray.is_initialized():
@@ -60,7 +61,7 @@ class RayCluster:
                 hint="start Ray first (`ray start --head --port=6379` on the head, `ray start "
                 "--address=HEAD_IP:6379` on the others) and run pretuner on one of its nodes",
             ) from None
-        return cls(ray, address)
+        return cls(ray, address, resource)
 
     def close(self) -> None:
         self._ray.shutdown()
@@ -72,12 +73,13 @@ class RayCluster:
             resources = n.get("Resources") or {}
             node_id = n["NodeID"]
             out.append(NodeFacts(node_id, n.get("NodeManagerAddress", "?"), bool(n.get("Alive")),
-                                 int(resources.get("NPU", 0)), node_id == self.local_node_id,
+                                 int(resources.get(self.resource, 0)),
+                                 node_id == self.local_node_id,
                                  HEAD_RESOURCE in resources))
         return tuple(out)
 
     def free_npus(self) -> int:
-        return int(self._ray.available_resources().get("NPU", 0))
+        return int(self._ray.available_resources().get(self.resource, 0))
 
     def submit(self, node: NodeFacts, fn: Callable[..., Any], *args: Any) -> Any:
         """Start `fn(*args)` on `node`; returns the Ray object ref."""

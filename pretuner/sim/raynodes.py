@@ -11,11 +11,13 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from pretuner.cluster.nodefs import node_local
 from pretuner.cluster.nodes import Placement, place
 from pretuner.sim.logs import RankLog
+from pretuner.sim.state import STATE_DIR_ENV, Published, state_dir
 
 PLACEMENT_TIMEOUT_S = 60.0  # vLLM waits 1800 s for its placement group; tests cannot
 HEALTH_EVERY_S = 1.0
@@ -56,6 +58,35 @@ class NodeAgent:
         return True
 
 
+class GpuAgent:
+    """Runs in a Ray actor on one node: the GPUs Ray gave a V1 server's ranks there, their
+    memory published in that node's emulated card state (what its nvidia-smi reads)."""
+
+    def __init__(self, ranks: Sequence[int], state: str | None) -> None:
+        import ray
+
+        self.ranks = list(ranks)
+        self.gpus = [int(g) for g in ray.get_gpu_ids()]
+        self.ip = ray.util.get_node_ip_address()
+        # The driver's state folder, on this node's own disk (its own root, if it has one)
+        env = {**os.environ, **({STATE_DIR_ENV: state} if state else {})}
+        self.state: Path = state_dir(env)
+        self.files = Published()
+
+    def whoami(self) -> tuple[int, str, list[int]]:
+        return os.getpid(), self.ip, self.gpus
+
+    def level(self, mib: int) -> None:
+        for gpu in self.gpus:
+            self.files.hold(self.state, "cuda", 0, gpu, mib)
+
+    def close(self) -> None:
+        self.files.remove()
+
+    def ping(self) -> bool:
+        return True
+
+
 class RemoteRankLog(RankLog):
     """A rank's lines, formatted here and written by the actor on the rank's node, with that
     node's GLOG_v (fire-and-forget: Ray keeps one caller's calls in order, and
@@ -80,25 +111,29 @@ class RemoteRankLog(RankLog):
 class RayRanks:
     """The driver's side: placement, one actor per node, health, and the stop."""
 
-    def __init__(self, address: str, ranks: Sequence[tuple[int, int, int]]) -> None:
+    def __init__(self, address: str, ranks: Sequence[Any], resource: str = "NPU",
+                 agent: type = NodeAgent, args: tuple[Any, ...] = ()) -> None:
+        """`ranks` as `agent` takes them: r0.1's (rank, pid, tid), a V1 server's rank numbers
+        (`GpuAgent`, one `GPU` each); `args` follow them."""
         from pretuner.cluster.ray_api import RayCluster
         from pretuner.errors import ClusterError
 
-        self.cluster = RayCluster.connect(address)  # the launch's job runtime env applies
+        # the launch's job runtime env applies
+        self.cluster = RayCluster.connect(address, resource)
         self._ray = self.cluster._ray
         self.lost: str | None = None
         self._stop = threading.Event()
         try:
-            self.placement: Placement = place(self.cluster.nodes(), len(ranks))
+            self.placement: Placement = place(self.cluster.nodes(), len(ranks), unit=resource)
         except ClusterError as err:
             self.cluster.close()
             raise PlacementFailed(
-                "The number of required NPUs exceeds the total number of available NPUs in "
-                f"the placement group ({err.message})"
+                f"The number of required {resource}s exceeds the total number of available "
+                f"{resource}s in the placement group ({err.message})"
             ) from None
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        actor = self._ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+        actor = self._ray.remote(num_cpus=0, max_restarts=0)(agent)
         self.agents: list[Any] = []
         self.logs: list[RemoteRankLog] = []
         first = 0
@@ -107,20 +142,22 @@ class RayRanks:
         ):
             mine = list(ranks[first : first + count])
             first += count
-            agent = actor.options(
+            held = {"num_gpus": count} if resource == "GPU" else {"resources": {resource: count}}
+            one = actor.options(
                 name=agent_name(os.getpid(), k),
                 namespace=NAMESPACE,
-                resources={"NPU": count},
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
-            ).remote(mine)
-            self.agents.append(agent)
-            self.logs += [RemoteRankLog(agent, r, pid, tid) for r, pid, tid in mine]
+                **held,
+            ).remote(mine, *args)
+            self.agents.append(one)
+            if agent is NodeAgent:
+                self.logs += [RemoteRankLog(one, r, pid, tid) for r, pid, tid in mine]
         try:
             self._ray.get([a.ping.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
         except Exception as err:  # a timeout or a failed actor
             self.close()
             raise PlacementFailed(
-                f"Cannot provide a placement group of {len(ranks)} NPU bundles within "
+                f"Cannot provide a placement group of {len(ranks)} {resource} bundles within "
                 f"{PLACEMENT_TIMEOUT_S:.0f} seconds ({type(err).__name__}). Check `ray status` "
                 "to see if you have enough resources."
             ) from None
@@ -138,12 +175,20 @@ class RayRanks:
                             return
                         self.lost = (
                             f"At least one Worker is dead. Dead Workers: node {node.label} "
-                            f"({type(err).__name__})"
+                            f"ranks {self.ranks_of(node)} ({type(err).__name__})"
                         )
                         on_lost(self.lost)
                         return
 
         threading.Thread(target=loop, name="ray-health", daemon=True).start()
+
+    def ranks_of(self, node: Any) -> str:
+        first = 0
+        for n, count in zip(self.placement.nodes, self.placement.ranks_per_node, strict=True):
+            if n == node:
+                return f"{first}-{first + count - 1}"
+            first += count
+        return "?"
 
     def close(self) -> None:
         """Let every actor write what it was sent and close its files, then kill them."""

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from pretuner.cluster.nodefs import node_local
 from pretuner.files import write_atomic
 from pretuner.procgroups import proc_available, stat_fields
 from pretuner.units import MIB
@@ -21,10 +22,11 @@ TENANT_PID = 4242  # the pid the device tools show for the other tenant (OCCUPIE
 
 
 def state_dir(env: Mapping[str, str]) -> Path:
-    """Where servers publish per-card memory use (npu-smi and nvidia-smi read it)."""
+    """Where servers publish per-card memory use (npu-smi and nvidia-smi read it), on this
+    node's own disk (a Ray node of the emulated cluster: its `PRETUNER_SIM_NODE_ROOT`)."""
     raw = env.get(STATE_DIR_ENV)
     if raw:
-        return Path(raw)
+        return node_local(raw, env)
     return Path(tempfile.gettempdir()) / f"pretuner-sim-{os.getuid()}"
 
 

@@ -7,7 +7,8 @@ holding, sleeping) is in the `Sink` each gives it."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 
 from pretuner.errors import PretunerError
@@ -45,12 +46,15 @@ class Sink:
     state: Path = Path()
     devices: tuple[int, ...] = ()
     files: Published = field(default_factory=Published)
+    publish: Callable[[int], None] | None = None  # on a Ray cluster: every node's GPUs (MiB)
 
     def level(self, process_bytes: int) -> None:
         mib = -(-process_bytes // MIB)
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), self.floor_mib + mib)
         self.last[self.phase] = self.floor_mib + mib
         if self.stop is not None:
+            if self.publish is not None:
+                self.publish(mib)
             for device in self.devices:
                 self.files.hold(self.state, "cuda", 0, device, mib)
             time.sleep(HOLD_S)
@@ -61,7 +65,10 @@ class Sink:
 
 
 def devices_for(cfg: V1Config) -> list[int] | None:
-    """The GPUs the ranks use (one each, in CUDA_VISIBLE_DEVICES order); None if too few."""
+    """The GPUs the ranks use (one each, in CUDA_VISIBLE_DEVICES order); None if too few. On
+    Ray (`--distributed-executor-backend ray`) the ranks' GPUs are Ray's: none here."""
+    if cfg.backend == "ray":
+        return []
     visible = list(cfg.visible) if cfg.visible is not None else list(
         range(CUDA_PROFILES[cfg.profile].gpus_per_node))
     return visible[:cfg.tp] if len(visible) >= cfg.tp else None
@@ -97,6 +104,18 @@ def resolve_model(name: str) -> ModelSpec:
         if base and base != name:
             return resolve(base)
         raise
+
+
+def first_stage(spec: ModelSpec, pp: int) -> tuple[ModelSpec, float]:
+    """The busiest pipeline stage as a model of its own layers, and its share of the weights:
+    vLLM's `get_pp_indices` gives the layers left over to the earliest stages."""
+    if pp <= 1:
+        return spec, 1.0
+    if pp > spec.num_layers:
+        raise Refused("ValueError", f"The number of layers ({spec.num_layers}) must be at least "
+                      f"the pipeline parallel size ({pp}).", "config")
+    layers = -(-spec.num_layers // pp)
+    return replace(spec, num_layers=layers), layers / spec.num_layers
 
 
 def _gib(n: float) -> str:
@@ -171,6 +190,7 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
     _api_preamble(log, cfg, spec)
     try:  # the API server's own checks
         mml = check_args(cfg, spec)
+        stage, share = first_stage(spec, cfg.pp)
         loaded = offload.load(spec, cfg.profile, cfg.tp, cfg.quantization, cfg.cpu_offload_gib)
         warned = offload.swap_warning(cfg.swap_space_gib, cfg.tp,
                                       offload.host_total_bytes(cfg.profile, cfg.host_mib))
@@ -184,7 +204,7 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
             f"{cfg.max_num_batched_tokens}.")
     log.api("vllm.py:1006", "Asynchronous scheduling is enabled.")
     try:
-        return _engine_start(cfg, sink, spec, mml, others_bytes, loaded)
+        return _engine_start(cfg, sink, stage, mml, others_bytes, loaded, share)
     except Refused as err:
         if err.where == "killed":  # SIGKILL (the host's OOM killer): the engine prints nothing
             log.raw(L.API, L.api_failure_lines(err.message))
@@ -197,10 +217,12 @@ def boot(cfg: V1Config, sink: Sink, *, others_bytes: int = 0,
 
 
 def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
-                  others_bytes: int, loaded: offload.Loaded) -> Booted:
+                  others_bytes: int, loaded: offload.Loaded, share: float = 1.0) -> Booted:
+    """`spec` is the busiest pipeline stage's model, `share` its part of the weights."""
     log, step_s = sink.log, cfg.startup_s / 8
     profile = CUDA_PROFILES[cfg.profile]
-    on_cards = loaded.total_bytes - loaded.offloaded_bytes * cfg.tp  # all ranks, less offload
+    # All the stage's ranks, less offload
+    on_cards = int((loaded.total_bytes - loaded.offloaded_bytes * cfg.tp) * share)
     card = V1Card(spec, on_cards, perturbed(cfg.sim_seed), cfg.tp, cfg.kv_cache_dtype,
                   cfg.block_size, cfg.max_num_batched_tokens)
     context = (profile.context_mib + cfg.boot_noise_mib) * MIB  # this boot's noise, if any
@@ -213,7 +235,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
              f"enforce_eager={cfg.enforce_eager}, kv_cache_dtype={cfg.kv_cache_dtype}, "
              f"device_config=cuda, seed={cfg.seed}, served_model_name={cfg.served_names[0]}, "
              "enable_prefix_caching=True, enable_chunked_prefill=True")
-    log.core("parallel_state.py:1588", f"world_size={cfg.tp} rank=0 local_rank=0 "
+    log.core("parallel_state.py:1588", f"world_size={cfg.tp * cfg.pp} rank=0 local_rank=0 "
              "distributed_init_method=tcp://127.0.0.1:41955 backend=nccl")
     sink.pause(step_s)
     sink.level(context)

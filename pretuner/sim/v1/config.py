@@ -27,7 +27,8 @@ KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variab
 ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
 NON_DEFAULT_ORDER = (
     "host", "port", "api_key", "model", "max_model_len", "served_model_name", "load_format", "seed",
-    "enforce_eager", "tensor_parallel_size", "quantization", "block_size",
+    "enforce_eager", "distributed_executor_backend", "pipeline_parallel_size",
+    "tensor_parallel_size", "quantization", "block_size",
     "gpu_memory_utilization", "kv_cache_memory_bytes", "swap_space", "cpu_offload_gb",
     "kv_cache_dtype", "max_num_batched_tokens", "max_num_seqs", "limit_mm_per_prompt",
     "mm_processor_cache_gb")  # how vLLM orders its `non-default args`
@@ -66,6 +67,8 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--limit-mm-per-prompt", default=None)
     p.add_argument("--mm-processor-cache-gb", type=float, default=None)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--distributed-executor-backend", choices=("ray", "mp"), default=None)
     p.set_defaults(max_num_seqs=None)  # the card's (`batch_defaults`)
     return p
 
@@ -126,6 +129,8 @@ class V1Config(ServerArgs):
     swap_space_gib: float = 4.0
     host_mib: int | None = None  # None: the profile's host
     time_scale: float = 1.0
+    pp: int = 1  # --pipeline-parallel-size
+    backend: str | None = None  # --distributed-executor-backend (ray: RAY_ADDRESS's cluster)
 
 
 def _visible(raw: str | None) -> tuple[int, ...] | None:
@@ -184,4 +189,5 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
         cpu_offload_gib=max(0.0, ns.cpu_offload_gb), swap_space_gib=max(0.0, ns.swap_space),
         host_mib=host_mib if host_mib is None else max(1, host_mib),
         time_scale=max(0.0, knobs["time_scale"]),
-        boot_noise_mib=max(0, knobs["boot_noise_mib"]))
+        boot_noise_mib=max(0, knobs["boot_noise_mib"]),
+        pp=ns.pipeline_parallel_size, backend=ns.distributed_executor_backend)

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from pretuner.errors import PretunerError
 from pretuner.sim.argv import serve_main
 from pretuner.sim.http import ANY_HOST, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.state import boot_noise_mib, others_bytes, state_dir
+from pretuner.sim.state import STATE_DIR_ENV, boot_noise_mib, others_bytes, state_dir
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, Sink, Stopped, boot, devices_for
 from pretuner.sim.v1.config import V1Config, build_parser, parse
 from pretuner.sim.v1.engine import Engine, EngineCore
 from pretuner.sim.v1.http import ApiConfig, V1HTTPServer
 from pretuner.stopflag import StopFlag
+
+if TYPE_CHECKING:
+    from pretuner.sim.raynodes import RayRanks
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /reset_mm_cache and other dev routes
 CORE_PID_OFFSET = 69  # the real EngineCore is a child process: a made-up pid beside ours
@@ -38,17 +44,70 @@ def serve(cfg: V1Config) -> int:
     devices = devices_for(cfg) or []  # too few: boot refuses
     sink = Sink(L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET), 0, stop=stop, state=state,
                 devices=tuple(devices))
+    lost = threading.Event()
+    remote = None
     try:
+        if cfg.backend == "ray":
+            remote = _place_on_ray(cfg, sink, stop, lost)
+            if remote is None:
+                return 1
         booted = boot(cfg, sink, others_bytes=others_bytes(state, "cuda",
                                                             [(0, d) for d in devices]))
-        return 1 if booted is None else _serve(cfg, booted, sink, stop)
+        if booted is None:
+            return 1
+        code = _serve(cfg, booted, sink, stop, lost)
+        return 1 if lost.is_set() else code
     except Stopped:
-        return 0
+        return 1 if lost.is_set() else 0
     finally:
         sink.files.remove()
+        if remote is not None:
+            remote.close()
 
 
-def _serve(cfg: V1Config, booted: Booted, sink: Sink, stop: StopFlag) -> int:
+def _place_on_ray(cfg: V1Config, sink: Sink, stop: StopFlag,
+                  lost: threading.Event) -> RayRanks | None:
+    """vLLM's Ray executor: one GPU per rank on RAY_ADDRESS's cluster, this node first; each
+    node's GPUs hold what the worst rank holds. None when the ranks cannot be placed (printed)."""
+    log, world = sink.log, cfg.tp * cfg.pp
+    try:
+        from pretuner.sim.raynodes import GpuAgent, PlacementFailed, RayRanks
+
+        remote = RayRanks(cfg.env.get("RAY_ADDRESS") or "auto", list(range(world)), "GPU",
+                          GpuAgent, (cfg.env.get(STATE_DIR_ENV),))
+    except (ImportError, PlacementFailed, PretunerError) as err:
+        text = err.message if isinstance(err, PretunerError) else str(err)
+        log.raw(L.CORE, ["Traceback (most recent call last):", f"ValueError: {text}"])
+        log.raw(L.API, L.api_failure_lines())
+        return None
+    stop.install()  # Ray's core installs its own SIGTERM handler: vLLM's come after it
+    first = 0
+    for agent, count in zip(remote.agents, remote.placement.ranks_per_node, strict=True):
+        pid, ip, gpus = remote._ray.get(agent.whoami.remote())
+        for rank, gpu in zip(range(first, first + count), gpus, strict=False):
+            log.worker(pid, ip, "parallel_state.py:1165", f"rank {rank} in world size {world} "
+                       f"is assigned as DP rank 0, PP rank {rank // cfg.tp}, TP rank "
+                       f"{rank % cfg.tp}, EP rank {rank % cfg.tp} (GPU {gpu})")
+        first += count
+    log.core("ray_executor.py:212", "Ray ranks: " + remote.placement.describe())
+    def publish(mib: int) -> None:
+        for agent in remote.agents:
+            agent.level.remote(mib)
+
+    def on_lost(why: str) -> None:
+        log.block(L.CORE, "ERROR", L.WHERE_FATAL, ["EngineCore encountered a fatal error.",
+                                                   f"RuntimeError: {why}"])
+        log.raw(L.API, [f"vllm.v1.engine.exceptions.EngineDeadError: {L.ENGINE_DEAD}"])
+        lost.set()
+        stop.set()
+
+    sink.publish = publish
+    remote.watch(on_lost)
+    return remote
+
+
+def _serve(cfg: V1Config, booted: Booted, sink: Sink, stop: StopFlag,
+           lost: threading.Event | None = None) -> int:
     log = sink.log
     engine = Engine(EngineCore(booted, log), sink.level, cfg.time_scale)
     host = cfg.host or ANY_HOST
@@ -64,6 +123,8 @@ def _serve(cfg: V1Config, booted: Booted, sink: Sink, stop: StopFlag) -> int:
     engine.start()
     serve_in_thread(http, 0.05)
     stop.wait()
+    if lost is not None and lost.is_set():  # a Ray worker died: the engine is gone
+        return 1
     print_shutdown(log, stop.signal_name or "SIGTERM")
     http.close_gracefully()  # the requests in progress end first, the engine running
     engine.stop()

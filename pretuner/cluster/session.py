@@ -22,10 +22,13 @@ from pretuner.cluster.env import (
 )
 from pretuner.cluster.nodes import Placement, check_versions, place, survey
 from pretuner.cluster.ray_api import TASK_TIMEOUT_S, RayCluster
+from pretuner.cluster.sampling import NodeSamplers
+from pretuner.devices.base import DeviceReader
 from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
 from pretuner.launch.collect import CollectedScan, LocalCollector
 from pretuner.launch.command import LaunchCommand
+from pretuner.launch.sampler import Phase as Status
 from pretuner.logscan import scan_paths
 from pretuner.logscan.events import Located
 
@@ -37,10 +40,12 @@ class RayCollector(LocalCollector):
     """One launch's logs on every node of the placement (server.log followed on this one)."""
 
     def __init__(self, cluster: RayCluster, placement: Placement, folder: Path,
-                 log_path: Path) -> None:
+                 log_path: Path, device_kind: str | None = None) -> None:
         super().__init__(folder, log_path)
         self.cluster = cluster
         self.placement = placement
+        self.device_kind = device_kind  # None: the devices are read on this node only
+        self._launch_env: dict[str, str] = {}
         self.nodes = placement.nodes
         self.log_dir = folder.resolve() / LOG_SUBDIR
         self._pending: list[Any] = []
@@ -49,12 +54,20 @@ class RayCollector(LocalCollector):
 
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         """Ranks log to files on their own node, and every rank gets the launch's variables."""
+        self._launch_env = dict(cmd.env)  # what a node's device reader also reads (the card)
         launch_env = {**cmd.env, "GLOG_logtostderr": "0", "GLOG_log_dir": str(self.log_dir)}
         env = {**launch_env, **job_config_env(launch_env), "RAY_ADDRESS": self.cluster.gcs_address}
         argv = list(cmd.argv)
         if "--distributed-executor-backend" not in argv:
             argv += ["--distributed-executor-backend", "ray"]
         return replace(cmd, argv=argv, env=env)  # the bearer stays
+
+    def sampler(self, reader: DeviceReader | None, status: Status) -> Any:
+        """Every node's devices, each read where it is (`pretuner.cluster.sampling`)."""
+        if reader is None or self.device_kind is None:
+            return super().sampler(reader, status)
+        return NodeSamplers(self.cluster, self.placement, self.device_kind, self._launch_env,
+                            status)
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """server.log on this node, plus OOM lines found on any node (asked every few s)."""
@@ -128,18 +141,23 @@ class RayCollectors:
     cluster: RayCluster
     placement: Placement
     info: dict[str, Any]  # what the cluster check found, for the run record
+    device_kind: str | None = None  # the engine's device reader, run on every node
 
     def __call__(self, folder: Path, log_path: Path) -> RayCollector:
-        return RayCollector(self.cluster, self.placement, folder, log_path)
+        return RayCollector(self.cluster, self.placement, folder, log_path, self.device_kind)
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterPlan:
     """What the run asks of the cluster."""
 
-    world: int  # TP x PP ranks, one NPU each
+    world: int  # TP x PP ranks, one device each
     nodes_planned: int  # the layout's node count at 8 cards per node
     emulated: bool  # the emulated card: its NPUs are `ray start --resources`, not detected
+    resource: str = "NPU"  # the Ray resource one rank holds (the engine's `ray_resource`)
+    # The engine's device reader, run on every node (a V1 engine: its logs do not say each
+    # rank's peak); None: read on this node only
+    device_kind: str | None = None
 
 
 def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> tuple[Placement, dict[str, Any]]:
@@ -147,13 +165,14 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> tuple[Placement, di
     set before `ray start` (where the ranks go, and what was found for the run record);
     otherwise ClusterError with what to do."""
     nodes = cluster.nodes()
-    placement = place(nodes, plan.world, cluster.free_npus())
+    placement = place(nodes, plan.world, cluster.free_npus(), plan.resource)
     alive = [n for n in nodes if n.alive]
     probes = cluster.probe(placement.nodes, [n for n in alive if n not in placement.nodes])
     used = [p for p in probes if p.node in placement.nodes]
     versions = {p.node.label: p.version for p in used}
     check_versions(__version__, versions)
-    problems = env_problems(used, placement)
+    # REFERENCE section 7's node variables are Ascend's (HCCL, LCCL, visible NPUs)
+    problems = env_problems(used, placement) if plan.resource == "NPU" else []
     if problems:
         host, _, port = cluster.gcs_address.rpartition(":")
         extra = {n.node_id: [f'--resources={{"NPU": {n.npus}}}'] for n in alive
@@ -183,14 +202,15 @@ def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> tuple[Placement, di
 def ray_cluster(address: str, plan: ClusterPlan, phase: Phase) -> Iterator[RayCollectors]:
     """Connected and checked for the whole run; disconnected at the end, whatever happens."""
     phase("cluster", f"connecting to Ray at {address}")
-    cluster = RayCluster.connect(address)
+    cluster = RayCluster.connect(address, plan.resource)
     try:
         p, info = check_cluster(cluster, plan)
         phase("cluster", f"{plan.world} ranks on {len(p.nodes)} node(s): {p.describe()}; "
               f"pretuner {__version__} on every node; node environment set")
         if len(p.nodes) != plan.nodes_planned:
             phase("cluster", f"the layout assumed {plan.nodes_planned} node(s) of 8 cards; Ray "
-                  f"places the ranks on {len(p.nodes)} ({survey(cluster.nodes())})")
-        yield RayCollectors(cluster, p, info)
+                  f"places the ranks on {len(p.nodes)} "
+                  f"({survey(cluster.nodes(), plan.resource)})")
+        yield RayCollectors(cluster, p, info, plan.device_kind)
     finally:
         cluster.close()

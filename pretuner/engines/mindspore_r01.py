@@ -90,6 +90,8 @@ class R01Engine:
     def device_kind(self) -> str:
         return "emulated" if self.simulated else self.device
 
+    ray_resource = "NPU"  # what one rank holds on a Ray cluster
+
     @property
     def lengths(self) -> Lengths:
         return CPU_LENGTHS if self.name == MINDSPORE_CPU else DEFAULT_LENGTHS

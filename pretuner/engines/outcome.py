@@ -84,6 +84,8 @@ class LaunchOutcome:
     advised_full_kv_bytes: int | None = None
     # A soak's samples of the worst device, (seconds since the launch started, MiB): its rate
     soak_series: tuple[tuple[float, int], ...] = ()
+    # On a Ray cluster: node label -> the peak of its worst device this launch, MiB (measured)
+    node_peaks_mib: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, n: int, settings: LaunchSettings, kind: OutcomeKind, log_path: Path,

@@ -292,6 +292,11 @@ class V1Engine:
     def device_kind(self) -> str:
         return "emulated" if self.simulated else self.row.device
 
+    @property
+    def ray_resource(self) -> str:
+        """What one rank holds on a Ray cluster (the emulated server's card is CUDA's)."""
+        return "NPU" if self.row.device == "ascend" and not self.simulated else "GPU"
+
     def cache_state(self, env: Mapping[str, str]) -> str:
         """The compile cache a launch starts with: "n/a" on the emulated engine and behind
         --serve-cmd (a container's cache is not this host's folder)."""

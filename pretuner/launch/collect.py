@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pretuner.devices.base import DeviceReader
 from pretuner.launch.command import LaunchCommand
+from pretuner.launch.sampler import MemorySampler, Phase
 from pretuner.logscan import LogFollower, RankSummary, ScanResult, scan_paths
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent
 
@@ -49,6 +51,10 @@ class LocalCollector:
     def prepare(self, cmd: LaunchCommand) -> LaunchCommand:
         """The launch's command with whatever this collector needs the ranks to do."""
         return cmd
+
+    def sampler(self, reader: DeviceReader | None, status: Phase) -> MemorySampler:
+        """What samples the devices during the launch (the Ray collector: every node's)."""
+        return MemorySampler(reader, status=status)
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """Events written since the last poll (never blocks for long)."""

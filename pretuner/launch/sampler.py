@@ -82,6 +82,8 @@ class Sampled:
     total_mib: int | None = None  # the smallest device's total, as the reader reports it
     series: tuple[SeriesPoint, ...] = ()  # bounded: at most SERIES_MAX_POINTS, oldest first
     last_mib: dict[str, int] = field(default_factory=dict)  # phase -> its last worst-device sample
+    # On a Ray cluster (`pretuner.cluster.sampling`): node label -> its worst device's peak
+    node_peaks_mib: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_mib(self) -> int | None:

@@ -22,8 +22,9 @@ from pretuner.units import GIB
 SHORTER = (16384, 8192, 4096, 2048, 1024, 512)
 
 
-def decide_layout(cfg: PlanConfig) -> PlanResult:
-    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines."""
+def decide_layout(cfg: PlanConfig, across_nodes: bool = False) -> PlanResult:
+    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines;
+    past one node only `across_nodes` (a run on a Ray cluster)."""
     # Never quantizes on its own: weights that fit no layout of the cards asked for are
     # refused (exit 4), with what `propose` would serve them with on those cards.
     try:
@@ -38,7 +39,7 @@ def decide_layout(cfg: PlanConfig) -> PlanResult:
                         "predicted; a run with them measures it)")
         raise
     most = cfg.engine_class.max_devices
-    if most is not None and p.tp * p.pp > most:
+    if most is not None and p.tp * p.pp > most and not across_nodes:
         raise BadInputError(
             f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
             f"node of at most {most} devices so far",

@@ -92,6 +92,8 @@ class Step(Record):
     rank_peaks_mib: dict[str, int]  # rank (or process) -> its peak
     device_reader: str | None
     device_peaks_mib: dict[str, int]  # phase -> the worst device's peak
+    # On a Ray cluster: node label -> the peak of its worst device, MiB (measured on the node)
+    node_peaks_mib: dict[str, int] = {}
     requests_ok: int | None
     requests_total: int | None
     oom_text: str | None

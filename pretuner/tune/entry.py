@@ -150,8 +150,16 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
 
-    p = plan_for(r01_setup(asked, choice).cfg)
-    plan = ClusterPlan(p.tp * p.pp, p.nodes, emulated=choice.simulated)
+    s = setup(asked, choice)
+    if isinstance(s.cfg, TuneConfig):
+        p = plan_for(s.cfg)
+        world, nodes = p.tp * p.pp, p.nodes
+    else:  # a V1 layout: TP x PP devices, 8 a node
+        world = s.cfg.tp * s.cfg.pp
+        nodes = -(-world // 8)
+    plan = ClusterPlan(world, nodes, emulated=choice.simulated, resource=s.engine.ray_resource,
+                       device_kind=None if isinstance(s.cfg, TuneConfig)
+                       else s.engine.device_kind)
     with ray_cluster(asked.ray_address, plan, phase) as collectors:
         return _tune(opts, phase, resume, collectors, choice)
 

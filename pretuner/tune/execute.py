@@ -36,7 +36,7 @@ from pretuner.files import write_atomic
 from pretuner.launch import probe
 from pretuner.launch.collect import CollectorFactory, LocalCollector
 from pretuner.launch.process import ServerProcess
-from pretuner.launch.sampler import MemorySampler, Sampled, requests_status, series_tsv
+from pretuner.launch.sampler import Sampled, requests_status, series_tsv
 from pretuner.logscan.events import DeviceMemoryInit, Located, OomEvent, OomKind
 from pretuner.procgroups import group_members, proc_available
 from pretuner.redact import redact_text
@@ -121,7 +121,7 @@ def run_launch(
     ran = Exercised(0, 0, 0, None)
     failure: ServerFailedError | None = None
     exited: int | None = None
-    sampler = MemorySampler(ctx.device_reader, status=phase)
+    sampler = collector.sampler(ctx.device_reader, phase)
     phase = sampler.wrap(phase)
     phase("launch", f"{settings.purpose.value} {_describe(settings)}")
     launch_env = {**os.environ, **cmd.env}
@@ -204,9 +204,12 @@ def with_samples(outcome: LaunchOutcome, sampled: Sampled) -> LaunchOutcome:
     """The outcome with what the device sampler saw."""
     soak = tuple((p.t_s, max(mib for _, mib in p.used_mib)) for p in sampled.series
                  if p.phase in SOAK_PHASES and p.used_mib)
+    worst_node = max(sampled.node_peaks_mib, key=lambda n: sampled.node_peaks_mib[n],
+                     default=outcome.worst_node)
     return replace(outcome, device_peaks_mib=sampled.peaks_mib, device_reader=sampled.reader,
                    device_total_mib=sampled.total_mib, device_last_mib=sampled.last_mib,
-                   soak_series=soak,
+                   soak_series=soak, node_peaks_mib=sampled.node_peaks_mib,
+                   worst_node=outcome.worst_node or worst_node,
                    notes=outcome.notes + ((sampled.failure,) if sampled.failure else ()))
 
 

@@ -315,9 +315,15 @@ def _run_lines(rep: AnyReport) -> list[str]:
                      f"{f.config_sha256}{named} (served by this path, never by a hub id)")
     if rep.cluster is not None:
         c = rep.cluster
-        nodes = ", ".join(f"{n['node']} ({n['ranks']} ranks)" for n in c["nodes"])
-        lines.append(f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's logs scanned "
-                     "on that node")
+        # A run that sampled every node's devices (V1) shows each node's peak of its last launch
+        peaks = next((s.node_peaks_mib for s in reversed(rep.steps) if s.node_peaks_mib), {})
+        nodes = ", ".join(
+            f"{n['node']} ({n['ranks']} ranks"
+            + (f", peak {peaks[n['node']]:,} MiB measured" if n["node"] in peaks else "") + ")"
+            for n in c["nodes"])
+        how = "devices sampled" if peaks else "logs scanned"
+        lines.append(f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's {how} on "
+                     f"that node{' (last launch)' if peaks else ''}")
     return lines
 
 
@@ -455,7 +461,10 @@ def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: 
         log_path = err.log_path if isinstance(err, ServerFailedError) and err.log_path else (
             str(path) if path.is_file() else None)
         steps.append(unfinished_step(n, started["settings"], log_path))
-    rep = failure_json(err, meta, steps, method.decisions, method.name, **method.layout())
+    layout = method.layout()
+    if meta.cluster:  # on a Ray cluster: the nodes the ranks were placed on
+        layout["nodes"] = len(meta.cluster["nodes"])
+    rep = failure_json(err, meta, steps, method.decisions, method.name, **layout)
     try:
         record.write_json("report.json", rep.model_dump(mode="json"))
         record.write("report.md", failure_md(rep))

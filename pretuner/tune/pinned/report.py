@@ -60,11 +60,13 @@ class PinnedFacts:
     weights: V1Weights | None = None  # the weights knobs and their plan (predicted)
     min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
 
-    def layout(self) -> dict[str, Any]:
+    def layout(self, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The run's layout; on a Ray cluster (`cluster`, the check's record) its nodes."""
         w, c = self.weights, self.cfg
         # A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq).
         loaded = w.loaded_as if w and w.quantization else self.weights_format
-        return {"model": c.model.name, "card_gib": c.card_gib, "tp": c.tp, "pp": c.pp, "nodes": 1,
+        return {"model": c.model.name, "card_gib": c.card_gib, "tp": c.tp, "pp": c.pp,
+                "nodes": len(cluster["nodes"]) if cluster else 1,
                 "weights_format": loaded, "kv_bytes_per_token": c.bytes_per_token}
 
 
@@ -89,7 +91,7 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
     real = [*x.engine.row.command, real_model(m, x.cfg.model.name), *argv]
     return RunReport(
         **run_head(m, [step_json(o) for o in r.outcomes], r.decisions, r.validated,
-                   **x.layout()),
+                   **x.layout(m.cluster)),
         final=Final(
             env=deployment.env, flags=argv,
             serve_command=redact_argv(wrapped([*x.engine.serve_command(x.cfg.card_gib),

@@ -257,11 +257,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
                       knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))
     max_len, block = layout.max_model_len, layout.block_size
-    p = decide_layout(layout)
-    if opts.ray_address:
-        raise BadInputError("--ray-address: pretuner drives V1 engines on one node so far",
-                            hint="drop --ray-address, or use the r0.1 method for multi-node "
-                            "(--engine vllm-mindspore-r01 --ray-address ...)")
+    p = decide_layout(layout, across_nodes=bool(opts.ray_address))
     host = host_memory(engine.device_kind, {**os.environ, **sim_env}) if knobs.active else None
     host_line = check_host(p, knobs, host)
     seqs, batched, batch_line = _batch(opts, engine, p.tp * p.pp, {**os.environ, **sim_env})

@@ -1,0 +1,122 @@
+"""Device memory on every node of a launch: one small Ray actor per node runs the engine's own
+reader there (NVML, nvidia-smi, npu-smi, or the emulated card) in `MemorySampler` at its 20 ms,
+is told each phase as the launch goes, and ships its peaks back when the launch stops.
+
+`NodeSamplers` has `MemorySampler`'s shape (`wrap`, `start`, `stop`), so a launch samples a
+cluster as it samples one machine; its `Sampled` is the worst node's, with each node's peak
+beside it (`node_peaks_mib`, by node label)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from pretuner.cluster.nodes import Placement
+from pretuner.cluster.ray_api import RayCluster
+from pretuner.errors import ClusterError
+from pretuner.launch.sampler import STATUS_EVENTS, MemorySampler, Phase, Sampled
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # how long a node's sampler may take to ship its peaks
+
+
+class NodeSampler:
+    """Runs in a Ray actor on one node: the engine's reader of the node's first `count`
+    devices, sampled in the background."""
+
+    def __init__(self, kind: str, env: Mapping[str, str], count: int) -> None:
+        from pretuner.devices import select_reader
+
+        # The node's own environment (its `ray start`), plus the launch's for the reader.
+        reader = select_reader(kind, {**os.environ, **env}, count)
+        self.sampler = MemorySampler(reader)
+        self.tag = self.sampler.wrap(lambda name, detail: None)
+        self.sampler.start()
+
+    def phase(self, name: str) -> None:
+        self.tag(name, "")
+
+    def stop(self) -> Sampled:
+        return self.sampler.stop()
+
+
+class NodeSamplers:
+    """The launch's samplers, one per node of the placement (`MemorySampler`'s interface)."""
+
+    def __init__(self, cluster: RayCluster, placement: Placement, kind: str,
+                 env: Mapping[str, str], status: Phase | None = None) -> None:
+        self.cluster, self.placement = cluster, placement
+        self.kind, self.env, self.status = kind, dict(env), status
+        self.actors: list[Any] = []
+
+    def wrap(self, phase: Phase) -> Phase:
+        def tagged(name: str, detail: str) -> None:
+            if name not in STATUS_EVENTS:
+                for actor in self.actors:
+                    actor.phase.remote(name)  # in order after the actor's start, not waited for
+            phase(name, detail)
+
+        return tagged
+
+    def start(self) -> NodeSamplers:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        ray = self.cluster._ray
+        actor = ray.remote(num_cpus=0, max_restarts=0)(NodeSampler)
+        for node, count in zip(self.placement.nodes, self.placement.ranks_per_node, strict=True):
+            strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+            self.actors.append(actor.options(scheduling_strategy=strategy)
+                               .remote(self.kind, self.env, count))
+        return self
+
+    def stop(self) -> Sampled:
+        """Every node's peaks; the actors are gone afterwards. A node whose actor died (the
+        node died, or its raylet) is a ClusterError naming it and its ranks: the launch's
+        figures lack a node, and the run stops, resumable once the node is back."""
+        ray = self.cluster._ray
+        got: list[tuple[str, Sampled]] = []
+        lost: list[str] = []
+        first = 0
+        for actor, node, count in zip(self.actors, self.placement.nodes,
+                                      self.placement.ranks_per_node, strict=False):
+            try:
+                got.append((node.label, ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)))
+            except Exception as err:  # a dead node's actor, a timeout
+                log.warning("device sampling on node %s: %s", node.label, type(err).__name__)
+                lost.append(f"{node.label} (ranks {first}-{first + count - 1})")
+            first += count
+            ray.kill(actor)
+        self.actors = []
+        if lost:
+            raise ClusterError(
+                f"node {', '.join(lost)} died during the launch (its device sampler is gone): "
+                "the server was stopped on every node",
+                hint="bring the node back into the Ray cluster (`ray start --address=HEAD_IP:"
+                "PORT` there, `ray status` shows it), then continue with `pretuner run "
+                "--resume RUN_DIR`")
+        return merge_sampled(got)
+
+
+def merge_sampled(nodes: list[tuple[str, Sampled]]) -> Sampled:
+    """One launch's sampling over every node (pure): each phase's worst device anywhere, the
+    smallest device's total, every node's own peak; the head's time series."""
+    peaks: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for _, s in nodes:
+        for phase, mib in s.peaks_mib.items():
+            peaks[phase] = max(peaks.get(phase, mib), mib)
+        for phase, mib in s.last_mib.items():
+            last[phase] = max(last.get(phase, mib), mib)
+    totals = [s.total_mib for _, s in nodes if s.total_mib is not None]
+    failures = [f"{label}: {s.failure}" for label, s in nodes if s.failure]
+    readers = {s.reader for _, s in nodes if s.reader}
+    head = nodes[0][1] if nodes else Sampled(None)
+    return replace(
+        head, reader=next(iter(readers), None), peaks_mib=peaks, last_mib=last,
+        samples=sum(s.samples for _, s in nodes), total_mib=min(totals, default=None),
+        failure="; ".join(failures) or None,
+        node_peaks_mib={label: s.peak_mib for label, s in nodes if s.peak_mib is not None})

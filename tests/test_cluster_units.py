@@ -7,6 +7,7 @@ import json
 import pickle
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -380,3 +381,60 @@ def test_ray_address_is_checked_before_ray_waits_on_it() -> None:
         check_address("ray://10.0.0.1:10001")
     with pytest.raises(BadInputError, match="is not HOST:PORT"):
         check_address("10.0.0.1")
+
+
+# -- V1 engines on Ray: GPUs, and every node's device peaks -----------------------------------
+def test_place_counts_the_engines_resource() -> None:
+    """A CUDA engine's ranks hold Ray's `GPU`: a refusal counts and names GPUs, not NPUs."""
+    with pytest.raises(ClusterError) as err:
+        place([HEAD, WORKER, DEAD], 24, unit="GPU")
+    assert "24 ranks need 24 GPUs and the Ray cluster has 16" in str(err.value)
+    assert "10.0.0.1 (aaaaaaaa) 8 GPU (this node)" in str(err.value)
+
+
+def test_merged_sampling_is_the_worst_device_of_any_node() -> None:
+    """The pinned KV is per device: each phase's peak is the worst device on any node, the
+    total the smallest device's, and every node's own peak is kept for the report."""
+    from pretuner.cluster.sampling import merge_sampled
+    from pretuner.launch.sampler import Sampled
+
+    head = Sampled("emulated", {"loading": 70_000, "load": 71_000}, 10, None, 81_559,
+                   last_mib={"load": 69_000})
+    worker = Sampled("emulated", {"loading": 72_500, "load": 70_500}, 12, None, 81_500,
+                     last_mib={"load": 69_500})
+    merged = merge_sampled([("head", head), ("worker", worker)])
+    assert merged.peaks_mib == {"loading": 72_500, "load": 71_000}
+    assert merged.last_mib == {"load": 69_500}
+    assert merged.node_peaks_mib == {"head": 71_000, "worker": 72_500}
+    assert (merged.total_mib, merged.samples, merged.failure) == (81_500, 22, None)
+
+
+def test_a_node_peak_names_the_worst_node_of_a_launch() -> None:
+    """A V1 launch has no rank dumps: its worst node is the node of the worst device."""
+    from pretuner.engines.base import LaunchSettings, Purpose
+    from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
+    from pretuner.launch.sampler import Sampled
+    from pretuner.tune.execute import with_samples
+
+    settings = LaunchSettings(Purpose.VALIDATE, 80, 0.9, 0, 8192, 64, 8192, 16, 16)
+    outcome = LaunchOutcome(1, settings, OutcomeKind.OK, None, {}, None, 1, 1, 1.0, 1.0, 1.0,
+                            3.0, 0.0, "server.log")
+    sampled = Sampled("emulated", {"load": 72_500}, node_peaks_mib={"head": 70_000,
+                                                                    "worker": 72_500})
+    got = with_samples(outcome, sampled)
+    assert (got.worst_node, got.node_peaks_mib) == ("worker", sampled.node_peaks_mib)
+
+
+def test_a_v1_layout_spans_nodes_only_on_a_ray_cluster() -> None:
+    """TP8 x PP2 of 80 GB cards is two nodes: refused on one machine (exit 2, the fix
+    named), planned with --ray-address (nothing is connected to before a launch)."""
+    from pretuner.errors import BadInputError
+    from pretuner.tune.entry import dry_run
+    from pretuner.tune.options import RunOptions
+
+    opts = RunOptions(model="deepseek-v3", engine="vllm", emulate=True, card_gib=80, tp=8, pp=2)
+    with pytest.raises(BadInputError, match="TP8 x PP2 spans 2 node"):
+        dry_run(opts)
+    d = dry_run(replace(opts, ray_address="10.0.0.1:6379"))
+    argv = d.command.argv
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"

@@ -480,3 +480,28 @@ def test_truth_agrees_with_the_server(profile: str, mml: int, seed: int) -> None
         res = inproc.run(argv, env, [mml - 1] * count, 1, first=mml - 1)
         outcomes.append(res.ready and all(r.status == 200 for r in res.replies))
     assert outcomes == [True, False]
+
+
+@pytest.mark.parametrize(("layers", "pp", "stage_layers"), [(61, 1, 61), (61, 2, 31), (61, 4, 16),
+                                                            (60, 4, 15), (4, 4, 1)])
+def test_the_busiest_pipeline_stage_has_the_leftover_layers(layers: int, pp: int,
+                                                            stage_layers: int) -> None:
+    """vLLM's get_pp_indices gives the layers left over to the earliest stages: the first
+    stage, the one the emulator boots, holds ceil(layers / pp) and that share of the weights."""
+    from dataclasses import replace
+
+    from pretuner.sim.v1.boot import first_stage
+
+    spec = replace(resolve("deepseek-v3"), num_layers=layers)
+    stage, share = first_stage(spec, pp)
+    assert (stage.num_layers, share) == (stage_layers, stage_layers / layers)
+
+
+def test_more_stages_than_layers_is_refused_like_vllm() -> None:
+    from dataclasses import replace
+
+    from pretuner.sim.argv import Refused
+    from pretuner.sim.v1.boot import first_stage
+
+    with pytest.raises(Refused, match=r"layers \(4\) must be at least the pipeline parallel"):
+        first_stage(replace(resolve("deepseek-v3"), num_layers=4), 8)

@@ -85,7 +85,13 @@ class NodeSamplers:
                                       self.placement.ranks_per_node, strict=False):
             try:
                 got.append((node.label, ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)))
-            except Exception as err:  # a dead node's actor, a timeout
+            except Exception as err:  # a dead node's actor, one that never started, a timeout
+                if "creation task" in str(err):  # its __init__ raised: the node is alive
+                    failed = str(err).strip().splitlines()[-1][:300]
+                    raise ClusterError(
+                        f"the device sampler could not start on node {node.label}: {failed}",
+                        hint="install the same pretuner (with the `ray` extra) on every node, "
+                        "in the Python environment that runs `ray start`") from None
                 log.warning("device sampling on node %s: %s", node.label, type(err).__name__)
                 lost.append(f"{node.label} (ranks {first}-{first + count - 1})")
             first += count

@@ -319,7 +319,8 @@ def _run_lines(rep: AnyReport) -> list[str]:
         peaks = next((s.node_peaks_mib for s in reversed(rep.steps) if s.node_peaks_mib), {})
         nodes = ", ".join(
             f"{n['node']} ({n['ranks']} ranks"
-            + (f", peak {peaks[n['node']]:,} MiB measured" if n["node"] in peaks else "") + ")"
+            + (f", peak {peaks[n['node']]:,} MiB {provenance(rep.simulated)}"
+               if n["node"] in peaks else "") + ")"
             for n in c["nodes"])
         how = "devices sampled" if peaks else "logs scanned"
         lines.append(f"- Ray cluster at {c['gcs_address']}: {nodes}; every node's {how} on "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pretuner import noise
+from pretuner.deploy.context import RAY_BACKEND
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
@@ -85,6 +86,8 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
     budget = r.budget
     deployment = x.engine.deploy(f)
     argv = redact_argv(deployment.argv())  # serve.sh reads a secret from its variable
+    if m.cluster and RAY_BACKEND[0] not in argv:  # proven on Ray's executor: served the same
+        argv += RAY_BACKEND
     asked_len = m.asked_max_model_len or f.max_model_len
     asked_seqs = x.cfg.max_num_seqs
     # An emulated card's run (no --serve-cmd): what the real engine would run.

@@ -122,7 +122,9 @@ def render_summary(rep: RunReport, record: Path) -> str:
         where = ", ".join(f"{n['node']}{' (this node)' if n['local'] else ''}: {n['ranks']} ranks"
                           for n in c["nodes"])
         worst = "; ".join(f"#{s.n} {s.worst_node}" for s in rep.steps if s.worst_node)
-        lines.append(f"Ray cluster at {c['gcs_address']}: {where}; worst rank on: {worst or '-'}")
+        what = "device" if any(s.node_peaks_mib for s in rep.steps) else "rank"  # V1: sampled
+        lines.append(f"Ray cluster at {c['gcs_address']}: {where}; worst {what} on: "
+                     f"{worst or '-'}")
     files = sorted(p.name for p in record.iterdir()
                    if p.is_file() and not p.name.startswith(".")
                    and p.name not in ("report.json", "journal.jsonl"))

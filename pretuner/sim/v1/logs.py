@@ -181,10 +181,12 @@ class V1Log(LineLog):
         """Lines a process printed without the logger (tqdm bars, a bare traceback)."""
         self._write("\n".join(f"({who} pid={self._pid(who)}) {line}" for line in lines))
 
-    def worker(self, pid: int, ip: str, src: str, msg: str) -> None:
-        """A Ray worker's line as Ray's log monitor shows it in the driver's output."""
+    def worker(self, pid: int, ip: str | None, src: str, msg: str) -> None:
+        """A Ray worker's line as Ray's log monitor shows it in the driver's output (the ip
+        only for a worker on another node)."""
         when = dt.datetime.now().strftime("%m-%d %H:%M:%S")
-        self._write(f"(RayWorkerWrapper pid={pid}, ip={ip}) INFO {when} [{src}] {msg}")
+        where = f", ip={ip}" if ip else ""
+        self._write(f"(RayWorkerWrapper pid={pid}{where}) INFO {when} [{src}] {msg}")
 
     def uvicorn(self, msg: str) -> None:
         self._write(f"({API} pid={self.api_pid}) INFO:     {msg}")

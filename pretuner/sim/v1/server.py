@@ -82,10 +82,11 @@ def _place_on_ray(cfg: V1Config, sink: Sink, stop: StopFlag,
         return None
     stop.install()  # Ray's core installs its own SIGTERM handler: vLLM's come after it
     first = 0
-    for agent, count in zip(remote.agents, remote.placement.ranks_per_node, strict=True):
+    p = remote.placement
+    for agent, node, count in zip(remote.agents, p.nodes, p.ranks_per_node, strict=True):
         pid, ip, gpus = remote._ray.get(agent.whoami.remote())
         for rank, gpu in zip(range(first, first + count), gpus, strict=False):
-            log.worker(pid, ip, "parallel_state.py:1165", f"rank {rank} in world size {world} "
+            log.worker(pid, None if node.local else ip, "parallel_state.py:1165", f"rank {rank} in world size {world} "
                        f"is assigned as DP rank 0, PP rank {rank // cfg.tp}, TP rank "
                        f"{rank % cfg.tp}, EP rank {rank % cfg.tp} (GPU {gpu})")
         first += count

@@ -138,6 +138,8 @@ def test_deepseek_v3_tp8_pp2_on_two_gpu_nodes(gpu_cluster: LocalCluster, tmp_pat
     assert "--distributed-executor-backend ray" in head_sh
     assert str(rep["derivation"]["kv_cache_memory_bytes"]) in head_sh
     assert "ray start --address=" in (out / "ray-worker.sh").read_text()
+    assert "re-tune: pretuner run --model deepseek-v3 --engine vllm --card 80 --tp 8 --pp 2" in (
+        head_sh)
     md = (out / "report.md").read_text()
     assert f"{worker} (8 ranks, peak {peaks[worker]:,} MiB simulated)" in md
     _no_orphans(gpu_cluster, env["PRETUNER_SIM_STATE_DIR"])
@@ -165,7 +167,9 @@ def test_worker_node_dies_mid_run_then_resume(gpu_cluster: LocalCluster, tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 7, err
-    assert f"node {gpu_cluster.worker_label} (ranks 8-15) died during the launch" in err
+    # the node, its ranks and its peak as shipped at the last phase's end
+    assert re.search(rf"node {re.escape(gpu_cluster.worker_label)} \(ranks 8-15, peak "
+                     r"[\d,]+ MiB until then\) died during the launch", err), err
     assert "--resume" in err
     _no_orphans(gpu_cluster, env["PRETUNER_SIM_STATE_DIR"])
     # The node comes back (a new Ray node, the same disk); the run continues where it stopped

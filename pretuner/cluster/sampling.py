@@ -37,8 +37,11 @@ class NodeSampler:
         self.tag = self.sampler.wrap(lambda name, detail: None)
         self.sampler.start()
 
-    def phase(self, name: str) -> None:
+    def phase(self, name: str) -> Sampled:
+        """A new phase: the peaks up to the end of the last one go back."""
+        shipped = self.sampler.snapshot()
         self.tag(name, "")
+        return shipped
 
     def stop(self) -> Sampled:
         return self.sampler.stop()
@@ -52,12 +55,14 @@ class NodeSamplers:
         self.cluster, self.placement = cluster, placement
         self.kind, self.env, self.status = kind, dict(env), status
         self.actors: list[Any] = []
+        self.shipped: list[list[Any]] = []  # per node: its peaks at each phase's end (refs)
 
     def wrap(self, phase: Phase) -> Phase:
         def tagged(name: str, detail: str) -> None:
             if name not in STATUS_EVENTS:
-                for actor in self.actors:
-                    actor.phase.remote(name)  # in order after the actor's start, not waited for
+                # In order after the actor's start; not waited for
+                for refs, actor in zip(self.shipped, self.actors, strict=True):
+                    refs.append(actor.phase.remote(name))
             phase(name, detail)
 
         return tagged
@@ -71,32 +76,38 @@ class NodeSamplers:
             strategy = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
             self.actors.append(actor.options(scheduling_strategy=strategy)
                                .remote(self.kind, self.env, count))
+            self.shipped.append([])
         return self
 
     def stop(self) -> Sampled:
-        """Every node's peaks; the actors are gone afterwards. A node whose actor died (the
-        node died, or its raylet) is a ClusterError naming it and its ranks: the launch's
-        figures lack a node, and the run stops, resumable once the node is back."""
+        """Every node's peaks; the actors are gone afterwards, whatever happened. A node whose
+        actor died (the node died, or its raylet) is a ClusterError naming it and its ranks:
+        the launch's figures lack a node, and the run stops, resumable once it is back."""
         ray = self.cluster._ray
         got: list[tuple[str, Sampled]] = []
         lost: list[str] = []
+        failed: str | None = None
         first = 0
-        for actor, node, count in zip(self.actors, self.placement.nodes,
-                                      self.placement.ranks_per_node, strict=False):
+        for k, (actor, node, count) in enumerate(zip(
+                self.actors, self.placement.nodes, self.placement.ranks_per_node, strict=False)):
             try:
                 got.append((node.label, ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)))
             except Exception as err:  # a dead node's actor, one that never started, a timeout
                 if "creation task" in str(err):  # its __init__ raised: the node is alive
-                    failed = str(err).strip().splitlines()[-1][:300]
-                    raise ClusterError(
-                        f"the device sampler could not start on node {node.label}: {failed}",
-                        hint="install the same pretuner (with the `ray` extra) on every node, "
-                        "in the Python environment that runs `ray start`") from None
-                log.warning("device sampling on node %s: %s", node.label, type(err).__name__)
-                lost.append(f"{node.label} (ranks {first}-{first + count - 1})")
+                    failed = f"{node.label}: {str(err).strip().splitlines()[-1][:300]}"
+                else:
+                    log.warning("device sampling on node %s: %s", node.label,
+                                type(err).__name__)
+                    lost.append(f"{node.label} (ranks {first}-{first + count - 1}"
+                                f"{self._last_peak(k)})")
             first += count
+        for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        if failed is not None:
+            raise ClusterError(f"the device sampler could not start on node {failed}",
+                               hint="install the same pretuner (with the `ray` extra) on every "
+                               "node, in the Python environment that runs `ray start`")
         if lost:
             raise ClusterError(
                 f"node {', '.join(lost)} died during the launch (its device sampler is gone): "
@@ -105,6 +116,19 @@ class NodeSamplers:
                 "PORT` there, `ray status` shows it), then continue with `pretuner run "
                 "--resume RUN_DIR`")
         return merge_sampled(got)
+
+    def _last_peak(self, k: int) -> str:
+        """`, peak N MiB until then`: the latest peaks node `k` shipped before it died."""
+        for ref in reversed(self.shipped[k] if k < len(self.shipped) else []):
+            if not self.cluster.ready([ref]):
+                continue
+            try:
+                peak = self.cluster._ray.get(ref, timeout=0).peak_mib
+            except Exception as err:  # asked of the actor after it died
+                log.debug("no peaks shipped by node %d: %s", k, type(err).__name__)
+                continue
+            return "" if peak is None else f", peak {peak:,} MiB until then"
+        return ""
 
 
 def merge_sampled(nodes: list[tuple[str, Sampled]]) -> Sampled:

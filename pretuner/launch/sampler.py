@@ -134,6 +134,10 @@ class MemorySampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(STOP_WAIT_S)
+        return self.snapshot()
+
+    def snapshot(self) -> Sampled:
+        """What was sampled so far (sampling goes on)."""
         with self._lock:
             name = self.reader.name if self.reader is not None else None
             return Sampled(name, dict(self._peaks), self._samples, self._failure, self._total,

@@ -169,7 +169,7 @@ def test_worker_node_dies_mid_run_then_resume(gpu_cluster: LocalCluster, tmp_pat
     assert proc.returncode == 7, err
     # the node, its ranks and its peak as shipped at the last phase's end
     assert re.search(rf"node {re.escape(gpu_cluster.worker_label)} \(ranks 8-15, peak "
-                     r"[\d,]+ MiB until then\) died during the launch", err), err
+                     r"[\d,]+ MiB before phase \w+\) died during the launch", err), err
     assert "--resume" in err
     _no_orphans(gpu_cluster, env["PRETUNER_SIM_STATE_DIR"])
     # The node comes back (a new Ray node, the same disk); the run continues where it stopped

@@ -55,14 +55,15 @@ class NodeSamplers:
         self.cluster, self.placement = cluster, placement
         self.kind, self.env, self.status = kind, dict(env), status
         self.actors: list[Any] = []
-        self.shipped: list[list[Any]] = []  # per node: its peaks at each phase's end (refs)
+        # per node: (phase begun, a ref to its peaks until then), one per phase
+        self.shipped: list[list[tuple[str, Any]]] = []
 
     def wrap(self, phase: Phase) -> Phase:
         def tagged(name: str, detail: str) -> None:
             if name not in STATUS_EVENTS:
                 # In order after the actor's start; not waited for
                 for refs, actor in zip(self.shipped, self.actors, strict=True):
-                    refs.append(actor.phase.remote(name))
+                    refs.append((name, actor.phase.remote(name)))
             phase(name, detail)
 
         return tagged
@@ -118,8 +119,8 @@ class NodeSamplers:
         return merge_sampled(got)
 
     def _last_peak(self, k: int) -> str:
-        """`, peak N MiB until then`: the latest peaks node `k` shipped before it died."""
-        for ref in reversed(self.shipped[k] if k < len(self.shipped) else []):
+        """`, peak N MiB before phase P`: the latest peaks node `k` shipped before it died."""
+        for phase, ref in reversed(self.shipped[k] if k < len(self.shipped) else []):
             if not self.cluster.ready([ref]):
                 continue
             try:
@@ -127,7 +128,7 @@ class NodeSamplers:
             except Exception as err:  # asked of the actor after it died
                 log.debug("no peaks shipped by node %d: %s", k, type(err).__name__)
                 continue
-            return "" if peak is None else f", peak {peak:,} MiB until then"
+            return "" if peak is None else f", peak {peak:,} MiB before phase {phase}"
         return ""
 
 

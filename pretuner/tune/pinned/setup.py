@@ -276,7 +276,8 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     model_arg = engine.model_arg(opts.model, spec)
     budget = engine.budget_bytes(card)
     reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
-                           budget_mib=budget // MIB if budget is not None else None)
+                           budget_mib=budget // MIB if budget is not None else None,
+                           visible_var=row.visible_devices_var)
     ctx = launch_context(opts, engine, model_arg, spec, reader,
                          hooks=V1Hooks(bpt, vision.images, vision.soak))
     named = emulator().card_name(sim_env) if choice.simulated else None  # "emulated H200 141 GB"

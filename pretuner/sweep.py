@@ -24,7 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from pretuner.engines.mindspore_r01 import R01Engine
-from pretuner.engines.vllm_v1 import RAY_RESOURCE, ROWS
+from pretuner.engines.vllm_v1 import RAY_RESOURCE, ROWS, card_unit
 from pretuner.errors import BadInputError, ExitCode
 from pretuner.files import write_atomic
 from pretuner.procgroups import stop_group
@@ -62,9 +62,9 @@ class Tuning:
     name: str
     model: str
     engine: str
-    emulate: bool
     options: dict[str, Scalar | list[Scalar]]  # every key of the entry but `name`
-    lines: dict[str, int]  # the key -> its line in the file
+    line: int  # the entry's line in the file
+    lines: dict[str, int]  # each key's line
 
     def args(self, flags: Callable[[str, Scalar], list[str]]) -> list[str]:
         """The command line of these options, each through `flags(key, value)`."""
@@ -117,7 +117,7 @@ def read_sweep(path: Path) -> list[Tuning]:
         if name in {t.name for t in tunings}:
             raise BadInputError(f"{where(path, lines.get('name', line))}: a second tuning "
                                 f"named {name!r}", hint="give each tuning its own `name`")
-        tunings.append(Tuning(name, e.model, e.engine, e.emulate, options, lines | {"": line}))
+        tunings.append(Tuning(name, e.model, e.engine, options, line, lines))
     return tunings
 
 
@@ -143,12 +143,15 @@ def run_one(args: Sequence[str], folder: str) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = out.parent / f".{out.name}.stderr"
     t0 = time.monotonic()
-    with open(errors, "w") as err:
+    with open(errors, "a") as err:  # a resumed tuning adds to its earlier lines
         proc = subprocess.Popen([sys.executable, "-m", "pretuner", "run", *argv, "--json"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)
         try:
-            code = proc.wait()
+            # Polled: a Ray cancel raises KeyboardInterrupt between bytecodes, never inside
+            # a blocking wait.
+            while (code := proc.poll()) is None:
+                time.sleep(0.2)
         except BaseException:  # Ctrl-C, SIGTERM, a Ray cancel: the run stops its server first
             stop_group(proc.pid, STOP_GRACE_S, reap=proc.poll)
             raise
@@ -234,39 +237,45 @@ def run_on_ray(address: str, plans: Sequence[Planned], sweep_dir: Path, say: Say
 
     cluster = RayCluster.connect(address)
     running: dict[Any, Planned] = {}
+
+    def end(p: Planned, result: dict[str, Any]) -> None:
+        results[p.tuning.name] = _record(sweep_dir / p.tuning.name, result)
+        say("finish", p.tuning.name, _finish_words(result))
+
+    def step(stopping: bool) -> None:
+        """Take the next item of every task that has one: its start, or its end."""
+        for gen in cluster.wait_any(list(running)):
+            item = cluster.next_of(gen)
+            if isinstance(item, dict) and "exit_code" not in item:
+                say("start", running[gen].tuning.name, f"on {item['host']}")
+                continue
+            p = running.pop(gen)
+            if isinstance(item, str) and not stopping:  # died without its result (its node)
+                end(p, {"exit_code": int(ExitCode.INTERNAL), "seconds": 0.0, "report": None,
+                        "reason": item})
+            elif isinstance(item, dict) and item["exit_code"] != ExitCode.INTERRUPTED:
+                end(p, item)  # it ended before the stop reached it
+
     try:
         for p in plans:
             most = cluster.largest(p.device)
             if p.count > most:
-                results[p.tuning.name] = _record(sweep_dir / p.tuning.name, {
-                    "exit_code": int(ExitCode.CLUSTER), "seconds": 0.0, "report": None,
-                    "reason": f"needs {p.count} {p.device} on one node; the largest node of "
-                              f"the Ray cluster has {most}"})
-                say("finish", p.tuning.name, _finish_words(results[p.tuning.name]))
+                end(p, {"exit_code": int(ExitCode.CLUSTER), "seconds": 0.0, "report": None,
+                        "reason": f"needs {p.count} {p.device} on one node; the largest node "
+                                  f"of the Ray cluster has {most}"})
                 continue
             gen = cluster.submit_holding(run_task, p.device, p.count, p.args,
                                          str(sweep_dir / p.tuning.name))
             running[gen] = p
             say("queued", p.tuning.name, f"needs {p.count} {p.device}")
         while running:
-            for gen in cluster.wait_any(list(running)):
-                p = running[gen]
-                item = cluster.next_of(gen)
-                if isinstance(item, str):  # the task died without its result (its node...)
-                    del running[gen]
-                    results[p.tuning.name] = _record(sweep_dir / p.tuning.name, {
-                        "exit_code": int(ExitCode.INTERNAL), "seconds": 0.0, "report": None,
-                        "reason": item})
-                    say("finish", p.tuning.name, _finish_words(results[p.tuning.name]))
-                elif "exit_code" not in item:
-                    say("start", p.tuning.name, f"on {item['host']}")
-                else:
-                    del running[gen]
-                    results[p.tuning.name] = _record(sweep_dir / p.tuning.name, item)
-                    say("finish", p.tuning.name, _finish_words(item))
+            step(stopping=False)
     except KeyboardInterrupt:
-        say("stop", "", f"stopping {len(running)} running tuning(s)")
-        cluster.cancel_all(list(running), STOP_GRACE_S)
+        say("stop", "sweep", f"stopping {len(running)} tuning(s), each stops its server first")
+        cluster.cancel(list(running))
+        deadline = time.monotonic() + STOP_GRACE_S
+        while running and time.monotonic() < deadline:
+            step(stopping=True)
         raise
     finally:
         cluster.close()
@@ -320,7 +329,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], presets: dict[str, str]) ->
         outcome = r["outcome"] + (f" (exit {r['exit_code']}: {r['reason']})" if r["reason"] else "")
         kv = "" if r["kv_mib"] is None else f"{r['kv_mib']:,}" + ("" if r["kv_pinned"]
                                                                  else " (r0.1 budget)")
-        cells = [r["name"], r["model"], "" if r["card_gib"] is None else r["card_gib"],
+        card = "" if r["card_gib"] is None else f"{r['card_gib']} {card_unit(r['engine'])}"
+        cells = [r["name"], r["model"], card,
                  r["engine"], outcome.replace("|", "/"), kv,
                  "" if r["max_model_len"] is None else f"{r['max_model_len']:,}",
                  "" if r["max_num_seqs"] is None else r["max_num_seqs"],
@@ -329,8 +339,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], presets: dict[str, str]) ->
                                      if r["exit_code"] else "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     if presets:
-        lines += ["", "Presets (`PRETUNER_PRESETS_DIR=presets pretuner presets show NAME`, or "
-                  "`pretuner presets add RUN_FOLDER` to keep one):", ""]
+        lines += ["", "Presets of the validated tunings (`pretuner presets show FILE`, "
+                  "`pretuner script --preset FILE`):", ""]
         lines += [f"- {name}: {file}" for name, file in presets.items()]
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,8 @@ GOOD = "- name: a\n  model: qwen3-8b\n  engine: vllm\n  emulate: true\n"
 
 @pytest.mark.parametrize(("text", "said"), [
     # rule: every key is a `run` option by its long name; the line of the key is named
-    (GOOD + "  max-num-seq: 64\n", "s.yaml:5: tuning 'a': unknown key 'max-num-seq'"),
+    (GOOD + "  max-num-seq: 64\n",
+     "s.yaml:5: tuning 'a': unknown key 'max-num-seq'; did you mean max-num-seqs?"),
     (GOOD + "  out: elsewhere\n", "s.yaml:5: tuning 'a': unknown key 'out'"),  # the sweep's own
     # rule: every value is one `run` takes, checked by run's own parser
     (GOOD + "  card: 80\n  max-num-seqs: many\n",
@@ -50,7 +51,7 @@ def test_a_bad_sweep_file_is_one_line_naming_its_line(tmp_path: Path, text: str,
 
 def test_each_entry_is_the_run_command_line_it_names(tmp_path: Path) -> None:
     """Keys become `run` flags: a false switch its --no- form, a list a repeated flag."""
-    from pretuner.cli.sweep import _flags, _long_names, _run_command
+    from pretuner.cli.sweep import _command, _flags, _long_names
     from pretuner.sweep import read_sweep
 
     (tmp_path / "s.yaml").write_text(
@@ -58,7 +59,7 @@ def test_each_entry_is_the_run_command_line_it_names(tmp_path: Path) -> None:
         " server-arg: ['--seed 1', '--load-format dummy'], enforce-eager: true}\n"
         "- {model: ./models/My_Model, engine: sim, tp: 2}\n")
     first, second = read_sweep(tmp_path / "s.yaml")
-    flags = _flags(_long_names(_run_command()))
+    flags = _flags(_long_names(_command("run")))
     assert first.args(flags) == [
         "--model", "qwen3-8b", "--engine", "vllm", "--emulate", "--no-validate",
         "--max-model-len", "32K", "--server-arg", "--seed 1", "--server-arg",
@@ -145,8 +146,9 @@ def test_four_tunings_one_failing_interrupted_and_resumed(tmp_path: Path) -> Non
         assert preset["kv_tokens"] == rep["final"]["kv_tokens"]
     assert len(doc["presets"]) == 3
     md = (sw / "summary.md").read_text()
-    assert "| no-fit | qwen3-32b | 40 | vllm | failed (exit 4: TP1 x PP1:" in md
-    assert f"| v1-80 | qwen3-8b | 80 | vllm | validated | {rows['v1-80']['kv_mib']:,} |" in md
+    assert "| no-fit | qwen3-32b | 40 GB | vllm | failed (exit 4: TP1 x PP1:" in md
+    assert f"| v1-80 | qwen3-8b | 80 GB | vllm | validated | {rows['v1-80']['kv_mib']:,} |" in md
+    assert f"| r01-64 | qwen3-8b | 64 GiB | sim | validated | {rows['r01-64']['kv_mib']:,} " in md
     # The run folders are normal ones: `report` reads them.
     report = invoke("report", str(sw / "v1-40"), "--out", str(tmp_path / "v1-40.html"))
     assert report.returncode == 0, report.stderr

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import FAST_SIM, cli_env, require, run_cli
+from tests.helpers import FAST_SIM, cli_env, default_sigint, require, run_cli, wait_for
 from tests.test_ray_multinode import _environ
 
 ray = require("ray", "PRETUNER_RAY_REQUIRED")
@@ -80,3 +83,46 @@ def test_tunings_as_ray_tasks_some_failing(gpu_cluster: str, tmp_path: Path) -> 
     first_validated = next(i for i, words in enumerate(lines) if words[2] == "validated")
     assert events[:first_validated].count("start") >= 3, proc.stderr
     assert len(doc["presets"]) == 3
+
+
+def test_ctrl_c_cancels_the_running_tasks_and_their_servers(gpu_cluster: str,
+                                                             tmp_path: Path) -> None:
+    """Ctrl-C: every running task stops its tuning (which stops its server) before the sweep
+    exits 130; no process of the sweep's tunings is left on the node."""
+    (tmp_path / "s.yaml").write_text("".join(
+        f"- {{name: t{n}, card: 80, {V1}}}\n" for n in range(2)))
+    sw, err = tmp_path / "sw", tmp_path / "stderr"
+    with err.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pretuner", "sweep", str(tmp_path / "s.yaml"), "--out",
+             str(sw), "--ray-address", gpu_cluster], env=cli_env(), stdout=subprocess.DEVNULL,
+            stderr=stderr, stdin=subprocess.DEVNULL, preexec_fn=default_sigint)  # noqa: S603, PLW1509
+        try:
+            for n in range(2):
+                wait_for(err, f"start  t{n}", timeout=120)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=240) == 130
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "stopping 2 tuning(s)" in err.read_text()
+    assert _using(sw) == []
+    doc = json.loads((sw / "summary.json").read_text())
+    assert {r["outcome"] for r in doc["tunings"]} <= {"interrupted", "not run"}
+
+
+def _using(folder: Path) -> list[str]:
+    """Every process naming `folder` on its command line or holding a file under it open (a
+    server writes its log there): the sweep's tunings and their servers."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            files = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:
+            continue
+        if str(folder) in cmdline or any(f.startswith(str(folder)) for f in files):
+            found.append(cmdline)
+    return found

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import difflib
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -30,7 +32,7 @@ NOT_PER_TUNING = frozenset({"out", "resume", "json", "dry-run", "ray-address", "
 FILE.yaml is a list of tunings, each `pretuner run` options by their long name:
   - {name: qwen-h100, model: qwen3-8b, engine: vllm, card: 80, max-model-len: 32K}
   - {model: qwen3-8b, engine: vllm-ascend, card: 64, tp: 2, max-num-seqs: 64}
-  - {model: qwen3-8b, engine: sim, card: 32, emulate: true, validate: false}
+  - {model: qwen3-8b, engine: vllm, emulate: true, card: 141, validate: false}
 
 \b
 Examples:
@@ -97,9 +99,12 @@ def sweep_cmd(
 
 
 class SweepInterrupted(RunInterrupted):
+    """Ctrl-C during a sweep: the finished tunings are kept, the running one resumable."""
+
     def __init__(self, file: Path, sweep_dir: Path) -> None:
         super().__init__(None)
-        self.hint = f"resume with: pretuner sweep {file} --resume {sweep_dir}"
+        command = ["pretuner", "sweep", str(file), "--resume", str(sweep_dir)]
+        self.hint = f"resume with: {shlex.join(command)}"
 
 
 def _sweep_dir(file: Path, out: str | None, resume: Path | None) -> Path:
@@ -123,10 +128,8 @@ def _sweep_dir(file: Path, out: str | None, resume: Path | None) -> Path:
     return folder.resolve()
 
 
-def _run_command() -> Any:
-    from pretuner.cli.run import run_cmd  # noqa: F401  (registers `run`)
-
-    return typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+def _command(name: str) -> Any:
+    return typer.main.get_command(app).commands[name]  # type: ignore[attr-defined]
 
 
 def _long_names(command: Any) -> dict[str, Any]:
@@ -153,13 +156,15 @@ def check_tuning(file: Path, t: Tuning) -> None:
     """Every key a `run` option, every value one `run` takes: one line naming the file's line."""
     from pretuner.sweep import where
 
-    command = _run_command()
+    command = _command("run")
     params = _long_names(command)
     for key in t.options:
         if key not in params or key in NOT_PER_TUNING:
-            given = ", ".join(sorted(k for k in params if k not in NOT_PER_TUNING))
-            raise BadInputError(f"{where(file, t.lines.get(key))}: tuning {t.name!r}: unknown "
-                                f"key {key!r}", hint=f"a key is a `run` option: {given}")
+            close = difflib.get_close_matches(key, [k for k in params if k not in NOT_PER_TUNING])
+            raise BadInputError(
+                f"{where(file, t.lines.get(key))}: tuning {t.name!r}: unknown key {key!r}",
+                hint=f"did you mean {' or '.join(close)}?" if close
+                else "a key is a `run` option by its long name (`pretuner run --help`)")
     try:
         command.make_context("run", t.args(_flags(params)), resilient_parsing=False)
     except typer.Exit:
@@ -168,7 +173,7 @@ def check_tuning(file: Path, t: Tuning) -> None:
         param = getattr(err, "param", None)
         key = next((k for k in t.options if param is not None and params[k] is param), "")
         message = err.format_message() if hasattr(err, "format_message") else str(err)
-        raise BadInputError(f"{where(file, t.lines.get(key, t.lines['']))}: tuning "
+        raise BadInputError(f"{where(file, t.lines.get(key, t.line))}: tuning "
                             f"{t.name!r}: {message.rstrip('.')}",
                             hint="the values `pretuner run --help` takes") from None
 
@@ -178,14 +183,14 @@ def plan_tunings(tunings: list[Tuning], file: Path, on_ray: bool) -> list[Planne
     of its options, all at once)."""
     from pretuner.sweep import Planned, device_of
 
-    params = _long_names(_run_command())
+    params = _long_names(_command("run"))
     runs = [t.args(_flags(params)) for t in tunings]
     if not on_ray:
         return [Planned(t, args, "CPU", 1) for t, args in zip(tunings, runs, strict=True)]
-    plan_flags = _flags(_long_names(typer.main.get_command(app).commands["plan"]))  # type: ignore[attr-defined]
+    plan_flags = _flags(_long_names(_command("plan")))
     for t in tunings:
         if t.engine == "auto":
-            raise BadInputError(f"{file}:{t.lines['']}: tuning {t.name!r} has no engine",
+            raise BadInputError(f"{file}:{t.line}: tuning {t.name!r} has no engine",
                                 hint="on Ray, name each tuning's engine (its devices: GPU, NPU)")
     procs = [subprocess.Popen(
         [sys.executable, "-m", "pretuner", "plan", *t.args(plan_flags), "--json"],

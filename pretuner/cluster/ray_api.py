@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -146,17 +145,12 @@ class RayCluster:
         except Exception as err:  # the task's error (its node died, it crashed)
             return _one_line(err)
 
-    def cancel_all(self, gens: Sequence[Any], grace_s: float) -> None:
-        """Cancel tasks (a KeyboardInterrupt in each: it stops what it started) and wait for
-        them to end, up to `grace_s`."""
+    def cancel(self, gens: Sequence[Any]) -> None:
+        """Cancel tasks: a KeyboardInterrupt in each running one (it stops what it started),
+        queued ones never start."""
         for gen in gens:
             with contextlib.suppress(Exception):
                 self._ray.cancel(gen)
-        deadline = time.monotonic() + grace_s
-        for gen in gens:
-            with contextlib.suppress(Exception):
-                for ref in gen:
-                    self._ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
 
     def probe(self, nodes: Sequence[NodeFacts],
               others: Sequence[NodeFacts] = ()) -> list[NodeProbe]:

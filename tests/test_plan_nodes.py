@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pretuner.errors import BadInputError
+from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.models import lookup
 from pretuner.plan.layout import PlanConfig, plan
 from pretuner.plan.propose import decide_layout
@@ -117,11 +117,15 @@ def test_cli_plan_checks_the_users_layout_and_names_the_rules(
         assert fragment in data["layout_reason"]
 
 
-def test_tp_alone_that_fits_stays_one_stage() -> None:
-    """--tp 1 on one card whose weights fit is one card, as asked: no pipeline stage added."""
+def test_tp_alone_short_of_a_node_is_never_given_stages() -> None:
+    """--tp 1 is one card, as asked: its weights fit, or they are refused (exit 4) with the
+    rule's layout; a pipeline stage is added only across nodes."""
     r = plan(PlanConfig(model=lookup("qwen3-8b"), card_gib=24, engine="vllm", tp=1))
     assert (r.tp, r.pp, r.nodes) == (1, 1, 1)
     assert r.layout_reason == "TP1 as requested"
+    with pytest.raises(InfeasibleError, match="TP4 x PP1") as err:
+        plan(PlanConfig(model=lookup("deepseek-v3"), card_gib=80, engine="vllm", tp=4))
+    assert "use --tp 8 --pp 2" in (err.value.hint or "")
 
 
 def test_cards_per_node_is_a_run_option_checked_as_plan_checks_it() -> None:

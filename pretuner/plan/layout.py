@@ -146,7 +146,7 @@ class PlanConfig:
     util: float = 0.9
     max_model_len: int = 16384
     tp: int | None = None
-    pp: int | None = None  # None: chosen (by the interconnect rule on a V1 engine), else 1
+    pp: int | None = None  # None: chosen (the interconnect rule on a V1 engine; else 1)
     nodes: int | None = None
     cards_per_node: int = 8
     # The layout may span nodes on a V1 engine: a run given a Ray cluster (--ray-address), or
@@ -300,12 +300,14 @@ def plan(cfg: PlanConfig) -> PlanResult:
     notes: list[str] = []
     chooses_pp = cfg.pp is None and cfg.engine_class.pp_across_nodes
     if cfg.tp is not None:
-        err = _layout_error(replace(cfg, pp=cfg.stages), cfg.tp)
+        err = _layout_error(cfg, cfg.tp)
         if err:
             raise BadInputError(err)
-        # A V1 engine given --tp alone whose weights fill the card at PP1 gets pipeline stages.
+        # A V1 engine given --tp alone that fills a node, whose weights fill the card at PP1,
+        # gets a pipeline stage per node; a smaller TP is the user's cards on one node.
         weights = pw.weights_plan(cfg, cfg.tp).card_weights_bytes
-        chooses_pp = chooses_pp and weights >= cfg.card_gib * cfg.util * GIB
+        chooses_pp = (chooses_pp and cfg.tp >= cfg.cards_per_node
+                      and weights >= cfg.card_gib * cfg.util * GIB)
     given = cfg.tp is not None or cfg.pp is not None
     if cfg.tp is not None and not chooses_pp:
         tp, cfg = cfg.tp, replace(cfg, pp=cfg.stages)
@@ -446,7 +448,7 @@ def _candidates(cfg: PlanConfig) -> list[tuple[int, int]]:
     that divides the node. Else TP alone grows, across nodes too, at --pp stages (r0.1)."""
     if cfg.pp is not None or not cfg.engine_class.pp_across_nodes:
         return [(tp, cfg.stages) for tp in TP_CANDIDATES]
-    if cfg.tp is not None:  # the user's TP, the fewest stages
+    if cfg.tp is not None:  # the user's TP filling a node, the fewest stages
         return [(cfg.tp, n) for n in range(1, max(2, TP_CANDIDATES[-1] // cfg.tp + 1))]
     node = cfg.cards_per_node
     within = [(tp, 1) for tp in TP_CANDIDATES if tp <= node]

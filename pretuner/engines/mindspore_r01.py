@@ -65,10 +65,11 @@ class R01Engine:
     version: str | None  # the installed vLLM-MindSpore's; None for the emulated card and CPU
     reason: str  # why this engine runs (the registry's words)
     family: Family = Family.R01
-    # What plan asks before any launch: r0.1 is told a whole model-use GiB, places its ranks on
-    # as many nodes as Ray has, and takes no quantization or offload flags.
+    # What plan asks before any launch: r0.1 is told a whole model-use GiB, takes no
+    # quantization or offload flags, and its method shards with TP only: past one node the TP
+    # grows and Ray places its ranks on as many nodes as it has (TP16 on two nodes).
     budget_in_whole_gib: ClassVar[bool] = True
-    max_devices: ClassVar[int | None] = None
+    pp_across_nodes: ClassVar[bool] = False
     takes_weights_flags: ClassVar[bool] = False
     # --serve-cmd: the user's own way to start the server, in place of base_command()'s.
     serve_cmd: tuple[str, ...] = ()

@@ -261,10 +261,11 @@ class V1Engine:
     version: str | None = None
     sim_env: dict[str, str] = field(default_factory=dict)  # the emulated card's knobs
     family: Family = Family.V1
-    # What plan asks before any launch: the KV cache pinned in bytes, one node of at most 8
-    # devices (what pretuner drives so far), quantization and offload are the engine's flags.
+    # What plan asks before any launch: the KV cache pinned in bytes, quantization and offload
+    # are the engine's flags, and past one node the layout splits by pipeline stages (vLLM's
+    # advice: TP within a node, PP across nodes), reached only through a Ray cluster.
     budget_in_whole_gib: ClassVar[bool] = False
-    max_devices: ClassVar[int | None] = 8
+    pp_across_nodes: ClassVar[bool] = True
     takes_weights_flags: ClassVar[bool] = True
     python: str | None = None  # the interpreter of a row that names one (engine_python)
     server_args: tuple[Flag, ...] = ()  # --server-arg: launched and deployed as given

@@ -50,7 +50,7 @@ def r01_config(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = N
     opts.check()
     check_r01_flags(opts)
     spec = resolve(opts.model)
-    engine.check_model(spec, opts.tp, opts.pp,
+    engine.check_model(spec, opts.tp, opts.pp or 1,
                        [s.name for s in builtin_specs() if s.eager_attention])
     lengths = engine.lengths
     max_len = lengths.max_model_len if opts.max_model_len is None else opts.max_model_len
@@ -68,6 +68,7 @@ def r01_config(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = N
     cfg = TuneConfig(
         model=spec, card=card, util=opts.util, max_model_len=max_len, min_model_len=min_len,
         tp=1 if engine.device_kind == "cpu" else opts.tp, pp=opts.pp, nodes=opts.nodes,
+        cards_per_node=opts.cards_per_node,
         block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
         kv_cache_dtype=opts.kv_cache_dtype, weights_format=opts.weights_format,
         headroom_gib=opts.headroom_gib, reserve_gib=opts.reserve_gib,

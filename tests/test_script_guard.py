@@ -156,7 +156,7 @@ def test_npu_smi_total_is_checked(tmp_path: Path) -> None:
     the 32 GB one refuses)."""
     _shims(tmp_path / "bin")
     preset = _v1_preset("vllm-ascend")
-    proof = Proof("vllm-ascend", None, None, "npu-smi", "ASCEND_RT_VISIBLE_DEVICES", None,
+    proof = Proof("vllm-ascend", None, None, "npu-smi", "ASCEND_RT_VISIBLE_DEVICES", "910B3",
                   65536, None)
     assert preset.engine == "vllm-ascend"
     ok = _serve(tmp_path, proof, _env(tmp_path, "", "910b-64"), preset=preset)
@@ -164,6 +164,73 @@ def test_npu_smi_total_is_checked(tmp_path: Path) -> None:
     bad = _serve(tmp_path, proof, _env(tmp_path, "", "910b-32"), preset=preset)
     assert bad.returncode == 78
     assert "device 0 has 32768 MiB in total (npu-smi), the proof ran on 65536 MiB" in bad.stderr
+    # the chip name npu-smi prints in the row above the memory: a 910B4 proof is not a 910B3's
+    renamed = _serve(tmp_path, replace(proof, device_name="910B4"),
+                     _env(tmp_path, "", "910b-64"), preset=preset)
+    assert renamed.returncode == 78
+    assert renamed.stderr.splitlines()[0].startswith(
+        "pretuner guard: device 0 is 910B3, the proof ran on 910B4: re-tune")
+
+
+def _stack_site(tmp: Path, torch: str | None, cuda: str, cann: str) -> dict[str, str]:
+    """torch `torch` built for CUDA `cuda` (dist-info, and a torch/version.py that is read,
+    never imported), and CANN `cann`'s install file: the environment's additions."""
+    site = tmp / f"stack-{torch}-{cuda}"
+    if torch is not None:
+        info = site / f"torch-{torch}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch}\n")
+        (site / "torch").mkdir()
+        (site / "torch" / "__init__.py").write_text("raise RuntimeError('imported torch')\n")
+        (site / "torch" / "version.py").write_text(
+            f"from typing import Optional\n__version__ = '{torch}'\ncuda: Optional[str] = '{cuda}'\n")
+    toolkit = tmp / f"cann-{cann}"
+    (toolkit / "x86_64-linux").mkdir(parents=True, exist_ok=True)
+    (toolkit / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
+        f"package_name=Ascend-cann-toolkit\nversion={cann}\narch=x86_64\nos=linux\n")
+    return {"STACK_SITE": str(site), "ASCEND_TOOLKIT_HOME": str(toolkit)}
+
+
+STACK = {"torch": "2.9.0", "cuda": "12.8", "cann": "8.3.RC1"}
+
+
+@pytest.mark.parametrize(
+    ("torch", "built_for", "cann", "device", "changed"),
+    [
+        ("2.9.0", "12.8", "8.3.RC1", None, None),
+        ("2.8.0", "12.8", "8.3.RC1", None, "torch is 2.8.0 here, the proof ran 2.9.0"),
+        ("2.9.0", "12.6", "8.3.RC1", None, "torch's CUDA is 12.6 here, the proof ran 12.8"),
+        (None, "12.8", "8.3.RC1", None, "torch is not installed here, the proof ran 2.9.0"),
+        ("2.9.0", "12.8", "8.2.RC1", None, "CANN is 8.2.RC1 here, the proof ran 8.3.RC1"),
+        ("2.9.0", "12.8", "8.3.RC1", "NVIDIA H200",
+         "device 0 is NVIDIA H100 80GB HBM3, the proof ran on NVIDIA H200"),
+    ],
+)
+def test_a_changed_software_stack_or_device_name_refuses_in_one_line(
+    cuda: tuple[Path, Proof], torch: str | None, built_for: str, cann: str, device: str | None,
+    changed: str | None,
+) -> None:
+    """The rule: serve.sh reads torch, torch's CUDA (torch/version.py as text, torch never
+    imported) and CANN as the run read them, and the device's name; any that changed stops
+    it with one line naming it; PRETUNER_SKIP_GUARD=1 starts anyway."""
+    tmp, proof = cuda
+    proof = replace(proof, stack=STACK, distributions=("vllm",),
+                    device_name=device or proof.device_name)
+    extra = _stack_site(tmp, torch, built_for, cann)
+    env = _env(tmp, "0.24.0", "h100-80", **extra)
+    env["PYTHONPATH"] = f"{extra['STACK_SITE']}:{env['PYTHONPATH']}"
+    done = _serve(tmp, proof, env)
+    if changed is None:
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == ""
+        return
+    assert done.returncode == 78
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"pretuner guard: {changed}: re-tune (pretuner run ")
+    forced = _serve(tmp, proof, env | {"PRETUNER_SKIP_GUARD": "1"})
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout.startswith("started vllm serve ")
+    assert f"{changed}; PRETUNER_SKIP_GUARD=1: starting UNPROVEN" in forced.stderr
 
 
 def test_only_a_run_gets_a_guard() -> None:

@@ -335,6 +335,10 @@ class _RunHead(Record):
     engine: str
     engine_version: str | None
     engine_reason: str
+    # What the engine ran on (pretuner.engines.stack: torch, cuda, cann, mindspore...);
+    # None: not recorded (the emulated engine, a --serve-cmd's container, an older run)
+    stack: dict[str, str] | None = None
+    device_name: str | None = None  # the first device, as its tool names it
     simulated: bool
     provenance: Provenance  # what every figure the engine (or its emulator) produced is
     model: str

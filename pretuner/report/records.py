@@ -108,7 +108,8 @@ class Step(Record):
     reset_status: int | None = None
     speed: V1Speed | None = None
     weights_gib: float | None = None  # the engine's "Model loading took": weights on the card
-    compile_cache: Literal["cold", "warm", "n/a"] | None = None  # at launch (V1 engines)
+    # at launch; "off": MindSpore's cache not enabled (every start compiles)
+    compile_cache: Literal["cold", "warm", "off", "n/a"] | None = None
 
 
 # Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived

@@ -424,7 +424,7 @@ def launch_lines(rep: AnyReport) -> list[str]:
     else:
         lines.append("No launch was made.")
     lines += [f"| {' | '.join(step_cells(s, node=True))} |" for s in rep.steps]
-    if any(s.compile_cache in ("cold", "warm") for s in rep.steps):
+    if any(s.compile_cache in ("cold", "warm", "off") for s in rep.steps):
         lines += ["", "Compile cache at launch: " + ", ".join(
             f"#{s.n} {s.compile_cache or 'not recorded'}" for s in rep.steps)]
     lines += ["", "## Decisions", ""]

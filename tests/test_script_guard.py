@@ -276,3 +276,19 @@ def test_a_real_runs_fingerprint_and_retune() -> None:
         last["device_total_mib"] - last["device_peaks_mib"]["launch"])
     serve = run_scripts(rep, ScriptOptions(), [Target.SERVE])["serve.sh"]
     assert f"retune={shlex.quote(shlex.join(raw['retune_command']))}\n" in serve
+
+
+def test_every_device_of_the_layout_is_checked(cuda: tuple[Path, Proof]) -> None:
+    """The rule: a TP x PP proof holds on as many devices as it ran on, each checked; fewer
+    visible devices than the layout refuses in one line."""
+    tmp, proof = cuda
+    tp2 = replace(proof, devices=2)
+    both = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80"))
+    assert both.returncode == 0, both.stderr
+    one = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80", CUDA_VISIBLE_DEVICES="0"))
+    assert one.returncode == 78
+    assert ("CUDA_VISIBLE_DEVICES names fewer than 2 devices here (0), the proof ran on 2"
+            in one.stderr)
+    gone = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80", CUDA_VISIBLE_DEVICES="0,99"))
+    assert gone.returncode == 78
+    assert "nvidia-smi shows no device 99 here" in gone.stderr

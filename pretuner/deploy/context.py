@@ -77,6 +77,7 @@ class Proof:
     # torch, its CUDA, CANN, MindSpore... (pretuner.engines.stack); None: not recorded
     stack: dict[str, str] | None = None
     distributions: tuple[str, ...] = ()  # the engine's, which the stack probe leaves out
+    devices: int = 1  # on each node: TP x PP / nodes, every one checked
 
     def lines(self) -> list[str]:
         """The fingerprint as the scripts' header says it."""
@@ -109,7 +110,7 @@ def proof_of(rep: RunReport) -> Proof:
         # only the names the probe prints: a hand-edited report.json names nothing else
         stack=None if rep.stack is None else {
             k: v for k, v in rep.stack.items() if k in LABELS},
-        distributions=row.distributions,
+        distributions=row.distributions, devices=max(1, rep.tp * rep.pp // rep.nodes),
     )
 
 

@@ -292,3 +292,23 @@ def test_every_device_of_the_layout_is_checked(cuda: tuple[Path, Proof]) -> None
     gone = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80", CUDA_VISIBLE_DEVICES="0,99"))
     assert gone.returncode == 78
     assert "nvidia-smi shows no device 99 here" in gone.stderr
+
+
+def test_the_guard_asks_the_python_the_run_found_the_engine_in(cuda: tuple[Path, Proof]) -> None:
+    """The rule: an engine in a venv of its own is checked in that venv's Python (the one the
+    run found it in), not in whatever `python3` the shell has; PRETUNER_ENGINE_PYTHON still
+    names another."""
+    tmp, proof = cuda
+    venv = tmp / "venv" / "bin" / "python"
+    venv.parent.mkdir(parents=True)
+    venv.write_text(f'#!/bin/sh\nPYTHONPATH={_site(tmp, "0.24.0")} exec {sys.executable} "$@"\n')
+    venv.chmod(0o755)
+    env = {k: v for k, v in _env(tmp, "", "h100-80").items() if k != "PRETUNER_ENGINE_PYTHON"}
+    found = _serve(tmp, replace(proof, python=str(venv)), env)
+    assert found.returncode == 0, found.stderr
+    shell = _serve(tmp, proof, env | {"PATH": f"{tmp / 'bin'}:/usr/bin:/bin"})
+    assert shell.returncode == 78
+    assert "vllm is not installed here, the proof ran 0.24.0" in shell.stderr
+    other = _serve(tmp, replace(proof, python=str(venv)),
+                   env | {"PRETUNER_ENGINE_PYTHON": "/nonexistent/python"})
+    assert "vllm is not installed here" in other.stderr

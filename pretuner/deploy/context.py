@@ -78,6 +78,7 @@ class Proof:
     stack: dict[str, str] | None = None
     distributions: tuple[str, ...] = ()  # the engine's, which the stack probe leaves out
     devices: int = 1  # on each node: TP x PP / nodes, every one checked
+    python: str | None = None  # the engine's own interpreter (its venv); None: python3
 
     def lines(self) -> list[str]:
         """The fingerprint as the scripts' header says it."""
@@ -111,6 +112,7 @@ def proof_of(rep: RunReport) -> Proof:
         stack=None if rep.stack is None else {
             k: v for k, v in rep.stack.items() if k in LABELS},
         distributions=row.distributions, devices=max(1, rep.tp * rep.pp // rep.nodes),
+        python=rep.engine_python,
     )
 
 

@@ -340,6 +340,7 @@ class _RunHead(Record):
     # None: not recorded (the emulated engine, a --serve-cmd's container, an older run)
     stack: dict[str, str] | None = None
     device_name: str | None = None  # the first device, as its tool names it
+    engine_python: str | None = None  # an engine in its own venv: its interpreter (the guard's)
     simulated: bool
     provenance: Provenance  # what every figure the engine (or its emulator) produced is
     model: str

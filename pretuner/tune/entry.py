@@ -207,7 +207,7 @@ def _tune_recorded(record: RunRecord, opts: RunOptions, phase: Phase, choice: En
         asked_max_model_len=s.cfg.max_model_len, retune_command=tuple(opts.command_line()),
         engine_version=choice.version, engine_reason=choice.reason,
         device_kind=s.engine.device_kind, stack=choice.stack,
-        device_name=device_name(ctx.device_reader),
+        device_name=device_name(ctx.device_reader), engine_python=choice.python,
     )
     record.append("stack", engine=choice.name, version=choice.version, stack=choice.stack,
                   device_name=meta.device_name)

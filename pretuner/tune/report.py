@@ -86,6 +86,7 @@ class RunMeta:
     device_kind: str = "ascend"
     stack: dict[str, str] | None = None  # pretuner.engines.stack; None: not recorded
     device_name: str | None = None  # as the device tool names the first device
+    engine_python: str | None = None  # the interpreter of an engine in its own venv
 
 
 # The figures a step keeps under the outcome's own names.

@@ -54,6 +54,32 @@ DEFAULT_LENGTHS = Lengths(16384, 4096)
 CPU_LENGTHS = Lengths(1024, 256, decode_tokens=4)
 
 
+# MindSpore's compile (graph) cache: off unless MS_COMPILER_CACHE_ENABLE=1, then saved and
+# loaded under MS_COMPILER_CACHE_PATH as <path>/rank_<RANK_ID>/graph_cache (MindSpore's
+# environment-variable list). Where the user enabled it without a path, pretuner names one, so
+# the pre-run and the proof share one cache, as VLLM_CACHE_ROOT does for vLLM's.
+MS_CACHE_ENABLE_VAR = "MS_COMPILER_CACHE_ENABLE"
+MS_CACHE_PATH_VAR = "MS_COMPILER_CACHE_PATH"
+
+
+def graph_cache_env(env: Mapping[str, str]) -> dict[str, str]:
+    """MS_COMPILER_CACHE_PATH where the cache is on and the user named no path."""
+    if env.get(MS_CACHE_ENABLE_VAR) != "1" or env.get(MS_CACHE_PATH_VAR):
+        return {}
+    xdg = env.get("XDG_CACHE_HOME")
+    return {MS_CACHE_PATH_VAR: str((Path(xdg) if xdg else Path.home() / ".cache") / "mindspore")}
+
+
+def graph_cache_state(env: Mapping[str, str]) -> str:
+    """"off" where the cache is not enabled (every start compiles, production's too), else
+    "warm" when rank 0's graph cache holds anything, else "cold"."""
+    if env.get(MS_CACHE_ENABLE_VAR) != "1":
+        return "off"
+    root = env.get(MS_CACHE_PATH_VAR) or graph_cache_env(env)[MS_CACHE_PATH_VAR]
+    folder = Path(root) / "rank_0" / "graph_cache"
+    return "warm" if folder.is_dir() and any(folder.iterdir()) else "cold"
+
+
 @dataclass(frozen=True, slots=True)
 class R01Engine:
     """vLLM-MindSpore r0.1 (0.1-0.2, and a 0.3+ install driven the r0.1 way), real or on the
@@ -90,6 +116,13 @@ class R01Engine:
     @property
     def device_kind(self) -> str:
         return "emulated" if self.simulated else self.device
+
+    def cache_state(self, env: Mapping[str, str]) -> str:
+        """MindSpore's graph cache as a launch starts: "n/a" on the emulated card and behind
+        --serve-cmd (a container's cache is not this host's folder)."""
+        if self.simulated or self.serve_cmd:
+            return "n/a"
+        return graph_cache_state({**env, **self.launch_env})
 
     @property
     def lengths(self) -> Lengths:

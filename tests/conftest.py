@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tests.helpers import FinishedRun, run_cli
+from tests.helpers import WIDE_DEFAULT, WIDE_RUNS, FinishedRun, cli_env, run_cli
 
 
 def _build(args: tuple[str, ...], where: Path) -> FinishedRun:
@@ -25,7 +25,8 @@ def _build(args: tuple[str, ...], where: Path) -> FinishedRun:
         if where.exists():  # a build that died half way: start again
             shutil.rmtree(where)
         where.mkdir(parents=True)
-        proc = run_cli("run", *args, "--out", str(where / "run"))
+        env = cli_env(**(WIDE_DEFAULT if args in WIDE_RUNS else {}))
+        proc = run_cli("run", *args, "--out", str(where / "run"), env=env)
         tmp = where / "result.json.tmp"
         tmp.write_text(json.dumps({"args": list(args), "returncode": proc.returncode,
                                    "stdout": proc.stdout, "stderr": proc.stderr}))

@@ -9,6 +9,13 @@ from pathlib import Path
 import pytest
 
 from pretuner.engines.base import LaunchSettings
+from pretuner.engines.mindspore_r01 import (
+    R01,
+    SIM,
+    R01Engine,
+    graph_cache_env,
+    graph_cache_state,
+)
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.vllm_v1 import (
     ROWS,
@@ -64,3 +71,58 @@ def test_a_pre_run_with_a_cold_cache_is_said() -> None:
     assert "cold compile cache" in [d["decision"] for d in r.decisions]
     warm = V1Tuner(_cfg(), scripted_card(), lambda phase, detail: None).run()
     assert "cold compile cache" not in [d["decision"] for d in warm.decisions]
+
+
+# Rule: MindSpore's graph cache is off unless MS_COMPILER_CACHE_ENABLE=1; where it is on and the
+# user named no MS_COMPILER_CACHE_PATH, pretuner names one (the pre-run and the proof share it).
+@pytest.mark.parametrize(("env", "named"), [
+    ({}, {}),
+    ({"MS_COMPILER_CACHE_ENABLE": "0"}, {}),
+    ({"MS_COMPILER_CACHE_ENABLE": "1", "MS_COMPILER_CACHE_PATH": "/data/ms"}, {}),
+    ({"MS_COMPILER_CACHE_ENABLE": "1", "XDG_CACHE_HOME": "/xdg"},
+     {"MS_COMPILER_CACHE_PATH": "/xdg/mindspore"}),
+    ({"MS_COMPILER_CACHE_ENABLE": "1"},
+     {"MS_COMPILER_CACHE_PATH": str(Path.home() / ".cache" / "mindspore")}),
+])
+def test_mindspores_graph_cache_path_is_fixed_where_it_is_on(env: dict[str, str],
+                                                              named: dict[str, str]) -> None:
+    assert graph_cache_env(env) == named
+    assert compile_cache_env(env, graph_cache=True) == named
+
+
+def test_mindspores_graph_cache_is_off_cold_or_warm_on_real_folders(tmp_path: Path) -> None:
+    """The rule: off unless enabled (every start compiles, production's too: no cold-profile
+    warning); on, warm only when rank 0's graph_cache folder holds something."""
+    assert graph_cache_state({"MS_COMPILER_CACHE_PATH": str(tmp_path)}) == "off"
+    env = {"MS_COMPILER_CACHE_ENABLE": "1", "MS_COMPILER_CACHE_PATH": str(tmp_path / "ms")}
+    assert graph_cache_state(env) == "cold"
+    graphs = tmp_path / "ms" / "rank_0" / "graph_cache"
+    graphs.mkdir(parents=True)
+    assert graph_cache_state(env) == "cold"
+    (graphs / "compile_cache_0.mindir").write_text("x")
+    assert graph_cache_state(env) == "warm"
+    # the MindSpore engines read MindSpore's cache, never vLLM's
+    vllm_warm = tmp_path / "vc" / "torch_compile_cache" / "hash-0"
+    vllm_warm.mkdir(parents=True)
+    cold = {**env, "MS_COMPILER_CACHE_PATH": str(tmp_path / "empty"),
+            "VLLM_CACHE_ROOT": str(tmp_path / "vc")}
+    assert V1Engine(ROWS["vllm-mindspore"], False).cache_state(cold) == "cold"
+    assert V1Engine(ROWS["vllm"], False).cache_state(cold) == "warm"
+    r01 = R01Engine(R01, False, "0.1", "test")
+    assert r01.cache_state(env) == "warm"
+    assert r01.cache_state({}) == "off"
+    assert replace(r01, launch_env={"MS_COMPILER_CACHE_ENABLE": "1",
+                                    "MS_COMPILER_CACHE_PATH": str(tmp_path / "none")}
+                   ).cache_state({}) == "cold"
+    assert R01Engine(SIM, True, None, "test").cache_state(env) == "n/a"
+
+
+def test_a_pre_run_with_the_cache_off_is_not_said_cold() -> None:
+    """The rule: a cache that is off compiles in production too: the profile is not warned."""
+    base = scripted_card()
+
+    def execute(s: LaunchSettings) -> LaunchOutcome:
+        return replace(base(s), compile_cache="off")
+
+    r = V1Tuner(_cfg(), execute, lambda phase, detail: None).run()
+    assert "cold compile cache" not in [d["decision"] for d in r.decisions]

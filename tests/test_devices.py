@@ -136,6 +136,15 @@ def test_select_reader(tmp_path: Path) -> None:
     assert ascend.devices == frozenset({0, 1})
 
 
+def test_the_emulated_card_is_read_where_its_engine_is_told_to_run() -> None:
+    """The emulated card's reader reads the devices the engine's variable lists (a Ray task's
+    own GPUs), as NVML does: a run beside another on the same card reads its own GPU."""
+    env = {"CUDA_VISIBLE_DEVICES": "3,5"}
+    told = select_reader("emulated", env, 1, visible_var="CUDA_VISIBLE_DEVICES")
+    assert getattr(told, "devices", None) == frozenset({3})
+    assert getattr(select_reader("emulated", env, 2), "devices", None) == frozenset({0, 1})
+
+
 def test_select_reader_cpu_budget_and_attach() -> None:
     """On CPU the device is the budget imposed on the server: a reader only with a budget, and
     it follows the launch it is attached to; a card reader ignores `attach`."""

@@ -7,6 +7,7 @@ those runs produced (trimmed with scripts/make_log_fixtures.py --from-run) and n
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import itertools
 import json
@@ -137,3 +138,11 @@ def test_run_falls_back_on_real_oom_then_validates_on_real_mindspore(
     assert isinstance(final, dict)
     assert final["max_model_len"] < 4096
     assert report["given_up"] == [f"max_model_len {final['max_model_len']:,} < 4,096 asked"]
+    # The proof's fingerprint: the MindSpore it ran on (as pip installed it), and MindSpore's
+    # graph cache, not enabled here: every launch compiled, as production will (issue 29)
+    stack = report["stack"]
+    assert isinstance(stack, dict)
+    assert stack["mindspore"] == importlib.metadata.version("mindspore")
+    steps = report["steps"]
+    assert isinstance(steps, list)
+    assert {s["compile_cache"] for s in steps} == {"off"}

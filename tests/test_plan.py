@@ -20,7 +20,7 @@ def test_deepseek_v3_w8a8_on_64g_needs_tp16_on_two_nodes() -> None:
     assert r.weights_format == "w8a8"
     assert (r.tp, r.nodes) == (16, 2)
     assert "TP16 on 2 nodes" in r.layout_reason
-    assert [tp for tp, _ in r.rejected] == [1, 2, 4, 8]
+    assert [tp for tp, _, _ in r.rejected] == [1, 2, 4, 8]
     assert r.kv_bytes_per_token == 70_272
     assert r.requested.fits
 

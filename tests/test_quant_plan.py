@@ -174,8 +174,9 @@ def test_cli_70b_on_one_32g_card_proposes_then_plans_the_proposal() -> None:
 
 
 def test_cli_nothing_fits_says_what_would() -> None:
+    # --pp 1: TP alone (across 4 nodes the interconnect rule's TP8 x PP4 would serve it)
     proc = invoke("plan", "--card", "8", "--model", LLAMA70, "--engine", "vllm", "--emulate",
-                  "--max-model-len", "128K")  # fmt: skip
+                  "--max-model-len", "128K", "--pp", "1")  # fmt: skip
     assert proc.returncode == 4
     assert "nothing tried serves" in proc.stdout
     assert "or: --max-model-len" in proc.stdout

@@ -28,6 +28,7 @@ from tests.helpers import (
     FAST_SIM,
     V1_QWEN_80_8K,
     V1_QWEN_80_32K,
+    WIDE_DEFAULT,
     FinishedRun,
     cli_env,
     invoke,
@@ -278,7 +279,8 @@ def test_an_interrupted_v1_run_resumes_from_its_journal(tmp_path: Path) -> None:
     ],
 )
 def test_bad_v1_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
-    proc = invoke("run", "--model", "qwen3-8b", *args, "--dry-run", env=cli_env(**FAST_SIM))
+    proc = invoke("run", "--model", "qwen3-8b", *args, "--dry-run",
+                  env=cli_env(**{**FAST_SIM, **WIDE_DEFAULT}))
     assert proc.returncode == 2, proc.stderr
     assert says in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

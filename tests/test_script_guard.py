@@ -156,7 +156,7 @@ def test_npu_smi_total_is_checked(tmp_path: Path) -> None:
     the 32 GB one refuses)."""
     _shims(tmp_path / "bin")
     preset = _v1_preset("vllm-ascend")
-    proof = Proof("vllm-ascend", None, None, "npu-smi", "ASCEND_RT_VISIBLE_DEVICES", None,
+    proof = Proof("vllm-ascend", None, None, "npu-smi", "ASCEND_RT_VISIBLE_DEVICES", "910B3",
                   65536, None)
     assert preset.engine == "vllm-ascend"
     ok = _serve(tmp_path, proof, _env(tmp_path, "", "910b-64"), preset=preset)
@@ -164,6 +164,73 @@ def test_npu_smi_total_is_checked(tmp_path: Path) -> None:
     bad = _serve(tmp_path, proof, _env(tmp_path, "", "910b-32"), preset=preset)
     assert bad.returncode == 78
     assert "device 0 has 32768 MiB in total (npu-smi), the proof ran on 65536 MiB" in bad.stderr
+    # the chip name npu-smi prints in the row above the memory: a 910B4 proof is not a 910B3's
+    renamed = _serve(tmp_path, replace(proof, device_name="910B4"),
+                     _env(tmp_path, "", "910b-64"), preset=preset)
+    assert renamed.returncode == 78
+    assert renamed.stderr.splitlines()[0].startswith(
+        "pretuner guard: device 0 is 910B3, the proof ran on 910B4: re-tune")
+
+
+def _stack_site(tmp: Path, torch: str | None, cuda: str, cann: str) -> dict[str, str]:
+    """torch `torch` built for CUDA `cuda` (dist-info, and a torch/version.py that is read,
+    never imported), and CANN `cann`'s install file: the environment's additions."""
+    site = tmp / f"stack-{torch}-{cuda}"
+    if torch is not None:
+        info = site / f"torch-{torch}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch}\n")
+        (site / "torch").mkdir()
+        (site / "torch" / "__init__.py").write_text("raise RuntimeError('imported torch')\n")
+        (site / "torch" / "version.py").write_text(
+            f"from typing import Optional\n__version__ = '{torch}'\ncuda: Optional[str] = '{cuda}'\n")
+    toolkit = tmp / f"cann-{cann}"
+    (toolkit / "x86_64-linux").mkdir(parents=True, exist_ok=True)
+    (toolkit / "x86_64-linux" / "ascend_toolkit_install.info").write_text(
+        f"package_name=Ascend-cann-toolkit\nversion={cann}\narch=x86_64\nos=linux\n")
+    return {"STACK_SITE": str(site), "ASCEND_TOOLKIT_HOME": str(toolkit)}
+
+
+STACK = {"torch": "2.9.0", "cuda": "12.8", "cann": "8.3.RC1"}
+
+
+@pytest.mark.parametrize(
+    ("torch", "built_for", "cann", "device", "changed"),
+    [
+        ("2.9.0", "12.8", "8.3.RC1", None, None),
+        ("2.8.0", "12.8", "8.3.RC1", None, "torch is 2.8.0 here, the proof ran 2.9.0"),
+        ("2.9.0", "12.6", "8.3.RC1", None, "torch's CUDA is 12.6 here, the proof ran 12.8"),
+        (None, "12.8", "8.3.RC1", None, "torch is not installed here, the proof ran 2.9.0"),
+        ("2.9.0", "12.8", "8.2.RC1", None, "CANN is 8.2.RC1 here, the proof ran 8.3.RC1"),
+        ("2.9.0", "12.8", "8.3.RC1", "NVIDIA H200",
+         "device 0 is NVIDIA H100 80GB HBM3, the proof ran on NVIDIA H200"),
+    ],
+)
+def test_a_changed_software_stack_or_device_name_refuses_in_one_line(
+    cuda: tuple[Path, Proof], torch: str | None, built_for: str, cann: str, device: str | None,
+    changed: str | None,
+) -> None:
+    """The rule: serve.sh reads torch, torch's CUDA (torch/version.py as text, torch never
+    imported) and CANN as the run read them, and the device's name; any that changed stops
+    it with one line naming it; PRETUNER_SKIP_GUARD=1 starts anyway."""
+    tmp, proof = cuda
+    proof = replace(proof, stack=STACK, distributions=("vllm",),
+                    device_name=device or proof.device_name)
+    extra = _stack_site(tmp, torch, built_for, cann)
+    env = _env(tmp, "0.24.0", "h100-80", **extra)
+    env["PYTHONPATH"] = f"{extra['STACK_SITE']}:{env['PYTHONPATH']}"
+    done = _serve(tmp, proof, env)
+    if changed is None:
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == ""
+        return
+    assert done.returncode == 78
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"pretuner guard: {changed}: re-tune (pretuner run ")
+    forced = _serve(tmp, proof, env | {"PRETUNER_SKIP_GUARD": "1"})
+    assert forced.returncode == 0, forced.stderr
+    assert forced.stdout.startswith("started vllm serve ")
+    assert f"{changed}; PRETUNER_SKIP_GUARD=1: starting UNPROVEN" in forced.stderr
 
 
 def test_only_a_run_gets_a_guard() -> None:
@@ -209,3 +276,39 @@ def test_a_real_runs_fingerprint_and_retune() -> None:
         last["device_total_mib"] - last["device_peaks_mib"]["launch"])
     serve = run_scripts(rep, ScriptOptions(), [Target.SERVE])["serve.sh"]
     assert f"retune={shlex.quote(shlex.join(raw['retune_command']))}\n" in serve
+
+
+def test_every_device_of_the_layout_is_checked(cuda: tuple[Path, Proof]) -> None:
+    """The rule: a TP x PP proof holds on as many devices as it ran on, each checked; fewer
+    visible devices than the layout refuses in one line."""
+    tmp, proof = cuda
+    tp2 = replace(proof, devices=2)
+    both = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80"))
+    assert both.returncode == 0, both.stderr
+    one = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80", CUDA_VISIBLE_DEVICES="0"))
+    assert one.returncode == 78
+    assert ("CUDA_VISIBLE_DEVICES names fewer than 2 devices here (0), the proof ran on 2"
+            in one.stderr)
+    gone = _serve(tmp, tp2, _env(tmp, "0.24.0", "h100-80", CUDA_VISIBLE_DEVICES="0,99"))
+    assert gone.returncode == 78
+    assert "nvidia-smi shows no device 99 here" in gone.stderr
+
+
+def test_the_guard_asks_the_python_the_run_found_the_engine_in(cuda: tuple[Path, Proof]) -> None:
+    """The rule: an engine in a venv of its own is checked in that venv's Python (the one the
+    run found it in), not in whatever `python3` the shell has; PRETUNER_ENGINE_PYTHON still
+    names another."""
+    tmp, proof = cuda
+    venv = tmp / "venv" / "bin" / "python"
+    venv.parent.mkdir(parents=True)
+    venv.write_text(f'#!/bin/sh\nPYTHONPATH={_site(tmp, "0.24.0")} exec {sys.executable} "$@"\n')
+    venv.chmod(0o755)
+    env = {k: v for k, v in _env(tmp, "", "h100-80").items() if k != "PRETUNER_ENGINE_PYTHON"}
+    found = _serve(tmp, replace(proof, python=str(venv)), env)
+    assert found.returncode == 0, found.stderr
+    shell = _serve(tmp, proof, env | {"PATH": f"{tmp / 'bin'}:/usr/bin:/bin"})
+    assert shell.returncode == 78
+    assert "vllm is not installed here, the proof ran 0.24.0" in shell.stderr
+    other = _serve(tmp, replace(proof, python=str(venv)),
+                   env | {"PRETUNER_ENGINE_PYTHON": "/nonexistent/python"})
+    assert "vllm is not installed here" in other.stderr

@@ -104,6 +104,14 @@ def test_the_runs_serve_sh_refuses_another_device(v1_run: Path, tmp_path: Path) 
     same = serve()
     assert same.returncode == 0, same.stderr
     assert same.stdout.startswith("started vllm serve ")
+    # the device's name, recorded as its tool prints it (checked above: the same name starts);
+    # the emulated engine has no torch or CUDA to record
+    shown = subprocess.run([str(bin_dir / "nvidia-smi"), "--query-gpu=name",
+                            "--format=csv,noheader", "-i", "0"], env=env, capture_output=True,
+                           text=True, check=True, timeout=60).stdout.strip()
+    assert (report(v1_run)["device_name"], report(v1_run)["stack"]) == (shown, None)
+    assert (f"- fingerprint (serve.sh checks it): a software stack not recorded; device {shown} "
+            "(as its tool names it)") in (v1_run / "report.md").read_text()
     other = serve(PRETUNER_SIM_PROFILE="a100-80")
     assert other.returncode == 78
     assert other.stdout == ""

@@ -404,7 +404,9 @@ def test_server_defaults_follow_vllms_rule_for_the_card(profile: CudaProfile, se
     """Without --max-num-seqs / --max-num-batched-tokens the emulated server runs vLLM's
     OpenAI-server defaults for its card: 1024 / 8192 on a GPU of 70 GiB or more that is not
     an A100, 256 / 2048 otherwise; given flags win."""
-    assert batch_defaults(profile) == (seqs, batched)
+    assert batch_defaults(profile, {}) == (seqs, batched)
+    # The tests' knob narrows the default width only.
+    assert batch_defaults(profile, {"PRETUNER_SIM_MAX_NUM_SEQS": "64"}) == (64, batched)
     if profile.name in CUDA_PROFILES:
         cfg = parse(["qwen3-8b"], {"PRETUNER_SIM_PROFILE": profile.name})
         assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (seqs, batched)

@@ -14,3 +14,4 @@ from pretuner.cli import run as _run  # noqa: E402, F401  (registers the command
 from pretuner.cli import scan as _scan  # noqa: E402, F401  (registers the command)
 from pretuner.cli import script as _script  # noqa: E402, F401  (registers the command)
 from pretuner.cli import sim as _sim  # noqa: E402, F401  (registers the command group)
+from pretuner.cli import sweep as _sweep  # noqa: E402, F401  (registers the command)

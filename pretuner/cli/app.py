@@ -44,7 +44,8 @@ Examples:
 
 Exit codes: 0 success, 2 bad input, 3 nothing found, 4 infeasible, 5 server failed,
 6 not validated, 7 Ray cluster, 8 card busy, 9 validated but less than asked (shorter,
-fewer sequences, slower than --min-tokens-per-s), 130 interrupted (README: Exit codes).""",
+fewer sequences, slower than --min-tokens-per-s), 10 a sweep's tuning not validated as asked,
+130 interrupted (README: Exit codes).""",
     no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None, cls=Group,
 )

@@ -74,11 +74,17 @@ Tp = Annotated[int | None, typer.Option(
     *TP_FLAGS, metavar="N", rich_help_panel=MODEL_CARD,
     help="Tensor parallel size (default: chosen by plan).",
 )]
-Pp = Annotated[int, typer.Option(
-    *PP_FLAGS, metavar="N", rich_help_panel=MODEL_CARD, help="Pipeline parallel size."
+Pp = Annotated[int | None, typer.Option(
+    *PP_FLAGS, metavar="N", rich_help_panel=MODEL_CARD,
+    help="Pipeline parallel size (default: chosen by plan; V1 engines past one node: TP within "
+    "a node, PP across nodes).",
 )]
 Nodes = Annotated[int | None, typer.Option(
     "--nodes", metavar="N", rich_help_panel=MODEL_CARD, help="Nodes (default: from the layout)."
+)]
+CardsPerNode = Annotated[int, typer.Option(
+    "--cards-per-node", metavar="N", rich_help_panel=MODEL_CARD,
+    help="Cards per node: the most a layout places on one node (8).",
 )]
 BlockSize = Annotated[int | None, typer.Option(
     "--block-size", metavar="TOKENS", rich_help_panel=LENGTHS,

@@ -42,10 +42,9 @@ def plan_cmd(
     util: o.Util = 0.9,
     max_model_len: o.MaxModelLen = None,
     tp: o.Tp = None,
-    pp: o.Pp = 1,
+    pp: o.Pp = None,
     nodes: o.Nodes = None,
-    cards_per_node: int = typer.Option(8, "--cards-per-node", metavar="N",
-                                       rich_help_panel=o.MODEL_CARD, help="Cards per node."),
+    cards_per_node: o.CardsPerNode = 8,
     kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
     block_size: o.BlockSize = None,
     weights_format: o.WeightsFormat = None,
@@ -78,7 +77,8 @@ def plan_cmd(
 
     opts = RunOptions(
         model=model, engine=engine, card_gib=card, util=util, max_model_len=max_model_len,
-        tp=tp, pp=pp, nodes=nodes, block_size=block_size, kv_cache_dtype=kv_dtype(kv_cache_dtype),
+        tp=tp, pp=pp, nodes=nodes, cards_per_node=cards_per_node, block_size=block_size,
+        kv_cache_dtype=kv_dtype(kv_cache_dtype),
         weights_format=weights_format, headroom_gib=headroom_gb,
         max_num_batched_tokens=max_num_batched_tokens, limit_mm_per_prompt=limit_mm_per_prompt,
         mm_processor_cache_gb=mm_processor_cache_gb, emulate=emulate,
@@ -89,7 +89,7 @@ def plan_cmd(
     limits = parse_limit_mm_per_prompt(limit_mm_per_prompt) if limit_mm_per_prompt else {}
     cfg = dataclasses.replace(  # no image key: None, vLLM then allows 999
         cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
-        max_num_batched_tokens=max_num_batched_tokens, cards_per_node=cards_per_node,
+        max_num_batched_tokens=max_num_batched_tokens, cluster=True,  # a prediction
         host_available_bytes=(host_available_bytes()
                               if cfg.engine_class.takes_weights_flags or cpu_offload_gb
                                                               else None),
@@ -149,7 +149,8 @@ def render_plan(r: PlanResult, given: str | None = None) -> str:
         "figures predicted, no launch)",
         f"layout: TP{r.tp} x PP{r.pp} on {r.nodes} node(s) - {r.layout_reason}",
     ]
-    lines += [f"  TP{tp} rejected: {why}" for tp, why in r.rejected]
+    lines += [f"  TP{tp}{f' x PP{pp}' if pp > 1 else ''} rejected: {why}"
+              for tp, pp, why in r.rejected]
     lines += [f"  note: {note}" for note in r.notes]
     lines += [
         f"weights ({r.weights_format}): {r.weights_bytes_per_card / GIB:.2f} GiB per card",

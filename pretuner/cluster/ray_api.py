@@ -116,6 +116,44 @@ class RayCluster:
         done, _ = self._ray.wait(list(refs), num_returns=len(refs), timeout=0)
         return len(done) == len(refs)
 
+    def largest(self, resource: str) -> int:
+        """The most of `resource` (GPU, NPU, CPU) one alive node has."""
+        return max((int((n.get("Resources") or {}).get(resource, 0))
+                    for n in self._ray.nodes() if n.get("Alive")), default=0)
+
+    def submit_holding(self, fn: Callable[..., Any], resource: str, count: int,
+                       *args: Any) -> Any:
+        """Start the generator `fn(*args)` on any node with `count` free `resource` (GPU, NPU:
+        Ray sets the task's CUDA_ / ASCEND_RT_VISIBLE_DEVICES to the ones it holds; CPU); held
+        until it ends. Returns its generator of object refs."""
+        want: dict[str, Any] = (
+            {"num_cpus": count} if resource == "CPU"
+            else {"num_cpus": 0, "num_gpus": count} if resource == "GPU"
+            else {"num_cpus": 0, "resources": {resource: count}})
+        task = self._ray.remote(max_retries=0, **want)(fn)
+        return task.remote(*args)
+
+    def wait_any(self, gens: Sequence[Any], timeout_s: float = 1.0) -> list[Any]:
+        """The task generators among `gens` with their next item (or their end) ready."""
+        done, _ = self._ray.wait(list(gens), num_returns=1, timeout=timeout_s)
+        return list(done)
+
+    def next_of(self, gen: Any) -> Any:
+        """The next item of a task generator, or why the task ended without one (a str)."""
+        try:
+            return self._ray.get(next(gen))
+        except StopIteration:
+            return "the task ended without its result"
+        except Exception as err:  # the task's error (its node died, it crashed)
+            return _one_line(err)
+
+    def cancel(self, gens: Sequence[Any]) -> None:
+        """Cancel tasks: a KeyboardInterrupt in each running one (it stops what it started),
+        queued ones never start."""
+        for gen in gens:
+            with contextlib.suppress(Exception):
+                self._ray.cancel(gen)
+
     def probe(self, nodes: Sequence[NodeFacts],
               others: Sequence[NodeFacts] = ()) -> list[NodeProbe]:
         """What each node's Ray workers see: pretuner's version, the node variables, NICs. A

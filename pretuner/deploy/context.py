@@ -16,6 +16,8 @@ from pretuner import __version__
 from pretuner.cluster.env import node_exports
 from pretuner.engines.base import Deployment, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import R01, R01Engine, version_tuple
+from pretuner.engines.registry import STACK_PROBE
+from pretuner.engines.stack import LABELS, stack_words
 from pretuner.engines.vllm_v1 import (
     DEFAULT_UTIL,
     DEVICE_TOOLS,
@@ -72,6 +74,11 @@ class Proof:
     device_total_mib: int | None
     free_mib: int | None  # the device's free memory when the proof started
     retune: str | None = None  # the run again with every option it was given (a real device's)
+    # torch, its CUDA, CANN, MindSpore... (pretuner.engines.stack); None: not recorded
+    stack: dict[str, str] | None = None
+    distributions: tuple[str, ...] = ()  # the engine's, which the stack probe leaves out
+    devices: int = 1  # on each node: TP x PP / nodes, every one checked
+    python: str | None = None  # the engine's own interpreter (its venv); None: python3
 
     def lines(self) -> list[str]:
         """The fingerprint as the scripts' header says it."""
@@ -80,9 +87,10 @@ class Proof:
 
         return [
             "proof fingerprint (the startup scripts check it before starting): engine "
-            f"{self.engine} {self.version or '(version not recorded)'}; device "
-            f"{self.device_name or '(name not recorded)'}, total "
-            f"{known(self.device_total_mib)}, free when the proof started {known(self.free_mib)}",
+            f"{self.engine} {self.version or '(version not recorded)'} on "
+            f"{stack_words(self.stack)}; device {self.device_name or '(name not recorded)'}, "
+            f"total {known(self.device_total_mib)}, free when the proof started "
+            f"{known(self.free_mib)}",
         ]
 
 
@@ -96,10 +104,15 @@ def proof_of(rep: RunReport) -> Proof:
     return Proof(
         engine=rep.engine, distribution=row.distributions[0], version=rep.engine_version,
         device_tool=DEVICE_TOOLS.get(row.device), visible_devices_var=row.visible_devices_var,
-        device_name=None, device_total_mib=total,
+        device_name=rep.device_name, device_total_mib=total,
         free_mib=total - used if total is not None and used is not None else None,
         # an emulated card's run is re-tuned on the real device: the header's command
         retune=None if rep.simulated else shlex.join(rep.retune_command),
+        # only the names the probe prints: a hand-edited report.json names nothing else
+        stack=None if rep.stack is None else {
+            k: v for k, v in rep.stack.items() if k in LABELS},
+        distributions=row.distributions, devices=max(1, rep.tp * rep.pp // rep.nodes),
+        python=rep.engine_python,
     )
 
 
@@ -345,6 +358,6 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         "guard_path": f"{opts.install_dir.rstrip('/')}/pretuner-guard.sh",
         "guard": None if opts.proof is None else {
             "proof": opts.proof, "retune": opts.proof.retune or retune,
-            "memory_flags": sorted(MEMORY_FLAGS)},
+            "memory_flags": sorted(MEMORY_FLAGS), "probe": STACK_PROBE, "labels": LABELS},
         "unit_description": one_line(f"{s.unit_engine} serving {p.model} (preset {p.name})"),
     }

@@ -60,6 +60,16 @@ def holders(reader: DeviceReader) -> tuple[Holder, ...]:
     return tuple(hook()) if callable(hook) else ()
 
 
+def device_name(reader: DeviceReader | None) -> str | None:
+    """The name of the reader's first device as its tool prints it ("NVIDIA H200", "910B3"),
+    a proof's fingerprint; None where it cannot tell (a CPU budget, a tool that failed)."""
+    hook = getattr(reader, "device_name", None)
+    try:
+        return hook() if callable(hook) else None
+    except DeviceReadError:
+        return None
+
+
 def attach(reader: DeviceReader | None, pid: int) -> None:
     """Tell a reader that measures the server's own processes (the CPU budget) which launch
     to follow; a device reader (a card's total use) has no `attach` and needs none."""

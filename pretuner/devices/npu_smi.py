@@ -172,3 +172,9 @@ class NpuSmiReader(CommandReader):
 
     def parse(self, text: str) -> tuple[DeviceMemory, ...]:
         return npu_memory(parse_npu_smi(text))
+
+    def device_name(self) -> str | None:
+        """The first device's chip name ("910B3") in `npu-smi info`'s name row."""
+        first = min(self.devices or {0})
+        cards = parse_npu_smi(run_tool([self.executable, *self.args], self.timeout_s))
+        return next((c.name for c in cards if c.npu_id == first), None)

@@ -87,9 +87,10 @@ def series_peaks(points: tuple[SeriesPoint, ...]) -> dict[str, int]:
     return peaks
 
 
-def gpu_identity(index: int) -> tuple[str, int] | None:
-    """GPU `index`: (name, total MiB) as nvidia-smi prints them; None when it does not answer."""
-    exe = shutil.which("nvidia-smi")
+def gpu_identity(index: int, exe: str | None = None) -> tuple[str, int] | None:
+    """GPU `index`: (name, total MiB) as nvidia-smi (`exe`, else the one on PATH) prints them;
+    None when it does not answer."""
+    exe = exe or shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
@@ -109,6 +110,15 @@ class NvidiaSmiReader(CommandReader):
 
     def parse(self, text: str) -> tuple[DeviceMemory, ...]:
         return parse_nvidia_smi_csv(text)
+
+    def device_name(self) -> str | None:
+        return smi_name(self.executable, self.devices)
+
+
+def smi_name(executable: str, devices: frozenset[int] | None) -> str | None:
+    """The first of `devices` (GPU 0 when all) by name, as nvidia-smi prints it."""
+    found = gpu_identity(min(devices or {0}), executable)
+    return found[0] if found is not None else None
 
 
 def load_nvml() -> Any | None:
@@ -145,6 +155,15 @@ class NvmlReader:
         except Exception as err:  # NVMLError_*: the library's own hierarchy
             raise DeviceReadError(f"NVML: {err}") from err
         return Sample(tuple(found)) if found else None
+
+    def device_name(self) -> str | None:
+        if not self.handles:
+            return None
+        try:
+            name = self.nvml.nvmlDeviceGetName(self.handles[0][1])
+        except Exception as err:  # NVMLError_*
+            raise DeviceReadError(f"NVML: {err}") from err
+        return name.decode() if isinstance(name, bytes) else str(name)  # bytes before 11.515
 
     def holders(self) -> tuple[Holder, ...]:
         found = []
@@ -285,6 +304,9 @@ class NvidiaSmiStreamReader:
         self._stream: _Stream | None = None
         self._stop_stream: weakref.finalize[[], NvidiaSmiStreamReader] | None = None
         self._last_take_s: float | None = None
+
+    def device_name(self) -> str | None:
+        return smi_name(self.executable, self.devices)
 
     def sample(self) -> Sample | None:
         if self.fallback is not None:

@@ -16,13 +16,16 @@ def visible_devices(env: Mapping[str, str], variable: str, count: int) -> frozen
 
 
 def select_reader(kind: str, env: Mapping[str, str], count: int = 1,
-                  budget_mib: int | None = None) -> DeviceReader | None:
+                  budget_mib: int | None = None,
+                  visible_var: str | None = None) -> DeviceReader | None:
     """The reader for `kind`'s first `count` devices; None where nothing can read them (on
-    "cpu": without a budget, `budget_mib`, imposed on the server's processes)."""
+    "cpu": without a budget, `budget_mib`, imposed on the server's processes). The emulated
+    card's are those its engine's `visible_var` lists (a Ray task's own GPUs), as a real one's."""
     if kind == "emulated":
         from pretuner.emulation import emulator
 
-        return emulator().device_reader(env, frozenset(range(count)))
+        listed = visible_devices(env, visible_var, count) if visible_var else range(count)
+        return emulator().device_reader(env, frozenset(listed))
     if kind == "ascend":
         exe = shutil.which("npu-smi", path=env.get("PATH"))
         if exe is None:

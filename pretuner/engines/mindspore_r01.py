@@ -54,6 +54,32 @@ DEFAULT_LENGTHS = Lengths(16384, 4096)
 CPU_LENGTHS = Lengths(1024, 256, decode_tokens=4)
 
 
+# MindSpore's compile (graph) cache: off unless MS_COMPILER_CACHE_ENABLE=1, then saved and
+# loaded under MS_COMPILER_CACHE_PATH as <path>/rank_<RANK_ID>/graph_cache (MindSpore's
+# environment-variable list). Where the user enabled it without a path, pretuner names one, so
+# the pre-run and the proof share one cache, as VLLM_CACHE_ROOT does for vLLM's.
+MS_CACHE_ENABLE_VAR = "MS_COMPILER_CACHE_ENABLE"
+MS_CACHE_PATH_VAR = "MS_COMPILER_CACHE_PATH"
+
+
+def graph_cache_env(env: Mapping[str, str]) -> dict[str, str]:
+    """MS_COMPILER_CACHE_PATH where the cache is on and the user named no path."""
+    if env.get(MS_CACHE_ENABLE_VAR) != "1" or env.get(MS_CACHE_PATH_VAR):
+        return {}
+    xdg = env.get("XDG_CACHE_HOME")
+    return {MS_CACHE_PATH_VAR: str((Path(xdg) if xdg else Path.home() / ".cache") / "mindspore")}
+
+
+def graph_cache_state(env: Mapping[str, str]) -> str:
+    """"off" where the cache is not enabled (every start compiles, production's too), else
+    "warm" when rank 0's graph cache holds anything, else "cold"."""
+    if env.get(MS_CACHE_ENABLE_VAR) != "1":
+        return "off"
+    root = env.get(MS_CACHE_PATH_VAR) or graph_cache_env(env)[MS_CACHE_PATH_VAR]
+    folder = Path(root) / "rank_0" / "graph_cache"
+    return "warm" if folder.is_dir() and any(folder.iterdir()) else "cold"
+
+
 @dataclass(frozen=True, slots=True)
 class R01Engine:
     """vLLM-MindSpore r0.1 (0.1-0.2, and a 0.3+ install driven the r0.1 way), real or on the
@@ -65,10 +91,11 @@ class R01Engine:
     version: str | None  # the installed vLLM-MindSpore's; None for the emulated card and CPU
     reason: str  # why this engine runs (the registry's words)
     family: Family = Family.R01
-    # What plan asks before any launch: r0.1 is told a whole model-use GiB, places its ranks on
-    # as many nodes as Ray has, and takes no quantization or offload flags.
+    # What plan asks before any launch: r0.1 is told a whole model-use GiB, takes no
+    # quantization or offload flags, and its method shards with TP only: past one node the TP
+    # grows and Ray places its ranks on as many nodes as it has (TP16 on two nodes).
     budget_in_whole_gib: ClassVar[bool] = True
-    max_devices: ClassVar[int | None] = None
+    pp_across_nodes: ClassVar[bool] = False
     takes_weights_flags: ClassVar[bool] = False
     # --serve-cmd: the user's own way to start the server, in place of base_command()'s.
     serve_cmd: tuple[str, ...] = ()
@@ -91,6 +118,13 @@ class R01Engine:
         return "emulated" if self.simulated else self.device
 
     ray_resource = "NPU"  # what one rank holds on a Ray cluster
+
+    def cache_state(self, env: Mapping[str, str]) -> str:
+        """MindSpore's graph cache as a launch starts: "n/a" on the emulated card and behind
+        --serve-cmd (a container's cache is not this host's folder)."""
+        if self.simulated or self.serve_cmd:
+            return "n/a"
+        return graph_cache_state({**env, **self.launch_env})
 
     @property
     def lengths(self) -> Lengths:

@@ -69,7 +69,7 @@ class LaunchOutcome:
     device_peaks_mib: dict[str, int] = field(default_factory=dict)  # phase -> worst device, MiB
     device_reader: str | None = None  # what sampled the card (None: measured from the logs)
     device_total_mib: int | None = None  # the sampled device's total, as its reader says
-    compile_cache: str | None = None  # the engine's compile cache at launch: cold, warm, n/a
+    compile_cache: str | None = None  # the engine's compile cache at launch: cold, warm, off, n/a
     kv_tokens: int | None = None  # V1 engines: the KV cache's token count, from the log
     kv_gib: float | None = None  # V1 engines: the KV cache as pinned or profiled, from the log
     device_last_mib: dict[str, int] = field(default_factory=dict)  # phase -> its last sample

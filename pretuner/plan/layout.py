@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pretuner import validate as v
@@ -19,7 +19,7 @@ from pretuner.engines.registry import engine_class
 from pretuner.engines.v1_knobs import Knobs
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, device_rule
 from pretuner.errors import BadInputError, InfeasibleError
-from pretuner.kvmath import kv_bytes_per_token, kv_tokens, num_kv_blocks
+from pretuner.kvmath import kv_bytes_per_token, kv_tokens, layers_per_stage, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB
 from pretuner.models.quant import Quantization, from_flag
 from pretuner.models.spec import ModelSpec
@@ -54,13 +54,15 @@ SORT_BYTES = 18
 def layout_options(
     flags: RunOptions | TuneConfig, *, model: ModelSpec, card_gib: int, max_model_len: int,
     block_size: int, engine: str | None = None, knobs: Knobs | None = None,
+    cluster: bool = False,
 ) -> PlanConfig:
     """The layout options of a run's flags, for `run` (r0.1 and V1) and `plan` alike."""
     quant = knobs.quantization if knobs else None
     return PlanConfig(
         model=model, card_gib=card_gib, util=flags.util, max_model_len=max_model_len,
-        tp=flags.tp, pp=flags.pp, nodes=flags.nodes, kv_cache_dtype=flags.kv_cache_dtype,
-        block_size=block_size, weights_format=flags.weights_format,
+        tp=flags.tp, pp=flags.pp, nodes=flags.nodes, cards_per_node=flags.cards_per_node,
+        kv_cache_dtype=flags.kv_cache_dtype, block_size=block_size, cluster=cluster,
+        weights_format=flags.weights_format,
         headroom_gib=DEFAULT_HEADROOM_GIB if flags.headroom_gib is None else flags.headroom_gib,
         quantization=from_flag(quant) if quant else None,
         cpu_offload_gib=knobs.cpu_offload_gib if knobs else 0.0,
@@ -78,7 +80,7 @@ def v1_layout_options(
         opts, model=model, card_gib=card_gib_for(row, simulated, opts.card_gib),
         max_model_len=opts.max_model_len or row.default_max_model_len or V1_MAX_MODEL_LEN,
         block_size=row.default_block_size if opts.block_size is None else opts.block_size,
-        engine=row.name, knobs=knobs,
+        engine=row.name, knobs=knobs, cluster=opts.ray_address is not None,
     )  # fmt: skip
 
 
@@ -144,9 +146,12 @@ class PlanConfig:
     util: float = 0.9
     max_model_len: int = 16384
     tp: int | None = None
-    pp: int = 1
+    pp: int | None = None  # None: chosen (the interconnect rule on a V1 engine; else 1)
     nodes: int | None = None
     cards_per_node: int = 8
+    # The layout may span nodes on a V1 engine: a run given a Ray cluster (--ray-address), or
+    # `plan`, which only predicts.
+    cluster: bool = False
     kv_cache_dtype: str = "auto"
     block_size: int = 16
     weights_format: str | None = None
@@ -166,6 +171,11 @@ class PlanConfig:
     @property
     def engine_class(self) -> type[R01Engine] | type[V1Engine]:
         return engine_class(self.engine)
+
+    @property
+    def stages(self) -> int:
+        """The pipeline stages: --pp, or the one the layout chose (1 before it chooses)."""
+        return self.pp or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +217,7 @@ class PlanResult:
     requested: LengthPlan
     ladder: tuple[LengthPlan, ...]
     layout_reason: str
-    rejected: tuple[tuple[int, str], ...] = ()
+    rejected: tuple[tuple[int, int, str], ...] = ()  # (TP, PP, why)
     kv_query: tuple[float, int] | None = None  # (GiB asked, tokens that fit)
     notes: tuple[str, ...] = field(default=())
     vision: VisionPlan | None = None  # text-only models: None
@@ -224,7 +234,8 @@ class PlanResult:
             **self.requested.to_json(),
             "ladder": [lp.to_json() for lp in self.ladder],
             "layout_reason": self.layout_reason,
-            "rejected_layouts": [{"tp": tp, "reason": why} for tp, why in self.rejected],
+            "rejected_layouts": [{"tp": tp, "pp": pp, "reason": why}
+                                 for tp, pp, why in self.rejected],
             "notes": list(self.notes), "kv_query": kv_query,
             "vision": self.vision.to_json() if self.vision else None,
             "weights_plan": self.weights_plan.to_json() if self.weights_plan else None,
@@ -233,7 +244,7 @@ class PlanResult:
 
 
 def _bpt(cfg: PlanConfig, tp: int) -> int:
-    return kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp, kv_dtype=cfg.kv_cache_dtype)
+    return kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.stages, kv_dtype=cfg.kv_cache_dtype)
 
 
 def _layout_error(cfg: PlanConfig, tp: int) -> str | None:
@@ -245,7 +256,7 @@ def _layout_error(cfg: PlanConfig, tp: int) -> str | None:
 
 
 def _length_plan(cfg: PlanConfig, tp: int, length: int) -> LengthPlan:
-    weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
+    weights = pw.weights_plan(cfg, tp * cfg.stages).card_weights_bytes
     bpt = _bpt(cfg, tp)
     row = ROWS.get(cfg.engine or "")
     act = (activation_bytes(cfg.model, length, tp) if row is None
@@ -265,7 +276,7 @@ def _seqs(cfg: PlanConfig, tp: int) -> LengthPlan | None:
 
 
 def _nodes_for(cfg: PlanConfig, tp: int) -> int:
-    return max(1, math.ceil(tp * cfg.pp / cfg.cards_per_node))
+    return max(1, math.ceil(tp * cfg.stages / cfg.cards_per_node))
 
 
 def plan(cfg: PlanConfig) -> PlanResult:
@@ -285,24 +296,36 @@ def plan(cfg: PlanConfig) -> PlanResult:
     if cfg.max_num_batched_tokens is not None:
         v.int_range("--max-num-batched-tokens", cfg.max_num_batched_tokens, 1)
     fmt = cfg.model.weights_format(cfg.weights_format)  # validates the name
-    rejected: list[tuple[int, str]] = []
+    rejected: list[tuple[int, int, str]] = []
     notes: list[str] = []
+    chooses_pp = cfg.pp is None and cfg.engine_class.pp_across_nodes
     if cfg.tp is not None:
         err = _layout_error(cfg, cfg.tp)
         if err:
             raise BadInputError(err)
-        tp, reason = cfg.tp, f"TP{cfg.tp} as requested"
+        # A V1 engine given --tp alone that fills a node, whose weights fill the card at PP1,
+        # gets a pipeline stage per node; a smaller TP is the user's cards on one node.
+        weights = pw.weights_plan(cfg, cfg.tp).card_weights_bytes
+        chooses_pp = (chooses_pp and cfg.tp >= cfg.cards_per_node
+                      and weights >= cfg.card_gib * cfg.util * GIB)
+    given = cfg.tp is not None or cfg.pp is not None
+    if cfg.tp is not None and not chooses_pp:
+        tp, cfg = cfg.tp, replace(cfg, pp=cfg.stages)
+        reason = f"{_words(tp, cfg.stages)} as requested"
         _check_weights_fit(cfg, tp)
-        better = _better_tp(cfg, tp)
-        if better:
-            notes.append(better[1])
     else:
-        tp, reason = _choose_tp(cfg, rejected)
+        cfg, tp, reason = _choose(cfg, rejected)
+    if given:
+        reason = _with_rule(cfg, tp, reason)
+    better = _better_tp(cfg, tp) if cfg.tp is not None else None
+    if better:
+        notes.append(better[1])
     nodes = _nodes_for(cfg, tp)
     if cfg.nodes is not None:
-        if cfg.nodes * cfg.cards_per_node < tp * cfg.pp:
+        if cfg.nodes * cfg.cards_per_node < tp * cfg.stages:
             raise BadInputError(
-                f"--nodes {cfg.nodes} x {cfg.cards_per_node} cards cannot hold TP{tp} x PP{cfg.pp}",
+                f"--nodes {cfg.nodes} x {cfg.cards_per_node} cards cannot hold "
+                f"TP{tp} x PP{cfg.stages}",
                 hint=f"use --nodes {nodes} or a smaller --tp",
             )
         nodes = cfg.nodes
@@ -310,7 +333,7 @@ def plan(cfg: PlanConfig) -> PlanResult:
     kv_query = None
     if cfg.kv_gib is not None:
         kv_query = (cfg.kv_gib, kv_tokens(int(cfg.kv_gib * GIB), bpt, cfg.block_size))
-    wp = pw.weights_plan(cfg, tp * cfg.pp)
+    wp = pw.weights_plan(cfg, tp * cfg.stages)
     # A VL model's images block; the tower stays in the model dtype (bf16 in w8a8).
     vision = None if cfg.model.vision is None else plan_images(
         cfg.model.vision, dtype_bytes=cfg.model.dtype_bytes, tp=tp,
@@ -320,12 +343,16 @@ def plan(cfg: PlanConfig) -> PlanResult:
     )  # fmt: skip
     return PlanResult(
         vision=vision, model=cfg.model.name, card_gib=cfg.card_gib, util=cfg.util,
-        tp=tp, pp=cfg.pp, nodes=nodes, weights_format=wp.quantization or fmt.name,
+        tp=tp, pp=cfg.stages, nodes=nodes, weights_format=wp.quantization or fmt.name,
         weights_bytes_per_card=wp.card_weights_bytes, weights_plan=wp, kv_bytes_per_token=bpt,
         block_size=cfg.block_size, requested=_length_plan(cfg, tp, cfg.max_model_len),
         ladder=tuple(_length_plan(cfg, tp, n) for n in LADDER if n < cfg.max_model_len),
         layout_reason=reason, rejected=tuple(rejected), kv_query=kv_query, notes=tuple(notes),
     )  # fmt: skip
+
+
+def _words(tp: int, pp: int) -> str:
+    return f"TP{tp}" + (f" x PP{pp}" if pp > 1 else "")
 
 
 def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
@@ -334,9 +361,9 @@ def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
     base = _seqs(cfg, tp)
     if base is None:
         return None
-    cur, cur_lp = tp, base
-    room = max(cfg.cards_per_node, tp * cfg.pp)  # cards on the node(s) TP`tp` already takes
-    while (nxt := cur * 2) in TP_CANDIDATES and nxt * cfg.pp <= room:
+    cur, cur_lp, pp = tp, base, cfg.stages
+    room = max(cfg.cards_per_node, tp * pp)  # cards on the node(s) TP`tp` already takes
+    while (nxt := cur * 2) in TP_CANDIDATES and nxt * pp <= room:
         lp = _seqs(cfg, nxt)
         if lp is None or not lp.fits:
             break
@@ -345,12 +372,12 @@ def _better_tp(cfg: PlanConfig, tp: int) -> tuple[int, str] | None:
         cur, cur_lp = nxt, lp
     if cur == tp:
         return None
-    per_card = cur_lp.max_num_seqs / (cur * cfg.pp)
-    base_per_card = base.max_num_seqs / (tp * cfg.pp)
+    per_card = cur_lp.max_num_seqs / (cur * pp)
+    base_per_card = base.max_num_seqs / (tp * pp)
     return cur, (
         f"TP{cur} serves {cur_lp.max_num_seqs} sequences of {cfg.max_model_len:,} tokens on "
-        f"{cur * cfg.pp} cards ({per_card:.1f} per card), TP{tp} {base.max_num_seqs} on "
-        f"{tp * cfg.pp} ({base_per_card:.1f} per card; predicted)"
+        f"{cur * pp} cards ({per_card:.1f} per card), TP{tp} {base.max_num_seqs} on "
+        f"{tp * pp} ({base_per_card:.1f} per card; predicted)"
     )
 
 
@@ -363,54 +390,122 @@ def smallest_weights_layout(cfg: PlanConfig) -> int | None:
     return None
 
 
+def _rule_layout(cfg: PlanConfig) -> tuple[PlanConfig, int] | None:
+    """The layout the interconnect rule chooses when the user gave --tp/--pp (a V1 engine);
+    None on r0.1 or where nothing fits."""
+    if not cfg.engine_class.pp_across_nodes:
+        return None
+    try:
+        rule, tp, _ = _choose(replace(cfg, tp=None, pp=None), [])
+    except InfeasibleError:
+        return None
+    return rule, tp
+
+
+def _with_rule(cfg: PlanConfig, tp: int, reason: str) -> str:
+    """`reason`, and what the interconnect rule would choose where the user's --tp/--pp place
+    the layout across nodes otherwise, and why."""
+    found = _rule_layout(cfg)
+    if found is None:
+        return reason
+    rule, rule_tp = found
+    rule_nodes = _nodes_for(rule, rule_tp)
+    if (rule_tp, rule.stages) == (tp, cfg.stages) or max(_nodes_for(cfg, tp), rule_nodes) == 1:
+        return reason
+    why = ("TP within a node, PP across nodes" if tp <= cfg.cards_per_node else
+           f"TP{tp} across nodes sends every layer's all-reduce over the network, PP across "
+           "nodes only the activations between stages")
+    return (f"{reason}; the interconnect rule would choose {_words(rule_tp, rule.stages)} on "
+            f"{rule_nodes} nodes: {why}")
+
+
 def _check_weights_fit(cfg: PlanConfig, tp: int) -> None:
     """Refuse a layout whose weights alone fill the pool: no launch can change that."""
-    weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
+    weights = pw.weights_plan(cfg, tp * cfg.stages).card_weights_bytes
     cap = cfg.card_gib * cfg.util * GIB
     if weights < cap:
         return
     smallest = smallest_weights_layout(cfg)
-    hint = (
-        f"use --tp {smallest} (the smallest TP whose weights leave room for KV), or a "
-        "quantized --weights-format"
-        if smallest
-        else "use --pp, a quantized --weights-format, or larger cards"
-    )
+    rule = _rule_layout(cfg)
+    if rule is not None:
+        hint = (f"use --tp {rule[1]} --pp {rule[0].stages} (the layout plan chooses: TP within "
+                "a node, PP across nodes), or a quantized --weights-format")
+    elif smallest:
+        hint = (f"use --tp {smallest} (the smallest TP whose weights leave room for KV), or a "
+                "quantized --weights-format")
+    else:
+        hint = "use --pp, a quantized --weights-format, or larger cards"
     raise InfeasibleError(
-        f"TP{tp} x PP{cfg.pp}: {cfg.model.name}'s weights take {weights / GIB:.2f} GiB per card, "
-        f"more than card*util = {cap / GIB:.2f} GiB (from the checkpoint size)",
+        f"TP{tp} x PP{cfg.stages}: {cfg.model.name}'s weights take {weights / GIB:.2f} GiB per "
+        f"card, more than card*util = {cap / GIB:.2f} GiB (from the checkpoint size)",
         hint=hint,
     )
 
 
-def _choose_tp(cfg: PlanConfig, rejected: list[tuple[int, str]]) -> tuple[int, str]:
-    """The smallest TP whose weights leave room for KV, or a better one (`_better_tp`)."""
+def _candidates(cfg: PlanConfig) -> list[tuple[int, int]]:
+    """The (TP, PP) layouts the chooser tries, fewest cards first. By the interconnect rule (a
+    V1 engine, no --pp): TP within a node, then one pipeline stage per node at the largest TP
+    that divides the node. Else TP alone grows, across nodes too, at --pp stages (r0.1)."""
+    if cfg.pp is not None or not cfg.engine_class.pp_across_nodes:
+        return [(tp, cfg.stages) for tp in TP_CANDIDATES]
+    if cfg.tp is not None:  # the user's TP filling a node, the fewest stages
+        return [(cfg.tp, n) for n in range(1, max(2, TP_CANDIDATES[-1] // cfg.tp + 1))]
+    node = cfg.cards_per_node
+    within = [(tp, 1) for tp in TP_CANDIDATES if tp <= node]
+    node_tp = next((tp for tp in reversed(TP_CANDIDATES)
+                    if node % tp == 0 and _layout_error(cfg, tp) is None), None)
+    if node_tp is None:
+        return within
+    return within + [(node_tp, n) for n in range(2, TP_CANDIDATES[-1] // node_tp + 1)]
+
+
+def _choose(
+    cfg: PlanConfig, rejected: list[tuple[int, int, str]]
+) -> tuple[PlanConfig, int, str]:
+    """The fewest cards whose weights leave room for KV, or a larger TP (`_better_tp`): the
+    options with the chosen PP, the TP, and why."""
     cap_gib = cfg.card_gib * cfg.util
-    for tp in TP_CANDIDATES:
-        err = _layout_error(cfg, tp)
+    for tp, pp in _candidates(cfg):
+        c = replace(cfg, pp=pp)
+        err = _layout_error(c, tp)
         if err:
-            rejected.append((tp, err))
+            rejected.append((tp, pp, err))
             continue
-        weights = pw.weights_plan(cfg, tp * cfg.pp).card_weights_bytes
-        lp = _length_plan(cfg, tp, cfg.max_model_len)
+        weights = pw.weights_plan(c, tp * pp).card_weights_bytes
+        lp = _length_plan(c, tp, c.max_model_len)
         if lp.fits and lp.kv_bytes >= MIN_KV_SHARE * cap_gib * GIB:
-            better = _better_tp(cfg, tp)
+            better = None if cfg.tp is not None else _better_tp(c, tp)
             if better is not None:
-                rejected.append((tp, f"fits, but {better[1]}"))
-                return better
-            nodes = _nodes_for(cfg, tp)
-            return tp, (
-                f"TP{tp} on {nodes} node{'s' if nodes > 1 else ''}: the smallest power-of-two TP "
-                f"whose weights ({weights / GIB:.2f} GiB/card) leave at least {MIN_KV_SHARE:.0%} "
-                f"of card*util = {cap_gib:.2f} GiB for KV ({lp.kv_bytes / GIB:.2f} GiB predicted)"
-            )
-        rejected.append((tp, (
+                rejected.append((tp, pp, f"fits, but {better[1]}"))
+                return c, better[0], better[1]
+            return c, tp, _why(c, tp, weights, lp, by_rule=cfg.pp is None)
+        rejected.append((tp, pp, (
             f"weights {weights / GIB:.2f} GiB + activations {lp.activation_bytes / GIB:.2f} GiB "
             f"+ headroom leave {lp.kv_bytes / GIB:.2f} GiB of KV ({lp.kv_tokens:,} tokens), "
             f"under {MIN_KV_SHARE:.0%} of card*util"
         )))
     raise InfeasibleError(
-        f"{cfg.model.name} does not fit on {cfg.card_gib} GiB cards at any TP up to "
-        f"{TP_CANDIDATES[-1]} with --max-model-len {cfg.max_model_len:,}",
+        f"{cfg.model.name} does not fit on {cfg.card_gib} GiB cards at any layout up to "
+        f"{TP_CANDIDATES[-1]} cards with --max-model-len {cfg.max_model_len:,}",
         hint="use a quantized --weights-format, a shorter --max-model-len, or --pp",
     )
+
+
+def _why(c: PlanConfig, tp: int, weights: int, lp: LengthPlan, *, by_rule: bool) -> str:
+    """The layout line's why: weights per card, the KV room they leave, and the rule."""
+    nodes = _nodes_for(c, tp)
+    room = (f"weights ({weights / GIB:.2f} GiB/card) leave at least {MIN_KV_SHARE:.0%} of "
+            f"card*util = {c.card_gib * c.util:.2f} GiB for KV ({lp.kv_bytes / GIB:.2f} GiB "
+            "predicted)")
+    where = f"{_words(tp, c.stages)} on {nodes} node{'s' if nodes > 1 else ''}"
+    if c.tp is not None:
+        return f"{where}: TP{tp} as requested, and the fewest pipeline stages whose {room}"
+    if by_rule and c.engine_class.pp_across_nodes and c.stages > 1:
+        return (f"{where}: the fewest nodes of {c.cards_per_node} cards whose {room}; the "
+                "interconnect rule: TP within a node, PP across nodes (one stage of "
+                f"{layers_per_stage(c.model.num_layers, c.stages)} layers per node: only the "
+                "activations between stages cross the network, no all-reduce)")
+    if nodes > 1 and c.stages == 1 and not c.engine_class.pp_across_nodes:
+        return (f"{where}: the smallest power-of-two TP whose {room}; the r0.1 method shards "
+                "with TP only, so TP spans the nodes")
+    return f"{where}: the smallest power-of-two TP whose {room}"

@@ -22,9 +22,8 @@ from pretuner.units import GIB
 SHORTER = (16384, 8192, 4096, 2048, 1024, 512)
 
 
-def decide_layout(cfg: PlanConfig, across_nodes: bool = False) -> PlanResult:
-    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines;
-    past one node only `across_nodes` (a run on a Ray cluster)."""
+def decide_layout(cfg: PlanConfig) -> PlanResult:
+    """The layout a run launches (TP, PP, weights as loaded), and the one `plan` headlines."""
     # Never quantizes on its own: weights that fit no layout of the cards asked for are
     # refused (exit 4), with what `propose` would serve them with on those cards.
     try:
@@ -38,13 +37,14 @@ def decide_layout(cfg: PlanConfig, across_nodes: bool = False) -> PlanResult:
             err.hint = (f"{err.hint}; or on TP{proposal.tp}: {flags} ({proposal.chosen.label}, "
                         "predicted; a run with them measures it)")
         raise
-    most = cfg.engine_class.max_devices
-    if most is not None and p.tp * p.pp > most and not across_nodes:
+    # A V1 engine reaches another node only through a Ray cluster: `plan` predicts the layout,
+    # a run without one is refused before anything starts.
+    if p.nodes > 1 and cfg.engine_class.pp_across_nodes and not cfg.cluster:
         raise BadInputError(
-            f"TP{p.tp} x PP{p.pp} spans {p.nodes} node(s): pretuner drives V1 engines on one "
-            f"node of at most {most} devices so far",
-            hint="use a smaller --tp/--pp on one node, or the r0.1 method for multi-node "
-            "(--engine vllm-mindspore-r01 --ray-address ...)",
+            f"TP{p.tp} x PP{p.pp} spans {p.nodes} nodes of {cfg.cards_per_node} cards: a V1 run "
+            "across nodes needs a Ray cluster",
+            hint=f"add --ray-address HOST:PORT (or auto) of a Ray cluster with {p.nodes} nodes, "
+            "or --cards-per-node N if one node has more cards",
         )
     return p
 
@@ -115,7 +115,7 @@ def _smallest(cfg: PlanConfig, tried: list[Step]) -> Step | None:
         if step.fits:
             return step
     total, _ = loaded(cfg.model, cfg.weights_format, ladder[-1])
-    per_card = total / ((cfg.tp or 1) * cfg.pp)
+    per_card = total / ((cfg.tp or 1) * cfg.stages)
     for gib in range(1, math.ceil(per_card / GIB) + 1):
         step = _try(cfg, ladder[-1], gib)
         if step.fits:
@@ -146,7 +146,8 @@ def _alternatives(cfg: PlanConfig, tp: int, chosen: Step | None) -> list[str]:
     if chosen is None or chosen.quantization or chosen.cpu_offload_gib:
         for more in (more for more in TP_CANDIDATES if more > tp):
             if _try(dataclasses.replace(cfg, tp=more), None, 0).fits:
-                out.append(f"more cards: TP{more} ({more * cfg.pp} cards) serves it unquantized")
+                out.append(f"more cards: TP{more} ({more * cfg.stages} cards) serves it "
+                           "unquantized")
                 break
     return out
 

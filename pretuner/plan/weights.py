@@ -73,6 +73,7 @@ class WeightsPlan:
     offload_bytes_per_card: int
     swap_bytes_per_card: int
     cards: int
+    host_cards: int  # the cards one host carries (the busiest node's): its host memory bill
     engine: str | None
     skipped_modules: int
     host_available_bytes: int | None = None  # measured by the CLI (/proc/meminfo)
@@ -84,7 +85,7 @@ class WeightsPlan:
 
     @property
     def host_bytes(self) -> int:
-        return (self.offload_bytes_per_card + self.swap_bytes_per_card) * self.cards
+        return (self.offload_bytes_per_card + self.swap_bytes_per_card) * self.host_cards
 
     @property
     def host_fits(self) -> bool | None:
@@ -109,7 +110,8 @@ class WeightsPlan:
             "cpu_offload_gib_per_card": round(self.offload_bytes_per_card / GIB, 3),
             "card_weights_gib": round(self.card_weights_bytes / GIB, 3),
             "swap_space_gib_per_card": round(self.swap_bytes_per_card / GIB, 3),
-            "cards": self.cards, "host_gib": round(self.host_bytes / GIB, 3),
+            "cards": self.cards, "cards_per_host": self.host_cards,
+            "host_gib": round(self.host_bytes / GIB, 3),
             "host_available_gib": round(available / GIB, 3) if available is not None else None,
             "host_fits": self.host_fits, "engine": self.engine, "provenance": "predicted",
         }  # fmt: skip
@@ -133,6 +135,7 @@ def weights_plan(cfg: PlanConfig, cards: int) -> WeightsPlan:
         offload_bytes_per_card=min(layers, int(cfg.cpu_offload_gib * GIB)),
         swap_bytes_per_card=int(cfg.swap_space_gib * GIB),
         cards=cards,
+        host_cards=min(cards, cfg.cards_per_node),
         engine=cfg.engine,
         skipped_modules=len(quant.skipped) if quant else 0,
         host_available_bytes=cfg.host_available_bytes,
@@ -161,9 +164,10 @@ def render_weights_plan(wp: WeightsPlan, activation_bytes: int, kv_bytes: int) -
     lines.append(f"  per card: weights {wp.card_weights_bytes / GIB:.2f} GiB, KV "
                  f"{kv_bytes / GIB:.2f} GiB, runtime {runtime / GIB:.2f} GiB (activation + "
                  f"{wp.headroom_gib:g} GiB headroom)")
+    each = " on each node" if wp.cards > wp.host_cards else ""
     host = (f"  host memory: {wp.offload_bytes_per_card / GIB:.2f} GiB offload + "
-            f"{wp.swap_bytes_per_card / GIB:.2f} GiB swap per card x {wp.cards} card(s) = "
-            f"{wp.host_bytes / GIB:.2f} GiB")
+            f"{wp.swap_bytes_per_card / GIB:.2f} GiB swap per card x {wp.host_cards} card(s) = "
+            f"{wp.host_bytes / GIB:.2f} GiB{each}")
     if wp.host_available_bytes is not None:
         host += (f"; host has {wp.host_available_bytes / GIB:.2f} GiB available "
                  "(measured, /proc/meminfo MemAvailable)")

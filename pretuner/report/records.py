@@ -110,7 +110,8 @@ class Step(Record):
     reset_status: int | None = None
     speed: V1Speed | None = None
     weights_gib: float | None = None  # the engine's "Model loading took": weights on the card
-    compile_cache: Literal["cold", "warm", "n/a"] | None = None  # at launch (V1 engines)
+    # at launch; "off": MindSpore's cache not enabled (every start compiles)
+    compile_cache: Literal["cold", "warm", "off", "n/a"] | None = None
 
 
 # Decisions stay dicts: each kind carries its own fields (`tp`/`pp` for a layout, the derived
@@ -337,6 +338,11 @@ class _RunHead(Record):
     engine: str
     engine_version: str | None
     engine_reason: str
+    # What the engine ran on (pretuner.engines.stack: torch, cuda, cann, mindspore...);
+    # None: not recorded (the emulated engine, a --serve-cmd's container, an older run)
+    stack: dict[str, str] | None = None
+    device_name: str | None = None  # the first device, as its tool names it
+    engine_python: str | None = None  # an engine in its own venv: its interpreter (the guard's)
     simulated: bool
     provenance: Provenance  # what every figure the engine (or its emulator) produced is
     model: str

@@ -76,7 +76,8 @@ class SimEmulator:
     def batch_defaults(self, env: Mapping[str, str]) -> tuple[int, int]:
         from pretuner.sim.v1 import config
 
-        return config.batch_defaults(CUDA_PROFILES[env.get(f"{PREFIX}PROFILE") or V1_CARDS[80]])
+        profile = CUDA_PROFILES[env.get(f"{PREFIX}PROFILE") or V1_CARDS[80]]
+        return config.batch_defaults(profile, env)
 
     def smi_command(self) -> list[str]:
         return [sys.executable, "-m", "pretuner.sim", "npu-smi", "info"]

@@ -3,7 +3,11 @@
 Like vLLM's Ray executor, the server is the driver: it places the ranks (one NPU each, its own
 node first) and keeps the engine; what a rank prints goes to the actor on its node, written
 with that node's environment, so a dump appears only where the rank lives. A dead actor fails
-`/health`; at a stop the actors write the teardown dumps and the driver kills them."""
+`/health`; at a stop the actors write the teardown dumps and the driver kills them.
+
+The lines go in batches (one Ray call per node every FLUSH_EVERY_S): one call per line left a
+1-CPU node's actor tens of seconds behind after a wide load, and the stop's wait for it ran
+out before the dumps were written."""
 
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ from pretuner.sim.state import STATE_DIR_ENV, Published, state_dir
 PLACEMENT_TIMEOUT_S = 60.0  # vLLM waits 1800 s for its placement group; tests cannot
 HEALTH_EVERY_S = 1.0
 CLOSE_TIMEOUT_S = 30.0
+FLUSH_EVERY_S = 0.1
+
+Call = tuple[int, str, tuple[Any, ...]]  # (rank, RankLog method, its arguments)
 
 
 NAMESPACE = "pretuner-sim"
@@ -47,8 +54,9 @@ class NodeAgent:
         # Without a log folder MindSpore writes to stderr: Ray's worker log on this node.
         self.logs = {rank: RankLog(rank, pid, tid, log_dir) for rank, pid, tid in ranks}
 
-    def call(self, rank: int, method: str, args: tuple[Any, ...]) -> None:
-        getattr(self.logs[rank], method)(*args)
+    def calls(self, batch: Sequence[Call]) -> None:
+        for rank, method, args in batch:
+            getattr(self.logs[rank], method)(*args)
 
     def close(self) -> None:
         for log in self.logs.values():
@@ -87,22 +95,43 @@ class GpuAgent:
         return True
 
 
-class RemoteRankLog(RankLog):
-    """A rank's lines, formatted here and written by the actor on the rank's node, with that
-    node's GLOG_v (fire-and-forget: Ray keeps one caller's calls in order, and
-    `RayRanks.close` waits for them, then closes the files)."""
+class Outbox:
+    """The lines bound for one node's actor, sent in order by one sender at a time."""
 
-    def __init__(self, agent: Any, rank: int, pid: int, tid: int) -> None:  # no files here
+    def __init__(self, agent: Any) -> None:
         self.agent = agent
+        self._lines: list[Call] = []
+        self._lock = threading.Lock()
+        self._send = threading.Lock()  # Ray keeps one caller's calls in order: one at a time
+
+    def put(self, call: Call) -> None:
+        with self._lock:
+            self._lines.append(call)
+
+    def flush(self) -> None:
+        with self._send:
+            with self._lock:
+                batch, self._lines = self._lines, []
+            if batch:
+                self.agent.calls.remote(batch)
+
+
+class RemoteRankLog(RankLog):
+    """A rank's lines, written by the actor on the rank's node with that node's GLOG_v (sent
+    by `RayRanks` in batches; `RayRanks.close` sends the rest, waits for them and closes the
+    files)."""
+
+    def __init__(self, outbox: Outbox, rank: int, pid: int, tid: int) -> None:  # no files here
+        self.outbox = outbox
         self.rank = rank
         self.pid = pid
         self.tid = tid
 
     def log(self, level: str, module: str, src: str, func: str, msg: str) -> None:
-        self.agent.call.remote(self.rank, "log", (level, module, src, func, msg))
+        self.outbox.put((self.rank, "log", (level, module, src, func, msg)))
 
     def py(self, level: str, msg: str, src: str = "mindspore/context.py:1052") -> None:
-        self.agent.call.remote(self.rank, "py", (level, msg, src))
+        self.outbox.put((self.rank, "py", (level, msg, src)))
 
     def close(self) -> None:
         """Files are closed by the actor at `RayRanks.close`."""
@@ -135,6 +164,7 @@ class RayRanks:
 
         actor = self._ray.remote(num_cpus=0, max_restarts=0)(agent)
         self.agents: list[Any] = []
+        self.outboxes: list[Outbox] = []
         self.logs: list[RemoteRankLog] = []
         first = 0
         for k, (node, count) in enumerate(
@@ -151,7 +181,9 @@ class RayRanks:
             ).remote(mine, *args)
             self.agents.append(one)
             if agent is NodeAgent:
-                self.logs += [RemoteRankLog(one, r, pid, tid) for r, pid, tid in mine]
+                self.outboxes.append(Outbox(one))
+                self.logs += [RemoteRankLog(self.outboxes[-1], r, pid, tid)
+                              for r, pid, tid in mine]
         try:
             self._ray.get([a.ping.remote() for a in self.agents], timeout=PLACEMENT_TIMEOUT_S)
         except Exception as err:  # a timeout or a failed actor
@@ -161,6 +193,7 @@ class RayRanks:
                 f"{PLACEMENT_TIMEOUT_S:.0f} seconds ({type(err).__name__}). Check `ray status` "
                 "to see if you have enough resources."
             ) from None
+        threading.Thread(target=self._sender, name="ray-logs", daemon=True).start()
 
     def watch(self, on_lost: Callable[[str], None]) -> None:
         """Ping every actor in the background; report the first one that died."""
@@ -190,9 +223,16 @@ class RayRanks:
             first += count
         return "?"
 
+    def _sender(self) -> None:
+        while not self._stop.wait(FLUSH_EVERY_S):
+            for box in self.outboxes:
+                box.flush()
+
     def close(self) -> None:
         """Let every actor write what it was sent and close its files, then kill them."""
         self._stop.set()
+        for box in self.outboxes:
+            box.flush()
         with contextlib.suppress(Exception):  # a dead actor has nothing left to write
             self._ray.get([a.close.remote() for a in self.agents], timeout=CLOSE_TIMEOUT_S)
         for agent in self.agents:

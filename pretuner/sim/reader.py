@@ -34,6 +34,12 @@ class EmulatedReader:
         total, uses = self._read()
         return keep(tuple(DeviceMemory(u.index, u.used_mib, total) for u in uses), self.devices)
 
+    def device_name(self) -> str | None:
+        """The emulated card's name as its emulated tool prints it."""
+        if self.cuda:
+            return smi.gpus(self.env)[0].gpu_name
+        return npusmi.cards(self.env)[0].chip_name
+
     def holders(self) -> tuple[Holder, ...]:
         """The processes the emulated tool lists on the run's devices."""
         return tuple(Holder(u.index, pid, "python3", mib) for u in self._read()[1]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pretuner import __version__
+from pretuner.devices.base import device_name
 from pretuner.engines.base import Family, LaunchCommand, LaunchSettings
 from pretuner.engines.outcome import LaunchOutcome
 from pretuner.engines.registry import EngineChoice, choose_engine
@@ -213,8 +214,11 @@ def _tune_recorded(record: RunRecord, opts: RunOptions, phase: Phase, choice: En
         cluster=collectors.info if collectors is not None else None,
         asked_max_model_len=s.cfg.max_model_len, retune_command=tuple(opts.command_line()),
         engine_version=choice.version, engine_reason=choice.reason,
-        device_kind=s.engine.device_kind,
+        device_kind=s.engine.device_kind, stack=choice.stack,
+        device_name=device_name(ctx.device_reader), engine_python=choice.python,
     )
+    record.append("stack", engine=choice.name, version=choice.version, stack=choice.stack,
+                  device_name=meta.device_name)
     try:
         result = method.run()
     except BaseException as err:

@@ -24,6 +24,7 @@ RETUNE_FLAGS = (
     ("max_model_len", "--max-model-len"), ("min_model_len", "--min-model-len"),
     ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
     ("util", "--util"), ("tp", "--tp"), ("pp", "--pp"), ("nodes", "--nodes"),
+    ("cards_per_node", "--cards-per-node"),
     ("block_size", "--block-size"), ("kv_cache_dtype", "--kv-cache-dtype"),
     ("weights_format", "--weights-format"), ("headroom_gib", "--headroom-gb"),
     ("reserve_gib", "--reserve-gb"), ("model_use_gib", "--model-use-gb"),
@@ -55,8 +56,9 @@ class RunOptions:
     max_model_len: int | None = None  # default: the engine's
     min_model_len: int | None = None
     tp: int | None = None
-    pp: int = 1
+    pp: int | None = None  # None: the layout chooses (pretuner.plan.layout)
     nodes: int | None = None
+    cards_per_node: int = 8
     block_size: int | None = None  # None: the engine's own
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None
@@ -170,6 +172,7 @@ class RunOptions:
         v.int_range("--max-model-len", o.max_model_len, 1)
         v.int_range("--min-model-len", o.min_model_len, 1)
         v.int_range("--nodes", o.nodes, 1)
+        v.int_range("--cards-per-node", o.cards_per_node, 1)
         v.choice("--kv-cache-dtype", o.kv_cache_dtype, KV_DTYPES)
         v.non_negative("--reserve-gb", o.reserve_gib, example="1")
         v.int_range("--model-use-gb", o.model_use_gib, 1)

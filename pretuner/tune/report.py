@@ -21,6 +21,7 @@ from pretuner.derivation_text import derivation_lines
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
 from pretuner.engines.outcome import PHASE_WORDS, LaunchOutcome, peak_phase
+from pretuner.engines.stack import stack_words
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
 from pretuner.launch.command import deployed_port, wrapped
 from pretuner.models import folder_identity, local_model_path, resolve
@@ -83,6 +84,9 @@ class RunMeta:
     engine_version: str | None = None
     engine_reason: str = ""
     device_kind: str = "ascend"
+    stack: dict[str, str] | None = None  # pretuner.engines.stack; None: not recorded
+    device_name: str | None = None  # as the device tool names the first device
+    engine_python: str | None = None  # the interpreter of an engine in its own venv
 
 
 # The figures a step keeps under the outcome's own names.
@@ -308,6 +312,10 @@ def _run_lines(rep: AnyReport) -> list[str]:
         f"- engine: {rep.engine}{version} ({one_line(rep.engine_reason) or 'as asked'})",
         f"- model: {rep.model} ({rep.weights_format}, `{one_line(rep.model_arg)}`), "
         f"TP{rep.tp} x PP{rep.pp} on {rep.nodes} node(s), {device_words(rep)}",
+        f"- fingerprint (serve.sh checks it): {stack_words(rep.stack)}"
+        f"{'' if rep.stack is None else ' (read from the engine Python)'}; device "
+        f"{rep.device_name or 'name not recorded'}"
+        f"{'' if rep.device_name is None else ' (as its tool names it)'}",
     ]
     if (f := rep.model_folder) is not None:
         named = f"; its config.json names {f.hub_id}" if f.hub_id else ""
@@ -424,7 +432,7 @@ def launch_lines(rep: AnyReport) -> list[str]:
     else:
         lines.append("No launch was made.")
     lines += [f"| {' | '.join(step_cells(s, node=True))} |" for s in rep.steps]
-    if any(s.compile_cache in ("cold", "warm") for s in rep.steps):
+    if any(s.compile_cache in ("cold", "warm", "off") for s in rep.steps):
         lines += ["", "Compile cache at launch: " + ", ".join(
             f"#{s.n} {s.compile_cache or 'not recorded'}" for s in rep.steps)]
     lines += ["", "## Decisions", ""]

@@ -23,6 +23,9 @@ KNOBS: dict[str, tuple[str, Any]] = {  # the emulator's settings: key -> (variab
     "host_mib": (HOST_ENV, None),
     "time_scale": ("PRETUNER_SIM_TIME_SCALE", 1.0),
     "boot_noise_mib": ("PRETUNER_SIM_BOOT_NOISE_MIB", 0),
+    # The engine's default max-num-seqs in place of vLLM's rule for the card: the tests' knob
+    # (a 1,024-wide burst costs the machine running them seconds per launch).
+    "max_num_seqs": ("PRETUNER_SIM_MAX_NUM_SEQS", None),
 }
 ENV = {"profile": "PRETUNER_SIM_PROFILE", **{key: name for key, (name, _) in KNOBS.items()}}
 NON_DEFAULT_ORDER = (
@@ -73,11 +76,16 @@ def build_parser(prog: str = "vllm serve") -> argparse.ArgumentParser:
     return p
 
 
-def batch_defaults(card: CudaProfile) -> tuple[int, int]:
+def batch_defaults(card: CudaProfile, env: Mapping[str, str]) -> tuple[int, int]:
     """vLLM 0.24's OpenAI server on this card: (max_num_seqs, max_num_batched_tokens) of 1024
-    and 8192 on a GPU of at least 70 GiB (torch's total) that is not an A100, else 256, 2048."""
+    and 8192 on a GPU of at least 70 GiB (torch's total) that is not an A100, else 256, 2048;
+    PRETUNER_SIM_MAX_NUM_SEQS sets the first."""
     large = card.torch_total_bytes >= 70 * 1024**3 and "a100" not in card.gpu_name.lower()
-    return (1024, 8192) if large else (256, 2048)
+    seqs, batched = (1024, 8192) if large else (256, 2048)
+    asked = env_values(env, {"max_num_seqs": KNOBS["max_num_seqs"]})["max_num_seqs"]
+    if asked is not None and asked < 1:
+        raise UsageError(f"{ENV['max_num_seqs']}={asked} must be at least 1")
+    return (seqs if asked is None else asked), batched
 
 
 def _mm_limits(args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -170,7 +178,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> V1Config:
                          f"{', '.join(CUDA_PROFILES)}")
     knobs = env_values(env, KNOBS)
     host_mib = knobs["host_mib"]
-    seqs, batched = batch_defaults(CUDA_PROFILES[profile])
+    seqs, batched = batch_defaults(CUDA_PROFILES[profile], env)
     if ns.max_num_seqs is None:
         args["max_num_seqs"] = seqs
     return V1Config(

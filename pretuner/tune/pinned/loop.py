@@ -250,7 +250,7 @@ class V1Tuner(Method):
             )
         if pre.compile_cache == "cold" and pre.settings.kv_cache_bytes is None:
             self.decide("cold compile cache",
-                        "the pre-run profiled with a cold compile cache: vLLM compiled at "
+                        "the pre-run profiled with a cold compile cache: the engine compiled at "
                         "start-up, which can shrink the KV pool it profiles (vLLM issues 54383, "
                         "54122): a KV pinned from that profile alone may be low, and the "
                         "engine's profile figure in the report with it")

@@ -249,7 +249,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     # A local model folder needs no hub: the server is told so (no network call, no wait).
     local = not choice.simulated and Path(opts.model).is_dir()
     server_env = {**({"HF_HUB_OFFLINE": "1"} if local else {}),
-                  **(compile_cache_env(os.environ)
+                  **(compile_cache_env(os.environ, row.graph_cache)
                      if not choice.simulated and not opts.serve_cmd else {})}
     engine = V1Engine(row, choice.simulated, choice.version, sim_env, python=choice.python,
                       server_args=server_args, server_env=server_env,
@@ -257,7 +257,7 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
                       tuning_env=dict(row.dev_env) if vision.soak.on else {},
                       knobs=knobs, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")))
     max_len, block = layout.max_model_len, layout.block_size
-    p = decide_layout(layout, across_nodes=bool(opts.ray_address))
+    p = decide_layout(layout)
     host = host_memory(engine.device_kind, {**os.environ, **sim_env}) if knobs.active else None
     host_line = check_host(p, knobs, host)
     seqs, batched, batch_line = _batch(opts, engine, p.tp * p.pp, {**os.environ, **sim_env})
@@ -272,7 +272,8 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     model_arg = engine.model_arg(opts.model, spec)
     budget = engine.budget_bytes(card)
     reader = select_reader(engine.device_kind, {**os.environ, **sim_env}, p.tp * p.pp,
-                           budget_mib=budget // MIB if budget is not None else None)
+                           budget_mib=budget // MIB if budget is not None else None,
+                           visible_var=row.visible_devices_var)
     ctx = launch_context(opts, engine, model_arg, spec, reader,
                          hooks=V1Hooks(bpt, vision.images, vision.soak))
     named = emulator().card_name(sim_env) if choice.simulated else None  # "emulated H200 141 GB"

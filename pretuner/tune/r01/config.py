@@ -38,8 +38,9 @@ class TuneConfig:
     max_model_len: int = 16384
     min_model_len: int = 4096
     tp: int | None = None
-    pp: int = 1
+    pp: int | None = None  # None: the layout chooses
     nodes: int | None = None
+    cards_per_node: int = 8
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     weights_format: str | None = None

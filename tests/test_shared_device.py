@@ -90,7 +90,10 @@ def test_two_concurrent_runs_on_one_emulated_device_are_not_both_validated(
         runs = list(pool.map(lambda name: run_cli(*V1_RUN, "--out", str(tmp_path / name),
                                                   env=env), ["a", "b"]))
     codes = sorted(p.returncode for p in runs)
-    assert codes in ([0, 8], [8, 8]), [p.stderr[-500:] for p in runs]
+    # Never both validated. The loser is refused as sharing the device (8), or, seen once in
+    # CI on a loaded machine, runs out of launches (6) after its launches met the other's
+    # memory; never a validation.
+    assert codes in ([0, 8], [8, 8], [0, 6], [6, 8]), [p.stderr[-3000:] for p in runs]
     for p in runs:
         if p.returncode == 8:
             # Caught mid-run (the other appeared during it) or at the start (the other was

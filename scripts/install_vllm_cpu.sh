@@ -43,7 +43,8 @@ if [ "$vision" = 1 ]; then
   # libraries in parallel, in seconds where pip took minutes; pip --isolated where uv is not
   # to be had.
   if "$vpy" -m pip install -q uv; then
-    pipi() { "$venv/bin/uv" pip install -q --python "$vpy" "$@"; }
+    # --compile-bytecode: as pip does; else every process compiles torch's imports again.
+    pipi() { "$venv/bin/uv" pip install -q --compile-bytecode --python "$vpy" "$@"; }
   else
     pipi() { "$vpy" -m pip --isolated install -q "$@"; }
   fi

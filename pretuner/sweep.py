@@ -357,9 +357,9 @@ def write_presets(results: Results, sweep_dir: Path) -> dict[str, str]:
             continue
         run = RunReport.model_validate(rep)
         p = preset_from_report(run, date=datetime.date.today().isoformat())  # names its run
-        if check_preset(p):
+        if problems := check_preset(p):
             log.warning("tuning %s: no preset, its record disagrees with the KV math: %s",
-                        name, check_preset(p)[0])
+                        name, problems[0])
             continue
         folder = sweep_dir / "presets"
         folder.mkdir(exist_ok=True)

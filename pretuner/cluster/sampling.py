@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -22,6 +23,10 @@ from pretuner.launch.sampler import STATUS_EVENTS, MemorySampler, Phase, Sampled
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # how long a node's sampler may take to ship its peaks
+# How long a node's sampler may take to start (a Ray worker process on a busy node): the
+# launch waits for it, since a peak reached before a node's sampler runs is never seen.
+START_TIMEOUT_S = 120.0
+FIRST_SAMPLE_S = 10.0  # within that, a node's sampler has read its devices once
 
 
 class NodeSampler:
@@ -36,6 +41,17 @@ class NodeSampler:
         self.sampler = MemorySampler(reader)
         self.tag = self.sampler.wrap(lambda name, detail: None)
         self.sampler.start()
+
+    def running(self) -> int:
+        """The samples taken, once the first is (or the reader failed, or there is none):
+        the launch waits for this."""
+        deadline = time.monotonic() + FIRST_SAMPLE_S
+        while True:
+            got = self.sampler.snapshot()
+            if (got.samples or got.failure or self.sampler.reader is None
+                    or time.monotonic() > deadline):
+                return got.samples
+            time.sleep(0.01)
 
     def phase(self, name: str) -> Sampled:
         """A new phase: the peaks up to the end of the last one go back, without the time
@@ -79,7 +95,30 @@ class NodeSamplers:
             self.actors.append(actor.options(scheduling_strategy=strategy)
                                .remote(self.kind, self.env, count))
             self.shipped.append([])
+        self._wait_running()
         return self
+
+    def _wait_running(self) -> None:
+        """Every node's sampler runs, or a ClusterError names the node that did not start
+        one (the actors are gone then)."""
+        ray = self.cluster._ray
+        refs = [actor.running.remote() for actor in self.actors]
+        ray.wait(refs, num_returns=len(refs), timeout=START_TIMEOUT_S)
+        for ref, node in zip(refs, self.placement.nodes, strict=True):
+            try:
+                ray.get(ref, timeout=0)
+            except Exception as err:  # its __init__ raised, the node died, or it still
+                # waits for a worker process
+                for actor in self.actors:
+                    ray.kill(actor)
+                self.actors = []
+                why = (str(err).strip() or type(err).__name__).splitlines()[-1][:300]
+                raise ClusterError(
+                    f"the device sampler did not start on node {node.label} within "
+                    f"{START_TIMEOUT_S:.0f} s: {why}",
+                    hint="install the same pretuner (with the `ray` extra) on every node, in "
+                    "the Python environment that runs `ray start`; `ray status` shows the "
+                    "node alive") from err
 
     def stop(self) -> Sampled:
         """Every node's peaks; the actors are gone afterwards, whatever happened. A node whose
@@ -88,28 +127,19 @@ class NodeSamplers:
         ray = self.cluster._ray
         got: list[tuple[str, Sampled]] = []
         lost: list[str] = []
-        failed: str | None = None
         first = 0
         for k, (actor, node, count) in enumerate(zip(
                 self.actors, self.placement.nodes, self.placement.ranks_per_node, strict=False)):
             try:
                 got.append((node.label, ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)))
-            except Exception as err:  # a dead node's actor, one that never started, a timeout
-                if "creation task" in str(err):  # its __init__ raised: the node is alive
-                    failed = f"{node.label}: {str(err).strip().splitlines()[-1][:300]}"
-                else:
-                    log.warning("device sampling on node %s: %s", node.label,
-                                type(err).__name__)
-                    lost.append(f"{node.label} (ranks {first}-{first + count - 1}"
-                                f"{self._last_peak(k)})")
+            except Exception as err:  # a dead node's actor, a timeout (start saw it run)
+                log.warning("device sampling on node %s: %s", node.label, type(err).__name__)
+                lost.append(f"{node.label} (ranks {first}-{first + count - 1}"
+                            f"{self._last_peak(k)})")
             first += count
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
-        if failed is not None:
-            raise ClusterError(f"the device sampler could not start on node {failed}",
-                               hint="install the same pretuner (with the `ray` extra) on every "
-                               "node, in the Python environment that runs `ray start`")
         if lost:
             raise ClusterError(
                 f"node {', '.join(lost)} died during the launch (its device sampler is gone): "

@@ -156,7 +156,7 @@ class MemorySampler:
                 with self._lock:
                     self._failure = f"sampler failed: {type(err).__name__}: {err}"
                 return
-            if sample is not None:
+            if sample is not None and sample.devices:  # (none: nothing to read this time)
                 used = sample.worst_used_mib
                 total = min(d.total_mib for d in sample.devices)
                 point = SeriesPoint(round(t0 - self._t0, 3), phase,

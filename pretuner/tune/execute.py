@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -78,10 +79,35 @@ class _OomSeen(Exception):
 
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+# The server's port is chosen here and bound by the server seconds later (after a Ray
+# placement, a container's start). A port from the kernel's ephemeral range can be taken
+# meanwhile by any outgoing connection (Ray opens many), so it comes from below that range,
+# above Ray's worker ports (10002-19999 by default): only another explicit choice can meet it.
+PORTS_FROM = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default low end, where the file cannot be read
+
+
+def free_port(host: str, rng: random.Random | None = None) -> int:
+    """A port nothing listens on, outside the ephemeral range when there is room below it
+    (else one the kernel picks)."""
+    rng = rng or random.SystemRandom()
+    low = _ephemeral_low()
+    candidates = [rng.randrange(PORTS_FROM, low) for _ in range(32)] if low > PORTS_FROM else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free TCP port on {host}")
 
 
 def run_launch(
@@ -127,8 +153,8 @@ def run_launch(
     launch_env = {**os.environ, **cmd.env}
     proc = ServerProcess.start(cmd.argv, launch_env, log_path)
     attach(ctx.device_reader, proc.pid)  # a reader of the server's own processes follows it
-    sampler.start()
     try:
+        sampler.start()  # on a cluster: returns once every node's sampler is running
         try:
             phase("loading", f"waiting for {base}/health")
             w0 = time.monotonic()

@@ -320,8 +320,9 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
     # A folder by its path: from another folder, its name is a registry model or nothing.
     retune_model = shlex.quote(model_path) if os.path.isabs(model_path) else p.model
     pp = f" --pp {p.pp}" if p.pp > 1 else ""  # TP alone would not fit the cards
+    ray = " --ray-address auto" if p.nodes > 1 else ""  # run on the head, as these scripts
     retune = (f"pretuner run --model {retune_model}{s.retune} --card {p.card_gib} --tp {p.tp}"
-              f"{pp} --max-model-len {p.max_model_len}")
+              f"{pp} --max-model-len {p.max_model_len}{ray}")
     header = [
         *([f"run {p.run_id or '-'}: {opts.status}"] if opts.status else []),
         f"model {p.model} ({p.weights_format}) from {model_path}",

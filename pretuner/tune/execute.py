@@ -47,6 +47,10 @@ from pretuner.tune.record import RunRecord
 log = logging.getLogger(__name__)
 
 CRASH_SETTLE_S = 1.0  # how long a server whose requests failed may take to finish dying
+# A V1 launch that already failed (an OOM in its log, a server that died) has nothing left to
+# write: real vLLM's API server, its EngineCore dead of an OOM at start-up, ignored SIGTERM
+# for the whole --stop-grace (120 s a launch). It gets this long, then SIGKILL.
+FAILED_V1_STOP_GRACE_S = 10.0
 
 
 
@@ -180,10 +184,11 @@ def run_launch(
         # still dying: a moment lets a crash be named one (its own exit code) instead of a
         # server pretuner stopped.
         exited = proc.poll_settled(CRASH_SETTLE_S if ran.ok < ran.total or seen else 0.0)
-        phase("stop", "SIGTERM to the process group, waiting for it to exit"
+        grace = stop_grace(ctx, failed=bool(seen) or failure is not None)
+        phase("stop", f"SIGTERM to the process group, waiting up to {grace:g} s for it to exit"
               + ("" if ctx.hooks else " (and write its memory-pool dump)"))
         s0 = time.monotonic()
-        stop = proc.stop(ctx.stop_grace_s)
+        stop = proc.stop(grace)
         stop_s = time.monotonic() - s0
     finally:
         try:
@@ -214,6 +219,14 @@ def run_launch(
         times=(ready_s, request_s, stop_s, time.monotonic() - t0), exited=exited,
     )
     return with_samples(outcome, sampled)
+
+
+def stop_grace(ctx: LaunchContext, *, failed: bool) -> float:
+    """Seconds between SIGTERM and SIGKILL: --stop-grace, at most FAILED_V1_STOP_GRACE_S for
+    a V1 launch that failed (r0.1 writes its memory-pool dump at any stop: it keeps them all)."""
+    if failed and ctx.hooks is not None:
+        return min(ctx.stop_grace_s, FAILED_V1_STOP_GRACE_S)
+    return ctx.stop_grace_s
 
 
 def _sees_own_tree(ctx: LaunchContext) -> bool:

@@ -5,7 +5,7 @@
 # figures (published): none beyond the KV cache
 # source: openEuler vLLM-MindSpore deployment scripts for DeepSeek-R1 W8A8 (2 nodes x 8 x 64 GB); KV sizing per vLLM-MindSpore r0.1 docs/kvcache_config.md
 # preset deepseek-r1-w8a8-tp16-2x8x64g; run -; rendered by pretuner 0.1.0 for vLLM-MindSpore 0.1
-# re-tune: pretuner run --model deepseek-r1 --card 64 --tp 16 --max-model-len 32768, then pretuner script RUN_DIR
+# re-tune: pretuner run --model deepseek-r1 --card 64 --tp 16 --max-model-len 32768 --ray-address auto, then pretuner script RUN_DIR
 # Multi-node, head node: ./ray-head.sh, then ./ray-worker.sh HEAD_IP on every other node.
 # The environment is exported before `ray start` so that every Ray worker inherits it.
 set -euo pipefail

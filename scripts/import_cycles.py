@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,7 +32,12 @@ def modules() -> dict[str, Path]:
 def imports(path: Path, known: Iterable[str]) -> set[str]:
     """The pretuner modules a file imports anywhere in it (under TYPE_CHECKING excluded: a
     type-only import runs nothing)."""
-    names = set(known)
+    return set(_imported(path) & set(known))
+
+
+@functools.cache
+def _imported(path: Path) -> frozenset[str]:
+    """Every name a file imports (each file parsed once, for both graphs)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     skip: set[int] = set()
     for node in ast.walk(tree):
@@ -46,7 +52,7 @@ def imports(path: Path, known: Iterable[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
-    return {m for m in found if m in names}
+    return frozenset(found)
 
 
 def graph(package_level: bool) -> dict[str, set[str]]:

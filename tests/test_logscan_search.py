@@ -53,7 +53,7 @@ def log(draw: st.DrawFn) -> tuple[bytes, int, int]:
 @pytest.mark.parametrize("sub_words", [1, 2, 3, 5, 64, 2**17])
 @given(case=log())
 @settings(
-    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_search_matches_a_plain_scan(
     case: tuple[bytes, int, int], sub_words: int, monkeypatch: pytest.MonkeyPatch

@@ -6,6 +6,7 @@ every level (`boot.Sink`), so a 20 ms sampler in another process sees each trans
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from pretuner.sim.raynodes import RayRanks
 
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM serves /reset_mm_cache and other dev routes
+PUBLISH_TIMEOUT_S = 30.0  # the longest a node's card may take to show a new level
 CORE_PID_OFFSET = 69  # the real EngineCore is a child process: a made-up pid beside ours
 ROUTES = (("/openapi.json", "HEAD, GET"), ("/docs", "HEAD, GET"), ("/health", "GET"),
           ("/metrics", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
@@ -93,8 +95,11 @@ def _place_on_ray(cfg: V1Config, sink: Sink, stop: StopFlag,
         first += count
     log.core("ray_executor.py:212", "Ray ranks: " + remote.placement.describe())
     def publish(mib: int) -> None:
-        for agent in remote.agents:
-            agent.level.remote(mib)
+        # Held on every node before the server goes on, as an allocation is: a level sent
+        # and not waited for reached a busy node's card after its sampler had stopped.
+        with contextlib.suppress(Exception):  # a node gone: its watch says so (on_lost)
+            remote._ray.get([agent.level.remote(mib) for agent in remote.agents],
+                            timeout=PUBLISH_TIMEOUT_S)
 
     def on_lost(why: str) -> None:
         log.block(L.CORE, "ERROR", L.WHERE_FATAL, ["EngineCore encountered a fatal error.",

@@ -93,6 +93,18 @@ def test_a_named_engine_is_real_or_refused(nothing_here: pytest.MonkeyPatch, eng
     assert choice.name == ("sim" if engine == "sim" else engine)
 
 
+def test_behind_a_serve_cmd_the_version_is_the_named_pythons_or_unknown(
+        nothing_here: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Rule: a --serve-cmd (a container, srun) starts an engine pretuner's own Python may not
+    have: the run records no version from there, only from a Python the user named."""
+    nothing_here.setattr(registry, "installed_version", lambda *names: "0.11.0")  # here
+    assert choose_engine("vllm", wrapped=True).version is None
+    named = other_venv(tmp_path / "engine", version="0.24.0")
+    assert choose_engine("vllm", python=str(named), wrapped=True).version == "0.24.0"
+    nothing_here.setenv("PRETUNER_ENGINE_PYTHON", str(named))
+    assert choose_engine("vllm", wrapped=True).version == "0.24.0"
+
+
 def test_a_missing_engine_says_how_to_point_at_it(nothing_here: pytest.MonkeyPatch) -> None:
     with pytest.raises(EngineMissing) as err:
         choose_engine("vllm")

@@ -84,13 +84,18 @@ def installed_version(*names: str) -> str | None:
     return None
 
 
+def _named_python(row: V1Row, python: str | None) -> str | None:
+    """The engine's Python as the user named it: --engine-python, else a variable."""
+    return python or os.environ.get(ENGINE_PYTHON_VAR) or os.environ.get(row.python_var or "")
+
+
 def _located(row: V1Row, python: str | None,
              auto: bool = False) -> tuple[str | None, str, dict[str, str]] | None:
     """(interpreter, version, stack) of `row`'s engine: in the Python `engine_python` names,
     which must import vllm, else (interpreter None) in pretuner's own; None where it is not
     found. For `auto`, an engine in its own venv counts only where a variable or pretuner's
     Python names it."""
-    named = python or os.environ.get(ENGINE_PYTHON_VAR) or os.environ.get(row.python_var or "")
+    named = _named_python(row, python)
     if auto and row.python_var is not None and not named:
         import importlib.util
 
@@ -167,8 +172,9 @@ def _named(requested: str, python: str | None, wrapped: bool) -> EngineChoice:
     row = ROWS[requested]
     dist = row.distributions[0]
     found = _located(row, python)
-    if wrapped:  # the user's command starts it, wherever it is
-        version = found[1] if found else None
+    if wrapped:  # the user's command starts it, wherever it is (a container's is not this
+        # machine's): its version only from a Python the user named as the engine's
+        version = found[1] if found and _named_python(row, python) else None
         return EngineChoice(row.name, Family.V1, False, version,
                             f"--engine {requested}: started by --serve-cmd")
     if found is None:

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,20 @@ def test_golden_every_target(name: str, preset: Preset, version: str) -> None:
             subprocess.run(["bash", "-n"], input=text, text=True, check=True)
             if shutil.which("shellcheck") and fname.endswith(".sh"):
                 subprocess.run(["shellcheck", "-"], input=text, text=True, check=True)
+
+
+def test_the_proofs_graph_cache_starts_production() -> None:
+    """A run whose launches had MindSpore's graph cache on: serve.sh and tuned.env turn it on
+    at the same path (MindSpore's default, the current folder, would start cold)."""
+    p = _run_preset()
+    cache = {"MS_COMPILER_CACHE_ENABLE": "1", "MS_COMPILER_CACHE_PATH": "/data/ms cache"}
+    files = render_scripts(replace(p, env={**p.env, **cache}), ScriptOptions(engine_version="0.1"),
+                           [Target.SERVE, Target.ENV])
+    for name in ("serve.sh", "tuned.env"):
+        assert "MS_COMPILER_CACHE_ENABLE=1" in files[name], name
+        assert "MS_COMPILER_CACHE_PATH='/data/ms cache'" in files[name], name
+    assert "MS_COMPILER_CACHE" not in render_scripts(p, ScriptOptions(engine_version="0.1"),
+                                                     [Target.SERVE])["serve.sh"]
 
 
 def test_versions_differ_as_documented() -> None:

@@ -63,11 +63,15 @@ MS_CACHE_PATH_VAR = "MS_COMPILER_CACHE_PATH"
 
 
 def graph_cache_env(env: Mapping[str, str]) -> dict[str, str]:
-    """MS_COMPILER_CACHE_PATH where the cache is on and the user named no path."""
-    if env.get(MS_CACHE_ENABLE_VAR) != "1" or env.get(MS_CACHE_PATH_VAR):
+    """Where the cache is on: both variables, the user's path or the one pretuner names. Every
+    launch gets them, and tuned.env and serve.sh too: production starts with the proof's cache
+    (MindSpore's own default is the current folder)."""
+    if env.get(MS_CACHE_ENABLE_VAR) != "1":
         return {}
     xdg = env.get("XDG_CACHE_HOME")
-    return {MS_CACHE_PATH_VAR: str((Path(xdg) if xdg else Path.home() / ".cache") / "mindspore")}
+    path = env.get(MS_CACHE_PATH_VAR) or str(
+        (Path(xdg) if xdg else Path.home() / ".cache") / "mindspore")
+    return {MS_CACHE_ENABLE_VAR: "1", MS_CACHE_PATH_VAR: path}
 
 
 def graph_cache_state(env: Mapping[str, str]) -> str:
@@ -75,7 +79,7 @@ def graph_cache_state(env: Mapping[str, str]) -> str:
     "warm" when rank 0's graph cache holds anything, else "cold"."""
     if env.get(MS_CACHE_ENABLE_VAR) != "1":
         return "off"
-    root = env.get(MS_CACHE_PATH_VAR) or graph_cache_env(env)[MS_CACHE_PATH_VAR]
+    root = graph_cache_env(env)[MS_CACHE_PATH_VAR]
     folder = Path(root) / "rank_0" / "graph_cache"
     return "warm" if folder.is_dir() and any(folder.iterdir()) else "cold"
 

@@ -19,7 +19,7 @@ from pretuner.deploy.render import run_scripts
 from pretuner.deploy.targets import Target
 from pretuner.derivation_text import derivation_lines
 from pretuner.engines.base import LaunchSettings, Purpose
-from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine
+from pretuner.engines.mindspore_r01 import R01_COMMAND, R01Engine, graph_cache_env
 from pretuner.engines.outcome import PHASE_WORDS, LaunchOutcome, peak_phase
 from pretuner.engines.stack import stack_words
 from pretuner.errors import ExitCode, PretunerError, ServerFailedError
@@ -175,7 +175,8 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         **run_head(meta, [step_json(o) for o in result.outcomes], result.decisions,
                    result.validated, **plan_layout(p)),
         final=Final(
-            env=f.env, flags=flags,
+            # the graph cache every launch had (pretuner.engines.mindspore_r01), production's too
+            env={**f.env, **graph_cache_env(engine.launch_env)}, flags=flags,
             # serve.sh reads a secret; a wrapper publishes the port the server listens on
             serve_command=redact_argv(wrapped([*serve, *flags], deployed_port(flags),
                                               deployment.env)),

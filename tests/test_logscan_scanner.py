@@ -111,6 +111,16 @@ def test_gzip_and_plain_agree(tmp_path: Path) -> None:
     assert packed.lines_scanned == plain.lines_scanned
 
 
+def test_a_text_file_that_starts_like_gzip_is_read_as_text(tmp_path: Path) -> None:
+    """Rule: gzip's two magic bytes alone do not make a stream (found by the fuzz test: the
+    scan saw nothing where the live follower saw the dump); nothing decompresses: text."""
+    target = tmp_path / "server.log"
+    target.write_bytes(b"\x1f\x8b\n" + b"\n".join([noise(5), dump(5, 900), noise(5)]) + b"\n")
+    result = scan_paths([target])
+    assert result.ranks[0].actual_peak_mib == 900
+    assert result.unreadable == ()
+
+
 def test_truncated_gzip_keeps_what_was_read(tmp_path: Path) -> None:
     data = b"".join(noise(5) + b"\n" for _ in range(2000)) + dump(5, 900) + b"\n"
     data += b"".join(noise(5) + b"\n" for _ in range(20000))

@@ -92,7 +92,21 @@ class _SegmentHits:
 
 def _batches(job: _Job, progress: _Progress) -> Iterator[list[tuple[int, bytes]]]:
     """The hit lines of a job, one window (or gzip batch) at a time."""
-    return _gzip_batches(job.file, progress) if job.gzip else _plain_batches(job, progress)
+    return _gzip_or_text(job.file, progress) if job.gzip else _plain_batches(job, progress)
+
+
+def _gzip_or_text(path: str, progress: _Progress) -> Iterator[list[tuple[int, bytes]]]:
+    """A gzip stream; a file that only starts with gzip's two magic bytes (nothing in it
+    decompresses) is text, read as the live follower reads it."""
+    yield from _gzip_batches(path, progress)
+    if progress.bytes_read == 0 and progress.error is not None:
+        progress.error = None
+        try:
+            size = os.path.getsize(path)
+        except OSError as err:
+            progress.error = f"cannot read {path}: {err}"
+            return
+        yield from _plain_batches(_Job(path, 0, size, False), progress)
 
 
 def _plain_batches(job: _Job, progress: _Progress) -> Iterator[list[tuple[int, bytes]]]:

@@ -68,9 +68,9 @@ class NodeSamplers:
     """The launch's samplers, one per node of the placement (`MemorySampler`'s interface)."""
 
     def __init__(self, cluster: RayCluster, placement: Placement, kind: str,
-                 env: Mapping[str, str], status: Phase | None = None) -> None:
+                 env: Mapping[str, str]) -> None:
         self.cluster, self.placement = cluster, placement
-        self.kind, self.env, self.status = kind, dict(env), status
+        self.kind, self.env = kind, dict(env)
         self.actors: list[Any] = []
         # per node: (phase begun, a ref to its peaks until then), one per phase
         self.shipped: list[list[tuple[str, Any]]] = []

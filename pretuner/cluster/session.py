@@ -66,8 +66,7 @@ class RayCollector(LocalCollector):
         """Every node's devices, each read where it is (`pretuner.cluster.sampling`)."""
         if reader is None or self.device_kind is None:
             return super().sampler(reader, status)
-        return NodeSamplers(self.cluster, self.placement, self.device_kind, self._launch_env,
-                            status)
+        return NodeSamplers(self.cluster, self.placement, self.device_kind, self._launch_env)
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """server.log on this node, plus OOM lines found on any node (asked every few s)."""
@@ -152,12 +151,13 @@ class ClusterPlan:
     """What the run asks of the cluster."""
 
     world: int  # TP x PP ranks, one device each
-    nodes_planned: int  # the layout's node count at 8 cards per node
+    nodes_planned: int  # the layout's node count at `cards_per_node` cards a node
     emulated: bool  # the emulated card: its NPUs are `ray start --resources`, not detected
     resource: str = "NPU"  # the Ray resource one rank holds (the engine's `ray_resource`)
     # The engine's device reader, run on every node (a V1 engine: its logs do not say each
     # rank's peak); None: read on this node only
     device_kind: str | None = None
+    cards_per_node: int = 8  # --cards-per-node
 
 
 def check_cluster(cluster: RayCluster, plan: ClusterPlan) -> tuple[Placement, dict[str, Any]]:
@@ -208,8 +208,8 @@ def ray_cluster(address: str, plan: ClusterPlan, phase: Phase) -> Iterator[RayCo
         phase("cluster", f"{plan.world} ranks on {len(p.nodes)} node(s): {p.describe()}; "
               f"pretuner {__version__} on every node; node environment set")
         if len(p.nodes) != plan.nodes_planned:
-            phase("cluster", f"the layout assumed {plan.nodes_planned} node(s) of 8 cards; Ray "
-                  f"places the ranks on {len(p.nodes)} "
+            phase("cluster", f"the layout assumed {plan.nodes_planned} node(s) of "
+                  f"{plan.cards_per_node} cards; Ray places the ranks on {len(p.nodes)} "
                   f"({survey(cluster.nodes(), plan.resource)})")
         yield RayCollectors(cluster, p, info, plan.device_kind)
     finally:

@@ -15,7 +15,6 @@ every run started there into a real-engine run.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 from pretuner.engines import stack as stack_probe
 from pretuner.engines.base import Family
 from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine, version_tuple
+from pretuner.engines.stack import installed_version
 from pretuner.engines.vllm_v1 import (
     ENGINE_PYTHON_VAR,
     INSTALL_HINT,
@@ -72,16 +72,6 @@ class EngineChoice:
 def engine_class(name: str | None) -> type[R01Engine] | type[V1Engine]:
     """The engine class of a registry name; None (an r0.1 run's layout options) is r0.1's."""
     return V1Engine if name in ROWS else R01Engine
-
-
-def installed_version(*names: str) -> str | None:
-    """The version of the first of these distributions that is installed."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _named_python(row: V1Row, python: str | None) -> str | None:

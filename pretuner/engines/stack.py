@@ -32,11 +32,14 @@ _TORCH_CUDA = re.compile(r"""^cuda\s*(?::[^=\n]*)?=\s*['"]([^'"\n]+)['"]""", re.
 _CANN_VERSION = re.compile(r"^version=(\S+)", re.MULTILINE)
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def installed_version(*distributions: str) -> str | None:
+    """The version of the first of these distributions that is installed."""
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _torch_cuda() -> str | None:
@@ -71,7 +74,7 @@ def _cann(env: Mapping[str, str]) -> str | None:
 def probe(engine_distributions: tuple[str, ...] | list[str],
           env: Mapping[str, str]) -> dict[str, str]:
     """What is installed beside the engine, by the stack's names; absent: not installed."""
-    found = {name: _version(dist) for name, dist in LIBRARIES.items()
+    found = {name: installed_version(dist) for name, dist in LIBRARIES.items()
              if dist not in engine_distributions}
     found |= {"cuda": _torch_cuda(), "cann": _cann(env)}
     return {name: version for name, version in found.items() if version is not None}
@@ -88,7 +91,7 @@ def stack_words(stack: Mapping[str, str] | None) -> str:
 if __name__ == "__main__":
     dists = sys.argv[1:]
     if importlib.util.find_spec("vllm") is not None:  # an engine of the vLLM family imports
-        engine = next((v for v in map(_version, dists) if v is not None), None)
+        engine = installed_version(*dists)
         if engine is not None:
             print(f"engine={engine}")  # noqa: T201 (a script's answer)
     for name, version in probe(dists, os.environ).items():

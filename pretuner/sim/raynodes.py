@@ -73,7 +73,7 @@ class GpuAgent:
     def __init__(self, ranks: Sequence[int], state: str | None) -> None:
         import ray
 
-        self.ranks = list(ranks)
+        # `ranks`: the node's share, as RayRanks places them; the GPUs are Ray's to give
         self.gpus = [int(g) for g in ray.get_gpu_ids()]
         self.ip = ray.util.get_node_ip_address()
         # The driver's state folder, on this node's own disk (its own root, if it has one)

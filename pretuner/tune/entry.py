@@ -142,8 +142,9 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
     """Tune, journal every launch and decision, and write the result files."""
     asked = opts if resume is None else _recorded_options(resume)
     choice = choose(asked) if asked is not None else None
+    s = None
     if resume is None and choice is not None:
-        setup(opts, choice)  # refuse bad input before a run folder exists
+        s = setup(opts, choice)  # refuse bad input before a run folder exists
         if choice.simulated and opts.engine == "auto" and not opts.emulate:
             log.warning("%s", choice.reason)  # the fallback: said before anything else
     if asked is None or choice is None or not asked.ray_address:
@@ -151,16 +152,16 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
 
-    s = setup(asked, choice)
+    s = s or setup(asked, choice)
     if isinstance(s.cfg, TuneConfig):
         p = plan_for(s.cfg)
         world, nodes = p.tp * p.pp, p.nodes
-    else:  # a V1 layout: TP x PP devices, 8 a node
+    else:  # a V1 layout: TP x PP devices, --cards-per-node a node
         world = s.cfg.tp * s.cfg.pp
-        nodes = -(-world // 8)
+        nodes = -(-world // asked.cards_per_node)
     plan = ClusterPlan(world, nodes, emulated=choice.simulated, resource=s.engine.ray_resource,
                        device_kind=None if isinstance(s.cfg, TuneConfig)
-                       else s.engine.device_kind)
+                       else s.engine.device_kind, cards_per_node=asked.cards_per_node)
     with ray_cluster(asked.ray_address, plan, phase) as collectors:
         return _tune(opts, phase, resume, collectors, choice)
 

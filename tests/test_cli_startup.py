@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,8 @@ import pytest
 HEAVY = ("numpy", "pydantic", "jinja2", "requests", "rich", "yaml", "pretuner.tune",
          "pretuner.analyze.r01", "pretuner.logscan", "pretuner.launch", "pretuner.engines",
          "pretuner.sim", "pretuner.devices", "pretuner.presets", "pretuner.report.html",
-         "pretuner.deploy.context", "pretuner.deploy.render", "pretuner.cli.progress")
+         "pretuner.deploy.context", "pretuner.deploy.render", "pretuner.cli.progress",
+         "pretuner.report.records")
 
 # Runs every argv given (or every command's --help) through the console entry point in one
 # fresh interpreter; prints each exit code and the HEAVY modules loaded by the end.
@@ -90,3 +92,21 @@ def test_a_bad_value_loads_only_typer_s_validator() -> None:
     loaded = result["loaded"]
     assert isinstance(loaded, list)
     assert [m for m in loaded if m.partition(".")[0] != "pydantic"] == []
+
+
+def test_scan_loads_the_scanner_and_not_the_report_records(tmp_path: Path) -> None:
+    """`pretuner scan --json` is the command the log-scan benchmark times against grep: it
+    loads the scanner (numpy) and typer's validator, not the report's pydantic records (50 ms)."""
+    log = tmp_path / "server.log"
+    log.write_text(  # the summary line of a real MindSpore pool dump
+        '[INFO] PRE_ACT(1,ffff,python):2025-01-01-00:00:00.000.000 [x.cc:1] Dump] '
+        'The dynamic memory pool stat info : {"in used mem":900.00MB}, actual peak used '
+        "mem:1024M. Weight used size:0M, constant value used size:0M, kernel output used "
+        "size:0M, other used size:900M.\n"
+    )
+    result = _probe([["scan", "--json", str(log)]])
+    assert result["codes"] == {f"scan --json {log}": 0}
+    loaded = result["loaded"]
+    assert isinstance(loaded, list)
+    assert "pretuner.logscan" in loaded
+    assert "pretuner.report.records" not in loaded

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from pretuner.report import SCHEMA_VERSION
 from pretuner.report.records import (
-    SCHEMA_VERSION,
     FailureReport,
     PinnedDerivation,
     R01Derivation,

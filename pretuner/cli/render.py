@@ -31,8 +31,8 @@ def _is_number(value: object) -> bool:
 
 
 def echo_json(data: dict[str, Any]) -> None:
-    """One JSON object on stdout, with `schema_version` first (pretuner.report.records)."""
-    from pretuner.report.records import SCHEMA_VERSION
+    """One JSON object on stdout, with `schema_version` first."""
+    from pretuner.report import SCHEMA_VERSION  # not the pydantic records: `scan --json` is timed
 
     typer.echo(json.dumps({"schema_version": SCHEMA_VERSION, **data}, indent=2))
 

@@ -25,14 +25,11 @@ from pydantic import (
 
 from pretuner.errors import BadInputError
 from pretuner.files import MAX_INPUT_BYTES, read_bounded
+from pretuner.report import SCHEMA_VERSION
 from pretuner.report.schema1 import upgrade
 
 Provenance = Literal["simulated", "measured"]
 Method = Literal["r0.1", "v1-pinned-kv"]
-# The shape of every JSON object pretuner prints or writes; raised when a key changes meaning or
-# goes away (a new key does not raise it). A report.json without it predates it: version 1.
-# 2: one record for both methods, the method's own figures under `derivation`.
-SCHEMA_VERSION = 2
 
 
 class Record(BaseModel):

@@ -43,6 +43,29 @@ def _or(first: T | None, then: T | None) -> T | None:
     return first if first is not None else then
 
 
+# Of each event, the fields it fills (the first figure stays: `_or`) and the flag it sets.
+_FILLS: dict[type, tuple[tuple[str, str], ...]] = {
+    ModelLoaded: (("weights_gib", "weights_gib"),),
+    AvailableKvMemory: (("available_kv_gib", "gib"),),
+    KvPinned: (("initial_free_gib", "initial_free_gib"), ("pinned_kv_gib", "kv_gib")),
+    MaxConcurrency: (("max_concurrency", "concurrency"), ("max_model_len", "tokens_per_request")),
+    GraphsCaptured: (("graphs_gib", "gib"),),
+    GraphsEstimated: (("graphs_estimated_gib", "gib"),),
+    ChunkedPrefill: (("max_num_batched_tokens", "max_num_batched_tokens"),),
+    EncoderBudget: (("encoder_budget_tokens", "budget_tokens"),
+                    ("encoder_profiled_items", "profiled_items")),
+    DeviceRefused: (("refused_free_gib", "free_gib"),),
+    EngineArgs: (("pinned_kv_bytes", "kv_cache_memory_bytes"), ("max_model_len", "max_model_len")),
+    V1EngineConfig: (("tp", "tp"), ("pp", "pp")),
+    EngineStartFailed: (("killed_by_signal", "killed_by_signal"),),
+}
+_SETS: dict[type, str] = {
+    PoolDump: "pool_dump", PartialPoolDump: "pool_dump", PoolDumpHeader: "pool_dump",
+    V1EngineConfig: "v1_engine", ServerReady: "ready", EngineStartFailed: "start_failed",
+    EngineDied: "engine_dead",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class V1Log:
     """The memory facts of one V1 server log (GiB as the engine prints them, 1024-based)."""
@@ -106,65 +129,29 @@ class V1Log:
 
     def add(self, e: LogEvent) -> V1Log:
         """This log with one more event, in log order."""
+        changes = {name: getattr(e, attr) for name, attr in _FILLS.get(type(e), ())
+                   if getattr(self, name) is None}
+        if (flag := _SETS.get(type(e))) is not None and not getattr(self, flag):
+            changes[flag] = True
         match e:
-            case PoolDump() | PartialPoolDump() | PoolDumpHeader():
-                return self if self.pool_dump else replace(self, pool_dump=True)
-            case ModelLoaded():
-                return replace(self, weights_gib=_or(self.weights_gib, e.weights_gib))
-            case AvailableKvMemory():
-                return replace(self, available_kv_gib=_or(self.available_kv_gib, e.gib))
-            case KvPinned():
-                free = _or(self.initial_free_gib, e.initial_free_gib)
-                return replace(self, initial_free_gib=free,
-                               pinned_kv_gib=_or(self.pinned_kv_gib, e.kv_gib))
-            case CpuKvSet():
-                log = replace(self, non_kv_gib=_or(self.non_kv_gib, e.non_kv_gib))
-                if e.pinned:
-                    return replace(log, pinned_kv_gib=_or(self.pinned_kv_gib, e.kv_gib))
-                return replace(log, available_kv_gib=_or(self.available_kv_gib, e.kv_gib))
             case KvAdvice():
-                return replace(self, advice=_or(self.advice, e))
+                changes["advice"] = _or(self.advice, e)
+            case CpuKvSet():
+                changes["non_kv_gib"] = _or(self.non_kv_gib, e.non_kv_gib)
+                kv = "pinned_kv_gib" if e.pinned else "available_kv_gib"
+                changes[kv] = _or(getattr(self, kv), e.kv_gib)
             case KvCacheSize():
                 tokens = e.tokens if self.kv_tokens is None else min(self.kv_tokens, e.tokens)
                 log = replace(self, kv_tokens=tokens)
                 return log if e.concurrency is None else log.add(e.concurrency)
-            case MaxConcurrency():
-                return replace(self, max_concurrency=_or(self.max_concurrency, e.concurrency),
-                               max_model_len=_or(self.max_model_len, e.tokens_per_request))
-            case GraphsCaptured():
-                return replace(self, graphs_gib=_or(self.graphs_gib, e.gib))
-            case GraphsEstimated():
-                return replace(self, graphs_estimated_gib=_or(self.graphs_estimated_gib, e.gib))
             case GraphCapture():
                 passes = tuple(p for p in self.graph_capture if p[0] != e.mode)
-                return replace(self, graph_capture=(*passes, (e.mode, e.done, e.total)))
-            case ChunkedPrefill():
-                return replace(self, max_num_batched_tokens=_or(self.max_num_batched_tokens,
-                                                                e.max_num_batched_tokens))
-            case EncoderBudget():
-                return replace(
-                    self, encoder_budget_tokens=_or(self.encoder_budget_tokens, e.budget_tokens),
-                    encoder_profiled_items=_or(self.encoder_profiled_items, e.profiled_items))
-            case DeviceRefused():
-                return replace(self, refused_free_gib=_or(self.refused_free_gib, e.free_gib))
-            case EngineArgs():
-                return replace(self, pinned_kv_bytes=_or(self.pinned_kv_bytes,
-                                                         e.kv_cache_memory_bytes),
-                               max_model_len=_or(self.max_model_len, e.max_model_len))
-            case V1EngineConfig():
-                return replace(self, tp=_or(self.tp, e.tp), pp=_or(self.pp, e.pp), v1_engine=True)
-            case ServerReady():
-                return replace(self, ready=True)
-            case EngineStartFailed():
-                return replace(self, start_failed=True,
-                               killed_by_signal=_or(self.killed_by_signal, e.killed_by_signal))
-            case EngineDied():
-                return replace(self, engine_dead=True)
+                changes["graph_capture"] = (*passes, (e.mode, e.done, e.total))
             case SchedulerDump():
-                return replace(self, prefill_died=self.prefill_died or e.prefill)
+                changes["prefill_died"] = self.prefill_died or e.prefill
             case OomEvent():
                 return self._oom(e)
-        return self
+        return replace(self, **changes) if changes else self
 
     def _oom(self, e: OomEvent) -> V1Log:
         if e.kind is OomKind.MAX_DEVICE_MEMORY_RANGE:  # r0.1's max_device_memory: not V1's

@@ -71,6 +71,7 @@ def test_every_flag_has_its_words_and_a_figure_reader() -> None:
         assert doc.does
         assert doc.not_this
         assert MEASURED[doc.name](rep)
+        assert find(doc.name) is doc  # every name, spelt as the engine spells it
 
 
 @pytest.mark.parametrize(("flag", "says"), [

@@ -19,7 +19,6 @@ class FlagDoc:
     summary: str  # one line: what it is
     does: tuple[str, ...]  # what it really does to memory and speed
     not_this: str  # the usual misreading, set right
-    aliases: tuple[str, ...] = ()
 
 
 FLAGS: tuple[FlagDoc, ...] = (
@@ -157,11 +156,8 @@ FLAGS: tuple[FlagDoc, ...] = (
 
 def find(name: str) -> FlagDoc | None:
     """The flag by its name, with or without dashes, `_` or `-`, any case for env vars."""
-    key = name.strip()
-    for doc in FLAGS:
-        if key in (doc.name, *doc.aliases):
-            return doc
-    bare = key.lstrip("-").replace("_", "-").lower()
+    # The flags' bare names differ, so the bare match is also the exact one.
+    bare = name.strip().lstrip("-").replace("_", "-").lower()
     for doc in FLAGS:
         if bare == doc.name.lstrip("-").replace("_", "-").lower():
             return doc

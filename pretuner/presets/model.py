@@ -20,6 +20,7 @@ from pretuner.engines.vllm_v1 import ROWS, card_unit
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import folder_identity, resolve
+from pretuner.models.checkpoint import reject_unknown
 from pretuner.redact import SecretArg, redact_argv
 from pretuner.report.records import PinnedDerivation, R01Derivation, RunReport
 from pretuner.units import GIB
@@ -114,12 +115,7 @@ def preset_from_dict(data: dict[str, Any], origin: str) -> Preset:
     """Build a preset from its JSON form, rejecting unknown or missing keys (`presets show
     --json` adds `schema_version`, which is read past)."""
     data = {k: v for k, v in data.items() if k != "schema_version"}
-    unknown = set(data) - _KEYS
-    if unknown:
-        raise BadInputError(
-            f"{origin}: unknown preset key(s) {', '.join(sorted(unknown))}",
-            hint=f"valid keys: {', '.join(sorted(_KEYS))}",
-        )
+    reject_unknown(data, _KEYS, f"{origin}: unknown preset key(s)")
     try:
         kinds = {"kind": PresetKind(data["kind"]), "kv_basis": KvBasis(data["kv_basis"])}
         preset = Preset(**(data | kinds))

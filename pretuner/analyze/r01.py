@@ -174,22 +174,23 @@ def analyze_r01(cfg: AnalyzeConfig, scan: ScanResult) -> R01Analysis:
     else:
         tp, tp_source = max(1, len(dumped_ranks(scan))), "derived"
     bpt = kv_bytes_per_token(cfg.model, tp=tp, pp=cfg.pp or 1, kv_dtype=cfg.kv_cache_dtype)
+    util = ASSUMED_UTIL if cfg.util is None else cfg.util
+    model_use = ASSUMED_MODEL_USE_GIB if cfg.model_use_gib is None else cfg.model_use_gib
+    length = ASSUMED_MAX_MODEL_LEN if cfg.max_model_len is None else cfg.max_model_len
     assumed = {flag: value for flag, given, value in (
-        ("--util", cfg.util, ASSUMED_UTIL),
-        ("--model-use-gb", cfg.model_use_gib, ASSUMED_MODEL_USE_GIB),
-        ("--max-model-len", cfg.max_model_len, ASSUMED_MAX_MODEL_LEN),
+        ("--util", cfg.util, util),
+        ("--model-use-gb", cfg.model_use_gib, model_use),
+        ("--max-model-len", cfg.max_model_len, length),
     ) if given is None}
     derivation = derive(
         PrerunInputs(
             card_gib=card,
-            util=cfg.util if cfg.util is not None else ASSUMED_UTIL,
-            model_use_gib=(cfg.model_use_gib if cfg.model_use_gib is not None
-                           else ASSUMED_MODEL_USE_GIB),
+            util=util,
+            model_use_gib=model_use,
             actual_peak_mib=worst.actual_peak_mib,
             kv_bytes_per_token=bpt,
             block_size=cfg.block_size,
-            max_model_len=(cfg.max_model_len if cfg.max_model_len is not None
-                           else ASSUMED_MAX_MODEL_LEN),
+            max_model_len=length,
             headroom_gib=cfg.headroom_gib,
             per_seq_bytes=per_sequence_bytes(cfg.model.vocab_size),
         )

@@ -225,15 +225,11 @@ def parse_line(line: bytes | str) -> LogEvent | None:
     """The memory event a single log line carries, or None. Never raises on any input."""
     text = _text(line)
     try:
-        return _parse(text)
+        for pattern, make in _PARSERS:  # the first found decides, even if its maker says None
+            if (found := pattern.search(text)) is not None:
+                return make(found)
     except (ValueError, OverflowError):  # GarbageFigure: hundreds of digits are no measurement
         return None
-
-
-def _parse(text: str) -> LogEvent | None:
-    for pattern, make in _PARSERS:  # the first pattern found decides, even if its maker says None
-        if (found := pattern.search(text)) is not None:
-            return make(found)
     return None
 
 

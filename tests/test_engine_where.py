@@ -105,6 +105,17 @@ def test_behind_a_serve_cmd_the_version_is_the_named_pythons_or_unknown(
     assert choose_engine("vllm", wrapped=True).version == "0.24.0"
 
 
+def test_behind_a_serve_cmd_r01_records_no_version_of_this_machine(
+        nothing_here: pytest.MonkeyPatch) -> None:
+    """Rule: an r0.1 server behind --serve-cmd is not this machine's vllm-mindspore either. Its
+    version would pick the scripts' variant: 0.4 here would drop the r0.1 variables the run
+    proved, so the run records none (the scripts keep r0.1's)."""
+    nothing_here.setattr(registry, "installed_version", lambda *names: "0.4.0")  # here
+    choice = choose_engine("vllm-mindspore-r01", wrapped=True)
+    assert (choice.version, choice.simulated) == (None, False)
+    assert "0.4.0" not in choice.reason
+
+
 def test_a_missing_engine_says_how_to_point_at_it(nothing_here: pytest.MonkeyPatch) -> None:
     with pytest.raises(EngineMissing) as err:
         choose_engine("vllm")

@@ -258,16 +258,16 @@ def _r01(requested: str, wrapped: bool) -> EngineChoice:
         # The reference server speaks r0.1: no vLLM-MindSpore version to adapt to.
         return EngineChoice(MINDSPORE_CPU, Family.R01, False, None, f"MindSpore {ms} on CPU",
                             stack=stack_probe.probe((), os.environ))
-    version = installed_version(*ROWS["vllm-mindspore"].distributions)
-    why = None if wrapped else _no_devices("ascend")
+    if wrapped:  # the user's command starts it, wherever it is (a container's is not this
+        # machine's); the run proved r0.1's variables, which the scripts then keep
+        return EngineChoice(R01, Family.R01, False, None, f"--engine {R01}: started by --serve-cmd")
+    why = _no_devices("ascend")
     if why is not None:
         raise EngineMissing(f"--engine {R01}: {why}",
                             hint="run pretuner where the NPUs are, give the server's command "
                             "with --serve-cmd, or add --emulate (--engine sim) for the "
                             "emulated card")
+    version = installed_version(*ROWS["vllm-mindspore"].distributions)
     here = f"vllm-mindspore {version}" if version else "vllm-mindspore not importable here"
-    how = "started by --serve-cmd" if wrapped else "NPUs"
-    stack = None if wrapped else stack_probe.probe(ROWS["vllm-mindspore"].distributions,
-                                                   os.environ)
-    return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: {how} ({here})",
-                        stack=stack)
+    return EngineChoice(R01, Family.R01, False, version, f"--engine {R01}: NPUs ({here})",
+                        stack=stack_probe.probe(ROWS["vllm-mindspore"].distributions, os.environ))

@@ -32,7 +32,7 @@ from pretuner.errors import PretunerError
 from pretuner.models import builtin_specs, resolve
 from pretuner.sim.executor import tune_v1_in_process
 from pretuner.sim.plugin import V1_CARDS as SIM_PROFILES
-from pretuner.sim.v1.truth import Images, max_kv_bytes, util_kv_bytes
+from pretuner.sim.v1.truth import Images, max_kv_bytes, util_outcome
 from pretuner.tune.entry import RunOptions
 from pretuner.tune.pinned.loop import V1Result
 from pretuner.tune.pinned.setup import DEFAULT_SOAK
@@ -45,7 +45,7 @@ REAL_UTIL_090_TOKENS = 398_992  # vLLM 0.24 on the real H100 at util 0.9 (README
 
 
 class Shape(TypedDict):
-    """A run's server shape, as max_kv_bytes and util_kv_bytes take it by keyword."""
+    """A run's server shape, as max_kv_bytes and util_outcome take it by keyword."""
 
     seed: int
     max_model_len: int
@@ -87,8 +87,8 @@ def _truth(model: str, r: V1Result, card: int, seed: int) -> tuple[int, int]:
     # its truth is the one for that load, not for text requests alone.
     images = Images(None, DEFAULT_SOAK, seed) if spec.vision is not None else None
     return (max_kv_bytes(spec, SIM_PROFILES[card], images=images, **args),
-            util_kv_bytes(spec, SIM_PROFILES[card], util=0.9,
-                          extra_args=images.argv() if images else (), **args))
+            util_outcome(spec, SIM_PROFILES[card], util=0.9,
+                         extra_args=images.argv() if images else (), load=False, **args)[0])
 
 
 def run_one(model: str, card: int, seed: int, length: int, work: Path) -> Row:

@@ -86,7 +86,7 @@ def test_chunked_prefill_steps_give_each_request_its_tokens() -> None:
     try:
         for req in reqs:
             engine.submit(req)
-        assert all(req.finished.wait(30) for req in reqs)
+        assert all(req.done.wait(30) for req in reqs)
     finally:
         engine.stop()
     assert [len(req.output) for req in reqs] == [5, 5, 5]

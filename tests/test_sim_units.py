@@ -239,7 +239,7 @@ def test_concurrent_prefill_shares_a_step_and_raises_the_peak() -> None:
         eng.submit(r)
     eng.start()
     for r in reqs:
-        assert r.finished.wait(10)
+        assert r.done.wait(10)
         assert r.error is None
         assert len(r.output) == 2
     eng.stop()
@@ -257,10 +257,10 @@ def test_engine_oom_fails_every_request_and_reports_dead() -> None:
     reqs = [Request("small", 100, 1), Request("big", 16000, 1)]
     eng.submit(reqs[0])
     eng.start()
-    assert reqs[0].finished.wait(10)
+    assert reqs[0].done.wait(10)
     assert reqs[0].error is None
     eng.submit(reqs[1])
-    assert reqs[1].finished.wait(10)
+    assert reqs[1].done.wait(10)
     assert reqs[1].error is not None
     assert "memory isn't enough and alloc failed" in reqs[1].error
     assert len(dead) == 1

@@ -37,7 +37,7 @@ from pretuner.sim.v1.config import UsageError, batch_defaults, human_bytes, pars
 from pretuner.sim.v1.http import DEAD_BODY, length_error
 from pretuner.sim.v1.memory import CUDA_PROFILES, CudaProfile, perturbed
 from pretuner.sim.v1.scheduler import Limits, Req, Scheduler
-from pretuner.sim.v1.truth import max_kv_bytes, util_kv_bytes
+from pretuner.sim.v1.truth import max_kv_bytes, util_outcome
 from pretuner.units import GIB
 from tests.helpers import shared
 
@@ -442,8 +442,8 @@ def test_truth_on_the_real_h100() -> None:
     best = max_kv_bytes(spec, "h100-80", **kw)
     assert 58 * GIB < best <= 61 * GIB - 1024 * spec.vocab_size * 4
     _, a2 = real("A2-util090")
-    assert close(util_kv_bytes(spec, "h100-80", util=0.9, **kw) / GIB, a2.available_gib)
-    assert util_kv_bytes(spec, "h100-80", util=0.98, **kw) == 0  # B: dies in graph capture
+    assert close(util_outcome(spec, "h100-80", util=0.9, load=False, **kw)[0] / GIB, a2.available_gib)
+    assert util_outcome(spec, "h100-80", util=0.98, load=False, **kw)[0] == 0  # B: dies in graph capture
 
 
 @pytest.mark.parametrize(("name", "model", "rel"), [("A2-util090", "qwen3-8b", 0.01),
@@ -456,9 +456,10 @@ def test_util_090_gives_the_real_kv_tokens(name: str, model: str, rel: float) ->
     log = (REAL / f"{name}.log").read_text(encoding="utf-8")
     batched = int(re.findall(r"max_num_batched_tokens=(\d+)", log)[0])
     spec = resolve(model)
-    kv = util_kv_bytes(spec, "h100-80", util=float(flag(data, "--gpu-memory-utilization")),
-                       seed=0, max_model_len=int(flag(data, "--max-model-len")),
-                       max_num_seqs=vllm_max_num_seqs(), max_num_batched_tokens=batched)
+    kv, _ = util_outcome(spec, "h100-80", util=float(flag(data, "--gpu-memory-utilization")),
+                         seed=0, max_model_len=int(flag(data, "--max-model-len")),
+                         max_num_seqs=vllm_max_num_seqs(), max_num_batched_tokens=batched,
+                         load=False)
     assert theirs.kv_tokens == data["kv_tokens"]
     assert close(kv // cache_layout(spec).bytes_per_token, data["kv_tokens"], rel)
 

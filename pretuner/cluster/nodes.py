@@ -37,13 +37,13 @@ class Placement:
     def world(self) -> int:
         return sum(self.ranks_per_node)
 
-    def _spans(self) -> Iterator[tuple[NodeFacts, int, int]]:
+    def spans(self) -> Iterator[tuple[NodeFacts, int, int]]:
         """(node, first rank, rank count) of every node, in rank order."""
         starts = list(accumulate(self.ranks_per_node, initial=0))[:-1]
         return zip(self.nodes, starts, self.ranks_per_node, strict=True)
 
     def node_of_rank(self, rank: int) -> NodeFacts:
-        node = next((node for node, start, n in self._spans() if rank < start + n), None)
+        node = next((node for node, start, n in self.spans() if rank < start + n), None)
         if node is None:
             raise IndexError(f"rank {rank} is outside a world of {self.world}")
         return node
@@ -51,7 +51,7 @@ class Placement:
     def describe(self) -> str:
         return ", ".join(
             f"{node.label}{' (this node)' if node.local else ''}: ranks {start}-{start + n - 1}"
-            for node, start, n in self._spans()
+            for node, start, n in self.spans()
         )
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pretuner.sim.logs import PoolStats, RankLog, VllmLog
-from pretuner.sim.loop import EngineDead, EngineThread, Throughput
+from pretuner.sim.loop import EngineDead, EngineThread, Throughput, Waiter
 from pretuner.sim.memory import CardModel, Prefill
 from pretuner.sim.scheduler import Scheduler, SchedulerLimits, Seq, StepPlan
 
@@ -25,17 +24,14 @@ METRICS_EVERY_S = 5.0
 _POOL_CHUNK = 1 << 30  # MindSpore grows its dynamic pool in 1 GiB chunks
 
 
-@dataclass
-class Request:
-    """One completion request as the engine sees it."""
+@dataclass(eq=False)
+class Request(Waiter):
+    """One completion request as the engine sees it (a token -2: ignored by the scheduler)."""
 
     request_id: str
     prompt_len: int
     max_tokens: int
     output: list[int] = field(default_factory=list)
-    finished: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-    on_token: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -104,7 +100,7 @@ def check_step(pools: Sequence[RankPool], cap: int, prefill: Prefill, running: i
                                         pool.model.dynamic_bytes_no_frag(prefill, running))
 
 
-class Engine(EngineThread):
+class Engine(EngineThread[Request]):
     """Continuous batching over threads: requests really overlap in the same steps."""
 
     def __init__(self, pools: Sequence[RankPool], limits: SchedulerLimits, log: VllmLog,
@@ -117,7 +113,6 @@ class Engine(EngineThread):
         self.log = log
         self._on_dead = on_dead
         self.sched = Scheduler(limits)
-        self._requests: dict[str, Request] = {}
         self.dead: OutOfMemory | None = None
         self._rng = random.Random(seed)  # noqa: S311 - fake output tokens
         self.tally = Throughput(METRICS_EVERY_S)
@@ -126,7 +121,7 @@ class Engine(EngineThread):
         with self._cond:
             if self.dead is not None:
                 raise EngineDead("Background loop has errored already.")
-            self._requests[req.request_id] = req
+            self._waiting[req.request_id] = req
             self.sched.add(Seq(req.request_id, req.prompt_len, req.max_tokens))
             self._cond.notify_all()
 
@@ -143,10 +138,9 @@ class Engine(EngineThread):
             plan = self.sched.plan()
             for ignored in plan.ignored:
                 self.log.warning("scheduler.py:1097", ignored.warning)
-                req = self._requests.pop(ignored.seq.request_id)
-                req.finished.set()
-                if req.on_token is not None:
-                    req.on_token(-2)
+                req = self._waiting.pop(ignored.seq.request_id)
+                req.done.set()
+                req.tokens.put(-2)
             return plan
 
     def check(self, plan: StepPlan) -> bool:
@@ -197,15 +191,14 @@ class Engine(EngineThread):
         before = {s.request_id: s.generated for s in self.sched.running + plan.admitted}
         done = self.sched.commit(plan)
         for seq in self.sched.running + done:
-            req = self._requests[seq.request_id]
+            req = self._waiting[seq.request_id]
             for _ in range(seq.generated - before.get(seq.request_id, 0)):
                 tok = self.token(seq)
                 req.output.append(tok)
                 self.tally.generated += 1
-                if req.on_token is not None:
-                    req.on_token(tok)
+                req.tokens.put(tok)
         for seq in done:
-            self._requests.pop(seq.request_id).finished.set()
+            self._waiting.pop(seq.request_id).done.set()
         return done
 
     def _maybe_metrics(self) -> None:
@@ -226,10 +219,4 @@ class Engine(EngineThread):
         with self._cond:
             self.dead = dead
             self.sched.abort_all()
-            victims = list(self._requests.values())
-            self._requests.clear()
-        for req in victims:
-            req.error = error
-            req.finished.set()
-            if req.on_token is not None:
-                req.on_token(-1)
+        self._fail_waiting(error)

@@ -3,10 +3,11 @@ the engine thread and its throughput line; the step rules and memory stay with e
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 
@@ -80,13 +81,39 @@ class EngineDead(RuntimeError):
     """A request submitted to an engine that died (vLLM's AsyncEngineDeadError)."""
 
 
-class EngineThread:
+@dataclass(eq=False, kw_only=True)
+class Waiter:
+    """What an HTTP handler waits on: `done` once answered (`error` when the engine died under
+    it); `tokens` gets each token as it is sampled, then a negative one if it failed."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    tokens: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.done.set()
+        self.tokens.put(-1)
+
+
+W = TypeVar("W", bound=Waiter)
+
+
+class EngineThread(Generic[W]):
     """An engine stepping on its own thread while HTTP handlers submit and wait."""
 
     def __init__(self, name: str) -> None:
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._waiting: dict[str, W] = {}  # by request id
+
+    def _fail_waiting(self, error: str) -> None:
+        """Every request in flight fails with `error` (the engine died)."""
+        with self._cond:
+            waiting, self._waiting = self._waiting, {}
+        for w in waiting.values():
+            w.fail(error)
 
     def _loop(self) -> None:
         raise NotImplementedError

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import queue
 import time
 import uuid
 from collections.abc import Callable
@@ -74,19 +73,17 @@ class _Handler(Handler):
         log.info("logger.py:37", f"Received request {rid}-0: prompt: None, params: "
                  f"SamplingParams(n=1, max_tokens={max_tokens}), prompt_token_ids: "
                  f"[{prompt_len} tokens], lora_request: None, prompt_adapter_request: None.")
-        stream = bool(body.get("stream", False))
-        tokens: queue.Queue[int] = queue.Queue()
-        req = Request(rid, prompt_len, max_tokens, on_token=tokens.put if stream else None)
+        req = Request(rid, prompt_len, max_tokens)
         try:
             self.server.engine.submit(req)
         except EngineDead:
             self._send(500, b"Internal Server Error", _PLAIN)
             return
         log.info("engine.py:267", f"Added request {rid}-0.")
-        if stream:
-            self._stream(req, tokens, model)
+        if body.get("stream", False):
+            self._stream(req, model)
             return
-        req.finished.wait()
+        req.done.wait()
         # A prompt the scheduler ignored is answered 200 with no output, as vLLM does.
         if req.error is not None:
             self._send(500, b"Internal Server Error", _PLAIN)
@@ -94,13 +91,13 @@ class _Handler(Handler):
         self._json(200, completion(rid, model, detokenize(req.output), prompt_len,
                                    len(req.output)))
 
-    def _stream(self, req: Request, tokens: queue.Queue[int], model: str) -> None:
+    def _stream(self, req: Request, model: str) -> None:
         self._open_stream()
         head = {"id": req.request_id, "object": "text_completion", "created": int(time.time()),
                 "model": model}
         sent = 0
         while sent < req.max_tokens:
-            tok = tokens.get()
+            tok = req.tokens.get()
             if tok == -2:  # ignored by the scheduler: an empty, finished choice
                 self._event(stream_choice(head, "", "length"))
                 break

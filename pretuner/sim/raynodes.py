@@ -166,12 +166,8 @@ class RayRanks:
         self.agents: list[Any] = []
         self.outboxes: list[Outbox] = []
         self.logs: list[RemoteRankLog] = []
-        first = 0
-        for k, (node, count) in enumerate(
-            zip(self.placement.nodes, self.placement.ranks_per_node, strict=True)
-        ):
+        for k, (node, first, count) in enumerate(self.placement.spans()):
             mine = list(ranks[first : first + count])
-            first += count
             held = {"num_gpus": count} if resource == "GPU" else {"resources": {resource: count}}
             one = actor.options(
                 name=agent_name(os.getpid(), k),
@@ -200,7 +196,8 @@ class RayRanks:
 
         def loop() -> None:
             while not self._stop.wait(HEALTH_EVERY_S):
-                for agent, node in zip(self.agents, self.placement.nodes, strict=True):
+                for agent, (node, first, count) in zip(self.agents, self.placement.spans(),
+                                                       strict=True):
                     try:
                         self._ray.get(agent.ping.remote(), timeout=10)
                     except Exception as err:  # RayActorError, timeouts
@@ -208,20 +205,12 @@ class RayRanks:
                             return
                         self.lost = (
                             f"At least one Worker is dead. Dead Workers: node {node.label} "
-                            f"ranks {self.ranks_of(node)} ({type(err).__name__})"
+                            f"ranks {first}-{first + count - 1} ({type(err).__name__})"
                         )
                         on_lost(self.lost)
                         return
 
         threading.Thread(target=loop, name="ray-health", daemon=True).start()
-
-    def ranks_of(self, node: Any) -> str:
-        first = 0
-        for n, count in zip(self.placement.nodes, self.placement.ranks_per_node, strict=True):
-            if n == node:
-                return f"{first}-{first + count - 1}"
-            first += count
-        return "?"
 
     def _sender(self) -> None:
         while not self._stop.wait(FLUSH_EVERY_S):

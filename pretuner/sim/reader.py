@@ -22,25 +22,23 @@ class EmulatedReader:
         self.cuda = (env.get("PRETUNER_SIM_PROFILE") or DEFAULT_PROFILE) in CUDA_PROFILES
         self.devices = devices
 
-    def _read(self) -> tuple[int, list[DeviceUse]]:
-        """(total MiB, every device's use) as the emulated tool shows them now."""
+    def _read(self) -> tuple[int, str, list[DeviceUse]]:
+        """(total MiB, the card's name, every device's use) as the emulated tool shows them."""
         if self.cuda:
             cuda, gpus = smi.gpus(self.env)
-            return cuda.nvml_total_mib, gpus
+            return cuda.nvml_total_mib, cuda.gpu_name, gpus
         profile, cards = npusmi.cards(self.env)
-        return profile.total_mib, cards
+        return profile.total_mib, profile.chip_name, cards
 
     def sample(self) -> Sample | None:
-        total, uses = self._read()
+        total, _, uses = self._read()
         return keep(tuple(DeviceMemory(u.index, u.used_mib, total) for u in uses), self.devices)
 
     def device_name(self) -> str | None:
         """The emulated card's name as its emulated tool prints it."""
-        if self.cuda:
-            return smi.gpus(self.env)[0].gpu_name
-        return npusmi.cards(self.env)[0].chip_name
+        return self._read()[1]
 
     def holders(self) -> tuple[Holder, ...]:
         """The processes the emulated tool lists on the run's devices."""
-        return tuple(Holder(u.index, pid, "python3", mib) for u in self._read()[1]
+        return tuple(Holder(u.index, pid, "python3", mib) for u in self._read()[2]
                      for pid, mib in u.processes if self.devices is None or u.index in self.devices)

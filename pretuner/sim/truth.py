@@ -8,6 +8,7 @@ integer `vLLM_MODEL_MEMORY_USE_GB` can, the ceiling an r0.1 tuner is scored agai
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -70,11 +71,9 @@ def max_safe_kv(models: Sequence[CardModel], free_bytes: int, max_model_len: int
 
     if not ok(1):
         return None
-    lo, hi = 1, max(1, seqs_supported(at(1).kv_bytes, bb, bs, max_model_len))
-    while lo < hi:  # ok() is true up to some count and false above it
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-    return at(lo)
+    hi = seqs_supported(at(1).kv_bytes, bb, bs, max_model_len)
+    # ok() is true up to some count and false above it
+    return at(1 + bisect.bisect_left(range(2, hi + 1), True, key=lambda s: not ok(s)))
 
 
 def max_length(models: Sequence[CardModel], free_bytes: int, *, limit: int, chunked: bool,
@@ -88,11 +87,8 @@ def max_length(models: Sequence[CardModel], free_bytes: int, *, limit: int, chun
         return max_safe_kv(models, free_bytes, length, batched=batched, chunked=chunked,
                            integer_model_use=integer_model_use) is not None
 
-    lo, hi = 0, limit // granularity
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid * granularity) else (lo, mid - 1)
-    return lo * granularity
+    steps = range(1, limit // granularity + 1)
+    return granularity * bisect.bisect_left(steps, True, key=lambda m: not fits(m * granularity))
 
 
 def truth(models: Sequence[CardModel], profile: CardProfile, *, seed: int, total_gb: int,

@@ -50,7 +50,7 @@ class MsEngine(Engine):
     def _decode(self, seqs: list[SchedSeq]) -> None:
         for k in range(0, len(seqs), DECODE_BATCH):
             part = seqs[k: k + DECODE_BATCH]
-            batch = [Seq([self._requests[s.request_id].output[-1] % self.net.d.vocab],
+            batch = [Seq([self._waiting[s.request_id].output[-1] % self.net.d.vocab],
                          self._table(s), self._filled[s.request_id]) for s in part]
             for s, tok in zip(part, self.net.forward(batch), strict=True):
                 self._sampled[s.request_id] = tok

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pretuner.sim.loop import EngineDead, EngineThread, Throughput
+from pretuner.sim.loop import EngineDead, EngineThread, Throughput, Waiter
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted
 from pretuner.sim.v1.memory import Alloc, first_failure, peak_of
@@ -104,15 +102,12 @@ class EngineCore:
         log.block(L.API, "ERROR", "async_llm.py:704", L.dead_handler_lines())
 
 
-@dataclass
-class Pending:
-    req: Req
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-    tokens: queue.SimpleQueue[int] = field(default_factory=queue.SimpleQueue)  # per token
+@dataclass(eq=False)
+class Pending(Waiter):
+    req: Req  # its tokens: the count generated as each one is sampled
 
 
-class Engine(EngineThread):
+class Engine(EngineThread[Pending]):
     """The core in a thread: the HTTP handlers submit and wait."""
 
     def __init__(self, core: EngineCore, level: Callable[[int], None],
@@ -121,7 +116,6 @@ class Engine(EngineThread):
         self.core = core
         self._level = level
         self._time_scale = time_scale  # PRETUNER_SIM_TIME_SCALE
-        self._pending: dict[str, Pending] = {}
         self.tally = Throughput(METRICS_S)
 
     @property
@@ -133,7 +127,7 @@ class Engine(EngineThread):
             if self.dead:
                 raise EngineDead(L.ENGINE_DEAD)
             p = Pending(req)
-            self._pending[req.request_id] = p
+            self._waiting[req.request_id] = p
             self.core.add(req)
             self._cond.notify_all()
             return p
@@ -157,7 +151,7 @@ class Engine(EngineThread):
                 continue
             if self.dead:
                 self._level(result.peak_bytes)
-                self._fail_all()
+                self._fail_waiting(L.ENGINE_DEAD)
                 continue
             if result.peak_bytes != last:
                 self._level(result.peak_bytes)
@@ -166,12 +160,12 @@ class Engine(EngineThread):
             self._metrics(result)
             for req in result.sampled:  # a streaming reply sends each token as it comes
                 with self._cond:
-                    sampled = self._pending.get(req.request_id)
+                    sampled = self._waiting.get(req.request_id)
                 if sampled is not None:
                     sampled.tokens.put(req.generated)
             for req in result.finished:
                 with self._cond:
-                    p = self._pending.pop(req.request_id, None)
+                    p = self._waiting.pop(req.request_id, None)
                 if p is not None:
                     p.done.set()
 
@@ -189,10 +183,3 @@ class Engine(EngineThread):
                           f"tokens/s, Running: {len(sched.running)} reqs, Waiting: "
                           f"{len(sched.waiting)} reqs, GPU KV cache usage: {usage:.1f}%, "
                           "Prefix cache hit rate: 0.0%")
-
-    def _fail_all(self) -> None:
-        with self._cond:
-            pending, self._pending = self._pending, {}
-        for p in pending.values():
-            p.error = L.ENGINE_DEAD
-            p.done.set()

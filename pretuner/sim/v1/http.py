@@ -4,7 +4,6 @@ an optional usage chunk), chat with images (`pretuner.sim.v1.chat`), `/reset_mm_
 
 from __future__ import annotations
 
-import queue
 import time
 import uuid
 from dataclasses import dataclass
@@ -178,10 +177,6 @@ class _Handler(front.Handler):
 
 def _next_token(pending: Pending) -> int | None:
     """The count of tokens generated once the next one is; None when the engine died."""
-    while True:
-        try:
-            return pending.tokens.get(timeout=0.05)
-        except queue.Empty:
-            if pending.done.is_set() and pending.error is not None:
-                return None
+    count = pending.tokens.get()
+    return None if count < 0 else count
 

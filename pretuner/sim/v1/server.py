@@ -83,16 +83,13 @@ def _place_on_ray(cfg: V1Config, sink: Sink, stop: StopFlag,
         log.raw(L.API, L.api_failure_lines())
         return None
     stop.install()  # Ray's core installs its own SIGTERM handler: vLLM's come after it
-    first = 0
-    p = remote.placement
-    for agent, node, count in zip(remote.agents, p.nodes, p.ranks_per_node, strict=True):
+    for agent, (node, first, count) in zip(remote.agents, remote.placement.spans(), strict=True):
         pid, ip, gpus = remote._ray.get(agent.whoami.remote())
         for rank, gpu in zip(range(first, first + count), gpus, strict=False):
             log.worker(pid, None if node.local else ip, "parallel_state.py:1165",
                        f"rank {rank} in world size {world} is assigned as DP rank 0, PP rank "
                        f"{rank // cfg.tp}, TP rank {rank % cfg.tp}, EP rank {rank % cfg.tp} "
                        f"(GPU {gpu})")
-        first += count
     log.core("ray_executor.py:212", "Ray ranks: " + remote.placement.describe())
     def publish(mib: int) -> None:
         # Held on every node before the server goes on, as an allocation is: a level sent

@@ -128,29 +128,20 @@ def _load_survives(spec: ModelSpec, booted: Booted, images: Images | None,
 def util_outcome(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
-                 images: Images | None = None) -> tuple[int, bool]:
-    """A hand-chosen `--gpu-memory-utilization`: (the KV bytes its profiling gives, 0 when it
-    does not start; whether it survives the worst-case load)."""
-    argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
-                 kv_cache_dtype, False, ["--gpu-memory-utilization", str(util),
-                                         *(images.argv() if images else ())])
-    booted = _boot(spec, argv, _env(profile_name, seed, 0))
-    return (0, False) if booted is None else (booted.kv_bytes,
-                                              _load_survives(spec, booted, images))
-
-
-def util_kv_bytes(spec: ModelSpec, profile_name: str, *, util: float, seed: int,
-                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                  block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto",
-                  enforce_eager: bool = False, occupied_mib: int = 0,
-                  extra_args: Sequence[str] = ()) -> int:
-    """The KV bytes (whole blocks) that default profiling at `util` gives a server that starts;
-    0 when the start fails (profiling, graph capture or warm-up)."""
+                 enforce_eager: bool = False, occupied_mib: int = 0,
+                 images: Images | None = None, extra_args: Sequence[str] = (),
+                 load: bool = True) -> tuple[int, bool]:
+    """A hand-chosen `--gpu-memory-utilization`: (the KV bytes (whole blocks) its profiling
+    gives, 0 when the start fails (profiling, graph capture or warm-up); whether it survives
+    the worst-case load, asked only with `load`)."""
     argv = _argv(max_model_len, max_num_seqs, max_num_batched_tokens, block_size, tp,
                  kv_cache_dtype, enforce_eager, ["--gpu-memory-utilization", str(util),
+                                                 *(images.argv() if images else ()),
                                                  *extra_args])
     booted = _boot(spec, argv, _env(profile_name, seed, occupied_mib))
-    return 0 if booted is None else booted.kv_bytes
+    if booted is None:
+        return 0, False
+    return booted.kv_bytes, load and _load_survives(spec, booted, images)
 
 
 def decode_tokens_per_s(spec: ModelSpec, profile_name: str, *, tp: int = 1,

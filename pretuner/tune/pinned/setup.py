@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,7 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchSettings
-from pretuner.engines.outcome import Executor, LaunchOutcome
+from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
@@ -322,13 +320,6 @@ class PinnedMethod(V1Tuner):
             self.decide("weights", f"{engine.knobs.words()}: the same in every launch"
                         + (f"; {self.host_line}" if self.host_line else ""),
                         **engine.knobs.to_json())
-
-    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
-        """A launch, with the compile cache it started with (pretuner.engines.vllm_v1)."""
-        cache = self.facts.engine.cache_state(os.environ)
-        o = replace(super().launch(settings), compile_cache=cache)
-        self.outcomes[-1] = o
-        return o
 
     def run(self) -> V1Result:
         try:

@@ -108,14 +108,7 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
     if resume is not None:
         record = RunRecord.open(resume)
         record.lock = lock_folder(record.path)  # a second --resume of this run is refused
-        started = next(record.of_kind("run_started"), None)
-        if started is None:
-            raise BadInputError(f"{str(resume)!r} has no run_started entry", hint="start a new run")
-        if next(record.of_kind("run_finished"), None) is not None:
-            raise BadInputError(
-                f"run {str(resume)!r} already finished", hint="start a new run instead"
-            )
-        return record, RunOptions.from_json(started.get("options"), started.get("version"))
+        return record, _recorded_options(record)
     if opts.out is not None:
         out = Path(opts.out)
         check_no_orphans(out.parent, own=out)  # a server a killed run left on the card
@@ -129,14 +122,14 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
 
 def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> RunOutcome:
     """Tune, journal every launch and decision, and write the result files."""
-    asked = opts if resume is None else _recorded_options(resume)
-    choice = choose(asked) if asked is not None else None
+    asked = opts if resume is None else _recorded_options(RunRecord.open(resume))
+    choice = choose(asked)
     s = None
-    if resume is None and choice is not None:
+    if resume is None:
         s = setup(opts, choice)  # refuse bad input before a run folder exists
         if choice.simulated and opts.engine == "auto" and not opts.emulate:
             log.warning("%s", choice.reason)  # the fallback: said before anything else
-    if asked is None or choice is None or not asked.ray_address:
+    if not asked.ray_address:
         return _tune(opts, phase, resume, None, choice)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
@@ -155,23 +148,26 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
         return _tune(opts, phase, resume, collectors, choice)
 
 
-def _recorded_options(resume: Path) -> RunOptions | None:
-    try:
-        started = next(RunRecord.open(resume).of_kind("run_started"), None)
-    except PretunerError:
-        return None  # _open_record says what is wrong with it
+def _recorded_options(record: RunRecord) -> RunOptions:
+    """The options an unfinished run was started with (--resume goes on with them)."""
+    started = next(record.of_kind("run_started"), None)
     if started is None:
-        return None
+        raise BadInputError(f"{str(record.path)!r} has no run_started entry",
+                            hint="start a new run")
+    if next(record.of_kind("run_finished"), None) is not None:
+        raise BadInputError(
+            f"run {str(record.path)!r} already finished", hint="start a new run instead"
+        )
     return RunOptions.from_json(started.get("options"), started.get("version"))
 
 
 def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
-          collectors: RayCollectors | None, choice: EngineChoice | None) -> RunOutcome:
+          collectors: RayCollectors | None, choice: EngineChoice) -> RunOutcome:
     record, opts = _open_record(opts, resume)
     try:
         if resume is not None:  # we hold the lock: a live server of this run is our orphan
             stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
-        return _tune_recorded(record, opts, phase, choice or choose(opts), collectors)
+        return _tune_recorded(record, opts, phase, choice, collectors)
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it
         raise

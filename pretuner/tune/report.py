@@ -206,17 +206,18 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
         peak=proof_peak(result.validation) if result.validated else None,
-        boots=_boots(result.boot_peaks_mib, round(cap_gib * 1024), p.card_gib * 1024),
+        boots=boots_record(result.boot_peaks_mib, round(cap_gib * 1024), p.card_gib * 1024),
     )
 
 
-def _boots(peaks: tuple[int, ...], cap_mib: int, card_mib: int) -> Boots | None:
-    """r0.1's boots (--repeat-proof): the worst rank's peak each, against the pool cap."""
+def boots_record(peaks: tuple[int, ...], cap_mib: int, total_mib: int) -> Boots | None:
+    """The final configuration's boots (--repeat-proof): each proof peak against the cap it
+    must stay under (r0.1: the pool; V1: the device), the floor scaled to `total_mib`."""
     if len(peaks) < 2:
         return None
     spread = noise.spread_mib(peaks)
     return Boots(peaks_mib=list(peaks), spread_mib=spread, headroom_mib=cap_mib - max(peaks),
-                 floor_mib=noise.floor_mib(card_mib, spread))
+                 floor_mib=noise.floor_mib(total_mib, spread))
 
 
 def _proof_rows(

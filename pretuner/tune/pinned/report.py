@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pretuner import noise
 from pretuner.deploy.context import RAY_BACKEND
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
@@ -23,7 +22,6 @@ from pretuner.pinned import kv_held_bytes
 from pretuner.redact import redact_argv
 from pretuner.report.records import (
     Asked,
-    Boots,
     Final,
     PinnedDerivation,
     RunReport,
@@ -39,6 +37,7 @@ from pretuner.tune.pinned.loop import V1Config, V1Result
 from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures, soak_rate
 from pretuner.tune.report import (
     RunMeta,
+    boots_record,
     given_up,
     proof_peak,
     provenance,
@@ -129,7 +128,8 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs)
         + ([slow] if slow else []),
         peak=proof_peak(proof),
-        boots=boots_record(r.boot_peaks_mib, proof),
+        boots=boots_record(r.boot_peaks_mib, total, total)
+        if proof is not None and (total := proof.device_total_mib) is not None else None,
     )
 
 
@@ -216,12 +216,3 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory 
                     non_kv_peak_mib=round(non_kv, 1), soak_growth_mib=growth,
                     held_back_mib=hold, pinned_kv_mib=round(pinned, 1),
                     free_mib=round(free, 1), lines=lines)
-
-
-def boots_record(peaks: tuple[int, ...], proof: LaunchOutcome | None) -> Boots | None:
-    """The final configuration's boots (--repeat-proof), against the device's total."""
-    if len(peaks) < 2 or proof is None or proof.device_total_mib is None:
-        return None
-    total, spread = proof.device_total_mib, noise.spread_mib(peaks)
-    return Boots(peaks_mib=list(peaks), spread_mib=spread, headroom_mib=total - max(peaks),
-                 floor_mib=noise.floor_mib(total, spread))

@@ -135,14 +135,21 @@ SwapSpace = Annotated[float | None, typer.Option(
 )]
 
 
+
+def named(cls: Any, params: dict[str, Any], **values: Any) -> Any:
+    """A `cls` (a dataclass) of a command's parameters, each named as its field; `values`
+    over them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in params.items() if k in names}, **values})
+
+
 def run_options(params: dict[str, Any], **values: Any) -> RunOptions:
-    """The `RunOptions` of a command's parameters, each named as its field (`values` over
-    them): the KV dtype in pretuner's spelling, --quantization in lower case."""
+    """The `RunOptions` of `run`'s or `plan`'s parameters (`named`): the KV dtype in
+    pretuner's spelling, --quantization in lower case."""
     from pretuner.tune.options import RunOptions
 
-    names = {f.name for f in dataclasses.fields(RunOptions)}
     quantization = params.get("quantization")
-    return RunOptions(**{
-        **{k: v for k, v in params.items() if k in names},
-        "kv_cache_dtype": kv_dtype(params["kv_cache_dtype"]),
-        "quantization": quantization.strip().lower() if quantization else None, **values})
+    run: RunOptions = named(
+        RunOptions, params, kv_cache_dtype=kv_dtype(params["kv_cache_dtype"]),
+        quantization=quantization.strip().lower() if quantization else None, **values)
+    return run

@@ -101,6 +101,13 @@ class RunOptions:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def knobs_given(self) -> dict[str, bool]:
+        """The V1 weights knobs by flag: whether each was given (or set by --config)."""
+        return {"--quantization": self.quantization is not None,
+                "--cpu-offload-gb": bool(self.cpu_offload_gib),
+                "--swap-space": self.swap_space_gib is not None,
+                "--enforce-eager": self.enforce_eager}
+
     def command_line(self) -> list[str]:
         """`pretuner run` with every option that differs from its default: the same run again
         (a new run folder; what the emulated card was told through its env is not a flag)."""

@@ -49,24 +49,18 @@ if TYPE_CHECKING:
 SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host's total
 
 
-KNOB_FLAGS = ("--quantization", "--cpu-offload-gb", "--swap-space", "--enforce-eager")
-
-
 def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knobs,
                                                                           tuple[Flag, ...]]:
     """The run's knobs, and the other server flags: a knob given as a --server-arg (as
     before pretuner knew them) is taken as if given as pretuner's own flag, once."""
     values: dict[str, str | None] = {}
     rest: list[Flag] = []
+    own = opts.knobs_given()
     for name, value in server_args:
-        if name not in KNOB_FLAGS:
+        if name not in own:
             rest.append((name, value))
             continue
-        own = {"--quantization": opts.quantization is not None,
-               "--cpu-offload-gb": bool(opts.cpu_offload_gib),
-               "--swap-space": opts.swap_space_gib is not None,
-               "--enforce-eager": opts.enforce_eager}[name]
-        if own or name in values:
+        if own[name] or name in values:
             raise BadInputError(f"{name} is given twice (as pretuner's flag or a --config key, "
                                 "and in --server-arg)", hint=f"give {name} once")
         values[name] = value

@@ -138,11 +138,9 @@ def check_r01_flags(opts: RunOptions) -> None:
                             "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
                             hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
                             f"for a vision-language model, or drop {' '.join(image_flags)}")
-    v1_only = [flag for flag, on in (
-        ("--quantization", opts.quantization is not None),
-        ("--cpu-offload-gb", bool(opts.cpu_offload_gib)),
-        ("--swap-space", opts.swap_space_gib is not None), ("--enforce-eager", opts.enforce_eager),
-        ("--min-tokens-per-s", opts.min_tokens_per_s is not None)) if on]
+    v1_only = [flag for flag, on in (*opts.knobs_given().items(),
+                                     ("--min-tokens-per-s", opts.min_tokens_per_s is not None))
+               if on]
     if v1_only:
         raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
                             "flag; the r0.1 method builds its own command",

@@ -10,7 +10,7 @@ import typer
 import pretuner.cli.options as o
 from pretuner import validate as v
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json
+from pretuner.cli.render import emit
 from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 
@@ -196,15 +196,9 @@ def script_cmd(
     else:
         files = render_scripts(p, opts, list(target))
     if out is None:
-        if as_json:
-            echo_json({"files": files})
-        else:
-            for name, text in files.items():
-                typer.echo(f"==> {name} <==\n{text}")
+        emit(as_json, {"files": files},
+             "\n".join(f"==> {name} <==\n{text}" for name, text in files.items()))
         return
     written = write_scripts(files, out)
-    if as_json:
-        echo_json({"written": [str(path) for path in written]})
-    else:
-        for path in written:
-            typer.echo(str(path))
+    emit(as_json, {"written": [str(path) for path in written]},
+         "\n".join(str(path) for path in written))

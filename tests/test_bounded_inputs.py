@@ -74,7 +74,7 @@ def test_config_values_of_their_types_pass_as_typed(tmp_path: Path) -> None:
                    "limit-mm-per-prompt: {image: 2}\n")
     defaults, _ = read_vllm_config(cfg)
     assert defaults == {"max_model_len": "32K", "max_num_seqs": 8, "util": 1,
-                        "enforce_eager": False, "swap_space": 0.5, "block_size": None,
+                        "enforce_eager": False, "swap_space_gib": 0.5, "block_size": None,
                         "limit_mm_per_prompt": '{"image": 2}'}
 
 

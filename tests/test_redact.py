@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.deploy.context import ScriptOptions
-from pretuner.deploy.render import render_scripts
+from pretuner.deploy.render import render_scripts, run_scripts
 from pretuner.deploy.targets import Target
 from pretuner.engines.base import LaunchCommand
 from pretuner.errors import BadInputError
@@ -30,7 +30,6 @@ from pretuner.redact import (
 )
 from pretuner.report.records import RunReport, read_report
 from pretuner.tune.record import RunRecord
-from pretuner.tune.report import run_files
 from tests.helpers import cli_env, invoke, run_cli
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -152,7 +151,7 @@ def test_run_id_with_a_newline_is_one_comment(tmp_path: Path) -> None:
     assert isinstance(golden, RunReport)
     record = golden.model_copy(update={"run_id": EVIL_ID, "final": golden.final.model_copy(
         update={"serve_command": [sys.executable, str(_stub(tmp_path)), *golden.final.flags]})})
-    files = run_files(record)
+    files = run_scripts(record, ScriptOptions(), [Target.ALL])
     for name, text in (("serve.sh", files["serve.sh"]), ("tuned.env", files["tuned.env"])):
         assert "\ntouch pwned" not in text
         assert "# run r?touch pwned?x: " in text

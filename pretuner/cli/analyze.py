@@ -30,6 +30,7 @@ Examples:
   pretuner analyze vllm.log --memory-series nvml.tsv --card-total-mib 81559""",
 )
 def analyze_cmd(
+    ctx: typer.Context,
     logs: list[Path] = typer.Argument(
         ..., metavar="LOG", help="Log files, per-rank log folders, or .gz files (of one run)."
     ),
@@ -50,7 +51,7 @@ def analyze_cmd(
         help="V1 logs: the device total in MiB as NVML reports it (81559 on an H100 80GB; "
         "default: the nvidia-smi CSV's memory.total).",
     ),
-    card: int | None = typer.Option(
+    card_gib: int | None = typer.Option(
         None, "--card", metavar="GIB", help="r0.1 logs: card GiB (default: from the log)."
     ),
     util: float | None = typer.Option(
@@ -58,7 +59,7 @@ def analyze_cmd(
         help="r0.1 logs: --gpu-memory-utilization of the pre-run (not given: 0.9, said as "
         "assumed).",
     ),
-    model_use_gb: int | None = typer.Option(
+    model_use_gib: int | None = typer.Option(
         None, "--model-use-gb", metavar="GIB",
         help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run (not given: 50, said as assumed).",
     ),
@@ -76,7 +77,7 @@ def analyze_cmd(
     block_size: int = typer.Option(
         16, "--block-size", metavar="TOKENS", help="KV block size in tokens."
     ),
-    headroom_gb: float = typer.Option(
+    headroom_gib: float = typer.Option(
         DEFAULT_HEADROOM_GIB, "--headroom-gb", metavar="GIB",
         help="r0.1 logs: GiB added to weights+activations.",
     ),
@@ -99,24 +100,12 @@ def analyze_cmd(
     from pretuner.analyze.front import analyze_logs
     from pretuner.models import resolve
 
-    v.layout(card, util, tp, pp, block_size, headroom_gb)
+    v.layout(card_gib, util, tp, pp, block_size, headroom_gib)
     if card_total_mib is not None:
         v.int_range("--card-total-mib", card_total_mib, 1, v.MAX_CARD_GIB * 1024)
-    result = analyze_logs(AnalyzeConfig(
-        paths=tuple(logs),
-        model=resolve(model) if model is not None else None,
-        tp=tp,
-        pp=pp,
-        kv_cache_dtype=kv_dtype(kv_cache_dtype),
-        block_size=block_size,
-        card_gib=card,
-        util=util,
-        model_use_gib=model_use_gb,
-        max_model_len=max_model_len,
-        headroom_gib=headroom_gb,
-        memory_series=memory_series,
-        card_total_mib=card_total_mib,
-    ))
+    result = analyze_logs(o.named(
+        AnalyzeConfig, ctx.params, paths=tuple(logs), kv_cache_dtype=kv_dtype(kv_cache_dtype),
+        model=resolve(model) if model is not None else None))
     if out is not None:
         write_atomic(out, result.out_text(f"pretuner analyze {shlex.join(str(p) for p in logs)}"))
     emit(as_json, {**result.to_json(), "out": str(out) if out else None}, result.text())

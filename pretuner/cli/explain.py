@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json
+from pretuner.cli.render import emit
 from pretuner.cli.script import finished_run
 from pretuner.errors import BadInputError
 
@@ -45,11 +45,9 @@ def explain_cmd(
     from pretuner.explain.measured import MEASURED
 
     if flag is None:
-        if as_json:
-            echo_json({"flags": [{"flag": d.name, "summary": d.summary} for d in FLAGS]})
-        else:
-            width = max(len(d.name) for d in FLAGS)
-            typer.echo("\n".join(f"{d.name:<{width}}  {d.summary}" for d in FLAGS))
+        width = max(len(d.name) for d in FLAGS)
+        emit(as_json, {"flags": [{"flag": d.name, "summary": d.summary} for d in FLAGS]},
+             "\n".join(f"{d.name:<{width}}  {d.summary}" for d in FLAGS))
         return
     doc = find(flag)
     if doc is None:
@@ -61,12 +59,9 @@ def explain_cmd(
             hint=f"did you mean {', '.join(close)}?" if close
             else "run `pretuner explain` for the list")
     figures = MEASURED[doc.name](finished_run(run)) if run is not None else None
-    if as_json:
-        echo_json({"flag": doc.name, "engines": doc.engines, "summary": doc.summary,
+    emit(as_json, {"flag": doc.name, "engines": doc.engines, "summary": doc.summary,
                    "does": list(doc.does), "not": doc.not_this, "run": str(run) if run else None,
-                   "measured": figures})
-        return
-    typer.echo(render(doc, figures, run))
+                   "measured": figures}, render(doc, figures, run))
 
 
 def render(doc: FlagDoc, figures: list[str] | None, run: Path | None) -> str:

@@ -8,7 +8,7 @@ import typer
 
 from pretuner import kvmath
 from pretuner.cli.app import Group, app
-from pretuner.cli.render import echo_json, table
+from pretuner.cli.render import emit, table
 from pretuner.errors import BadInputError
 from pretuner.models import ModelSpec, builtin_specs, resolve
 from pretuner.units import fmt_gib
@@ -38,14 +38,11 @@ def models_list(
     if ctx.invoked_subcommand is not None:
         return
     specs = builtin_specs()
-    if as_json:
-        echo_json({"models": [_summary_json(s) for s in specs]})
-        return
     rows = [(s.name, s.hf_id, s.attention.value, s.num_layers, f"{s.total_params / 1e9:,.2f}",
              s.dtype, f"{kvmath.kv_bytes_per_token(s):,}") for s in specs]
     headers = ("NAME", "HF ID", "ATTENTION", "LAYERS", "PARAMS (1e9)", "DTYPE",
                "KV BYTES/TOKEN (TP1)")
-    typer.echo(table(headers, rows))
+    emit(as_json, {"models": [_summary_json(s) for s in specs]}, table(headers, rows))
 
 
 @models_app.command("show")
@@ -58,10 +55,7 @@ def models_show(
     """Every field of one model, with units, and its KV bytes per token at TP 1-16."""
     spec = resolve(name)
     kv_valid, kv_invalid = _kv_by_tp(spec)
-    if as_json:
-        echo_json(_spec_json(spec, kv_valid, kv_invalid))
-        return
-    typer.echo(_spec_text(spec, kv_valid, kv_invalid))
+    emit(as_json, _spec_json(spec, kv_valid, kv_invalid), _spec_text(spec, kv_valid, kv_invalid))
 
 
 def _kv_by_tp(spec: ModelSpec) -> tuple[dict[int, int], dict[int, str]]:

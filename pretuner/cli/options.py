@@ -6,14 +6,18 @@ small modules the help texts name load here (tests/test_cli_startup.py).
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer import _click
 from typer.core import TyperCommand
 
-from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int
+from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
 from pretuner.models.quant import METHODS
+
+if TYPE_CHECKING:
+    from pretuner.tune.options import RunOptions
 
 # The panels `run --help` and `plan --help` group their options into, in this order.
 MODEL_CARD, LENGTHS, ENGINE, PROOF, OUTPUTS, ADVANCED = PANELS = (
@@ -129,3 +133,23 @@ SwapSpace = Annotated[float | None, typer.Option(
     help="V1 engines: host memory per card for preempted sequences' KV (default the "
     "engine's, 4); checked against the host.",
 )]
+
+
+
+def named(cls: Any, params: dict[str, Any], **values: Any) -> Any:
+    """A `cls` (a dataclass) of a command's parameters, each named as its field; `values`
+    over them."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in params.items() if k in names}, **values})
+
+
+def run_options(params: dict[str, Any], **values: Any) -> RunOptions:
+    """The `RunOptions` of `run`'s or `plan`'s parameters (`named`): the KV dtype in
+    pretuner's spelling, --quantization in lower case."""
+    from pretuner.tune.options import RunOptions
+
+    quantization = params.get("quantization")
+    run: RunOptions = named(
+        RunOptions, params, kv_cache_dtype=kv_dtype(params["kv_cache_dtype"]),
+        quantization=quantization.strip().lower() if quantization else None, **values)
+    return run

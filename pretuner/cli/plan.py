@@ -9,7 +9,7 @@ import typer
 import pretuner.cli.options as o
 from pretuner.cli.app import app
 from pretuner.cli.render import emit, table
-from pretuner.cli.vocab import KvDtype, kv_dtype
+from pretuner.cli.vocab import KvDtype
 from pretuner.models.vision import parse_limit_mm_per_prompt
 from pretuner.units import GIB
 
@@ -37,8 +37,9 @@ run would launch. Exit codes: 2 bad input, 4 no layout fits (plan says what woul
 engine, quantization, then offload).""",
 )
 def plan_cmd(
+    ctx: typer.Context,
     model: o.RequiredModel,
-    card: o.Card = None,
+    card_gib: o.Card = None,
     util: o.Util = 0.9,
     max_model_len: o.MaxModelLen = None,
     tp: o.Tp = None,
@@ -48,7 +49,7 @@ def plan_cmd(
     kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
     block_size: o.BlockSize = None,
     weights_format: o.WeightsFormat = None,
-    headroom_gb: float | None = typer.Option(None, "--headroom-gb", metavar="GIB",
+    headroom_gib: float | None = typer.Option(None, "--headroom-gb", metavar="GIB",
                                              rich_help_panel=o.ADVANCED,
                                              help="GiB added to weights+activations (0.5)."),
     kv_gib: float | None = typer.Option(None, "--kv-gib", metavar="GIB",
@@ -60,8 +61,8 @@ def plan_cmd(
     engine: o.Engine = "auto",
     emulate: o.Emulate = False,
     quantization: o.Quantization = None,
-    cpu_offload_gb: o.CpuOffloadGb = 0.0,
-    swap_space: o.SwapSpace = None,
+    cpu_offload_gib: o.CpuOffloadGb = 0.0,
+    swap_space_gib: o.SwapSpace = None,
     as_json: bool = typer.Option(False, "--json", rich_help_panel=o.OUTPUTS,
                                  help="Print one JSON object."),
 ) -> None:
@@ -73,25 +74,14 @@ def plan_cmd(
     from pretuner.errors import InfeasibleError
     from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
     from pretuner.tune.entry import run_layout_options
-    from pretuner.tune.options import RunOptions
 
-    opts = RunOptions(
-        model=model, engine=engine, card_gib=card, util=util, max_model_len=max_model_len,
-        tp=tp, pp=pp, nodes=nodes, cards_per_node=cards_per_node, block_size=block_size,
-        kv_cache_dtype=kv_dtype(kv_cache_dtype),
-        weights_format=weights_format, headroom_gib=headroom_gb,
-        max_num_batched_tokens=max_num_batched_tokens, limit_mm_per_prompt=limit_mm_per_prompt,
-        mm_processor_cache_gb=mm_processor_cache_gb, emulate=emulate,
-        quantization=quantization.strip().lower() if quantization else None,
-        cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space,
-    )  # fmt: skip
-    cfg = run_layout_options(opts)
+    cfg = run_layout_options(o.run_options(ctx.params))
     limits = parse_limit_mm_per_prompt(limit_mm_per_prompt) if limit_mm_per_prompt else {}
     cfg = dataclasses.replace(  # no image key: None, vLLM then allows 999
         cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
         max_num_batched_tokens=max_num_batched_tokens, cluster=True,  # a prediction
         host_available_bytes=(host_available_bytes()
-                              if cfg.engine_class.takes_weights_flags or cpu_offload_gb
+                              if cfg.engine_class.takes_weights_flags or cpu_offload_gib
                                                               else None),
         mm_processor_cache_gib=(cfg.mm_processor_cache_gib if mm_processor_cache_gb is None
                                 else mm_processor_cache_gb))  # fmt: skip

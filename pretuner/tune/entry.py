@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from pretuner.tune.execute import Phase, recorded_executor
 from pretuner.tune.options import RunOptions as RunOptions
 from pretuner.tune.pinned.loop import V1Config, V1Result
 from pretuner.tune.pinned.setup import pinned_layout_options, pinned_setup
-from pretuner.tune.r01.config import CardInfo, TuneConfig, TuneResult, plan_for
+from pretuner.tune.r01.config import TuneConfig, TuneResult, plan_for
 from pretuner.tune.r01.setup import r01_layout_options, r01_setup
 from pretuner.tune.record import (
     RunRecord,
@@ -41,12 +42,13 @@ from pretuner.tune.record import (
     stop_own_orphans,
 )
 from pretuner.tune.report import RunMeta, record_failure, write_report
-from pretuner.tune.setup import Setup, Vision
+from pretuner.tune.setup import Method, Setup
 
 if TYPE_CHECKING:
     from pretuner.cluster.session import RayCollectors
 
 log = logging.getLogger(__name__)
+AnySetup = Setup[TuneConfig] | Setup[V1Config]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,22 +62,13 @@ class RunOutcome:
 class DryRun:
     """What a run's first launch would be, on any engine: nothing launched, nothing written."""
 
-    method: str  # "r0.1" or "v1-pinned-kv"
-    engine: str
-    reason: str  # why this engine (the registry's words)
-    simulated: bool
-    card: CardInfo
-    layout_reason: str
-    device_reader: str | None
+    setup: AnySetup
+    method: Method  # its name ("r0.1" or "v1-pinned-kv") and what it does after the pre-run
     prerun: LaunchSettings
     command: LaunchCommand
-    then: str  # what the run does after the pre-run
-    max_model_len: int
-    vision: Vision
 
 
 # The one place the method is chosen: its setup, and its layout options for `pretuner plan`.
-AnySetup = Setup[TuneConfig] | Setup[V1Config]
 METHODS: dict[Family, tuple[Callable[[RunOptions, EngineChoice], AnySetup],
                             Callable[[RunOptions, EngineChoice], PlanConfig]]] = {
     Family.R01: (r01_setup, r01_layout_options), Family.V1: (pinned_setup, pinned_layout_options)}
@@ -101,14 +94,10 @@ def run_layout_options(opts: RunOptions) -> PlanConfig:
 
 def dry_run(opts: RunOptions) -> DryRun:
     """What the first launch would be, without launching anything or writing a record."""
-    choice = choose(opts)
-    s = setup(opts, choice)
+    s = setup(opts, choose(opts))
     method = s.start(_no_launch, lambda phase, detail: None, None)
     settings = method.first_launch()
-    reader = s.ctx.device_reader
-    return DryRun(method.name, choice.name, choice.reason, choice.simulated, s.card,
-                  s.layout_reason, reader.name if reader else None, settings,
-                  s.ctx.build(settings, 0), method.then, s.cfg.max_model_len, s.vision)
+    return DryRun(s, method, settings, s.ctx.build(settings, 0))
 
 
 def _no_launch(settings: LaunchSettings) -> LaunchOutcome:
@@ -119,14 +108,7 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
     if resume is not None:
         record = RunRecord.open(resume)
         record.lock = lock_folder(record.path)  # a second --resume of this run is refused
-        started = next(record.of_kind("run_started"), None)
-        if started is None:
-            raise BadInputError(f"{str(resume)!r} has no run_started entry", hint="start a new run")
-        if next(record.of_kind("run_finished"), None) is not None:
-            raise BadInputError(
-                f"run {str(resume)!r} already finished", hint="start a new run instead"
-            )
-        return record, RunOptions.from_json(started.get("options"), started.get("version"))
+        return record, _recorded_options(record)
     if opts.out is not None:
         out = Path(opts.out)
         check_no_orphans(out.parent, own=out)  # a server a killed run left on the card
@@ -140,14 +122,14 @@ def _open_record(opts: RunOptions, resume: Path | None) -> tuple[RunRecord, RunO
 
 def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> RunOutcome:
     """Tune, journal every launch and decision, and write the result files."""
-    asked = opts if resume is None else _recorded_options(resume)
-    choice = choose(asked) if asked is not None else None
+    asked = opts if resume is None else _recorded_options(RunRecord.open(resume))
+    choice = choose(asked)
     s = None
-    if resume is None and choice is not None:
+    if resume is None:
         s = setup(opts, choice)  # refuse bad input before a run folder exists
         if choice.simulated and opts.engine == "auto" and not opts.emulate:
             log.warning("%s", choice.reason)  # the fallback: said before anything else
-    if asked is None or choice is None or not asked.ray_address:
+    if not asked.ray_address:
         return _tune(opts, phase, resume, None, choice)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
@@ -166,23 +148,26 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
         return _tune(opts, phase, resume, collectors, choice)
 
 
-def _recorded_options(resume: Path) -> RunOptions | None:
-    try:
-        started = next(RunRecord.open(resume).of_kind("run_started"), None)
-    except PretunerError:
-        return None  # _open_record says what is wrong with it
+def _recorded_options(record: RunRecord) -> RunOptions:
+    """The options an unfinished run was started with (--resume goes on with them)."""
+    started = next(record.of_kind("run_started"), None)
     if started is None:
-        return None
+        raise BadInputError(f"{str(record.path)!r} has no run_started entry",
+                            hint="start a new run")
+    if next(record.of_kind("run_finished"), None) is not None:
+        raise BadInputError(
+            f"run {str(record.path)!r} already finished", hint="start a new run instead"
+        )
     return RunOptions.from_json(started.get("options"), started.get("version"))
 
 
 def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
-          collectors: RayCollectors | None, choice: EngineChoice | None) -> RunOutcome:
+          collectors: RayCollectors | None, choice: EngineChoice) -> RunOutcome:
     record, opts = _open_record(opts, resume)
     try:
         if resume is not None:  # we hold the lock: a live server of this run is our orphan
             stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
-        return _tune_recorded(record, opts, phase, choice or choose(opts), collectors)
+        return _tune_recorded(record, opts, phase, choice, collectors)
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it
         raise
@@ -206,8 +191,13 @@ def _tune_recorded(record: RunRecord, opts: RunOptions, phase: Phase, choice: En
         ctx = replace(ctx, collector=collectors)
         record.append("cluster", **collectors.info)
     phase("record", str(record.path))
-    method = s.start(recorded_executor(record, ctx, phase), phase,
-                     lambda d: record.append("decision", **d))
+    execute = recorded_executor(record, ctx, phase)
+
+    def launch(settings: LaunchSettings) -> LaunchOutcome:
+        cache = s.engine.cache_state(os.environ)  # the engine's compile cache as it starts
+        return replace(execute(settings), compile_cache=cache)
+
+    method = s.start(launch, phase, lambda d: record.append("decision", **d))
     method.begin()
     meta = RunMeta(
         run_id=record.path.name, engine=s.engine.server, simulated=choice.simulated,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import pydantic
@@ -16,30 +16,6 @@ from pretuner.kvmath import KV_DTYPES
 from pretuner.models import local_model_path
 from pretuner.models.quant import METHODS
 from pretuner.redact import redact_command_text
-
-# RunOptions field -> its `pretuner run` flag, in the order a re-tune command names them.
-RETUNE_FLAGS = (
-    ("engine", "--engine"), ("emulate", "--emulate"), ("engine_python", "--engine-python"),
-    ("card_gib", "--card"),
-    ("max_model_len", "--max-model-len"), ("min_model_len", "--min-model-len"),
-    ("max_num_seqs", "--max-num-seqs"), ("max_num_batched_tokens", "--max-num-batched-tokens"),
-    ("util", "--util"), ("tp", "--tp"), ("pp", "--pp"), ("nodes", "--nodes"),
-    ("cards_per_node", "--cards-per-node"),
-    ("block_size", "--block-size"), ("kv_cache_dtype", "--kv-cache-dtype"),
-    ("weights_format", "--weights-format"), ("headroom_gib", "--headroom-gb"),
-    ("reserve_gib", "--reserve-gb"), ("model_use_gib", "--model-use-gb"),
-    ("max_launches", "--max-launches"), ("validate", "--validate"),
-    ("repeat_proof", "--repeat-proof"),
-    ("serve_cmd", "--serve-cmd"), ("server_args", "--server-arg"), ("seed", "--seed"),
-    ("ready_timeout_s", "--ready-timeout"), ("request_timeout_s", "--request-timeout"),
-    ("stop_grace_s", "--stop-grace"), ("ray_address", "--ray-address"),
-    ("limit_mm_per_prompt", "--limit-mm-per-prompt"),
-    ("mm_processor_cache_gb", "--mm-processor-cache-gb"), ("soak", "--soak"),
-    ("soak_minutes", "--soak-minutes"),
-    ("quantization", "--quantization"), ("cpu_offload_gib", "--cpu-offload-gb"),
-    ("swap_space_gib", "--swap-space"), ("enforce_eager", "--enforce-eager"),
-    ("min_tokens_per_s", "--min-tokens-per-s"),
-)  # fmt: skip
 
 
 @pydantic.with_config(pydantic.ConfigDict(extra="forbid", strict=True))
@@ -52,9 +28,12 @@ class RunOptions:
     emulate: bool = False  # the emulated engine of that name, asked for
     engine_python: str | None = None  # the interpreter of the engine's own venv
     card_gib: int | None = None
-    util: float = 0.9
     max_model_len: int | None = None  # default: the engine's
     min_model_len: int | None = None
+    # V1 engines: the production's; None: the engine's own (pinned.setup.batch_defaults)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    util: float = 0.9
     tp: int | None = None
     pp: int | None = None  # None: the layout chooses (pretuner.plan.layout)
     nodes: int | None = None
@@ -64,11 +43,14 @@ class RunOptions:
     weights_format: str | None = None
     headroom_gib: float | None = None  # base headroom; None: scaled to the measurement
     reserve_gib: float | None = None
+    model_use_gib: int | None = None
     max_launches: int = 8
     validate: bool = True
     repeat_proof: int = 1  # boots the final configuration is proven on
-    model_use_gib: int | None = None
     serve_cmd: str | None = None
+    # V1 engines: more server flags, launched and written to serve.sh as given
+    # (["--load-format dummy"]: each value is shell-split).
+    server_args: list[str] = field(default_factory=list)
     runs_dir: str = "runs"
     out: str | None = None
     seed: int = 0
@@ -78,12 +60,6 @@ class RunOptions:
     stop_grace_s: float = 120.0
     sim_env: dict[str, str] = field(default_factory=dict)
     ray_address: str | None = None  # multi-node via Ray: HOST:PORT or auto
-    # V1 engines: the production's; None: the engine's own (pinned.setup.batch_defaults)
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    # V1 engines: more server flags, launched and written to serve.sh as given
-    # (["--load-format dummy"]: each value is shell-split).
-    server_args: list[str] = field(default_factory=list)
     # Vision-language models (V1 engines): vLLM's flags, launched and deployed, and the soak
     # after validation (requests and/or minutes; None: DEFAULT_SOAK for a VL model, 0 else).
     limit_mm_per_prompt: str | None = None
@@ -100,6 +76,13 @@ class RunOptions:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def knobs_given(self) -> dict[str, bool]:
+        """The V1 weights knobs by flag: whether each was given (or set by --config)."""
+        return {"--quantization": self.quantization is not None,
+                "--cpu-offload-gb": bool(self.cpu_offload_gib),
+                "--swap-space": self.swap_space_gib is not None,
+                "--enforce-eager": self.enforce_eager}
 
     def command_line(self) -> list[str]:
         """`pretuner run` with every option that differs from its default: the same run again
@@ -215,4 +198,15 @@ class RunOptions:
         v.positive("--min-tokens-per-s", o.min_tokens_per_s, example="5")
 
 
+# RunOptions field -> its `pretuner run` flag, in the fields' order (a re-tune command names
+# them so): the flag is the field's name, but where the field names its unit or the flag is
+# repeated; the fields that are no choice about the run have none.
+_FLAGS = {"card_gib": "--card", "headroom_gib": "--headroom-gb", "reserve_gib": "--reserve-gb",
+          "model_use_gib": "--model-use-gb", "server_args": "--server-arg",
+          "ready_timeout_s": "--ready-timeout", "request_timeout_s": "--request-timeout",
+          "stop_grace_s": "--stop-grace", "cpu_offload_gib": "--cpu-offload-gb",
+          "swap_space_gib": "--swap-space"}
+RETUNE_FLAGS = tuple((f.name, _FLAGS.get(f.name, "--" + f.name.replace("_", "-")))
+                     for f in fields(RunOptions)
+                     if f.name not in ("model", "runs_dir", "out", "host", "sim_env"))
 _JOURNALED = pydantic.TypeAdapter(RunOptions)

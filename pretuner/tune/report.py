@@ -206,17 +206,18 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs,
                           seqs_from="derived from the pre-run"),
         peak=proof_peak(result.validation) if result.validated else None,
-        boots=_boots(result.boot_peaks_mib, round(cap_gib * 1024), p.card_gib * 1024),
+        boots=boots_record(result.boot_peaks_mib, round(cap_gib * 1024), p.card_gib * 1024),
     )
 
 
-def _boots(peaks: tuple[int, ...], cap_mib: int, card_mib: int) -> Boots | None:
-    """r0.1's boots (--repeat-proof): the worst rank's peak each, against the pool cap."""
+def boots_record(peaks: tuple[int, ...], cap_mib: int, total_mib: int) -> Boots | None:
+    """The final configuration's boots (--repeat-proof): each proof peak against the cap it
+    must stay under (r0.1: the pool; V1: the device), the floor scaled to `total_mib`."""
     if len(peaks) < 2:
         return None
     spread = noise.spread_mib(peaks)
     return Boots(peaks_mib=list(peaks), spread_mib=spread, headroom_mib=cap_mib - max(peaks),
-                 floor_mib=noise.floor_mib(card_mib, spread))
+                 floor_mib=noise.floor_mib(total_mib, spread))
 
 
 def _proof_rows(
@@ -328,7 +329,7 @@ def _run_lines(rep: AnyReport) -> list[str]:
         peaks = next((s.node_peaks_mib for s in reversed(rep.steps) if s.node_peaks_mib), {})
         nodes = ", ".join(
             f"{n['node']} ({n['ranks']} ranks"
-            + (f", peak {peaks[n['node']]:,} MiB {provenance(rep.simulated)}"
+            + (f", peak {peaks[n['node']]:,} MiB {rep.provenance}"
                if n["node"] in peaks else "") + ")"
             for n in c["nodes"])
         how = "devices sampled" if peaks else "logs scanned"
@@ -444,16 +445,12 @@ def launch_lines(rep: AnyReport) -> list[str]:
 # -- the startup files --------------------------------------------------------------------------
 
 
-def run_files(rep: RunReport) -> dict[str, str]:
-    """The files that start production, by name: those `pretuner script RUN` writes."""
-    return run_scripts(rep, ScriptOptions(), [Target.ALL])
-
-
 def write_report(record: RunRecord, rep: RunReport) -> None:
     """A finished run's files: report.json, report.md, the startup files, report.html."""
     record.write_json("report.json", rep.model_dump(mode="json"))
     record.write("report.md", report_md(rep))
-    for name, text in run_files(rep).items():
+    # The files that start production: those `pretuner script RUN` writes.
+    for name, text in run_scripts(rep, ScriptOptions(), [Target.ALL]).items():
         record.write(name, text, executable=name.endswith(".sh"))
     refresh_run_page(record.path)
 
@@ -462,9 +459,7 @@ def record_failure(record: RunRecord, method: Method, err: PretunerError, meta: 
     """A failed run's report.json, report.md and report.html, attached to `err`, with every
     launch made: also one that raised before it had an outcome (the last launch_started)."""
     steps = [step_json(o) for o in method.outcomes]
-    started = None
-    for event in record.of_kind("launch_started"):
-        started = event
+    started = next(reversed(list(record.of_kind("launch_started"))), None)
     if started is not None and started["n"] > max((s.n for s in steps), default=0):
         n = int(started["n"])
         path = record.path / f"launch-{n}" / "server.log"

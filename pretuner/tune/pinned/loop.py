@@ -288,29 +288,28 @@ class V1Tuner(Method):
                 return self.tighten(s, o, proven)
             if not o.kind.is_oom:
                 raise _ended(o, "validation")
-            kv, how = self.back_off(s, o)
-            self.decide("back off",
-                        f"{o.kind.value} at {(s.kv_cache_bytes or 0) / GIB:.2f} GiB pinned "
-                        f"({o.oom_text or 'no allocation named'}); {how}: {kv / GIB:.2f} GiB",
-                        kv_cache_bytes=kv)
-            self.check_one_sequence(kv, "backing off leaves")
-            s = replace(s, kv_cache_bytes=kv)
+            s = self.back_off(s, o, f"{o.kind.value} at {(s.kv_cache_bytes or 0) / GIB:.2f} GiB "
+                              "pinned")
 
-    def back_off(self, s: LaunchSettings, o: LaunchOutcome) -> tuple[int, str]:
-        """The next pinned KV after an OOM, and why that much."""
+    def back_off(self, s: LaunchSettings, o: LaunchOutcome, what: str) -> LaunchSettings:
+        """`s` with the next pinned KV after the OOM of `o`; the decision says `what` ran out and
+        why that much."""
         kv_now = s.kv_cache_bytes or 0
         total = self.total_mib(o)
         alloc = o.oom_alloc_bytes
         peak = max(o.device_peaks_mib.values(), default=None)
+        kv, how = back_off_bytes(kv_now, alloc, total), "less by that allocation and the margin"
         if alloc is not None and 2 * alloc >= kv_now and peak is not None:
             # The KV cache itself was refused: nothing of it was held when the launch's peak
             # was sampled, so that peak is all non-KV (this launch's own, not the pre-run's).
             budget = derive_pinned(total, peak, 0, o.device_reader or "device")
             kv = min(budget.kv_bytes, back_off_bytes(kv_now, 0, total))
-            return kv, (f"the KV cache itself was refused; derived again from this launch's "
-                        f"peak: {budget.lines()[1]}")
-        return (back_off_bytes(kv_now, alloc, total),
-                "less by that allocation and the margin")
+            how = (f"the KV cache itself was refused; derived again from this launch's peak: "
+                   f"{budget.lines()[1]}")
+        self.decide("back off", f"{what} ({o.oom_text or 'no allocation named'}); {how}: "
+                    f"{kv / GIB:.2f} GiB", kv_cache_bytes=kv)
+        self.check_one_sequence(kv, "backing off leaves")
+        return replace(s, kv_cache_bytes=kv)
 
     def proven(self, s: LaunchSettings, o: LaunchOutcome) -> str:
         kv = s.kv_cache_bytes or 0
@@ -408,12 +407,8 @@ class V1Tuner(Method):
                     break
             if boots[-1].kind.is_oom:  # one boot of N did not hold it: as a validation OOM
                 failed = boots[-1]
-                kv, how = self.back_off(r.final, failed)
-                self.decide("back off", f"boot {len(boots)} of the proven configuration ended "
-                            f"{failed.kind.value} ({failed.oom_text or 'no allocation named'}); "
-                            f"{how}: {kv / GIB:.2f} GiB", kv_cache_bytes=kv)
-                self.check_one_sequence(kv, "backing off leaves")
-                r = self.validate(replace(r.final, kv_cache_bytes=kv))
+                r = self.validate(self.back_off(r.final, failed, f"boot {len(boots)} of the "
+                                                f"proven configuration ended {failed.kind.value}"))
                 continue
             peaks = tuple(max(o.device_peaks_mib.values(), default=0) for o in boots)
             self.spread = max(self.spread, noise.spread_mib(peaks))

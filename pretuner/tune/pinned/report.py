@@ -8,22 +8,18 @@ report.md and the startup files are written from the record by `tune.report`, li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from pretuner import noise
 from pretuner.deploy.context import RAY_BACKEND
 from pretuner.engines.base import LaunchSettings, Purpose
 from pretuner.engines.outcome import LaunchOutcome, OutcomeKind
 from pretuner.engines.v1_images import Soak
-from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.launch.command import deployed_port, wrapped
 from pretuner.launch.images import ImageShape, worst_case_images
 from pretuner.pinned import kv_held_bytes
 from pretuner.redact import redact_argv
 from pretuner.report.records import (
     Asked,
-    Boots,
     Final,
     PinnedDerivation,
     RunReport,
@@ -32,13 +28,13 @@ from pretuner.report.records import (
     V1Images,
     V1Memory,
     V1Soak,
-    V1Weights,
 )
 from pretuner.speed import too_slow
-from pretuner.tune.pinned.loop import V1Config, V1Result
+from pretuner.tune.pinned.loop import V1Result
 from pretuner.tune.pinned.soak import HOLD_DOUBLINGS, soak_figures, soak_rate
 from pretuner.tune.report import (
     RunMeta,
+    boots_record,
     given_up,
     proof_peak,
     provenance,
@@ -49,29 +45,11 @@ from pretuner.tune.report import (
 from pretuner.tune.setup import Vision
 from pretuner.units import GIB, MIB
 
-
-@dataclass(frozen=True, slots=True)
-class PinnedFacts:
-    """What a V1 run's report says besides the common `RunMeta` and its `V1Config`."""
-
-    engine: V1Engine
-    cfg: V1Config
-    weights_format: str = "bf16"
-    vision: Vision | None = None  # a vision-language model's images and soak
-    weights: V1Weights | None = None  # the weights knobs and their plan (predicted)
-    min_tokens_per_s: float | None = None  # --min-tokens-per-s asked
-
-    def layout(self, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The run's layout; on a Ray cluster (`cluster`, the check's record) its nodes."""
-        w, c = self.weights, self.cfg
-        # A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq).
-        loaded = w.loaded_as if w and w.quantization else self.weights_format
-        return {"model": c.model.name, "card_gib": c.card_gib, "tp": c.tp, "pp": c.pp,
-                "nodes": len(cluster["nodes"]) if cluster else 1,
-                "weights_format": loaded, "kv_bytes_per_token": c.bytes_per_token}
+if TYPE_CHECKING:
+    from pretuner.tune.pinned.setup import PinnedMethod
 
 
-def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
+def report_json(r: V1Result, m: RunMeta, x: PinnedMethod) -> RunReport:
     """The record of a finished V1 run; report.json is its `model_dump(mode="json")`."""
     f = r.final
     proof = final_launch(r.outcomes, f) if r.validated else None
@@ -129,7 +107,8 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedFacts) -> RunReport:
         given_up=given_up(asked_len, asked_seqs, f.max_model_len, f.max_num_seqs)
         + ([slow] if slow else []),
         peak=proof_peak(proof),
-        boots=boots_record(r.boot_peaks_mib, proof),
+        boots=boots_record(r.boot_peaks_mib, total, total)
+        if proof is not None and (total := proof.device_total_mib) is not None else None,
     )
 
 
@@ -216,12 +195,3 @@ def memory_record(o: LaunchOutcome, bytes_per_token: int, tag: str) -> V1Memory 
                     non_kv_peak_mib=round(non_kv, 1), soak_growth_mib=growth,
                     held_back_mib=hold, pinned_kv_mib=round(pinned, 1),
                     free_mib=round(free, 1), lines=lines)
-
-
-def boots_record(peaks: tuple[int, ...], proof: LaunchOutcome | None) -> Boots | None:
-    """The final configuration's boots (--repeat-proof), against the device's total."""
-    if len(peaks) < 2 or proof is None or proof.device_total_mib is None:
-        return None
-    total, spread = proof.device_total_mib, noise.spread_mib(peaks)
-    return Boots(peaks_mib=list(peaks), spread_mib=spread, headroom_mib=total - max(peaks),
-                 floor_mib=noise.floor_mib(total, spread))

@@ -43,8 +43,7 @@ def speed_line(rep: RunReport, d: PinnedDerivation) -> str | None:
     s = d.speed
     if s is None:
         return None
-    line = Speed(s.prompt_tokens, s.ttft_s, s.decode_tokens, s.decode_s, s.load_requests,
-                 s.load_tokens, s.load_s, s.how, s.decode_chunks).words(rep.provenance)
+    line = Speed.from_json(s.model_dump()).words(rep.provenance)
     if d.min_tokens_per_s is not None:
         line += f"; asked at least {d.min_tokens_per_s:g} tokens/s (--min-tokens-per-s)"
     return line

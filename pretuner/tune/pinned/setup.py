@@ -10,7 +10,6 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,8 +18,7 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
-from pretuner.engines.base import LaunchSettings
-from pretuner.engines.outcome import Executor, LaunchOutcome
+from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
@@ -40,7 +38,7 @@ from pretuner.report.records import RunReport, V1Weights
 from pretuner.tune.busy import refuse_busy_devices
 from pretuner.tune.execute import Phase
 from pretuner.tune.pinned.loop import V1Config, V1Result, V1Tuner
-from pretuner.tune.pinned.report import PinnedFacts, report_json
+from pretuner.tune.pinned.report import report_json
 from pretuner.tune.report import RunMeta
 from pretuner.tune.setup import OnDecision, Setup, Vision, launch_context
 from pretuner.units import GIB, MIB
@@ -51,24 +49,18 @@ if TYPE_CHECKING:
 SWAP_REFUSE_SHARE = 0.7  # vLLM refuses --swap-space x TP above this share of the host's total
 
 
-KNOB_FLAGS = ("--quantization", "--cpu-offload-gb", "--swap-space", "--enforce-eager")
-
-
 def knobs_of(opts: RunOptions, server_args: tuple[Flag, ...] = ()) -> tuple[Knobs,
                                                                           tuple[Flag, ...]]:
     """The run's knobs, and the other server flags: a knob given as a --server-arg (as
     before pretuner knew them) is taken as if given as pretuner's own flag, once."""
     values: dict[str, str | None] = {}
     rest: list[Flag] = []
+    own = opts.knobs_given()
     for name, value in server_args:
-        if name not in KNOB_FLAGS:
+        if name not in own:
             rest.append((name, value))
             continue
-        own = {"--quantization": opts.quantization is not None,
-               "--cpu-offload-gb": bool(opts.cpu_offload_gib),
-               "--swap-space": opts.swap_space_gib is not None,
-               "--enforce-eager": opts.enforce_eager}[name]
-        if own or name in values:
+        if own[name] or name in values:
             raise BadInputError(f"{name} is given twice (as pretuner's flag or a --config key, "
                                 "and in --server-arg)", hint=f"give {name} once")
         values[name] = value
@@ -279,12 +271,13 @@ def pinned_setup(opts: RunOptions, choice: EngineChoice) -> Setup[V1Config]:
     named = emulator().card_name(sim_env) if choice.simulated else None  # "emulated H200 141 GB"
     card_info = CardInfo(card, None, named or (
         "--card" if opts.card_gib is not None else "the device's size"))
-    facts = PinnedFacts(engine, cfg, p.weights_format, None if vision.images is None else vision,
-                        weights_record(p, knobs, host), opts.min_tokens_per_s)
+    weights = weights_record(p, knobs, host)
 
     def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> PinnedMethod:
-        return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, facts=facts,
-                            host_line=host_line, batch_line=batch_line)
+        return PinnedMethod(cfg, execute, phase, on_decision, setup=setup, engine=engine,
+                            weights_format=p.weights_format, weights=weights,
+                            min_tokens_per_s=opts.min_tokens_per_s, host_line=host_line,
+                            batch_line=batch_line)
 
     setup = Setup(choice, engine, model_arg, ctx, card_info, p.layout_reason, cfg, start,
                   vision)
@@ -301,14 +294,20 @@ class PinnedMethod(V1Tuner):
             "(launch 2).")
 
     def __init__(self, cfg: V1Config, execute: Executor, phase: Phase, on_decision: OnDecision,
-                 *, setup: Setup[V1Config], facts: PinnedFacts, host_line: str | None,
-                 batch_line: str | None = None) -> None:
+                 *, setup: Setup[V1Config], engine: V1Engine, weights_format: str,
+                 weights: V1Weights | None, min_tokens_per_s: float | None,
+                 host_line: str | None, batch_line: str | None = None) -> None:
         super().__init__(cfg, execute, phase, on_decision)
-        self.setup, self.facts, self.host_line = setup, facts, host_line
-        self.batch_line = batch_line
+        self.setup, self.engine, self.host_line, self.batch_line = (setup, engine, host_line,
+                                                                    batch_line)
+        # What the report says besides the common `RunMeta`: the weights' format, their plan
+        # (predicted), --min-tokens-per-s asked, a vision-language model's images and soak.
+        self.weights_format, self.weights = weights_format, weights
+        self.min_tokens_per_s = min_tokens_per_s
+        self.vision = None if setup.vision.images is None else setup.vision
 
     def begin(self) -> None:
-        engine = self.facts.engine
+        engine = self.engine
         self.phase("engine", self.setup.choice.reason)
         if self.setup.ctx.device_reader is None:
             self.phase("device", "no device memory reader here: the engine's own profiling "
@@ -323,22 +322,21 @@ class PinnedMethod(V1Tuner):
                         + (f"; {self.host_line}" if self.host_line else ""),
                         **engine.knobs.to_json())
 
-    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
-        """A launch, with the compile cache it started with (pretuner.engines.vllm_v1)."""
-        cache = self.facts.engine.cache_state(os.environ)
-        o = replace(super().launch(settings), compile_cache=cache)
-        self.outcomes[-1] = o
-        return o
-
     def run(self) -> V1Result:
         try:
             return super().run()
         except InfeasibleError as err:
-            widen_hint(err, self.facts.engine.knobs)
+            widen_hint(err, self.engine.knobs)
             raise
 
     def report_json(self, result: V1Result, meta: RunMeta) -> RunReport:
-        return report_json(result, meta, self.facts)
+        return report_json(result, meta, self)
 
-    def layout(self) -> dict[str, Any]:
-        return self.facts.layout()
+    def layout(self, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The run's layout; on a Ray cluster (`cluster`, the check's record) its nodes."""
+        w, c = self.weights, self.cfg
+        # A run that quantized its weights: the format they loaded as (bitsandbytes-nf4-dq).
+        loaded = w.loaded_as if w and w.quantization else self.weights_format
+        return {"model": c.model.name, "card_gib": c.card_gib, "tp": c.tp, "pp": c.pp,
+                "nodes": len(cluster["nodes"]) if cluster else 1,
+                "weights_format": loaded, "kv_bytes_per_token": c.bytes_per_token}

@@ -1,6 +1,6 @@
 """The r0.1 method's `Setup` (the card as npu-smi sizes it, the layout, the emulated card's
-environment, the launch context), its `Tuner`, and `R01Method`, the `Tuner` as the pipeline in
-`pretuner.tune.entry` runs it."""
+environment, the launch context) and its `Tuner`, as the pipeline in `pretuner.tune.entry` runs
+it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pretuner.devices import select_reader
 from pretuner.devices.npu_smi import CardInfo, detect_card
 from pretuner.engines.base import LaunchSettings
 from pretuner.engines.mindspore_r01 import BLOCK_SIZE, R01Engine, graph_cache_env
-from pretuner.engines.outcome import Executor, LaunchOutcome
+from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.errors import BadInputError
 from pretuner.launch.process import check_server_installed
@@ -107,8 +107,8 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     ctx = launch_context(opts, engine, model_arg, spec, reader,
                          decode_tokens=engine.lengths.decode_tokens)
 
-    def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> R01Method:
-        return R01Method(cfg, execute, phase, on_decision, setup=setup, engine=engine)
+    def start(execute: Executor, phase: Phase, on_decision: OnDecision) -> Tuner:
+        return Tuner(cfg, execute, phase, on_decision, setup=setup)
 
     setup = Setup(choice, engine, model_arg, ctx, cfg.card, p.layout_reason, cfg, start)
     return setup
@@ -138,11 +138,9 @@ def check_r01_flags(opts: RunOptions) -> None:
                             "(vLLM-MindSpore r0.1, on vLLM 0.6.6, serves no Qwen3-VL)",
                             hint="name a V1 engine (--engine vllm|vllm-ascend|vllm-mindspore) "
                             f"for a vision-language model, or drop {' '.join(image_flags)}")
-    v1_only = [flag for flag, on in (
-        ("--quantization", opts.quantization is not None),
-        ("--cpu-offload-gb", bool(opts.cpu_offload_gib)),
-        ("--swap-space", opts.swap_space_gib is not None), ("--enforce-eager", opts.enforce_eager),
-        ("--min-tokens-per-s", opts.min_tokens_per_s is not None)) if on]
+    v1_only = [flag for flag, on in (*opts.knobs_given().items(),
+                                     ("--min-tokens-per-s", opts.min_tokens_per_s is not None))
+               if on]
     if v1_only:
         raise BadInputError(f"{v1_only[0]} (given, or a --config key) is a V1 engine's "
                             "flag; the r0.1 method builds its own command",
@@ -154,6 +152,32 @@ class Tuner(PrerunSearch, Validation):
     request that must really run) until the longest length that fits at the memory the final
     configuration will have is known (`prerun`), derive at the final util (`core`), and prove it
     under full load (`validation`). Never report an unproven configuration."""
+
+    name: MethodName = "r0.1"
+    then = ("read every rank's `actual peak used` after a graceful stop, derive, and validate "
+            "with max-num-seqs concurrent max-length requests, then a burst of as many short "
+            "ones (launch 2).")
+
+    def __init__(self, cfg: TuneConfig, execute: Executor, phase: Phase,
+                 on_decision: OnDecision = None, *, setup: Setup[TuneConfig] | None = None
+                 ) -> None:
+        super().__init__(cfg, execute, phase, on_decision)
+        self.setup = setup  # the pipeline's; None where a test drives the loop alone
+
+    def begin(self) -> None:
+        if self.setup is not None and self.setup.ctx.device_reader is None:
+            self.phase("device", NO_READER)
+
+    def first_launch(self) -> LaunchSettings:
+        return self.prerun_settings(prerun_util(self.cfg), self.cfg.max_model_len)
+
+    def report_json(self, result: TuneResult, meta: RunMeta) -> RunReport:
+        engine = self.setup.engine if self.setup is not None else None
+        assert isinstance(engine, R01Engine)  # noqa: S101 - only the pipeline writes a report
+        return report_json(result, meta, engine)
+
+    def layout(self) -> dict[str, Any]:
+        return plan_layout(self.plan)
 
     def run(self) -> TuneResult:
         cfg = self.cfg
@@ -181,35 +205,3 @@ class Tuner(PrerunSearch, Validation):
         return replace(r, outcomes=tuple(self.outcomes), decisions=tuple(self.decisions))
 
 
-class R01Method(Tuner):
-    """The r0.1 loop as the pipeline drives it."""
-
-    name: MethodName = "r0.1"
-    then = ("read every rank's `actual peak used` after a graceful stop, derive, and validate "
-            "with max-num-seqs concurrent max-length requests, then a burst of as many short "
-            "ones (launch 2).")
-
-    def __init__(self, cfg: TuneConfig, execute: Executor, phase: Phase, on_decision: OnDecision,
-                 *, setup: Setup[TuneConfig], engine: R01Engine) -> None:
-        super().__init__(cfg, execute, phase, on_decision)
-        self.setup, self.engine = setup, engine
-
-    def launch(self, settings: LaunchSettings) -> LaunchOutcome:
-        """A launch, with MindSpore's graph cache as it started (pretuner.engines)."""
-        cache = self.engine.cache_state(os.environ)
-        o = replace(super().launch(settings), compile_cache=cache)
-        self.outcomes[-1] = o
-        return o
-
-    def begin(self) -> None:
-        if self.setup.ctx.device_reader is None:
-            self.phase("device", NO_READER)
-
-    def first_launch(self) -> LaunchSettings:
-        return self.prerun_settings(prerun_util(self.cfg), self.cfg.max_model_len)
-
-    def report_json(self, result: TuneResult, meta: RunMeta) -> RunReport:
-        return report_json(result, meta, self.engine)
-
-    def layout(self) -> dict[str, Any]:
-        return plan_layout(self.plan)

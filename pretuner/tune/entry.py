@@ -130,7 +130,7 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
         if choice.simulated and opts.engine == "auto" and not opts.emulate:
             log.warning("%s", choice.reason)  # the fallback: said before anything else
     if not asked.ray_address:
-        return _tune(opts, phase, resume, None, choice)
+        return _tune(opts, phase, resume, None, choice, s)
     # Multi-node: the cluster is checked before a run folder exists, and stays connected.
     from pretuner.cluster.session import ClusterPlan, ray_cluster
 
@@ -145,7 +145,7 @@ def run_tuning(opts: RunOptions, phase: Phase, resume: Path | None = None) -> Ru
                        device_kind=None if isinstance(s.cfg, TuneConfig)
                        else s.engine.device_kind, cards_per_node=asked.cards_per_node)
     with ray_cluster(asked.ray_address, plan, phase) as collectors:
-        return _tune(opts, phase, resume, collectors, choice)
+        return _tune(opts, phase, resume, collectors, choice, s if resume is None else None)
 
 
 def _recorded_options(record: RunRecord) -> RunOptions:
@@ -162,12 +162,15 @@ def _recorded_options(record: RunRecord) -> RunOptions:
 
 
 def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
-          collectors: RayCollectors | None, choice: EngineChoice) -> RunOutcome:
+          collectors: RayCollectors | None, choice: EngineChoice,
+          s: AnySetup | None) -> RunOutcome:
+    """`s`: the setup that refused bad input before the run folder (None on --resume, whose
+    options come from the journal)."""
     record, opts = _open_record(opts, resume)
     try:
         if resume is not None:  # we hold the lock: a live server of this run is our orphan
             stop_own_orphans(record.path, opts.stop_grace_s, lambda msg: phase("resume", msg))
-        return _tune_recorded(record, opts, phase, choice, collectors)
+        return _tune_recorded(record, opts, phase, choice, collectors, s or setup(opts, choice))
     except PretunerError as err:
         err.run_record = record.path  # `run --json` names it
         raise
@@ -184,8 +187,7 @@ def _tune(opts: RunOptions, phase: Phase, resume: Path | None,
 
 
 def _tune_recorded(record: RunRecord, opts: RunOptions, phase: Phase, choice: EngineChoice,
-                   collectors: RayCollectors | None) -> RunOutcome:
-    s = setup(opts, choice)
+                   collectors: RayCollectors | None, s: AnySetup) -> RunOutcome:
     ctx = s.ctx
     if collectors is not None:
         ctx = replace(ctx, collector=collectors)

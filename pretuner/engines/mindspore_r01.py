@@ -19,8 +19,8 @@ from pretuner.engines.base import (
     LaunchSettings,
     Purpose,
     Target,
-    api_key,
-    flag_words,
+    batch_flags,
+    launch_command,
 )
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, kind_of
 from pretuner.errors import BadInputError, ServerFailedError
@@ -175,21 +175,16 @@ class R01Engine:
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         """The exact argv and environment of one launch (pure)."""
         base, model_as_flag = self.base_command()
-        argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
-        argv += ["--host", target.host, "--port", str(target.port),
-                 *flag_words("--served-model-name", target.served_name)]
         deployment = self.deploy(settings)
-        argv += deployment.argv()
-        return LaunchCommand(argv=argv, env={**deployment.env, **self.launch_env,
-                                             **target.extra_env}, bearer=api_key(argv))
+        return launch_command([*base, *(["--model"] if model_as_flag else []), target.model],
+                              target, deployment.flags,
+                              {**deployment.env, **self.launch_env, **target.extra_env})
 
     def deploy(self, s: LaunchSettings) -> Deployment:
         """The flags and environment that start the server with these settings: the KV cache is
         what the two memory variables leave of the card (seed 003 section 3.2)."""
-        flags: list[tuple[str, str | None]] = [
-            ("--max-model-len", str(s.max_model_len)),
-            ("--max-num-seqs", str(s.max_num_seqs)),
-            ("--max-num-batched-tokens", str(s.max_num_batched_tokens)),
+        flags = [
+            *batch_flags(s),
             ("--gpu-memory-utilization", f"{s.util:g}"),
             ("--block-size", str(s.block_size)),
             ("--tensor-parallel-size", str(s.tp)),

@@ -73,6 +73,10 @@ class V1Row:
     dev_env: dict[str, str] = field(default_factory=lambda: {"VLLM_SERVER_DEV_MODE": "1"})
     graph_cache: bool = False  # MindSpore's compile cache (MS_COMPILER_CACHE_*), not vLLM's
 
+    def named_python(self, env: Mapping[str, str], given: str | None = None) -> str | None:
+        """The engine's Python as the user named it: --engine-python, else a variable."""
+        return given or env.get(ENGINE_PYTHON_VAR) or env.get(self.python_var or "") or None
+
 
 ROWS = {
     "vllm": V1Row("vllm", ("vllm",), "cuda", ("vllm", "serve"), "CUDA_VISIBLE_DEVICES", 16),
@@ -168,9 +172,9 @@ def engine_python(row: V1Row, env: Mapping[str, str], given: str | None = None,
     """The interpreter that runs `row`'s server: `given` (--engine-python), else the variables
     naming one; for a row that lives in its own venv, this one when it imports vllm, else the
     install script's venv under `cwd`; None: pretuner's own and the engine's script on PATH."""
-    named = given or env.get(ENGINE_PYTHON_VAR) or (row.python_var and env.get(row.python_var))
+    named = row.named_python(env, given)
     if named or row.python_var is None:
-        return named or None
+        return named
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     own = (cwd or Path.cwd()) / OWN_VENV_PYTHON

@@ -24,7 +24,7 @@ from pretuner.engines.base import (
 )
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, kind_of
 from pretuner.errors import BadInputError, ServerFailedError
-from pretuner.launch.process import read_tail
+from pretuner.launch.process import log_hint
 from pretuner.logscan import ScanResult
 from pretuner.models import ModelSpec, local_model_path
 
@@ -296,7 +296,6 @@ def _fatal(
 ) -> ServerFailedError:
     if failure is not None:
         return failure
-    tail = read_tail(log_path, 15)
     why = (
         "it did not exit within the grace period and was killed, so MindSpore printed nothing"
         if not graceful
@@ -308,8 +307,7 @@ def _fatal(
     return ServerFailedError(
         f"the server stopped without a {'complete ' if scan.truncated else ''}memory-pool "
         f"dump: {why}",
-        hint=f"check that GLOG_v=1 reaches the server; log {log_path}"
-        + (f"\nlast log lines:\n{tail}" if tail else ""),
+        hint=f"check that GLOG_v=1 reaches the server; {log_hint(log_path)}",
         log_path=str(log_path),
     )
 

@@ -217,6 +217,12 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
     return redact_text("\n".join(lines[-n_lines:]))  # quoted in reports: no secret
 
 
+def log_hint(path: Path, n_lines: int = 15) -> str:
+    """`log PATH` and its last lines (when it has any), for a failed launch's hint."""
+    tail = read_tail(path, n_lines)
+    return f"log {path}" + (f"\nlast log lines:\n{tail}" if tail else "")
+
+
 def stop_all(grace_s: float = _ATEXIT_GRACE_S) -> None:
     """Stop every server this process started and has not stopped yet."""
     with _live_lock:

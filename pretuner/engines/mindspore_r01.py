@@ -101,7 +101,7 @@ class R01Engine:
     budget_in_whole_gib: ClassVar[bool] = True
     pp_across_nodes: ClassVar[bool] = False
     takes_weights_flags: ClassVar[bool] = False
-    # --serve-cmd: the user's own way to start the server, in place of base_command()'s.
+    # --serve-cmd: the user's own way to start the server, in place of serve_argv()'s.
     serve_cmd: tuple[str, ...] = ()
     nodes: int = 1  # more than one: the ranks are placed by Ray
     launch_env: dict[str, str] = field(default_factory=dict)  # the emulated card's, launched only
@@ -134,17 +134,18 @@ class R01Engine:
     def lengths(self) -> Lengths:
         return CPU_LENGTHS if self.name == MINDSPORE_CPU else DEFAULT_LENGTHS
 
-    def base_command(self) -> tuple[list[str], bool]:
-        """The server command, and whether the model goes as `--model` (r0.1 style)."""
+    def serve_argv(self, model: str) -> list[str]:
+        """The server command and the model it loads: `--model MODEL` (r0.1 style), or after
+        a 0.3+ install's `serve`."""
         if self.serve_cmd:
-            return list(self.serve_cmd), True
+            return [*self.serve_cmd, "--model", model]
         if self.simulated:
-            return emulator().server_command("r01"), True
+            return [*emulator().server_command("r01"), "--model", model]
         if self.name == MINDSPORE_CPU:
-            return emulator().server_command("mindspore-cpu"), True
+            return [*emulator().server_command("mindspore-cpu"), "--model", model]
         if self.version is not None and version_tuple(self.version) >= (0, 3):
-            return list(V03_COMMAND), False
-        return list(R01_COMMAND), True
+            return [*V03_COMMAND, model]
+        return [*R01_COMMAND, "--model", model]
 
     def model_arg(self, model: str, spec: ModelSpec) -> str:
         """What the server loads: a folder by its absolute path; a registry name as its Hugging
@@ -174,10 +175,8 @@ class R01Engine:
 
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         """The exact argv and environment of one launch (pure)."""
-        base, model_as_flag = self.base_command()
         deployment = self.deploy(settings)
-        return launch_command([*base, *(["--model"] if model_as_flag else []), target.model],
-                              target, deployment.flags,
+        return launch_command(self.serve_argv(target.model), target, deployment.flags,
                               {**deployment.env, **self.launch_env, **target.extra_env})
 
     def deploy(self, s: LaunchSettings) -> Deployment:

@@ -9,12 +9,13 @@ variables; the V1 family (`vllm_v1`) profiles memory itself and takes a pinned b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
 from pretuner.launch.command import LaunchCommand as LaunchCommand
+from pretuner.launch.sampler import Phase as Phase
 
 
 class Purpose(str, Enum):
@@ -52,10 +53,6 @@ class LaunchSettings:
         fields = dict(data)
         fields["purpose"] = Purpose(fields["purpose"])
         return cls(**fields)
-
-
-# (phase, detail) -> None: how a launch reports its progress.
-Phase = Callable[[str, str], None]
 
 
 class Family(str, Enum):

@@ -37,7 +37,6 @@ from pretuner.procgroups import (
     describe_exit,
     group_alive,
     parent_death_guard,
-    remove_pid_file,
     stop_group,
     write_pid_file,
 )
@@ -183,7 +182,7 @@ class ServerProcess:
         self._stop_result = result
         self._watchdog.release()  # whatever of the tree left the group is swept now
         if exit_code is not None and not group_alive(self.pgid):
-            remove_pid_file(self._pid_file)
+            self._pid_file.unlink(missing_ok=True)
         with _live_lock:
             _live.discard(self)
         log.info("server group %d stopped: %s", self.pgid, result)

@@ -107,9 +107,7 @@ class NvidiaSmiReader(CommandReader):
 
     name = "nvidia-smi"
     args = QUERY
-
-    def parse(self, text: str) -> tuple[DeviceMemory, ...]:
-        return parse_nvidia_smi_csv(text)
+    parse = staticmethod(parse_nvidia_smi_csv)
 
     def device_name(self) -> str | None:
         """The first of the devices (GPU 0 when all) by name, as nvidia-smi prints it."""

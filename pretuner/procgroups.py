@@ -88,13 +88,6 @@ def stat_fields(pid: int) -> list[bytes] | None:
     return stat[stat.rfind(b")") + 2 :].split()
 
 
-def _pgid(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None  # gone meanwhile
-
-
 def group_members(pgid: int) -> list[int]:
     """Pids of the live (non-zombie) processes whose process group is `pgid`, from /proc."""
     members = []
@@ -104,7 +97,10 @@ def group_members(pgid: int) -> list[int]:
         return []
     for entry in entries:
         # getpgid(2) asks the kernel directly: only the group's own members are read further.
-        if not entry.isdigit() or _pgid(int(entry)) != pgid:
+        try:
+            if not entry.isdigit() or os.getpgid(int(entry)) != pgid:
+                continue
+        except OSError:  # gone meanwhile
             continue
         fields = stat_fields(int(entry))
         # A zombie holds no memory; an orphaned one waits for init, which may never reap it.
@@ -289,11 +285,6 @@ def write_pid_file(path: Path, pid: int, pgid: int, argv: Sequence[str], started
         log.warning("cannot write the pid file %s: %s", path, err)
 
 
-def remove_pid_file(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
 def read_pid_file(path: Path) -> ServerPid | None:
     """The recorded server, or None for a missing or unreadable file."""
     try:
@@ -326,5 +317,5 @@ def live_servers(run_folder: Path) -> list[ServerPid]:
         if still_running(info):
             found.append(info)
         else:
-            remove_pid_file(path)  # the group ended without pretuner: a stale file
+            path.unlink(missing_ok=True)  # the group ended without pretuner: a stale file
     return found

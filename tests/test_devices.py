@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pretuner.devices import DeviceMemory, DeviceReadError, select_reader
-from pretuner.devices.npu_smi import NpuSmiReader, npu_memory, parse_npu_smi
+from pretuner.devices.npu_smi import NpuSmiReader, npu_memory
 from pretuner.devices.nvidia import (
     NvidiaSmiReader,
     parse_nvidia_smi_csv,
@@ -73,7 +73,7 @@ def test_parse_nvml_series_skips_garbage() -> None:
 def test_npu_memory_from_the_emulated_table() -> None:
     profile = PROFILES["910b-64"]
     text = render(profile, [DeviceUse(0, 40000, ((7, 37000),)), DeviceUse(1, 3000)])
-    found = npu_memory(parse_npu_smi(text))
+    found = npu_memory(text)
     assert found == (DeviceMemory(0, 40000, profile.total_mib),
                      DeviceMemory(1, 3000, profile.total_mib))
 

@@ -85,7 +85,7 @@ def test_streams_the_emulated_nvidia_smi(tmp_path: Path, emulated: Path,
     stream = reader._stream
     assert stream is not None
     assert stream.argv[-2:] == ["-lms", "20"]
-    assert reader.fallback is None
+    assert reader.looping
     Published().hold(tmp_path / "gpus", "cuda", 0, 1, 76000)  # the server grows
 
     def grown() -> bool:
@@ -234,7 +234,7 @@ def test_an_nvidia_smi_that_dies_is_a_read_error(
     with pytest.raises(DeviceReadError, match=r"-lms 20 exited with code 3: .*GPU is lost"):
         sample_until(reader, lambda: False)
     assert reader._stream is None  # the next sample (the next launch) starts a new one
-    assert reader.fallback is None
+    assert reader.looping
 
 
 def test_an_nvidia_smi_killed_by_a_signal_is_a_read_error(
@@ -266,7 +266,7 @@ def test_an_nvidia_smi_without_lms_is_run_once_per_sample(
     first = reader.sample()
     assert first is not None
     assert first.devices == (DeviceMemory(0, 76152, 81559),)
-    assert reader.fallback is not None
+    assert not reader.looping
     assert reader._stream is None
     assert reader.sample() == first
 
@@ -278,7 +278,7 @@ def test_an_nvidia_smi_that_prints_once_is_run_once_per_sample(
     reader = NvidiaSmiStreamReader(str(fake))
     readers.append(reader)
     assert reader.sample() is not None
-    sample_until(reader, lambda: reader.fallback is not None)
+    sample_until(reader, lambda: not reader.looping)
     got = reader.sample()
     assert got is not None
     assert got.devices == (DeviceMemory(0, 7, 100),)

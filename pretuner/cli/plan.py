@@ -70,7 +70,7 @@ def plan_cmd(
     and max-num-seqs per card (no launch)."""
     import dataclasses
 
-    from pretuner.devices.cpu import host_available_bytes
+    from pretuner.devices.cpu import meminfo_bytes
     from pretuner.errors import InfeasibleError
     from pretuner.plan.propose import decide_layout, propose, proposes, render_proposal
     from pretuner.tune.entry import run_layout_options
@@ -80,7 +80,7 @@ def plan_cmd(
     cfg = dataclasses.replace(  # no image key: None, vLLM then allows 999
         cfg, kv_gib=kv_gib, image_limit=limits.get("image"),
         max_num_batched_tokens=max_num_batched_tokens, cluster=True,  # a prediction
-        host_available_bytes=(host_available_bytes()
+        host_available_bytes=(meminfo_bytes("MemAvailable")
                               if cfg.engine_class.takes_weights_flags or cpu_offload_gib
                                                               else None),
         mm_processor_cache_gib=(cfg.mm_processor_cache_gib if mm_processor_cache_gb is None

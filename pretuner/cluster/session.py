@@ -28,7 +28,6 @@ from pretuner.engines.base import Phase
 from pretuner.errors import ClusterError
 from pretuner.launch.collect import CollectedScan, LocalCollector
 from pretuner.launch.command import LaunchCommand
-from pretuner.launch.sampler import Phase as Status
 from pretuner.logscan import scan_paths
 from pretuner.logscan.events import Located
 
@@ -62,7 +61,7 @@ class RayCollector(LocalCollector):
             argv += ["--distributed-executor-backend", "ray"]
         return replace(cmd, argv=argv, env=env)  # the bearer stays
 
-    def sampler(self, reader: DeviceReader | None, status: Status) -> Any:
+    def sampler(self, reader: DeviceReader | None, status: Phase) -> Any:
         """Every node's devices, each read where it is (`pretuner.cluster.sampling`)."""
         if reader is None or self.device_kind is None:
             return super().sampler(reader, status)

@@ -196,11 +196,7 @@ def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     # a preset's flags the engine does not set itself (a user's file may name more)
     args += server_args({k: v for k, v in p.flags.items()
                          if k.replace("_", "-") not in config_entries(args)})
-    if opts.command is not None:
-        base = list(opts.command)
-    else:
-        base, model_as_flag = engine.base_command()
-        base += ["--model", model_path] if model_as_flag else [model_path]
+    base = list(opts.command) if opts.command is not None else engine.serve_argv(model_path)
     basis = "card x util - model-use" if p.kv_basis is KvBasis.MODEL_USE else (
         "the engine's own KV log line")
     return _Server(

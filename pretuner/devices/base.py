@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -91,15 +91,13 @@ class CommandReader:
     name = "command"
     interval_s = FASTEST_INTERVAL_S
     args: tuple[str, ...] = ()
+    parse: Callable[[str], tuple[DeviceMemory, ...]]  # the tool's output -> the devices
 
     def __init__(self, executable: str, devices: frozenset[int] | None = None,
                  timeout_s: float = 10.0) -> None:
         self.executable = executable
         self.devices = devices
         self.timeout_s = timeout_s
-
-    def parse(self, text: str) -> tuple[DeviceMemory, ...]:
-        raise NotImplementedError
 
     def sample(self) -> Sample | None:
         return keep(self.parse(run_tool([self.executable, *self.args], self.timeout_s)),

@@ -16,7 +16,9 @@ CPU_INTERVAL_S = 0.1  # a /proc walk per sample: 2 cores are shared with the ser
 MEMINFO = Path("/proc/meminfo")
 
 
-def _meminfo_bytes(key: str, meminfo: Path) -> int | None:
+def meminfo_bytes(key: str, meminfo: Path = MEMINFO) -> int | None:
+    """A /proc/meminfo figure of the host (MemAvailable, MemTotal), bytes (measured); None where
+    it cannot be read."""
     try:
         with meminfo.open(encoding="ascii") as fh:
             for line in fh:
@@ -25,11 +27,6 @@ def _meminfo_bytes(key: str, meminfo: Path) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def host_available_bytes(meminfo: Path = MEMINFO) -> int | None:
-    """The host's MemAvailable (measured), or None where there is no /proc/meminfo."""
-    return _meminfo_bytes("MemAvailable", meminfo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +49,7 @@ def host_memory(device_kind: str, env: Mapping[str, str]) -> HostMemory | None:
 
         return emulator().host_memory(env)
     # MemTotal: what vLLM checks --swap-space against
-    available, total = host_available_bytes(), _meminfo_bytes("MemTotal", MEMINFO)
+    available, total = meminfo_bytes("MemAvailable"), meminfo_bytes("MemTotal")
     if available is None or total is None:
         return None
     return HostMemory(available, total, "measured", "/proc/meminfo")

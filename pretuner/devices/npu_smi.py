@@ -155,10 +155,11 @@ def detect_card(smi: list[str] | None, source: str, card_gib: int | None,
     return CardInfo(card_gib, None, "given")
 
 
-def npu_memory(cards: tuple[NpuCard, ...]) -> tuple[DeviceMemory, ...]:
-    """One entry per NPU: the chip of an A3 NPU that holds the most counts."""
+def npu_memory(text: str) -> tuple[DeviceMemory, ...]:
+    """One entry per NPU of an `npu-smi info` table: the chip of an A3 NPU that holds the most
+    counts."""
     worst: dict[int, NpuCard] = {}
-    for card in cards:
+    for card in parse_npu_smi(text):
         if card.npu_id not in worst or card.hbm_used_mib > worst[card.npu_id].hbm_used_mib:
             worst[card.npu_id] = card
     return tuple(DeviceMemory(c.npu_id, c.hbm_used_mib, c.hbm_total_mib) for c in worst.values())
@@ -169,9 +170,7 @@ class NpuSmiReader(CommandReader):
 
     name = "npu-smi"
     args = ("info",)
-
-    def parse(self, text: str) -> tuple[DeviceMemory, ...]:
-        return npu_memory(parse_npu_smi(text))
+    parse = staticmethod(npu_memory)
 
     def device_name(self) -> str | None:
         """The first device's chip name ("910B3") in `npu-smi info`'s name row."""

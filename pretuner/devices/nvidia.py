@@ -107,18 +107,12 @@ class NvidiaSmiReader(CommandReader):
 
     name = "nvidia-smi"
     args = QUERY
-
-    def parse(self, text: str) -> tuple[DeviceMemory, ...]:
-        return parse_nvidia_smi_csv(text)
+    parse = staticmethod(parse_nvidia_smi_csv)
 
     def device_name(self) -> str | None:
-        return smi_name(self.executable, self.devices)
-
-
-def smi_name(executable: str, devices: frozenset[int] | None) -> str | None:
-    """The first of `devices` (GPU 0 when all) by name, as nvidia-smi prints it."""
-    found = gpu_identity(min(devices or {0}), executable)
-    return found[0] if found is not None else None
+        """The first of the devices (GPU 0 when all) by name, as nvidia-smi prints it."""
+        found = gpu_identity(min(self.devices or {0}), self.executable)
+        return found[0] if found is not None else None
 
 
 def load_nvml() -> Any | None:
@@ -300,17 +294,18 @@ class NvidiaSmiStreamReader:
         self.devices = devices
         self.timeout_s = timeout_s  # the longest wait for a row before it counts as hung
         self.argv = [executable, *QUERY, "-lms", str(loop_ms)]
-        self.fallback: NvidiaSmiReader | None = None  # set when nvidia-smi does not loop
+        self.once = NvidiaSmiReader(executable, devices, timeout_s)  # names the GPU too
+        self.looping = True  # False once nvidia-smi is found not to loop: `once` samples then
         self._stream: _Stream | None = None
         self._stop_stream: weakref.finalize[[], NvidiaSmiStreamReader] | None = None
         self._last_take_s: float | None = None
 
     def device_name(self) -> str | None:
-        return smi_name(self.executable, self.devices)
+        return self.once.device_name()
 
     def sample(self) -> Sample | None:
-        if self.fallback is not None:
-            return self.fallback.sample()
+        if not self.looping:
+            return self.once.sample()
         stream = self._stream if self._stream is not None else self._start()
         with stream.cond:
             if self._last_take_s is None:
@@ -366,7 +361,7 @@ class NvidiaSmiStreamReader:
             log.info("%s %s after %d rows%s; running nvidia-smi once per sample instead",
                      shlex.join(self.argv), describe_exit(code), rows,
                      f" ({tail})" if tail else "")
-            self.fallback = NvidiaSmiReader(self.executable, self.devices, self.timeout_s)
-            return self.fallback.sample()
+            self.looping = False
+            return self.once.sample()
         raise DeviceReadError(f"{shlex.join(self.argv)} {describe_exit(code)}"
                               + (f": {tail}" if tail else ""))

@@ -9,12 +9,13 @@ variables; the V1 family (`vllm_v1`) profiles memory itself and takes a pinned b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
 from pretuner.launch.command import LaunchCommand as LaunchCommand
+from pretuner.launch.sampler import Phase as Phase
 
 
 class Purpose(str, Enum):
@@ -54,10 +55,6 @@ class LaunchSettings:
         return cls(**fields)
 
 
-# (phase, detail) -> None: how a launch reports its progress.
-Phase = Callable[[str, str], None]
-
-
 class Family(str, Enum):
     R01 = "r01"  # vLLM-MindSpore r0.1: ASCEND_TOTAL_MEMORY_GB / vLLM_MODEL_MEMORY_USE_GB
     V1 = "v1"  # vLLM's V1 engine: own profiling, --kv-cache-memory-bytes
@@ -90,16 +87,35 @@ class Target:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+Flag = tuple[str, str | None]  # a server flag and its value (None: a switch)
+
+
 @dataclass(frozen=True, slots=True)
 class Deployment:
     """How a tuned configuration is written for this engine: its flags and environment."""
 
-    flags: tuple[tuple[str, str | None], ...]  # ("--kv-cache-memory-bytes", "64073940992")
+    flags: tuple[Flag, ...]  # ("--kv-cache-memory-bytes", "64073940992")
     env: dict[str, str]
     notes: tuple[str, ...] = ()
 
     def argv(self) -> list[str]:
         return [word for flag, value in self.flags for word in flag_words(flag, value)]
+
+
+def batch_flags(s: LaunchSettings) -> list[Flag]:
+    """The length and batch flags every engine is started with, in the order it is given them."""
+    return [("--max-model-len", str(s.max_model_len)), ("--max-num-seqs", str(s.max_num_seqs)),
+            ("--max-num-batched-tokens", str(s.max_num_batched_tokens))]
+
+
+def launch_command(head: Sequence[str], target: Target, flags: Sequence[Flag],
+                   env: dict[str, str]) -> LaunchCommand:
+    """One launch: `head` (the server command and its model), the launch's own address and
+    served name, then `flags`; the key its clients send is the one the argv gives."""
+    argv = [*head, "--host", target.host, "--port", str(target.port),
+            *flag_words("--served-model-name", target.served_name),
+            *(word for flag, value in flags for word in flag_words(flag, value))]
+    return LaunchCommand(argv=argv, env=env, bearer=api_key(argv))
 
 
 def flag_words(flag: str, value: str | None) -> list[str]:

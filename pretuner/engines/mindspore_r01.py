@@ -19,12 +19,12 @@ from pretuner.engines.base import (
     LaunchSettings,
     Purpose,
     Target,
-    api_key,
-    flag_words,
+    batch_flags,
+    launch_command,
 )
 from pretuner.engines.outcome import Exercised, LaunchOutcome, OutcomeKind, kind_of
 from pretuner.errors import BadInputError, ServerFailedError
-from pretuner.launch.process import read_tail
+from pretuner.launch.process import log_hint
 from pretuner.logscan import ScanResult
 from pretuner.models import ModelSpec, local_model_path
 
@@ -101,7 +101,7 @@ class R01Engine:
     budget_in_whole_gib: ClassVar[bool] = True
     pp_across_nodes: ClassVar[bool] = False
     takes_weights_flags: ClassVar[bool] = False
-    # --serve-cmd: the user's own way to start the server, in place of base_command()'s.
+    # --serve-cmd: the user's own way to start the server, in place of serve_argv()'s.
     serve_cmd: tuple[str, ...] = ()
     nodes: int = 1  # more than one: the ranks are placed by Ray
     launch_env: dict[str, str] = field(default_factory=dict)  # the emulated card's, launched only
@@ -134,17 +134,18 @@ class R01Engine:
     def lengths(self) -> Lengths:
         return CPU_LENGTHS if self.name == MINDSPORE_CPU else DEFAULT_LENGTHS
 
-    def base_command(self) -> tuple[list[str], bool]:
-        """The server command, and whether the model goes as `--model` (r0.1 style)."""
+    def serve_argv(self, model: str) -> list[str]:
+        """The server command and the model it loads: `--model MODEL` (r0.1 style), or after
+        a 0.3+ install's `serve`."""
         if self.serve_cmd:
-            return list(self.serve_cmd), True
+            return [*self.serve_cmd, "--model", model]
         if self.simulated:
-            return emulator().server_command("r01"), True
+            return [*emulator().server_command("r01"), "--model", model]
         if self.name == MINDSPORE_CPU:
-            return emulator().server_command("mindspore-cpu"), True
+            return [*emulator().server_command("mindspore-cpu"), "--model", model]
         if self.version is not None and version_tuple(self.version) >= (0, 3):
-            return list(V03_COMMAND), False
-        return list(R01_COMMAND), True
+            return [*V03_COMMAND, model]
+        return [*R01_COMMAND, "--model", model]
 
     def model_arg(self, model: str, spec: ModelSpec) -> str:
         """What the server loads: a folder by its absolute path; a registry name as its Hugging
@@ -174,22 +175,15 @@ class R01Engine:
 
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         """The exact argv and environment of one launch (pure)."""
-        base, model_as_flag = self.base_command()
-        argv = [*base, *(["--model", target.model] if model_as_flag else [target.model])]
-        argv += ["--host", target.host, "--port", str(target.port),
-                 *flag_words("--served-model-name", target.served_name)]
         deployment = self.deploy(settings)
-        argv += deployment.argv()
-        return LaunchCommand(argv=argv, env={**deployment.env, **self.launch_env,
-                                             **target.extra_env}, bearer=api_key(argv))
+        return launch_command(self.serve_argv(target.model), target, deployment.flags,
+                              {**deployment.env, **self.launch_env, **target.extra_env})
 
     def deploy(self, s: LaunchSettings) -> Deployment:
         """The flags and environment that start the server with these settings: the KV cache is
         what the two memory variables leave of the card (seed 003 section 3.2)."""
-        flags: list[tuple[str, str | None]] = [
-            ("--max-model-len", str(s.max_model_len)),
-            ("--max-num-seqs", str(s.max_num_seqs)),
-            ("--max-num-batched-tokens", str(s.max_num_batched_tokens)),
+        flags = [
+            *batch_flags(s),
             ("--gpu-memory-utilization", f"{s.util:g}"),
             ("--block-size", str(s.block_size)),
             ("--tensor-parallel-size", str(s.tp)),
@@ -301,7 +295,6 @@ def _fatal(
 ) -> ServerFailedError:
     if failure is not None:
         return failure
-    tail = read_tail(log_path, 15)
     why = (
         "it did not exit within the grace period and was killed, so MindSpore printed nothing"
         if not graceful
@@ -313,8 +306,7 @@ def _fatal(
     return ServerFailedError(
         f"the server stopped without a {'complete ' if scan.truncated else ''}memory-pool "
         f"dump: {why}",
-        hint=f"check that GLOG_v=1 reaches the server; log {log_path}"
-        + (f"\nlast log lines:\n{tail}" if tail else ""),
+        hint=f"check that GLOG_v=1 reaches the server; {log_hint(log_path)}",
         log_path=str(log_path),
     )
 

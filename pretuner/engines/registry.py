@@ -74,18 +74,13 @@ def engine_class(name: str | None) -> type[R01Engine] | type[V1Engine]:
     return V1Engine if name in ROWS else R01Engine
 
 
-def _named_python(row: V1Row, python: str | None) -> str | None:
-    """The engine's Python as the user named it: --engine-python, else a variable."""
-    return python or os.environ.get(ENGINE_PYTHON_VAR) or os.environ.get(row.python_var or "")
-
-
 def _located(row: V1Row, python: str | None,
              auto: bool = False) -> tuple[str | None, str, dict[str, str]] | None:
     """(interpreter, version, stack) of `row`'s engine: in the Python `engine_python` names,
     which must import vllm, else (interpreter None) in pretuner's own; None where it is not
     found. For `auto`, an engine in its own venv counts only where a variable or pretuner's
     Python names it."""
-    named = _named_python(row, python)
+    named = row.named_python(os.environ, python)
     if auto and row.python_var is not None and not named:
         import importlib.util
 
@@ -164,7 +159,7 @@ def _named(requested: str, python: str | None, wrapped: bool) -> EngineChoice:
     found = _located(row, python)
     if wrapped:  # the user's command starts it, wherever it is (a container's is not this
         # machine's): its version only from a Python the user named as the engine's
-        version = found[1] if found and _named_python(row, python) else None
+        version = found[1] if found and row.named_python(os.environ, python) else None
         return EngineChoice(row.name, Family.V1, False, version,
                             f"--engine {requested}: started by --serve-cmd")
     if found is None:

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 # The stack's name for each library -> its distribution; an engine's own is its version.
@@ -42,6 +42,18 @@ def installed_version(*distributions: str) -> str | None:
     return None
 
 
+def _first_found(files: Iterable[Path], pattern: re.Pattern[str]) -> str | None:
+    """The first group of `pattern` in the first of `files` that has it."""
+    for path in files:
+        try:
+            found = pattern.search(path.read_text(errors="replace"))
+        except OSError:
+            continue
+        if found is not None:
+            return found.group(1)
+    return None
+
+
 def _torch_cuda() -> str | None:
     """The CUDA torch was built for, from torch/version.py's text (finding the package runs
     none of it)."""
@@ -49,26 +61,8 @@ def _torch_cuda() -> str | None:
         spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
         return None
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        try:
-            found = _TORCH_CUDA.search((Path(folder) / "version.py").read_text())
-        except OSError:
-            continue
-        if found is not None:
-            return found.group(1)
-    return None
-
-
-def _cann(env: Mapping[str, str]) -> str | None:
-    home = Path(env.get(CANN_HOME_VAR) or CANN_HOME)
-    for info in sorted(home.glob("*-linux/ascend_toolkit_install.info")):
-        try:
-            found = _CANN_VERSION.search(info.read_text(errors="replace"))
-        except OSError:
-            continue
-        if found is not None:
-            return found.group(1)
-    return None
+    folders = (spec.submodule_search_locations or []) if spec is not None else []
+    return _first_found((Path(folder) / "version.py" for folder in folders), _TORCH_CUDA)
 
 
 def probe(engine_distributions: tuple[str, ...] | list[str],
@@ -76,7 +70,8 @@ def probe(engine_distributions: tuple[str, ...] | list[str],
     """What is installed beside the engine, by the stack's names; absent: not installed."""
     found = {name: installed_version(dist) for name, dist in LIBRARIES.items()
              if dist not in engine_distributions}
-    found |= {"cuda": _torch_cuda(), "cann": _cann(env)}
+    cann = Path(env.get(CANN_HOME_VAR) or CANN_HOME).glob("*-linux/ascend_toolkit_install.info")
+    found |= {"cuda": _torch_cuda(), "cann": _first_found(sorted(cann), _CANN_VERSION)}
     return {name: version for name, version in found.items() if version is not None}
 
 

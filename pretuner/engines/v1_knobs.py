@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-Flag = tuple[str, str | None]
+from pretuner.engines.base import Flag
+
 # vLLM's own default of --swap-space (GiB per GPU), used when the flag is not given.
 VLLM_DEFAULT_SWAP_GIB = 4.0
 

@@ -36,7 +36,7 @@ from pretuner.errors import ServerFailedError
 from pretuner.launch import probe
 from pretuner.launch.images import ImageShape
 from pretuner.launch.probe import Arrivals, CompletionOutcome, LoadOutcome, stream_complete
-from pretuner.launch.process import read_tail
+from pretuner.launch.process import log_hint
 from pretuner.launch.sampler import requests_status
 from pretuner.logscan import scan_paths
 from pretuner.logscan.v1 import V1Log
@@ -152,8 +152,8 @@ def host_killed(log_path: Path) -> ServerFailedError:
         "the engine was killed by signal 9 while it started: the host ran out of memory (the "
         "kernel's OOM killer), not the device; pinned --cpu-offload-gb weights and the "
         "server's own processes did not fit the host",
-        hint=f"lower --cpu-offload-gb or free host memory (dmesg names the kill); log {log_path}"
-        f"\nlast log lines:\n{read_tail(log_path, 15)}",
+        hint=f"lower --cpu-offload-gb or free host memory (dmesg names the kill); "
+        f"{log_hint(log_path)}",
         log_path=str(log_path),
     )
 
@@ -162,5 +162,5 @@ def unexplained_exit(log_path: Path, code: int) -> ServerFailedError:
     """A server that exited before it was ready, with no line that says why."""
     return ServerFailedError(
         f"the server exited with code {code} before it was ready",
-        hint=f"log {log_path}\nlast log lines:\n{read_tail(log_path, 15)}", log_path=str(log_path),
+        hint=log_hint(log_path), log_path=str(log_path),
     )

@@ -30,11 +30,12 @@ from pretuner.emulation import emulator
 from pretuner.engines.base import (
     Deployment,
     Family,
+    Flag,
     LaunchCommand,
     LaunchSettings,
     Target,
-    api_key,
-    flag_words,
+    batch_flags,
+    launch_command,
 )
 from pretuner.engines.mindspore_r01 import graph_cache_env, graph_cache_state, server_kv_cache_dtype
 from pretuner.engines.v1_knobs import Knobs
@@ -71,6 +72,10 @@ class V1Row:
     # soak's launches only, never deployed.
     dev_env: dict[str, str] = field(default_factory=lambda: {"VLLM_SERVER_DEV_MODE": "1"})
     graph_cache: bool = False  # MindSpore's compile cache (MS_COMPILER_CACHE_*), not vLLM's
+
+    def named_python(self, env: Mapping[str, str], given: str | None = None) -> str | None:
+        """The engine's Python as the user named it: --engine-python, else a variable."""
+        return given or env.get(ENGINE_PYTHON_VAR) or env.get(self.python_var or "") or None
 
 
 ROWS = {
@@ -167,9 +172,9 @@ def engine_python(row: V1Row, env: Mapping[str, str], given: str | None = None,
     """The interpreter that runs `row`'s server: `given` (--engine-python), else the variables
     naming one; for a row that lives in its own venv, this one when it imports vllm, else the
     install script's venv under `cwd`; None: pretuner's own and the engine's script on PATH."""
-    named = given or env.get(ENGINE_PYTHON_VAR) or (row.python_var and env.get(row.python_var))
+    named = row.named_python(env, given)
     if named or row.python_var is None:
-        return named or None
+        return named
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
     own = (cwd or Path.cwd()) / OWN_VENV_PYTHON
@@ -223,9 +228,6 @@ def ask_defaults(python: str, world_size: int, env: Mapping[str, str]) -> BatchD
                              f"{ASKED} on {answer['device']}")
     except (ValueError, KeyError, TypeError):
         return None
-
-
-Flag = tuple[str, str | None]
 
 
 def parse_server_args(values: Sequence[str]) -> tuple[Flag, ...]:
@@ -357,25 +359,17 @@ class V1Engine:
         return [*limit, *self.base_command()]
 
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
-        argv = [*self.base_command(), target.model]
-        argv += ["--host", target.host, "--port", str(target.port),
-                 *flag_words("--served-model-name", target.served_name)]
-        flags = [f for f in self.deploy(settings).flags if f[0] not in PRODUCTION_FLAGS]
-        argv += Deployment(tuple(flags), {}).argv()
         budget = self.budget_bytes(settings.card_gib)
-        if budget is not None:  # the budgeted "card": every server process under RLIMIT_DATA
-            argv = [sys.executable, "-m", "pretuner.launch.limit", "--data", str(budget), "--",
-                    *argv]
+        # The budgeted "card": every server process under RLIMIT_DATA.
+        limit = ([sys.executable, "-m", "pretuner.launch.limit", "--data", str(budget), "--"]
+                 if budget is not None else [])
+        flags = [f for f in self.deploy(settings).flags if f[0] not in PRODUCTION_FLAGS]
         env = {**self.row.env, **self.server_env, **self.tuning_env, **self.sim_env,
                **target.extra_env}
-        return LaunchCommand(argv=argv, env=env, bearer=api_key(argv))
+        return launch_command([*limit, *self.base_command(), target.model], target, flags, env)
 
     def deploy(self, settings: LaunchSettings) -> Deployment:
-        flags: list[tuple[str, str | None]] = [
-            ("--max-model-len", str(settings.max_model_len)),
-            ("--max-num-seqs", str(settings.max_num_seqs)),
-            ("--max-num-batched-tokens", str(settings.max_num_batched_tokens)),
-        ]
+        flags = batch_flags(settings)
         notes: list[str] = []
         if settings.kv_cache_bytes is None:
             flags.append(("--gpu-memory-utilization", f"{settings.util:g}"))

@@ -37,7 +37,6 @@ from pretuner.procgroups import (
     describe_exit,
     group_alive,
     parent_death_guard,
-    remove_pid_file,
     stop_group,
     write_pid_file,
 )
@@ -183,7 +182,7 @@ class ServerProcess:
         self._stop_result = result
         self._watchdog.release()  # whatever of the tree left the group is swept now
         if exit_code is not None and not group_alive(self.pgid):
-            remove_pid_file(self._pid_file)
+            self._pid_file.unlink(missing_ok=True)
         with _live_lock:
             _live.discard(self)
         log.info("server group %d stopped: %s", self.pgid, result)
@@ -215,6 +214,12 @@ def read_tail(path: Path, n_lines: int = _TAIL_LINES) -> str:
     if start > 0 and lines:
         lines = lines[1:]  # the first line is cut
     return redact_text("\n".join(lines[-n_lines:]))  # quoted in reports: no secret
+
+
+def log_hint(path: Path, n_lines: int = 15) -> str:
+    """`log PATH` and its last lines (when it has any), for a failed launch's hint."""
+    tail = read_tail(path, n_lines)
+    return f"log {path}" + (f"\nlast log lines:\n{tail}" if tail else "")
 
 
 def stop_all(grace_s: float = _ATEXIT_GRACE_S) -> None:

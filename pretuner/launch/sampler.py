@@ -22,6 +22,7 @@ STOP_WAIT_S = 0.4  # how long stop() waits for a sample in flight (a slow comman
 STATUS_EVERY_S = 1.0  # how often the memory seen so far is reported as a status
 SERIES_MAX_POINTS = 3000  # samples kept per launch for the time series
 
+# (phase, detail) -> None: how a launch reports its progress.
 Phase = Callable[[str, str], None]
 # Status updates that go through the phase callback without starting a phase: what the load's
 # requests and the device's memory are at now. A live display shows them; nothing is tagged.

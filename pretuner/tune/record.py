@@ -49,7 +49,6 @@ from pretuner.procgroups import (
     ServerPid,
     kill_tree,
     live_servers,
-    remove_pid_file,
     still_running,
     stop_group,
 )
@@ -197,7 +196,7 @@ def stop_own_orphans(run_folder: Path, grace_s: float, say: Callable[[str], None
                 hint=f"stop it by hand: kill -KILL -- -{server.pgid}",
             )
         say(f"stopped the old server group {server.pgid} ({'SIGTERM' if graceful else 'SIGKILL'})")
-        remove_pid_file(Path(server.path))
+        Path(server.path).unlink(missing_ok=True)
 
 
 def check_free_space(folder: Path, min_mib: int = MIN_FREE_MIB) -> None:

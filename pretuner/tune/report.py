@@ -166,8 +166,7 @@ def report_json(result: TuneResult, meta: RunMeta, engine: R01Engine) -> RunRepo
         f.vllm_model_memory_use_gb, f.max_model_len, f.max_num_seqs, f.max_num_batched_tokens,
         f.block_size, p.tp, p.pp, meta.kv_cache_dtype, f.chunked_prefill))
     flags = deployment.argv()
-    base, model_as_flag = engine.base_command()
-    serve = [*base, *(["--model", meta.model_arg] if model_as_flag else [meta.model_arg])]
+    serve = engine.serve_argv(meta.model_arg)
     # An emulated card's run: what the real engine would run (`script` writes it).
     real = [*R01_COMMAND, "--model", real_model(meta, p.model), *flags]
     cap_gib = f.ascend_total_memory_gb * f.gpu_memory_utilization

@@ -18,10 +18,11 @@ from pretuner.devices import select_reader
 from pretuner.devices.cpu import HostMemory, host_memory
 from pretuner.devices.npu_smi import CardInfo
 from pretuner.emulation import emulator
+from pretuner.engines.base import Flag
 from pretuner.engines.outcome import Executor
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
-from pretuner.engines.v1_knobs import Flag, Knobs, gib_text
+from pretuner.engines.v1_knobs import Knobs, gib_text
 from pretuner.engines.v1_launch import V1Hooks
 from pretuner.engines.vllm_v1 import ROWS, V1Engine, compile_cache_env, parse_server_args
 from pretuner.errors import BadInputError, InfeasibleError

@@ -100,9 +100,9 @@ def r01_setup(opts: RunOptions, choice: EngineChoice, card: CardInfo | None = No
     cfg = replace(cfg, pool_on_demand=pool_on_demand({**os.environ, **extra_env}))
     engine = replace(engine, serve_cmd=tuple(shlex.split(opts.serve_cmd or "")), nodes=p.nodes,
                      launch_env=extra_env)
-    if not engine.serve_cmd:
-        check_server_installed(engine.base_command()[0])
     model_arg = engine.model_arg(opts.model, spec)
+    if not engine.serve_cmd:
+        check_server_installed(engine.serve_argv(model_arg))
     reader = select_reader(engine.device_kind, {**os.environ, **extra_env}, p.tp * p.pp)
     ctx = launch_context(opts, engine, model_arg, spec, reader,
                          decode_tokens=engine.lengths.decode_tokens)

@@ -9,10 +9,10 @@ variables; the V1 family (`vllm_v1`) profiles memory itself and takes a pinned b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pretuner.launch.command import LaunchCommand as LaunchCommand
 from pretuner.launch.sampler import Phase as Phase
@@ -141,6 +141,21 @@ class Engine(Protocol):
     def device_kind(self) -> str: ...  # the DeviceReader kind: cuda, ascend, cpu, emulated
     @property
     def simulated(self) -> bool: ...  # the emulator stands in for the real server
+    @property
+    def server(self) -> str: ...  # what serves, in the report's words
+    @property
+    def ray_resource(self) -> str: ...  # what one rank holds on a Ray cluster
+    @property
+    def serve_cmd(self) -> tuple[str, ...]: ...  # the user's own start command, if any
+
+    # What plan asks of the engine before any launch.
+    budget_in_whole_gib: ClassVar[bool]  # told its budget in whole GiB (r0.1's model-use)
+    pp_across_nodes: ClassVar[bool]  # its method shards stages across nodes
+    takes_weights_flags: ClassVar[bool]  # takes quantization and offload flags
+
+    def cache_state(self, env: Mapping[str, str]) -> str:
+        """The engine's compile cache as a launch starts, in the report's words."""
+        ...
 
     def command(self, settings: LaunchSettings, target: Target) -> LaunchCommand:
         """The launch's argv and environment (pure)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pretuner.engines import stack as stack_probe
-from pretuner.engines.base import Family
+from pretuner.engines.base import Engine, Family
 from pretuner.engines.mindspore_r01 import MINDSPORE_CPU, NAMES, R01, SIM, R01Engine, version_tuple
 from pretuner.engines.stack import installed_version
 from pretuner.engines.vllm_v1 import (
@@ -69,7 +69,7 @@ class EngineChoice:
         return R01Engine(self.name, self.simulated, self.version, self.reason)
 
 
-def engine_class(name: str | None) -> type[R01Engine] | type[V1Engine]:
+def engine_class(name: str | None) -> type[Engine]:
     """The engine class of a registry name; None (an r0.1 run's layout options) is r0.1's."""
     return V1Engine if name in ROWS else R01Engine
 

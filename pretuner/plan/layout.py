@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from pretuner import validate as v
 from pretuner.devices import select_reader
-from pretuner.engines.mindspore_r01 import R01Engine
+from pretuner.engines.base import Engine
 from pretuner.engines.registry import engine_class
 from pretuner.engines.v1_knobs import Knobs
-from pretuner.engines.vllm_v1 import ROWS, V1Engine, V1Row, device_rule
+from pretuner.engines.vllm_v1 import ROWS, V1Row, device_rule
 from pretuner.errors import BadInputError, InfeasibleError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens, layers_per_stage, num_kv_blocks
 from pretuner.method import DEFAULT_HEADROOM_GIB
@@ -169,7 +169,7 @@ class PlanConfig:
     host_available_bytes: int | None = None
 
     @property
-    def engine_class(self) -> type[R01Engine] | type[V1Engine]:
+    def engine_class(self) -> type[Engine]:
         return engine_class(self.engine)
 
     @property

@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pretuner.devices import DeviceReader
 from pretuner.devices.npu_smi import CardInfo
-from pretuner.engines.base import LaunchCommand, LaunchSettings, Target
-from pretuner.engines.mindspore_r01 import R01Engine
+from pretuner.engines.base import Engine, LaunchCommand, LaunchSettings, Target
 from pretuner.engines.outcome import BURST_OUTPUT_TOKENS, Executor, LaunchOutcome
 from pretuner.engines.registry import EngineChoice
 from pretuner.engines.v1_images import Soak
 from pretuner.engines.v1_launch import V1Hooks
-from pretuner.engines.vllm_v1 import V1Engine
 from pretuner.errors import NotValidatedError
 from pretuner.launch.command import ALL_HOSTS, PORT_SLOT, wrapped
 from pretuner.launch.images import ImageShape
@@ -104,7 +102,7 @@ class Vision:
 @dataclass(frozen=True, slots=True)
 class Setup(Generic[C]):
     choice: EngineChoice
-    engine: R01Engine | V1Engine
+    engine: Engine
     model_arg: str  # what the server loads
     ctx: LaunchContext
     card: CardInfo
@@ -115,7 +113,7 @@ class Setup(Generic[C]):
     vision: Vision = Vision(None, Soak(), (), False)  # a V1 vision-language model's images
 
 
-def launch_context(opts: RunOptions, engine: R01Engine | V1Engine, model_arg: str,
+def launch_context(opts: RunOptions, engine: Engine, model_arg: str,
                    spec: ModelSpec, reader: DeviceReader | None, *, decode_tokens: int = 16,
                    hooks: V1Hooks | None = None) -> LaunchContext:
     """What every launch of a run shares, from its options, its model and its engine."""

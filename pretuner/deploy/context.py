@@ -15,7 +15,7 @@ from typing import Any
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
 from pretuner.engines.base import Deployment, LaunchSettings, Purpose
-from pretuner.engines.mindspore_r01 import R01, R01Engine, version_tuple
+from pretuner.engines.mindspore_r01 import BACKEND_VARS, KV_FLAG, MEMORY_VARS, R01, R01Engine
 from pretuner.engines.registry import STACK_PROBE
 from pretuner.engines.stack import LABELS, stack_words
 from pretuner.engines.vllm_v1 import (
@@ -31,7 +31,6 @@ from pretuner.engines.vllm_v1 import (
 from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
 from pretuner.presets.model import (
-    R01_MEMORY_VARS,
     KvBasis,
     Preset,
     PresetKind,
@@ -117,8 +116,6 @@ def proof_of(rep: RunReport) -> Proof:
 
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_BACKEND_VARS = ("vLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND")
-KV_FLAG = "--kv-cache-memory-bytes"
 RAY_BACKEND = ("--distributed-executor-backend", "ray")
 
 KIND_TAG = {
@@ -150,47 +147,32 @@ class _Server:
 
 
 def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
-    """vLLM-MindSpore r0.1 and its later versions: the flags `R01Engine.deploy` gives the run's
-    launches, and the memory variables while they are read."""
+    """vLLM-MindSpore r0.1 and its later versions: what `R01Engine.production` starts the
+    version with, the preset's own variables and flags beside it."""
     engine_version = opts.engine_version or "0.1"
-    ver = version_tuple(engine_version)[:2]
-    if len(ver) < 2:
-        raise BadInputError(f"vLLM-MindSpore version {engine_version!r} is not understood",
-                            hint="use e.g. 0.1, 0.3, 0.4 or 0.5")
-    r01 = ver < (0, 2)
     notes: list[str] = []
-    if "vLLM_MODEL_MEMORY_USE_GB" in p.env:
-        use = int(p.env["vLLM_MODEL_MEMORY_USE_GB"])
+    if MEMORY_VARS[1] in p.env:
+        use = int(p.env[MEMORY_VARS[1]])
     else:  # rounded up, so the KV cache is at most what the source measured
         use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
         notes.append(f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
                      f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB")
-    if not r01:
-        notes = [f"vLLM-MindSpore {engine_version} ignores ASCEND_TOTAL_MEMORY_GB and "
-                 "vLLM_MODEL_MEMORY_USE_GB; they are not set"]
     engine = R01Engine(R01, False, engine_version, "script", nodes=p.nodes)
-    deployment = engine.deploy(preset_settings(p, model_use_gib=use))
-    # MindSpore at WARNING (the pool dump is the tuner's, not production's); 0.3+ would set 3.
-    env = {**deployment.env, "GLOG_v": "2"} if r01 else {"GLOG_v": "2"}
-    backend = next((p.env[k] for k in _BACKEND_VARS if k in p.env), None)
-    if backend is not None:
-        env["VLLM_MS_MODEL_BACKEND" if ver >= (0, 4) else "vLLM_MODEL_BACKEND"] = backend
-    env |= {k: v for k, v in p.env.items() if k not in _BACKEND_VARS + R01_MEMORY_VARS}
+    backend = next((p.env[k] for k in BACKEND_VARS if k in p.env), None)
+    deployment = engine.production(
+        preset_settings(p, model_use_gib=use, kv_cache_bytes=p.kv_bytes), backend)
+    if MEMORY_VARS[1] not in deployment.env:  # a later version: model-use is not set at all
+        notes = []
+    notes += deployment.notes
+    env = dict(deployment.env)
+    env |= {k: v for k, v in p.env.items() if k not in BACKEND_VARS + MEMORY_VARS}
     if p.nodes > 1:
         env.update(node_exports(opts.nic, p.cards_per_node))
-    # V1 engines (0.2+) always chunk: the flag is vLLM V0's.
-    flags = [f for f in deployment.flags if r01 or f[0] != "--enable-chunked-prefill"]
-    if ver >= (0, 5):
-        flags.append((KV_FLAG, str(p.kv_bytes)))
+    flags = list(deployment.flags)
+    if KV_FLAG in dict(flags):
         notes.append(
             f"KV cache pinned with {KV_FLAG} {p.kv_bytes} "
             f"({p.kv_bytes / GIB:.2f} GiB = {p.kv_tokens:,} tokens per card)"
-        )
-    elif not r01:
-        notes.append(
-            f"vLLM-MindSpore {engine_version} sizes the KV cache by profiling and has no "
-            f"{KV_FLAG}: the tuned KV figure is not enforced; "
-            "--gpu-memory-utilization is the only lever"
         )
     args = Deployment(tuple(flags), {}).argv()
     # a preset's flags the engine does not set itself (a user's file may name more)
@@ -265,7 +247,7 @@ def _v1_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     env = {**row.env, **p.env}
     if p.nodes > 1:
         env.update(node_env(row, opts.nic, p.cards_per_node))
-    r01 = [k for k in R01_MEMORY_VARS if k in {**env, **opts.extra_env}]
+    r01 = [k for k in MEMORY_VARS if k in {**env, **opts.extra_env}]
     if r01:
         raise BadInputError(
             f"{r01[0]} is vLLM-MindSpore r0.1's; {p.engine} ignores it",

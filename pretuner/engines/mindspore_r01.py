@@ -36,6 +36,9 @@ MINDSPORE_CPU = "mindspore-cpu"  # real MindSpore on CPU serving the reference m
 NAMES = (R01, SIM, MINDSPORE_CPU)
 # The server's own block size: r0.1's kernels take 16.
 BLOCK_SIZE = 16
+MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")  # read by r0.1 only
+BACKEND_VARS = ("vLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND")  # the model backend: to 0.3, 0.4+
+KV_FLAG = "--kv-cache-memory-bytes"  # 0.5 and later
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,10 +204,38 @@ class R01Engine:
             flags.append(("--distributed-executor-backend", "ray"))
         env = {
             "GLOG_v": "1",  # MindSpore prints the pool dump at INFO only
-            "ASCEND_TOTAL_MEMORY_GB": str(s.card_gib),
-            "vLLM_MODEL_MEMORY_USE_GB": str(s.model_use_gib),
+            MEMORY_VARS[0]: str(s.card_gib),
+            MEMORY_VARS[1]: str(s.model_use_gib),
         }
         return Deployment(tuple(flags), env)
+
+    def production(self, s: LaunchSettings, backend: str | None) -> Deployment:
+        """What starts production on this engine's version (0.1 where unknown) with the settings
+        its launches proved: r0.1 reads the two memory variables; 0.2 and later ignore them and
+        always chunk (the flag is vLLM V0's); 0.5 and later take the KV cache in bytes; MindSpore
+        at WARNING (the pool dump is the tuner's, not production's)."""
+        version = self.version or "0.1"
+        ver = version_tuple(version)[:2]
+        if len(ver) < 2:
+            raise BadInputError(f"vLLM-MindSpore version {version!r} is not understood",
+                                hint="use e.g. 0.1, 0.3, 0.4 or 0.5")
+        launch = self.deploy(s)
+        if ver < (0, 2):
+            env, flags, notes = {**launch.env, "GLOG_v": "2"}, list(launch.flags), []
+        else:
+            env = {"GLOG_v": "2"}
+            flags = [f for f in launch.flags if f[0] != "--enable-chunked-prefill"]
+            notes = [f"vLLM-MindSpore {version} ignores {' and '.join(MEMORY_VARS)}; they are "
+                     "not set"]
+        if backend is not None:
+            env[BACKEND_VARS[1] if ver >= (0, 4) else BACKEND_VARS[0]] = backend
+        if ver >= (0, 5) and s.kv_cache_bytes is not None:
+            flags.append((KV_FLAG, str(s.kv_cache_bytes)))
+        elif ver >= (0, 2):
+            notes.append(f"vLLM-MindSpore {version} sizes the KV cache by profiling and has no "
+                         f"{KV_FLAG}: the tuned KV figure is not enforced; "
+                         "--gpu-memory-utilization is the only lever")
+        return Deployment(tuple(flags), env, tuple(notes))
 
     def check_model(self, spec: ModelSpec, tp: int | None, pp: int,
                     reference: Sequence[str]) -> None:

@@ -16,6 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from pretuner.engines.mindspore_r01 import MEMORY_VARS
 from pretuner.engines.vllm_v1 import ROWS, card_unit
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
@@ -50,7 +51,6 @@ class KvBasis(str, Enum):
 # What a pinned (V1) preset's flags must hold; the others also need the util.
 _PINNED_FLAGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size")
 _R01_FLAGS = ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "block_size")
-R01_MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*$")
 
 
@@ -161,7 +161,7 @@ def _check_pinned_fields(p: Preset, origin: str) -> None:
             isinstance(value, list) and all(isinstance(x, str) for x in value)
         ):
             raise BadInputError(f"{origin}: {key} is not a list of strings")
-    r01 = [k for k in R01_MEMORY_VARS if k in p.env]
+    r01 = [k for k in MEMORY_VARS if k in p.env]
     if r01:
         raise BadInputError(
             f"{origin}: {r01[0]} is vLLM-MindSpore r0.1's; a V1 engine ignores it",

@@ -160,14 +160,27 @@ def test_each_node_is_sampled_on_that_node(gpu_cluster: LocalCluster, tmp_path: 
     try:
         placement = place([n for n in cluster.nodes() if n.alive], 16, unit="GPU")
         env = {"PRETUNER_SIM_PROFILE": V1_CARDS[80], "PRETUNER_SIM_STATE_DIR": str(tmp_path)}
-        samplers = NodeSamplers(cluster, placement, "emulated", env).start()
+        told: list[tuple[str, str]] = []
+        samplers = NodeSamplers(cluster, placement, "emulated", env,
+                                lambda name, detail: told.append((name, detail))).start()
         now = ray.get([a.phase.remote("x") for a in samplers.actors])
+        deadline = time.monotonic() + 30
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.1)
         got = samplers.stop()
+        after = len(told)
+        time.sleep(1.5)  # stopped: no status line comes after the stop
     finally:
         cluster.close()
     assert [s.samples >= 1 for s in now] == [True, True]
     assert got.node_peaks_mib[gpu_cluster.worker_label] >= WORKER_TENANT_MIB
     assert got.node_peaks_mib[gpu_cluster.head_label] < WORKER_TENANT_MIB
+    # The live status line one machine prints, here of the node that uses the most: the worker
+    name, detail = told[0]
+    assert name == "memory"
+    assert f"used now on node {gpu_cluster.worker_label}" in detail
+    assert "(emulated (simulated), 2 of 2 node(s))" in detail
+    assert len(told) == after
 
 
 def test_a_node_whose_sampler_cannot_start_stops_the_launch_at_its_start(

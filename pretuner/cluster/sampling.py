@@ -2,14 +2,15 @@
 reader there (NVML, nvidia-smi, npu-smi, or the emulated card) in `MemorySampler` at its 20 ms,
 is told each phase as the launch goes, and ships its peaks back when the launch stops.
 
-`NodeSamplers` has `MemorySampler`'s shape (`wrap`, `start`, `stop`), so a launch samples a
-cluster as it samples one machine; its `Sampled` is the worst node's, with each node's peak
-beside it (`node_peaks_mib`, by node label)."""
+`NodeSamplers` has `MemorySampler`'s shape (`wrap`, `start`, `stop`, the live "memory" status
+line), so a launch samples a cluster as it samples one machine; its `Sampled` is the worst
+node's, with each node's peak beside it (`node_peaks_mib`, by node label)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -18,7 +19,7 @@ from typing import Any
 from pretuner.cluster.nodes import Placement
 from pretuner.cluster.ray_api import RayCluster
 from pretuner.errors import ClusterError
-from pretuner.launch.sampler import STATUS_EVENTS, MemorySampler, Phase, Sampled
+from pretuner.launch.sampler import STATUS_EVENTS, STATUS_EVERY_S, MemorySampler, Phase, Sampled
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class NodeSampler:
         reader = select_reader(kind, {**os.environ, **env}, count)
         self.sampler = MemorySampler(reader)
         self.tag = self.sampler.wrap(lambda name, detail: None)
+        self.current = "launch"  # the phase being sampled
         self.sampler.start()
 
     def running(self) -> int:
@@ -58,7 +60,13 @@ class NodeSampler:
         series (small: Ray keeps it with the caller, so it outlives this node)."""
         shipped = replace(self.sampler.snapshot(), series=())
         self.tag(name, "")
+        self.current = name
         return shipped
+
+    def now(self) -> tuple[int | None, int | None, str | None]:
+        """(MiB used at the last sample of this phase, the launch's peak so far, the reader)."""
+        got = self.sampler.snapshot()
+        return got.last_mib.get(self.current), got.peak_mib, got.reader
 
     def stop(self) -> Sampled:
         return self.sampler.stop()
@@ -68,9 +76,12 @@ class NodeSamplers:
     """The launch's samplers, one per node of the placement (`MemorySampler`'s interface)."""
 
     def __init__(self, cluster: RayCluster, placement: Placement, kind: str,
-                 env: Mapping[str, str]) -> None:
+                 env: Mapping[str, str], status: Phase | None = None) -> None:
         self.cluster, self.placement = cluster, placement
         self.kind, self.env = kind, dict(env)
+        self.status = status  # told the memory seen so far on the worst node, as on one machine
+        self._quiet = threading.Event()
+        self._teller: threading.Thread | None = None
         self.actors: list[Any] = []
         # per node: (phase begun, a ref to its peaks until then), one per phase
         self.shipped: list[list[tuple[str, Any]]] = []
@@ -96,7 +107,36 @@ class NodeSamplers:
                                .remote(self.kind, self.env, count))
             self.shipped.append([])
         self._wait_running()
+        if self.status is not None:
+            self._teller = threading.Thread(target=self._tell, args=(self.status,),
+                                            name="cluster-memory-status", daemon=True)
+            self._teller.start()
         return self
+
+    def _tell(self, status: Phase) -> None:
+        """Every STATUS_EVERY_S, the node that uses the most now, as one machine's sampler says
+        it; a node that does not answer in time is left out of that line (`stop` names a dead
+        one)."""
+        ray, labels = self.cluster._ray, [node.label for node in self.placement.nodes]
+        while not self._quiet.wait(STATUS_EVERY_S):
+            refs = [actor.now.remote() for actor in self.actors]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=STATUS_EVERY_S)
+            seen = []
+            for ref, label in zip(refs, labels, strict=False):
+                if ref in done:
+                    try:
+                        used, peak, reader = ray.get(ref, timeout=0)
+                    except Exception as err:  # the node's actor died: stop() says so
+                        log.debug("no memory status from node %s: %s", label, err)
+                        continue
+                    if used is not None and peak is not None:
+                        seen.append((used, label, peak, reader))
+            if seen and not self._quiet.is_set():
+                used, label, _, reader = max(seen)
+                how = " (simulated)" if reader == "emulated" else ""
+                status("memory", f"{used:,} MiB used now on node {label}, peak "
+                       f"{max(peak for _, _, peak, _ in seen):,} MiB this launch ({reader}{how}, "
+                       f"{len(seen)} of {len(labels)} node(s))")
 
     def _wait_running(self) -> None:
         """Every node's sampler runs, or a ClusterError names the node that did not start
@@ -125,6 +165,9 @@ class NodeSamplers:
         actor died (the node died, or its raylet) is a ClusterError naming it and its ranks:
         the launch's figures lack a node, and the run stops, resumable once it is back."""
         ray = self.cluster._ray
+        self._quiet.set()
+        if self._teller is not None:
+            self._teller.join(3 * STATUS_EVERY_S)
         got: list[tuple[str, Sampled]] = []
         lost: list[str] = []
         first = 0

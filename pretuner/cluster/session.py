@@ -65,7 +65,8 @@ class RayCollector(LocalCollector):
         """Every node's devices, each read where it is (`pretuner.cluster.sampling`)."""
         if reader is None or self.device_kind is None:
             return super().sampler(reader, status)
-        return NodeSamplers(self.cluster, self.placement, self.device_kind, self._launch_env)
+        return NodeSamplers(self.cluster, self.placement, self.device_kind, self._launch_env,
+                            status)
 
     def poll(self, *, final: bool = False) -> list[Located]:
         """server.log on this node, plus OOM lines found on any node (asked every few s)."""

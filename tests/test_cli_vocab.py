@@ -121,3 +121,29 @@ def test_config_keys_the_r01_method_cannot_pass_are_refused(tmp_path: Path) -> N
     assert proc.returncode == 2
     assert "--config" in proc.stderr
     assert "V1 engine" in proc.stderr
+
+
+@pytest.mark.parametrize(("command", "not_options"), [
+    ("run", {"as_json", "backend", "config", "dry", "resume"}),
+    ("plan", {"as_json", "kv_gib"}),
+])  # fmt: skip
+def test_every_run_and_plan_parameter_is_a_run_option_field(
+        command: str, not_options: set[str]) -> None:
+    """Rule: `run` and `plan` build RunOptions from their parameters by name
+    (`cli.options.run_options`), which keeps only the names RunOptions has: a parameter named
+    otherwise would be dropped without a word and its flag would do nothing. Only these few
+    are the command's own."""
+    import dataclasses
+
+    import typer
+
+    from pretuner.cli import app
+    from pretuner.tune.options import RunOptions
+
+    fields = {f.name for f in dataclasses.fields(RunOptions)}
+    group = typer.main.get_command(app)
+    assert isinstance(group, typer.core.TyperGroup)
+    found = group.get_command(None, command)  # type: ignore[arg-type]  # no context is needed
+    assert found is not None
+    params = {p.name for p in found.params}
+    assert params - fields == not_options

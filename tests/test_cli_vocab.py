@@ -123,24 +123,29 @@ def test_config_keys_the_r01_method_cannot_pass_are_refused(tmp_path: Path) -> N
     assert "V1 engine" in proc.stderr
 
 
-@pytest.mark.parametrize(("command", "not_options"), [
-    ("run", {"as_json", "backend", "config", "dry", "resume"}),
-    ("plan", {"as_json", "kv_gib"}),
+@pytest.mark.parametrize(("command", "record", "not_options"), [
+    ("run", "pretuner.tune.options:RunOptions", {"as_json", "backend", "config", "dry", "resume"}),
+    ("plan", "pretuner.tune.options:RunOptions", {"as_json", "kv_gib"}),
+    ("analyze", "pretuner.analyze:AnalyzeConfig", {"as_json", "logs", "out"}),
+    ("script", "pretuner.deploy.given:GivenValues", {
+        "as_json", "engine_version", "env", "head_ip", "install_dir", "model_path", "nic", "out",
+        "preset", "run_dir", "target"}),
 ])  # fmt: skip
-def test_every_run_and_plan_parameter_is_a_run_option_field(
-        command: str, not_options: set[str]) -> None:
-    """Rule: `run` and `plan` build RunOptions from their parameters by name
-    (`cli.options.run_options`), which keeps only the names RunOptions has: a parameter named
+def test_every_option_a_command_passes_on_by_name_is_a_field(
+        command: str, record: str, not_options: set[str]) -> None:
+    """Rule: `run`, `plan`, `analyze` and `script` build their config from their parameters by
+    name (`cli.options.named`), which keeps only the names the record has: a parameter named
     otherwise would be dropped without a word and its flag would do nothing. Only these few
     are the command's own."""
     import dataclasses
+    import importlib
 
     import typer
 
     from pretuner.cli import app
-    from pretuner.tune.options import RunOptions
 
-    fields = {f.name for f in dataclasses.fields(RunOptions)}
+    module, _, name = record.partition(":")
+    fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))}
     group = typer.main.get_command(app)
     assert isinstance(group, typer.core.TyperGroup)
     found = group.get_command(None, command)  # type: ignore[arg-type]  # no context is needed

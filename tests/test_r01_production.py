@@ -54,3 +54,14 @@ def test_no_backend_sets_no_backend_variable() -> None:
 def test_a_version_that_is_not_one_is_refused() -> None:
     with pytest.raises(BadInputError, match="'next' is not understood"):
         production("next")
+
+
+def test_from_0_5_no_pinned_bytes_means_no_kv_flag_and_no_profiling_excuse() -> None:
+    """0.5 takes the flag; settings without a pinned KV cache leave it out, and the note that a
+    version without the flag cannot enforce the KV figure does not apply to it."""
+    from dataclasses import replace
+
+    d = R01Engine(R01, False, "0.5", "test").production(
+        replace(SETTINGS, kv_cache_bytes=None), None)
+    assert "--kv-cache-memory-bytes" not in dict(d.flags)
+    assert not any("profiling" in n for n in d.notes)

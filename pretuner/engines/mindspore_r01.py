@@ -229,8 +229,9 @@ class R01Engine:
                      "not set"]
         if backend is not None:
             env[BACKEND_VARS[1] if ver >= (0, 4) else BACKEND_VARS[0]] = backend
-        if ver >= (0, 5) and s.kv_cache_bytes is not None:
-            flags.append((KV_FLAG, str(s.kv_cache_bytes)))
+        if ver >= (0, 5):
+            if s.kv_cache_bytes is not None:
+                flags.append((KV_FLAG, str(s.kv_cache_bytes)))
         elif ver >= (0, 2):
             notes.append(f"vLLM-MindSpore {version} sizes the KV cache by profiling and has no "
                          f"{KV_FLAG}: the tuned KV figure is not enforced; "

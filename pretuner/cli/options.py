@@ -135,7 +135,6 @@ SwapSpace = Annotated[float | None, typer.Option(
 )]
 
 
-
 def named(cls: Any, params: dict[str, Any], **values: Any) -> Any:
     """A `cls` (a dataclass) of a command's parameters, each named as its field; `values`
     over them."""

@@ -14,8 +14,8 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
-from pretuner.engines.base import Deployment, LaunchSettings, Purpose
-from pretuner.engines.mindspore_r01 import BACKEND_VARS, KV_FLAG, MEMORY_VARS, R01, R01Engine
+from pretuner.engines.base import KV_FLAG, LaunchSettings, Purpose
+from pretuner.engines.mindspore_r01 import BACKEND_VARS, MEMORY_VARS, R01, R01Engine
 from pretuner.engines.registry import STACK_PROBE
 from pretuner.engines.stack import LABELS, stack_words
 from pretuner.engines.vllm_v1 import (
@@ -150,31 +150,29 @@ def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
     """vLLM-MindSpore r0.1 and its later versions: what `R01Engine.production` starts the
     version with, the preset's own variables and flags beside it."""
     engine_version = opts.engine_version or "0.1"
-    notes: list[str] = []
     if MEMORY_VARS[1] in p.env:
-        use = int(p.env[MEMORY_VARS[1]])
+        use, use_note = int(p.env[MEMORY_VARS[1]]), None
     else:  # rounded up, so the KV cache is at most what the source measured
         use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
-        notes.append(f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
-                     f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB")
+        use_note = (f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
+                    f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB")
     engine = R01Engine(R01, False, engine_version, "script", nodes=p.nodes)
     backend = next((p.env[k] for k in BACKEND_VARS if k in p.env), None)
     deployment = engine.production(
         preset_settings(p, model_use_gib=use, kv_cache_bytes=p.kv_bytes), backend)
-    if MEMORY_VARS[1] not in deployment.env:  # a later version: model-use is not set at all
-        notes = []
+    # the re-expressed model-use is said where the version reads it
+    notes = [use_note] if use_note and MEMORY_VARS[1] in deployment.env else []
     notes += deployment.notes
     env = dict(deployment.env)
     env |= {k: v for k, v in p.env.items() if k not in BACKEND_VARS + MEMORY_VARS}
     if p.nodes > 1:
         env.update(node_exports(opts.nic, p.cards_per_node))
-    flags = list(deployment.flags)
-    if KV_FLAG in dict(flags):
+    if KV_FLAG in dict(deployment.flags):
         notes.append(
             f"KV cache pinned with {KV_FLAG} {p.kv_bytes} "
             f"({p.kv_bytes / GIB:.2f} GiB = {p.kv_tokens:,} tokens per card)"
         )
-    args = Deployment(tuple(flags), {}).argv()
+    args = deployment.argv()
     # a preset's flags the engine does not set itself (a user's file may name more)
     args += server_args({k: v for k, v in p.flags.items()
                          if k.replace("_", "-") not in config_entries(args)})

@@ -88,6 +88,7 @@ class Target:
 
 
 Flag = tuple[str, str | None]  # a server flag and its value (None: a switch)
+KV_FLAG = "--kv-cache-memory-bytes"  # the pinned KV cache: V1 engines, vLLM-MindSpore 0.5+
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from pretuner.emulation import emulator
 from pretuner.engines.base import (
+    KV_FLAG,
     Deployment,
     Family,
     LaunchCommand,
@@ -38,7 +39,6 @@ NAMES = (R01, SIM, MINDSPORE_CPU)
 BLOCK_SIZE = 16
 MEMORY_VARS = ("ASCEND_TOTAL_MEMORY_GB", "vLLM_MODEL_MEMORY_USE_GB")  # read by r0.1 only
 BACKEND_VARS = ("vLLM_MODEL_BACKEND", "VLLM_MS_MODEL_BACKEND")  # the model backend: to 0.3, 0.4+
-KV_FLAG = "--kv-cache-memory-bytes"  # 0.5 and later
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,12 +156,12 @@ def _named(requested: str, python: str | None, wrapped: bool) -> EngineChoice:
         return _r01(requested, wrapped)
     row = ROWS[requested]
     dist = row.distributions[0]
-    found = _located(row, python)
     if wrapped:  # the user's command starts it, wherever it is (a container's is not this
         # machine's): its version only from a Python the user named as the engine's
-        version = found[1] if found and row.named_python(os.environ, python) else None
-        return EngineChoice(row.name, Family.V1, False, version,
+        named = _located(row, python) if row.named_python(os.environ, python) else None
+        return EngineChoice(row.name, Family.V1, False, named[1] if named else None,
                             f"--engine {requested}: started by --serve-cmd")
+    found = _located(row, python)
     if found is None:
         where = engine_python(row, os.environ, python) or f"pretuner's Python ({sys.executable})"
         raise EngineMissing(f"--engine {requested}: {dist} is not installed in {where}",

@@ -28,6 +28,7 @@ from pretuner.devices.nvidia import gpu_identity
 from pretuner.devices.selection import visible_devices
 from pretuner.emulation import emulator
 from pretuner.engines.base import (
+    KV_FLAG,
     Deployment,
     Family,
     Flag,
@@ -374,7 +375,7 @@ class V1Engine:
         if settings.kv_cache_bytes is None:
             flags.append(("--gpu-memory-utilization", f"{settings.util:g}"))
         else:
-            flags.append(("--kv-cache-memory-bytes", str(settings.kv_cache_bytes)))
+            flags.append((KV_FLAG, str(settings.kv_cache_bytes)))
             if settings.util != DEFAULT_UTIL:  # still checked against the free memory at start
                 flags.append(("--gpu-memory-utilization", f"{settings.util:g}"))
             notes.append("--kv-cache-memory-bytes pins the KV cache: the engine skips its own "

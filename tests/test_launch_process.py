@@ -12,11 +12,17 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pretuner.errors import ServerFailedError
-from pretuner.launch.process import ServerProcess, install_signal_handlers, read_tail
+from pretuner.launch.process import (
+    ServerProcess,
+    install_signal_handlers,
+    raise_if_interrupted,
+    read_tail,
+)
 
 FAKE = Path(__file__).parent / "fakes" / "fake_server.py"
 
@@ -218,6 +224,36 @@ def test_sigterm_becomes_keyboard_interrupt() -> None:
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.slow
+def test_a_sigterm_whose_raise_was_swallowed_still_stops_the_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rule: a SIGTERM that lands where Python swallows exceptions (Popen's at-fork hooks, a
+    finalizer: "Exception ignored in ...") still stops the run at its next wait; once the
+    handlers are restored it is forgotten."""
+    import gc
+
+    class Finalized:
+        def __del__(self) -> None:
+            terminate_self()
+
+    restore = install_signal_handlers()
+    try:
+        swallowed: list[Any] = []
+        monkeypatch.setattr(sys, "unraisablehook", swallowed.append)
+        Finalized()  # the KeyboardInterrupt is raised in __del__ and swallowed there
+        gc.collect()
+        monkeypatch.undo()
+        assert [type(u.exc_value) for u in swallowed] == [KeyboardInterrupt]
+        proc = ServerProcess.start([sys.executable, "-c", "import time; time.sleep(30)"],
+                                   dict(os.environ), tmp_path / "server.log")
+        with proc, pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            proc.wait_ready("http://127.0.0.1:9/health", timeout_s=20)
+        assert proc.stop().seconds < 10
+    finally:
+        restore()
+    raise_if_interrupted()  # forgotten: nothing raised
 
 
 @pytest.mark.slow

@@ -141,6 +141,7 @@ class ServerProcess:
         that the process lives, then runs `check` (which may raise: an OOM in the log)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            raise_if_interrupted()
             code = self.poll()
             if code is not None:
                 raise self._failure(f"{describe_exit(code)} before {url} answered")
@@ -236,8 +237,22 @@ def stop_all(grace_s: float = _ATEXIT_GRACE_S) -> None:
 atexit.register(stop_all)
 
 
+# The signal that asked this process to stop, kept until the handlers are restored: Python
+# swallows an exception raised where it cannot propagate ("Exception ignored in ..."), and a
+# SIGTERM that lands in Popen's at-fork hooks or in a finalizer would let a run go on to its end
+# (seen in a sweep: a tuning told to stop finished, and its resume found it already done).
+_interrupted: list[str] = []
+
+
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
+    _interrupted.append(signal.Signals(signum).name)  # no lock: safe in a handler
+    raise KeyboardInterrupt(f"received {_interrupted[-1]}")
+
+
+def raise_if_interrupted() -> None:
+    """Raise again a SIGTERM or SIGHUP this process got, in case its first raise was swallowed."""
+    if _interrupted:
+        raise KeyboardInterrupt(f"received {_interrupted[-1]}")
 
 
 def install_signal_handlers() -> Callable[[], None]:
@@ -251,6 +266,7 @@ def install_signal_handlers() -> Callable[[], None]:
     def restore() -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _interrupted.clear()
 
     return restore
 

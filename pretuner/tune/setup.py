@@ -18,6 +18,7 @@ from pretuner.engines.v1_launch import V1Hooks
 from pretuner.errors import NotValidatedError
 from pretuner.launch.command import ALL_HOSTS, PORT_SLOT, wrapped
 from pretuner.launch.images import ImageShape
+from pretuner.launch.process import raise_if_interrupted
 from pretuner.models.spec import ModelSpec
 from pretuner.report.records import Method as MethodName
 from pretuner.report.records import RunReport
@@ -61,6 +62,7 @@ class Method:
         return self.max_launches - len(self.outcomes)
 
     def launch(self, settings: LaunchSettings) -> LaunchOutcome:
+        raise_if_interrupted()  # a stop asked for whose first raise was swallowed
         if self.launches_left() <= 0:
             raise NotValidatedError(
                 f"launch budget of {self.max_launches} used up before a configuration was "

@@ -180,6 +180,26 @@ def test_emulated_reader_reads_the_cuda_card_in_process(tmp_path: Path) -> None:
     assert sample.devices[1].total_mib == profile.nvml_total_mib == 81559
 
 
+def test_a_killed_servers_file_does_not_pass_to_a_process_given_its_pid(tmp_path: Path) -> None:
+    # A server killed with SIGKILL leaves its state file. When the kernel gives its pid to a
+    # later process (here: this one, started later than the file says), the card must not
+    # show the dead server's 142,427 MiB: an emulated run once derived its non-KV peak from a
+    # card clamped full by such a file. A file written by the live process itself still counts.
+    from pretuner.procgroups import start_ticks
+    from pretuner.sim.state import read_devices
+
+    ticks = start_ticks(os.getpid())
+    assert ticks is not None
+    state = tmp_path / "gpus"
+    state.mkdir()
+    for device, written_at in ((0, ticks - 1), (1, ticks)):
+        (state / f"cuda-node0-dev{device}-pid{os.getpid()}.json").write_text(
+            f'{{"pid": {os.getpid()}, "shown_pid": {os.getpid()}, "process_mib": 142427, '
+            f'"start_ticks": {written_at}}}')
+    used = [d.used_mib for d in read_devices(state, "cuda", 0, 2, idle_mib=615)]
+    assert used == [615, 615 + 142_427]
+
+
 @pytest.mark.parametrize("fmt", ["csv,noheader,nounits", "csv"])
 def test_emulated_nvidia_smi_csv_parses(tmp_path: Path, fmt: str,
                                         monkeypatch: pytest.MonkeyPatch,

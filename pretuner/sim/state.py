@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pretuner.cluster.nodefs import node_local
 from pretuner.files import write_atomic
-from pretuner.procgroups import proc_available, stat_fields
+from pretuner.procgroups import proc_available, start_ticks, stat_fields
 from pretuner.units import MIB
 
 STATE_DIR_ENV = "PRETUNER_SIM_STATE_DIR"
@@ -66,7 +66,9 @@ def _holders(state: Path, kind: str, node: int, device: int) -> list[tuple[int, 
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
             pid = int(data["pid"])
-            if alive(pid):
+            # A server killed with SIGKILL leaves its file; a later process given the same pid
+            # would hold its memory, so the pid must also have started when the writer did.
+            if alive(pid) and data.get("start_ticks", start_ticks(pid)) == start_ticks(pid):
                 out.append((pid, int(data["shown_pid"]), int(data["process_mib"])))
         except (OSError, ValueError, KeyError, TypeError):
             continue
@@ -108,7 +110,8 @@ class Published:
         """This process now holds `process_mib` on the device (`shown_pid`: the rank's pid)."""
         pid = os.getpid()
         path = state / f"{kind}-node{node}-dev{device}-pid{pid}.json"
-        data = {"pid": pid, "shown_pid": shown_pid or pid, "process_mib": process_mib}
+        data = {"pid": pid, "shown_pid": shown_pid or pid, "process_mib": process_mib,
+                "start_ticks": start_ticks(pid)}
         with self._lock:
             if self._gone:
                 return

@@ -8,6 +8,10 @@ site=${SITE:-/tmp/site}
 mkdir -p "$site/bin"
 t0=$(date +%s)
 cat "$stage"/vllm.part* | xz -dc -T0 | tar -x -C "$site" || { echo "untar failed" >&2; exit 11; }
+# Kernels carried apart (vllm_payload.py --moe writes moe.tar.xz: the MoE kernels, 39 MB).
+for extra in "$stage"/*.tar.xz; do
+  [ -e "$extra" ] && { tar -xJf "$extra" -C "$site" || { echo "untar $extra failed" >&2; exit 11; }; }
+done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" \
   "$stage"/light/*.whl 2>&1 | grep -v "already exists"
 # `pip --target` writes no console script for a tree that was untarred: vllm's own, by hand.

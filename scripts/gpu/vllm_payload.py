@@ -10,6 +10,9 @@ network, in parts small enough to carry one at a time.
    kernels: FA3 serves Hopper, a dense model needs no MoE), as a tar.xz split into
    `--part-mb` parts (OUT/vllm.partNN).
 3. OUT/qwen3-8b: the Qwen3-8B config with the word-level tokenizer of make_tiny_qwen3.py.
+4. With `--moe`: OUT/moe.tar.xz, the MoE kernels apart (39 MB, one more carrying call;
+   install_vllm.sh unpacks every *.tar.xz of the stage), and OUT/qwen3-30b-a3b beside
+   qwen3-8b. Made tests/fixtures/real/vllm-0.24-h200-moe.
 
     python scripts/gpu/vllm_payload.py --have image-packages.txt --out /tmp/payload
 """
@@ -37,8 +40,9 @@ PLATFORMS += ["manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64
 SKIP = ("flashinfer-python", "flashinfer-cubin", "tilelang", "nvidia-cutlass-dsl",
         "quack-kernels", "tokenspeed-mla", "humming-kernels", "fastsafetensors",
         "nvidia-cudnn-frontend", "torch", "torchaudio", "torchvision")
-DROP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so",
-        "vllm/vllm-rs")
+MOE_KERNELS = "vllm/_moe_C_stable_libtorch.abi3.so"
+DROP = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", MOE_KERNELS, "vllm/vllm-rs")
+MODELS = {"qwen3-8b": "Qwen--Qwen3-8B.json", "qwen3-30b-a3b": "Qwen--Qwen3-30B-A3B.json"}
 
 
 def download(spec: str, into: Path) -> None:
@@ -102,10 +106,14 @@ def forced(name: str, roots: list[str]) -> bool:
     return any(canonicalize_name(Requirement(r).name) == name for r in roots)
 
 
-def vllm_parts(wheel: Path, out: Path, drop: tuple[str, ...], part_bytes: int) -> None:
+def vllm_parts(wheel: Path, out: Path, drop: tuple[str, ...], part_bytes: int,
+               moe: bool) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with zipfile.ZipFile(wheel) as z:
             z.extractall(tmp)  # noqa: S202  (the wheel pip just fetched)
+        if moe:
+            with tarfile.open(out / "moe.tar.xz", "w:xz") as tar:
+                tar.add(Path(tmp) / MOE_KERNELS, arcname=MOE_KERNELS)
         for name in drop:
             (Path(tmp) / name).unlink(missing_ok=True)
         packed = out / "vllm.tar.xz"
@@ -118,13 +126,13 @@ def vllm_parts(wheel: Path, out: Path, drop: tuple[str, ...], part_bytes: int) -
     packed.unlink()
 
 
-def model_folder(out: Path) -> None:
+def model_folder(out: Path, name: str) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     import make_tiny_qwen3
 
-    folder = out / "qwen3-8b"
+    folder = out / name
     make_tiny_qwen3.write(folder)
-    config = ROOT.parent / "shared" / "model-configs" / "Qwen--Qwen3-8B.json"
+    config = ROOT.parent / "shared" / "model-configs" / MODELS[name]
     (folder / "config.json").write_text(json.dumps(json.loads(config.read_text()), indent=1)
                                         + "\n")
 
@@ -139,6 +147,8 @@ def main() -> None:
     parser.add_argument("--also", nargs="*", default=["typer>=0.29"],
                         help="more roots, fetched even where the machine has an older one "
                         "(pretuner needs typer 0.29; the machine had 0.27)")
+    parser.add_argument("--moe", action="store_true",
+                        help="also the MoE kernels (moe.tar.xz) and the Qwen3-30B-A3B folder")
     parser.add_argument("--part-mb", type=int, default=50)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -149,9 +159,10 @@ def main() -> None:
     wheel = wheel_of("vllm", light)
     if wheel is None:
         raise SystemExit("no vllm wheel was fetched")
-    vllm_parts(wheel, args.out, tuple(args.drop), args.part_mb * 1_000_000)
+    vllm_parts(wheel, args.out, tuple(args.drop), args.part_mb * 1_000_000, args.moe)
     wheel.unlink()
-    model_folder(args.out)
+    for name in ("qwen3-8b", "qwen3-30b-a3b") if args.moe else ("qwen3-8b",):
+        model_folder(args.out, name)
     for path in sorted(args.out.rglob("*")):
         if path.is_file():
             print(f"{path.stat().st_size / 1e6:8.1f} MB  {path.relative_to(args.out)}")

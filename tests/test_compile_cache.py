@@ -128,3 +128,70 @@ def test_a_pre_run_with_the_cache_off_is_not_said_cold() -> None:
 
     r = V1Tuner(_cfg(), execute, lambda phase, detail: None).run()
     assert "cold compile cache" not in [d["decision"] for d in r.decisions]
+
+
+REAL = Path(__file__).parent / "fixtures" / "real"
+
+
+# Rule: whether the engine compiled at start-up is read from its log, not guessed from the
+# cache folder: vLLM 0.24 keys its cache by --kv-cache-memory-bytes, so every pinned launch of
+# the real runs compiled anew though the pre-run had just filled the folder (the MoE run's
+# record, written before this rule, says "warm" for its launch 2).
+@pytest.mark.parametrize(("log", "state"), [
+    (REAL / "vllm-0.24-h200-moe" / "run" / "launch-1" / "server.log", "cold"),
+    (REAL / "vllm-0.24-h200-moe" / "run" / "launch-2" / "server.log", "cold"),
+    (REAL / "vllm-0.24-h200" / "run32k" / "launch-2" / "server.log", "cold"),
+    (("vllm-0.24-h100", "A2-util090.log"), "warm"),  # a second util launch: loaded
+    (("vllm-0.24-h100", "C-kv59g.log"), "cold"),  # pinned, after util launches: compiled
+])
+def test_the_engines_log_says_whether_it_compiled(log: Path | tuple[str, str],
+                                                  state: str) -> None:
+    from pretuner.engines.v1_launch import read_log
+    from tests.helpers import shared
+
+    path = log if isinstance(log, Path) else shared("real-logs", *log)
+    assert read_log(path).compile_cache == state
+
+
+# Rule: the emulated engine keeps its compile cache as vLLM 0.24 keys it: a configuration
+# compiled before is loaded; --gpu-memory-utilization, the name and the port are not in the key,
+# --kv-cache-memory-bytes is.
+def test_the_emulated_engine_keys_its_compile_cache_as_vllm_does(tmp_path: Path) -> None:
+    from pretuner.sim.state import compiled_before
+    from pretuner.sim.v1.config import parse
+
+    def key(*flags: str) -> str:
+        return parse(["qwen3-8b", "--max-model-len", "8192", *flags], {}).compile_key
+
+    assert key("--gpu-memory-utilization", "0.9") == key("--gpu-memory-utilization", "0.8")
+    assert key("--port", "1", "--served-model-name", "a") == key("--port", "2")
+    pinned = key("--kv-cache-memory-bytes", "1000000000")
+    assert pinned != key("--kv-cache-memory-bytes", "1000001536")
+    assert pinned != key("--gpu-memory-utilization", "0.9")
+    assert not compiled_before(tmp_path, pinned)
+    assert compiled_before(tmp_path, pinned)
+    assert not compiled_before(tmp_path, key())
+
+
+@pytest.mark.slow
+def test_a_run_records_what_the_engines_log_says_not_the_folder(tmp_path: Path) -> None:
+    # The folder holds entries (it looks warm), yet the emulated engine compiles each new
+    # configuration: both launches of a first run are cold, and the cold pre-run is said. The
+    # same run again finds its pre-run's configuration compiled, and its proof's too.
+    import json
+
+    from tests.helpers import cli_env, run_cli
+
+    full = tmp_path / "vc" / "torch_compile_cache" / "hash-0"
+    full.mkdir(parents=True)
+    (full / "entry").write_text("x")
+    env = cli_env(VLLM_CACHE_ROOT=str(tmp_path / "vc"),
+                  PRETUNER_SIM_STATE_DIR=str(tmp_path / "card"))
+    for n, states in ((1, ["cold", "cold"]), (2, ["warm", "warm"])):
+        done = run_cli("run", "--model", "qwen3-8b", "--engine", "vllm", "--emulate",
+                       "--card", "80", "--json", "--out", str(tmp_path / f"run{n}"), env=env)
+        assert done.returncode == 0, done.stderr
+        rep = json.loads(done.stdout)
+        assert [s["compile_cache"] for s in rep["steps"]] == states
+        said = "cold compile cache" in [d["decision"] for d in rep["decisions"]]
+        assert said == (n == 1)

@@ -128,6 +128,7 @@ class V1Hooks:
             encoder_profiled_items=v1.encoder_profiled_items, speed=ran.speed,
             advised_kv_bytes=v1.advice.requested_bytes if v1.advice else None,
             advised_full_kv_bytes=v1.advice.full_bytes if v1.advice else None,
+            compile_cache=v1.compile_cache,
         )
 
 

@@ -171,6 +171,15 @@ class GraphsCaptured:
 
 
 @dataclass(frozen=True, slots=True)
+class CompiledGraph:
+    """vLLM's torch.compile at start-up: `Compiling a graph for compile range (1, 8192) takes
+    14.54 s` (the cache had no entry for this configuration: "cold") or `Directly load the
+    compiled graph(s) for compile range (1, 8192) from the cache` ("warm")."""
+
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
 class GraphCapture:
     """`Capturing CUDA graphs (FULL): ... 1/51`: how far one capture pass got (its last bar)."""
 
@@ -256,7 +265,8 @@ LogEvent = (
     PoolDump | PartialPoolDump | PoolDumpHeader | DeviceMemoryInit | MemoryStat | OomEvent
     | LoadingStarted | ModelLoaded | AvailableKvMemory | AvailableMemory | KvCacheSize
     | MaxConcurrency | KvReserved | BlockCounts | PromptIgnored | KvPinned | KvAdvice | CpuKvSet
-    | GraphsCaptured | GraphCapture | GraphsEstimated | ChunkedPrefill | EncoderBudget
+    | GraphsCaptured | GraphCapture | GraphsEstimated | CompiledGraph | ChunkedPrefill
+    | EncoderBudget
     | DeviceRefused | EngineArgs
     | V1EngineConfig | ServerReady | EngineStartFailed | EngineDied | SchedulerDump
 )

@@ -13,6 +13,7 @@ from typing import TypeVar
 from pretuner.logscan.events import (
     AvailableKvMemory,
     ChunkedPrefill,
+    CompiledGraph,
     CpuKvSet,
     DeviceRefused,
     EncoderBudget,
@@ -51,6 +52,7 @@ _FILLS: dict[type, tuple[tuple[str, str], ...]] = {
     MaxConcurrency: (("max_concurrency", "concurrency"), ("max_model_len", "tokens_per_request")),
     GraphsCaptured: (("graphs_gib", "gib"),),
     GraphsEstimated: (("graphs_estimated_gib", "gib"),),
+    CompiledGraph: (("compile_cache", "state"),),
     ChunkedPrefill: (("max_num_batched_tokens", "max_num_batched_tokens"),),
     EncoderBudget: (("encoder_budget_tokens", "budget_tokens"),
                     ("encoder_profiled_items", "profiled_items")),
@@ -80,6 +82,7 @@ class V1Log:
     graphs_gib: float | None = None  # CUDA graph capture, after the KV cache was allocated
     graphs_estimated_gib: float | None = None  # the engine's estimate of that capture
     graph_capture: tuple[tuple[str, int, int], ...] = ()  # (mode, done, of) per capture pass
+    compile_cache: str | None = None  # "cold": torch.compile compiled at start-up; "warm": loaded
     graph_pool_bytes: int | None = None  # in CUDA graph pools when the first OOM struck
     capacity_gib: float | None = None  # the device's total, as the first OOM said it
     max_num_batched_tokens: int | None = None

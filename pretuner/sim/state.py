@@ -4,6 +4,7 @@ atomically, removed at the server's end, ignored once its writer died."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -125,6 +126,16 @@ class Published:
             self._gone = True
             for path in self.paths:
                 path.unlink(missing_ok=True)
+
+
+def compiled_before(state: Path, key: str) -> bool:
+    """The emulated engine's torch.compile cache: one entry per configuration `key`. Whether
+    this key was compiled by an earlier boot (this one then loads it); the entry is made."""
+    entry = state / "compile-cache" / hashlib.sha256(key.encode()).hexdigest()[:10]
+    hit = entry.exists()
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    entry.touch()
+    return hit
 
 
 def boot_noise_mib(state: Path, most_mib: int) -> int:

@@ -196,8 +196,12 @@ def _tune_recorded(record: RunRecord, opts: RunOptions, phase: Phase, choice: En
     execute = recorded_executor(record, ctx, phase)
 
     def launch(settings: LaunchSettings) -> LaunchOutcome:
-        cache = s.engine.cache_state(os.environ)  # the engine's compile cache as it starts
-        return replace(execute(settings), compile_cache=cache)
+        # The engine's compile cache as it starts: what its log says it did (vLLM keys the
+        # cache by --kv-cache-memory-bytes, so a folder that holds entries can still compile),
+        # else whether the cache folder held anything.
+        cache = s.engine.cache_state(os.environ)
+        done = execute(settings)
+        return replace(done, compile_cache=done.compile_cache or cache)
 
     method = s.start(launch, phase, lambda d: record.append("decision", **d))
     method.begin()

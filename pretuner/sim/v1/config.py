@@ -139,6 +139,16 @@ class V1Config(ServerArgs):
     time_scale: float = 1.0
     pp: int = 1  # --pipeline-parallel-size
     backend: str | None = None  # --distributed-executor-backend (ray: RAY_ADDRESS's cluster)
+    compiled_before: bool = False  # this configuration's torch.compile is in the cache
+
+    @property
+    def compile_key(self) -> str:
+        """What vLLM 0.24 keys its torch.compile cache by, of what the emulator knows: the
+        model and the shapes, --kv-cache-memory-bytes among them (its CacheConfig hash leaves
+        out only --gpu-memory-utilization and derived counts), not the name or the port."""
+        return repr((self.model, self.max_model_len, self.max_num_seqs,
+                     self.max_num_batched_tokens, self.kv_cache_memory_bytes, self.kv_cache_dtype,
+                     self.block_size, self.quantization, self.tp, self.pp))
 
 
 def _visible(raw: str | None) -> tuple[int, ...] | None:

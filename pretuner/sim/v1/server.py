@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 from pretuner.errors import PretunerError
 from pretuner.sim.argv import serve_main
 from pretuner.sim.http import ANY_HOST, print_routes, serve_in_thread, uvicorn_started
-from pretuner.sim.state import STATE_DIR_ENV, boot_noise_mib, others_bytes, state_dir
+from pretuner.sim.state import (
+    STATE_DIR_ENV,
+    boot_noise_mib,
+    compiled_before,
+    others_bytes,
+    state_dir,
+)
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1.boot import Booted, Sink, Stopped, boot, devices_for
 from pretuner.sim.v1.config import V1Config, build_parser, parse
@@ -41,7 +47,8 @@ DEV_ROUTES = (("/reset_mm_cache", "POST"), ("/reset_prefix_cache", "POST"))
 def serve(cfg: V1Config) -> int:
     """Boot, then serve until SIGTERM/SIGINT; the exit code."""
     stop, state = StopFlag(), state_dir(cfg.env)
-    cfg = replace(cfg, boot_noise_mib=boot_noise_mib(state, cfg.boot_noise_mib))
+    cfg = replace(cfg, boot_noise_mib=boot_noise_mib(state, cfg.boot_noise_mib),
+                  compiled_before=compiled_before(state, cfg.compile_key))
     stop.install()
     devices = devices_for(cfg) or []  # too few: boot refuses
     sink = Sink(L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET), 0, stop=stop, state=state,

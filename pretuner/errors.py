@@ -28,6 +28,14 @@ class ExitCode(IntEnum):
     SWEEP_INCOMPLETE = 10  # `sweep`: a tuning did not end validated as asked (its own code)
     INTERRUPTED = 130
 
+    @classmethod
+    def of_finished_run(cls, validated: bool, validate: bool, given_up: bool) -> ExitCode:
+        """`pretuner run`'s code for a run that finished: 6 when a proof was asked and did not
+        hold, 9 when it held less than asked, else 0."""
+        if not validated and validate:
+            return cls.NOT_VALIDATED
+        return cls.LESS_THAN_ASKED if given_up else cls.OK
+
 
 class PretunerError(Exception):
     """Base of every error pretuner reports to a user."""

@@ -28,6 +28,7 @@ from pretuner.engines.vllm_v1 import RAY_RESOURCE, ROWS, card_unit
 from pretuner.errors import BadInputError, ExitCode
 from pretuner.files import write_atomic
 from pretuner.procgroups import stop_group
+from pretuner.tune.record import JOURNAL, read_journal
 from pretuner.units import MIB
 
 log = logging.getLogger(__name__)
@@ -138,11 +139,17 @@ def run_one(args: Sequence[str], folder: str) -> dict[str, Any]:
     """`pretuner run ARGS --out FOLDER --json` (or `--resume FOLDER` when it holds an unfinished
     run) as its own process group; Ctrl-C (or a Ray cancel) stops it, and its server, first."""
     out = Path(folder)
-    argv = (["--resume", str(out)] if (out / "journal.jsonl").exists()
+    t0 = time.monotonic()
+    done = _finished_code(out)
+    if done is not None:  # it finished before a stop reached this sweep: --resume would refuse
+        return {"exit_code": done, "reason": None if done == 0 else _reason(
+                    _read_json(out / "report.json"), out.parent / f".{out.name}.stderr"),
+                "report": _read_json(out / "report.json"), "seconds": 0.0,
+                "host": socket.gethostname()}
+    argv = (["--resume", str(out)] if (out / JOURNAL).exists()
             else [*args, "--out", str(out)])
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = out.parent / f".{out.name}.stderr"
-    t0 = time.monotonic()
     with open(errors, "a") as err:  # a resumed tuning adds to its earlier lines
         proc = subprocess.Popen([sys.executable, "-m", "pretuner", "run", *argv, "--json"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
@@ -161,6 +168,23 @@ def run_one(args: Sequence[str], folder: str) -> dict[str, Any]:
             "host": socket.gethostname()}
 
 
+def _finished_code(out: Path) -> int | None:
+    """`pretuner run`'s exit code for the run in `out` if its journal says it finished, else
+    None (no run there yet, or one a stop cut short: --resume goes on with it)."""
+    journal = out / JOURNAL
+    events = read_journal(journal) if journal.is_file() else []
+    finished = next((e for e in events if e.get("event") == "run_finished"), None)
+    if finished is None:
+        return None
+    started = next((e for e in events if e.get("event") == "run_started"), {})
+    options = started.get("options")
+    validate = not isinstance(options, dict) or options.get("validate", True) is not False
+    report = _read_json(out / "report.json") or {}
+    return int(ExitCode.of_finished_run(bool(finished.get("validated")),
+                                        validate,
+                                        bool(report.get("given_up"))))
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -177,7 +201,8 @@ def _reason(report: dict[str, Any] | None, errors: Path) -> str:
         return "not validated under full load"
     if report is not None and report.get("given_up"):
         return "validated, but less than asked (report.md: what was given up)"
-    lines = [x for x in errors.read_text(errors="replace").splitlines() if x.strip()]
+    text = errors.read_text(errors="replace") if errors.is_file() else ""
+    lines = [x for x in text.splitlines() if x.strip()]
     said = [x for x in lines if x.startswith("pretuner: ")]
     last = (said or lines or ["no output"])[-1]
     return last.removeprefix("pretuner: ").removeprefix("error: ").strip()

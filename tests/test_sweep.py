@@ -152,3 +152,41 @@ def test_four_tunings_one_failing_interrupted_and_resumed(tmp_path: Path) -> Non
     # The run folders are normal ones: `report` reads them.
     report = invoke("report", str(sw / "v1-40"), "--out", str(tmp_path / "v1-40.html"))
     assert report.returncode == 0, report.stderr
+
+
+# Rule: `pretuner run`'s exit code for a finished run: 6 when the proof was asked and did not
+# hold, 9 when it held less than asked, 0 otherwise (a run told not to validate included).
+@pytest.mark.parametrize(("validated", "validate", "given_up", "code"), [
+    (True, True, False, 0), (True, True, True, 9), (False, True, False, 6),
+    (False, True, True, 6), (False, False, False, 0), (False, False, True, 9),
+])
+def test_a_finished_runs_exit_code(validated: bool, validate: bool, given_up: bool,
+                                   code: int) -> None:
+    from pretuner.errors import ExitCode
+
+    assert ExitCode.of_finished_run(validated, validate, given_up) == code
+
+
+# Rule: a tuning whose run finished (its journal says so) before a stop reached the sweep is
+# taken as it ended when the sweep resumes, never run again: `--resume` refuses a finished
+# run (exit 2), which had turned a SIGTERM landing just after the run's end into a failure.
+@pytest.mark.parametrize(("validated", "given_up", "code"), [
+    (True, None, 0), (True, ["max_model_len"], 9), (False, None, 6),
+])
+def test_a_tuning_that_finished_before_the_stop_is_not_run_again(
+        tmp_path: Path, validated: bool, given_up: list[str] | None, code: int) -> None:
+    from pretuner.sweep import run_one
+
+    folder = tmp_path / "sweep" / "qwen3-8b"
+    folder.mkdir(parents=True)
+    events = [{"event": "run_started", "options": {"validate": True}, "time": 1.0},
+              {"event": "run_finished", "validated": validated, "time": 2.0}]
+    (folder / "journal.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    report = {"validated": validated, "given_up": given_up}
+    (folder / "report.json").write_text(json.dumps(report))
+    # Arguments `pretuner run` would refuse: had it been started, the code would be 2.
+    result = run_one(["--no-such-flag"], str(folder))
+    assert result["exit_code"] == code
+    assert result["report"] == report
+    assert (result["reason"] is None) == (code == 0)
+    assert not (tmp_path / "sweep" / ".qwen3-8b.stderr").exists()  # nothing was started

@@ -222,10 +222,10 @@ def run_cmd(
         restore()
     emit(as_json, outcome.report.model_dump(mode="json"),  # report.json, as written
          render_summary(outcome.report, outcome.record))
-    if not outcome.result.validated and opts.validate:
-        raise typer.Exit(int(ExitCode.NOT_VALIDATED))
-    if outcome.report.given_up:
-        raise typer.Exit(int(ExitCode.LESS_THAN_ASKED))
+    code = ExitCode.of_finished_run(outcome.result.validated, opts.validate,
+                                    bool(outcome.report.given_up))
+    if code:
+        raise typer.Exit(int(code))
 
 
 # Flags that do not change the run, so a --resume may carry them.

@@ -52,6 +52,16 @@ def derive_margin_mib(total_mib: int) -> int:
                noise.floor_mib(total_mib) + tighten_margin_mib(total_mib))
 
 
+def margin_words(total_mib: int) -> str:
+    """What the derivation's margin is made of (`derive_margin_mib`), as the output says it."""
+    share = margin_mib(total_mib)
+    spread, proof = noise.floor_mib(total_mib), tighten_margin_mib(total_mib)
+    return (f"margin {derive_margin_mib(total_mib):,} MiB = the larger of {share:,} MiB (0.5 % "
+            f"of the device, at least {MARGIN_FLOOR_MIB} MiB: a sampled peak can miss a short "
+            f"transient) and {spread + proof:,} MiB (the boot-to-boot spread kept, {spread:,} "
+            f"MiB, + {proof:,} MiB a proof may peak above the pre-run)")
+
+
 def kv_held_bytes(kv_tokens: int | None, bytes_per_token: int, kv_gib: float | None) -> int | None:
     """The KV cache a launch held: its token count times the bytes per token (exact: vLLM
     allocates whole blocks), else the GiB figure the engine printed (two decimals)."""
@@ -94,6 +104,8 @@ class PinnedBudget:
             f"pinned KV = device total {self.total_mib:,} MiB - non-KV peak "
             f"{self.non_kv_mib:,.1f} MiB - margin {self.margin_mib:,} MiB = "
             f"{self.kv_mib:,} MiB ({self.kv_mib / 1024:.2f} GiB, derived), rounded down to a MiB",
+            *([margin_words(self.total_mib)]
+              if self.margin_mib == derive_margin_mib(self.total_mib) else []),
         ]
 
 

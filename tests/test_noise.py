@@ -86,6 +86,23 @@ def _kept(r: V1Result) -> int:
     return TOTAL - max(max(o.device_peaks_mib.values()) for o in proofs)
 
 
+# Rule: the output says what the derivation's margin is made of, and its figures add up to it.
+@pytest.mark.parametrize(("total", "share", "spread", "proof"), [
+    (H200_TOTAL, 719, 500, 144), (81_559, 408, 500, 82), (24_000, 256, 256, 32)])
+def test_the_derivation_says_what_its_margin_is_made_of(total: int, share: int, spread: int,
+                                                         proof: int) -> None:
+    from pretuner.pinned import derive_pinned
+
+    lines = derive_pinned(total, total - 1_000, 0, "nvml").lines()
+    margin = max(share, spread + proof)
+    assert f"- margin {margin:,} MiB = " in lines[1]
+    assert lines[2] == (
+        f"margin {margin:,} MiB = the larger of {share:,} MiB (0.5 % of the device, at least "
+        f"256 MiB: a sampled peak can miss a short transient) and {spread + proof:,} MiB (the "
+        f"boot-to-boot spread kept, {spread:,} MiB, + {proof:,} MiB a proof may peak above the "
+        "pre-run)")
+
+
 def test_by_default_two_launches_keep_the_floor() -> None:
     r, launches = _tune({})
     assert r.validated

@@ -187,8 +187,17 @@ def test_every_printed_sum_of_the_v1_derivation_adds_up(cli_runs: dict[str, CliR
     assert isinstance(pinned, PinnedDerivation)
     d = pinned.budget
     assert d is not None
-    assert len(d.lines) == 2
-    for line in d.lines:
+    assert len(d.lines) == 3
+    sums, margin = d.lines[:2], d.lines[2]
+    # The margin's line says what it is made of: the larger of a share of the device and the
+    # spread kept plus what a proof may add, whose figures add up too.
+    m = re.fullmatch(r"margin ([\d,]+) MiB = the larger of ([\d,]+) MiB \(.*\) and ([\d,]+) MiB "
+                     r"\(the boot-to-boot spread kept, ([\d,]+) MiB, \+ ([\d,]+) MiB .*\)", margin)
+    assert m is not None, margin
+    kept, share, floor, spread, proof = (int(g.replace(",", "")) for g in m.groups())
+    assert kept == d.margin_mib == max(share, floor)
+    assert floor == spread + proof
+    for line in sums:
         total, result = _sum_of(line)
         if line.endswith("rounded down to a MiB"):
             assert result <= total + 0.1 < result + 1.1, line  # inputs printed to 0.1 MiB

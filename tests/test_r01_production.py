@@ -18,7 +18,7 @@ SETTINGS = LaunchSettings(Purpose.VALIDATE, card_gib=64, util=0.9, model_use_gib
 def production(version: str | None, backend: str | None = None) -> tuple[dict[str, str],
                                                                           dict[str, str | None],
                                                                           tuple[str, ...]]:
-    d = R01Engine(R01, False, version, "test").production(SETTINGS, backend)
+    d = R01Engine(R01, False, version, "test", backend=backend).production(SETTINGS)
     return d.env, dict(d.flags), d.notes
 
 
@@ -61,7 +61,6 @@ def test_from_0_5_no_pinned_bytes_means_no_kv_flag_and_no_profiling_excuse() -> 
     version without the flag cannot enforce the KV figure does not apply to it."""
     from dataclasses import replace
 
-    d = R01Engine(R01, False, "0.5", "test").production(
-        replace(SETTINGS, kv_cache_bytes=None), None)
+    d = R01Engine(R01, False, "0.5", "test").production(replace(SETTINGS, kv_cache_bytes=None))
     assert "--kv-cache-memory-bytes" not in dict(d.flags)
     assert not any("profiling" in n for n in d.notes)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
-from pretuner.engines.base import KV_FLAG, LaunchSettings, Purpose
+from pretuner.engines.base import KV_FLAG, Engine, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import BACKEND_VARS, MEMORY_VARS, R01, R01Engine
 from pretuner.engines.registry import STACK_PROBE
 from pretuner.engines.stack import LABELS, stack_words
@@ -156,10 +156,10 @@ def _r01_server(p: Preset, opts: ScriptOptions, model_path: str) -> _Server:
         use = math.ceil(p.card_gib * p.util - p.kv_gib - 1e-9)
         use_note = (f"model-use re-expressed from the source's KV figure: ceil({p.card_gib} x "
                     f"{p.util:g} - {p.kv_gib:.2f}) = {use} GiB")
-    engine = R01Engine(R01, False, engine_version, "script", nodes=p.nodes)
-    backend = next((p.env[k] for k in BACKEND_VARS if k in p.env), None)
-    deployment = engine.production(
-        preset_settings(p, model_use_gib=use, kv_cache_bytes=p.kv_bytes), backend)
+    engine = R01Engine(R01, False, engine_version, "script", nodes=p.nodes,
+                       backend=next((p.env[k] for k in BACKEND_VARS if k in p.env), None))
+    deployment = engine.production(preset_settings(p, model_use_gib=use,
+                                                   kv_cache_bytes=p.kv_bytes))
     # the re-expressed model-use is said where the version reads it
     notes = [use_note] if use_note and MEMORY_VARS[1] in deployment.env else []
     notes += deployment.notes
@@ -209,8 +209,8 @@ def preset_flags(p: Preset, row: V1Row) -> list[str]:
     deploys for the preset's values."""
     if p.server_flags is not None:
         return list(p.server_flags)
-    settings = preset_settings(p, kv_cache_bytes=p.kv_cache_memory_bytes)
-    return V1Engine(row, simulated=False).deploy(settings).argv()
+    engine: Engine = V1Engine(row, simulated=False)
+    return engine.production(preset_settings(p, kv_cache_bytes=p.kv_cache_memory_bytes)).argv()
 
 
 def layout_flags(flags: list[str], p: Preset) -> list[str]:

@@ -163,5 +163,10 @@ class Engine(Protocol):
         ...
 
     def deploy(self, settings: LaunchSettings) -> Deployment:
-        """The flags and environment that start production with these settings."""
+        """The flags and environment that start a launch with these settings."""
+        ...
+
+    def production(self, settings: LaunchSettings) -> Deployment:
+        """What starts production with the settings the launches proved (deploy/ renders it):
+        the launch's own flags, less what only the tuner needs, for the engine's version."""
         ...

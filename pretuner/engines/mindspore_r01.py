@@ -107,6 +107,7 @@ class R01Engine:
     # --serve-cmd: the user's own way to start the server, in place of serve_argv()'s.
     serve_cmd: tuple[str, ...] = ()
     nodes: int = 1  # more than one: the ranks are placed by Ray
+    backend: str | None = None  # the model backend production names (a preset's variable)
     launch_env: dict[str, str] = field(default_factory=dict)  # the emulated card's, launched only
 
     @property
@@ -209,11 +210,11 @@ class R01Engine:
         }
         return Deployment(tuple(flags), env)
 
-    def production(self, s: LaunchSettings, backend: str | None) -> Deployment:
+    def production(self, s: LaunchSettings) -> Deployment:
         """What starts production on this engine's version (0.1 where unknown) with the settings
         its launches proved: r0.1 reads the two memory variables; 0.2 and later ignore them and
-        always chunk (the flag is vLLM V0's); 0.5 and later take the KV cache in bytes; MindSpore
-        at WARNING (the pool dump is the tuner's, not production's)."""
+        always chunk (the flag is vLLM V0's); 0.4 renames the backend variable; 0.5 and later
+        take the KV cache in bytes; MindSpore at WARNING (the pool dump is the tuner's)."""
         version = self.version or "0.1"
         ver = version_tuple(version)[:2]
         if len(ver) < 2:
@@ -227,8 +228,8 @@ class R01Engine:
             flags = [f for f in launch.flags if f[0] != "--enable-chunked-prefill"]
             notes = [f"vLLM-MindSpore {version} ignores {' and '.join(MEMORY_VARS)}; they are "
                      "not set"]
-        if backend is not None:
-            env[BACKEND_VARS[1] if ver >= (0, 4) else BACKEND_VARS[0]] = backend
+        if self.backend is not None:
+            env[BACKEND_VARS[1] if ver >= (0, 4) else BACKEND_VARS[0]] = self.backend
         if ver >= (0, 5):
             if s.kv_cache_bytes is not None:
                 flags.append((KV_FLAG, str(s.kv_cache_bytes)))

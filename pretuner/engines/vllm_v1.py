@@ -369,6 +369,10 @@ class V1Engine:
                **target.extra_env}
         return launch_command([*limit, *self.base_command(), target.model], target, flags, env)
 
+    def production(self, settings: LaunchSettings) -> Deployment:
+        """Production starts with the flags its launches ran with."""
+        return self.deploy(settings)
+
     def deploy(self, settings: LaunchSettings) -> Deployment:
         flags = batch_flags(settings)
         notes: list[str] = []

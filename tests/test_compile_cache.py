@@ -143,6 +143,8 @@ REAL = Path(__file__).parent / "fixtures" / "real"
     (REAL / "vllm-0.24-h200" / "run32k" / "launch-2" / "server.log", "cold"),
     (("vllm-0.24-h100", "A2-util090.log"), "warm"),  # a second util launch: loaded
     (("vllm-0.24-h100", "C-kv59g.log"), "cold"),  # pinned, after util launches: compiled
+    (("vllm-cpu-0.32", "util030-auto.log"), "cold"),  # vLLM 0.32 on CPU: compiled and saved
+    (("vllm-cpu-0.32", "kv1g-explicit.log"), "cold"),  # its cached entry failed to load
 ])
 def test_the_engines_log_says_whether_it_compiled(log: Path | tuple[str, str],
                                                   state: str) -> None:
@@ -151,6 +153,26 @@ def test_the_engines_log_says_whether_it_compiled(log: Path | tuple[str, str],
 
     path = log if isinstance(log, Path) else shared("real-logs", *log)
     assert read_log(path).compile_cache == state
+
+
+# Rule: each way vLLM says it compiled, or loaded, is read as such (lines as the engines print
+# them, after their prefix).
+@pytest.mark.parametrize(("line", "state"), [
+    ("Compiling a graph for compile range (1, 8192) takes 14.54 s", "cold"),
+    ("[backbone] Compiling model again due to a load failure from ~/.cache/vllm/x, reason: y",
+     "cold"),
+    ("[backbone] saved AOT compiled function to ~/.cache/vllm/torch_compile_cache/x", "cold"),
+    ("Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took "
+     "1.688 s", "warm"),
+    ("Directly load AOT compilation from path ~/.cache/vllm/torch_compile_cache/x", "warm"),
+    ("torch.compile took 5.42 s in total", None),  # says nothing of the cache
+])
+def test_each_compile_line_is_read(tmp_path: Path, line: str, state: str | None) -> None:
+    from pretuner.engines.v1_launch import read_log
+
+    log = tmp_path / "server.log"
+    log.write_text(f"(EngineCore pid=1) INFO 11-28 18:13:37 [backends.py:292] {line}\n")
+    assert read_log(log).compile_cache == state
 
 
 # Rule: the emulated engine keeps its compile cache as vLLM 0.24 keys it: a configuration

@@ -172,9 +172,11 @@ class GraphsCaptured:
 
 @dataclass(frozen=True, slots=True)
 class CompiledGraph:
-    """vLLM's torch.compile at start-up: `Compiling a graph for compile range (1, 8192) takes
-    14.54 s` (the cache had no entry for this configuration: "cold") or `Directly load the
-    compiled graph(s) for compile range (1, 8192) from the cache` ("warm")."""
+    """vLLM's torch.compile at start-up: "cold" where the cache had no entry for this
+    configuration (`Compiling a graph for compile range (1, 8192) takes 14.54 s`; on CPU, vLLM
+    0.32's `Compiling model again due to a load failure` or `saved AOT compiled function`),
+    "warm" where it loaded one (`Directly load the compiled graph(s) ...`, `Directly load AOT
+    compilation from path ...`)."""
 
     state: str
 

@@ -94,8 +94,11 @@ ANCHORS: tuple[bytes, ...] = (
     b"Graph capturing finished",
     b"Capturing CUDA graphs",
     b"Estimated CUDA graph memory",
-    b"Compiling a graph for compile range",
-    b"Directly load the compiled graph",
+    b"Compiling a graph for",  # vLLM's torch.compile: compiled at start-up, or loaded
+    b"Compiling model again",
+    b"saved AOT compiled",
+    b"Directly load the compiled",
+    b"Directly load AOT compil",
     b"Chunked prefill is enabled",
     b"Encoder cache will be initialized",
     b"on startup is less than desired",
@@ -379,7 +382,8 @@ _TABLE: tuple[tuple[str, Callable[[re.Match[str]], LogEvent | None]], ...] = (
      lambda m: GraphsCaptured(_float(m[1]))),
     (_CAPTURE_BAR.pattern, lambda m: _capture_bar(m.string)),
     (r"Estimated CUDA graph memory: (" + _NUM + r") ?GiB", lambda m: GraphsEstimated(_float(m[1]))),
-    (r"Compiling a graph for compile range|Directly load the compiled graph",
+    (r"Compiling a graph for compile range|Compiling model again due to a load failure"
+     r"|saved AOT compiled function|Directly load (?:the compiled graph|AOT compilation)",
      lambda m: CompiledGraph("warm" if m[0].startswith("Directly") else "cold")),
     (r"Chunked prefill is enabled.*?max_num_batched_tokens=(\d+)",
      lambda m: ChunkedPrefill(_int(m[1]))),

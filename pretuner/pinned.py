@@ -56,10 +56,10 @@ def margin_words(total_mib: int) -> str:
     """What the derivation's margin is made of (`derive_margin_mib`), as the output says it."""
     share = margin_mib(total_mib)
     spread, proof = noise.floor_mib(total_mib), tighten_margin_mib(total_mib)
-    return (f"margin {derive_margin_mib(total_mib):,} MiB = the larger of {share:,} MiB (0.5 % "
-            f"of the device, at least {MARGIN_FLOOR_MIB} MiB: a sampled peak can miss a short "
-            f"transient) and {spread + proof:,} MiB (the boot-to-boot spread kept, {spread:,} "
-            f"MiB, + {proof:,} MiB a proof may peak above the pre-run)")
+    return (f"margin {derive_margin_mib(total_mib):,} MiB = the larger of {share:,} MiB "
+            f"({MARGIN_SHARE * 100:g} % of the device, at least {MARGIN_FLOOR_MIB} MiB: a sampled "
+            f"peak can miss a short transient) and {spread + proof:,} MiB (the boot-to-boot "
+            f"spread kept, {spread:,} MiB, + {proof:,} MiB a proof may peak above the pre-run)")
 
 
 def kv_held_bytes(kv_tokens: int | None, bytes_per_token: int, kv_gib: float | None) -> int | None:

@@ -79,8 +79,11 @@ class PinnedBudget:
     total_mib: int  # the device, as its reader reports it
     peak_mib: int  # the worst device's highest sample during start-up and the probe
     held_kv_mib: float  # the KV cache the measured launch held
-    margin_mib: int
     source: str  # what measured the peak ("emulated", "nvml", "nvidia-smi", ...)
+
+    @property
+    def margin_mib(self) -> int:
+        return derive_margin_mib(self.total_mib)
 
     @property
     def non_kv_mib(self) -> float:
@@ -104,15 +107,13 @@ class PinnedBudget:
             f"pinned KV = device total {self.total_mib:,} MiB - non-KV peak "
             f"{self.non_kv_mib:,.1f} MiB - margin {self.margin_mib:,} MiB = "
             f"{self.kv_mib:,} MiB ({self.kv_mib / 1024:.2f} GiB, derived), rounded down to a MiB",
-            *([margin_words(self.total_mib)]
-              if self.margin_mib == derive_margin_mib(self.total_mib) else []),
+            margin_words(self.total_mib),
         ]
 
 
 def derive_pinned(total_mib: int, peak_mib: int, held_kv_bytes: int, source: str) -> PinnedBudget:
     """The pinned KV budget a measured launch supports."""
-    return PinnedBudget(total_mib, peak_mib, held_kv_bytes / MIB, derive_margin_mib(total_mib),
-                        source)
+    return PinnedBudget(total_mib, peak_mib, held_kv_bytes / MIB, source)
 
 
 def back_off_bytes(kv_bytes: int, alloc_bytes: int | None, total_mib: int) -> int:

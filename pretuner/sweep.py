@@ -28,7 +28,7 @@ from pretuner.engines.vllm_v1 import RAY_RESOURCE, ROWS, card_unit
 from pretuner.errors import BadInputError, ExitCode
 from pretuner.files import write_atomic
 from pretuner.procgroups import stop_group
-from pretuner.tune.record import JOURNAL, read_journal
+from pretuner.tune.record import JOURNAL, RunRecord
 from pretuner.units import MIB
 
 log = logging.getLogger(__name__)
@@ -139,17 +139,28 @@ def run_one(args: Sequence[str], folder: str) -> dict[str, Any]:
     """`pretuner run ARGS --out FOLDER --json` (or `--resume FOLDER` when it holds an unfinished
     run) as its own process group; Ctrl-C (or a Ray cancel) stops it, and its server, first."""
     out = Path(folder)
-    t0 = time.monotonic()
-    done = _finished_code(out)
-    if done is not None:  # it finished before a stop reached this sweep: --resume would refuse
-        return {"exit_code": done, "reason": None if done == 0 else _reason(
-                    _read_json(out / "report.json"), out.parent / f".{out.name}.stderr"),
-                "report": _read_json(out / "report.json"), "seconds": 0.0,
-                "host": socket.gethostname()}
-    argv = (["--resume", str(out)] if (out / JOURNAL).exists()
-            else [*args, "--out", str(out)])
-    out.parent.mkdir(parents=True, exist_ok=True)
     errors = out.parent / f".{out.name}.stderr"
+    t0 = time.monotonic()
+    record = RunRecord.open(out) if (out / JOURNAL).is_file() else None
+    finished = next(record.of_kind("run_finished"), None) if record is not None else None
+    code = None if finished is not None else _run_process(
+        ["--resume", str(out)] if record is not None else [*args, "--out", str(out)], errors)
+    report = _read_json(out / "report.json")
+    if record is not None and finished is not None:
+        # It ended before a stop reached this sweep (--resume would refuse it): as it ended.
+        options = next(record.of_kind("run_started"), {}).get("options")
+        code = int(ExitCode.of_finished_run(
+            bool(finished.get("validated")),
+            not isinstance(options, dict) or options.get("validate", True) is not False,
+            bool((report or {}).get("given_up"))))
+    return {"exit_code": code, "reason": None if code == 0 else _reason(report, errors),
+            "report": report, "seconds": round(time.monotonic() - t0, 1),
+            "host": socket.gethostname()}
+
+
+def _run_process(argv: list[str], errors: Path) -> int:
+    """`pretuner run ARGV --json` in its own process group, its stderr added to `errors`."""
+    errors.parent.mkdir(parents=True, exist_ok=True)
     with open(errors, "a") as err:  # a resumed tuning adds to its earlier lines
         proc = subprocess.Popen([sys.executable, "-m", "pretuner", "run", *argv, "--json"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
@@ -162,27 +173,7 @@ def run_one(args: Sequence[str], folder: str) -> dict[str, Any]:
         except BaseException:  # Ctrl-C, SIGTERM, a Ray cancel: the run stops its server first
             stop_group(proc.pid, STOP_GRACE_S, reap=proc.poll)
             raise
-    report = _read_json(out / "report.json")
-    return {"exit_code": code, "reason": None if code == 0 else _reason(report, errors),
-            "report": report, "seconds": round(time.monotonic() - t0, 1),
-            "host": socket.gethostname()}
-
-
-def _finished_code(out: Path) -> int | None:
-    """`pretuner run`'s exit code for the run in `out` if its journal says it finished, else
-    None (no run there yet, or one a stop cut short: --resume goes on with it)."""
-    journal = out / JOURNAL
-    events = read_journal(journal) if journal.is_file() else []
-    finished = next((e for e in events if e.get("event") == "run_finished"), None)
-    if finished is None:
-        return None
-    started = next((e for e in events if e.get("event") == "run_started"), {})
-    options = started.get("options")
-    validate = not isinstance(options, dict) or options.get("validate", True) is not False
-    report = _read_json(out / "report.json") or {}
-    return int(ExitCode.of_finished_run(bool(finished.get("validated")),
-                                        validate,
-                                        bool(report.get("given_up"))))
+    return code
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from pretuner.cluster.nodes import Placement
+from pretuner.cluster.nodes import NodeFacts, Placement
 from pretuner.cluster.ray_api import RayCluster
 from pretuner.errors import ClusterError
 from pretuner.launch.sampler import STATUS_EVENTS, STATUS_EVERY_S, MemorySampler, Phase, Sampled
@@ -152,6 +152,9 @@ class NodeSamplers:
                 for actor in self.actors:
                     ray.kill(actor)
                 self.actors = []
+                dead = {n.node_id for n in self.cluster.nodes() if not n.alive}
+                if node.node_id in dead:  # it died while its sampler started
+                    raise node_died([self._ranks(node)]) from err
                 why = (str(err).strip() or type(err).__name__).splitlines()[-1][:300]
                 raise ClusterError(
                     f"the device sampler did not start on node {node.label} within "
@@ -170,27 +173,24 @@ class NodeSamplers:
             self._teller.join(3 * STATUS_EVERY_S)
         got: list[tuple[str, Sampled]] = []
         lost: list[str] = []
-        first = 0
-        for k, (actor, node, count) in enumerate(zip(
-                self.actors, self.placement.nodes, self.placement.ranks_per_node, strict=False)):
+        for k, (actor, node) in enumerate(zip(self.actors, self.placement.nodes, strict=False)):
             try:
                 got.append((node.label, ray.get(actor.stop.remote(), timeout=STOP_TIMEOUT_S)))
             except Exception as err:  # a dead node's actor, a timeout (start saw it run)
                 log.warning("device sampling on node %s: %s", node.label, type(err).__name__)
-                lost.append(f"{node.label} (ranks {first}-{first + count - 1}"
-                            f"{self._last_peak(k)})")
-            first += count
+                lost.append(self._ranks(node, self._last_peak(k)))
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
         if lost:
-            raise ClusterError(
-                f"node {', '.join(lost)} died during the launch (its device sampler is gone): "
-                "the server was stopped on every node",
-                hint="bring the node back into the Ray cluster (`ray start --address=HEAD_IP:"
-                "PORT` there, `ray status` shows it), then continue with `pretuner run "
-                "--resume RUN_DIR`")
+            raise node_died(lost)
         return merge_sampled(got)
+
+    def _ranks(self, node: NodeFacts, peak: str = "") -> str:
+        """`LABEL (ranks A-B[, peak ...])`: a node as a lost-node error names it."""
+        first, count = next((start, n) for each, start, n in self.placement.spans()
+                            if each.node_id == node.node_id)
+        return f"{node.label} (ranks {first}-{first + count - 1}{peak})"
 
     def _last_peak(self, k: int) -> str:
         """`, peak N MiB before phase P`: the latest peaks node `k` shipped before it died."""
@@ -204,6 +204,15 @@ class NodeSamplers:
                 continue
             return "" if peak is None else f", peak {peak:,} MiB before phase {phase}"
         return ""
+
+
+def node_died(lost: list[str]) -> ClusterError:
+    """The error of a launch that lost nodes (each named with its ranks): resumable."""
+    return ClusterError(
+        f"node {', '.join(lost)} died during the launch (its device sampler is gone): "
+        "the server was stopped on every node",
+        hint="bring the node back into the Ray cluster (`ray start --address=HEAD_IP:PORT` "
+        "there, `ray status` shows it), then continue with `pretuner run --resume RUN_DIR`")
 
 
 def merge_sampled(nodes: list[tuple[str, Sampled]]) -> Sampled:

@@ -154,6 +154,11 @@ class Engine(Protocol):
     pp_across_nodes: ClassVar[bool]  # its method shards stages across nodes
     takes_weights_flags: ClassVar[bool]  # takes quantization and offload flags
 
+    @classmethod
+    def card_words(cls, card_gib: int, card_source: str, device_kind: str) -> str:
+        """The devices a run's --card named, in this engine's unit (the report's words)."""
+        ...
+
     def cache_state(self, env: Mapping[str, str]) -> str:
         """The engine's compile cache as a launch starts, in the report's words."""
         ...

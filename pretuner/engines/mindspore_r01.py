@@ -127,6 +127,11 @@ class R01Engine:
 
     ray_resource = "NPU"  # what one rank holds on a Ray cluster
 
+    @classmethod
+    def card_words(cls, card_gib: int, card_source: str, device_kind: str) -> str:
+        """r0.1's --card is the card's GiB (ASCEND_TOTAL_MEMORY_GB), with where it came from."""
+        return f"{card_gib} GiB card(s) ({card_source})"
+
     def cache_state(self, env: Mapping[str, str]) -> str:
         """MindSpore's graph cache as a launch starts: "n/a" on the emulated card and behind
         --serve-cmd (a container's cache is not this host's folder)."""

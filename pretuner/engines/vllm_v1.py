@@ -307,6 +307,17 @@ class V1Engine:
         """What one rank holds on a Ray cluster (the emulated server's card is CUDA's)."""
         return "NPU" if self.row.device == "ascend" and not self.simulated else "GPU"
 
+    @classmethod
+    def card_words(cls, card_gib: int, card_source: str, device_kind: str) -> str:
+        """A V1 engine's --card is the device's GB; the emulated card's name says its size; on
+        CPU it is a memory budget."""
+        if device_kind == "cpu":
+            return (f"a {card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
+                    "vLLM on CPU has no device)")
+        if card_source.startswith("emulated "):
+            return f"{card_source} device(s)"  # the emulated card's name and size
+        return f"{card_gib} GB device(s)"
+
     def cache_state(self, env: Mapping[str, str]) -> str:
         """The compile cache a launch starts with: "n/a" on the emulated engine and behind
         --serve-cmd (a container's cache is not this host's folder)."""

@@ -23,6 +23,7 @@ from pydantic import (
     model_serializer,
 )
 
+from pretuner.engines.registry import engine_class
 from pretuner.errors import BadInputError
 from pretuner.files import MAX_INPUT_BYTES, read_bounded
 from pretuner.report import SCHEMA_VERSION
@@ -457,24 +458,14 @@ def report_of(data: Any) -> AnyReport:
 # -- the words every reader of a record says the same way ----------------------------------------
 
 
-# What a run's --card counts, by method: r0.1's is the card's GiB (ASCEND_TOTAL_MEMORY_GB, with
-# where it came from), a V1 engine's the device's GB.
-CARD_WORDS: dict[Method, str] = {"r0.1": "GiB card(s) ({source})", "v1-pinned-kv": "GB device(s)"}
-
-
 def device_words(rep: AnyReport) -> str:
-    """The devices as the run knew them: a real device's total as its reader measured it, the
-    emulated CUDA card by name, else --card in its method's unit (`CARD_WORDS`)."""
-    method = rep.method if isinstance(rep, FailureReport) else rep.derivation.method
+    """The devices as the run knew them: a real device's total as its reader measured it (a CPU
+    has none), else --card in the engine's words."""
     d = rep.derivation if isinstance(rep, RunReport) else None
-    if method == "v1-pinned-kv" and rep.device_kind == "cpu":
-        return (f"a {rep.card_gib} GiB memory budget (RLIMIT_DATA on every server process; "
-                "vLLM on CPU has no device)")
-    if not rep.simulated and isinstance(d, PinnedDerivation) and d.budget is not None:
+    if (rep.device_kind != "cpu" and not rep.simulated and isinstance(d, PinnedDerivation)
+            and d.budget is not None):
         return f"{d.budget.device_total_mib:,} MiB device(s) (measured)"
-    if method == "v1-pinned-kv" and rep.card_source.startswith("emulated "):
-        return f"{rep.card_source} device(s)"  # the emulated card's name and size
-    return f"{rep.card_gib} {CARD_WORDS[method].format(source=rep.card_source)}"
+    return engine_class(rep.engine).card_words(rep.card_gib, rep.card_source, rep.device_kind)
 
 
 def kv_words(rep: RunReport) -> str:

@@ -179,8 +179,13 @@ def test_each_compile_line_is_read(tmp_path: Path, line: str, state: str | None)
 # compiled before is loaded; --gpu-memory-utilization, the name and the port are not in the key,
 # --kv-cache-memory-bytes is.
 def test_the_emulated_engine_keys_its_compile_cache_as_vllm_does(tmp_path: Path) -> None:
-    from pretuner.sim.state import compiled_before
+    from pretuner.sim.state import compile_entry, remember_compiled
     from pretuner.sim.v1.config import parse
+
+    def compiled_before(state: Path, key: str) -> bool:  # as a boot that compiles it
+        hit = compile_entry(state, key).exists()
+        remember_compiled(state, key)
+        return hit
 
     def key(*flags: str) -> str:
         return parse(["qwen3-8b", "--max-model-len", "8192", *flags], {}).compile_key
@@ -217,3 +222,26 @@ def test_a_run_records_what_the_engines_log_says_not_the_folder(tmp_path: Path) 
         assert [s["compile_cache"] for s in rep["steps"]] == states
         said = "cold compile cache" in [d["decision"] for d in rep["decisions"]]
         assert said == (n == 1)
+
+
+# Rule: the emulated engine's cache holds what was compiled, as vLLM's does: a boot that dies
+# before compiling (its weights do not fit) leaves no entry, so the next boot of that
+# configuration compiles cold; one that compiled leaves it.
+def test_an_emulated_boot_that_dies_before_compiling_caches_nothing(tmp_path: Path) -> None:
+    import io
+
+    from pretuner.sim.state import compile_entry
+    from pretuner.sim.v1 import logs as L
+    from pretuner.sim.v1.boot import Sink, boot
+    from pretuner.sim.v1.config import parse
+    from pretuner.stopflag import StopFlag
+    from tests.helpers import FAST_SIM
+
+    def booted(model: str, card: str) -> tuple[bool, bool]:
+        cfg = parse([model, "--max-model-len", "4096"],
+                    {**FAST_SIM, "PRETUNER_SIM_PROFILE": card})
+        sink = Sink(L.V1Log(0, 0, io.StringIO()), 0, stop=StopFlag(), state=tmp_path)
+        return boot(cfg, sink) is not None, compile_entry(tmp_path, cfg.compile_key).exists()
+
+    assert booted("qwen2.5-72b-instruct", "cuda-24") == (False, False)  # 145 GB of weights
+    assert booted("qwen3-8b", "h100-80") == (True, True)

@@ -128,14 +128,17 @@ class Published:
                 path.unlink(missing_ok=True)
 
 
-def compiled_before(state: Path, key: str) -> bool:
-    """The emulated engine's torch.compile cache: one entry per configuration `key`. Whether
-    this key was compiled by an earlier boot (this one then loads it); the entry is made."""
-    entry = state / "compile-cache" / hashlib.sha256(key.encode()).hexdigest()[:10]
-    hit = entry.exists()
+def compile_entry(state: Path, key: str) -> Path:
+    """The emulated engine's torch.compile cache: one entry per configuration `key`, made by
+    the boot that compiled it (a boot that dies before compiling leaves none); a later boot of
+    the same key loads it."""
+    return state / "compile-cache" / hashlib.sha256(key.encode()).hexdigest()[:10]
+
+
+def remember_compiled(state: Path, key: str) -> None:
+    entry = compile_entry(state, key)
     entry.parent.mkdir(parents=True, exist_ok=True)
     entry.touch()
-    return hit
 
 
 def boot_noise_mib(state: Path, most_mib: int) -> int:

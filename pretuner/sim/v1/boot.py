@@ -15,7 +15,7 @@ from pretuner.errors import PretunerError
 from pretuner.models import ModelSpec, resolve
 from pretuner.sim.argv import Refused
 from pretuner.sim.kvcache import cache_layout
-from pretuner.sim.state import Published
+from pretuner.sim.state import Published, remember_compiled
 from pretuner.sim.v1 import logs as L
 from pretuner.sim.v1 import offload
 from pretuner.sim.v1.config import V1Config
@@ -58,6 +58,11 @@ class Sink:
             for device in self.devices:
                 self.files.hold(self.state, "cuda", 0, device, mib)
             time.sleep(HOLD_S)
+
+    def compiled(self, key: str) -> None:
+        """This boot compiled configuration `key`: a served boot keeps it in its card's cache."""
+        if self.stop is not None:
+            remember_compiled(self.state, key)
 
     def pause(self, seconds: float) -> None:
         if self.stop is not None and self.stop.wait(seconds):
@@ -279,6 +284,7 @@ def _engine_start(cfg: V1Config, sink: Sink, spec: ModelSpec, mml: int,
         else:
             log.core("backends.py:1148", "Dynamo bytecode transform time: 3.59 s")
             log.core("backends.py:393", f"Compiling a graph for {graphs} takes 2.66 s")
+            sink.compiled(cfg.compile_key)
         log.core("monitor.py:53", f"torch.compile took {_compile_s(cfg)} s in total")
 
     # The dummy step of max_num_batched_tokens tokens (the profile run; in util mode its peak

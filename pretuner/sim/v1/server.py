@@ -20,7 +20,7 @@ from pretuner.sim.http import ANY_HOST, print_routes, serve_in_thread, uvicorn_s
 from pretuner.sim.state import (
     STATE_DIR_ENV,
     boot_noise_mib,
-    compiled_before,
+    compile_entry,
     others_bytes,
     state_dir,
 )
@@ -48,7 +48,7 @@ def serve(cfg: V1Config) -> int:
     """Boot, then serve until SIGTERM/SIGINT; the exit code."""
     stop, state = StopFlag(), state_dir(cfg.env)
     cfg = replace(cfg, boot_noise_mib=boot_noise_mib(state, cfg.boot_noise_mib),
-                  compiled_before=compiled_before(state, cfg.compile_key))
+                  compiled_before=compile_entry(state, cfg.compile_key).exists())
     stop.install()
     devices = devices_for(cfg) or []  # too few: boot refuses
     sink = Sink(L.V1Log(os.getpid(), os.getpid() + CORE_PID_OFFSET), 0, stop=stop, state=state,

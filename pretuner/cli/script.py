@@ -143,16 +143,9 @@ def script_cmd(
 
     if util is not None:
         v.finite("--util", util, example="0.9")
-    given = {
-        "--card": card_gib,
-        "--tp": tp,
-        "--util": util,
-        "--model-use-gb": model_use_gib,
-        "--max-model-len": max_model_len,
-        "--max-num-seqs": max_num_seqs,
-        "--max-num-batched-tokens": max_num_batched_tokens,
-        "--block-size": block_size,
-    }
+    given = {"--card": card_gib, "--tp": tp, "--util": util, "--model-use-gb": model_use_gib,
+             "--max-model-len": max_model_len, "--max-num-seqs": max_num_seqs,
+             "--max-num-batched-tokens": max_num_batched_tokens, "--block-size": block_size}
     sources = [run_dir is not None, preset is not None, model is not None]
     if sum(sources) != 1:
         raise BadInputError(
@@ -167,30 +160,19 @@ def script_cmd(
             )
         p = preset_from_values(o.named(GivenValues, ctx.params))
     else:
-        extra = [flag for flag, value in given.items() if value is not None]
-        extra += [
-            flag
-            for flag, changed in (
-                ("--pp", pp != 1),
-                ("--nodes", nodes != 1),
-                ("--kv-cache-dtype", kv_cache_dtype != "auto"),
-                ("--weights-format", weights_format is not None),
-            )
-            if changed
-        ]
-        if extra:
+        changed = {**{flag: value is not None for flag, value in given.items()},
+                   "--pp": pp != 1, "--nodes": nodes != 1,
+                   "--kv-cache-dtype": kv_cache_dtype != "auto",
+                   "--weights-format": weights_format is not None}
+        if extra := [flag for flag, on in changed.items() if on]:
             raise BadInputError(f"{', '.join(extra)} only go with --model", hint="drop them")
         if preset is not None:
             p = resolve_preset(preset)
     opts = ScriptOptions(
-        engine_version=engine_version,
+        engine_version=engine_version, nic=nic, head_ip=head_ip, install_dir=install_dir,
         # A folder by its absolute path: the scripts run from other folders.
         model_path=local_model_path(model_path) or model_path if model_path else None,
-        nic=nic,
-        head_ip=head_ip,
-        install_dir=install_dir,
-        extra_env=_env_pairs(env),
-    )
+        extra_env=_env_pairs(env))
     if run_dir is not None:  # the files its folder holds
         files = run_scripts(finished_run(run_dir), opts, list(target))
     else:

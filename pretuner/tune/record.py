@@ -119,12 +119,7 @@ def claim_new_folder(out: Path) -> RunLock:
         raise BadInputError(
             f"--out {str(out)!r} exists and is not a folder", hint="choose a new folder"
         )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise BadInputError(
-            f"cannot create --out {str(out)!r}: {err.strerror}", hint="choose a writable folder"
-        ) from None
+    _mkdir(out, f"--out {str(out)!r}", "choose a writable folder", parents=True, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise BadInputError(f"--out {str(out)!r} is not writable", hint="choose another folder")
     if _holds_files(out):  # checked before the lock too: no stray .lock in a user's folder
@@ -134,6 +129,17 @@ def claim_new_folder(out: Path) -> RunLock:
         lock.release()
         _refuse_used(out)
     return lock
+
+
+def _mkdir(folder: Path, what: str, hint: str, **how: bool) -> None:
+    """`folder.mkdir(**how)`, refused as bad input (exit 2) naming `what`; a folder that exists
+    (without exist_ok) still raises FileExistsError."""
+    try:
+        folder.mkdir(**how)
+    except OSError as err:
+        if isinstance(err, FileExistsError) and not how.get("exist_ok"):
+            raise
+        raise BadInputError(f"cannot create {what}: {err.strerror}", hint=hint) from None
 
 
 def _holds_files(folder: Path) -> bool:
@@ -243,13 +249,8 @@ class RunRecord:
     @classmethod
     def create(cls, base: Path, model: str, card_gib: int | None) -> RunRecord:
         base = Path(base)
-        try:
-            base.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise BadInputError(
-                f"cannot create the run folder {str(base)!r}: {err.strerror}",
-                hint="choose a writable --out",
-            ) from None
+        _mkdir(base, f"the run folder {str(base)!r}", "choose a writable --out", parents=True,
+               exist_ok=True)
         if not os.access(base, os.W_OK | os.X_OK):
             raise BadInputError(
                 f"run folder {str(base)!r} is not writable", hint="choose a writable --out"
@@ -260,14 +261,9 @@ class RunRecord:
         for n in range(1000):
             candidate = base / (name if n == 0 else f"{name}-{n}")
             try:
-                candidate.mkdir()
+                _mkdir(candidate, repr(str(candidate)), "choose a writable --out")
             except FileExistsError:
                 continue
-            except OSError as err:
-                raise BadInputError(
-                    f"cannot create {str(candidate)!r}: {err.strerror}",
-                    hint="choose a writable --out",
-                ) from None
             return cls(path=candidate, lock=lock_folder(candidate))
         raise BadInputError(f"too many runs named {name!r} in {str(base)!r}")
 

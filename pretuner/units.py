@@ -4,7 +4,3 @@ from __future__ import annotations
 
 MIB = 1024**2
 GIB = 1024**3
-
-
-def fmt_gib(n_bytes: float, digits: int = 2) -> str:
-    return f"{n_bytes / GIB:,.{digits}f} GiB"

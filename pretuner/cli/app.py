@@ -7,7 +7,7 @@ import os
 import sys
 import traceback
 from collections.abc import Iterable
-from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import typer
@@ -51,12 +51,7 @@ fewer sequences, slower than --min-tokens-per-s), 10 a sweep's tuning not valida
 )
 
 
-@dataclass
-class _GlobalState:
-    debug: bool = False
-
-
-state = _GlobalState()  # what the root callback saw, for the error boundary
+state = SimpleNamespace(debug=False)  # what the root callback saw, for the error boundary
 
 
 def _version(value: bool) -> None:

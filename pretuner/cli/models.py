@@ -11,7 +11,7 @@ from pretuner.cli.app import Group, app
 from pretuner.cli.render import emit, table
 from pretuner.errors import BadInputError
 from pretuner.models import ModelSpec, builtin_specs, resolve
-from pretuner.units import fmt_gib
+from pretuner.units import GIB
 
 SHOW_TPS = (1, 2, 4, 8, 16)
 
@@ -139,7 +139,7 @@ def _spec_text(spec: ModelSpec, kv_valid: dict[int, int], kv_invalid: dict[int, 
     width = max(len(k) for k, _ in fields) + 2
     lines = [spec.name, *(f"  {(k + ':').ljust(width)}{v}" for k, v in fields)]
     lines.append(f"  weights (checkpoint formats; default {spec.weights_format().name}):")
-    weight_rows = [(w.name, f"{w.total_bytes:,}", fmt_gib(w.total_bytes), w.source)
+    weight_rows = [(w.name, f"{w.total_bytes:,}", f"{w.total_bytes / GIB:,.2f} GiB", w.source)
                    for w in spec.weights]
     weight_table = table(("FORMAT", "BYTES", "SIZE", "SOURCE"), weight_rows)
     lines += ["    " + line for line in weight_table.splitlines()]

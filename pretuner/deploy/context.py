@@ -79,18 +79,14 @@ class Proof:
     devices: int = 1  # on each node: TP x PP / nodes, every one checked
     python: str | None = None  # the engine's own interpreter (its venv); None: python3
 
-    def lines(self) -> list[str]:
+    def line(self) -> str:
         """The fingerprint as the scripts' header says it."""
-        def known(value: int | None) -> str:
-            return "not recorded" if value is None else f"{value:,} MiB"
-
-        return [
-            "proof fingerprint (the startup scripts check it before starting): engine "
-            f"{self.engine} {self.version or '(version not recorded)'} on "
-            f"{stack_words(self.stack)}; device {self.device_name or '(name not recorded)'}, "
-            f"total {known(self.device_total_mib)}, free when the proof started "
-            f"{known(self.free_mib)}",
-        ]
+        total, free = ("not recorded" if mib is None else f"{mib:,} MiB"
+                       for mib in (self.device_total_mib, self.free_mib))
+        return ("proof fingerprint (the startup scripts check it before starting): engine "
+                f"{self.engine} {self.version or '(version not recorded)'} on "
+                f"{stack_words(self.stack)}; device {self.device_name or '(name not recorded)'}, "
+                f"total {total}, free when the proof started {free}")
 
 
 def proof_of(rep: RunReport) -> Proof:
@@ -310,7 +306,7 @@ def build_context(p: Preset, opts: ScriptOptions) -> dict[str, Any]:
         f"preset {p.name}; run {p.run_id or '-'}; rendered by pretuner {__version__} "
         f"for {s.engine}",
         f"re-tune: {retune}, then pretuner script RUN_DIR",
-        *(opts.proof.lines() if opts.proof else []),
+        *([opts.proof.line()] if opts.proof else []),
         *s.notes,
         *secret_notes,
         *s.late_notes,

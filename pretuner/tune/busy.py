@@ -61,38 +61,25 @@ DEVICE_WORDS = {"cuda": ("GPU", "CUDA_VISIBLE_DEVICES", "nvidia-smi"),
                 "ascend": ("NPU", "ASCEND_RT_VISIBLE_DEVICES", "npu-smi info")}
 
 
-def card_busy_error(
-    *,
-    card_gib: int,
-    free_mib: int,
-    source: str,
-    need_mib: int,
-    holders: Sequence[Holder] = (),
-    log_path: str | None = None,
-    why: str | None = None,
-    kind: str = "ascend",
-    total_mib: int | None = None,
-) -> CardBusyError:
+def card_busy_error(*, card_gib: int, free_mib: int, source: str, need_mib: int,
+                    holders: Sequence[Holder] = (), log_path: str | None = None,
+                    why: str | None = None, kind: str = "ascend",
+                    total_mib: int | None = None) -> CardBusyError:
     """The error for a card too busy to measure anything on."""
     device_word, pick_hint, tool = DEVICE_WORDS[kind]
     held = describe_holders(holders, device_word)
     who = f"; held by {held}" if held else ""
     where = f"; log {log_path}" if log_path else ""
     needs = f"the pre-run needs {need_mib:,} MiB"
-    hint = (
-        "stop those processes (an orphaned server of an earlier run?) or pick an idle card "
-        f"({pick_hint}), then run again; nothing was concluded about the model"
-        if held
-        else f"check `{tool}` and `ps -ef | grep python` for another server on the card, "
-        "stop it or pick an idle card, then run again; nothing was concluded about the model"
-    )
+    hint = ("stop those processes (an orphaned server of an earlier run?) or pick an idle card "
+            f"({pick_hint})" if held else f"check `{tool}` and `ps -ef | grep python` for another "
+            "server on the card, stop it or pick an idle card")
     return CardBusyError(
         f"the card is busy: {max(0, free_mib):,} MiB of its "
         f"{total_mib or card_gib * 1024:,} MiB free ({source}), "
         f"an idle {card_gib} GiB card has at least {normal_free_mib(card_gib):,} MiB free and "
         f"{why or needs}{who}{where}",
-        hint=hint,
-    )
+        hint=hint + ", then run again; nothing was concluded about the model")
 
 
 def refuse_busy_devices(engine: Engine, reader: DeviceReader | None, util: float) -> None:

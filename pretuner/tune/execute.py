@@ -5,6 +5,7 @@ launch and replays the finished ones on --resume."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -278,12 +279,11 @@ def _exercise(s: LaunchSettings, ctx: LaunchContext, base: str, phase: Phase) ->
 def recorded_executor(record: RunRecord, ctx: LaunchContext, phase: Phase) -> Executor:
     """Run launches for real, journaling each; on --resume, replay the finished ones."""
     done = [LaunchOutcome.from_json(e["outcome"]) for e in record.of_kind("launch")]
-    counter = {"n": 0}
+    counter = itertools.count(1)
     tenants = Tenants(ctx.device_reader)
 
     def execute(settings: LaunchSettings) -> LaunchOutcome:
-        counter["n"] += 1
-        n = counter["n"]
+        n = next(counter)
         if n <= len(done) and done[n - 1].settings == settings:
             phase("replay", f"launch {n} finished in the earlier session: {done[n - 1].kind.value}")
             return done[n - 1]

@@ -114,12 +114,8 @@ def unfinished_step(n: int, settings: dict[str, Any], log: str | None) -> Step:
     )
 
 
-def given_up(
-    asked_len: int, asked_seqs: int | None, final_len: int,
-    final_seqs: int,
-    *,
-    seqs_from: str = "asked",
-) -> list[str]:
+def given_up(asked_len: int, asked_seqs: int | None, final_len: int, final_seqs: int, *,
+             seqs_from: str = "asked") -> list[str]:
     """One line per cut: "max_model_len 11,264 < 16,384 asked"."""
     cuts = []
     if final_len < asked_len:

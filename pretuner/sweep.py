@@ -114,17 +114,13 @@ def read_sweep(path: Path) -> list[Tuning]:
                 hint="a value is a number, a word, true/false, or a list of them") from None
         switch: dict[str, Scalar | list[Scalar]] = {"emulate": True} if e.emulate else {}
         options = {"model": e.model, "engine": e.engine, **switch, **extra}
-        name = e.name or _default_name(len(tunings) + 1, e)
+        model = "".join(c if c.isalnum() or c in ".-" else "-" for c in Path(e.model).name.lower())
+        name = e.name or f"{len(tunings) + 1:02d}-{model}-{e.engine}"
         if name in {t.name for t in tunings}:
             raise BadInputError(f"{where(path, lines.get('name', line))}: a second tuning "
                                 f"named {name!r}", hint="give each tuning its own `name`")
         tunings.append(Tuning(name, e.model, e.engine, options, line, lines))
     return tunings
-
-
-def _default_name(n: int, e: Entry) -> str:
-    model = "".join(c if c.isalnum() or c in ".-" else "-" for c in Path(e.model).name.lower())
-    return f"{n:02d}-{model}-{e.engine}"
 
 
 def device_of(engine: str) -> str:
@@ -228,22 +224,22 @@ def finished(folder: Path) -> dict[str, Any] | None:
     return result
 
 
-def _record(folder: Path, result: dict[str, Any]) -> dict[str, Any]:
-    write_atomic(folder.parent / f".{folder.name}.result.json", json.dumps(result) + "\n",
-                 overwrite=True)
-    return result
-
-
 Results = dict[str, dict[str, Any]]  # tuning name -> how it ended (filled as they end)
+
+
+def _end(name: str, result: dict[str, Any], sweep_dir: Path, say: Say, results: Results) -> None:
+    """Keep how a tuning ended, for this summary and a later --resume (`finished`)."""
+    write_atomic(sweep_dir / f".{name}.result.json", json.dumps(result) + "\n", overwrite=True)
+    results[name] = result
+    say("finish", name, _finish_words(result))
 
 
 def run_here(plans: Sequence[Planned], sweep_dir: Path, say: Say, results: Results) -> None:
     """One after another on this machine."""
     for p in plans:
         say("start", p.tuning.name, "here")
-        results[p.tuning.name] = _record(sweep_dir / p.tuning.name,
-                                         run_one(p.args, str(sweep_dir / p.tuning.name)))
-        say("finish", p.tuning.name, _finish_words(results[p.tuning.name]))
+        _end(p.tuning.name, run_one(p.args, str(sweep_dir / p.tuning.name)), sweep_dir, say,
+             results)
 
 
 def run_on_ray(address: str, plans: Sequence[Planned], sweep_dir: Path, say: Say,
@@ -255,8 +251,7 @@ def run_on_ray(address: str, plans: Sequence[Planned], sweep_dir: Path, say: Say
     running: dict[Any, Planned] = {}
 
     def end(p: Planned, result: dict[str, Any]) -> None:
-        results[p.tuning.name] = _record(sweep_dir / p.tuning.name, result)
-        say("finish", p.tuning.name, _finish_words(result))
+        _end(p.tuning.name, result, sweep_dir, say, results)
 
     def step(stopping: bool) -> None:
         """Take the next item of every task that has one: its start, or its end."""

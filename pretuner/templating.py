@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
@@ -23,10 +22,6 @@ def shell_quote(value: object) -> str:
     if isinstance(value, SecretArg):
         return (shlex.quote(value.prefix) if value.prefix else "") + f'"${value.var}"'
     return shlex.quote(str(value))
-
-
-def shell_join(values: Iterable[object]) -> str:
-    return " ".join(shell_quote(v) for v in values)
 
 
 def yaml_scalar(value: object) -> str:
@@ -71,10 +66,6 @@ def systemd_argv(argv: list[str | SecretArg]) -> str:
                     for w in words)
 
 
-def systemd_text(value: object) -> str:
-    return one_line(value).replace("%", "%%")
-
-
 @cache
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -84,7 +75,9 @@ def _env() -> jinja2.Environment:
         trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
     )
     env.filters.update(
-        q=shell_quote, qargs=shell_join, yaml=yaml_scalar, sdargv=systemd_argv, sdtext=systemd_text,
+        q=shell_quote, qargs=lambda values: " ".join(shell_quote(v) for v in values),
+        yaml=yaml_scalar, sdargv=systemd_argv,
+        sdtext=lambda value: one_line(value).replace("%", "%%"),  # no systemd specifier
         comment=one_line,  # every value in a `#` line: a newline must not start a live line
     )
     return env

@@ -169,11 +169,10 @@ _OCCUPIED = re.compile(r"Device HBM free size:\s?(\d+) may be other processes oc
 def crash_error(o: LaunchOutcome, what: str) -> ServerFailedError:
     """Requests failed and the log holds no out-of-memory line: the server crashed or answered
     an error, which says nothing about memory, so the run ends here."""
-    how = (
-        f"the server crashed during the {what} ({_exit_words(o.server_exit_code)})"
-        if o.server_exit_code is not None
-        else f"the server answered the {what} with an error"
-    )
+    code = o.server_exit_code
+    how = (f"the server answered the {what} with an error" if code is None else
+           f"the server crashed during the {what} ("
+           + (f"killed by signal {-code}, " if code < 0 else "") + f"exit code {code})")
     tail = read_tail(Path(o.log_path), 15)
     return ServerFailedError(
         f"{how} without an out-of-memory line: {o.request_error or 'no error text'}; "
@@ -182,12 +181,6 @@ def crash_error(o: LaunchOutcome, what: str) -> ServerFailedError:
         + (f"\nlast log lines:\n{tail}" if tail else ""),
         log_path=o.log_path,
     )
-
-
-def _exit_words(code: int | None) -> str:
-    if code is not None and code < 0:
-        return f"killed by signal {-code}, exit code {code}"
-    return f"exit code {code}"
 
 
 def device_busy(log_path: Path) -> DeviceBusyRefusal | None:

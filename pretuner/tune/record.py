@@ -234,10 +234,6 @@ def folder_error(err: OSError, folder: Path) -> OSError | DiskFullError:
     return err
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-").lower() or "model"
-
-
 @dataclass
 class RunRecord:
     """A run folder, created exclusively so that no earlier run is ever overwritten."""
@@ -257,7 +253,8 @@ class RunRecord:
             )
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         card = f"{card_gib}g" if card_gib else "auto"
-        name = f"{_slug(model)}-{card}-{stamp}"
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model).strip("-").lower() or "model"
+        name = f"{slug}-{card}-{stamp}"
         for n in range(1000):
             candidate = base / (name if n == 0 else f"{name}-{n}")
             try:

@@ -97,8 +97,10 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedMethod) -> RunReport:
                 pinned_kv_mib=budget.kv_mib, lines=budget.lines()),
             memory=memory_record(proof, x.cfg.bytes_per_token, provenance(m.simulated))
             if proof else None,
-            images=images_record(x.vision, x.vision.images, proof or _any_launch(r),
-                                 f.max_model_len)
+            # the proof's own encoder budget, else any launch whose log said it
+            images=images_record(x.vision, x.vision.images, proof or next(
+                (o for o in r.outcomes if o.encoder_budget_tokens is not None), None),
+                f.max_model_len)
             if x.vision is not None and x.vision.images is not None else None,
             soak=soak_record(proof, x.vision.soak) if proof and x.vision else None,
             weights=weights, speed=speed, min_tokens_per_s=x.min_tokens_per_s,
@@ -110,11 +112,6 @@ def report_json(r: V1Result, m: RunMeta, x: PinnedMethod) -> RunReport:
         boots=boots_record(r.boot_peaks_mib, total, total)
         if proof is not None and (total := proof.device_total_mib) is not None else None,
     )
-
-
-def _any_launch(r: V1Result) -> LaunchOutcome | None:
-    """A launch whose log said what the engine's encoder budget is (any will do)."""
-    return next((o for o in r.outcomes if o.encoder_budget_tokens is not None), None)
 
 
 def final_launch(outcomes: tuple[LaunchOutcome, ...], final: LaunchSettings

@@ -1,11 +1,12 @@
-"""The method's derivation as lines a person reads (used by `analyze`, `run` and report.md)."""
+"""The r0.1 method's result as text: its derivation as lines a person reads (`analyze`, `run`,
+report.md), and the tuned environment and server flags as a file a shell can `source`."""
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Iterable, Mapping
 
-from pretuner.envfile import server_args
-from pretuner.method import Derivation
+from pretuner.method import Derivation, FinalConfig
 from pretuner.units import GIB, MIB
 
 
@@ -60,3 +61,19 @@ def _headroom(d: Derivation) -> str:
         return f"{i.headroom_gib} GiB"
     return (f"{i.headroom_gib:.3g} GiB + {i.per_seq_bytes / MIB:.1f} MiB per running sequence "
             f"beyond the first = {d.headroom_total_gib:.2f} GiB")
+
+
+def server_args(flags: Mapping[str, int | float | str]) -> list[str]:
+    """`--max-model-len 16384 ...` from the flag dict (underscores become dashes)."""
+    args: list[str] = []
+    for key, value in flags.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def env_file_text(final: FinalConfig, header: Iterable[str]) -> str:
+    """`KEY=value` lines for the two env vars plus PRETUNER_SERVER_ARGS, with a comment header."""
+    lines = [f"# {line}" for line in header]
+    lines += [f"{key}={shlex.quote(value)}" for key, value in final.env.items()]
+    lines.append(f"PRETUNER_SERVER_ARGS={shlex.quote(shlex.join(server_args(final.flags)))}")
+    return "\n".join(lines) + "\n"

@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pretuner.analyze import AnalyzeConfig, pick
-from pretuner.derivation_text import derivation_lines
-from pretuner.envfile import env_file_text
+from pretuner.derivation_text import derivation_lines, env_file_text
 from pretuner.errors import BadInputError, InfeasibleError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.logscan import RankSummary, ScanResult

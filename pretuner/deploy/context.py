@@ -14,6 +14,7 @@ from typing import Any
 
 from pretuner import __version__
 from pretuner.cluster.env import node_exports
+from pretuner.derivation_text import server_args
 from pretuner.engines.base import KV_FLAG, Engine, LaunchSettings, Purpose
 from pretuner.engines.mindspore_r01 import BACKEND_VARS, MEMORY_VARS, R01, R01Engine
 from pretuner.engines.registry import STACK_PROBE
@@ -28,7 +29,6 @@ from pretuner.engines.vllm_v1 import (
     V1Engine,
     V1Row,
 )
-from pretuner.envfile import server_args
 from pretuner.errors import BadInputError
 from pretuner.presets.model import (
     KvBasis,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pretuner.envfile import server_args
+from pretuner.derivation_text import server_args
 from pretuner.kvmath import kv_bytes_per_token
 from pretuner.models import resolve
 

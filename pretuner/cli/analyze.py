@@ -12,7 +12,7 @@ import pretuner.cli.options as o
 from pretuner import validate as v
 from pretuner.cli.app import app
 from pretuner.cli.render import emit, warn
-from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, kv_dtype, tokens_option
+from pretuner.cli.vocab import PP_FLAGS, TP_FLAGS, UTIL_FLAGS, KvDtype, human_int, kv_dtype
 from pretuner.files import write_atomic
 from pretuner.method import DEFAULT_HEADROOM_GIB
 
@@ -63,9 +63,10 @@ def analyze_cmd(
         None, "--model-use-gb", metavar="GIB",
         help="r0.1 logs: vLLM_MODEL_MEMORY_USE_GB of the pre-run (not given: 50, said as assumed).",
     ),
-    max_model_len: int | None = tokens_option(
-        "--max-model-len", "r0.1 logs: the pre-run's max_model_len (not given: 16384, said as "
-        "assumed; V1: read from the log)."),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", metavar="TOKENS", parser=human_int,
+        help="r0.1 logs: the pre-run's max_model_len (not given: 16384, said as assumed; V1: "
+        "read from the log)."),
     tp: int | None = typer.Option(
         None, *TP_FLAGS, metavar="N",
         help="Tensor parallel size (default: ranks found; V1: the log's).",

@@ -85,11 +85,6 @@ def human_minutes(value: str | float) -> float:
     return float(hours or 0) * 60 + float(minutes or 0)
 
 
-def tokens_option(flag: str, text: str) -> Any:
-    """An optional token count, written as vLLM reads one (`human_int`); `text` is its help."""
-    return typer.Option(None, flag, metavar="TOKENS", parser=human_int, help=text)
-
-
 def kv_dtype(value: KvDtype | str) -> str:
     """pretuner's name for a KV dtype given in vLLM's or pretuner's spelling."""
     text = value.value if isinstance(value, KvDtype) else value

@@ -3,13 +3,18 @@ figures from pretuner's own math with r0.1's budget card*util - model-use (pure)
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from pretuner.errors import BadInputError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.models import local_model_path, resolve
-from pretuner.presets.model import KvBasis, Preset, PresetKind, model_use_budget_bytes
+from pretuner.presets.model import (
+    KvBasis,
+    Preset,
+    PresetKind,
+    model_use_budget_bytes,
+    preset_name,
+)
 from pretuner.units import GIB
 
 
@@ -95,7 +100,7 @@ def preset_from_values(v: GivenValues) -> Preset:
     model_path = local_model_path(v.model) or spec.hf_id  # a folder by its absolute path
     name = f"{spec.name}-tp{v.tp}-{v.card_gib}g-given"
     return Preset(
-        name=re.sub(r"[^a-z0-9.-]+", "-", name.lower()).strip("-"), kind=PresetKind.GIVEN,
+        name=preset_name(name), kind=PresetKind.GIVEN,
         model=spec.name, model_path=model_path, card_gib=v.card_gib, tp=v.tp, pp=v.pp,
         nodes=v.nodes, cards_per_node=cards // v.nodes, weights_format=fmt,
         kv_cache_dtype=v.kv_cache_dtype, engine="vllm-mindspore", engine_version="0.1",

@@ -324,6 +324,11 @@ def numeric_flags(argv: list[str]) -> dict[str, int | float]:
             if type(value) in (int, float) and not key.endswith("parallel-size")}
 
 
+def preset_name(text: str) -> str:
+    """A preset's name as every preset writes it: lower case, runs of other characters a dash."""
+    return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-")
+
+
 def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) -> Preset:
     """A run record as a preset (measured, or simulated on the emulated card): what every run
     records, and the method's own figures (`_r01_fields`, `_pinned_fields`)."""
@@ -338,7 +343,7 @@ def preset_from_report(rep: RunReport, *, name: str | None = None, date: str) ->
         notes.append("figures simulated on the emulated card; the server command is the "
                      f"real {rep.engine}'s with the run's flags")
     return Preset(
-        name=name or re.sub(r"[^a-z0-9.-]+", "-", default.lower()).strip("-"),
+        name=name or preset_name(default),
         kind=kind, model=rep.model, card_gib=rep.card_gib, tp=rep.tp, pp=rep.pp,
         nodes=rep.nodes, weights_format=rep.weights_format, kv_cache_dtype=rep.kv_cache_dtype,
         env=dict(rep.final.env), kv_bytes_per_token=rep.kv_bytes_per_token,

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from pretuner.tune.report import RunMeta
 
 C = TypeVar("C")
+# Both methods tighten a validated configuration only when that buys this share more KV.
+TIGHTEN_MIN_GAIN = 0.02
 OnDecision = Callable[[dict[str, Any]], object] | None
 log = logging.getLogger(__name__)
 

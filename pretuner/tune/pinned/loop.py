@@ -29,12 +29,11 @@ from pretuner.pinned import (
     tighten_margin_mib,
 )
 from pretuner.tune.pinned.soak import soak_figures
-from pretuner.tune.setup import Method, OnDecision
+from pretuner.tune.setup import TIGHTEN_MIN_GAIN, Method, OnDecision
 from pretuner.units import GIB, MIB
 
 # A shared card may leave little: the field note served a 70B model from 7 GB of a 32 GB card.
 MIN_PRERUN_UTIL = 0.05
-TIGHTEN_MIN_GAIN = 0.02  # tighten a validated KV when the unused peak room is 2 % of it
 MAX_PRERUNS = 3
 # How far the engine's own KV figure may be from the pinned bytes and still be the same pool:
 # vLLM prints it rounded to 2 decimals of a GiB on a GPU (`reserved 59.0 GiB`) and to 1 on the

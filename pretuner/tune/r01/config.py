@@ -22,7 +22,6 @@ UTIL_LADDER = (0.87, 0.85, 0.8)  # seed 003: lower util when the device refuses
 VLLM_V0_WATERMARK = 0.01  # vLLM 0.6's block manager keeps 1 % of the KV blocks free
 DEFAULT_CHUNK_TOKENS = 2048  # vLLM 0.6.6's budget when chunked prefill is on
 CHUNK_GRID = 1024  # a larger chunk budget is a multiple of this
-TIGHTEN_MIN_GAIN = 0.02  # a validated config is tightened when that buys 2 % more KV
 # A tightened configuration keeps the boot-noise floor (`pretuner.noise`) above what the
 # validation measured under full load, plus this share of the activations.
 TIGHTEN_MARGIN_SHARE = 0.001

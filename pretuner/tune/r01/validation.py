@@ -16,13 +16,9 @@ from pretuner.errors import (
 from pretuner.method import Derivation
 from pretuner.tune.busy import crash_error
 from pretuner.tune.r01 import budget as bud
-from pretuner.tune.r01.config import (
-    LEARN_MARGIN,
-    TIGHTEN_MIN_GAIN,
-    UTIL_LADDER,
-    TuneResult,
-)
+from pretuner.tune.r01.config import LEARN_MARGIN, UTIL_LADDER, TuneResult
 from pretuner.tune.r01.core import TunerCore
+from pretuner.tune.setup import TIGHTEN_MIN_GAIN
 from pretuner.units import GIB, MIB
 
 

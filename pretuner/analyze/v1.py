@@ -19,6 +19,7 @@ from typing import Any
 from pretuner.analyze import AnalyzeConfig, pick
 from pretuner.devices.nvidia import parse_nvidia_smi_csv, parse_nvml_series, series_peaks
 from pretuner.devices.series import parse_memory_tsv
+from pretuner.engines.base import KV_FLAG
 from pretuner.errors import BadInputError, NothingFoundError
 from pretuner.kvmath import kv_bytes_per_token, kv_tokens
 from pretuner.logscan.v1 import V1Log
@@ -150,7 +151,7 @@ class Suggestion:
 
     @property
     def flag(self) -> str:
-        return f"--kv-cache-memory-bytes {self.kv_bytes}"
+        return f"{KV_FLAG} {self.kv_bytes}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +182,7 @@ class V1Analysis:
     def _rows(self) -> list[tuple[str, str]]:
         """What the log shows: (label, value) for each figure it says."""
         log, mode, alloc = self.log, self.kv_mode, self.log.oom_alloc_bytes
-        how = {"pinned": f" (--kv-cache-memory-bytes {self.kv_in_log_bytes})",
+        how = {"pinned": f" ({KV_FLAG} {self.kv_in_log_bytes})",
                "profiled": " (what profiling left under --gpu-memory-utilization)"}
         at = f" at max_model_len {log.max_model_len:,}" if log.max_model_len else ""
         size = "size not printed" if alloc is None else f"{alloc / MIB:,.1f} MiB"

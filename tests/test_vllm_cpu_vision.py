@@ -107,7 +107,11 @@ def test_pretuner_run_tunes_a_vision_model_on_the_real_server(tmp_path: Path) ->
     parts = (mem["non_kv_peak_mib"] + mem["soak_growth_mib"] + mem["held_back_mib"]
              + mem["pinned_kv_mib"] + mem["free_mib"])
     assert parts == pytest.approx(BUDGET_MIB, abs=0.11)
-    assert mem["free_mib"] >= 0
+    # What the proof's peak left covers the memory held back for the soak's growth, or the run
+    # says it does not: with --max-launches 2 there is no launch left to lower the KV (seen in
+    # CI on a loaded machine, where the soak grew more: 9 MiB short), and the proven stands.
+    short = [d for d in rep["decisions"] if d["decision"] == "headroom short"]
+    assert (mem["free_mib"] >= 0) or short, rep["decisions"]
     final = rep["derivation"]["kv_cache_memory_bytes"]
     assert 0 < final < BUDGET_MIB * 2**20
     serve = (out / "serve.sh").read_text()

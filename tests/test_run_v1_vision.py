@@ -186,6 +186,15 @@ def test_the_r01_method_refuses_image_flags() -> None:
     assert "--soak: the r0.1 method sends no images" in proc.stderr
 
 
+@pytest.mark.parametrize("engine", ["vllm-mindspore-r01", "vllm"])
+def test_soak_0_is_no_soak_on_every_engine(engine: str) -> None:
+    # `--soak 0` means none (--help): a text model takes it on either method, as a sweep that
+    # sets it for every tuning needs.
+    proc = invoke("run", "--model", "qwen3-8b", "--engine", engine, "--emulate", "--card", "64",
+                  "--soak", "0", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_dry_run_says_what_the_images_will_be() -> None:
     proc = invoke("run", "--model", "qwen3-vl-8b", "--engine", "vllm", "--emulate", "--card", "64",
                   "--tp", "2", "--max-model-len", "65536", "--dry-run")

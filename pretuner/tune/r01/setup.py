@@ -131,7 +131,8 @@ def check_r01_flags(opts: RunOptions) -> None:
                             "whole command with --serve-cmd")
     image_flags = [flag for flag, value in (
         ("--limit-mm-per-prompt", opts.limit_mm_per_prompt),
-        ("--mm-processor-cache-gb", opts.mm_processor_cache_gb), ("--soak", opts.soak),
+        ("--mm-processor-cache-gb", opts.mm_processor_cache_gb),
+        ("--soak", opts.soak or None),  # `--soak 0` is no soak: what r0.1 does anyway
         ("--soak-minutes", opts.soak_minutes)) if value is not None]
     if image_flags:
         raise BadInputError(f"{', '.join(image_flags)}: the r0.1 method sends no images "

@@ -263,3 +263,20 @@ def test_validation_concurrency_is_what_the_kv_holds_capped_by_max_num_seqs() ->
 
 def scripted_settings() -> LaunchSettings:
     return V1Tuner(_cfg(), scripted_card(), lambda p, d: None).settings(Purpose.VALIDATE, 0.9, None)
+
+
+# Rule: a crash without an OOM line says how the server ended: its exit code, and the signal
+# that killed it where one did; a server still alive answered an error.
+@pytest.mark.parametrize(("code", "says"), [
+    (None, "the server answered the probe with an error without an out-of-memory line"),
+    (7, "the server crashed during the probe (exit code 7) without"),
+    (-9, "the server crashed during the probe (killed by signal 9, exit code -9) without"),
+])
+def test_a_crash_says_how_the_server_ended(code: int | None, says: str, tmp_path: Any) -> None:
+    from pretuner.tune.busy import crash_error
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO starting\n")
+    o = replace(_outcome(scripted_settings(), OutcomeKind.REQUESTS_FAILED), server_exit_code=code,
+                log_path=str(log))
+    assert says in str(crash_error(o, "probe"))

@@ -170,9 +170,9 @@ def crash_error(o: LaunchOutcome, what: str) -> ServerFailedError:
     """Requests failed and the log holds no out-of-memory line: the server crashed or answered
     an error, which says nothing about memory, so the run ends here."""
     code = o.server_exit_code
-    how = (f"the server answered the {what} with an error" if code is None else
-           f"the server crashed during the {what} ("
-           + (f"killed by signal {-code}, " if code < 0 else "") + f"exit code {code})")
+    killed = f"killed by signal {-code}, " if code is not None and code < 0 else ""
+    how = (f"the server answered the {what} with an error" if code is None
+           else f"the server crashed during the {what} ({killed}exit code {code})")
     tail = read_tail(Path(o.log_path), 15)
     return ServerFailedError(
         f"{how} without an out-of-memory line: {o.request_error or 'no error text'}; "
